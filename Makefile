@@ -1,0 +1,20 @@
+# The two commands of the README: `make up` starts the system, `make test` runs the tests.
+VENV ?= .venv
+
+.PHONY: install up test lint bench
+
+$(VENV)/.installed: pyproject.toml setup.py
+	scripts/install.sh
+
+install: $(VENV)/.installed
+
+up: $(VENV)/.installed
+	$(VENV)/bin/openbook up
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

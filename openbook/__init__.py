@@ -1,0 +1,1 @@
+"""openbook: Retrieval-Augmented Generation served as microservices."""

@@ -1,0 +1,3 @@
+from openbook.cli import main
+
+main()

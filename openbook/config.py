@@ -1,0 +1,74 @@
+"""Settings shared by every service, read from ``OPENBOOK_*`` environment variables.
+
+``docker-compose.yml`` is the single place that sets them for a deployment; ``openbook up``
+reads the same file, so the variables below are the whole configuration surface.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="OPENBOOK_", extra="ignore")
+
+    # --- gateway
+    gateway_host: str = "0.0.0.0"
+    gateway_port: int = 8000
+    admin_token: SecretStr | None = None
+    retriever_addr: str = "127.0.0.1:50051"
+    generator_addr: str = "127.0.0.1:50052"
+    retrieve_timeout_s: float = Field(10.0, gt=0)
+    generate_timeout_s: float = Field(120.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    max_body_bytes: int = Field(64 * 1024, gt=0)  # larger request bodies get 413
+    cache_ttl_s: int = Field(24 * 3600, gt=0)
+
+    # --- shared state
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_s: float = Field(0.5, gt=0)
+
+    # --- retriever
+    retriever_host: str = "0.0.0.0"
+    retriever_port: int = 50051
+    index_root: Path = Path("var/indexes")
+    default_index: str = ""
+    query_encoder: str = ""
+    max_loaded_indexes: int = Field(4, ge=1)
+    retriever_metrics_port: int = Field(9101, ge=0)  # 0: no metrics endpoint
+    # Concurrent Retrieve calls share one encoder forward pass and one search.
+    retriever_max_batch_size: int = Field(32, ge=1)
+    retriever_max_batch_wait_ms: float = Field(2.0, ge=0)
+    retriever_max_queue: int = Field(256, ge=1)
+
+    # --- generator
+    generator_host: str = "0.0.0.0"
+    generator_port: int = 50052
+    generator_model: Path = Path("var/models/gemma-3-270m")
+    device: str = ""
+    dtype: str = ""
+    max_batch_size: int = Field(8, ge=1)
+    max_batch_wait_ms: float = Field(5.0, ge=0)
+    max_queue: int = Field(64, ge=1)
+    generator_metrics_port: int = Field(9102, ge=0)  # 0: no metrics endpoint
+
+    # --- trained checkpoints (written by the trainer, loaded by retriever and generator)
+    checkpoint_dir: Path = Path("var/checkpoints")
+    load_latest_checkpoint: bool = True
+
+    # --- all services
+    grpc_workers: int = Field(16, ge=1)
+    # RPCs a service accepts at once (running + waiting for a worker); beyond: RESOURCE_EXHAUSTED
+    # (the gateway's 429), so a backlog can never grow without bound. 0: no limit.
+    grpc_max_concurrent_rpcs: int = Field(256, ge=0)
+    access_log: bool = True  # one structured log line per request / RPC, with its request id
+    log_level: str = "INFO"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

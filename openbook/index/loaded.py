@@ -1,0 +1,264 @@
+"""open_index / LoadedIndex: a verified, read-only index ready to search."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from openbook.index import faiss_index
+from openbook.index.bm25 import BM25_DIR, BM25Searcher
+from openbook.index.build import INDEX_TYPES, PASSAGES_FILE, VECTORS_FILE
+from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.manifest import (
+    MANIFEST,
+    IndexLoadError,
+    Manifest,
+    combined_checksum,
+    sha256_file,
+)
+from openbook.index.store import PassageStore
+from openbook.types import Passage
+
+
+def open_index(path: Path, verify: bool = True) -> LoadedIndex:
+    """Open an index directory written by ``build_index``.
+
+    Always checks that the manifest is readable, every listed file exists with its recorded
+    size, and that dim/count agree across the manifest, faiss index, vectors and passage
+    store. ``verify=True`` additionally re-hashes every file (minutes for a Wikipedia-sized
+    index; a serving process that trusts its disk may pass ``verify=False``).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise IndexLoadError(f"{path}: index directory not found")
+    manifest = Manifest.from_file(path / MANIFEST)
+    label = f"index {manifest.name!r}"
+    if manifest.index_type not in INDEX_TYPES:
+        raise IndexLoadError(f"{label}: unknown index_type {manifest.index_type!r}")
+    for rel, size in manifest.sizes.items():
+        f = path / rel
+        if not f.is_file():
+            raise IndexLoadError(f"{label}: {rel} missing")
+        if f.stat().st_size != size:
+            raise IndexLoadError(
+                f"{label}: {rel} size {f.stat().st_size} != {size} recorded in manifest"
+            )
+    if combined_checksum(manifest.files) != manifest.checksum:
+        raise IndexLoadError(f"{label}: manifest checksum does not match its file list")
+    if verify:
+        for rel, digest in manifest.files.items():
+            if sha256_file(path / rel) != digest:
+                raise IndexLoadError(f"{label}: {rel} checksum mismatch")
+    return LoadedIndex(path, manifest)
+
+
+class LoadedIndex:
+    """Search and vector access over one index; thread-safe for concurrent searches."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self.path = Path(path)
+        self.manifest = manifest
+        self.name = manifest.name
+        label = f"index {manifest.name!r}"
+        if PASSAGES_FILE not in manifest.files:
+            raise IndexLoadError(f"{label}: {PASSAGES_FILE} missing")
+        self._store = PassageStore(self.path / PASSAGES_FILE)
+        self._encoder: Encoder | None = None
+        self._encoder_lock = threading.Lock()
+        self._faiss = None
+        self._bm25: BM25Searcher | None = None
+        self._vectors: np.ndarray | None = None
+        try:
+            n_store = len(self._store)
+            if n_store != manifest.count:
+                raise IndexLoadError(f"{label}: count {manifest.count} != {n_store} passages")
+            if manifest.dense:
+                self._open_dense(label)
+            else:
+                self._bm25 = BM25Searcher(self.path / BM25_DIR)
+                if self._bm25.count != manifest.count:
+                    raise IndexLoadError(
+                        f"{label}: count {manifest.count} != bm25 index count {self._bm25.count}"
+                    )
+        except Exception:
+            self.close()
+            raise
+
+    def _open_dense(self, label: str) -> None:
+        m = self.manifest
+        for rel in (faiss_index.INDEX_FILE, VECTORS_FILE):
+            if rel not in m.files:
+                raise IndexLoadError(f"{label}: {rel} missing")
+        try:
+            self._faiss = faiss_index.read(self.path / faiss_index.INDEX_FILE)
+        except RuntimeError as e:
+            raise IndexLoadError(f"{label}: cannot read {faiss_index.INDEX_FILE}: {e}") from None
+        d = faiss_index.index_dim(self._faiss, m.index_type, m.index_params)
+        if d != m.dim:
+            raise IndexLoadError(f"{label}: dim {m.dim} != index dim {d}")
+        if self._faiss.ntotal != m.count:
+            raise IndexLoadError(f"{label}: count {m.count} != index count {self._faiss.ntotal}")
+        faiss_index.configure(self._faiss, m.index_type, m.index_params)
+        self._vectors = np.load(self.path / VECTORS_FILE, mmap_mode="r")
+        if self._vectors.shape != (m.count, m.dim):
+            raise IndexLoadError(
+                f"{label}: {VECTORS_FILE} shape {self._vectors.shape} != ({m.count}, {m.dim})"
+            )
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        part = f", shard={m.shard['index']}/{m.shard['count']}" if m.shard else ""
+        return f"LoadedIndex({m.name!r}, {m.index_type}, count={m.count}, dim={m.dim}{part})"
+
+    def __len__(self) -> int:
+        return self.manifest.count
+
+    def __enter__(self) -> LoadedIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def dense(self) -> bool:
+        return self.manifest.dense
+
+    def set_search_params(
+        self,
+        *,
+        ef_search: int | None = None,
+        nprobe: int | None = None,
+        rerank: int | None = None,
+    ) -> None:
+        """Trade recall for latency at run time (HNSW efSearch, IVF nprobe, exact re-ranking
+        of ``k * rerank`` candidates; 0 or 1 disables it). Not written back to disk."""
+        params = self.manifest.index_params
+        if ef_search is not None:
+            params["ef_search"] = ef_search
+        if nprobe is not None:
+            params["nprobe"] = nprobe
+        if rerank is not None:
+            if rerank < 0:
+                raise ValueError(f"rerank must be >= 0, got {rerank}")
+            params["rerank"] = rerank
+        if self._faiss is not None:
+            faiss_index.configure(self._faiss, self.manifest.index_type, params)
+
+    @property
+    def query_encoder(self) -> Encoder:
+        """The manifest's query encoder, loaded once (and shared via the encoder cache)."""
+        if not self.dense:
+            raise ValueError(f"index {self.name!r} is bm25 and has no query encoder")
+        with self._encoder_lock:
+            if self._encoder is None:
+                name = self.manifest.query_encoder or self.manifest.encoder
+                assert name is not None
+                try:
+                    enc = load_encoder(name, role="query")
+                except ValueError as e:
+                    raise IndexLoadError(f"index {self.name!r}: {e}") from None
+                self.check_encoder(enc)
+                self._encoder = enc
+            return self._encoder
+
+    def check_encoder(self, encoder: Encoder) -> None:
+        if encoder.dim != self.manifest.dim:
+            raise IndexLoadError(
+                f"index {self.name!r}: query encoder {encoder.name!r} dim {encoder.dim} "
+                f"!= index dim {self.manifest.dim}"
+            )
+
+    def search(
+        self,
+        queries: Sequence[str],
+        k: int,
+        encoder: Encoder | None = None,
+        return_vectors: bool = False,
+    ) -> list[list[Passage]]:
+        """Top-k passages per query, best first, with ``.score`` (inner product or BM25)."""
+        if isinstance(queries, str):
+            raise TypeError("queries must be a list of strings, not a string")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if not queries:
+            return []
+        if not self.dense:
+            if encoder is not None:
+                raise ValueError(f"index {self.name!r} is bm25; it takes no encoder")
+            if return_vectors:
+                raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+            assert self._bm25 is not None
+            scores, rows = self._bm25.search(list(queries), k)
+            return self._results(scores, rows, return_vectors=False)
+        if encoder is None:
+            encoder = self.query_encoder
+        else:
+            self.check_encoder(encoder)
+        return self.search_vectors(encoder.encode(list(queries)), k, return_vectors)
+
+    def search_vectors(
+        self, query_vectors: np.ndarray, k: int, return_vectors: bool = False
+    ) -> list[list[Passage]]:
+        if not self.dense:
+            raise ValueError(f"index {self.name!r} is bm25; search it by text")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        q = np.asarray(query_vectors, dtype=np.float32)
+        if q.ndim == 1:
+            q = q[None, :]
+        if q.ndim != 2 or q.shape[1] != self.manifest.dim:
+            raise ValueError(
+                f"index {self.name!r}: query vectors of shape {q.shape}, "
+                f"expected (n, {self.manifest.dim})"
+            )
+        if len(q) == 0:
+            return []
+        m = self.manifest
+        factor = int(m.index_params.get("rerank", 0) or 0)
+        if factor > 1 and m.index_type != "flat":
+            _, cand = faiss_index.search(self._faiss, m.index_type, m.index_params, q, k * factor)
+            scores, rows = faiss_index.rerank_exact(q, cand, self._vectors, k)
+        else:
+            scores, rows = faiss_index.search(self._faiss, m.index_type, m.index_params, q, k)
+        return self._results(scores, rows, return_vectors)
+
+    def _results(
+        self, scores: np.ndarray, rows: np.ndarray, return_vectors: bool
+    ) -> list[list[Passage]]:
+        flat = sorted({int(r) for r in rows.ravel() if r >= 0})
+        by_row = dict(zip(flat, self._store.get(flat), strict=True))
+        vecs = dict(zip(flat, self.get_vectors(flat), strict=True)) if return_vectors else {}
+        out = []
+        for srow, rrow in zip(scores, rows, strict=True):
+            hits = []
+            for s, r in zip(srow, rrow, strict=True):
+                if r < 0:
+                    continue
+                p = by_row[int(r)]
+                hits.append(Passage(p.id, p.title, p.text, score=float(s), vector=vecs.get(int(r))))
+            out.append(hits)
+        return out
+
+    def get_vectors(self, row_ids: Sequence[int] | Sequence[str] | np.ndarray) -> np.ndarray:
+        """Stored document vectors, float32 ``(len(row_ids), dim)``; rows or passage ids."""
+        if self._vectors is None:
+            raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+        ids = list(row_ids)
+        if ids and isinstance(ids[0], str):
+            ids = self._store.rows_for_ids(ids)  # type: ignore[arg-type]
+        rows = np.asarray(ids, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.manifest.count):
+            raise IndexError(f"row ids out of range [0, {self.manifest.count})")
+        return np.array(self._vectors[rows], dtype=np.float32)
+
+    def get_passages(self, row_ids: Sequence[int]) -> list[Passage]:
+        return self._store.get(row_ids)
+
+    def close(self) -> None:
+        self._store.close()
+        self._faiss = None
+        self._bm25 = None
+        self._vectors = None

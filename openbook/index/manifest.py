@@ -1,0 +1,125 @@
+"""manifest.json: what an index is, how it was built, and checksums of every file in it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class IndexLoadError(ValueError):
+    """An index directory is missing, incomplete, corrupted or inconsistent."""
+
+
+@dataclass
+class Manifest:
+    name: str
+    encoder: str | None  # None for bm25
+    query_encoder: str | None
+    dim: int  # 0 for bm25
+    count: int
+    index_type: str
+    index_params: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    sizes: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
+    checksum: str = ""  # sha256 over the sorted (path, sha256) pairs
+    normalize: bool = False
+    build_seconds: float = 0.0
+    created_at: str = ""
+    input_format: str = "auto"
+    max_words: int = 100
+    format_version: int = FORMAT_VERSION
+    # Set on shards written by ``split_index``; absent (None) for an unsharded index:
+    # {"index": i, "count": n_shards, "row_offset": first parent row, "parent_count": rows in
+    #  the parent, "parent_checksum": the parent manifest's checksum}.
+    shard: dict[str, Any] | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.index_type != "bm25"
+
+    def to_file(self, path: Path) -> None:
+        data = dataclasses.asdict(self)
+        if data["shard"] is None:
+            del data["shard"]  # unsharded manifests stay as they were before sharding existed
+        tmp = Path(path).with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_file(cls, path: Path) -> Manifest:
+        path = Path(path)
+        if not path.is_file():
+            raise IndexLoadError(f"{path.parent}: {MANIFEST} missing")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise IndexLoadError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise IndexLoadError(f"{path}: expected a JSON object")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise IndexLoadError(
+                f"{path}: format_version {version!r} not supported (expected {FORMAT_VERSION})"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing = sorted(required - data.keys())
+        if missing:
+            raise IndexLoadError(f"{path}: missing field(s) {', '.join(missing)}")
+        _check_shard(path, data.get("shard"), data["count"])
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+_SHARD_INTS = ("index", "count", "row_offset", "parent_count")
+
+
+def _check_shard(path: Path, shard: Any, count: Any) -> None:
+    if shard is None:
+        return
+    ok = (
+        isinstance(shard, dict)
+        and all(type(shard.get(k)) is int for k in _SHARD_INTS)
+        and isinstance(shard.get("parent_checksum"), str)
+        and 0 <= shard["index"] < shard["count"]
+        and type(count) is int
+        and 0 <= shard["row_offset"] <= shard["row_offset"] + count <= shard["parent_count"]
+    )
+    if not ok:
+        raise IndexLoadError(f"{path}: invalid shard field {shard!r}")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def combined_checksum(files: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(f"{rel}\0{files[rel]}\n".encode())
+    return h.hexdigest()
+
+
+def checksum_dir(root: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """sha256 and size of every file under ``root`` except the manifest itself."""
+    files, sizes = {}, {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            rel = p.relative_to(root).as_posix()
+            files[rel] = sha256_file(p)
+            sizes[rel] = p.stat().st_size
+    return files, sizes

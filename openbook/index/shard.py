@@ -1,0 +1,204 @@
+"""Split an index into shards served by separate retrievers, and merge their results.
+
+``split_index`` cuts an index into ``n`` contiguous row ranges; shard ``i`` is a complete index
+directory (its own passages, vectors slice, index, manifest and checksums) at
+``out_root/shard-<i>/<dir name of the source>``, so retriever ``i`` runs with
+``OPENBOOK_INDEX_ROOT=out_root/shard-<i>`` and serves it under the same name as before. A query
+fans out to every shard and ``merge_results`` keeps the top-k by score.
+
+Exactness of merged results vs. the unsharded index, per type:
+
+* ``flat``: identical passages and scores (up to float rounding).
+* ``ivfpq`` / ``hnsw-sq8``: shards reuse the parent's trained quantizer, so each vector has
+  the score it has in the parent; ivfpq shards probe the same lists as the parent, so merged
+  results equal the parent's (with ``rerank``, every shard re-ranks ``k * rerank`` candidates
+  of its own: at least as good). HNSW graphs are rebuilt per shard, so hnsw / hnsw-sq8 results
+  are as approximate as any HNSW search (merged recall is usually a bit higher: every shard
+  is searched with the full efSearch).
+* ``bm25``: each shard is re-indexed over its own passages, so IDF and average length are
+  per shard and scores differ somewhat from the unsharded index's (as in any sharded Lucene
+  setup). Merged rankings are close, not identical.
+
+faiss, bm25s and torch are only imported by ``split_index``: the gateway imports this module
+for ``merge_results`` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from openbook.index.manifest import MANIFEST, Manifest, checksum_dir, combined_checksum
+from openbook.types import Passage
+
+_TRAINED_TYPES = ("hnsw-sq8", "ivfpq")  # types whose quantizer the shards inherit
+
+
+def merge_results(per_shard: Sequence[Sequence[list[Passage]]], k: int) -> list[list[Passage]]:
+    """Merge ``per_shard[s][q]`` (each shard's hits for query q, best first) into the top-k.
+
+    Sorted by score, descending; ties keep shard order, then rank within the shard (a stable
+    sort over the hits concatenated in that order). A passage id seen twice keeps its best hit
+    only, so a shard listed twice by mistake cannot duplicate results.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not per_shard:
+        return []
+    n_queries = len(per_shard[0])
+    if any(len(r) != n_queries for r in per_shard):
+        counts = [len(r) for r in per_shard]
+        raise ValueError(f"shards answered different numbers of queries: {counts}")
+    merged = []
+    for q in range(n_queries):
+        hits = sorted((p for shard in per_shard for p in shard[q]), key=lambda p: -p.score)
+        seen: set[str] = set()
+        top: list[Passage] = []
+        for p in hits:
+            if p.id not in seen:
+                seen.add(p.id)
+                top.append(p)
+                if len(top) == k:
+                    break
+        merged.append(top)
+    return merged
+
+
+def shard_spans(count: int, n_shards: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` row ranges whose sizes differ by at most one."""
+    return [(i * count // n_shards, (i + 1) * count // n_shards) for i in range(n_shards)]
+
+
+def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True) -> list[Path]:
+    """Split the index at ``src`` into ``n_shards`` shard indexes; returns their directories.
+
+    The source is verified first (every checksum). All shards are written under
+    ``.<out_root name>.partial`` and renamed to ``out_root`` together, so ``out_root`` never
+    holds a partial set. Passage ids are the parent's; rows are renumbered from 0 per shard
+    (``manifest.shard["row_offset"]`` maps them back).
+    """
+    from openbook.index.loaded import open_index
+
+    src, out_root = Path(src), Path(out_root)
+    if n_shards < 2:
+        raise ValueError(f"need at least 2 shards, got {n_shards}")
+    if out_root.exists():
+        raise ValueError(f"{out_root} already exists")
+    with open_index(src, verify=True) as parent:
+        m = parent.manifest
+    if out_root.resolve().is_relative_to(src.resolve()):
+        raise ValueError(f"{out_root} is inside the source index {src}")
+    if m.shard is not None:
+        raise ValueError(f"{src} is already shard {m.shard['index']} of {m.shard['count']}")
+    if n_shards > m.count:
+        raise ValueError(f"cannot split {m.count} passages into {n_shards} shards")
+
+    name = src.resolve().name  # retrievers serve an index under its directory name
+    work = out_root.parent / f".{out_root.name}.partial"
+    if work.exists():
+        shutil.rmtree(work)  # left by an interrupted split: shards are cheap to redo
+    work.mkdir(parents=True)
+    try:
+        template = _trained_template(src, m)
+        for i, (start, stop) in enumerate(shard_spans(m.count, n_shards)):
+            shard = {
+                "index": i,
+                "count": n_shards,
+                "row_offset": start,
+                "parent_count": m.count,
+                "parent_checksum": m.checksum,
+            }
+            _write_shard(src, m, work / f"shard-{i}" / name, start, stop, shard, template, progress)
+        if out_root.exists():  # appeared while we worked; rename would merge into an empty dir
+            raise ValueError(f"{out_root} already exists")
+        work.rename(out_root)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return [out_root / f"shard-{i}" / name for i in range(n_shards)]
+
+
+def _trained_template(src: Path, m: Manifest):
+    """The parent's index emptied of vectors (keeping its training), for compressed types."""
+    if m.index_type not in _TRAINED_TYPES:
+        return None
+    from openbook.index import faiss_index
+
+    index = faiss_index.read(src / faiss_index.INDEX_FILE)
+    index.reset()
+    return index
+
+
+def _write_shard(
+    src: Path,
+    m: Manifest,
+    out: Path,
+    start: int,
+    stop: int,
+    shard: dict,
+    template,
+    progress: bool,
+) -> None:
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from openbook.index import faiss_index
+    from openbook.index.bm25 import BM25_DIR, build_bm25
+    from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
+    from openbook.index.store import PassageStore, PassageWriter
+
+    t0 = time.monotonic()
+    out.mkdir(parents=True)
+    store = PassageStore(src / PASSAGES_FILE)
+    writer = PassageWriter(out / PASSAGES_FILE)
+    try:
+        for batch in store.iter_passages(start, stop):
+            writer.add(batch)
+    finally:
+        writer.close()
+        store.close()
+
+    count = stop - start
+    desc = f"shard {shard['index'] + 1}/{shard['count']} ({m.index_type})"
+    params = dict(m.index_params)
+    with tqdm(total=count, unit="psg", desc=desc, disable=not progress) as bar:
+        if m.dense:
+            parent_vecs = np.load(src / VECTORS_FILE, mmap_mode="r")
+            vecs = np.lib.format.open_memmap(
+                out / VECTORS_FILE, mode="w+", dtype=np.float32, shape=(count, m.dim)
+            )
+            for s in range(0, count, 100_000):
+                vecs[s : s + 100_000] = parent_vecs[start + s : min(start + s + 100_000, stop)]
+            vecs.flush()
+            if template is not None:
+                index = faiss_index.fill_trained(template, vecs, m.index_type, params, bar.update)
+            else:  # flat / hnsw need no training: build as build_index does, same params
+                index, params = faiss_index.build_faiss(vecs, m.index_type, params, bar.update)
+            del vecs
+            faiss_index.write(index, out / faiss_index.INDEX_FILE)
+        else:
+            reader = PassageStore(out / PASSAGES_FILE)
+            try:
+                texts = [f"{t} {x}" for b in reader.iter_batches(0, count) for t, x in b]
+            finally:
+                reader.close()
+            build_bm25(texts, out / BM25_DIR)
+            bar.update(count)
+
+    files, sizes = checksum_dir(out)
+    manifest = dataclasses.replace(
+        m,
+        count=count,
+        index_params=params,
+        files=files,
+        sizes=sizes,
+        checksum=combined_checksum(files),
+        build_seconds=round(time.monotonic() - t0, 3),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        shard=shard,
+    )
+    manifest.to_file(out / MANIFEST)

@@ -1,0 +1,379 @@
+"""``openbook up``: run the services of docker-compose.yml as local processes.
+
+The compose file stays the single source of truth: this reads each service's ``command``,
+``environment``, ``depends_on``, ``healthcheck``, ``restart`` and ``volumes`` and reproduces
+them without Docker. Two translations make container settings work on the host:
+
+- service host names (``retriever:50051``, ``redis://redis:6379``) become ``127.0.0.1``;
+- container paths of bind mounts (``/var/openbook/indexes``) become the host paths.
+
+Variables are interpolated as compose does (``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``,
+``$$``), from this process's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+# Printed once every service is up and healthy; from then on the launcher restarts what dies.
+SUPERVISING_LINE = "openbook up: all services started"
+
+log = logging.getLogger(__name__)
+
+_VAR = re.compile(
+    r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)"
+)
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    def replace(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1) or match.group(4)
+        op, arg = match.group(2), match.group(3) or ""
+        current = env.get(name)
+        if op == ":-":
+            return current if current else arg
+        if op == "-":
+            return current if current is not None else arg
+        if op in (":?", "?") and (current is None or (op == ":?" and not current)):
+            raise LaunchError(f"variable {name} is required: {arg or 'not set'}")
+        return current or ""
+
+    return _VAR.sub(replace, value)
+
+
+def _interpolate_tree(node, env: Mapping[str, str]):
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [_interpolate_tree(item, env) for item in node]
+    if isinstance(node, dict):
+        return {key: _interpolate_tree(value, env) for key, value in node.items()}
+    return node
+
+
+def parse_duration(text: str | None, default: float) -> float:
+    if not text:
+        return default
+    total = 0.0
+    for amount, unit in _DURATION.findall(str(text)):
+        total += float(amount) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+    return total or default
+
+
+@dataclass
+class ServiceSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    depends_on: dict[str, str] = field(default_factory=dict)
+    healthcheck: list[str] | None = None
+    health_interval_s: float = 2.0
+    health_retries: int = 30
+    restart: str = "no"
+    external: bool = False  # a third-party image (e.g. redis): reuse one already running
+    profiles: list[str] = field(default_factory=list)
+
+
+class ComposeProject:
+    """The services of a compose file, translated for running on this host."""
+
+    def __init__(self, compose_file: Path, env: Mapping[str, str] | None = None) -> None:
+        self.file = Path(compose_file).resolve()
+        if not self.file.is_file():
+            raise LaunchError(f"{self.file}: no such compose file")
+        self.base_dir = self.file.parent
+        self.env = dict(os.environ if env is None else env)
+        raw = yaml.safe_load(self.file.read_text())
+        doc = _interpolate_tree(raw, self.env)
+        self.services: dict[str, ServiceSpec] = {}
+        names = list(doc.get("services", {}))
+        self._host_names = names
+        for name, svc in doc.get("services", {}).items():
+            self.services[name] = self._spec(name, svc)
+
+    def _mounts(self, svc: dict) -> list[tuple[str, str]]:
+        """(container path, host path) for every volume of ``svc``.
+
+        Bind mounts (``./x``, ``/x``, ``~/x``) map to their host folder, as in compose; named
+        volumes map to ``<compose dir>/var/volumes/<name>``, so no container path is ever used
+        on the host as it is.
+        """
+        mounts = []
+        for volume in svc.get("volumes", []) or []:
+            if isinstance(volume, str):
+                source, target = volume.split(":")[:2]
+            else:
+                source, target = volume.get("source", ""), volume["target"]
+            if source.startswith((".", "/", "~")):
+                host = (self.base_dir / Path(source).expanduser()).resolve()
+            elif re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", source):
+                host = self.base_dir / "var" / "volumes" / source
+            else:
+                raise LaunchError(
+                    f"volume {source!r}: not a valid volume name; a relative host path must "
+                    "start with ./ (as in compose)"
+                )
+            mounts.append((target.rstrip("/"), str(host)))
+        # Longest container path first, so /a/b wins over /a.
+        return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+
+    def translate(self, value: str, mounts: list[tuple[str, str]]) -> str:
+        for target, host in mounts:
+            if value == target or value.startswith(target + "/"):
+                return host + value[len(target) :]
+        for name in self._host_names:
+            # Only host-shaped uses (``name:port``, ``//name/``) so a bare word is left alone.
+            value = re.sub(rf"(^|//|@){re.escape(name)}(?=:\d|/)", r"\g<1>127.0.0.1", value)
+        return value
+
+    def _spec(self, name: str, svc: dict) -> ServiceSpec:
+        mounts = self._mounts(svc)
+        command = svc.get("command")
+        if command is None:
+            raise LaunchError(f"service {name}: no command (openbook up needs one to run it)")
+        argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+        argv = [self.translate(arg, mounts) for arg in argv]
+        environment = svc.get("environment") or {}
+        if isinstance(environment, list):
+            environment = dict(item.split("=", 1) for item in environment)
+        env = {
+            k: self.translate("" if v is None else str(v), mounts) for k, v in environment.items()
+        }
+        for _, host in mounts:
+            Path(host).mkdir(parents=True, exist_ok=True)
+        depends = svc.get("depends_on") or {}
+        if isinstance(depends, list):
+            depends = {d: "service_started" for d in depends}
+        else:
+            depends = {d: (c or {}).get("condition", "service_started") for d, c in depends.items()}
+        health = svc.get("healthcheck") or {}
+        test = health.get("test")
+        if isinstance(test, list) and test and test[0] in ("CMD", "CMD-SHELL"):
+            test = test[1:] if test[0] == "CMD" else ["sh", "-c", test[1]]
+        elif isinstance(test, str):
+            test = ["sh", "-c", test]
+        if test:
+            test = [self.translate(arg, mounts) for arg in test]
+        return ServiceSpec(
+            name=name,
+            argv=argv,
+            env=env,
+            depends_on=depends,
+            healthcheck=test or None,
+            health_interval_s=parse_duration(health.get("interval"), 2.0),
+            health_retries=int(health.get("retries", 30)),
+            restart=str(svc.get("restart", "no")),
+            external="build" not in svc,
+            profiles=list(svc.get("profiles", [])),
+        )
+
+    def resolve_order(self, wanted: list[str] | None) -> list[str]:
+        """Services to start, dependencies first (profiled ones only when named)."""
+        if wanted:
+            unknown = [w for w in wanted if w not in self.services]
+            if unknown:
+                raise LaunchError(f"unknown service(s): {', '.join(unknown)}")
+            roots = wanted
+        else:
+            roots = [n for n, s in self.services.items() if not s.profiles]
+        order: list[str] = []
+        visiting: set[str] = set()
+
+        def visit(name: str) -> None:
+            if name in order:
+                return
+            if name in visiting:
+                raise LaunchError(f"dependency cycle through {name}")
+            visiting.add(name)
+            for dep in self.services[name].depends_on:
+                if dep not in self.services:
+                    raise LaunchError(f"{name} depends on unknown service {dep}")
+                visit(dep)
+            visiting.discard(name)
+            order.append(name)
+
+        for root in roots:
+            visit(root)
+        return order
+
+
+def _resolve(argv: list[str], env: Mapping[str, str], service: str) -> list[str]:
+    """Find the executable; ``openbook`` falls back to the one beside this Python."""
+    exe = shutil.which(argv[0], path=env.get("PATH"))
+    if exe is None and argv[0] == "openbook":
+        sibling = Path(sys.executable).parent / "openbook"
+        exe = str(sibling) if sibling.exists() else None
+    if exe is None:
+        raise LaunchError(f"service {service}: command {argv[0]!r} not found on PATH")
+    return [exe, *argv[1:]]
+
+
+class _Process:
+    def __init__(self, spec: ServiceSpec, base_env: Mapping[str, str], cwd: Path) -> None:
+        self.spec = spec
+        self.env = {**base_env, **spec.env}
+        self.cwd = cwd
+        self.popen: subprocess.Popen | None = None
+        self.stopping = False
+
+    def start(self) -> None:
+        self.popen = subprocess.Popen(
+            _resolve(self.spec.argv, self.env, self.spec.name),
+            env=self.env,
+            cwd=self.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # our signal handling stops it, not the terminal's ^C
+            text=True,
+            bufsize=1,
+        )
+        threading.Thread(target=self._pump, args=(self.popen,), daemon=True).start()
+
+    def _pump(self, popen: subprocess.Popen) -> None:
+        prefix = f"{self.spec.name:>10} | "
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+
+    def healthy(self) -> bool:
+        if not self.spec.healthcheck:
+            return True
+        try:
+            return (
+                subprocess.run(
+                    _resolve(self.spec.healthcheck, self.env, self.spec.name),
+                    env=self.env,
+                    cwd=self.cwd,
+                    capture_output=True,
+                    timeout=30,
+                ).returncode
+                == 0
+            )
+        except (OSError, subprocess.TimeoutExpired, LaunchError):
+            return False
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self.stopping = True
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+class Stack:
+    """Start services in dependency order, keep them running (restart policy), stop them all."""
+
+    def __init__(self, project: ComposeProject, services: list[str] | None = None) -> None:
+        self.project = project
+        self.order = project.resolve_order(services)
+        self.processes: dict[str, _Process] = {}
+        self._stop = threading.Event()
+
+    def _wait_condition(self, name: str, condition: str) -> None:
+        proc = self.processes.get(name)
+        if proc is None:
+            return
+        if condition == "service_completed_successfully":
+            code = proc.popen.wait() if proc.popen else 0
+            if code != 0:
+                raise LaunchError(f"{name} exited with status {code}")
+        elif condition == "service_healthy":
+            self._wait_healthy(proc)
+
+    def _wait_healthy(self, proc: _Process) -> None:
+        spec = proc.spec
+        deadline = time.monotonic() + max(spec.health_interval_s * spec.health_retries, 30)
+        while not self._stop.is_set():
+            if proc.popen is not None and proc.popen.poll() is not None:
+                raise LaunchError(f"{spec.name} exited with status {proc.popen.returncode}")
+            if proc.healthy():
+                print(f"openbook up: {spec.name} is healthy", flush=True)
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{spec.name} not healthy in time")
+            self._stop.wait(min(spec.health_interval_s, 1.0))
+        raise LaunchError("stopped")
+
+    def start(self) -> None:
+        for name in self.order:
+            spec = self.project.services[name]
+            for dep, condition in spec.depends_on.items():
+                self._wait_condition(dep, condition)
+            proc = _Process(spec, self.project.env, self.project.base_dir)
+            if spec.external and spec.healthcheck and proc.healthy():
+                print(f"openbook up: {name} already running, reusing it", flush=True)
+                continue
+            print(f"openbook up: starting {name}: {shlex.join(spec.argv)}", flush=True)
+            proc.start()
+            self.processes[name] = proc
+        for name in self.order:  # report readiness of the services nothing waited on
+            proc = self.processes.get(name)
+            if proc and proc.spec.healthcheck and proc.spec.restart != "no":
+                self._wait_healthy(proc)
+        print(SUPERVISING_LINE, flush=True)
+
+    def supervise(self) -> None:
+        """Restart services per their restart policy until ``stop``; fail if one dies for good."""
+        while not self._stop.wait(0.5):
+            for name, proc in self.processes.items():
+                code = proc.popen.poll() if proc.popen else None
+                if code is None or proc.stopping:
+                    continue
+                policy = proc.spec.restart
+                if (
+                    policy == "always"
+                    or policy == "unless-stopped"
+                    or (policy == "on-failure" and code != 0)
+                ):
+                    print(f"openbook up: {name} exited ({code}), restarting", flush=True)
+                    proc.start()
+                elif policy == "no" and code != 0 and not self._is_job(name):
+                    raise LaunchError(f"{name} exited with status {code}")
+
+    def _is_job(self, name: str) -> bool:
+        return any(
+            spec.depends_on.get(name) == "service_completed_successfully"
+            for spec in self.project.services.values()
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        for name in reversed(list(self.processes)):
+            self.processes[name].stop()
+
+
+def run_stack(compose_file: Path, services: list[str] | None = None) -> None:
+    stack = Stack(ComposeProject(compose_file), services)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stack._stop.set())
+    try:
+        stack.start()
+        stack.supervise()
+    finally:
+        stack.stop()

@@ -1,0 +1,11 @@
+"""Exceptions raised by the RAG generation library."""
+
+from __future__ import annotations
+
+
+class InvalidRequest(ValueError):
+    """A generation request is malformed; the message names the offending field."""
+
+
+class ModelLoadError(ValueError):
+    """A model directory is missing files or holds corrupt ones; the message names the file."""

@@ -1,0 +1,252 @@
+"""``RagGenerator``: the public entry point used by the generator service and the trainer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openbook.rag import rag_sequence, rag_token
+from openbook.rag.beam import SearchSettings, StopFn
+from openbook.rag.errors import InvalidRequest
+from openbook.rag.loading import dtype_name, load
+from openbook.rag.losses import rag_sequence_nll, rag_token_nll
+from openbook.rag.marginalize import doc_log_prior
+from openbook.rag.models import CausalBackend, GeneratorBackend
+from openbook.rag.options import DecodingOptions, GenerationResult
+from openbook.types import Passage
+
+Request = tuple[str, Sequence[Passage], DecodingOptions]
+
+# Upper bound on decoder rows (requests x passages x beams) in one grouped forward pass.
+MAX_BATCH_ROWS = 256
+
+
+def validate_request(question: str, passages: Sequence[Passage], options: DecodingOptions) -> None:
+    """Raise :class:`InvalidRequest` for an unusable request (the message names the field)."""
+    if not isinstance(question, str) or not question.strip():
+        raise InvalidRequest("question must be a non-empty string")
+    if passages is None or len(passages) == 0:
+        raise InvalidRequest("passages must contain at least one passage, got 0")
+    for j, p in enumerate(passages):
+        if not isinstance(p, Passage):
+            raise InvalidRequest(f"passages[{j}] must be a Passage, got {type(p).__name__}")
+        score = p.score
+        if not isinstance(score, int | float) or score != score or abs(score) == float("inf"):
+            raise InvalidRequest(f"passages[{j}].score must be a finite number, got {score!r}")
+    if not isinstance(options, DecodingOptions):
+        raise InvalidRequest(f"options must be DecodingOptions, got {type(options).__name__}")
+    options.validate()
+
+
+class RagGenerator:
+    """RAG-Token / RAG-Sequence generation over a BART, RAG-checkpoint or causal-LM generator."""
+
+    def __init__(
+        self,
+        backend: GeneratorBackend,
+        *,
+        model_version: str,
+        generation: dict[str, Any] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.model_version = model_version
+        self.model_type = backend.kind
+        self.device = str(backend.device)
+        self.dtype = dtype_name(next(backend.model.parameters()).dtype)
+        self.generation = dict(generation or {})
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls, path: str | Path, device: str | None = None, dtype: str | None = None
+    ) -> RagGenerator:
+        """Load a local generator directory (BART, RAG checkpoint or causal LM + prompt file).
+
+        Raises :class:`openbook.rag.ModelLoadError` (a ``ValueError``) naming a missing/corrupt
+        file.
+        """
+        loaded = load(path, device, dtype)
+        return cls(loaded.backend, model_version=loaded.version, generation=loaded.generation)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.backend.model
+
+    @property
+    def tokenizer(self):
+        return self.backend.tokenizer
+
+    def refresh(self) -> None:
+        """Rebuild caches derived from the weights (causal prefix cache); call after updates."""
+        if isinstance(self.backend, CausalBackend):
+            self.backend.refresh()
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self, question: str, passages: Sequence[Passage], options: DecodingOptions
+    ) -> GenerationResult:
+        return self.generate_batch([(question, passages, options)])[0]
+
+    def generate_batch(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        """Generate for several requests; requests with equal options share forward passes.
+
+        Every request is validated first; the first invalid one raises :class:`InvalidRequest`
+        (callers that must isolate bad requests validate each with :func:`validate_request`).
+        """
+        for question, passages, options in requests:
+            validate_request(question, passages, options)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for idx, (_, _, options) in enumerate(requests):
+            groups.setdefault(options.key(), []).append(idx)
+        with self._lock, torch.inference_mode():
+            for members in groups.values():
+                for chunk in self._chunks(members, requests):
+                    outs = self._run_group([requests[i] for i in chunk])
+                    for i, res in zip(chunk, outs, strict=True):
+                        results[i] = res
+        return [r for r in results if r is not None]
+
+    @staticmethod
+    def _chunks(members: list[int], requests: Sequence[Request]) -> list[list[int]]:
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        width = 0
+        for i in members:
+            _, passages, options = requests[i]
+            k = max(width, len(passages))
+            if current and (len(current) + 1) * k * options.num_beams > MAX_BATCH_ROWS:
+                chunks.append(current)
+                current, k = [], len(passages)
+            current.append(i)
+            width = k
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _settings(self, options: DecodingOptions) -> SearchSettings:
+        b = self.backend
+        s = SearchSettings(
+            num_beams=options.num_beams,
+            max_new_tokens=options.max_new_tokens,
+            min_new_tokens=options.min_new_tokens,
+            length_penalty=float(options.length_penalty),
+            num_return_sequences=options.num_return_sequences,
+            eos_token_id=b.eos_token_id,
+            pad_token_id=b.pad_token_id,
+            early_stopping=self.generation.get("early_stopping", False),
+        )
+        if b.kind == "bart":
+            s.forced_bos_token_id = self.generation.get("forced_bos_token_id")
+            s.forced_eos_token_id = self.generation.get("forced_eos_token_id")
+            s.no_repeat_ngram_size = int(self.generation.get("no_repeat_ngram_size") or 0)
+            s.history_prefix = (b.target_start_id,)
+        return s
+
+    def _stop_fn(self) -> StopFn | None:
+        b = self.backend
+        if not isinstance(b, CausalBackend):
+            return None
+        stops = list(b.spec.stop)
+        extra = {t for t in self.generation.get("extra_eos_token_ids", []) if t != b.eos_token_id}
+        tok = b.tokenizer
+
+        def stop(tokens: list[int]) -> bool:
+            if tokens[-1] in extra:
+                return True
+            # a stop string ends in the newest token, so a short tail suffices
+            tail = tok.decode(tokens[-8:], skip_special_tokens=False)
+            return any(s in tail for s in stops)
+
+        return stop if (stops or extra) else None
+
+    def _run_group(self, group: Sequence[Request]) -> list[GenerationResult]:
+        options = group[0][2]
+        ks = [len(p) for _, p, _ in group]
+        k = max(ks)
+        items = [(q, list(p)) for q, p, _ in group]
+        scores = torch.zeros(len(group), k)
+        valid = torch.zeros(len(group), k, dtype=torch.bool)
+        for i, (_, passages, _) in enumerate(group):
+            scores[i, : ks[i]] = torch.tensor([float(p.score) for p in passages])
+            valid[i, : ks[i]] = True
+        log_prior = doc_log_prior(scores, valid)
+        enc = self.backend.encode(items, k)
+        settings = self._settings(options)
+        stop = self._stop_fn()
+        if options.mode == "rag-token":
+            hyps = rag_token.decode(self.backend, enc, log_prior, ks, settings, stop)
+        else:
+            hyps = rag_sequence.decode(
+                self.backend,
+                enc,
+                log_prior,
+                ks,
+                settings,
+                thorough=options.mode == "rag-sequence-thorough",
+                stop=stop,
+            )
+        return [
+            GenerationResult(hypotheses=hyps[i], doc_prior=log_prior[i, : ks[i]].exp().tolist())
+            for i in range(len(group))
+        ]
+
+    # ------------------------------------------------------------------ training
+
+    def loss(
+        self,
+        questions: Sequence[str],
+        passages_per_question: Sequence[Sequence[Passage]],
+        doc_scores: torch.Tensor,
+        targets: Sequence[str],
+        mode: str,
+        epsilon: float = 0.0,
+        *,
+        reduce_loss: bool = True,
+        exclude_bos_score: bool = False,
+    ) -> torch.Tensor:
+        """Marginal NLL of ``targets`` (answer strings) for training.
+
+        doc_scores: (B, k) retrieval scores, may require grad (e.g. DPR q.d products); every
+        question must come with exactly k passages. mode: "rag-token" or "rag-sequence" (any
+        "rag-sequence-*" accepted). Returns the summed loss (scalar) by default, (B,) with
+        ``reduce_loss=False``. Runs with the caller's grad mode and the model's train/eval mode.
+        """
+        n = len(questions)
+        if n == 0 or len(passages_per_question) != n or len(targets) != n:
+            raise InvalidRequest(
+                "questions, passages_per_question and targets must have equal length"
+            )
+        if doc_scores.dim() != 2 or doc_scores.shape[0] != n:
+            raise InvalidRequest(
+                f"doc_scores must have shape ({n}, k), got {tuple(doc_scores.shape)}"
+            )
+        k = doc_scores.shape[1]
+        if any(len(p) != k for p in passages_per_question):
+            raise InvalidRequest(
+                f"every question needs exactly k={k} passages (doc_scores columns)"
+            )
+        if mode == "rag-token":
+            nll = rag_token_nll
+        elif mode.startswith("rag-sequence"):
+            nll = rag_sequence_nll
+        else:
+            raise InvalidRequest(f"mode must be 'rag-token' or 'rag-sequence', got {mode!r}")
+        b = self.backend
+        target = b.tokenize_targets(list(targets))
+        logits = b.target_logits(list(zip(questions, passages_per_question, strict=True)), target)
+        return nll(
+            logits,
+            doc_scores.to(logits.device),
+            target,
+            b.pad_token_id,
+            bos_token_id=b.bos_token_id,
+            reduce_loss=reduce_loss,
+            epsilon=epsilon,
+            exclude_bos_score=exclude_bos_score,
+        )

@@ -1,0 +1,281 @@
+"""Recognise a generator directory and build the matching backend.
+
+Supported layouts (all local; nothing is ever downloaded):
+
+* plain BART (``config.json`` with an encoder-decoder ``model_type`` + tokenizer files),
+* a RAG checkpoint saved by ``RagTokenForGeneration`` / ``RagSequenceForGeneration.save_pretrained``
+  (``config.json`` with ``model_type: rag``; generator weights under the ``rag.generator.`` prefix
+  of the weight file, generator tokenizer in ``generator_tokenizer/`` as
+  ``RagTokenizer.save_pretrained`` writes),
+* a causal LM with an ``openbook_prompt.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    GenerationConfig,
+)
+
+from openbook.rag.errors import ModelLoadError
+from openbook.rag.models import CausalBackend, GeneratorBackend, Seq2SeqBackend
+from openbook.rag.prompting import PROMPT_FILE, PromptSpec
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
+MANIFEST_FILES = ("openbook_manifest.json", "manifest.json")
+RAG_GENERATOR_PREFIX = "rag.generator."
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class Loaded:
+    backend: GeneratorBackend
+    model_type: str
+    version: str
+    generation: dict[str, Any]  # decoding defaults from the model's generation config
+
+
+def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        if device.startswith("cuda"):
+            return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return device, torch.float32
+    try:
+        return device, _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"missing file {path}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"corrupt file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"corrupt file {path}: expected a JSON object")
+    return data
+
+
+def load(path: str | Path, device: str | None, dtype: str | None) -> Loaded:
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory {root} does not exist")
+    dev, torch_dtype = resolve_device_dtype(device, dtype)
+    config = read_json(root / "config.json")
+    model_type = config.get("model_type")
+    if model_type == "rag":
+        backend, gen = _load_rag(root, config, dev, torch_dtype)
+    elif config.get("is_encoder_decoder") or model_type in ("bart", "mbart", "t5"):
+        backend, gen = _load_seq2seq(root, dev, torch_dtype)
+    elif (root / PROMPT_FILE).exists():
+        backend, gen = _load_causal(root, dev, torch_dtype)
+    else:
+        raise ModelLoadError(
+            f"missing file {root / PROMPT_FILE}: {root} holds a {model_type!r} model, which is "
+            f"used as a causal LM generator and needs a prompt file"
+        )
+    backend.model.eval()
+    return Loaded(backend, backend.kind, model_version(root), gen)
+
+
+def model_version(root: Path) -> str:
+    """Manifest ``version`` if present, else dir name + hash of file names, sizes and mtimes."""
+    for name in MANIFEST_FILES:
+        p = root / name
+        if p.exists():
+            version = read_json(p).get("version")
+            if version:
+                return str(version)
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and (p.suffix in (".json", ".safetensors", ".bin", ".model", ".txt")):
+            st = p.stat()
+            h.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{root.resolve().name}-{h.hexdigest()[:10]}"
+
+
+def _weights_file(root: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (root / name).exists():
+            return root / name
+    raise ModelLoadError(f"missing weights in {root}: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def _check_weights(root: Path) -> None:
+    """Open the weight file(s) early so a truncated/corrupt file is reported by name."""
+    weights = _weights_file(root)
+    files = [weights]
+    if weights.name.endswith(".index.json"):
+        index = read_json(weights)
+        files = sorted({root / f for f in index.get("weight_map", {}).values()})
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f"missing weights shard {f} (listed in {weights})")
+    for f in files:
+        _read_state_dict(f, header_only=True)
+
+
+def _read_state_dict(path: Path, header_only: bool = False) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                if header_only:
+                    return {}
+                return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        if header_only:
+            # a pickle can only be validated by reading it
+            torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            return {}
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any decoding failure means the file is unusable
+        raise ModelLoadError(f"corrupt weights file {path}: {e}") from e
+
+
+def _load_tokenizer(directory: Path):
+    if not directory.is_dir():
+        raise ModelLoadError(f"missing tokenizer directory {directory}")
+    if not any((directory / f).exists() for f in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"missing tokenizer files in {directory}: expected one of {', '.join(TOKENIZER_FILES)}"
+        )
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        if (directory / name).exists():
+            read_json(directory / name)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load tokenizer from {directory}: {e}") from e
+
+
+def _seq2seq_generation(gen: GenerationConfig | None) -> dict[str, Any]:
+    if gen is None:
+        return {}
+    return {
+        "forced_bos_token_id": gen.forced_bos_token_id,
+        "forced_eos_token_id": gen.forced_eos_token_id,
+        "no_repeat_ngram_size": gen.no_repeat_ngram_size or 0,
+        "early_stopping": gen.early_stopping if gen.early_stopping is not None else False,
+    }
+
+
+def _load_seq2seq(root: Path, device: str, dtype: torch.dtype) -> tuple[GeneratorBackend, dict]:
+    _check_weights(root)
+    tokenizer = _load_tokenizer(root)
+    try:
+        model = AutoModelForSeq2SeqLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load seq2seq model from {root}: {e}") from e
+    model.to(device)
+    backend = Seq2SeqBackend(model, tokenizer, prefix=getattr(model.config, "prefix", None))
+    return backend, _seq2seq_generation(model.generation_config)
+
+
+def _load_rag(
+    root: Path, config: dict, device: str, dtype: torch.dtype
+) -> tuple[GeneratorBackend, dict]:
+    gen_cfg = config.get("generator")
+    if not isinstance(gen_cfg, dict) or "model_type" not in gen_cfg:
+        raise ModelLoadError(f"corrupt file {root / 'config.json'}: RAG config without a generator")
+    try:
+        generator_config = AutoConfig.for_model(**gen_cfg)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(
+            f"corrupt file {root / 'config.json'}: bad generator config: {e}"
+        ) from e
+    tok_dir = root / "generator_tokenizer"
+    tokenizer = _load_tokenizer(tok_dir if tok_dir.is_dir() else root)
+
+    weights = _weights_file(root)
+    if weights.name.endswith(".index.json"):
+        index = read_json(weights)
+        shards = sorted({root / f for f in index.get("weight_map", {}).values()})
+    else:
+        shards = [weights]
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not shard.exists():
+            raise ModelLoadError(f"missing weights shard {shard} (listed in {weights})")
+        for key, value in _read_state_dict(shard).items():
+            if key.startswith(RAG_GENERATOR_PREFIX):
+                state[key[len(RAG_GENERATOR_PREFIX) :]] = value
+    if not state:
+        raise ModelLoadError(
+            f"corrupt weights file {weights}: no '{RAG_GENERATOR_PREFIX}*' tensors"
+        )
+
+    model = AutoModelForSeq2SeqLM.from_config(generator_config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    tied |= {"lm_head.weight", "final_logits_bias"}
+    tied |= {k for k in missing if k.endswith("embed_tokens.weight")}
+    real_missing = [k for k in missing if k not in tied]
+    if real_missing or unexpected:
+        raise ModelLoadError(
+            f"corrupt weights file {weights}: generator tensors do not match its config "
+            f"(missing {real_missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    model.tie_weights()
+    model.to(device=device, dtype=dtype)
+
+    if (root / "generation_config.json").exists():
+        read_json(root / "generation_config.json")
+        generation = GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    else:
+        generation = GenerationConfig.from_model_config(config)
+    backend = Seq2SeqBackend(
+        model,
+        tokenizer,
+        prefix=config.get("prefix") or gen_cfg.get("prefix"),
+        title_sep=config.get("title_sep", " / "),
+        doc_sep=config.get("doc_sep", " // "),
+        max_combined_length=int(config.get("max_combined_length", 300)),
+    )
+    return backend, _seq2seq_generation(generation)
+
+
+def _load_causal(root: Path, device: str, dtype: torch.dtype) -> tuple[GeneratorBackend, dict]:
+    spec = PromptSpec.load(root / PROMPT_FILE)
+    _check_weights(root)
+    tokenizer = _load_tokenizer(root)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load causal LM from {root}: {e}") from e
+    model.to(device)
+    model.eval()
+    try:
+        backend = CausalBackend(model, tokenizer, spec)
+    except ValueError as e:
+        raise ModelLoadError(f"{root / PROMPT_FILE}: {e}") from e
+    eos = model.generation_config.eos_token_id
+    extra = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    return backend, {"extra_eos_token_ids": extra}

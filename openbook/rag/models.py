@@ -1,0 +1,648 @@
+"""Generator back-ends behind one interface.
+
+Both back-ends expose p(y_i | x, z, y_<i) for a batch of (request, passage) rows:
+
+* :meth:`GeneratorBackend.encode` runs the expensive per-passage part ONCE — the BART encoder
+  plus the decoder-start step, or the causal LM's prompt prefill on top of the shared prefix
+  cache — and keeps the resulting key/value cache together with the first-token log-distribution.
+* :meth:`start` forks that cache into ``copies`` rows per passage (beams), :meth:`step` feeds one
+  token per row, :meth:`reorder` follows beam search's row permutation.
+* :meth:`score` teacher-forces whole candidate sequences, again reusing the encoded cache.
+
+Rows are always ordered (request, passage slot[, copy]). Requests with fewer passages than the
+batch's slot count are padded by repeating a passage; callers give such slots a log prior of -inf.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutput
+
+from openbook.rag import bart
+from openbook.rag.cache import reorder_self_attention, select_rows
+from openbook.rag.prompting import PromptSpec, seq2seq_input
+from openbook.types import Passage
+
+# Upper bound on rows x tokens pushed through the LM head at once while teacher forcing.
+_SCORE_CHUNK_TOKENS = 4096
+# Sequences scored together as one prefix tree on the BART fast path (bounds the cache size).
+_TREE_CHUNK_SEQS = 1024
+
+
+@dataclass
+class Encoded:
+    """Per-passage state of ``n`` requests x ``k`` passage slots (rows ordered request-major).
+
+    first_logprobs: (n*k, V) float32, log p(y_1 | x, z).
+    cache: key/value cache after the prompt / decoder-start step, n*k rows.
+    mask: (n*k, S) attention mask; encoder mask for seq2seq, prompt mask (prefix + padded passage
+        prompt) for causal LMs.
+    positions: (n*k,) causal LMs only: position id of the first answer token.
+    hidden: (n*k, S, d) seq2seq through transformers' forward only: encoder output.
+    cross: BART fast path only (:mod:`openbook.rag.bart`): per-layer cross-attention keys/values,
+        computed once per row and shared by every beam / candidate; ``cache`` is then a list of
+        per-layer self-attention keys/values and ``cross_mask`` the encoder mask (None: no padding).
+    """
+
+    n: int
+    k: int
+    first_logprobs: Tensor
+    cache: Cache | bart.KV
+    mask: Tensor
+    positions: Tensor | None = None
+    hidden: Tensor | None = None
+    cross: bart.KV | None = None
+    cross_mask: Tensor | None = None
+
+
+@dataclass
+class DecodeState:
+    """Live decoding rows (request, slot, copy); ``length`` answer tokens already in the cache."""
+
+    cache: Cache | bart.KV
+    mask: Tensor
+    positions: Tensor | None
+    hidden: Tensor | None
+    length: int
+    cross: bart.KV | None = None
+    cross_mask: Tensor | None = None
+    copies: int = 1  # BART fast path: decoder rows per encoded row
+
+
+class GeneratorBackend(ABC):
+    """p(y_i | x, z, y_<i) from some language model (see module docstring)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    kind: str
+    eos_token_id: int | None
+    pad_token_id: int
+    bos_token_id: int | None
+    # Token placed before the answer in loss targets (BART: decoder_start_token_id); losses drop it.
+    target_start_id: int
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @abstractmethod
+    def encode(self, items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> Encoded: ...
+
+    @abstractmethod
+    def start(self, enc: Encoded, copies: int) -> DecodeState: ...
+
+    @abstractmethod
+    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
+        """Feed ``tokens`` (N,) -> next-token log-probs (N, V) float32."""
+
+    def reorder(self, state: DecodeState, rows: Tensor) -> None:
+        reorder_self_attention(state.cache, rows)
+
+    @abstractmethod
+    def score(
+        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
+    ) -> Tensor:
+        """Token log-probs (R, T) float32 of ``seqs`` (R, T) under encoded rows ``rows`` (R,).
+
+        Entry t is log p(seqs[r, t] | x, z, seqs[r, :t]); padding positions (t >= lengths[r] when
+        ``lengths`` is given) hold garbage the caller masks.
+        """
+
+    @abstractmethod
+    def target_logits(
+        self, items: Sequence[tuple[str, Sequence[Passage]]], targets: Tensor
+    ) -> Tensor:
+        """Generator logits for teacher forcing, differentiable, in transformers' RAG layout.
+
+        items: n requests with exactly k passages each; targets: (n, T) starting with
+        ``target_start_id``. Returns (n*k, T, V) where [r, t] predicts targets[r // k, t + 1].
+        """
+
+    @abstractmethod
+    def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
+        """(n, T) loss targets: ``target_start_id``, answer tokens, EOS; right-padded."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in token_ids]
+
+    def _log_softmax(self, logits: Tensor) -> Tensor:
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _gather_chunked(self, rows: Tensor, seqs: Tensor, forward) -> Tensor:
+        """Shared chunking for :meth:`score`: ``forward(rows, inputs)`` -> logits (r, T-1, V)."""
+        n_rows, length = seqs.shape
+        out = torch.empty(n_rows, length, dtype=torch.float32, device=seqs.device)
+        chunk = max(1, _SCORE_CHUNK_TOKENS // max(1, length))
+        for lo in range(0, n_rows, chunk):
+            r = rows[lo : lo + chunk]
+            s = seqs[lo : lo + chunk]
+            out[lo : lo + chunk, 0] = self._first_lp[r].gather(1, s[:, :1]).squeeze(1)
+            if length > 1:
+                logits = forward(r, s[:, :-1])
+                lp = self._log_softmax(logits)
+                out[lo : lo + chunk, 1:] = lp.gather(2, s[:, 1:, None]).squeeze(2)
+        return out
+
+
+def _pad_slots(items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> list[tuple[str, Passage]]:
+    """(question, passage) rows, k per request; short requests repeat their last passage."""
+    rows: list[tuple[str, Passage]] = []
+    for question, passages in items:
+        ps = list(passages)
+        rows.extend((question, ps[min(j, len(ps) - 1)]) for j in range(k))
+    return rows
+
+
+class Seq2SeqBackend(GeneratorBackend):
+    """BART-style encoder-decoder; input formatted like transformers' ``RagRetriever``."""
+
+    kind = "bart"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        prefix: str | None = None,
+        title_sep: str = " / ",
+        doc_sep: str = " // ",
+        max_combined_length: int = 300,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.prefix = prefix
+        self.title_sep = title_sep
+        self.doc_sep = doc_sep
+        self.max_combined_length = max_combined_length
+        self.decoder_start_token_id = int(cfg.decoder_start_token_id)
+        self.target_start_id = self.decoder_start_token_id
+        self.eos_token_id = _first_id(cfg.eos_token_id, tokenizer.eos_token_id)
+        self.bos_token_id = _first_id(cfg.bos_token_id, tokenizer.bos_token_id)
+        self.pad_token_id = int(_first_id(cfg.pad_token_id, tokenizer.pad_token_id, 0))
+        self._first_lp: Tensor | None = None
+        self._bart = bart.BartDecoding(model) if bart.supports(model) else None
+
+    def input_strings(self, rows: Sequence[tuple[str, Passage]]) -> list[str]:
+        return [
+            seq2seq_input(p.title, p.text, q, self.prefix, self.title_sep, self.doc_sep)
+            for q, p in rows
+        ]
+
+    def _tokenize_inputs(self, rows: Sequence[tuple[str, Passage]]) -> tuple[Tensor, Tensor]:
+        batch = self.tokenizer(
+            self.input_strings(rows),
+            max_length=self.max_combined_length,
+            truncation=True,
+            padding=True,
+            return_tensors="pt",
+        )
+        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+
+    def _fast(self) -> bart.BartDecoding | None:
+        """The shared-cross-attention decoder (:mod:`openbook.rag.bart`) when it applies."""
+        if self._bart is None or self.model.training or torch.is_grad_enabled():
+            return None
+        return self._bart
+
+    def encode(self, items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> Encoded:
+        ids, mask = self._tokenize_inputs(_pad_slots(items, k))
+        hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        fast = self._fast()
+        if fast is not None:
+            rows = ids.shape[0]
+            cross = fast.cross_kv(hidden)
+            # transformers drops an all-ones encoder mask as well
+            cross_mask = None if bool(mask.all()) else mask.bool()
+            start = torch.full((rows,), self.decoder_start_token_id, device=ids.device)
+            h, cache = fast.step(start, 0, None, cross, cross_mask, 1)
+            first = fast.log_probs(h)
+            return Encoded(len(items), k, first, cache, mask, cross=cross, cross_mask=cross_mask)
+        start = torch.full((ids.shape[0], 1), self.decoder_start_token_id, device=ids.device)
+        out = self.model(
+            encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+            attention_mask=mask,
+            decoder_input_ids=start,
+            use_cache=True,
+        )
+        first = self._log_softmax(out.logits[:, -1])
+        return Encoded(len(items), k, first, out.past_key_values, mask, hidden=hidden)
+
+    def start(self, enc: Encoded, copies: int) -> DecodeState:
+        n_rows = enc.n * enc.k
+        rows = torch.arange(n_rows, device=enc.mask.device).repeat_interleave(copies)
+        if enc.cross is not None:
+            return DecodeState(
+                cache=[(k_[rows], v_[rows]) for k_, v_ in enc.cache],
+                mask=enc.mask,
+                positions=None,
+                hidden=None,
+                length=0,
+                cross=enc.cross,
+                cross_mask=enc.cross_mask,
+                copies=copies,
+            )
+        return DecodeState(
+            cache=select_rows(enc.cache, rows),
+            mask=enc.mask[rows],
+            positions=None,
+            hidden=enc.hidden[rows],
+            length=0,
+        )
+
+    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
+        if state.cross is not None:
+            h, state.cache = self._bart.step(
+                tokens, state.length + 1, state.cache, state.cross, state.cross_mask, state.copies
+            )
+            state.length += 1
+            return self._bart.log_probs(h)
+        out = self.model(
+            encoder_outputs=BaseModelOutput(last_hidden_state=state.hidden),
+            attention_mask=state.mask,
+            decoder_input_ids=tokens[:, None],
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        state.cache = out.past_key_values
+        state.length += 1
+        return self._log_softmax(out.logits[:, -1])
+
+    def reorder(self, state: DecodeState, rows: Tensor) -> None:
+        if state.cross is not None:
+            state.cache = [(k[rows], v[rows]) for k, v in state.cache]
+        else:
+            reorder_self_attention(state.cache, rows)
+
+    def score(
+        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
+    ) -> Tensor:
+        if enc.cross is not None:
+            return self._score_prefix_tree(enc, rows, seqs, lengths)
+        self._first_lp = enc.first_logprobs
+
+        def forward(r: Tensor, inputs: Tensor) -> Tensor:
+            return self.model(
+                encoder_outputs=BaseModelOutput(last_hidden_state=enc.hidden[r]),
+                attention_mask=enc.mask[r],
+                decoder_input_ids=inputs,
+                past_key_values=select_rows(enc.cache, r),
+                use_cache=True,
+            ).logits
+
+        try:
+            return self._gather_chunked(rows, seqs, forward)
+        finally:
+            self._first_lp = None
+
+    def _score_prefix_tree(
+        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None
+    ) -> Tensor:
+        """:meth:`score` on the BART fast path: one decoder pass over a prefix tree.
+
+        Candidates scored under one passage share prefixes (beams of one search differ in a few
+        tokens, every candidate of a request is scored under each of its passages), so every
+        distinct (passage row, prefix) is decoded once, attending to its ancestors only.
+        """
+        n_seqs, width = seqs.shape
+        out = torch.zeros(n_seqs, width, dtype=torch.float32, device=seqs.device)
+        if n_seqs == 0 or width == 0:
+            return out
+        out[:, 0] = enc.first_logprobs[rows].gather(1, seqs[:, :1]).squeeze(1)
+        seq_l = seqs.tolist()
+        row_l = rows.tolist()
+        len_l = [width] * n_seqs if lengths is None else [min(int(x), width) for x in lengths]
+        for lo in range(0, n_seqs, _TREE_CHUNK_SEQS):
+            hi = lo + _TREE_CHUNK_SEQS
+            self._score_tree_chunk(enc, row_l[lo:hi], seq_l[lo:hi], len_l[lo:hi], out[lo:hi])
+        return out
+
+    def _score_tree_chunk(
+        self,
+        enc: Encoded,
+        row_l: list[int],
+        seq_l: list[list[int]],
+        len_l: list[int],
+        out: Tensor,
+    ) -> None:
+        n_rows = enc.n * enc.k
+        index: dict[tuple[int, int], int] = {}  # (parent node or -1 - row, token) -> node
+        tok: list[int] = []
+        depth: list[int] = []
+        parent: list[int] = []
+        slot: list[int] = []  # position of the node within its passage row's sequence
+        used = [0] * n_rows
+        wanted: list[tuple[int, int, int, int]] = []  # (node, target token, sequence, position)
+        for r, seq in enumerate(seq_l):
+            row = row_l[r]
+            cur = -1 - row
+            for t in range(1, len_l[r]):
+                key = (cur, seq[t - 1])
+                j = index.get(key)
+                if j is None:
+                    j = index[key] = len(tok)
+                    tok.append(key[1])
+                    depth.append(t)
+                    parent.append(cur)
+                    slot.append(used[row])
+                    used[row] += 1
+                wanted.append((j, seq[t], r, t))
+                cur = j
+        if not tok:
+            return
+        width = max(used)
+        dev = out.device
+        node_row = [0] * len(tok)
+        for j, p in enumerate(parent):
+            node_row[j] = -1 - p if p < 0 else node_row[p]
+        flat = [node_row[j] * width + slot[j] for j in range(len(tok))]
+        # visibility: the decoder start (column 0), the node's ancestors and itself
+        mask = torch.zeros(n_rows * width, 1 + width, dtype=torch.bool)
+        mask[:, 0] = True
+        by_depth: dict[int, list[int]] = {}
+        for j, d in enumerate(depth):
+            by_depth.setdefault(d, []).append(j)
+        for d in sorted(by_depth):
+            js = by_depth[d]
+            f = torch.tensor([flat[j] for j in js])
+            if d > 1:
+                mask[f] = mask[torch.tensor([flat[parent[j]] for j in js])]
+            mask[f, 1 + torch.tensor([slot[j] for j in js])] = True
+        fast = self._bart
+        hidden = fast.forward_tree(
+            torch.tensor(tok, device=dev),
+            torch.tensor(depth, device=dev),
+            torch.tensor(flat, device=dev),
+            width,
+            mask.to(dev).view(n_rows, 1, width, 1 + width),
+            enc.cache,
+            enc.cross,
+            enc.cross_mask,
+        )
+        w = torch.tensor(wanted, device=dev)
+        out[w[:, 2], w[:, 3]] = fast.gather_log_probs(hidden, w[:, 0], w[:, 1])
+
+    def target_logits(
+        self, items: Sequence[tuple[str, Sequence[Passage]]], targets: Tensor
+    ) -> Tensor:
+        k = len(items[0][1])
+        ids, mask = self._tokenize_inputs(_pad_slots(items, k))
+        return self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            decoder_input_ids=targets.to(ids.device).repeat_interleave(k, dim=0),
+            use_cache=False,
+        ).logits
+
+    def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
+        enc = self.tokenizer(text_target=list(answers), padding=False, truncation=False)
+        seqs = [[self.decoder_start_token_id, *ids] for ids in enc["input_ids"]]
+        return _right_pad(seqs, self.pad_token_id).to(self.device)
+
+
+class CausalBackend(GeneratorBackend):
+    """Decoder-only LM prompted with ``prefix + passage_template`` per passage.
+
+    The shared prefix is prefilled once (at construction / :meth:`refresh`) and its cache forked for
+    every row. Passage prompts of different lengths are left-padded *after* the prefix; padding is
+    masked out and position ids skip it, so every row sees exactly the positions of its unpadded
+    prompt.
+
+    The padding shifts cache indices, and transformers builds sliding-window masks (Gemma 2/3,
+    ...) from cache indices, which would shrink the window of padded rows. For such models the
+    attention masks are built here from position ids instead, and caches never drop old entries.
+    For that, the causal backend keeps, per row, the position id of every cache slot (``kv_pos``,
+    -1 for padding) in ``Encoded.mask`` / ``DecodeState.mask``.
+    """
+
+    kind = "causal"
+
+    def __init__(self, model: torch.nn.Module, tokenizer, spec: PromptSpec) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = spec
+        cfg = model.config
+        self.eos_token_id = _first_id(tokenizer.eos_token_id, cfg.eos_token_id)
+        self.bos_token_id = _first_id(tokenizer.bos_token_id, cfg.bos_token_id)
+        pad = _first_id(tokenizer.pad_token_id, cfg.pad_token_id, self.eos_token_id, 0)
+        self.pad_token_id = int(pad)
+        self.target_start_id = self.pad_token_id
+        layer_types = set(getattr(cfg, "layer_types", None) or [])
+        window = getattr(cfg, "sliding_window", None)
+        self._window: int | None = None
+        self._layer_types: list[str] = []
+        if window and "sliding_attention" in layer_types:
+            if not layer_types <= {"full_attention", "sliding_attention"}:
+                raise ValueError(f"unsupported attention layer types {sorted(layer_types)}")
+            self._window = int(window)
+            self._layer_types = sorted(layer_types)
+        prefix_ids: list[int] = []
+        if spec.prefix:
+            prefix_ids = tokenizer(spec.prefix, add_special_tokens=False)["input_ids"]
+        self._prefix_text_ids = list(prefix_ids)
+        if spec.add_bos and self.bos_token_id is not None:
+            prefix_ids = [self.bos_token_id, *prefix_ids]
+        if not prefix_ids:
+            raise ValueError(
+                "openbook_prompt.json: the prompt prefix is empty and the tokenizer has no BOS "
+                "token; at least one shared leading token is required"
+            )
+        self.prefix_ids = prefix_ids
+        self._first_lp: Tensor | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the cached prefix keys/values (call after the weights change)."""
+        with torch.no_grad():
+            self.prefix_cache = self._prefix_forward()
+
+    def _prefix_forward(self) -> Cache:
+        ids = torch.tensor([self.prefix_ids], device=self.device)
+        # A config-less DynamicCache keeps every entry, even for sliding-window layers (class doc).
+        cache = DynamicCache() if self._window else None
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).past_key_values
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix_ids)
+
+    def prompt_ids(self, question: str, passage: Passage) -> list[int]:
+        """Token ids of the passage part of the prompt, as they appear after the prefix.
+
+        The whole prompt is tokenised so that tokenizers which treat the start of a string
+        specially (SentencePiece's dummy prefix) split it as the model saw it; when the prefix's
+        tokens do not survive as a prefix of that (a merge across the boundary), the passage part is
+        tokenised on its own instead.
+        """
+        text = self.spec.passage_prompt(passage.title, passage.text, question)
+        if self._prefix_text_ids:
+            full = self.tokenizer(self.spec.prefix + text, add_special_tokens=False)["input_ids"]
+            if full[: len(self._prefix_text_ids)] == self._prefix_text_ids:
+                return full[len(self._prefix_text_ids) :]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _prompt_batch(self, rows: Sequence[tuple[str, Passage]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Left-padded passage prompts.
+
+        Returns ids (R, L), kv_pos (R, P+L): position id of every prefix/prompt slot (-1 for
+        padding), and the position ids (R, L) of the prompt tokens (padding gets P - 1, harmless).
+        """
+        prompts = [self.prompt_ids(q, p) for q, p in rows]
+        if any(not p for p in prompts):
+            raise ValueError("passage_template produced an empty prompt")
+        width = max(len(p) for p in prompts)
+        n, plen = len(prompts), self.prefix_len
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        kv_pos = torch.full((n, plen + width), -1, dtype=torch.long)
+        kv_pos[:, :plen] = torch.arange(plen)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            kv_pos[r, plen + width - len(p) :] = torch.arange(plen, plen + len(p))
+        pos = kv_pos[:, plen:].clamp(min=plen - 1)
+        dev = self.device
+        return ids.to(dev), kv_pos.to(dev), pos.to(dev)
+
+    def _mask(self, kv_pos: Tensor, q_pos: Tensor) -> Tensor | dict[str, Tensor]:
+        """Attention mask for queries at ``q_pos`` (R, q) over keys at ``kv_pos`` (R, S) (which
+        already include the queries' own slots)."""
+        if self._window is None:
+            return (kv_pos >= 0).long()
+        keep = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
+        in_window = q_pos[:, :, None] - kv_pos[:, None, :] < self._window
+        dtype = next(self.model.parameters()).dtype
+        neg = torch.finfo(dtype).min
+        out = {}
+        for t in self._layer_types:
+            allowed = keep & in_window if t == "sliding_attention" else keep
+            out[t] = torch.zeros(allowed.shape, dtype=dtype, device=kv_pos.device).masked_fill(
+                ~allowed, neg
+            )[:, None]
+        return out
+
+    def _forked_prefix(self, n: int, prefix_cache: Cache | None = None) -> Cache:
+        cache = self.prefix_cache if prefix_cache is None else prefix_cache
+        return select_rows(cache, torch.zeros(n, dtype=torch.long, device=self.device))
+
+    def encode(self, items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> Encoded:
+        ids, kv_pos, pos = self._prompt_batch(_pad_slots(items, k))
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self._mask(kv_pos, pos),
+            position_ids=pos,
+            past_key_values=self._forked_prefix(ids.shape[0]),
+            use_cache=True,
+        )
+        first = self._log_softmax(out.logits[:, -1])
+        next_pos = kv_pos[:, -1] + 1
+        return Encoded(len(items), k, first, out.past_key_values, kv_pos, positions=next_pos)
+
+    def start(self, enc: Encoded, copies: int) -> DecodeState:
+        rows = torch.arange(enc.n * enc.k, device=enc.mask.device).repeat_interleave(copies)
+        return DecodeState(
+            cache=select_rows(enc.cache, rows),
+            mask=enc.mask[rows],
+            positions=enc.positions[rows],
+            hidden=None,
+            length=0,
+        )
+
+    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
+        q_pos = (state.positions + state.length)[:, None]
+        state.mask = torch.cat([state.mask, q_pos], dim=1)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self._mask(state.mask, q_pos),
+            position_ids=q_pos,
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        state.cache = out.past_key_values
+        state.length += 1
+        return self._log_softmax(out.logits[:, -1])
+
+    def score(
+        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
+    ) -> Tensor:
+        self._first_lp = enc.first_logprobs
+
+        def forward(r: Tensor, inputs: Tensor) -> Tensor:
+            q_pos = enc.positions[r, None] + torch.arange(inputs.shape[1], device=inputs.device)
+            return self.model(
+                input_ids=inputs,
+                attention_mask=self._mask(torch.cat([enc.mask[r], q_pos], dim=1), q_pos),
+                position_ids=q_pos,
+                past_key_values=select_rows(enc.cache, r),
+                use_cache=True,
+            ).logits
+
+        try:
+            return self._gather_chunked(rows, seqs, forward)
+        finally:
+            self._first_lp = None
+
+    def target_logits(
+        self, items: Sequence[tuple[str, Sequence[Passage]]], targets: Tensor
+    ) -> Tensor:
+        k = len(items[0][1])
+        ids, kv_pos, pos = self._prompt_batch(_pad_slots(items, k))
+        n_rows, width = ids.shape
+        # Gradients must reach the weights through the prefix too, so the load-time cache is only
+        # reused when no gradient is being recorded.
+        prefix_cache = self._prefix_forward() if torch.is_grad_enabled() else self.prefix_cache
+        answers = targets.to(ids.device).repeat_interleave(k, dim=0)[:, 1:]
+        next_pos = kv_pos[:, -1:] + 1 + torch.arange(answers.shape[1], device=ids.device)
+        q_pos = torch.cat([pos, next_pos], dim=1)
+        logits = self.model(
+            input_ids=torch.cat([ids, answers], dim=1),
+            attention_mask=self._mask(torch.cat([kv_pos, next_pos], dim=1), q_pos),
+            position_ids=q_pos,
+            past_key_values=self._forked_prefix(n_rows, prefix_cache),
+            use_cache=True,
+        ).logits
+        # Position width-1 (last prompt token) predicts the first answer token, i.e. targets[:, 1].
+        return logits[:, width - 1 :]
+
+    def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
+        seqs = []
+        for a in answers:
+            ids = self.tokenizer(self.spec.answer_prefix + a, add_special_tokens=False)["input_ids"]
+            tail = [self.eos_token_id] if self.eos_token_id is not None else []
+            seqs.append([self.target_start_id, *ids, *tail])
+        return _right_pad(seqs, self.pad_token_id).to(self.device)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        cut = [text.find(s) for s in self.spec.stop if s in text]
+        if cut:
+            text = text[: min(cut)]
+        return text.removeprefix(self.spec.answer_prefix).strip()
+
+
+def _first_id(*candidates) -> int | None:
+    for c in candidates:
+        if isinstance(c, list | tuple):
+            c = c[0] if c else None
+        if c is not None:
+            return int(c)
+    return None
+
+
+def _right_pad(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+    return out

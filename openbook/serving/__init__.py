@@ -1,0 +1,1 @@
+"""Serving plumbing shared by the gRPC services: server start-up, errors, batching."""

@@ -1,0 +1,76 @@
+"""Prometheus metrics of a gRPC service, exported over HTTP on a port of its own."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServiceMetrics:
+    """Per-RPC counts and latencies, batching, and what the service is serving right now."""
+
+    def __init__(self, service: str) -> None:
+        self.registry = CollectorRegistry()
+        self.rpcs = Counter(
+            "openbook_rpc_total",
+            "RPCs by method and status code",
+            ["service", "method", "code"],
+            registry=self.registry,
+        )
+        self.rpc_seconds = Histogram(
+            "openbook_rpc_seconds",
+            "RPC latency",
+            ["service", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "openbook_batch_size",
+            "Requests per batched forward pass",
+            ["service"],
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "openbook_queue_depth",
+            "Requests waiting to be batched",
+            ["service"],
+            registry=self.registry,
+        )
+        self.serving = Gauge(
+            "openbook_serving_info",
+            "1 for the index or model version being served",
+            ["service", "kind", "name"],
+            registry=self.registry,
+        )
+        self.service = service
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpcs.labels(self.service, method, code).inc()
+        self.rpc_seconds.labels(self.service, method).observe(seconds)
+
+    def observe_batch(self, size: int, queued: int) -> None:
+        self.batch_size.labels(self.service).observe(size)
+        self.queue_depth.labels(self.service).set(queued)
+
+    def track_queue(self, depth: Callable[[], int]) -> None:
+        """Report the live queue depth at every scrape (not only when a batch starts)."""
+        self.queue_depth.labels(self.service).set_function(depth)
+
+    def set_serving(self, kind: str, name: str) -> None:
+        """Record the one ``kind`` ('index', 'model') being served: ``name``."""
+        for metric in list(self.serving.collect()[0].samples):
+            if metric.labels["kind"] == kind:
+                self.serving.remove(metric.labels["service"], kind, metric.labels["name"])
+        self.serving.labels(self.service, kind, name).set(1)
+
+    def serve_http(self, port: int, host: str = "0.0.0.0") -> None:
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)
+            log.info("metrics on http://%s:%d/metrics", host, port)

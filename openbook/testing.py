@@ -1,0 +1,308 @@
+"""Test support shared by the suite and by benchmarks: free ports and a private Redis."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from openbook.launcher import SUPERVISING_LINE
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server of our own on a free port, so tests never touch a shared instance."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError(
+                "redis-server not found: install Debian's redis-server (.ci/run does)"
+            )
+        self.exe = exe
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True)
+
+
+def build_fact_indexes(root: Path) -> tuple[str, str]:
+    """Two small real indexes (MiniLM, flat) under ``root``: ``facts-a`` and ``facts-b``.
+
+    They hold the same topics with different facts, so answers and passages differ between
+    them — what an index swap must show.
+    """
+    from openbook.index import build_index
+    from openbook.index.testing import fact_rows, write_jsonl
+
+    rows_a = fact_rows()
+    rows_b = [
+        {**row, "id": f"b-{row['id']}", "text": row["text"] + " (revised edition)"}
+        for row in rows_a
+    ]
+    for name, rows in (("facts-a", rows_a), ("facts-b", rows_b)):
+        if not (root / name / "manifest.json").exists():
+            source = write_jsonl(root / f"{name}.jsonl", rows)
+            build_index([source], root / name, name=name, progress=False)
+    return "facts-a", "facts-b"
+
+
+@dataclass
+class Backends:
+    """Retriever and generator gRPC servers running in this process."""
+
+    retriever_port: int
+    generator_port: int
+    generator_servicer: Any  # openbook_generator.servicer.GeneratorServicer
+
+    def gateway_settings(self, redis_url: str, **overrides: Any):
+        """Gateway settings that point at these backends."""
+        from openbook.config import Settings
+
+        return Settings(
+            **{
+                "retriever_addr": f"127.0.0.1:{self.retriever_port}",
+                "generator_addr": f"127.0.0.1:{self.generator_port}",
+                "redis_url": redis_url,
+                **overrides,
+            }
+        )
+
+
+@contextmanager
+def running_backends(workdir: Path, redis_url: str) -> Iterator[Backends]:
+    """The real retriever (``facts-a`` active, ``facts-b`` loadable) and generator (a tiny
+    random BART) built as their servers build them, on free loopback ports."""
+    from openbook.config import Settings
+    from openbook.rag.testing import make_tiny_bart
+    from openbook_generator.server import build as build_generator
+    from openbook_retriever.server import build as build_retriever
+
+    build_fact_indexes(workdir / "indexes")
+    settings = Settings(
+        retriever_host="127.0.0.1",
+        retriever_port=0,
+        generator_host="127.0.0.1",
+        generator_port=0,
+        index_root=workdir / "indexes",
+        default_index="facts-a",
+        redis_url=redis_url,
+        generator_model=make_tiny_bart(workdir / "models" / "tiny-bart"),
+        checkpoint_dir=workdir / "checkpoints",  # empty: never a trained checkpoint of the repo
+    )
+    retriever, _, stop_following = build_retriever(settings)
+    generator, generator_servicer = build_generator(settings)
+    for service in (retriever, generator):
+        service.set_serving(True)
+        service.start()
+    try:
+        yield Backends(retriever.port, generator.port, generator_servicer)
+    finally:
+        stop_following.set()
+        retriever.stop(0)
+        generator.stop(0)
+        generator_servicer.close()
+
+
+@contextmanager
+def serving_gateway(settings, timeout_s: float = 60) -> Iterator[str]:
+    """The gateway app under uvicorn in a thread on a free port; yields its base URL."""
+    import uvicorn
+
+    from openbook_gateway.app import create_app
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings), host="127.0.0.1", port=port, log_config=None, access_log=False
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class LocalStack:
+    """The whole system started by ``openbook up`` (docker-compose.yml) on free ports.
+
+    Used by the end-to-end and fault tests and by ``bench/load``. ``var`` must already hold
+    ``indexes/`` and a generator under ``models/``; the init step runs but prepares nothing.
+    """
+
+    def __init__(
+        self,
+        var: Path,
+        generator: str = "tiny-bart",
+        default_index: str = "facts-a",
+        admin_token: str = "local-admin-token",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        import os
+        import sys
+
+        self.var = Path(var).resolve()
+        self.admin_token = admin_token
+        self.ports = {
+            name: free_port()
+            for name in ("gateway", "redis", "retriever", "generator", "rmetrics", "gmetrics")
+        }
+        self.env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "OPENBOOK_VAR_DIR": str(self.var),
+            "OPENBOOK_GATEWAY_PORT": str(self.ports["gateway"]),
+            "OPENBOOK_REDIS_PORT": str(self.ports["redis"]),
+            "OPENBOOK_RETRIEVER_PORT": str(self.ports["retriever"]),
+            "OPENBOOK_GENERATOR_PORT": str(self.ports["generator"]),
+            "OPENBOOK_RETRIEVER_METRICS_PORT": str(self.ports["rmetrics"]),
+            "OPENBOOK_GENERATOR_METRICS_PORT": str(self.ports["gmetrics"]),
+            "OPENBOOK_GENERATOR_MODEL": f"/var/openbook/models/{generator}",
+            "OPENBOOK_DEFAULT_INDEX": default_index,
+            "OPENBOOK_ADMIN_TOKEN": admin_token,
+            "OPENBOOK_PREPARE": "none",
+            **(extra_env or {}),
+        }
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.var / "stack.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['gateway']}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def start(self, timeout_s: float = 300) -> None:
+        import sys
+
+        import httpx
+
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "openbook", "up"],
+            cwd=REPO_ROOT,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        # Ready means the gateway answers /readyz *and* the launcher has printed that it now
+        # supervises the services: before that line, a service that dies takes the whole
+        # stack down instead of being restarted.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"openbook up exited:\n{self.log_tail()}")
+            try:
+                if (
+                    SUPERVISING_LINE in self.log_tail(1_000_000)
+                    and httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+                ):
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"stack not ready in {timeout_s:.0f}s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def service_pid(self, service: str) -> int:
+        """PID of the live ``service`` process started by ``openbook up`` (its direct child).
+
+        A killed process the launcher has not reaped yet is a zombie and is skipped."""
+        import psutil
+
+        assert self.proc is not None
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if f"serve {service}" in " ".join(child.cmdline()) or (
+                    service == "redis" and child.name().startswith("redis")
+                ):
+                    return child.pid
+            except psutil.Error:
+                continue  # exited while we looked
+        raise LookupError(f"no running {service} process")
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()

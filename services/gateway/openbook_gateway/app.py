@@ -1,0 +1,453 @@
+"""The HTTP front door: a thin router over the retriever and generator gRPC services."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from openbook.config import Settings, get_settings
+from openbook.logs import request_id_var
+from openbook.v1 import common_pb2, generator_pb2
+from openbook_gateway.cache import AnswerCache
+from openbook_gateway.clients import GeneratorClient
+from openbook_gateway.metrics import GatewayMetrics
+from openbook_gateway.retrieval import Retrieval
+from openbook_gateway.schemas import (
+    AnswerRequest,
+    AnswerResponse,
+    HypothesisOut,
+    IndexesResponse,
+    IndexOut,
+    PassageOut,
+    ReloadModelRequest,
+    ReloadModelResponse,
+    SwapIndexRequest,
+    SwapIndexResponse,
+    TokenPosteriorOut,
+)
+from openbook_gateway.ui import router as ui_router
+
+log = logging.getLogger(__name__)
+
+# Fields of AnswerRequest that change the answer (and so belong in the cache key).
+ANSWER_PARAMS = (
+    "question",
+    "k",
+    "decoding",
+    "num_beams",
+    "max_new_tokens",
+    "min_new_tokens",
+    "num_return_sequences",
+    "length_penalty",
+)
+
+
+class BodySizeLimit:
+    """Refuse request bodies over ``max_bytes`` with 413 and a message saying so.
+
+    A declared ``Content-Length`` over the limit is refused before reading anything; a body
+    streamed without one is cut off as soon as it passes the limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.message = f"request body larger than {max_bytes} bytes (OPENBOOK_MAX_BODY_BYTES)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "").strip()
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            response = JSONResponse({"detail": self.message}, 413, headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, self.message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class RequestContext:
+    """Request id (the client's ``x-request-id`` or a new one) in the log context, in
+    ``request.state`` and on the response; request count, and one access-log line.
+
+    A plain ASGI middleware: no extra task per request, and the handler runs in this context,
+    so everything it logs carries the request id. An unhandled error becomes a JSON 500 that
+    names the request id, never a stack trace.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, access_log: bool) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.access_log = access_log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id", "")
+        if not (0 < len(request_id) <= 128 and request_id.isascii() and request_id.isprintable()):
+            request_id = uuid.uuid4().hex  # it goes into logs and gRPC metadata: keep it sane
+        scope.setdefault("state", {})["request_id"] = request_id
+        token = request_id_var.set(request_id)
+        started = time.perf_counter()
+        status = 500
+        response_started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, response_started
+            if message["type"] == "http.response.start":
+                status, response_started = message["status"], True
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception:  # noqa: BLE001 - never leak a stack trace to the client
+                log.exception("unhandled error")
+                if response_started:
+                    raise
+                body = {"detail": "internal error", "request_id": request_id}
+                await JSONResponse(body, 500)(scope, receive, send_with_id)
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, status).inc()
+            if self.access_log:
+                # Never the headers: the Authorization header carries the admin token.
+                method = scope["method"]
+                log.info(
+                    "http %s %s %d",
+                    method,
+                    route,
+                    status,
+                    extra={
+                        "fields": {
+                            "method": method,
+                            "route": route,
+                            "status": status,
+                            "ms": _ms(started),
+                        }
+                    },
+                )
+        finally:
+            request_id_var.reset(token)
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: renders any string, even one with lone surrogates that a
+    client sent (echoed back in a 422), which UTF-8 cannot encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _ms(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 2)
+
+
+def _require_admin(settings: Settings):
+    async def check(authorization: str | None = Header(default=None)) -> None:
+        expected = settings.admin_token.get_secret_value() if settings.admin_token else ""
+        if not expected:
+            raise HTTPException(401, "admin API disabled: set OPENBOOK_ADMIN_TOKEN")
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+            raise HTTPException(
+                401, "missing or wrong admin token", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    return check
+
+
+def _passages_out(
+    passages: list[common_pb2.Passage], generated: generator_pb2.GenerateResponse
+) -> list[PassageOut]:
+    best = generated.hypotheses[0] if generated.hypotheses else None
+    posterior: list[float] | None = None
+    if best is not None and len(best.doc_posterior):
+        posterior = list(best.doc_posterior)
+    elif best is not None and len(best.tokens):
+        posterior = list(best.tokens[-1].doc_posterior)
+    prior = list(generated.doc_prior)
+    return [
+        PassageOut(
+            id=p.id,
+            title=p.title,
+            text=p.text,
+            score=p.score,
+            prior=prior[i] if i < len(prior) else None,
+            posterior=posterior[i] if posterior and i < len(posterior) else None,
+        )
+        for i, p in enumerate(passages)
+    ]
+
+
+def _hypotheses_out(generated: generator_pb2.GenerateResponse) -> list[HypothesisOut]:
+    return [
+        HypothesisOut(
+            text=h.text,
+            log_prob=h.log_prob if math.isfinite(h.log_prob) else -1e30,
+            doc_posterior=list(h.doc_posterior) or None,
+            tokens=[
+                TokenPosteriorOut(token=t.token, posterior=list(t.doc_posterior)) for t in h.tokens
+            ]
+            or None,
+        )
+        for h in generated.hypotheses
+    ]
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    metrics = GatewayMetrics()
+    lookups = {"hit": 0, "miss": 0}
+    hit_ratio = Gauge(
+        "openbook_gateway_cache_hit_ratio",
+        "Share of answer-cache lookups that were hits, since the gateway started",
+        registry=metrics.registry,
+    )
+    hit_ratio.set_function(lambda: lookups["hit"] / max(1, lookups["hit"] + lookups["miss"]))
+    serving = Gauge(
+        "openbook_gateway_model_info",
+        "1 for the model version of each service that computed the latest answer",
+        ["service", "version"],
+        registry=metrics.registry,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if settings.access_log:
+            # RequestContext logs every request (route, status, ms, request id): uvicorn's own
+            # access line would only repeat it.
+            logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+        app.state.retrieval = Retrieval(
+            settings.retriever_addr, settings.retrieve_timeout_s, settings.health_timeout_s
+        )
+        app.state.generator = GeneratorClient(
+            settings.generator_addr, settings.generate_timeout_s, settings.health_timeout_s
+        )
+        app.state.cache = AnswerCache(
+            settings.redis_url, settings.cache_ttl_s, settings.redis_timeout_s
+        )
+        app.state.last_index = None
+        app.state.last_versions = {}
+        yield
+        await app.state.retrieval.close()
+        await app.state.generator.close()
+        await app.state.cache.close()
+
+    app = FastAPI(
+        title="openbook",
+        version="0.1.0",
+        description="Retrieval-Augmented Generation (Lewis et al., 2020) as a service.",
+        lifespan=lifespan,
+    )
+    require_admin = _require_admin(settings)
+    app.include_router(ui_router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return AsciiJSONResponse({"detail": jsonable_encoder(exc.errors())}, 422)
+
+    # Outermost (added last): every response, a 413 from BodySizeLimit too, gets a request id.
+    app.add_middleware(RequestContext, metrics=metrics, access_log=settings.access_log)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request, response: Response) -> dict:
+        state = request.app.state
+        services = {
+            "retriever": await state.retrieval.healthy(),
+            "generator": await state.generator.healthy(),
+        }
+        redis_ok = await state.cache.ping()
+        ready = all(services.values())
+        if not ready:
+            response.status_code = 503
+        # Redis only caches and coordinates: without it the system still answers.
+        return {"ready": ready, "services": services, "redis": redis_ok}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/answer", response_model=AnswerResponse)
+    async def answer(body: AnswerRequest, request: Request) -> dict:
+        state = request.app.state
+        request_id = request.state.request_id
+        params = body.model_dump(include=set(ANSWER_PARAMS))
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+
+        if body.use_cache:
+            t = time.perf_counter()
+            # Redis is the shared truth; what this gateway saw last covers a Redis that lost
+            # its keys. The key names the index and model versions that would answer now.
+            shared_index, versions = await state.cache.serving()
+            index_hint = body.index or shared_index or state.last_index
+            versions = {**state.last_versions, **versions}
+            cached = None
+            if index_hint and versions:
+                cached = await state.cache.get(index_hint, {**params, "models": versions})
+            timings["cache_ms"] = _ms(t)
+            metrics.stage_seconds.labels("cache").observe(timings["cache_ms"] / 1000)
+            metrics.cache.labels("hit" if cached else "miss").inc()
+            lookups["hit" if cached else "miss"] += 1
+            if cached:
+                timings["total_ms"] = _ms(started)
+                # Validated when it was stored: sent as it is, not validated again.
+                return JSONResponse(
+                    {**cached, "cached": True, "request_id": request_id, "timings_ms": timings}
+                )
+        else:
+            metrics.cache.labels("skipped").inc()
+
+        t = time.perf_counter()
+        retrieved = await state.retrieval.retrieve(body.question, body.k, body.index, request_id)
+        timings["retrieve_ms"] = _ms(t)
+        metrics.stage_seconds.labels("retrieve").observe(timings["retrieve_ms"] / 1000)
+        passages = list(retrieved.results[0].passages)
+        if not passages:
+            raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
+
+        t = time.perf_counter()
+        generated = await state.generator.call(
+            state.generator.stub.Generate,
+            generator_pb2.GenerateRequest(
+                question=body.question,
+                passages=passages,
+                options=generator_pb2.DecodingOptions(
+                    mode=body.decoding,
+                    num_beams=body.num_beams,
+                    max_new_tokens=body.max_new_tokens,
+                    min_new_tokens=body.min_new_tokens,
+                    length_penalty=body.length_penalty,
+                    num_return_sequences=body.num_return_sequences,
+                ),
+            ),
+            request_id,
+        )
+        timings["generate_ms"] = _ms(t)
+        metrics.stage_seconds.labels("generate").observe(timings["generate_ms"] / 1000)
+        metrics.active_index.clear()
+        metrics.active_index.labels(retrieved.index).set(1)
+        if not body.index:
+            state.last_index = retrieved.index
+        used_versions = {
+            "generator": generated.model_version,
+            "retriever": retrieved.model_version,
+        }
+        state.last_versions = used_versions
+        serving.clear()
+        for service, version in used_versions.items():
+            serving.labels(service, version).set(1)
+        timings["total_ms"] = _ms(started)
+
+        result = AnswerResponse(
+            answer=generated.hypotheses[0].text if generated.hypotheses else "",
+            index=retrieved.index,
+            model_version=generated.model_version,
+            retriever_version=retrieved.model_version,
+            decoding=body.decoding,
+            passages=_passages_out(passages, generated),
+            hypotheses=_hypotheses_out(generated),
+            cached=False,
+            request_id=request_id,
+            timings_ms=timings,
+        ).model_dump()
+        if body.use_cache:
+            stored = {k: v for k, v in result.items() if k not in ("request_id", "timings_ms")}
+            await state.cache.put(retrieved.index, {**params, "models": used_versions}, stored)
+        return result
+
+    @app.get("/indexes", response_model=IndexesResponse)
+    async def indexes(request: Request) -> dict:
+        state = request.app.state
+        listed = await state.retrieval.list_indexes(request.state.request_id)
+        return {
+            "active": listed.active or None,
+            "indexes": [
+                IndexOut(
+                    name=i.name,
+                    encoder=i.encoder,
+                    dim=i.dim,
+                    count=i.count,
+                    index_type=i.index_type,
+                    loaded=i.loaded,
+                    active=i.active,
+                )
+                for i in listed.indexes
+            ],
+        }
+
+    @app.post(
+        "/admin/swap-index", response_model=SwapIndexResponse, dependencies=[Depends(require_admin)]
+    )
+    async def swap_index(body: SwapIndexRequest, request: Request) -> dict:
+        state = request.app.state
+        # Loading a large index can take a while; it must not be cut by the query deadline.
+        previous, active = await state.retrieval.swap(
+            body.index, request.state.request_id, timeout_s=max(settings.retrieve_timeout_s, 600.0)
+        )
+        state.last_index = active
+        log.info("index swapped %s -> %s", previous, active)
+        return {"previous": previous or None, "active": active}
+
+    @app.post(
+        "/admin/reload-model",
+        response_model=ReloadModelResponse,
+        dependencies=[Depends(require_admin)],
+    )
+    async def reload_model(body: ReloadModelRequest, request: Request) -> dict:
+        """Load a trained checkpoint into the retriever (query encoder) and the generator.
+
+        Each service verifies the checkpoint before switching and keeps its current model if
+        it is refused; in-flight requests finish on the model they started with.
+        """
+        state = request.app.state
+        request_id = request.state.request_id
+        path = body.checkpoint or ""
+        timeout_s = max(settings.generate_timeout_s, 600.0)
+        retriever_version = await state.retrieval.reload_model(path, request_id, timeout_s)
+        generated = await state.generator.call(
+            state.generator.stub.ReloadModel,
+            common_pb2.ReloadModelRequest(path=path),
+            request_id,
+            timeout_s=timeout_s,
+        )
+        log.info(
+            "models reloaded: generator %s, retriever %s",
+            generated.model_version,
+            retriever_version,
+        )
+        return {"generator": generated.model_version, "retriever": retriever_version}
+
+    return app

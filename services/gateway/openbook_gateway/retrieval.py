@@ -1,0 +1,116 @@
+"""The retriever as the gateway sees it: one service, or an index split over shards.
+
+With several addresses (``OPENBOOK_RETRIEVER_ADDR=host-0:50051,host-1:50051``) each serves one
+shard of every index: a query fans out to all and the top-k are merged by score, so results
+equal those of the unsharded index. Admin calls go to every shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import HTTPException
+
+from openbook.types import Passage
+from openbook.v1 import common_pb2, retriever_pb2
+from openbook_gateway.clients import RetrieverClient
+
+
+def _to_passage(p: common_pb2.Passage) -> Passage:
+    return Passage(id=p.id, title=p.title, text=p.text, score=p.score)
+
+
+def _to_proto(p: Passage) -> common_pb2.Passage:
+    return common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score)
+
+
+class Retrieval:
+    def __init__(self, addrs: str, timeout_s: float, health_timeout_s: float) -> None:
+        addresses = [a.strip() for a in addrs.split(",") if a.strip()]
+        if not addresses:
+            raise ValueError("OPENBOOK_RETRIEVER_ADDR: no address given")
+        self.shards = [RetrieverClient(a, timeout_s, health_timeout_s) for a in addresses]
+
+    async def _all(self, method: str, request, request_id: str, timeout_s: float | None = None):
+        return await asyncio.gather(
+            *(
+                shard.call(getattr(shard.stub, method), request, request_id, timeout_s)
+                for shard in self.shards
+            )
+        )
+
+    async def retrieve(
+        self, question: str, k: int, index: str | None, request_id: str
+    ) -> retriever_pb2.RetrieveResponse:
+        request = retriever_pb2.RetrieveRequest(queries=[question], k=k, index=index or "")
+        replies = await self._all("Retrieve", request, request_id)
+        if len(replies) == 1:
+            return replies[0]
+        # A swap reaches shards one after another; a request caught in between asks the
+        # lagging shards for shard 0's index explicitly, so the answer uses one index.
+        label = replies[0].index
+        for i, reply in enumerate(replies):
+            if reply.index != label:
+                shard = self.shards[i]
+                retry = retriever_pb2.RetrieveRequest(queries=[question], k=k, index=label)
+                replies[i] = await shard.call(shard.stub.Retrieve, retry, request_id)
+        from openbook.index.shard import merge_results
+
+        merged = merge_results(
+            [[[_to_passage(p) for p in reply.results[0].passages]] for reply in replies], k
+        )[0]
+        return retriever_pb2.RetrieveResponse(
+            results=[retriever_pb2.QueryResult(passages=[_to_proto(p) for p in merged])],
+            index=label,
+            model_version=replies[0].model_version,
+        )
+
+    async def list_indexes(self, request_id: str) -> retriever_pb2.ListIndexesResponse:
+        replies = await self._all("ListIndexes", retriever_pb2.ListIndexesRequest(), request_id)
+        if len(replies) == 1:
+            return replies[0]
+        # An index is servable only where every shard has it; counts add up.
+        per_shard = [{i.name: i for i in reply.indexes} for reply in replies]
+        common = set(per_shard[0]).intersection(*per_shard[1:])
+        indexes = []
+        for name in sorted(common):
+            info = retriever_pb2.IndexInfo()
+            info.CopyFrom(per_shard[0][name])
+            info.count = sum(shard[name].count for shard in per_shard)
+            info.loaded = all(shard[name].loaded for shard in per_shard)
+            indexes.append(info)
+        return retriever_pb2.ListIndexesResponse(indexes=indexes, active=replies[0].active)
+
+    async def swap(self, name: str, request_id: str, timeout_s: float) -> tuple[str, str]:
+        """Swap every shard; if one refuses, put the others back so all agree."""
+        request = retriever_pb2.SwapIndexRequest(name=name)
+        results = await asyncio.gather(
+            *(
+                shard.call(shard.stub.SwapIndex, request, request_id, timeout_s)
+                for shard in self.shards
+            ),
+            return_exceptions=True,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for shard, result in zip(self.shards, results, strict=True):
+                if not isinstance(result, BaseException) and result.previous:
+                    back = retriever_pb2.SwapIndexRequest(name=result.previous)
+                    await shard.call(shard.stub.SwapIndex, back, request_id, timeout_s)
+            error = failed[0]
+            if isinstance(error, HTTPException):
+                raise error
+            raise HTTPException(503, f"retriever swap failed: {error}")
+        return results[0].previous, results[0].active
+
+    async def reload_model(self, path: str, request_id: str, timeout_s: float) -> str:
+        request = common_pb2.ReloadModelRequest(path=path)
+        replies = await self._all("ReloadModel", request, request_id, timeout_s)
+        return replies[0].model_version
+
+    async def healthy(self) -> bool:
+        return all(await asyncio.gather(*(shard.healthy() for shard in self.shards)))
+
+    async def close(self) -> None:
+        for shard in self.shards:
+            await shard.close()

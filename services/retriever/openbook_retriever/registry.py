@@ -1,0 +1,161 @@
+"""The indexes a retriever can serve, which one is active, and safe swapping between them.
+
+Every index directory under the index root is available by name. Requests hold a lease on
+the index they started with, so a swap or unload never pulls an index from under a running
+search: the index is closed only when its last lease ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from openbook.errors import FailedPrecondition, InvalidArgument, NotFound
+from openbook.index import LoadedIndex, Manifest, open_index
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class _Entry:
+    index: LoadedIndex
+    leases: int = 0
+    retired: bool = False  # unloaded while leased: close when the last lease ends
+
+
+class IndexRegistry:
+    def __init__(self, root: Path, max_loaded: int = 4) -> None:
+        self.root = Path(root)
+        self.max_loaded = max_loaded
+        self._lock = threading.RLock()
+        self._loaded: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._loading: dict[str, threading.Lock] = {}
+        self.active: str | None = None
+
+    # ---- discovery
+    def available(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / MANIFEST).is_file())
+
+    def manifest(self, name: str) -> Manifest:
+        with self._lock:
+            entry = self._loaded.get(name)
+            if entry is not None:
+                return entry.index.manifest
+        return Manifest.from_file(self._path(name) / MANIFEST)
+
+    def is_loaded(self, name: str) -> bool:
+        with self._lock:
+            return name in self._loaded
+
+    def _path(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise InvalidArgument(f"index: invalid index name {name!r}")
+        path = self.root / name
+        if not (path / MANIFEST).is_file():
+            known = ", ".join(self.available()) or "none"
+            raise NotFound(f"index: unknown index {name!r} (available: {known})")
+        return path
+
+    # ---- loading
+    def load(self, name: str) -> LoadedIndex:
+        """Load ``name`` (verifying it) unless already loaded. Concurrent loads share one."""
+        with self._lock:
+            entry = self._loaded.get(name)
+            if entry is not None:
+                self._loaded.move_to_end(name)
+                return entry.index
+            path = self._path(name)
+            gate = self._loading.setdefault(name, threading.Lock())
+        with gate:  # slow part outside the registry lock: other indexes keep serving
+            with self._lock:
+                if name in self._loaded:
+                    return self._loaded[name].index
+            log.info("loading index %s from %s", name, path)
+            index = open_index(path, verify=True)
+            with self._lock:
+                self._loaded[name] = _Entry(index)
+                self._loading.pop(name, None)
+                self._evict_idle(keep=name)
+            return index
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            if name == self.active:
+                raise FailedPrecondition(f"index {name!r} is active; swap to another first")
+            entry = self._loaded.pop(name, None)
+            if entry is None:
+                raise NotFound(f"index {name!r} is not loaded")
+            self._retire(name, entry)
+
+    def _retire(self, name: str, entry: _Entry) -> None:
+        if entry.leases == 0:
+            entry.index.close()
+            log.info("index %s released", name)
+        else:
+            entry.retired = True
+
+    def _evict_idle(self, keep: str | None = None) -> None:
+        """Release least recently used indexes beyond ``max_loaded`` (never the active one,
+        nor ``keep``, which a caller is about to use)."""
+        for name in list(self._loaded):
+            if len(self._loaded) <= self.max_loaded:
+                return
+            if name not in (self.active, keep):
+                self._retire(name, self._loaded.pop(name))
+
+    # ---- serving
+    def swap(self, name: str) -> tuple[str | None, LoadedIndex]:
+        """Make ``name`` active (loading it first); returns the previously active name.
+
+        A corrupt or mismatched index fails to load and the current one keeps serving.
+        """
+        while True:
+            index = self.load(name)
+            with self._lock:
+                if name not in self._loaded:
+                    continue  # evicted between loading and activating: load it again
+                previous, self.active = self.active, name
+                self._loaded.move_to_end(name)
+                self._evict_idle()
+                break
+        if previous != name:
+            log.info("active index %s -> %s", previous, name)
+        return previous, index
+
+    @contextmanager
+    def lease(self, name: str | None = None) -> Iterator[LoadedIndex]:
+        """Hold ``name`` (default: the active index) for the duration of one request."""
+        while True:
+            with self._lock:
+                target = name or self.active
+                if target is None:
+                    raise FailedPrecondition("no active index: build one and swap to it")
+                entry = self._loaded.get(target)
+                if entry is not None:
+                    entry.leases += 1
+                    self._loaded.move_to_end(target)
+                    break
+            self.load(target)  # loaded on demand, then lease it on the next pass
+        try:
+            yield entry.index
+        finally:
+            with self._lock:
+                entry.leases -= 1
+                if entry.retired and entry.leases == 0:
+                    entry.index.close()
+                    log.info("index %s released", target)
+
+    def close(self) -> None:
+        with self._lock:
+            for name, entry in list(self._loaded.items()):
+                self._retire(name, entry)
+            self._loaded.clear()

@@ -1,0 +1,286 @@
+"""gRPC handlers of the retriever: validation, batching, translation to and from protobuf.
+
+Concurrent ``Retrieve`` calls are batched (``openbook.serving.batcher``): each call leases its
+index, then queues its queries; the batch worker runs one query-encoder forward pass over the
+queries of every waiting call on the same index and encoder, and one search per distinct
+``(k, return_vectors)``. Each call still gets its own result or its own error, and holds its
+lease until its result is back, so a swap never closes an index under a queued call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from openbook.checkpoint import load_query_encoder, resolve_checkpoint, verify_checkpoint
+from openbook.errors import InvalidArgument
+from openbook.index import Encoder, LoadedIndex
+from openbook.serving.batcher import Batcher
+from openbook.serving.metrics import ServiceMetrics
+from openbook.shared_state import ActiveIndexStore, publish_model_version
+from openbook.types import Passage
+from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
+from openbook_retriever.registry import IndexRegistry
+
+log = logging.getLogger(__name__)
+
+MAX_K = 100
+MAX_QUERIES = 256
+MAX_QUERY_CHARS = 4000
+
+
+def passage_to_proto(p: Passage, with_vector: bool) -> common_pb2.Passage:
+    msg = common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=float(p.score))
+    if with_vector and p.vector is not None:
+        msg.vector.extend(p.vector.tolist())
+    return msg
+
+
+def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> None:
+    if not request.queries:
+        raise InvalidArgument("queries: at least one query is required")
+    if len(request.queries) > MAX_QUERIES:
+        raise InvalidArgument(
+            f"queries: at most {MAX_QUERIES} per request, got {len(request.queries)}"
+        )
+    for i, query in enumerate(request.queries):
+        if not query.strip():
+            raise InvalidArgument(f"queries[{i}]: must not be empty")
+        if len(query) > MAX_QUERY_CHARS:
+            raise InvalidArgument(f"queries[{i}]: longer than {MAX_QUERY_CHARS} characters")
+    if not 1 <= request.k <= MAX_K:
+        raise InvalidArgument(f"k: must be in [1, {MAX_K}], got {request.k}")
+
+
+@dataclass
+class _Search:
+    """One Retrieve call waiting to be batched."""
+
+    index: LoadedIndex
+    encoder: Encoder | None  # None: the index's own query encoder (or bm25)
+    queries: list[str]
+    k: int
+    vectors: bool
+
+
+def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
+    """Results (or an error) per item; queries on one index and encoder share a forward pass."""
+    results: list[list[list[Passage]] | Exception | None] = [None] * len(items)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault((id(item.index), id(item.encoder)), []).append(i)
+    for members in groups.values():
+        index, encoder = items[members[0]].index, items[members[0]].encoder
+        try:
+            vectors = None
+            if index.dense:
+                encoder = encoder if encoder is not None else index.query_encoder
+                index.check_encoder(encoder)
+                vectors = encoder.encode([q for i in members for q in items[i].queries])
+        except Exception as exc:  # noqa: BLE001 - fails this group only
+            for i in members:
+                results[i] = exc
+            continue
+        offsets, at = {}, 0
+        for i in members:
+            offsets[i] = at
+            at += len(items[i].queries)
+        searches: dict[tuple[int, bool], list[int]] = {}
+        for i in members:
+            searches.setdefault((items[i].k, items[i].vectors), []).append(i)
+        for (k, with_vectors), same in searches.items():
+            try:
+                if vectors is None:
+                    texts = [q for i in same for q in items[i].queries]
+                    hits = index.search(texts, k, return_vectors=with_vectors)
+                else:
+                    rows = np.concatenate(
+                        [vectors[offsets[i] : offsets[i] + len(items[i].queries)] for i in same]
+                    )
+                    hits = index.search_vectors(rows, k, with_vectors)
+            except Exception as exc:  # noqa: BLE001 - fails these calls only
+                for i in same:
+                    results[i] = exc
+                continue
+            at = 0
+            for i in same:
+                n = len(items[i].queries)
+                results[i] = hits[at : at + n]
+                at += n
+    return [r if r is not None else RuntimeError("not searched") for r in results]
+
+
+class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
+    def __init__(
+        self,
+        registry: IndexRegistry,
+        shared: ActiveIndexStore | None = None,
+        query_encoder: Encoder | None = None,
+        metrics: ServiceMetrics | None = None,
+        checkpoint_root: Path | None = None,
+        *,
+        max_batch_size: int = 32,
+        max_batch_wait_ms: float = 2.0,
+        max_queue: int = 256,
+    ) -> None:
+        self.checkpoint_root = checkpoint_root
+        self.registry = registry
+        self.metrics = metrics
+        self.encoder_version = ""  # a checkpoint's version once one is loaded
+        self.shared = shared
+        self.query_encoder = query_encoder
+        # Local swaps and following the shared key are serialised, so a stale read of the
+        # key can never undo a swap that has just been made here.
+        self._swap_lock = threading.Lock()
+        self.batcher: Batcher[_Search, list[list[Passage]]] = Batcher(
+            search_batch,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_batch_wait_ms,
+            max_queue=max_queue,
+            name="retrieve-batcher",
+            on_batch=self._on_batch,
+        )
+        if metrics is not None:
+            metrics.track_queue(self.batcher.depth)
+
+    def _on_batch(self, size: int) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_batch(size, self.batcher.depth())
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    @property
+    def model_version(self) -> str:
+        if self.encoder_version:
+            return self.encoder_version
+        return self.query_encoder.name if self.query_encoder is not None else "index-default"
+
+    def Retrieve(self, request, context):
+        validate_retrieve(request)
+        with self.registry.lease(request.index or None) as index:
+            encoder = self.query_encoder if index.manifest.index_type != "bm25" else None
+            search = _Search(
+                index, encoder, list(request.queries), request.k, request.return_vectors
+            )
+            results = self.batcher.submit(search, timeout_s=context.time_remaining())
+            name = index.name
+        return retriever_pb2.RetrieveResponse(
+            results=[
+                retriever_pb2.QueryResult(
+                    passages=[passage_to_proto(p, request.return_vectors) for p in passages]
+                )
+                for passages in results
+            ],
+            index=name,
+            model_version=self.model_version,
+        )
+
+    def _search(self, index: LoadedIndex, queries: list[str], k: int, vectors: bool):
+        """Search ``index`` directly, outside the batcher (warm-up, tools)."""
+        encoder = self.query_encoder if index.manifest.index_type != "bm25" else None
+        return index.search(queries, k, encoder=encoder, return_vectors=vectors)
+
+    def use_checkpoint(self, path: Path) -> None:
+        """Serve the query encoder of a trainer checkpoint (or the latest under a root).
+
+        The encoder is loaded and checked against the active index before the switch, so a
+        missing, corrupt or mismatched checkpoint raises and the current encoder keeps serving.
+        """
+        ckpt = resolve_checkpoint(path)
+        manifest = verify_checkpoint(ckpt)
+        encoder = load_query_encoder(ckpt, verify=False)
+        if encoder is not None and self.registry.active:
+            with self.registry.lease() as index:
+                if index.dense:
+                    index.check_encoder(encoder)
+        self.query_encoder, self.encoder_version = encoder, manifest.version
+        self.announce_model()
+        log.info("query encoder from checkpoint %s", manifest.version)
+
+    def announce_model(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_serving("model", self.model_version)
+        if self.shared is not None:
+            publish_model_version(self.shared.client, "retriever", self.model_version)
+
+    def ReloadModel(self, request, context):
+        if not request.path and self.checkpoint_root is None:
+            raise InvalidArgument("path: no checkpoint given and no checkpoint root configured")
+        try:
+            self.use_checkpoint(Path(request.path) if request.path else self.checkpoint_root)
+        except OSError as exc:  # a path the file system refuses (too long, not readable, ...)
+            raise InvalidArgument(f"checkpoint {request.path!r}: {exc.strerror or exc}") from None
+        return common_pb2.ModelInfo(
+            model_version=self.model_version,
+            model_type="query-encoder" if self.query_encoder is not None else "index-default",
+            device="cpu",
+            dtype="float32",
+        )
+
+    def _info(self, name: str) -> retriever_pb2.IndexInfo:
+        m = self.registry.manifest(name)
+        return retriever_pb2.IndexInfo(
+            name=name,
+            encoder=m.encoder or "",
+            dim=int(m.dim or 0),
+            count=int(m.count),
+            index_type=m.index_type,
+            loaded=self.registry.is_loaded(name),
+            active=name == self.registry.active,
+            checksum=m.checksum or "",
+        )
+
+    def ListIndexes(self, request, context):
+        infos = []
+        for name in self.registry.available():
+            try:
+                infos.append(self._info(name))
+            except Exception as exc:  # noqa: BLE001 - one unreadable manifest must not hide the rest
+                log.warning("index %s: unreadable manifest: %s", name, exc)
+        return retriever_pb2.ListIndexesResponse(indexes=infos, active=self.registry.active or "")
+
+    def LoadIndex(self, request, context):
+        self.registry.load(request.name)
+        return self._info(request.name)
+
+    def UnloadIndex(self, request, context):
+        self.registry.unload(request.name)
+        return self._info(request.name)
+
+    def SwapIndex(self, request, context):
+        with self._swap_lock:
+            previous, _ = self.registry.swap(request.name)  # a bad index raises: nothing shared
+            if self.shared is not None:
+                self.shared.set(request.name)
+            self._record_active()
+        return retriever_pb2.SwapIndexResponse(
+            previous=previous or "", active=request.name, info=self._info(request.name)
+        )
+
+    def follow_shared_active(self) -> None:
+        """Adopt the active index recorded in Redis (a swap made by another replica)."""
+        if self.shared is None:
+            return
+        with self._swap_lock:
+            shared = self.shared.get()
+            mine = self.registry.active
+            if not shared:
+                if mine:
+                    self.shared.restore(mine)
+                return
+            if shared == mine:
+                return
+            try:
+                self.registry.swap(shared)
+            except Exception as exc:  # noqa: BLE001 - keep serving the current index
+                log.error("cannot follow swap to %r: %s", shared, exc)
+            self._record_active()
+
+    def _record_active(self) -> None:
+        if self.metrics is not None and self.registry.active:
+            self.metrics.set_serving("index", self.registry.active)

@@ -1,0 +1,3 @@
+from openbook_trainer.cli import main
+
+main()

@@ -1,0 +1,113 @@
+"""``openbook train``: fine-tune RAG's query encoder and/or generator (see docs/training.md).
+
+Mount with ``app.command("train")(train_command)``; ``python -m openbook_trainer`` runs it alone.
+Every flag can also be set in ``--config FILE.yaml`` (same names); flags win over the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+
+class Mode(StrEnum):
+    rag_sequence = "rag-sequence"
+    rag_token = "rag-token"
+
+
+class Task(StrEnum):
+    qa = "qa"
+    generation = "generation"
+    classification = "classification"
+
+
+class Precision(StrEnum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+def train_command(
+    config: Path | None = typer.Option(None, "--config", help="YAML file of options"),
+    train: Path | None = typer.Option(None, "--train", help="training JSONL"),
+    dev: Path | None = typer.Option(None, "--dev", help="dev JSONL for periodic evaluation"),
+    index: Path | None = typer.Option(None, "--index", help="index directory (kept frozen)"),
+    generator: Path | None = typer.Option(None, "--generator", help="generator model dir"),
+    query_encoder: str | None = typer.Option(
+        None, "--query-encoder", help="name or dir; default: the index's query encoder"
+    ),
+    out: Path | None = typer.Option(None, "--out", help="checkpoint root"),
+    task: Task | None = typer.Option(
+        None, "--task", help="dev metrics: qa (default), generation, classification"
+    ),
+    mode: Mode | None = typer.Option(None, "--mode", help="rag-token (default) or rag-sequence"),
+    k: int | None = typer.Option(None, "--k", help="passages per question (default 5)"),
+    train_query_encoder: bool | None = typer.Option(
+        None, "--train-query-encoder/--freeze-query-encoder"
+    ),
+    train_generator: bool | None = typer.Option(None, "--train-generator/--freeze-generator"),
+    steps: int | None = typer.Option(None, "--steps", help="optimizer steps"),
+    epochs: float | None = typer.Option(None, "--epochs", help="passes over --train (default 1)"),
+    batch_size: int | None = typer.Option(None, "--batch-size"),
+    grad_accum: int | None = typer.Option(None, "--grad-accum"),
+    lr_generator: float | None = typer.Option(None, "--lr-generator"),
+    lr_query_encoder: float | None = typer.Option(None, "--lr-query-encoder"),
+    warmup_steps: int | None = typer.Option(None, "--warmup-steps"),
+    label_smoothing: float | None = typer.Option(None, "--label-smoothing"),
+    precision: Precision | None = typer.Option(None, "--precision"),
+    device: str | None = typer.Option(None, "--device", help="cpu, cuda, cuda:1 (default: auto)"),
+    eval_every: int | None = typer.Option(None, "--eval-every", help="steps; 0: at end only"),
+    save_every: int | None = typer.Option(None, "--save-every", help="steps; 0: at end only"),
+    keep_last: int | None = typer.Option(None, "--keep-last", help="checkpoints kept"),
+    seed: int | None = typer.Option(None, "--seed"),
+    resume: bool | None = typer.Option(
+        None, "--resume/--no-resume", help="continue from OUT/latest (default: resume)"
+    ),
+    progress: bool | None = typer.Option(None, "--progress/--no-progress"),
+) -> None:
+    """Fine-tune RAG: marginal NLL through p(z|x) into the query encoder and/or generator."""
+    flags = {n: (v.value if isinstance(v, StrEnum) else v) for n, v in locals().items()}
+    flags.pop("config")
+    from openbook.checkpoint import CheckpointError
+    from openbook.evaluation.data import DataError
+    from openbook.index import IndexLoadError
+    from openbook.rag import ModelLoadError
+    from openbook_trainer.config import ConfigError, TrainConfig
+
+    try:
+        cfg = TrainConfig.load(config, **flags)
+    except ConfigError as e:
+        _fail(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from openbook_trainer.loop import train as run_training
+
+    try:
+        result = run_training(cfg)
+    except (ConfigError, CheckpointError, DataError, IndexLoadError, ModelLoadError) as e:
+        _fail(str(e), code=1)
+    except KeyboardInterrupt:
+        typer.echo(
+            "interrupted; rerun the same command to resume from the last checkpoint", err=True
+        )
+        raise typer.Exit(130) from None
+    where = f" -> {result.checkpoint}" if result.checkpoint else ""
+    typer.echo(f"done at step {result.step}{where}")
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"openbook train: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command(help=train_command.__doc__)(train_command)
+
+
+def main() -> None:
+    sys.exit(app())

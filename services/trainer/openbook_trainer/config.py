@@ -1,0 +1,130 @@
+"""TrainConfig: every training option, from a YAML file and/or command-line flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Mode = Literal["rag-sequence", "rag-token"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Task = Literal["qa", "generation", "classification"]
+
+
+class ConfigError(ValueError):
+    """Invalid training configuration; the message names the offending option."""
+
+
+class TrainConfig(BaseModel):
+    """Options of ``openbook train``; the field names are the YAML keys and the CLI flags."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # --- data, models, output
+    train: Path
+    dev: Path | None = None
+    index: Path
+    generator: Path
+    query_encoder: str | None = Field(
+        None, description="name or dir; default: the index's own query encoder"
+    )
+    out: Path
+    task: Task = "qa"
+
+    # --- the RAG objective (paper §2)
+    mode: Mode = "rag-token"
+    k: int = Field(5, ge=1, le=100)
+    train_query_encoder: bool = True
+    train_generator: bool = True
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    exclude_bos_score: bool = False
+    answers: Literal["first", "all"] = Field(
+        "first", description="train on the first gold answer only, or one example per answer"
+    )
+
+    # --- optimisation
+    steps: int | None = Field(None, ge=1, description="optimizer steps (exclusive with epochs)")
+    epochs: float | None = Field(None, gt=0)
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr_generator: float = Field(3e-5, gt=0)
+    lr_query_encoder: float = Field(3e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    precision: Precision = "auto"
+    device: str | None = None
+    seed: int = 0
+
+    # --- evaluation, checkpoints
+    eval_every: int = Field(0, ge=0, description="steps between dev evaluations; 0: at end")
+    eval_max_examples: int | None = Field(500, ge=1)
+    eval_num_beams: int = Field(1, ge=1, le=16)
+    eval_max_new_tokens: int = Field(32, ge=1, le=512)
+    save_every: int = Field(0, ge=0, description="steps between checkpoints; 0: at end only")
+    keep_last: int = Field(3, ge=1)
+    resume: bool = True
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give steps or epochs, not both")
+        if self.steps is None and self.epochs is None:
+            self.epochs = 1.0
+        if not (self.train_query_encoder or self.train_generator):
+            raise ValueError("nothing to train: enable train_query_encoder and/or train_generator")
+        return self
+
+    @property
+    def eval_decoding(self) -> str:
+        """The decoder matching the training objective (fast RAG-Sequence for dev scores)."""
+        return "rag-token" if self.mode == "rag-token" else "rag-sequence-fast"
+
+    @classmethod
+    def load(cls, yaml_path: Path | None = None, **overrides: Any) -> TrainConfig:
+        """YAML values, then every non-None override on top; raises :class:`ConfigError`."""
+        data: dict[str, Any] = {}
+        if yaml_path is not None:
+            data = _read_yaml(Path(yaml_path))
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        # steps/epochs given on the command line replace the other one from YAML
+        if overrides.get("steps") is not None:
+            data.pop("epochs", None)
+        elif overrides.get("epochs") is not None:
+            data.pop("steps", None)
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: invalid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of option: value")
+    # YAML users naturally write the CLI spelling (lr-generator); accept both.
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "required (give it on the command line or in --config)"
+        elif err["type"] == "extra_forbidden":
+            msg = "unknown option"
+        parts.append(f"{where.replace('_', '-')}: {msg}" if where != "config" else msg)
+    return "invalid configuration: " + "; ".join(parts)

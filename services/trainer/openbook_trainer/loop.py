@@ -1,0 +1,446 @@
+"""The RAG fine-tuning loop (Lewis et al. 2020, §2.4).
+
+Per micro-batch of B (input x, target y) pairs:
+
+    q = E_q(x)                                    (B, d)      trainable query encoder
+    z_1..z_k = MIPS(q, index)                                 fixed index, current q
+    D = stored vectors of z                       (B, k, d)   frozen document encoder
+    doc_scores = D @ q                            (B, k)      p(z|x) = softmax_k(doc_scores)
+    logits = G(x, z, y)                           (B*k, T, V) teacher-forced generator
+    loss = mean_B  -log p(y|x)                    RAG-Sequence or RAG-Token marginal NLL
+
+The NLL reaches the query encoder only through p(z|x): passages under which the generator finds
+y likely gain prior mass. No retrieval supervision is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from openbook.checkpoint import (
+    CheckpointError,
+    generator_dir,
+    latest_checkpoint,
+    query_encoder_dir,
+    read_manifest,
+    sha256_file,
+    trainer_state_path,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from openbook.evaluation.runner import predict_local, score_predictions
+from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
+from openbook.index.encoders import encoder_id
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook_trainer.config import ConfigError, TrainConfig
+from openbook_trainer.data import (
+    TrainPair,
+    batch_at,
+    batches_per_epoch,
+    read_examples,
+    training_pairs,
+)
+from openbook_trainer.retrieval import DenseRetrieval
+
+log = logging.getLogger("openbook.trainer")
+TRAIN_LOG = "train_log.jsonl"
+
+StepHook = Callable[[int, float], None]
+
+
+@dataclass
+class TrainResult:
+    step: int
+    loss: float  # mean training loss of the last optimizer step
+    metrics: dict[str, float] = field(default_factory=dict)  # last dev metrics
+    checkpoint: Path | None = None
+
+
+def train(cfg: TrainConfig, *, on_step: StepHook | None = None) -> TrainResult:
+    """Train to ``cfg.steps`` (or ``cfg.epochs``), resuming from ``cfg.out/latest`` if allowed.
+
+    ``on_step(step, loss)`` runs after every optimizer step, before evaluation and saving.
+    """
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run(on_step)
+    finally:
+        trainer.index.close()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        _seed_everything(cfg.seed)
+        self.device = _pick_device(cfg.device)
+        self.amp_dtype = _pick_amp_dtype(cfg.precision, self.device)
+
+        self.index = _open_dense_index(cfg)
+        try:
+            self._setup()
+        except BaseException:
+            self.index.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        examples = read_examples(cfg.train)
+        self.pairs = training_pairs(examples, cfg.answers)
+        self.dev = read_examples(cfg.dev, limit=cfg.eval_max_examples) if cfg.dev else []
+        self.data_sha256 = sha256_file(cfg.train)
+        per_epoch = batches_per_epoch(len(self.pairs), cfg.batch_size)
+        if cfg.steps is not None:
+            self.total_steps = cfg.steps
+        else:
+            assert cfg.epochs is not None
+            self.total_steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+
+        resume_from = self._resume_point()
+        self.base_generator = str(Path(cfg.generator).resolve())
+        base_q = (
+            cfg.query_encoder or self.index.manifest.query_encoder or self.index.manifest.encoder
+        )
+        assert base_q is not None
+        self.base_query_encoder = encoder_id(base_q)
+        if resume_from is not None:
+            m = read_manifest(resume_from)
+            self.base_generator, self.base_query_encoder = m.base_generator, m.base_query_encoder
+        gen_src = generator_dir(resume_from) if resume_from else Path(cfg.generator)
+        q_src = (query_encoder_dir(resume_from) if resume_from else None) or base_q
+
+        self.generator = _load_generator(gen_src, self.device)
+        self.encoder = _load_query_encoder(str(q_src), self.device)
+        self.retrieval = DenseRetrieval(self.index, self.encoder, cfg.k)
+        self.trained = [
+            name
+            for name, on in (
+                ("query_encoder", cfg.train_query_encoder),
+                ("generator", cfg.train_generator),
+            )
+            if on
+        ]
+        self._set_trainable()
+
+        self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=self.amp_dtype == torch.float16
+        )
+        self.step = 0
+        self.cursor = 0  # micro-batches consumed since the start of the run
+        self.metrics: dict[str, float] = {}
+        if resume_from is not None:
+            self._restore(resume_from)
+
+    def _resume_point(self) -> Path | None:
+        cfg = self.cfg
+        if not cfg.resume:
+            return None
+        ckpt = latest_checkpoint(cfg.out)
+        if ckpt is None:
+            return None
+        manifest = verify_checkpoint(ckpt)
+        if manifest.data_sha256 != self.data_sha256:
+            raise ConfigError(
+                f"{ckpt} was trained on different data (sha256 {manifest.data_sha256[:12]} != "
+                f"{self.data_sha256[:12]} of {cfg.train}); use --no-resume or another --out"
+            )
+        if manifest.index.get("checksum") != self.index.manifest.checksum:
+            raise ConfigError(
+                f"{ckpt} was trained against index {manifest.index.get('name')!r}, not this "
+                f"{self.index.name!r}; use --no-resume or another --out"
+            )
+        if trainer_state_path(ckpt) is None:
+            raise CheckpointError(f"{ckpt} has no trainer state to resume from")
+        return ckpt
+
+    def _set_trainable(self) -> None:
+        cfg = self.cfg
+        self.encoder.model.requires_grad_(cfg.train_query_encoder)
+        self.generator.model.requires_grad_(cfg.train_generator)
+        self._train_mode()
+
+    def _train_mode(self) -> None:
+        # Frozen parts stay in eval mode: no dropout noise in what they contribute.
+        self.encoder.model.train(self.cfg.train_query_encoder)
+        self.generator.model.train(self.cfg.train_generator)
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        groups = []
+        if cfg.train_query_encoder:
+            params = [p for p in self.encoder.model.parameters() if p.requires_grad]
+            groups.append({"params": params, "lr": cfg.lr_query_encoder, "name": "query_encoder"})
+        if cfg.train_generator:
+            params = [p for p in self.generator.model.parameters() if p.requires_grad]
+            groups.append({"params": params, "lr": cfg.lr_generator, "name": "generator"})
+        return groups
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warm-up, then linear decay to 0 at the last step (as RAG's fine-tuning)."""
+        warm = self.cfg.warmup_steps
+        if step < warm:
+            return (step + 1) / warm
+        return max(0.0, (self.total_steps - step) / max(1, self.total_steps - warm))
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, on_step: StepHook | None = None) -> TrainResult:
+        cfg = self.cfg
+        ckpt: Path | None = None
+        loss = float("nan")
+        if self.step >= self.total_steps:
+            log.info("already at step %d of %d; nothing to do", self.step, self.total_steps)
+            return TrainResult(self.step, loss, self.metrics, latest_checkpoint(cfg.out))
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            disable=not cfg.progress,
+            dynamic_ncols=True,
+        )
+        ema: float | None = None
+        try:
+            while self.step < self.total_steps:
+                loss = self.optimizer_step()
+                self.step += 1
+                ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+                bar.update(1)
+                bar.set_postfix(loss=f"{ema:.4f}")
+                self._log({"step": self.step, "loss": loss})
+                if on_step is not None:
+                    on_step(self.step, loss)
+                last = self.step == self.total_steps
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                    self.metrics = {"train_loss": ema, **self.evaluate()}
+                    self._log({"step": self.step, **self.metrics})
+                    bar.write(f"step {self.step}: " + _fmt(self.metrics))
+                if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+                    ckpt = self.save()
+        finally:
+            bar.close()
+        return TrainResult(self.step, loss, self.metrics, ckpt)
+
+    def optimizer_step(self) -> float:
+        """grad_accum micro-batches, then one (clipped, scaled) AdamW update; returns mean loss."""
+        cfg = self.cfg
+        total = 0.0
+        for _ in range(cfg.grad_accum):
+            batch = batch_at(self.pairs, self.cursor, cfg.batch_size, cfg.seed)
+            self.cursor += 1
+            loss = self.batch_loss(batch)
+            self.scaler.scale(loss / cfg.grad_accum).backward()
+            total += float(loss.detach())
+        self.scaler.unscale_(self.optimizer)
+        if cfg.max_grad_norm > 0:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / cfg.grad_accum
+
+    def batch_loss(self, batch: list[TrainPair]) -> torch.Tensor:
+        """Mean over the batch of -log p(y|x) (marginalised over the k retrieved passages)."""
+        cfg = self.cfg
+        questions = [p.question for p in batch]
+        targets = [p.target for p in batch]
+        with self._autocast():
+            passages, doc_scores = self.retrieval.retrieve_with_scores(
+                questions, grad=cfg.train_query_encoder
+            )
+            nll = self.generator.loss(
+                questions,
+                passages,
+                doc_scores,
+                targets,
+                cfg.mode,
+                epsilon=cfg.label_smoothing,
+                reduce_loss=True,
+                exclude_bos_score=cfg.exclude_bos_score,
+            )
+        return nll / len(batch)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        """Dev loss, task metrics (EM/F1, BLEU/ROUGE-L or accuracy) and recall@1/k."""
+        if not self.dev:
+            return {}
+        cfg = self.cfg
+        self.encoder.model.eval()
+        self.generator.model.eval()
+        self.generator.refresh()
+        try:
+            with torch.no_grad():
+                dev_pairs = training_pairs(self.dev, "first")
+                losses = [
+                    float(self.batch_loss(dev_pairs[i : i + cfg.batch_size]))
+                    * len(dev_pairs[i : i + cfg.batch_size])
+                    for i in range(0, len(dev_pairs), cfg.batch_size)
+                ]
+            options = DecodingOptions(
+                mode=cfg.eval_decoding,
+                num_beams=cfg.eval_num_beams,
+                max_new_tokens=cfg.eval_max_new_tokens,
+            )
+            preds = predict_local(
+                self.dev,
+                retrieve=self.retrieval.search,
+                generator=self.generator,
+                options=options,
+                batch_size=cfg.batch_size,
+            )
+            scores = score_predictions(cfg.task, self.dev, preds, cfg.k)
+        finally:
+            self._train_mode()
+        out = {"dev_loss": sum(losses) / len(dev_pairs)}
+        out.update({f"dev_{k}": v for k, v in scores.items() if k != "n"})
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        cfg = self.cfg
+        # An explicitly chosen query encoder must travel with the checkpoint even when frozen,
+        # or the serving retriever would fall back to the index's own encoder.
+        save_q = cfg.train_query_encoder or cfg.query_encoder is not None
+        path = write_checkpoint(
+            cfg.out,
+            self.step,
+            query_encoder=self.encoder if save_q else None,
+            generator=self.generator,
+            base_generator=self.base_generator,
+            base_query_encoder=self.base_query_encoder,
+            index={"name": self.index.name, "checksum": self.index.manifest.checksum},
+            data_sha256=self.data_sha256,
+            metrics=self.metrics,
+            trained=self.trained,
+            config=cfg.model_dump(mode="json"),
+            trainer_state=self._trainer_state(),
+            generator_source=Path(cfg.generator),
+            keep_last=cfg.keep_last,
+        )
+        log.info("saved %s", path)
+        return path
+
+    def _trainer_state(self) -> dict[str, Any]:
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "step": self.step,
+            "cursor": self.cursor,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": rng,
+            "metrics": dict(self.metrics),
+        }
+
+    def _restore(self, ckpt: Path) -> None:
+        path = trainer_state_path(ckpt)
+        assert path is not None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"{path}: cannot restore the optimizer ({e}); the trained parts or model sizes "
+                f"differ from this configuration, use --no-resume or another --out"
+            ) from None
+        self.step = int(state["step"])
+        self.cursor = int(state["cursor"])
+        self.metrics = dict(state.get("metrics", {}))
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        log.info("resumed from %s at step %d", ckpt, self.step)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        self.cfg.out.mkdir(parents=True, exist_ok=True)
+        with open(self.cfg.out / TRAIN_LOG, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _pick_device(name: str | None) -> torch.device:
+    if name:
+        dev = torch.device(name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested but CUDA is not available")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _pick_amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """Autocast dtype; weights and optimizer state stay float32 (mixed precision)."""
+    if precision == "fp32":
+        return None
+    if device.type != "cuda":
+        if precision != "auto":
+            raise ConfigError(f"precision {precision!r} needs a CUDA device")
+        return None
+    if precision == "fp16":
+        return torch.float16
+    if precision == "bf16" or torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
+
+
+def _open_dense_index(cfg: TrainConfig) -> LoadedIndex:
+    # Re-hashing a Wikipedia-sized index takes minutes; sizes and shapes are still checked.
+    index = open_index(cfg.index, verify=False)
+    if not index.dense:
+        index.close()
+        raise ConfigError(f"index {index.name!r} is bm25; training needs a dense index")
+    if cfg.k > index.manifest.count:
+        index.close()
+        raise ConfigError(f"k={cfg.k} exceeds the {index.manifest.count} passages of the index")
+    return index
+
+
+def _load_generator(path: Path, device: torch.device) -> RagGenerator:
+    # float32 master weights; autocast provides the reduced precision on CUDA.
+    return RagGenerator.load(path, device=str(device), dtype="float32")
+
+
+def _load_query_encoder(name: str, device: torch.device) -> Encoder:
+    enc = load_encoder(name, role="query", cached=False)
+    enc.model.to(device)
+    return enc

@@ -1,0 +1,130 @@
+"""Reloading a trained checkpoint into running services: new versions answer, in-flight
+requests never fail, corrupt checkpoints are refused while the old model keeps serving."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from openbook.checkpoint import write_checkpoint
+from openbook.config import Settings
+from openbook.index import load_encoder
+from openbook.rag import RagGenerator
+from openbook.rag.testing import make_tiny_bart
+from openbook.testing import build_fact_indexes
+from openbook_gateway.app import create_app
+from openbook_generator.server import build as build_generator
+from openbook_retriever.server import build as build_retriever
+
+TOKEN = "reload-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _checkpoint(root, step, bart_dir):
+    return write_checkpoint(
+        root,
+        step,
+        query_encoder=load_encoder("all-MiniLM-L6-v2", cached=False),
+        generator=RagGenerator.load(bart_dir).backend,
+        base_generator=str(bart_dir),
+        base_query_encoder="all-MiniLM-L6-v2",
+        index={"name": "facts-a"},
+        data_sha256="0" * 64,
+        generator_source=bart_dir,
+    )
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory, redis_server):
+    tmp = tmp_path_factory.mktemp("reload")
+    build_fact_indexes(tmp / "indexes")
+    bart = make_tiny_bart(tmp / "bart")
+    settings = Settings(
+        retriever_host="127.0.0.1",
+        retriever_port=0,
+        generator_host="127.0.0.1",
+        generator_port=0,
+        index_root=tmp / "indexes",
+        default_index="facts-a",
+        redis_url=redis_server.url,
+        generator_model=bart,
+        checkpoint_dir=tmp / "checkpoints",
+    )
+    retriever, _, stop = build_retriever(settings)
+    generator, generator_servicer = build_generator(settings)
+    for service in (retriever, generator):
+        service.set_serving(True)
+        service.start()
+    gateway = Settings(
+        retriever_addr=f"127.0.0.1:{retriever.port}",
+        generator_addr=f"127.0.0.1:{generator.port}",
+        redis_url=redis_server.url,
+        admin_token=TOKEN,
+    )
+    with TestClient(create_app(gateway)) as client:
+        yield client, tmp, bart
+    stop.set()
+    retriever.stop(0)
+    generator.stop(0)
+    generator_servicer.close()
+
+
+def test_reload_under_load_switches_versions_without_failing_requests(system):
+    client, tmp, bart = system
+    before = client.post("/answer", json={"question": "Who wrote Hamlet?", "k": 2})
+    assert before.status_code == 200
+    assert before.json()["model_version"].startswith("bart")
+    _checkpoint(tmp / "checkpoints", 1, bart)
+
+    failures, stop = [], threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            reply = client.post(
+                "/answer",
+                json={"question": "Who discovered penicillin?", "k": 2, "use_cache": False},
+            )
+            if reply.status_code != 200:
+                failures.append(reply.text)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        reloaded = client.post("/admin/reload-model", json={}, headers=AUTH)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert reloaded.status_code == 200, reloaded.text
+    assert reloaded.json() == {"generator": "step-000001", "retriever": "step-000001"}
+    assert failures == []
+    after = client.post("/answer", json={"question": "Who wrote Hamlet?", "k": 2}).json()
+    assert after["model_version"] == "step-000001"
+    assert after["retriever_version"] == "step-000001"
+    assert after["cached"] is False  # the old model's cached answer is not served
+
+
+def test_corrupt_checkpoint_is_refused_and_old_model_keeps_serving(system):
+    client, tmp, bart = system
+    ckpt = _checkpoint(tmp / "checkpoints", 2, bart)
+    weights = next((ckpt / "generator").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    version = client.post("/answer", json={"question": "Who wrote Hamlet?"}).json()["model_version"]
+    reply = client.post("/admin/reload-model", json={"checkpoint": str(ckpt)}, headers=AUTH)
+    assert reply.status_code == 422
+    assert "corrupt" in reply.json()["detail"]
+    still = client.post("/answer", json={"question": "Who wrote Hamlet?", "use_cache": False})
+    assert still.status_code == 200
+    assert still.json()["model_version"] == version
+
+
+def test_reload_needs_the_admin_token(system):
+    client, _, _ = system
+    assert client.post("/admin/reload-model", json={}).status_code == 401
+    missing = client.post("/admin/reload-model", json={"checkpoint": "/nope"}, headers=AUTH)
+    assert missing.status_code == 422

@@ -1,0 +1,128 @@
+"""The whole system, started by `openbook up` from docker-compose.yml, asked over HTTP.
+
+Same commands and environment as `docker compose up`; only the models are tiny (a random BART)
+and the indexes small, so the test checks the pipeline, not answer quality.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from openbook.index import build_index
+from openbook.rag.testing import make_tiny_bart
+from openbook.testing import REPO_ROOT, LocalStack, build_fact_indexes
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    var = tmp_path_factory.mktemp("var")
+    build_fact_indexes(var / "indexes")
+    # The leaders snapshots alone (without SQuAD) stand in for wiki-2016 / wiki-2018.
+    for year in ("2016", "2018"):
+        source = REPO_ROOT / "data" / "leaders" / f"wiki{year}.jsonl"
+        build_index([source], var / "indexes" / f"wiki-{year}", name=f"wiki-{year}", progress=False)
+    make_tiny_bart(var / "models" / "tiny-bart")
+    stack = LocalStack(var)
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+def test_question_flows_through_every_service(stack):
+    question = {"question": "Who wrote Hamlet?", "k": 3}
+    reply = httpx.post(f"{stack.url}/answer", json=question, timeout=60)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["index"] == "facts-a"
+    assert body["passages"][0]["id"] == "p21"
+    assert len(body["passages"]) == 3
+    assert isinstance(body["answer"], str)
+    assert body["model_version"] and body["retriever_version"]
+    again = httpx.post(f"{stack.url}/answer", json=question, timeout=60)
+    assert again.json()["cached"] is True
+
+
+def test_swap_index_over_http_changes_the_answering_index(stack):
+    question = {"question": "Who discovered penicillin?", "k": 2}
+    before = httpx.post(f"{stack.url}/answer", json=question, timeout=60).json()
+    assert before["index"] == "facts-a"
+    swap = f"{stack.url}/admin/swap-index"
+    assert httpx.post(swap, json={"index": "facts-b"}, timeout=60).status_code == 401
+    swapped = httpx.post(swap, json={"index": "facts-b"}, headers=stack.auth, timeout=60)
+    assert swapped.status_code == 200, swapped.text
+    assert swapped.json() == {"previous": "facts-a", "active": "facts-b"}
+    after = httpx.post(f"{stack.url}/answer", json=question, timeout=60).json()
+    assert after["index"] == "facts-b"
+    assert after["cached"] is False
+    assert after["passages"][0]["id"] == "b-p18"
+    unknown = httpx.post(swap, json={"index": "wiki-1999"}, headers=stack.auth, timeout=60)
+    assert unknown.status_code == 422
+    assert "wiki-1999" in unknown.json()["detail"]
+    assert httpx.get(f"{stack.url}/indexes", timeout=10).json()["active"] == "facts-b"
+
+
+def test_bad_input_is_422_naming_the_fields(stack):
+    reply = httpx.post(f"{stack.url}/answer", json={"question": "", "k": 500}, timeout=10)
+    assert reply.status_code == 422
+    assert {err["loc"][-1] for err in reply.json()["detail"]} == {"question", "k"}
+
+
+def test_every_service_exports_metrics(stack):
+    gateway = httpx.get(f"{stack.url}/metrics", timeout=10).text
+    assert "openbook_gateway_requests_total" in gateway
+    retriever = httpx.get(f"http://127.0.0.1:{stack.ports['rmetrics']}/metrics", timeout=10).text
+    assert 'method="Retrieve"' in retriever
+    generator = httpx.get(f"http://127.0.0.1:{stack.ports['gmetrics']}/metrics", timeout=10).text
+    assert "openbook_batch_size" in generator
+
+
+def test_openbook_ask_shows_answer_and_provenance(stack):
+    from typer.testing import CliRunner
+
+    from openbook.cli import app
+
+    result = CliRunner().invoke(
+        app, ["ask", "Who wrote Hamlet?", "--url", stack.url, "--k", "3"], env={"COLUMNS": "160"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "Passages" in result.output and "Shakespeare" in result.output
+    assert "RAG-Token" in result.output  # the per-token posterior table
+    bad = CliRunner().invoke(app, ["ask", "   ", "--url", stack.url])
+    assert bad.exit_code == 1
+    assert "HTTP 422" in bad.output
+
+
+def test_hot_swap_experiment_swaps_the_live_index(stack, tmp_path):
+    from typer.testing import CliRunner
+
+    from openbook.cli import app
+
+    report = tmp_path / "results.md"
+    result = CliRunner().invoke(
+        app,
+        [
+            "experiments",
+            "hot-swap",
+            "--url",
+            stack.url,
+            "--admin-token",
+            stack.admin_token,
+            "--limit",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--report",
+            str(report),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    text = report.read_text()
+    assert "| wiki-2016 |" in text and "| wiki-2018 |" in text
+    assert "openbook experiments hot-swap" in text
+    import json
+
+    rows = json.loads((tmp_path / "hot_swap.json").read_text())["predictions"]
+    assert [r["index"] for r in rows] == ["wiki-2016"] * 3 + ["wiki-2018"] * 3

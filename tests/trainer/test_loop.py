@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from openbook.checkpoint import latest_checkpoint, verify_checkpoint
+from openbook_trainer.config import ConfigError
+from openbook_trainer.loop import train
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["rag-token", "rag-sequence"])
+def test_loss_decreases(make_cfg, mode):
+    losses: list[float] = []
+    cfg = make_cfg(mode=mode, steps=30, batch_size=8, lr_generator=3e-3, lr_query_encoder=3e-3)
+    result = train(cfg, on_step=lambda step, loss: losses.append(loss))
+    assert result.step == 30 and len(losses) == 30
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, losses
+    assert {"dev_loss", "dev_em", "dev_f1", "dev_recall@1", "dev_recall@3"} <= set(result.metrics)
+    manifest = verify_checkpoint(result.checkpoint)
+    assert manifest.step == 30 and manifest.trained == ["query_encoder", "generator"]
+    assert manifest.metrics["dev_loss"] == pytest.approx(result.metrics["dev_loss"])
+
+
+def _weights(ckpt):
+    return {
+        **{f"g.{k}": v for k, v in load_file(ckpt / "generator" / "model.safetensors").items()},
+        **{f"q.{k}": v for k, v in load_file(ckpt / "query_encoder" / "model.safetensors").items()},
+    }
+
+
+def test_resume_matches_uninterrupted_run(make_cfg, tmp_path):
+    # dropout on, grad accumulation and warm-up on: the resumed run must restore RNG, data
+    # position, optimizer moments and scheduler to end bit-identical.
+    common = dict(
+        steps=4, save_every=2, grad_accum=2, batch_size=3, warmup_steps=2, eval_every=0, dev=None
+    )
+    full = train(make_cfg(out=tmp_path / "full", **common))
+    assert full.step == 4
+
+    def crash_at_3(step: int, loss: float) -> None:
+        if step == 3:
+            raise Boom
+
+    cfg = make_cfg(out=tmp_path / "resumed", **common)
+    with pytest.raises(Boom):
+        train(cfg, on_step=crash_at_3)
+    assert latest_checkpoint(cfg.out).name == "step-000002"
+    resumed = train(cfg)
+    assert resumed.step == 4 and resumed.checkpoint.name == "step-000004"
+
+    a, b = _weights(full.checkpoint), _weights(resumed.checkpoint)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    sa = torch.load(full.checkpoint / "trainer_state.pt", weights_only=True)
+    sb = torch.load(resumed.checkpoint / "trainer_state.pt", weights_only=True)
+    assert sa["cursor"] == sb["cursor"] == 8
+    assert sa["scheduler"] == sb["scheduler"]
+    assert sb["optimizer"]["state"][0]["step"] == 4
+
+    # a finished run resumes to "nothing to do"
+    again = train(cfg)
+    assert again.step == 4
+
+
+def test_frozen_retriever_ablation_keeps_query_encoder(make_cfg, task):
+    result = train(make_cfg(train_query_encoder=False, steps=2))
+    manifest = verify_checkpoint(result.checkpoint)
+    assert manifest.trained == ["generator"]
+    assert not (result.checkpoint / "query_encoder").exists()  # the index's own encoder serves
+
+
+def test_resume_refuses_other_data(make_cfg, tmp_path, task):
+    train(make_cfg(steps=1))
+    other = tmp_path / "other.jsonl"
+    other.write_text(task.train.read_text() + '{"question": "x ?", "answers": ["c1"]}\n')
+    with pytest.raises(ConfigError, match="different data"):
+        train(make_cfg(train=other, steps=2))
+    assert train(make_cfg(train=other, steps=1, resume=False)).step == 1
+
+
+def test_bad_setup_is_reported(make_cfg, task):
+    with pytest.raises(ConfigError, match="exceeds the 8 passages"):
+        train(make_cfg(k=9))
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        if torch.cuda.is_available():
+            raise ConfigError("needs a CUDA device (skipped on GPU machines)")
+        train(make_cfg(precision="bf16"))
+
+
+def test_causal_lm_generator(make_cfg, tmp_path):
+    from openbook.checkpoint import load_checkpoint
+    from openbook.rag.testing import make_tiny_causal_lm
+
+    lm = make_tiny_causal_lm(tmp_path / "lm")
+    result = train(make_cfg(generator=lm, steps=2, mode="rag-sequence", eval_max_examples=2))
+    assert (result.checkpoint / "generator" / "openbook_prompt.json").is_file()
+    loaded = load_checkpoint(result.checkpoint)
+    assert loaded.generator.model_type == "causal"
+    assert loaded.generator.model_version == result.checkpoint.name

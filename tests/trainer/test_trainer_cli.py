@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from openbook.checkpoint import latest_checkpoint
+from openbook.evaluation.cli import app as eval_app
+from openbook_trainer.cli import app as train_app
+from openbook_trainer.config import ConfigError, TrainConfig
+
+runner = CliRunner()
+
+
+def _args(task, out, *extra: str) -> list[str]:
+    return [
+        "--train",
+        str(task.train),
+        "--dev",
+        str(task.dev),
+        "--index",
+        str(task.index),
+        "--generator",
+        str(task.generator),
+        "--out",
+        str(out),
+        "--k",
+        "2",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_train_then_eval_checkpoint(task, tmp_path):
+    res = runner.invoke(
+        train_app,
+        _args(
+            task,
+            tmp_path / "ck",
+            "--steps",
+            "2",
+            "--mode",
+            "rag-sequence",
+            "--lr-generator",
+            "1e-3",
+        ),
+    )
+    assert res.exit_code == 0, res.output
+    assert "done at step 2" in res.output
+    ckpt = latest_checkpoint(tmp_path / "ck")
+    assert ckpt is not None and ckpt.name == "step-000002"
+
+    out = tmp_path / "results.json"
+    res = runner.invoke(
+        eval_app,
+        [
+            "--data",
+            str(task.dev),
+            "--checkpoint",
+            str(tmp_path / "ck"),
+            "--index",
+            str(task.index),
+            "--k",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--out",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "| em " in res.output and "recall@2" in res.output and "step-000002" in res.output
+    report = json.loads(out.read_text())
+    assert report["model_versions"] == ["step-000002"]
+    assert set(report["metrics"]) == {"em", "f1", "recall@1", "recall@2", "n"}
+    assert report["metrics"]["n"] == 8 and len(report["predictions"]) == 8
+    assert report["predictions"][0]["passage_ids"]
+
+
+def test_train_bad_arguments_exit_cleanly(task, tmp_path):
+    res = runner.invoke(train_app, _args(task, tmp_path / "ck", "--k", "0"))
+    assert res.exit_code == 2
+    assert "k: Input should be greater than or equal to 1" in res.output
+    assert "Traceback" not in res.output
+
+    res = runner.invoke(
+        train_app, _args(task, tmp_path / "ck", "--freeze-query-encoder", "--freeze-generator")
+    )
+    assert res.exit_code == 2 and "nothing to train" in res.output
+
+    res = runner.invoke(train_app, ["--train", str(task.train)])
+    assert res.exit_code == 2 and "index: required" in res.output
+
+    missing = tmp_path / "nope.jsonl"
+    res = runner.invoke(
+        train_app, _args(task, tmp_path / "ck", "--steps", "1") + ["--train", str(missing)]
+    )
+    assert res.exit_code == 1 and "nope.jsonl: file not found" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_eval_bad_arguments(task, tmp_path):
+    res = runner.invoke(eval_app, ["--data", str(task.dev)])
+    assert res.exit_code == 2 and "exactly one of --url or --checkpoint" in res.output
+    res = runner.invoke(
+        eval_app,
+        ["--data", str(task.dev), "--checkpoint", str(tmp_path), "--index", str(task.index)],
+    )
+    assert res.exit_code == 2 and "neither a checkpoint nor a root" in res.output
+    res = runner.invoke(eval_app, ["--data", str(task.dev), "--url", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "example q0" in res.output
+
+
+def test_yaml_config_with_flag_overrides(task, tmp_path):
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(
+        f"train: {task.train}\nindex: {task.index}\ngenerator: {task.generator}\n"
+        f"out: {tmp_path}\nlr-generator: 1.0e-4\nepochs: 3\nk: 4\n"
+    )
+    cfg = TrainConfig.load(cfg_file, k=2, steps=10)
+    assert (cfg.k, cfg.steps, cfg.epochs, cfg.lr_generator) == (2, 10, None, 1e-4)
+    assert TrainConfig.load(cfg_file).epochs == 3
+    cfg_file.write_text(cfg_file.read_text() + "bogus: 1\n")
+    try:
+        TrainConfig.load(cfg_file)
+    except ConfigError as e:
+        assert "bogus: unknown option" in str(e)
+    else:
+        raise AssertionError("unknown option accepted")
+
+
+def test_eval_against_http_answer(task, tmp_path):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert self.path == "/answer" and body["use_cache"] is False and body["k"] == 2
+            entity = body["question"].split()[-2]  # "what is the code of e3 ?" -> e3
+            answer = f"c{entity[1:]}" if entity != "e0" else "wrong"
+            data = json.dumps(
+                {
+                    "answer": answer,
+                    "model_version": "step-000042",
+                    "passages": [
+                        {"id": f"p{entity[1:]}", "title": entity, "text": "t", "score": 1.0}
+                    ],
+                }
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        out = tmp_path / "http.json"
+        res = runner.invoke(
+            eval_app,
+            [
+                "--data",
+                str(task.dev),
+                "--url",
+                f"http://127.0.0.1:{server.server_port}",
+                "--k",
+                "2",
+                "--out",
+                str(out),
+            ],
+        )
+    finally:
+        server.shutdown()
+    assert res.exit_code == 0, res.output
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["em"] == 87.5 and metrics["recall@1"] == 100.0  # 7 of 8 right
+    assert "model version: step-000042" in res.output
