@@ -46,14 +46,17 @@ def test_open_qa_runs_every_system_and_resumes(tmp_path):
     plot_em_by_k(result, config.ks, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert "RAG-Sequence thorough k=3" in markdown(result)
+    # MiniLM's index scales cosines by 20 (its manifest's score_scale); BM25 is unscaled
+    assert "softmax over 20 x dense inner product, bm25 score." in markdown(result)
     assert json.loads(json.dumps(result.scores))
 
     # A sharper document prior is a different system: predicted anew, never read back from
-    # the unscaled ones (closed book uses no retrieval and is reused).
+    # the others (closed book uses no retrieval and is reused).
     scaled = dataclasses.replace(config, prior_scale=20.0)
     run_open_qa(scaled, tmp_path / "out")
     assert len(log.read_text().splitlines()) == len(lines) + 4 * (len(config.systems()) - 1)
-    assert "softmax over 20 x retriever score" in markdown(run_open_qa(scaled, tmp_path / "out"))
+    table = markdown(run_open_qa(scaled, tmp_path / "out"))
+    assert "softmax over 400 x dense inner product, 20 x bm25 score." in table
 
 
 def test_report_sections_are_replaced_in_place(tmp_path):

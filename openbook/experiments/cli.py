@@ -84,7 +84,7 @@ def open_qa(
     n: int = typer.Option(100, min=1, help="questions in the fixed subset"),
     seed: int = typer.Option(0),
     prior_scale: float = typer.Option(
-        1.0, help="multiply retriever scores before the prior's softmax (must be > 0)"
+        1.0, help="extra factor on the retriever scores before the prior's softmax (> 0)"
     ),
     out: Path = typer.Option(Path("docs/results")),
     report: Path = typer.Option(Path("docs/results.md")),

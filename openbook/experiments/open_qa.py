@@ -42,9 +42,8 @@ class OpenQAConfig:
     ks: tuple[int, ...] = (1, 3, 5, 10)
     k: int = 5
     max_new_tokens: int = 16
-    # Multiplies retriever scores before the softmax that makes the document prior p(z|x).
-    # Cosine-similarity encoders (MiniLM) give a near-uniform prior at 1; MiniLM was trained
-    # with scores scaled by 20.
+    # Multiplies retriever scores (already the index's score_scale x inner product) before the
+    # softmax that makes the document prior p(z|x): an ablation of how peaked the prior is.
     prior_scale: float = 1.0
 
     def systems(self) -> list[System]:
@@ -81,12 +80,20 @@ def run_open_qa(config: OpenQAConfig, out_dir: Path) -> OpenQAResult:
     generator = RagGenerator.load(config.generator)
     depth = max([*config.ks, config.k])
     retrieved: dict[str, list[list[Passage]]] = {}
+    score_scales: dict[str, float] = {}
     for kind, name in (("dense", config.dense_index), ("bm25", config.bm25_index)):
         with open_index(Path(config.index_root) / name, verify=False) as index:
             texts = [q["question"] for q in questions]
             retrieved[kind] = index.search(texts, depth)
+            score_scales[kind] = index.manifest.score_scale
 
-    result = OpenQAResult(config={**vars(config), "questions_used": [q["id"] for q in questions]})
+    result = OpenQAResult(
+        config={
+            **vars(config),
+            "score_scales": score_scales,
+            "questions_used": [q["id"] for q in questions],
+        }
+    )
     for kind in retrieved:
         result.retrieval[kind] = {
             k: 100.0
@@ -103,8 +110,10 @@ def run_open_qa(config: OpenQAConfig, out_dir: Path) -> OpenQAResult:
         options = DecodingOptions(mode=mode, num_beams=1, max_new_tokens=config.max_new_tokens)
         for i, q in enumerate(tqdm(questions, desc=system.name, unit="q")):
             key = f"{system.name}|{generator.model_version}|{q['id']}"
-            if config.prior_scale != 1.0 and system.k:  # never mixed with unscaled predictions
-                key += f"|prior x{config.prior_scale:g}"
+            # the factor on inner products (index x ablation) changes the prior: keep it apart
+            scale = score_scales[system.index] * config.prior_scale if system.k else 1.0
+            if scale != 1.0:
+                key += f"|prior x{scale:g}"
             row = log.get(key)
             if row is None:
                 passages = (
@@ -160,18 +169,24 @@ def plot_em_by_k(result: OpenQAResult, ks: tuple[int, ...], path: Path) -> None:
     plt.close(fig)
 
 
+def _prior_logits(config: dict) -> str:
+    extra = config.get("prior_scale", 1.0)
+    parts = []
+    for kind, scale in config.get("score_scales", {}).items():
+        factor = scale * extra
+        what = "inner product" if kind == "dense" else "score"
+        parts.append(f"{factor:g} x {kind} {what}" if factor != 1.0 else f"{kind} {what}")
+    return ", ".join(parts) or "retriever scores"
+
+
 def markdown(result: OpenQAResult) -> str:
     n = len(result.config["questions_used"])
     lines = [
         f"{n} SQuAD v1.1 dev questions (seed {result.config['seed']}), open-domain: question "
         f"only, retrieval over every passage of `{result.config['dense_index']}`; greedy "
         "decoding, at most "
-        f"{result.config['max_new_tokens']} new tokens."
-        + (
-            f" Document prior: softmax over {result.config['prior_scale']:g} x retriever score."
-            if result.config.get("prior_scale", 1.0) != 1.0
-            else ""
-        ),
+        f"{result.config['max_new_tokens']} new tokens. Document prior: softmax over "
+        f"{_prior_logits(result.config)}.",
         "",
         "| system | EM | F1 |",
         "|---|---|---|",

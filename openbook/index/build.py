@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -79,10 +80,12 @@ def build_index(
     rerank: int = 0,
     overwrite: bool = False,
     device: str | None = None,
+    score_scale: float | None = None,
 ) -> Manifest:
     """Build an index directory at ``out_dir`` and return its manifest. See module docstring.
 
     ``device`` (e.g. ``cuda``) runs the document encoder there; the default is the CPU.
+    ``score_scale`` multiplies every returned score (default: :func:`default_score_scale`).
     """
     t0 = time.monotonic()
     out_dir = Path(out_dir)
@@ -94,6 +97,8 @@ def build_index(
         )
     if rerank < 0:
         raise ValueError(f"rerank must be >= 0, got {rerank}")
+    if score_scale is not None and not (math.isfinite(score_scale) and score_scale > 0):
+        raise ValueError(f"score_scale must be a positive number, got {score_scale}")
     dense = index_type != "bm25"
 
     doc_enc: Encoder | None = None
@@ -113,6 +118,8 @@ def build_index(
         if index_type == "ivfpq" and pq_m is not None and doc_enc.dim % pq_m:
             raise ValueError(f"pq_m={pq_m} must divide the encoder dim {doc_enc.dim}")
 
+    if score_scale is None:
+        score_scale = default_score_scale(doc_enc)
     with _build_lock(out_dir):
         return _build_locked(
             inputs,
@@ -134,8 +141,28 @@ def build_index(
             pq_m=pq_m,
             nprobe=nprobe,
             rerank=rerank,
+            score_scale=score_scale,
             t0=t0,
         )
+
+
+# The similarity scale that sentence-transformers' MultipleNegativesRankingLoss trains with
+# (all-MiniLM-L6-v2 included): softmax(20 x cosine) is the distribution such an encoder learned.
+COSINE_SCORE_SCALE = 20.0
+
+
+def default_score_scale(doc_encoder: Encoder | None) -> float:
+    """How much to multiply inner products by so that softmax over them is a useful prior.
+
+    DPR (RAG's retriever) scores with raw inner products that lie tens of units apart, so the
+    prior softmax(d·q) is peaked as is: scale 1. Encoders that normalise their vectors score
+    with cosine similarities in [-1, 1], whose softmax over the top k is nearly uniform — with
+    MiniLM that let wrong passages outvote the right one in RAG-Token (docs/results.md) — so
+    they get the scale they were trained with. BM25 scores are left as they are.
+    """
+    if doc_encoder is not None and doc_encoder.normalize:
+        return COSINE_SCORE_SCALE
+    return 1.0
 
 
 @contextmanager
@@ -192,6 +219,7 @@ def _build_locked(
     pq_m: int | None,
     nprobe: int,
     rerank: int,
+    score_scale: float,
     t0: float,
 ) -> Manifest:
     dense = doc_enc is not None
@@ -246,6 +274,7 @@ def _build_locked(
         sizes=sizes,
         checksum=combined_checksum(files),
         normalize=bool(doc_enc.normalize) if doc_enc else False,
+        score_scale=float(score_scale),
         build_seconds=round(time.monotonic() - t0, 3),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         input_format=input_format,

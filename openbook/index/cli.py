@@ -75,6 +75,13 @@ def build(
     device: Annotated[
         str | None, typer.Option(help="Where to run the document encoder (cpu, cuda, cuda:1)")
     ] = None,
+    score_scale: Annotated[
+        float | None,
+        typer.Option(
+            help="Multiply scores (the prior's logits) by this; default 20 for encoders that "
+            "normalise (cosine), else 1"
+        ),
+    ] = None,
 ) -> None:
     """Build an index from passage files (resumes an interrupted build of the same inputs)."""
     from openbook.index.build import build_index
@@ -102,6 +109,7 @@ def build(
             hnsw_transform=hnsw_transform.value,
             rerank=rerank,
             device=device,
+            score_scale=score_scale,
         )
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None

@@ -178,7 +178,8 @@ class LoadedIndex:
         encoder: Encoder | None = None,
         return_vectors: bool = False,
     ) -> list[list[Passage]]:
-        """Top-k passages per query, best first, with ``.score`` (inner product or BM25)."""
+        """Top-k passages per query, best first, with ``.score``: the manifest's
+        ``score_scale`` x the inner product (or the BM25 score)."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings, not a string")
         if k < 1:
@@ -228,6 +229,9 @@ class LoadedIndex:
     def _results(
         self, scores: np.ndarray, rows: np.ndarray, return_vectors: bool
     ) -> list[list[Passage]]:
+        scale = self.manifest.score_scale
+        if scale != 1.0:
+            scores = scores * np.float32(scale)
         flat = sorted({int(r) for r in rows.ravel() if r >= 0})
         by_row = dict(zip(flat, self._store.get(flat), strict=True))
         vecs = dict(zip(flat, self.get_vectors(flat), strict=True)) if return_vectors else {}

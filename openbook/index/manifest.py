@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ class Manifest:
     sizes: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
     checksum: str = ""  # sha256 over the sorted (path, sha256) pairs
     normalize: bool = False
+    # Scores returned are score_scale x inner product: the generator's document prior is
+    # softmax(scores), and cosine similarities (normalised encoders) are too close together for
+    # a useful prior without a scale (see build.default_score_scale). Absent in older manifests.
+    score_scale: float = 1.0
     build_seconds: float = 0.0
     created_at: str = ""
     input_format: str = "auto"
@@ -78,6 +83,9 @@ class Manifest:
         if missing:
             raise IndexLoadError(f"{path}: missing field(s) {', '.join(missing)}")
         _check_shard(path, data.get("shard"), data["count"])
+        scale = data.get("score_scale", 1.0)
+        if type(scale) not in (int, float) or not math.isfinite(scale) or scale <= 0:
+            raise IndexLoadError(f"{path}: score_scale must be a positive number, got {scale!r}")
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

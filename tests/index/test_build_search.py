@@ -22,13 +22,15 @@ def test_flat_minilm_retrieves_answer_top1(facts_index: LoadedIndex) -> None:
         assert hits[0].title and hits[0].text and hits[0].vector is None
 
 
-def test_scores_are_inner_products_and_vectors_by_row(facts_index: LoadedIndex) -> None:
+def test_scores_are_scaled_inner_products_and_vectors_by_row(facts_index: LoadedIndex) -> None:
+    # MiniLM normalises its vectors: cosine scores get the scale it was trained with
+    assert facts_index.manifest.score_scale == 20.0
     enc = load_encoder("all-MiniLM-L6-v2")
     q = enc.encode(["Who wrote Hamlet?"])
     (hits,) = facts_index.search_vectors(q, k=2, return_vectors=True)
     for h in hits:
         assert h.vector is not None and h.vector.shape == (384,)
-        assert h.score == pytest.approx(float(q[0] @ h.vector), abs=1e-5)
+        assert h.score == pytest.approx(20.0 * float(q[0] @ h.vector), abs=1e-4)
     rows = facts_index.get_vectors([0, 29, 0])
     assert rows.shape == (3, 384) and rows.dtype == np.float32
     np.testing.assert_array_equal(rows[0], facts_index.get_vectors(["p00"])[0])
@@ -100,7 +102,7 @@ def test_dpr_build_all_dense_types(
         hnsw_transform=transform,
         rerank=rerank,
     )
-    assert (m.dim, m.count, m.normalize) == (32, 60, False)
+    assert (m.dim, m.count, m.normalize, m.score_scale) == (32, 60, False, 1.0)  # DPR: raw
     assert m.query_encoder == str(q.resolve()) and m.encoder == str(ctx.resolve())
     with open_index(out) as idx:
         q_enc = load_encoder(str(q))
@@ -139,6 +141,20 @@ def test_duplicate_ids_and_bad_args(tmp_path: Path, facts_jsonl: Path) -> None:
     with pytest.raises(ValueError, match="pq_m=5 must divide the encoder dim 384"):
         build_index([facts_jsonl], tmp_path / "e", name="e", index_type="ivfpq", pq_m=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "empty.jsonl"]
+
+
+def test_score_scale_can_be_set_and_is_validated(tmp_path: Path, facts_jsonl: Path) -> None:
+    m = build_index([facts_jsonl], tmp_path / "raw", name="raw", score_scale=1.0, progress=False)
+    assert m.score_scale == 1.0
+    q = load_encoder("all-MiniLM-L6-v2").encode(["Who wrote Hamlet?"])
+    with open_index(tmp_path / "raw") as idx:
+        (hits,) = idx.search_vectors(q, k=2, return_vectors=True)
+        assert hits[0].score == pytest.approx(float(q[0] @ hits[0].vector), abs=1e-5)
+    bm = build_index([facts_jsonl], tmp_path / "bm", name="bm", index_type="bm25", progress=False)
+    assert bm.score_scale == 1.0  # BM25 scores are left as they are
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="score_scale must be a positive number"):
+            build_index([facts_jsonl], tmp_path / "bad", name="bad", score_scale=bad)
 
 
 def test_existing_out_dir_needs_overwrite(tmp_path: Path, facts_jsonl: Path) -> None:

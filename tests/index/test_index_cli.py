@@ -25,6 +25,8 @@ def test_build_info_search(facts_jsonl: Path, tmp_path: Path) -> None:
             "--type",
             "bm25",
             "--no-progress",
+            "--score-scale",
+            "0.5",
         ],
     )
     assert r.exit_code == 0, r.output
@@ -34,6 +36,7 @@ def test_build_info_search(facts_jsonl: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     manifest = json.loads(r.stdout)
     assert manifest["name"] == "facts" and manifest["count"] == 30
+    assert manifest["score_scale"] == 0.5
 
     r = runner.invoke(app, ["search", str(out), "Who wrote Hamlet?", "-k", "1"])
     assert r.exit_code == 0 and "p21" in r.output
@@ -95,6 +98,20 @@ def test_bad_arguments_exit_nonzero_without_traceback(facts_jsonl: Path, tmp_pat
                 "facebook/dpr-ctx_encoder-single-nq-base",
             ],
             "not a local directory",
+        ),
+        (
+            [
+                "build",
+                "-p",
+                str(facts_jsonl),
+                "--name",
+                "x",
+                "--out",
+                str(tmp_path / "x"),
+                "--score-scale",
+                "-3",
+            ],
+            "score_scale must be a positive number",
         ),
         (
             [

@@ -71,6 +71,14 @@ def test_inconsistent_manifest(dpr_index: Path) -> None:
     mf.write_text(json.dumps({**raw, "format_version": 99}))
     with pytest.raises(IndexLoadError, match="format_version 99 not supported"):
         open_index(dpr_index)
+    for bad in (0, -2.0, "20", None):
+        mf.write_text(json.dumps({**raw, "score_scale": bad}))
+        with pytest.raises(IndexLoadError, match="score_scale must be a positive number"):
+            open_index(dpr_index)
+    old = {k: v for k, v in raw.items() if k != "score_scale"}  # written before the field
+    mf.write_text(json.dumps(old))
+    with open_index(dpr_index) as idx:
+        assert idx.manifest.score_scale == 1.0
     mf.write_text("{")
     with pytest.raises(IndexLoadError, match="not valid JSON"):
         open_index(dpr_index)

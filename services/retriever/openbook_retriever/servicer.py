@@ -233,6 +233,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             loaded=self.registry.is_loaded(name),
             active=name == self.registry.active,
             checksum=m.checksum or "",
+            score_scale=float(m.score_scale),
         )
 
     def ListIndexes(self, request, context):

@@ -5,10 +5,11 @@ Per micro-batch of B (input x, target y) pairs:
     q = E_q(x)                                    (B, d)      trainable query encoder
     z_1..z_k = MIPS(q, index)                                 fixed index, current q
     D = stored vectors of z                       (B, k, d)   frozen document encoder
-    doc_scores = D @ q                            (B, k)      p(z|x) = softmax_k(doc_scores)
+    doc_scores = c · D @ q                        (B, k)      p(z|x) = softmax_k(doc_scores)
     logits = G(x, z, y)                           (B*k, T, V) teacher-forced generator
     loss = mean_B  -log p(y|x)                    RAG-Sequence or RAG-Token marginal NLL
 
+c is the index's score_scale (1 for DPR-style inner products, 20 for cosine encoders).
 The NLL reaches the query encoder only through p(z|x): passages under which the generator finds
 y likely gain prior mass. No retrieval supervision is used.
 """

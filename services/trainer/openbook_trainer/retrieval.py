@@ -32,7 +32,9 @@ class DenseRetrieval:
         q = E_q(x)                    (B, d)     query vectors; grad flows here iff ``grad``
         hits = MIPS(q, k)                        the search itself is not differentiable
         D = stored vectors of hits    (B, k, d)  constants (frozen document encoder)
-        doc_scores = D @ q            (B, k)     s(z, x) = d(z)·q(x); p(z|x) = softmax_k(doc_scores)
+        doc_scores = c · D @ q        (B, k)     s(z, x) = c d(z)·q(x); p(z|x) = softmax_k(s)
+
+        c is the index's ``score_scale``, so the prior trained here is the one the services use.
         """
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             q = self.encoder.encode_tensor(list(questions)).float()  # (B, d)
@@ -44,8 +46,8 @@ class DenseRetrieval:
         docs = torch.from_numpy(np.stack([np.stack([p.vector for p in h]) for h in hits]))
         docs = docs.to(q.device)  # (B, k, d)
         doc_scores = torch.bmm(docs, q.unsqueeze(2)).squeeze(2)  # (B, k)
-        return hits, doc_scores
+        return hits, doc_scores * self.index.manifest.score_scale
 
     def search(self, questions: Sequence[str]) -> list[list[Passage]]:
-        """Top-k without gradients (dev evaluation); ``Passage.score`` is d(z)·q(x)."""
+        """Top-k without gradients (dev evaluation); ``Passage.score`` is c d(z)·q(x)."""
         return self.index.search_vectors(self.encoder.encode(list(questions)), self.k)
