@@ -229,9 +229,7 @@ class LoadedIndex:
     def _results(
         self, scores: np.ndarray, rows: np.ndarray, return_vectors: bool
     ) -> list[list[Passage]]:
-        scale = self.manifest.score_scale
-        if scale != 1.0:
-            scores = scores * np.float32(scale)
+        scale = self.manifest.score_scale  # applied to real hits only: padding is -FLT_MAX
         flat = sorted({int(r) for r in rows.ravel() if r >= 0})
         by_row = dict(zip(flat, self._store.get(flat), strict=True))
         vecs = dict(zip(flat, self.get_vectors(flat), strict=True)) if return_vectors else {}
@@ -242,7 +240,8 @@ class LoadedIndex:
                 if r < 0:
                     continue
                 p = by_row[int(r)]
-                hits.append(Passage(p.id, p.title, p.text, score=float(s), vector=vecs.get(int(r))))
+                score = float(s) * scale
+                hits.append(Passage(p.id, p.title, p.text, score=score, vector=vecs.get(int(r))))
             out.append(hits)
         return out
 
