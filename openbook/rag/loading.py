@@ -34,6 +34,8 @@ from openbook.rag.prompting import PROMPT_FILE, PromptSpec
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 MANIFEST_FILES = ("openbook_manifest.json", "manifest.json")
+# Written by `openbook demo prepare` (openbook.demo.models): lists every file with its sha256.
+PREPARED_MANIFEST = "openbook_model.json"
 RAG_GENERATOR_PREFIX = "rag.generator."
 _DTYPES = {
     "float32": torch.float32,
@@ -106,7 +108,9 @@ def load(path: str | Path, device: str | None, dtype: str | None) -> Loaded:
 
 
 def model_version(root: Path) -> str:
-    """Manifest ``version`` if present, else dir name + hash of file names, sizes and mtimes."""
+    """Manifest ``version`` if present; else dir name + a hash of the files' sha256 where a
+    prepared model's manifest lists them (the same weights give the same version, however
+    often they are re-prepared); else dir name + hash of file names, sizes and mtimes."""
     for name in MANIFEST_FILES:
         p = root / name
         if p.exists():
@@ -114,6 +118,14 @@ def model_version(root: Path) -> str:
             if version:
                 return str(version)
     h = hashlib.sha256()
+    prepared = root / PREPARED_MANIFEST
+    files = read_json(prepared).get("files") if prepared.exists() else None
+    if isinstance(files, dict) and files:
+        for rel in sorted(files):
+            entry = files[rel]
+            digest = entry.get("sha256", "") if isinstance(entry, dict) else ""
+            h.update(f"{rel}:{digest}\n".encode())
+        return f"{root.resolve().name}-{h.hexdigest()[:10]}"
     for p in sorted(root.rglob("*")):
         if p.is_file() and (p.suffix in (".json", ".safetensors", ".bin", ".model", ".txt")):
             st = p.stat()

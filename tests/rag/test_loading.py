@@ -33,6 +33,22 @@ def test_manifest_version_wins(dirs, tmp_path):
     assert RagGenerator.load(d, device="cpu").model_version == "bart-tiny@7"
 
 
+def test_prepared_model_version_follows_content_not_mtimes(dirs, tmp_path):
+    from openbook.rag.loading import PREPARED_MANIFEST, model_version
+
+    files = {"model.safetensors": {"size": 1, "sha256": "ab" * 32}}
+    a, b = tmp_path / "gemma", tmp_path / "again" / "gemma"
+    for d in (a, b):
+        shutil.copytree(dirs.bart(0), d)
+        (d / PREPARED_MANIFEST).write_text(json.dumps({"version": 1, "files": files}))
+    (b / "config.json").touch()  # re-prepared later: new mtimes, same content
+    assert model_version(a) == model_version(b)
+    assert model_version(a).startswith("gemma-")
+    files["model.safetensors"]["sha256"] = "cd" * 32
+    (b / PREPARED_MANIFEST).write_text(json.dumps({"version": 1, "files": files}))
+    assert model_version(a) != model_version(b)
+
+
 def test_rag_checkpoint_uses_its_generator(rag_ckpt, dirs, load):
     assert (rag_ckpt / "generator_tokenizer").is_dir()
     gen = RagGenerator.load(rag_ckpt, device="cpu")
