@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
@@ -33,6 +32,7 @@ from openbook.index.manifest import (
     Manifest,
     checksum_dir,
     combined_checksum,
+    score_scale_problem,
     sha256_file,
 )
 from openbook.index.passages import FORMATS, read_passages
@@ -97,8 +97,8 @@ def build_index(
         )
     if rerank < 0:
         raise ValueError(f"rerank must be >= 0, got {rerank}")
-    if score_scale is not None and not (math.isfinite(score_scale) and score_scale > 0):
-        raise ValueError(f"score_scale must be a positive number, got {score_scale}")
+    if score_scale is not None and (problem := score_scale_problem(float(score_scale))):
+        raise ValueError(problem)
     dense = index_type != "bm25"
 
     doc_enc: Encoder | None = None

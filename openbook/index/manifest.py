@@ -83,10 +83,16 @@ class Manifest:
         if missing:
             raise IndexLoadError(f"{path}: missing field(s) {', '.join(missing)}")
         _check_shard(path, data.get("shard"), data["count"])
-        scale = data.get("score_scale", 1.0)
-        if type(scale) not in (int, float) or not math.isfinite(scale) or scale <= 0:
-            raise IndexLoadError(f"{path}: score_scale must be a positive number, got {scale!r}")
+        if problem := score_scale_problem(data.get("score_scale", 1.0)):
+            raise IndexLoadError(f"{path}: {problem}")
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def score_scale_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be a manifest's ``score_scale`` (a finite number > 0), or None."""
+    if type(value) in (int, float) and math.isfinite(value) and value > 0:
+        return None
+    return f"score_scale must be a positive number, got {value!r}"
 
 
 _SHARD_INTS = ("index", "count", "row_offset", "parent_count")

@@ -72,6 +72,7 @@ def test_dense_build_with_dpr(dpr_dirs: tuple[Path, Path], facts_jsonl: Path, tm
 
 
 def test_bad_arguments_exit_nonzero_without_traceback(facts_jsonl: Path, tmp_path: Path) -> None:
+    build = ["build", "-p", str(facts_jsonl), "--name", "x", "--out", str(tmp_path / "x")]
     cases = [
         (
             [
@@ -86,45 +87,15 @@ def test_bad_arguments_exit_nonzero_without_traceback(facts_jsonl: Path, tmp_pat
             "no such file",
         ),
         (
-            [
-                "build",
-                "-p",
-                str(facts_jsonl),
-                "--name",
-                "x",
-                "--out",
-                str(tmp_path / "x"),
-                "--encoder",
-                "facebook/dpr-ctx_encoder-single-nq-base",
-            ],
+            [*build, "--encoder", "facebook/dpr-ctx_encoder-single-nq-base"],
             "not a local directory",
         ),
         (
-            [
-                "build",
-                "-p",
-                str(facts_jsonl),
-                "--name",
-                "x",
-                "--out",
-                str(tmp_path / "x"),
-                "--score-scale",
-                "-3",
-            ],
+            [*build, "--score-scale", "-3"],
             "score_scale must be a positive number",
         ),
         (
-            [
-                "build",
-                "-p",
-                str(facts_jsonl),
-                "--name",
-                "x",
-                "--out",
-                str(tmp_path / "x"),
-                "--type",
-                "lsh",
-            ],
+            [*build, "--type", "lsh"],
             "Invalid value",
         ),
         (["info", str(tmp_path / "nothing")], "index directory not found"),
