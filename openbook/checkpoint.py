@@ -11,21 +11,38 @@ A checkpoint is assembled under a hidden temporary name in ``root`` and renamed 
 when complete, so a crash never leaves a directory that looks like a checkpoint. ``root/latest``
 is a one-line file naming the newest checkpoint, replaced with ``os.replace`` (atomic on POSIX),
 so readers see either the old or the new pointer, never a partial one.
+
+Temporary names are ``.<name>.tmp-<machine>-<pid>-<random>``, and the writer holds an
+exclusive ``flock`` on its temporary directory while it works, so
+:func:`clean_stale_partials` can tell what a killed writer left behind from what a live one
+(another trainer on the same root) is still writing. Hidden names are never checkpoints:
+``latest`` cannot name one and :func:`checkpoint_in_root` refuses them.
+
+Services load only what :func:`checkpoint_in_root` allows: a checkpoint inside their
+checkpoint root, after resolving symlinks and ``..``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import functools
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -36,6 +53,14 @@ TRAINER_STATE = "trainer_state.pt"
 GENERATOR_VERSION_FILE = "openbook_manifest.json"  # read by openbook.rag.loading.model_version
 _PREFIX = "step-"
 _TMP_MARK = ".tmp-"
+# ``.<name>.tmp-<machine>-<pid>-<8 hex>``; older versions wrote names without the machine.
+_TMP_OWNER = re.compile(r"\.tmp-(?P<machine>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+# A writer takes its lock right after creating its directory; younger entries are never
+# judged by their lock, so that instant cannot make a live writer's directory look abandoned.
+PARTIAL_GRACE_S = 30.0
+# Where the lock says nothing (another machine on a shared volume, a file system without
+# flock, a name without an owner), an entry untouched this long is abandoned.
+PARTIAL_MAX_AGE_S = 24 * 3600.0
 # Files a model directory must hold for the checkpoint to be usable at all.
 _REQUIRED_MODEL_FILES = ("config.json",)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -43,6 +68,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or corrupt; the message names the offending file."""
+
+
+class CheckpointPathError(CheckpointError):
+    """A requested checkpoint is not inside the checkpoint root, or names a partial one."""
 
 
 @dataclass
@@ -173,9 +202,12 @@ def write_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     name = version_name(step)
     final = root / name
-    tmp = root / f".{name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = _tmp_path(root, name)
     tmp.mkdir()
+    lock: int | None = None
     try:
+        # Held until the end: tells clean_stale_partials that this directory is in use.
+        lock = _hold_writer_lock(tmp)
         _save_generator(generator, tmp / GENERATOR_DIR, generator_source)
         # RagGenerator.load reports this as its model_version, so /answer names the checkpoint.
         (tmp / GENERATOR_DIR / GENERATOR_VERSION_FILE).write_text(
@@ -212,7 +244,7 @@ def write_checkpoint(
         if final.exists():
             # Re-saving a step (after a resume): move the old one aside first, since rename
             # cannot replace a non-empty directory.
-            stale = root / f".{name}{_TMP_MARK}old-{uuid.uuid4().hex[:8]}"
+            stale = _tmp_path(root, name)
             final.rename(stale)
             shutil.rmtree(stale, ignore_errors=True)
         tmp.rename(final)
@@ -220,6 +252,9 @@ def write_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
     _point_latest(root, name)
     if keep_last is not None and keep_last > 0:
         _prune(root, keep=keep_last, protect=name)
@@ -250,7 +285,7 @@ def _save_generator(generator: Any, out: Path, source: Path | None) -> None:
 
 
 def _point_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}{_TMP_MARK}{uuid.uuid4().hex[:8]}"
+    tmp = _tmp_path(root, LATEST)
     _write_durably(tmp, name + "\n")
     os.replace(tmp, root / LATEST)
     _fsync_dir(root)
@@ -298,6 +333,122 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+# ----------------------------------------------------------------------------- partial writes
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_tag() -> str:
+    """This kernel: the Linux boot id (shared by every container on the machine, new after a
+    reboot), else the host name. Only on the same kernel does a free flock prove a writer dead;
+    pids alone cannot, since every container numbers its processes from 1."""
+    try:
+        raw = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError):
+        raw = socket.gethostname()
+    return re.sub(r"[^A-Za-z0-9]", "", raw)[:32] or "unknown"
+
+
+def _tmp_path(root: Path, name: str) -> Path:
+    return root / f".{name}{_TMP_MARK}{_machine_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _hold_writer_lock(path: Path) -> int | None:
+    """An exclusive flock on ``path``, held until the returned descriptor is closed (the kernel
+    drops it when the writer dies, however it dies). None where the file system has no flock."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _lock_is_free(path: Path) -> bool | None:
+    """Whether no process holds ``path``'s flock; None when this cannot be told."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # also releases the lock if it was taken
+    return True
+
+
+def _newest_mtime(path: Path) -> float:
+    """The latest modification time of ``path`` and anything under it (links not followed)."""
+    newest = path.lstat().st_mtime
+    if path.is_dir() and not path.is_symlink():
+        for parent, dirs, files in os.walk(path):
+            for entry in (*dirs, *files):
+                try:
+                    newest = max(newest, os.lstat(os.path.join(parent, entry)).st_mtime)
+                except OSError:
+                    continue  # removed while we looked
+    return newest
+
+
+def _is_abandoned(path: Path, now: float, grace_s: float, max_age_s: float) -> bool:
+    idle = now - _newest_mtime(path)
+    if idle < grace_s:
+        return False
+    owner = _TMP_OWNER.search(path.name)
+    free = _lock_is_free(path)
+    if free is False:
+        return False  # a live writer holds it
+    if free and owner is not None and owner["machine"] == _machine_tag():
+        return True  # written on this kernel, whose writer would hold the lock if it lived
+    # Another machine (a lock there may be invisible here), no flock, or an old-style name.
+    return idle > max_age_s
+
+
+def clean_stale_partials(
+    root: Path, *, grace_s: float = PARTIAL_GRACE_S, max_age_s: float = PARTIAL_MAX_AGE_S
+) -> list[Path]:
+    """Remove what killed writers left in ``root`` (``.<name>.tmp-*`` directories and files);
+    return what was removed.
+
+    Safe beside live writers, also other trainers writing into the same root: an entry is
+    removed when it was written on this machine and no process holds its writer lock, or,
+    where the lock cannot tell (another machine, no flock, an old-style name), when nothing in
+    it changed for ``max_age_s``. Entries younger than ``grace_s`` are always kept.
+    """
+    root = Path(root)
+    try:
+        entries = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    now = time.time()
+    for path in entries:
+        if not (path.name.startswith(".") and _TMP_MARK in path.name):
+            continue
+        try:
+            if not _is_abandoned(path, now, grace_s, max_age_s):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            continue  # another cleaner (a second trainer starting) was faster
+        except OSError as exc:
+            log.warning("cannot remove partial checkpoint %s: %s", path, exc)
+            continue
+        log.info("removed partial checkpoint %s left by an interrupted writer", path.name)
+        removed.append(path)
+    return removed
+
+
 # ----------------------------------------------------------------------------- reading
 
 
@@ -328,6 +479,67 @@ def resolve_checkpoint(path: Path) -> Path:
     if latest is None:
         raise CheckpointError(f"{path}: neither a checkpoint nor a root with a '{LATEST}' file")
     return latest
+
+
+_NOT_INSIDE = (
+    "checkpoint: not inside the checkpoint root (OPENBOOK_CHECKPOINT_DIR); give a version "
+    "such as step-000120 or a path under the root"
+)
+
+
+def _inside(root: Path, path: Path) -> Path:
+    """``path`` relative to ``root`` (both resolved), refusing anything outside or hidden."""
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        # The same words whatever is (or is not) at that path: a reload request must not
+        # become a way to probe the file system outside the root.
+        raise CheckpointPathError(_NOT_INSIDE) from None
+    if any(part.startswith(".") for part in rel.parts):
+        raise CheckpointPathError(
+            f"checkpoint {rel.as_posix()!r}: a hidden or partial (.tmp-) entry, not a checkpoint"
+        )
+    return rel
+
+
+def checkpoint_in_root(root: Path | None, requested: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint a reload request names, confined to the checkpoint ``root``.
+
+    ``requested`` is empty (the checkpoint ``root/latest`` names), a version or path relative
+    to ``root`` (``step-000120``), or an absolute path inside ``root``. Symlinks and ``..``
+    are resolved before the check, and again for the checkpoint ``latest`` leads to, so no
+    link leads outside. A path outside gets one fixed message, whatever is there; hidden
+    entries (partial ``.tmp-`` writes) are refused. Returns the resolved checkpoint
+    directory, not yet verified; raises :class:`CheckpointPathError` or
+    :class:`CheckpointError`.
+    """
+    if root is None:
+        raise CheckpointPathError("checkpoint: no checkpoint root configured")
+    real_root = Path(os.path.realpath(root))
+    text = os.fspath(requested) if requested else ""
+    try:
+        # An absolute ``requested`` replaces the root in the join; a relative one is under it.
+        target = Path(os.path.realpath(real_root / text)) if text else real_root
+    except (OSError, ValueError):  # a NUL byte, a path the OS refuses to resolve
+        raise CheckpointPathError(_NOT_INSIDE) from None
+    rel = _inside(real_root, target)
+    if rel == Path(LATEST):
+        target, rel = real_root, Path()
+    if not target.is_dir():
+        if rel == Path():
+            raise CheckpointError("checkpoint: the checkpoint root holds no checkpoint yet")
+        raise CheckpointError(f"checkpoint {rel.as_posix()!r} not found in the checkpoint root")
+    if (target / MANIFEST).is_file():
+        return target
+    latest = latest_checkpoint(target)
+    if latest is None:
+        where = "the checkpoint root" if rel == Path() else repr(rel.as_posix())
+        raise CheckpointError(
+            f"checkpoint: {where} is neither a checkpoint nor holds a '{LATEST}' file"
+        )
+    real = Path(os.path.realpath(latest))
+    _inside(real_root, real)
+    return real
 
 
 def read_manifest(path: Path) -> CheckpointManifest:

@@ -33,6 +33,31 @@ class DeadlineExceeded(OpenbookError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Cancelled(OpenbookError):
+    """The caller went away before its result was ready."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class TooLarge(OpenbookError):
+    """The request alone needs more than the service's configured budget: it can never run as
+    it is (the gateway's 413), unlike :class:`Overloaded`, which may succeed later (429)."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class Unauthenticated(OpenbookError):
+    """An admin RPC without the right bearer token (or on a service with admin turned off)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unavailable(OpenbookError):
+    """The service is up but cannot serve yet (still loading): callers should retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, OpenbookError):
         return exc.code

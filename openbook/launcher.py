@@ -2,10 +2,16 @@
 
 The compose file stays the single source of truth: this reads each service's ``command``,
 ``environment``, ``depends_on``, ``healthcheck``, ``restart`` and ``volumes`` and reproduces
-them without Docker. Two translations make container settings work on the host:
+them without Docker. Three translations make container settings work on the host:
 
-- service host names (``retriever:50051``, ``redis://redis:6379``) become ``127.0.0.1``;
+- service host names (``retriever:8051``, ``redis://redis:6379``) become ``127.0.0.1``;
+- the wildcard bind address ``0.0.0.0`` becomes ``127.0.0.1``: inside a container it is the
+  container's own network, which ``ports:`` decides what to publish from; on the host it
+  would be every interface, so local processes (Redis, the gRPC services) bind loopback;
 - container paths of bind mounts (``/var/openbook/indexes``) become the host paths.
+
+A service that dies is restarted per its ``restart`` policy after an exponential, capped
+delay (``Backoff``), forgotten once it has been healthy for a while, never in a tight loop.
 
 Variables are interpolated as compose does (``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``,
 ``$$``), from this process's environment.
@@ -13,6 +19,7 @@ Variables are interpolated as compose does (``${VAR}``, ``${VAR:-default}``, ``$
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -31,6 +38,8 @@ import yaml
 
 # Printed once every service is up and healthy; from then on the launcher restarts what dies.
 SUPERVISING_LINE = "openbook up: all services started"
+WILDCARD_ADDRESS = "0.0.0.0"
+LOOPBACK_ADDRESS = "127.0.0.1"
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +88,37 @@ def parse_duration(text: str | None, default: float) -> float:
     for amount, unit in _DURATION.findall(str(text)):
         total += float(amount) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
     return total or default
+
+
+@dataclass
+class Backoff:
+    """How long to wait before restarting a service that died.
+
+    Exponential and capped, so a service that cannot start (a port taken, a corrupt model)
+    is retried ever more slowly instead of in a tight loop that burns the CPU the others need
+    and floods the log; forgotten once the service has been healthy for ``reset_after_s``, so
+    a crash after days of service is retried at once. Docker's restart policy works the same.
+    """
+
+    initial_s: float = 0.5
+    factor: float = 2.0
+    max_s: float = 30.0
+    reset_after_s: float = 30.0
+    failures: int = 0
+
+    def next_delay(self) -> float:
+        """The delay before the next restart; counts one more failure."""
+        delay = min(self.initial_s * self.factor**self.failures, self.max_s)
+        self.failures += 1
+        return delay
+
+    def should_reset(self, up_for_s: float) -> bool:
+        """Whether a service up for ``up_for_s`` seconds may have its failures forgotten
+        (once it is also healthy)."""
+        return self.failures > 0 and up_for_s >= self.reset_after_s
+
+    def reset(self) -> None:
+        self.failures = 0
 
 
 @dataclass
@@ -139,12 +179,16 @@ class ComposeProject:
         return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
 
     def translate(self, value: str, mounts: list[tuple[str, str]]) -> str:
+        if value == WILDCARD_ADDRESS:
+            return LOOPBACK_ADDRESS
         for target, host in mounts:
             if value == target or value.startswith(target + "/"):
                 return host + value[len(target) :]
         for name in self._host_names:
             # Only host-shaped uses (``name:port``, ``//name/``) so a bare word is left alone.
-            value = re.sub(rf"(^|//|@){re.escape(name)}(?=:\d|/)", r"\g<1>127.0.0.1", value)
+            value = re.sub(
+                rf"(^|//|@){re.escape(name)}(?=:\d|/)", rf"\g<1>{LOOPBACK_ADDRESS}", value
+            )
         return value
 
     def _spec(self, name: str, svc: dict) -> ServiceSpec:
@@ -230,14 +274,26 @@ def _resolve(argv: list[str], env: Mapping[str, str], service: str) -> list[str]
 
 
 class _Process:
-    def __init__(self, spec: ServiceSpec, base_env: Mapping[str, str], cwd: Path) -> None:
+    def __init__(
+        self,
+        spec: ServiceSpec,
+        base_env: Mapping[str, str],
+        cwd: Path,
+        backoff: Backoff | None = None,
+    ) -> None:
         self.spec = spec
         self.env = {**base_env, **spec.env}
         self.cwd = cwd
         self.popen: subprocess.Popen | None = None
         self.stopping = False
+        self.backoff = backoff or Backoff()
+        self.started_at = 0.0  # time.monotonic() of the last start
+        self.restart_at: float | None = None  # when a dead service is due to be restarted
+        self.next_stability_check = 0.0  # health checks for a backoff reset, rate-limited
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
+        self.restart_at = None
         self.popen = subprocess.Popen(
             _resolve(self.spec.argv, self.env, self.spec.name),
             env=self.env,
@@ -289,10 +345,20 @@ class _Process:
 class Stack:
     """Start services in dependency order, keep them running (restart policy), stop them all."""
 
-    def __init__(self, project: ComposeProject, services: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        project: ComposeProject,
+        services: list[str] | None = None,
+        backoff: Backoff | None = None,
+        poll_s: float = 0.5,
+    ) -> None:
+        """``backoff`` is the restart policy every service gets a copy of; ``poll_s`` how
+        often the supervisor looks at the processes."""
         self.project = project
         self.order = project.resolve_order(services)
         self.processes: dict[str, _Process] = {}
+        self.backoff = backoff or Backoff()
+        self.poll_s = poll_s
         self._stop = threading.Event()
 
     def _wait_condition(self, name: str, condition: str) -> None:
@@ -325,7 +391,9 @@ class Stack:
             spec = self.project.services[name]
             for dep, condition in spec.depends_on.items():
                 self._wait_condition(dep, condition)
-            proc = _Process(spec, self.project.env, self.project.base_dir)
+            proc = _Process(
+                spec, self.project.env, self.project.base_dir, dataclasses.replace(self.backoff)
+            )
             if spec.external and spec.healthcheck and proc.healthy():
                 print(f"openbook up: {name} already running, reusing it", flush=True)
                 continue
@@ -339,22 +407,48 @@ class Stack:
         print(SUPERVISING_LINE, flush=True)
 
     def supervise(self) -> None:
-        """Restart services per their restart policy until ``stop``; fail if one dies for good."""
-        while not self._stop.wait(0.5):
+        """Restart services per their restart policy until ``stop``; fail if one dies for good.
+
+        A dead service is restarted after its backoff delay; the loop never sleeps through
+        it, so one service waiting does not hold up the others (or ``stop``).
+        """
+        while not self._stop.wait(self.poll_s):
             for name, proc in self.processes.items():
-                code = proc.popen.poll() if proc.popen else None
-                if code is None or proc.stopping:
+                if proc.stopping:
                     continue
-                policy = proc.spec.restart
-                if (
-                    policy == "always"
-                    or policy == "unless-stopped"
-                    or (policy == "on-failure" and code != 0)
-                ):
-                    print(f"openbook up: {name} exited ({code}), restarting", flush=True)
-                    proc.start()
-                elif policy == "no" and code != 0 and not self._is_job(name):
+                code = proc.popen.poll() if proc.popen else None
+                now = time.monotonic()
+                if code is None:
+                    self._forget_failures_once_stable(name, proc, now)
+                elif proc.restart_at is not None:
+                    if now >= proc.restart_at:
+                        print(f"openbook up: restarting {name}", flush=True)
+                        proc.start()
+                elif self._restarts(proc.spec.restart, code):
+                    delay = proc.backoff.next_delay()
+                    proc.restart_at = now + delay
+                    print(
+                        f"openbook up: {name} exited ({code}), restarting in {delay:.1f}s "
+                        f"(failure {proc.backoff.failures})",
+                        flush=True,
+                    )
+                elif proc.spec.restart == "no" and code != 0 and not self._is_job(name):
                     raise LaunchError(f"{name} exited with status {code}")
+
+    @staticmethod
+    def _restarts(policy: str, code: int) -> bool:
+        return policy in ("always", "unless-stopped") or (policy == "on-failure" and code != 0)
+
+    def _forget_failures_once_stable(self, name: str, proc: _Process, now: float) -> None:
+        # Up long enough *and* healthy: a service that stays up but never gets healthy keeps
+        # its backoff. The health check (a process) runs only when there are failures to
+        # forget, and at most once per health interval.
+        if not proc.backoff.should_reset(now - proc.started_at) or now < proc.next_stability_check:
+            return
+        proc.next_stability_check = now + proc.spec.health_interval_s
+        if proc.healthy():
+            print(f"openbook up: {name} healthy again, restart backoff reset", flush=True)
+            proc.backoff.reset()
 
     def _is_job(self, name: str) -> bool:
         return any(

@@ -18,6 +18,9 @@ import redis
 from openbook.launcher import SUPERVISING_LINE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The admin token of in-process backends: their admin RPCs (SwapIndex, ReloadModel, ...)
+# refuse calls without it, and a gateway in front of them forwards its own.
+BACKENDS_ADMIN_TOKEN = "backends-admin-token"
 
 
 def free_port() -> int:
@@ -108,9 +111,10 @@ class Backends:
     retriever_port: int
     generator_port: int
     generator_servicer: Any  # openbook_generator.servicer.GeneratorServicer
+    admin_token: str | None = BACKENDS_ADMIN_TOKEN
 
     def gateway_settings(self, redis_url: str, **overrides: Any):
-        """Gateway settings that point at these backends."""
+        """Gateway settings that point at these backends (with their admin token)."""
         from openbook.config import Settings
 
         return Settings(
@@ -118,15 +122,19 @@ class Backends:
                 "retriever_addr": f"127.0.0.1:{self.retriever_port}",
                 "generator_addr": f"127.0.0.1:{self.generator_port}",
                 "redis_url": redis_url,
+                "admin_token": self.admin_token,
                 **overrides,
             }
         )
 
 
 @contextmanager
-def running_backends(workdir: Path, redis_url: str) -> Iterator[Backends]:
+def running_backends(
+    workdir: Path, redis_url: str, admin_token: str | None = BACKENDS_ADMIN_TOKEN
+) -> Iterator[Backends]:
     """The real retriever (``facts-a`` active, ``facts-b`` loadable) and generator (a tiny
-    random BART) built as their servers build them, on free loopback ports."""
+    random BART) built as their servers build them, on free loopback ports. Their admin RPCs
+    need ``admin_token`` (None: admin off)."""
     from openbook.config import Settings
     from openbook.rag.testing import make_tiny_bart
     from openbook_generator.server import build as build_generator
@@ -143,6 +151,7 @@ def running_backends(workdir: Path, redis_url: str) -> Iterator[Backends]:
         redis_url=redis_url,
         generator_model=make_tiny_bart(workdir / "models" / "tiny-bart"),
         checkpoint_dir=workdir / "checkpoints",  # empty: never a trained checkpoint of the repo
+        admin_token=admin_token,
     )
     retriever, _, stop_following = build_retriever(settings)
     generator, generator_servicer = build_generator(settings)
@@ -150,7 +159,7 @@ def running_backends(workdir: Path, redis_url: str) -> Iterator[Backends]:
         service.set_serving(True)
         service.start()
     try:
-        yield Backends(retriever.port, generator.port, generator_servicer)
+        yield Backends(retriever.port, generator.port, generator_servicer, admin_token)
     finally:
         stop_following.set()
         retriever.stop(0)

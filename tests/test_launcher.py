@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from openbook.launcher import ComposeProject, LaunchError, Stack, interpolate
+from openbook.launcher import Backoff, ComposeProject, LaunchError, Stack, interpolate
 from openbook.testing import REPO_ROOT, free_port
 
 
@@ -37,7 +37,8 @@ def test_repo_compose_file_translates_to_local_processes(tmp_path):
     project = ComposeProject(REPO_ROOT / "docker-compose.yml", env)
     gateway = project.services["gateway"]
     assert gateway.argv == ["openbook", "serve", "gateway"]
-    assert gateway.env["OPENBOOK_RETRIEVER_ADDR"] == "127.0.0.1:50051"
+    assert gateway.env["OPENBOOK_RETRIEVER_ADDR"] == "127.0.0.1:8051"
+    assert gateway.env["OPENBOOK_GENERATOR_ADDR"] == "127.0.0.1:8052"
     assert gateway.env["OPENBOOK_REDIS_URL"] == "redis://127.0.0.1:6379/0"
     assert gateway.env["OPENBOOK_GATEWAY_PORT"] == "9999"
     assert gateway.healthcheck[-1] == "http://127.0.0.1:9999/readyz"
@@ -188,3 +189,110 @@ def test_volumes_never_leak_container_paths_to_the_host(tmp_path):
     )
     with pytest.raises(LaunchError, match="must start with ./"):
         ComposeProject(compose, {})
+
+
+def test_local_processes_bind_loopback_where_containers_bind_every_interface(tmp_path):
+    # In a container 0.0.0.0 is the container's own network and compose publishes only the
+    # gateway; on the host it would be every interface: openbook up binds loopback.
+    env = {"PATH": os.environ["PATH"], "OPENBOOK_VAR_DIR": str(tmp_path)}
+    project = ComposeProject(REPO_ROOT / "docker-compose.yml", env)
+    for name in ("gateway", "retriever", "generator"):
+        assert project.services[name].env[f"OPENBOOK_{name.upper()}_HOST"] == "127.0.0.1"
+    redis = project.services["redis"].argv
+    assert redis[redis.index("--bind") + 1] == "127.0.0.1"
+    for spec in project.services.values():
+        assert "0.0.0.0" not in spec.argv, spec.name
+        assert "0.0.0.0" not in spec.env.values(), spec.name
+    # Only the exact wildcard address is rewritten, never a URL or a path containing it.
+    assert project.translate("http://0.0.0.0.example/", []) == "http://0.0.0.0.example/"
+
+
+def test_backoff_grows_exponentially_to_a_cap_and_resets():
+    backoff = Backoff(initial_s=0.5, factor=2.0, max_s=4.0, reset_after_s=30.0)
+    assert [backoff.next_delay() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert not backoff.should_reset(up_for_s=29.0)  # not up long enough
+    assert backoff.should_reset(up_for_s=30.0)
+    backoff.reset()
+    assert not backoff.should_reset(up_for_s=300.0)  # nothing to forget
+    assert backoff.next_delay() == 0.5
+
+
+def _crash_loop_compose(tmp_path: Path, starts: Path) -> Path:
+    doc = {
+        "services": {
+            "crash": {
+                "build": ".",
+                "command": ["/bin/sh", "-c", f"date +%s.%N >> {starts}; exit 3"],
+                "restart": "on-failure",
+            }
+        }
+    }
+    path = tmp_path / "compose.yml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_a_crash_looping_service_is_restarted_with_growing_capped_delays(tmp_path):
+    import threading
+
+    starts = tmp_path / "starts"
+    backoff = Backoff(initial_s=0.1, factor=4.0, max_s=0.5, reset_after_s=60.0)
+    stack = Stack(
+        ComposeProject(_crash_loop_compose(tmp_path, starts), dict(os.environ)),
+        backoff=backoff,
+        poll_s=0.02,
+    )
+    supervisor = threading.Thread(target=stack.supervise, daemon=True)
+    try:
+        stack.start()
+        supervisor.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if starts.exists() and len(starts.read_text().split()) >= 6:
+                break
+            time.sleep(0.05)
+    finally:
+        stack.stop()
+        supervisor.join(10)
+    times = [float(t) for t in starts.read_text().split()]
+    assert len(times) >= 6, times
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)][:5]
+    expected = [0.1, 0.4, 0.5, 0.5, 0.5]  # 0.1 * 4**n, capped at 0.5 (uncapped: 1.6, 6.4)
+    slack = 0.6  # process start and polling on a busy machine; smaller than any uncapped step
+    for gap, delay in zip(gaps, expected, strict=True):
+        assert delay - 0.01 <= gap <= delay + slack, (gaps, expected)
+    assert stack.processes["crash"].backoff.failures >= 5  # never reset: never healthy
+
+
+def test_backoff_is_forgotten_once_a_service_stays_healthy(tmp_path):
+    import threading
+
+    compose = tmp_path / "compose.yml"
+    service = {
+        "build": ".",
+        "command": ["/bin/sh", "-c", "exec sleep 600"],
+        "healthcheck": {"test": ["CMD", "true"], "interval": "100ms", "retries": 50},
+        "restart": "unless-stopped",
+    }
+    compose.write_text(yaml.safe_dump({"services": {"steady": service}}))
+    backoff = Backoff(initial_s=0.1, factor=10.0, max_s=600.0, reset_after_s=0.5)
+    stack = Stack(ComposeProject(compose, dict(os.environ)), backoff=backoff, poll_s=0.02)
+    supervisor = threading.Thread(target=stack.supervise, daemon=True)
+    try:
+        stack.start()
+        proc = stack.processes["steady"]
+        proc.backoff.failures = 3  # as after three crashes: the next delay would be 100 s
+        supervisor.start()
+        deadline = time.monotonic() + 30
+        while proc.backoff.failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.backoff.failures == 0, "backoff not reset after a healthy stretch"
+        old = proc.popen
+        os.killpg(old.pid, signal.SIGKILL)
+        old.wait()
+        while proc.popen is old and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.popen is not old, "not restarted after the first (short) delay"
+    finally:
+        stack.stop()
+        supervisor.join(10)

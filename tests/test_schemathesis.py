@@ -44,7 +44,7 @@ class BoundedCost:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def generate_batch(self, requests):
+    def generate_batch(self, requests, **kwargs):
         cheap = []
         for question, passages, options in requests:
             validate_request(question, passages, options)
@@ -62,12 +62,14 @@ class BoundedCost:
                     ),
                 )
             )
-        return self.inner.generate_batch(cheap)
+        return self.inner.generate_batch(cheap, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def gateway_url(tmp_path_factory, redis_server):
-    with running_backends(tmp_path_factory.mktemp("backends"), redis_server.url) as backends:
+    with running_backends(
+        tmp_path_factory.mktemp("backends"), redis_server.url, admin_token=TOKEN
+    ) as backends:
         servicer = backends.generator_servicer
         servicer.generator = BoundedCost(servicer.generator)
         settings = backends.gateway_settings(

@@ -1,4 +1,4 @@
-"""Load benchmark of the whole system: the stack ``openbook up`` starts, with small models.
+"""Load benchmark of the whole system: the stack ``openbook up`` starts.
 
 N concurrent clients (default 1, 4, 16) post uncached questions to the gateway for a fixed
 time each; then one client asks a question whose answer is cached. Reports requests/s,
@@ -13,6 +13,15 @@ two ratios measured in the same run: throughput at the most clients over one cli
 Models: the generator is a tiny random BART (``openbook.rag.testing.make_tiny_bart``), the
 retriever MiniLM over two 30-passage indexes (``openbook.testing.build_fact_indexes``): the
 benchmark measures the serving system (HTTP, gRPC, batching, cache), not model quality.
+
+``--real`` runs what users run instead: the default stack (Gemma 3 270M, the demo index
+wiki-2018, every other setting at its default) from a ``var/`` that ``openbook demo prepare``
+filled, at 1, 4, 8, 16 and 32 clients asking the demo questions with the default k=5. Per level
+it counts answers, 429s, 413s, 504s and other 5xx (which must be 0), latency percentiles of the
+answers, and the peak resident memory of each service process; then it sends one k=100 request
+and checks the generator still answers. Ratios are against the 1-client level of the same run.
+
+    .venv/bin/python bench/load/run.py --real --var var --seconds 60 --json load-real.json
 """
 
 from __future__ import annotations
@@ -26,9 +35,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -55,6 +65,8 @@ class Level:
     server_p50_ms: float  # the gateway's own total_ms (no client / HTTP overhead)
     retriever_batch: float  # mean requests per batch during the level
     generator_batch: float
+    statuses: dict[str, int] = field(default_factory=dict)  # HTTP status (or "conn") -> count
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # service -> peak RSS
 
 
 def _batch_stats(stack: LocalStack) -> dict[str, tuple[float, float]]:
@@ -81,18 +93,18 @@ def _mean_batch(before, after, service: str) -> float:
     return total / count if count else 0.0
 
 
-def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, int, float]:
+def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, Counter, float]:
     """``clients`` threads, each with one keep-alive connection (``http.client``: the leanest
-    client, so the load generator takes little CPU from the stack it measures)."""
+    client, so the load generator takes little CPU from the stack it measures). Returns the
+    answered requests' latencies (client and gateway), every reply's status, the wall time."""
     latencies: list[float] = []
     server: list[float] = []
-    errors = 0
+    statuses: Counter = Counter()
     lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
 
     def client(i: int) -> None:
-        nonlocal errors
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=180)
         n = 0
         while time.perf_counter() < stop_at:
             payload = json.dumps(body(i, n))
@@ -102,18 +114,19 @@ def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, i
                 conn.request("POST", "/answer", payload, {"content-type": "application/json"})
                 reply = conn.getresponse()
                 data = reply.read()
-                ok = reply.status == 200
+                status = str(reply.status)
             except (OSError, http.client.HTTPException):
                 conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-                ok = False
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=180)
+                status = "conn"
             elapsed = time.perf_counter() - started
             with lock:
-                if ok:
+                statuses[status] += 1
+                if status == "200":
                     latencies.append(elapsed)
                     server.append(json.loads(data)["timings_ms"]["total_ms"] / 1000)
-                else:
-                    errors += 1
+            if status == "429":
+                time.sleep(1.0)  # as Retry-After says
         conn.close()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -122,12 +135,46 @@ def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, i
         thread.start()
     for thread in threads:
         thread.join()
-    return latencies, server, errors, time.perf_counter() - started
+    return latencies, server, statuses, time.perf_counter() - started
+
+
+class PeakRss:
+    """Samples the resident memory of every service process of a stack while it runs."""
+
+    SERVICES = ("gateway", "retriever", "generator")
+
+    def __init__(self, stack: LocalStack, every_s: float = 0.25) -> None:
+        self.stack = stack
+        self.every_s = every_s
+        self.peak: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            for name in self.SERVICES:
+                try:
+                    rss = psutil.Process(self.stack.service_pid(name)).memory_info().rss
+                except (LookupError, psutil.Error):
+                    continue
+                self.peak[name] = max(self.peak.get(name, 0.0), rss / 2**20)
+            self._stop.wait(self.every_s)
 
 
 def run_level(stack: LocalStack, name: str, clients: int, seconds: float, body) -> Level:
     before = _batch_stats(stack)
-    latencies, server, errors, wall = _drive(stack.ports["gateway"], clients, seconds, body)
+    with PeakRss(stack) as rss:
+        latencies, server, statuses, wall = _drive(stack.ports["gateway"], clients, seconds, body)
     after = _batch_stats(stack)
     ms = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
     return Level(
@@ -135,7 +182,7 @@ def run_level(stack: LocalStack, name: str, clients: int, seconds: float, body) 
         clients=clients,
         seconds=round(wall, 2),
         requests=len(latencies),
-        errors=errors,
+        errors=sum(n for status, n in statuses.items() if status != "200"),
         rps=len(latencies) / wall,
         p50_ms=float(np.percentile(ms, 50)),
         p95_ms=float(np.percentile(ms, 95)),
@@ -143,6 +190,8 @@ def run_level(stack: LocalStack, name: str, clients: int, seconds: float, body) 
         server_p50_ms=float(np.median(server) * 1000) if server else float("nan"),
         retriever_batch=_mean_batch(before, after, "retriever"),
         generator_batch=_mean_batch(before, after, "generator"),
+        statuses=dict(statuses),
+        peak_rss_mb={k: round(v) for k, v in rss.peak.items()},
     )
 
 
@@ -181,6 +230,119 @@ def running(var: Path, env: dict[str, str]) -> Iterator[LocalStack]:
         stack.stop()
 
 
+REAL_GENERATOR = "gemma-3-270m"
+REAL_INDEX = "wiki-2018"
+
+
+def demo_questions() -> list[str]:
+    """The demo's questions (world leaders, SQuAD), as users of the default stack ask them."""
+    root = Path(__file__).resolve().parents[2] / "data"
+    questions = []
+    for name in ("leaders/questions.jsonl", "squad/questions.jsonl"):
+        with open(root / name) as f:
+            questions.extend(json.loads(line)["question"] for line in f if line.strip())
+    return questions
+
+
+def real_body(questions: list[str]):
+    def body(i: int, n: int) -> dict:
+        # Each client walks the questions from its own offset; default k, decoding and lengths.
+        return {"question": questions[(i * 97 + n) % len(questions)], "use_cache": False}
+
+    return body
+
+
+def k100_probe(stack: LocalStack) -> dict:
+    """One k=100 request on the running stack, then a default one: the first must answer or
+    be refused cleanly, and the generator must still be the same process, answering."""
+    pid = stack.service_pid("generator")
+    started = time.perf_counter()
+    reply = httpx.post(
+        f"{stack.url}/answer",
+        json={"question": "peru", "k": 100, "max_new_tokens": 4, "use_cache": False},
+        timeout=300,
+    )
+    seconds = time.perf_counter() - started
+    after = httpx.post(
+        f"{stack.url}/answer",
+        json={"question": "Who is the President of Peru?", "use_cache": False},
+        timeout=300,
+    )
+    return {
+        "status": reply.status_code,
+        "seconds": round(seconds, 2),
+        "detail": reply.json().get("detail") if reply.status_code != 200 else None,
+        "next_request_status": after.status_code,
+        "generator_restarted": stack.service_pid("generator") != pid,
+    }
+
+
+def real_table(levels: list[Level]) -> str:
+    head = (
+        "| clients | answered | 429 | 413 | 504 | other 5xx | no reply | answers/s | vs 1 client "
+        "| p50 ms | p99 ms | peak RSS MB gateway / retriever / generator |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+    )
+    base = min(levels, key=lambda lv: lv.clients).rps
+    rows = []
+    for lv in levels:
+        st = lv.statuses
+        other_5xx = sum(n for code, n in st.items() if code.startswith("5") and code != "504")
+        rss = lv.peak_rss_mb
+        rows.append(
+            f"| {lv.clients} | {lv.requests} | {st.get('429', 0)} | {st.get('413', 0)} "
+            f"| {st.get('504', 0)} | {other_5xx} | {st.get('conn', 0)} | {lv.rps:.2f} "
+            f"| {lv.rps / base if base else float('nan'):.2f}x | {lv.p50_ms:.0f} | {lv.p99_ms:.0f} "
+            f"| {rss.get('gateway', 0):.0f} / {rss.get('retriever', 0):.0f} "
+            f"/ {rss.get('generator', 0):.0f} |"
+        )
+    return head + "\n".join(rows)
+
+
+def main_real(args) -> int:
+    var = (args.var or Path("var")).resolve()
+    if not (var / "models" / REAL_GENERATOR / "config.json").exists():
+        print(f"{var}/models/{REAL_GENERATOR} is missing: run `openbook demo prepare` first")
+        return 2
+    env = {}
+    if args.threads is not None:
+        env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    body = real_body(demo_questions())
+    levels: list[Level] = []
+    stack = LocalStack(var, generator=REAL_GENERATOR, default_index=REAL_INDEX, extra_env=env)
+    print("starting the default stack (openbook up, Gemma 3 270M) ...", flush=True)
+    stack.start(timeout_s=600)
+    try:
+        for i in range(2):  # warm-up: first requests pay for lazy loading
+            httpx.post(f"{stack.url}/answer", json=body(i, 0), timeout=300)
+        for clients in args.clients:
+            print(f"{clients} client(s), uncached, {args.seconds:.0f} s ...", flush=True)
+            levels.append(run_level(stack, "real", clients, args.seconds, body))
+            print(real_table(levels[-1:]).splitlines()[-1], flush=True)
+        print("one k=100 request ...", flush=True)
+        probe = k100_probe(stack)
+    finally:
+        stack.stop()
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    print()
+    print(f"machine: {machine}; default stack ({REAL_GENERATOR}, {REAL_INDEX})")
+    print(real_table(levels))
+    print()
+    print(f"k=100 request: {probe}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"machine": machine, "levels": [asdict(lv) for lv in levels], "k100": probe},
+                indent=2,
+            )
+        )
+    server_errors = sum(
+        n for lv in levels for code, n in lv.statuses.items() if code.startswith("5")
+    )
+    clean_k100 = probe["status"] in (200, 413) and not probe["generator_restarted"]
+    return 0 if server_errors == 0 and clean_k100 and probe["next_request_status"] == 200 else 1
+
+
 def table(levels: list[Level]) -> str:
     head = (
         "| load | clients | requests | req/s | p50 ms | p95 ms | p99 ms | errors "
@@ -198,7 +360,13 @@ def table(levels: list[Level]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default: 1 4 16; with --real 1 4 8 16 32",
+    )
     ap.add_argument("--seconds", type=float, default=10.0, help="per level (default 10)")
     ap.add_argument("--cached-seconds", type=float, default=5.0)
     ap.add_argument("--var", type=Path, default=None, help="reuse/prepare data here (default: tmp)")
@@ -210,13 +378,24 @@ def main(argv: list[str] | None = None) -> int:
         "(batch size 1 in retriever and generator): how much of the gain is batching",
     )
     ap.add_argument(
+        "--real",
+        action="store_true",
+        help="the default stack (Gemma 3 270M, demo index) from --var (default ./var)",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
-        default=1,
+        default=None,
         help="torch threads per service process (default 1: three model-serving processes\n"
-        "share the CPUs; more threads per process only oversubscribe a small machine)",
+        "share the CPUs; more threads per process only oversubscribe a small machine);\n"
+        "with --real: torch's own default, as users run it",
     )
     args = ap.parse_args(argv)
+    if args.real:
+        args.clients = args.clients or [1, 4, 8, 16, 32]
+        return main_real(args)
+    args.clients = args.clients or [1, 4, 16]
+    args.threads = args.threads or 1
 
     with tempfile.TemporaryDirectory(prefix="openbook-load-") as tmp:
         var = args.var or Path(tmp)

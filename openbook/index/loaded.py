@@ -23,19 +23,24 @@ from openbook.index.store import PassageStore
 from openbook.types import Passage
 
 
-def open_index(path: Path, verify: bool = True) -> LoadedIndex:
+def open_index(path: Path, verify: bool = True, *, name: str | None = None) -> LoadedIndex:
     """Open an index directory written by ``build_index``.
 
     Always checks that the manifest is readable, every listed file exists with its recorded
     size, and that dim/count agree across the manifest, faiss index, vectors and passage
     store. ``verify=True`` additionally re-hashes every file (minutes for a Wikipedia-sized
     index; a serving process that trusts its disk may pass ``verify=False``).
+
+    ``name`` is the index's identity in messages and as ``.name``; a server passes the name
+    clients use (the retriever: the directory name under its index root), because a copied
+    or renamed directory keeps the manifest's ``name`` of the index it was built as.
+    Default: the manifest's ``name``.
     """
     path = Path(path)
     if not path.is_dir():
         raise IndexLoadError(f"{path}: index directory not found")
     manifest = Manifest.from_file(path / MANIFEST)
-    label = f"index {manifest.name!r}"
+    label = f"index {name or manifest.name!r}"
     if manifest.index_type not in INDEX_TYPES:
         raise IndexLoadError(f"{label}: unknown index_type {manifest.index_type!r}")
     for rel, size in manifest.sizes.items():
@@ -52,17 +57,17 @@ def open_index(path: Path, verify: bool = True) -> LoadedIndex:
         for rel, digest in manifest.files.items():
             if sha256_file(path / rel) != digest:
                 raise IndexLoadError(f"{label}: {rel} checksum mismatch")
-    return LoadedIndex(path, manifest)
+    return LoadedIndex(path, manifest, name=name)
 
 
 class LoadedIndex:
     """Search and vector access over one index; thread-safe for concurrent searches."""
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
+    def __init__(self, path: Path, manifest: Manifest, *, name: str | None = None) -> None:
         self.path = Path(path)
         self.manifest = manifest
-        self.name = manifest.name
-        label = f"index {manifest.name!r}"
+        self.name = name or manifest.name  # see open_index: the name clients use, if given
+        label = f"index {self.name!r}"
         if PASSAGES_FILE not in manifest.files:
             raise IndexLoadError(f"{label}: {PASSAGES_FILE} missing")
         self._store = PassageStore(self.path / PASSAGES_FILE)
@@ -111,7 +116,7 @@ class LoadedIndex:
     def __repr__(self) -> str:
         m = self.manifest
         part = f", shard={m.shard['index']}/{m.shard['count']}" if m.shard else ""
-        return f"LoadedIndex({m.name!r}, {m.index_type}, count={m.count}, dim={m.dim}{part})"
+        return f"LoadedIndex({self.name!r}, {m.index_type}, count={m.count}, dim={m.dim}{part})"
 
     def __len__(self) -> int:
         return self.manifest.count

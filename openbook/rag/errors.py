@@ -9,3 +9,7 @@ class InvalidRequest(ValueError):
 
 class ModelLoadError(ValueError):
     """A model directory is missing files or holds corrupt ones; the message names the file."""
+
+
+class Abandoned(RuntimeError):
+    """Every caller of a decoding group gave up (deadline passed, cancelled): work stopped."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +11,18 @@ import torch
 
 from openbook.rag import rag_sequence, rag_token
 from openbook.rag.beam import SearchSettings, StopFn
-from openbook.rag.errors import InvalidRequest
+from openbook.rag.errors import Abandoned, InvalidRequest
 from openbook.rag.loading import dtype_name, load
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
 from openbook.rag.marginalize import doc_log_prior
+from openbook.rag.memory import MemoryModel, RequestShape, memory_model, request_shape
 from openbook.rag.models import CausalBackend, GeneratorBackend
 from openbook.rag.options import DecodingOptions, GenerationResult
 from openbook.types import Passage
 
 Request = tuple[str, Sequence[Passage], DecodingOptions]
+# Asked between decoding steps: True once the request's caller gave up (deadline, cancel).
+GaveUp = Callable[[], bool]
 
 # Upper bound on decoder rows (requests x passages x beams) in one grouped forward pass.
 MAX_BATCH_ROWS = 256
@@ -58,6 +61,7 @@ class RagGenerator:
         self.device = str(backend.device)
         self.dtype = dtype_name(next(backend.model.parameters()).dtype)
         self.generation = dict(generation or {})
+        self.memory: MemoryModel = memory_model(backend)
         self._lock = threading.Lock()
 
     @classmethod
@@ -87,27 +91,51 @@ class RagGenerator:
 
     # ------------------------------------------------------------------ generation
 
+    def request_shape(
+        self, question: str, passages: Sequence[Passage], options: DecodingOptions
+    ) -> RequestShape:
+        """Rows and lengths of a request (tokenises its passages), for :attr:`memory`."""
+        return request_shape(self.backend, question, passages, options)
+
     def generate(
         self, question: str, passages: Sequence[Passage], options: DecodingOptions
     ) -> GenerationResult:
         return self.generate_batch([(question, passages, options)])[0]
 
-    def generate_batch(self, requests: Sequence[Request]) -> list[GenerationResult]:
+    def generate_batch(
+        self, requests: Sequence[Request], gave_up: Sequence[GaveUp] | None = None
+    ) -> list[GenerationResult | Abandoned]:
         """Generate for several requests; requests with equal options share forward passes.
 
         Every request is validated first; the first invalid one raises :class:`InvalidRequest`
         (callers that must isolate bad requests validate each with :func:`validate_request`).
+        ``gave_up[i]``, when given, says whether request i's caller stopped waiting: a group of
+        requests whose callers all gave up stops between decoding steps (or before it starts),
+        and its requests get an :class:`Abandoned` instead of a result. Without ``gave_up``
+        every entry is a :class:`GenerationResult`.
         """
         for question, passages, options in requests:
             validate_request(question, passages, options)
-        results: list[GenerationResult | None] = [None] * len(requests)
+        results: list[GenerationResult | Abandoned | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for idx, (_, _, options) in enumerate(requests):
             groups.setdefault(options.key(), []).append(idx)
         with self._lock, torch.inference_mode():
             for members in groups.values():
                 for chunk in self._chunks(members, requests):
-                    outs = self._run_group([requests[i] for i in chunk])
+                    stop_when = None
+                    if gave_up is not None:
+                        checks = [gave_up[i] for i in chunk]
+
+                        def stop_when(checks=checks) -> bool:
+                            return all(check() for check in checks)
+
+                    try:
+                        if stop_when is not None and stop_when():
+                            raise Abandoned("every caller gave up before decoding started")
+                        outs = self._run_group([requests[i] for i in chunk], stop_when)
+                    except Abandoned as exc:
+                        outs = [exc] * len(chunk)
                     for i, res in zip(chunk, outs, strict=True):
                         results[i] = res
         return [r for r in results if r is not None]
@@ -165,7 +193,9 @@ class RagGenerator:
 
         return stop if (stops or extra) else None
 
-    def _run_group(self, group: Sequence[Request]) -> list[GenerationResult]:
+    def _run_group(
+        self, group: Sequence[Request], abandoned: Callable[[], bool] | None = None
+    ) -> list[GenerationResult]:
         options = group[0][2]
         ks = [len(p) for _, p, _ in group]
         k = max(ks)
@@ -180,7 +210,7 @@ class RagGenerator:
         settings = self._settings(options)
         stop = self._stop_fn()
         if options.mode == "rag-token":
-            hyps = rag_token.decode(self.backend, enc, log_prior, ks, settings, stop)
+            hyps = rag_token.decode(self.backend, enc, log_prior, ks, settings, stop, abandoned)
         else:
             hyps = rag_sequence.decode(
                 self.backend,
@@ -190,6 +220,7 @@ class RagGenerator:
                 settings,
                 thorough=options.mode == "rag-sequence-thorough",
                 stop=stop,
+                abandoned=abandoned,
             )
         return [
             GenerationResult(hypotheses=hyps[i], doc_prior=log_prior[i, : ks[i]].exp().tolist())

@@ -29,8 +29,10 @@ from openbook.rag.cache import reorder_self_attention, select_rows
 from openbook.rag.prompting import PromptSpec, seq2seq_input
 from openbook.types import Passage
 
-# Upper bound on rows x tokens pushed through the LM head at once while teacher forcing.
-_SCORE_CHUNK_TOKENS = 4096
+# Upper bound on logit elements (rows x positions x vocabulary) one teacher-forcing forward pass
+# materialises: 2**24 float32 = 64 MiB, plus its log-softmax. With Gemma's 262k vocabulary a
+# whole-sequence forward of a few rows would otherwise hold gigabytes (see openbook/rag/memory.py).
+SCORE_LOGIT_ELEMENTS = 1 << 24
 # Sequences scored together as one prefix tree on the BART fast path (bounds the cache size).
 _TREE_CHUNK_SEQS = 1024
 
@@ -142,10 +144,14 @@ class GeneratorBackend(ABC):
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _gather_chunked(self, rows: Tensor, seqs: Tensor, forward) -> Tensor:
-        """Shared chunking for :meth:`score`: ``forward(rows, inputs)`` -> logits (r, T-1, V)."""
+        """Shared chunking for :meth:`score`: ``forward(rows, inputs)`` -> logits (r, T-1, V).
+
+        Rows are chunked so one chunk's logits stay within :data:`SCORE_LOGIT_ELEMENTS` (at least
+        one row per chunk).
+        """
         n_rows, length = seqs.shape
         out = torch.empty(n_rows, length, dtype=torch.float32, device=seqs.device)
-        chunk = max(1, _SCORE_CHUNK_TOKENS // max(1, length))
+        chunk = max(1, SCORE_LOGIT_ELEMENTS // max(1, (length - 1) * self.vocab_size))
         for lo in range(0, n_rows, chunk):
             r = rows[lo : lo + chunk]
             s = seqs[lo : lo + chunk]
@@ -461,7 +467,6 @@ class CausalBackend(GeneratorBackend):
                 "token; at least one shared leading token is required"
             )
         self.prefix_ids = prefix_ids
-        self._first_lp: Tensor | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -544,6 +549,10 @@ class CausalBackend(GeneratorBackend):
             position_ids=pos,
             past_key_values=self._forked_prefix(ids.shape[0]),
             use_cache=True,
+            # Only the last prompt position predicts an answer token: the LM head over every
+            # position (262k vocabulary x hundreds of positions x k rows) is what used to exhaust
+            # memory.
+            logits_to_keep=1,
         )
         first = self._log_softmax(out.logits[:, -1])
         next_pos = kv_pos[:, -1] + 1
@@ -576,22 +585,42 @@ class CausalBackend(GeneratorBackend):
     def score(
         self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
     ) -> Tensor:
-        self._first_lp = enc.first_logprobs
-
-        def forward(r: Tensor, inputs: Tensor) -> Tensor:
-            q_pos = enc.positions[r, None] + torch.arange(inputs.shape[1], device=inputs.device)
-            return self.model(
-                input_ids=inputs,
-                attention_mask=self._mask(torch.cat([enc.mask[r], q_pos], dim=1), q_pos),
-                position_ids=q_pos,
-                past_key_values=select_rows(enc.cache, r),
-                use_cache=True,
-            ).logits
-
-        try:
-            return self._gather_chunked(rows, seqs, forward)
-        finally:
-            self._first_lp = None
+        """Teacher forcing in chunks of rows and, when one row's logits alone exceed the budget,
+        in segments of positions that extend the chunk's cache: at most
+        :data:`SCORE_LOGIT_ELEMENTS` logits exist at any time, whatever the vocabulary size."""
+        n_rows, length = seqs.shape
+        out = torch.empty(n_rows, length, dtype=torch.float32, device=seqs.device)
+        if n_rows == 0 or length == 0:
+            return out
+        out[:, 0] = enc.first_logprobs[rows].gather(1, seqs[:, :1]).squeeze(1)
+        if length == 1:
+            return out
+        vocab = self.vocab_size
+        chunk = max(1, SCORE_LOGIT_ELEMENTS // ((length - 1) * vocab))
+        segment = max(1, SCORE_LOGIT_ELEMENTS // (min(chunk, n_rows) * vocab))
+        for lo in range(0, n_rows, chunk):
+            r = rows[lo : lo + chunk]
+            s = seqs[lo : lo + chunk]
+            cache = select_rows(enc.cache, r)
+            kv_pos = enc.mask[r]
+            for a in range(0, length - 1, segment):
+                inputs = s[:, a : a + segment]
+                q_pos = enc.positions[r, None] + a + torch.arange(inputs.shape[1], device=s.device)
+                kv_pos = torch.cat([kv_pos, q_pos], dim=1)
+                step = self.model(
+                    input_ids=inputs,
+                    attention_mask=self._mask(kv_pos, q_pos),
+                    position_ids=q_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache = step.past_key_values
+                lp = self._log_softmax(step.logits)
+                targets = s[:, a + 1 : a + 1 + inputs.shape[1], None]
+                out[lo : lo + chunk, a + 1 : a + 1 + inputs.shape[1]] = lp.gather(
+                    2, targets
+                ).squeeze(2)
+        return out
 
     def target_logits(
         self, items: Sequence[tuple[str, Sequence[Passage]]], targets: Tensor
@@ -611,9 +640,11 @@ class CausalBackend(GeneratorBackend):
             position_ids=q_pos,
             past_key_values=self._forked_prefix(n_rows, prefix_cache),
             use_cache=True,
+            # Logits only at the positions the loss reads: the last prompt token (it predicts
+            # targets[:, 1]) and every answer token; the prompt's other positions are never used.
+            logits_to_keep=targets.shape[1],
         ).logits
-        # Position width-1 (last prompt token) predicts the first answer token, i.e. targets[:, 1].
-        return logits[:, width - 1 :]
+        return logits
 
     def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
         seqs = []

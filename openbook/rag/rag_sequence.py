@@ -10,12 +10,14 @@ is in it and treated as 0 otherwise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from openbook.rag.beam import Finished, SearchSettings, StopFn, beam_search, greedy_search
+from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import sequence_doc_logliks, sequence_log_marginal
 from openbook.rag.models import Encoded, GeneratorBackend
 from openbook.rag.options import Hypothesis
@@ -31,8 +33,11 @@ def decode(
     *,
     thorough: bool,
     stop: StopFn | None = None,
+    abandoned: Callable[[], bool] | None = None,
 ) -> list[list[Hypothesis]]:
-    per_passage = search_per_passage(backend, enc, settings, stop)
+    """``abandoned`` is asked before every decoding step and before re-scoring; when it says
+    yes, :class:`Abandoned` is raised and no further work is done."""
+    per_passage = search_per_passage(backend, enc, settings, stop, abandoned)
     prior = log_prior.to(enc.first_logprobs.device)
     cands: list[list[list[int]]] = []
     origin: list[
@@ -54,6 +59,8 @@ def decode(
         origin.append(org)
 
     if thorough:
+        if abandoned is not None and abandoned():
+            raise Abandoned("every caller gave up")
         # a candidate's log-probs under the passage whose search found it are known already
         known = [
             [{z: h.token_logprobs for z, h in org.items()} for org in request] for request in origin
@@ -86,7 +93,11 @@ def decode(
 
 
 def search_per_passage(
-    backend: GeneratorBackend, enc: Encoded, settings: SearchSettings, stop: StopFn | None
+    backend: GeneratorBackend,
+    enc: Encoded,
+    settings: SearchSettings,
+    stop: StopFn | None,
+    abandoned: Callable[[], bool] | None = None,
 ) -> list[list[Finished]]:
     """Independent search for each of the n*k rows; beam search returns every beam, as transformers'
     RAG-Sequence asks ``generate`` for ``num_return_sequences = num_beams``.
@@ -97,6 +108,8 @@ def search_per_passage(
     group = (torch.arange(rows, device=enc.first_logprobs.device) * beams)[:, None]
 
     def step(tokens: Tensor, source: Tensor | None) -> Tensor:
+        if abandoned is not None and abandoned():
+            raise Abandoned("every caller gave up")
         if source is not None:
             backend.reorder(state, (group + source).reshape(-1))
         return backend.step(state, tokens)

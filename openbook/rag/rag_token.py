@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from openbook.rag.beam import Finished, SearchSettings, StopFn, beam_search, greedy_search
+from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import token_marginal, token_posteriors
 from openbook.rag.models import Encoded, GeneratorBackend
 from openbook.rag.options import Hypothesis
@@ -19,8 +22,13 @@ def decode(
     ks: list[int],
     settings: SearchSettings,
     stop: StopFn | None = None,
+    abandoned: Callable[[], bool] | None = None,
 ) -> list[list[Hypothesis]]:
-    """Decode ``enc.n`` requests; ``log_prior`` (n, k) is -inf on padding slots, ``ks`` = real k."""
+    """Decode ``enc.n`` requests; ``log_prior`` (n, k) is -inf on padding slots, ``ks`` = real k.
+
+    ``abandoned`` is asked before every decoding step and before re-scoring; when it says yes,
+    :class:`Abandoned` is raised and no further work is done.
+    """
     n, k, beams = enc.n, enc.k, settings.num_beams
     vocab = enc.first_logprobs.shape[-1]
     prior = log_prior.to(enc.first_logprobs.device)
@@ -33,6 +41,8 @@ def decode(
     current = [enc.first_logprobs.view(n, k, 1, vocab).expand(n, k, beams, vocab)]
 
     def step(tokens: Tensor, source: Tensor | None) -> Tensor:
+        if abandoned is not None and abandoned():
+            raise Abandoned("every caller gave up")
         if source is not None:
             backend.reorder(state, (group + source[:, None, :]).reshape(-1))
         per_row = tokens.view(n, 1, beams).expand(n, k, beams).reshape(-1)
@@ -47,6 +57,8 @@ def decode(
 
     search = greedy_search if beams == 1 else beam_search
     found = search(n, first, step, settings, stop, per_passage)
+    if abandoned is not None and abandoned():
+        raise Abandoned("every caller gave up")
     return _with_provenance(backend, enc, prior, ks, found)
 
 

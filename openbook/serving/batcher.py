@@ -1,23 +1,30 @@
 """Dynamic batching: concurrent callers share one call of a batched function.
 
-A bounded queue feeds one worker thread. The worker takes the first waiting item, keeps
-collecting until ``max_batch_size`` items or ``max_wait_ms`` have passed, drops items whose
-deadline has already passed, and runs ``fn`` once on the rest. Callers block on their own
-future. When the queue is full ``submit`` fails at once (backpressure) instead of piling up.
+A bounded waiting line feeds one worker thread. The worker takes the first waiting item, keeps
+collecting until ``max_batch_size`` items, ``max_wait_ms``, or an item that would not ``fit``
+with those already taken (it then leads the next batch), drops items whose caller gave up, and
+runs ``fn`` once on the rest. Callers block on their own future.
+
+Invariants:
+* the line never holds more than ``max_queue`` items: ``submit`` fails at once (backpressure)
+  instead of piling up;
+* an item whose caller gave up (deadline passed, cancelled) leaves the line at once and is never
+  run; while its batch runs, ``fn`` can ask the same question (``gave_up``) and stop early;
+* no wait is unbounded: every caller waits at most its own timeout.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from openbook.errors import DeadlineExceeded, Overloaded
+from openbook.errors import Cancelled, DeadlineExceeded, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -27,113 +34,166 @@ NO_DEADLINE_S = 365 * 24 * 3600.0
 T = TypeVar("T")
 R = TypeVar("R")
 
+# fn(payloads) or, with ``pass_gave_up``, fn(payloads, gave_up) -> one result or error per item.
+BatchFn = Callable[..., Sequence[R | Exception]]
 
-@dataclass
+
+@dataclass(eq=False)
 class _Item(Generic[T, R]):
     payload: T
     deadline: float | None  # time.monotonic() value, or None for no deadline
     future: Future = field(default_factory=Future)
+
+    def gave_up(self) -> bool:
+        """The caller stopped waiting: cancelled, or its deadline passed."""
+        return self.future.cancelled() or (
+            self.deadline is not None and time.monotonic() >= self.deadline
+        )
 
 
 class Batcher(Generic[T, R]):
     """Run ``fn(list[T]) -> list[R | Exception]`` on batches of concurrently submitted items.
 
     ``fn`` returns one result per item, in order; an ``Exception`` in the list fails only
-    that item. If ``fn`` raises, every item of the batch fails with that error.
+    that item. If ``fn`` raises, every item of the batch fails with that error. With
+    ``pass_gave_up`` it is called as ``fn(payloads, gave_up)``, ``gave_up[i]()`` saying whether
+    item i's caller stopped waiting. ``fits(payloads)`` (default: always) says whether items may
+    run as one batch; a single item always may (callers refuse what can never fit).
     """
 
     def __init__(
         self,
-        fn: Callable[[list[T]], Sequence[R | Exception]],
+        fn: BatchFn,
         *,
         max_batch_size: int = 8,
         max_wait_ms: float = 5.0,
         max_queue: int = 64,
         name: str = "batcher",
         on_batch: Callable[[int], None] | None = None,
+        fits: Callable[[list[T]], bool] | None = None,
+        pass_gave_up: bool = False,
     ) -> None:
         self._fn = fn
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
-        self._queue: queue.Queue[_Item[T, R] | None] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._fits = fits
+        self._pass_gave_up = pass_gave_up
+        self._waiting: deque[_Item[T, R]] = deque()
+        self._cond = threading.Condition()
         self._on_batch = on_batch
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def depth(self) -> int:
-        return self._queue.qsize()
+        """Items waiting for a batch (not those running)."""
+        with self._cond:
+            return len(self._waiting)
 
-    def submit(self, payload: T, timeout_s: float | None = None) -> R:
-        """Block until ``payload`` has been processed; raise its error if it failed."""
-        if self._closed:
-            raise Overloaded("server is shutting down")
+    def submit(
+        self,
+        payload: T,
+        timeout_s: float | None = None,
+        on_cancel: Callable[[Callable[[], None]], object] | None = None,
+    ) -> R:
+        """Block until ``payload`` has been processed; raise its error if it failed.
+
+        ``on_cancel(callback)``, when given, registers ``callback`` to be called if the caller
+        goes away (e.g. gRPC's ``context.add_callback``): the item then leaves the line, or its
+        running batch is told it gave up.
+        """
         if timeout_s is not None and timeout_s > NO_DEADLINE_S:
             timeout_s = None  # gRPC reports "no deadline" as a practically infinite time left
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         item: _Item[T, R] = _Item(payload, deadline)
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            raise Overloaded(
-                f"queue full ({self._queue.maxsize} requests waiting); retry later"
-            ) from None
+        with self._cond:
+            if self._closed:
+                raise Overloaded("server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise Overloaded(f"queue full ({self.max_queue} requests waiting); retry later")
+            self._waiting.append(item)
+            self._cond.notify()
+        if on_cancel is not None:
+            on_cancel(lambda: self._give_up(item))
         try:
             return item.future.result(timeout=timeout_s)
         except TimeoutError:
-            item.future.cancel()
+            self._give_up(item)
             raise DeadlineExceeded(f"no result within {timeout_s:.1f}s") from None
+        except CancelledError:
+            raise Cancelled("the caller cancelled the request") from None
 
     def close(self) -> None:
-        self._closed = True
-        self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self._thread.join(timeout=10)
 
-    def _collect(self, first: _Item[T, R]) -> list[_Item[T, R]]:
-        batch = [first]
-        until = time.monotonic() + self.max_wait_s
-        while len(batch) < self.max_batch_size:
-            remaining = until - time.monotonic()
-            try:
-                item = (
-                    self._queue.get(timeout=max(remaining, 0))
-                    if remaining > 0
-                    else (self._queue.get_nowait())
-                )
-            except queue.Empty:
-                break
-            if item is None:  # close() while collecting: finish this batch, then stop
-                self._queue.put(None)
-                break
-            batch.append(item)
-        return batch
+    def _give_up(self, item: _Item[T, R]) -> None:
+        """Cancel ``item`` (unless it has its result) and free its place in the line."""
+        with self._cond:
+            # not waiting any more: already taken into a batch, which sees ``gave_up``
+            if item.future.cancel() and item in self._waiting:
+                self._waiting.remove(item)
+
+    def _take(self) -> list[_Item[T, R]] | None:
+        """The next batch (None once closed and drained); drops items whose caller gave up."""
+        with self._cond:
+            batch: list[_Item[T, R]] = []
+            until: float | None = None
+            while len(batch) < self.max_batch_size:
+                if not self._waiting:
+                    if self._closed:
+                        break
+                    if until is None:  # nothing taken yet: wait for the first item
+                        self._cond.wait()
+                        continue
+                    remaining = until - time.monotonic()
+                    if remaining <= 0 or not self._cond.wait(remaining):
+                        break
+                    continue
+                item = self._waiting[0]
+                if item.gave_up():
+                    self._waiting.popleft()
+                    _resolve(item.future, DeadlineExceeded("deadline passed while queued"))
+                    continue
+                fits = self._fits
+                if (
+                    batch
+                    and fits is not None
+                    and not fits([*(i.payload for i in batch), item.payload])
+                ):
+                    break  # it leads the next batch
+                self._waiting.popleft()
+                batch.append(item)
+                if until is None:
+                    until = time.monotonic() + self.max_wait_s
+            if not batch and self._closed:
+                return None
+            return batch
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is None:
+            batch = self._take()
+            if batch is None:
                 return
-            now = time.monotonic()
-            live = []
-            for item in self._collect(first):
-                if item.future.cancelled():
-                    continue
-                if item.deadline is not None and item.deadline <= now:
-                    _resolve(item.future, DeadlineExceeded("deadline passed while queued"))
-                    continue
-                live.append(item)
-            if not live:
+            if not batch:
                 continue
             if self._on_batch:
-                self._on_batch(len(live))
+                self._on_batch(len(batch))
+            payloads = [item.payload for item in batch]
             try:
-                results = self._fn([item.payload for item in live])
+                if self._pass_gave_up:
+                    results = self._fn(payloads, [item.gave_up for item in batch])
+                else:
+                    results = self._fn(payloads)
             except Exception as exc:  # noqa: BLE001 - reported to every caller of the batch
-                log.exception("batch of %d failed", len(live))
-                for item in live:
+                log.exception("batch of %d failed", len(batch))
+                for item in batch:
                     _resolve(item.future, exc)
                 continue
-            for item, result in zip(live, results, strict=True):
+            for item, result in zip(batch, results, strict=True):
                 _resolve(item.future, result)
 
 

@@ -1,24 +1,133 @@
-"""One way to run a gRPC service: health, error mapping, request ids, graceful stop."""
+"""One way to run a gRPC service: health, error mapping, request ids, admin auth, graceful
+stop, and a port that is bound before the (slow) model or index is loaded."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pydantic import SecretStr
 
-from openbook.errors import status_for
+from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
 from openbook.serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+AUTHORIZATION_HEADER = "authorization"
+
+RETRIEVER_SERVICE = "openbook.v1.Retriever"
+GENERATOR_SERVICE = "openbook.v1.Generator"
+# Every RPC that changes what a service serves or holds (proto/openbook/v1): only callers with
+# OPENBOOK_ADMIN_TOKEN (the gateway's admin API, operators) may make them. LoadIndex is here
+# too: it fills memory and evicts loaded indexes. tests/services/test_admin_auth.py fails when
+# an RPC is added to the protos without being put here or declared read-only there.
+ADMIN_RPCS: dict[str, frozenset[str]] = {
+    RETRIEVER_SERVICE: frozenset({"LoadIndex", "UnloadIndex", "SwapIndex", "ReloadModel"}),
+    GENERATOR_SERVICE: frozenset({"ReloadModel"}),
+}
+
+
+def admin_methods(service: str) -> frozenset[str]:
+    """Full gRPC method paths (``/openbook.v1.Retriever/SwapIndex``) of ``service``'s admin
+    RPCs, as a server interceptor sees them."""
+    return frozenset(f"/{service}/{rpc}" for rpc in ADMIN_RPCS[service])
+
+
+def bearer_metadata(token: SecretStr | str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that authorizes an admin RPC (empty without a token)."""
+    secret = _secret(token)
+    return ((AUTHORIZATION_HEADER, f"Bearer {secret}"),) if secret else ()
+
+
+def _secret(token: SecretStr | str | None) -> str:
+    if isinstance(token, SecretStr):
+        return token.get_secret_value()
+    return token or ""
+
+
+class AdminAuthInterceptor(grpc.ServerInterceptor):
+    """Admin RPCs need ``authorization: Bearer <OPENBOOK_ADMIN_TOKEN>``; others pass untouched.
+
+    Without a configured token admin RPCs are off, as the gateway's admin API is: an open
+    SwapIndex on the network would let anyone change what the gateway serves. Refusals are
+    UNAUTHENTICATED (raised as ``Unauthenticated`` so that ``ErrorInterceptor``, outside this
+    one, counts and logs them like any other status). The token is compared in constant time
+    and never logged.
+    """
+
+    def __init__(self, methods: Collection[str], token: SecretStr | str | None) -> None:
+        self.methods = frozenset(methods)
+        self._expected = _secret(token).encode()
+
+    def _refusal(self, handler_call_details) -> str | None:
+        if not self._expected:
+            return "admin RPCs are disabled: OPENBOOK_ADMIN_TOKEN is not set on this service"
+        presented = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTHORIZATION_HEADER:
+                presented = value if isinstance(value, str) else value.decode("latin-1")
+        scheme, _, token = presented.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return "admin RPC: missing 'authorization: Bearer <OPENBOOK_ADMIN_TOKEN>' metadata"
+        if not hmac.compare_digest(token.strip().encode(), self._expected):
+            return "admin RPC: wrong admin token"
+        return None
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self.methods:
+            return handler
+        refusal = self._refusal(handler_call_details)
+        if refusal is None:
+            return handler
+
+        def refuse(request, context):
+            raise Unauthenticated(refusal)
+
+        return grpc.unary_unary_rpc_method_handler(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class DeferredServicer:
+    """Stands in for a servicer that is still loading, so the port can be bound first.
+
+    Generated ``add_*Servicer_to_server`` functions read each RPC method once, at
+    registration; every method read here dispatches at call time instead: to the real
+    servicer once ``attach`` has given it, else UNAVAILABLE (the gateway's 503 with
+    Retry-After), which tells a caller to come back rather than that the call was wrong.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._target: object | None = None
+
+    def attach(self, servicer: object) -> None:
+        self._target = servicer
+
+    def __getattr__(self, rpc: str):
+        if rpc.startswith("_"):
+            raise AttributeError(rpc)
+
+        def dispatch(request, context):
+            target = self._target
+            if target is None:
+                raise Unavailable(f"{self._name} is starting: not serving yet")
+            return getattr(target, rpc)(request, context)
+
+        dispatch.__name__ = rpc
+        return dispatch
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
@@ -91,7 +200,12 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 
 class GrpcService:
-    """A gRPC server with the standard health service, built by ``add_servicers``."""
+    """A gRPC server with the standard health service, built by ``add_servicers``.
+
+    The port is bound here, and health answers NOT_SERVING until ``set_serving(True)``: a
+    service binds first, then loads, so a restart never loses its port to a client socket
+    while a model loads, and probes can tell "starting" from "gone".
+    """
 
     def __init__(
         self,
@@ -103,9 +217,13 @@ class GrpcService:
         metrics: ServiceMetrics | None = None,
         max_concurrent_rpcs: int | None = None,
         access_log: bool | None = None,
+        admin_methods: Collection[str] = (),
+        admin_token: SecretStr | str | None = None,
     ) -> None:
         """``max_concurrent_rpcs`` and ``access_log`` default to the settings
-        OPENBOOK_GRPC_MAX_CONCURRENT_RPCS and OPENBOOK_ACCESS_LOG."""
+        OPENBOOK_GRPC_MAX_CONCURRENT_RPCS and OPENBOOK_ACCESS_LOG. ``admin_methods`` (full
+        method paths, see ``admin_methods()``) need ``admin_token``; without one they are
+        refused."""
         if max_concurrent_rpcs is None or access_log is None:
             from openbook.config import get_settings
 
@@ -115,24 +233,38 @@ class GrpcService:
             if access_log is None:
                 access_log = settings.access_log
         self.name = name
+        self.host = host
         self.metrics = metrics
         self.health = health.HealthServicer()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
-            interceptors=[ErrorInterceptor(metrics, access_log)],
+            # Outermost first: auth refusals are counted and logged like every other status.
+            interceptors=[
+                ErrorInterceptor(metrics, access_log),
+                AdminAuthInterceptor(admin_methods, admin_token),
+            ],
             # Calls beyond this many (running + waiting for a worker) are refused at once with
             # RESOURCE_EXHAUSTED rather than queued without bound.
             maximum_concurrent_rpcs=max_concurrent_rpcs or None,
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                # grpc shares a port between processes by default (SO_REUSEPORT): a second
+                # service started on a taken port would silently get half the connections.
+                # Fail to bind instead (and let the launcher retry with backoff).
+                ("grpc.so_reuseport", 0),
             ],
         )
         add_servicers(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        # grpc's health servicer starts out SERVING for the server as a whole.
+        self.set_serving(False)
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"{name}: cannot bind {host}:{port}")
+            raise OSError(f"{name}: cannot bind {host}:{port} (in use, or not an address here)")
 
     def set_serving(self, serving: bool = True) -> None:
         status = (
@@ -145,21 +277,45 @@ class GrpcService:
 
     def start(self) -> None:
         self.server.start()
-        log.info("%s listening on port %d", self.name, self.port)
+        log.info("%s listening on %s:%d", self.name, self.host, self.port)
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.set_serving(False)
         self.server.stop(grace_s).wait()
 
-    def run_until_signal(self) -> None:
-        """Serve until SIGTERM/SIGINT, then drain in-flight requests."""
-        stopped = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stopped.set())
+    def run_until_signal(
+        self, load: Callable[[], None] | None = None, stop: threading.Event | None = None
+    ) -> None:
+        """Start (health: NOT_SERVING), run ``load``, then serve until SIGTERM/SIGINT (or
+        ``stop`` is set), then drain in-flight requests.
+
+        A signal while ``load`` runs ends the process at once: there is nothing to drain,
+        and a large index can take minutes to load. Off the main thread (tests) no signal
+        handlers are installed; ``stop`` ends the service.
+        """
+        stop = stop if stop is not None else threading.Event()
+        loaded = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+
+            def on_signal(signum, _frame) -> None:
+                stop.set()
+                if not loaded.is_set():
+                    raise SystemExit(0)
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, on_signal)
         self.start()
-        stopped.wait()
-        log.info("%s stopping", self.name)
-        self.stop()
+        try:
+            if load is not None:
+                load()
+            loaded.set()
+            if not stop.is_set():
+                self.set_serving(True)
+                log.info("%s serving", self.name)
+            stop.wait()
+            log.info("%s stopping", self.name)
+        finally:
+            self.stop()
 
 
 def check_health(addr: str, timeout_s: float = 2.0, service: str = "") -> bool:

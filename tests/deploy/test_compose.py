@@ -95,3 +95,57 @@ def test_interpolation_uses_defaults_and_environment():
     assert interpolate("${A-1}", {"A": ""}) == ""
     assert interpolate("${A:+x}${B:+y}", {"A": "v"}) == "x"
     assert interpolate({"p": ["${P:-8000}:8000"]}, {"P": "9"}) == {"p": ["9:8000"]}
+
+
+# Linux's default net.ipv4.ip_local_port_range: ports the kernel hands to client sockets. A
+# service port in it can be taken by some outgoing connection while the service restarts.
+EPHEMERAL_PORTS = range(32768, 61000)
+PUBLISHED = {"gateway"}
+
+
+def _compose(env: dict[str, str] | None = None) -> dict:
+    return interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), env or {})
+
+
+def test_only_the_gateway_is_published_on_the_host():
+    # Redis and the gRPC services (whose admin RPCs change what the gateway serves) are
+    # reachable over the compose network only.
+    services = _compose()["services"]
+    assert {name for name, svc in services.items() if svc.get("ports")} == PUBLISHED
+    assert not any(svc.get("network_mode") == "host" for svc in services.values())
+    (gateway_port,) = services["gateway"]["ports"]
+    assert gateway_port == "8000:8000"
+    assert not any("expose" in svc for svc in services.values())
+
+
+def test_services_listen_on_the_container_network_and_share_the_admin_token():
+    services = _compose({"OPENBOOK_ADMIN_TOKEN": "t0ken"})["services"]
+    for name in ("gateway", "retriever", "generator"):
+        env = services[name]["environment"]
+        assert env[f"OPENBOOK_{name.upper()}_HOST"] == "0.0.0.0", name
+        assert env["OPENBOOK_ADMIN_TOKEN"] == "t0ken", name
+    assert "--bind 0.0.0.0" in services["redis"]["command"]
+
+
+def test_default_ports_are_outside_the_ephemeral_range():
+    from openbook.config import Settings
+
+    default = {name: field.default for name, field in Settings.model_fields.items()}
+    ports = {
+        "gateway": default["gateway_port"],
+        "retriever": default["retriever_port"],
+        "generator": default["generator_port"],
+        "retriever metrics": default["retriever_metrics_port"],
+        "generator metrics": default["generator_metrics_port"],
+        "retriever addr": int(default["retriever_addr"].rsplit(":", 1)[1]),
+        "generator addr": int(default["generator_addr"].rsplit(":", 1)[1]),
+        "redis": int(default["redis_url"].rsplit(":", 1)[1].split("/")[0]),
+    }
+    services = _compose()["services"]
+    for name in ("gateway", "retriever", "generator"):
+        env = services[name]["environment"]
+        ports[f"compose {name}"] = int(env[f"OPENBOOK_{name.upper()}_PORT"])
+    for name, port in ports.items():
+        assert port >= 1024 and port not in EPHEMERAL_PORTS, (name, port)
+    assert services["gateway"]["environment"]["OPENBOOK_RETRIEVER_ADDR"] == "retriever:8051"
+    assert services["gateway"]["environment"]["OPENBOOK_GENERATOR_ADDR"] == "generator:8052"

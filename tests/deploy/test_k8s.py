@@ -31,7 +31,7 @@ JOBS = sorted((K8S / "jobs").glob("*.yaml"))
 K8S_VERSIONS = ["1.28.0", kubernetes_validate.latest_version()]
 NAMESPACE = "openbook"
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
-GRPC_SERVICES = {"retriever": 50051, "generator": 50052}
+GRPC_SERVICES = {"retriever": 8051, "generator": 8052}
 # Variables only the manifests' own shell reads (not openbook settings).
 MANIFEST_ONLY_VARS = {"OPENBOOK_RETRIEVER_SHARDING"}
 # ConfigMaps the operator creates from files in the repository (docs/deploy.md says how).
@@ -156,6 +156,7 @@ def test_layout_has_every_piece_the_system_needs():
         ("Job", "trainer"),
         ("Job", "index-build"),
         ("Secret", "openbook-admin"),
+        ("NetworkPolicy", "default-deny-ingress"),
         ("PersistentVolumeClaim", "openbook-indexes"),
         ("PersistentVolumeClaim", "openbook-checkpoints"),
     } <= kinds
@@ -344,17 +345,81 @@ def test_gateway_is_autoscaled_and_gets_the_admin_token_from_the_secret():
     assert secret["stringData"]["token"] == "", "never commit an admin token"
 
 
+def test_services_with_admin_rpcs_get_the_admin_token_from_the_secret(overlay):
+    # The gateway forwards its token on SwapIndex / ReloadModel: all three must share it.
+    _, objs = overlay
+    workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
+    for name in ("gateway", "retriever", "generator"):
+        env = {v["name"]: v for v in containers(workloads[name])[0]["env"]}
+        ref = env["OPENBOOK_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("openbook-admin", "token"), name
+
+
+def _ingress_peers(policies: list[dict], pod_labels: dict, port_name: str) -> list[dict]:
+    """Every ``from`` peer that some policy selecting these pods admits on ``port_name``
+    ([{}] when a rule admits everyone)."""
+    peers = []
+    for policy in policies:
+        if not policy["spec"]["podSelector"].get("matchLabels", {}).items() <= pod_labels.items():
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            ports = [p.get("port") for p in rule.get("ports", [])]
+            if ports and port_name not in ports:
+                continue
+            peers += rule.get("from") or [{}]
+    return peers
+
+
+def test_network_policies_admit_only_the_gateway_to_internal_ports(overlay):
+    _, objs = overlay
+    policies = list(by_kind(objs, "NetworkPolicy").values())
+    deny = by_kind(objs, "NetworkPolicy")["default-deny-ingress"]["spec"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"]
+    assert "ingress" not in deny
+    workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
+    labels = {n: w["spec"]["template"]["metadata"]["labels"] for n, w in workloads.items()}
+    gateway_only = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gateway"}}}]
+    for name in ("retriever", "generator"):
+        assert _ingress_peers(policies, labels[name], "grpc") == gateway_only, name
+        # Metrics are read-only: open to the cluster's Prometheus, never to the world.
+        assert _ingress_peers(policies, labels[name], "metrics") == [{"namespaceSelector": {}}]
+    redis_peers = _ingress_peers(policies, labels["redis"], "redis")
+    assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in redis_peers} == {
+        "gateway",
+        "retriever",
+        "generator",
+    }
+    assert all(set(p) == {"podSelector"} for p in redis_peers)  # this namespace only
+    assert _ingress_peers(policies, labels["gateway"], "http") == [{}]  # the public API
+    # Every port a policy names is a named port of the pods it selects.
+    for policy in policies:
+        selected = [
+            containers(w)
+            for w in workloads.values()
+            if policy["spec"]["podSelector"].get("matchLabels", {}).items()
+            <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        names = {p["name"] for cs in selected for c in cs for p in c.get("ports", [])}
+        for rule in policy["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                assert port["port"] in names, (policy["metadata"]["name"], port)
+
+
 def test_services_mirror_docker_compose():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     objs = render(K8S / "overlays" / "cpu")
     workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
-    ports = {"retriever": 50051, "generator": 50052, "gateway": 8000}
+    ports = {"retriever": 8051, "generator": 8052, "gateway": 8000}
     for name, port in ports.items():
         service, c = compose[name], containers(workloads[name])[0]
         assert c["image"] == service["image"], name
         assert " ".join(c["command"] + c.get("args", [])).rstrip().endswith(service["command"])
         assert port in [p["containerPort"] for p in c["ports"]], name
-        assert f"{port}}}" in str(service["ports"]), name  # compose's default host port
+        # compose's default port, and where the service listens in its container
+        assert service["environment"][f"OPENBOOK_{name.upper()}_PORT"].endswith(f":-{port}}}")
+        assert env_of(c, objs)[f"OPENBOOK_{name.upper()}_PORT"] == str(port), name
+        assert service["environment"][f"OPENBOOK_{name.upper()}_HOST"] == "0.0.0.0", name
+        assert env_of(c, objs)[f"OPENBOOK_{name.upper()}_HOST"] == "0.0.0.0", name
         # Every variable compose sets reaches the pod too (the token from the Secret).
         assert set(service["environment"]) <= set(env_of(c, objs)), name
     # The same volumes at the same paths.
@@ -397,7 +462,7 @@ def test_retriever_mode_is_selectable():
         objs = render(K8S / "overlays" / name)
         config = by_kind(objs, "ConfigMap")["openbook-config"]["data"]
         assert config["OPENBOOK_RETRIEVER_SHARDING"] == "replicated"
-        assert config["OPENBOOK_RETRIEVER_ADDR"] == "retriever.openbook.svc.cluster.local:50051"
+        assert config["OPENBOOK_RETRIEVER_ADDR"] == "retriever.openbook.svc.cluster.local:8051"
 
     objs = render(K8S / "overlays" / "gpu-sharded")
     config = by_kind(objs, "ConfigMap")["openbook-config"]["data"]
@@ -408,11 +473,11 @@ def test_retriever_mode_is_selectable():
     n = retriever["spec"]["replicas"]
     assert n >= 2
     assert config["OPENBOOK_RETRIEVER_ADDR"].split(",") == [
-        f"retriever-{i}.{headless['metadata']['name']}.openbook.svc.cluster.local:50051"
+        f"retriever-{i}.{headless['metadata']['name']}.openbook.svc.cluster.local:8051"
         for i in range(n)
     ]
     # The patch kept everything else of the container.
-    assert containers(retriever)[0]["readinessProbe"]["grpc"]["port"] == 50051
+    assert containers(retriever)[0]["readinessProbe"]["grpc"]["port"] == 8051
 
 
 # ----------------------------------------------------------------------------- the shell

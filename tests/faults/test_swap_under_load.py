@@ -160,9 +160,19 @@ def _tiny_checkpoint(root: Path, model_dir: Path) -> Path:
 def test_corrupt_checkpoint_is_refused_and_the_old_model_keeps_serving(stack):
     before = ask(stack.url, "Who discovered penicillin?", use_cache=False)
     assert before.status == 200, before.describe()
-    # Outside the stack's checkpoint dir: a restarted service must not pick it up as latest.
+    # Reloads only take checkpoints inside the stack's checkpoint dir; the `latest` pointer is
+    # put back so that a restarted service does not pick the corrupt one up as latest.
+    from openbook.checkpoint import LATEST
+
     model = stack.var / "models" / "tiny-bart"
-    checkpoint = _tiny_checkpoint(stack.var / "other-checkpoints", model)
+    root = stack.var / "checkpoints"
+    latest = root / LATEST
+    pointed = latest.read_text() if latest.exists() else None
+    checkpoint = _tiny_checkpoint(root, model)
+    if pointed is None:
+        latest.unlink()
+    else:
+        latest.write_text(pointed)
     weights = next((checkpoint / "generator").glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -170,7 +180,7 @@ def test_corrupt_checkpoint_is_refused_and_the_old_model_keeps_serving(stack):
 
     reply = httpx.post(
         f"{stack.url}/admin/reload-model",
-        json={"checkpoint": str(checkpoint)},
+        json={"checkpoint": checkpoint.name},
         headers=stack.auth,
         timeout=120,
     )

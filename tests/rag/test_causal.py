@@ -57,6 +57,27 @@ def test_prefix_cached_scoring_equals_full_prompt(dirs, load, arch):
         lp = b.step(state, torch.tensor([tok] * 3))
 
 
+@pytest.mark.parametrize("budget", [1, 3 * 300, 10**9])
+@torch.no_grad()
+def test_scoring_within_a_logit_budget_equals_full_prompt(dirs, load, monkeypatch, budget):
+    """Rows chunked and, below one row's logits, positions segmented over the growing cache: the
+    log-probs stay those of one uncached forward (budget 1: one row, one position at a time)."""
+    from openbook.rag import models
+
+    monkeypatch.setattr(models, "SCORE_LOGIT_ELEMENTS", budget)
+    gen = load(dirs.causal("gemma3"))
+    b = gen.backend
+    passages = _uneven_passages(3)
+    enc = b.encode([(QUESTION, passages)], 3)
+    answers = [[40, 17, 99, 5, 1], [7, 8, 9, 10, 11]]
+    rows = torch.tensor([0, 1, 2, 2, 1, 0])
+    seqs = torch.tensor([answers[i % 2] for i in range(6)])
+    scored = b.score(enc, rows, seqs)
+    for i in range(6):
+        ref = _full_logprobs(gen, passages[int(rows[i])], answers[i % 2])
+        torch.testing.assert_close(scored[i], ref, atol=1e-5, rtol=0)
+
+
 def _brute_force_rag_token_greedy(gen, passages, max_new: int) -> list[int]:
     b = gen.backend
     prior = torch.log_softmax(torch.tensor([p.score for p in passages]), 0)
@@ -165,3 +186,53 @@ def test_causal_loss_equals_full_forward_math(dirs, load, mode):
     torch.testing.assert_close(
         fn(logits, scores.detach(), target_ids, b.pad_token_id), loss.detach(), atol=1e-5, rtol=0
     )
+
+
+@torch.no_grad()
+def test_prompt_prefill_computes_logits_at_the_last_position_only(dirs, load):
+    """The LM head sees one position per row at encode time, whatever the prompt length: the
+    262k-vocabulary head over every prompt position is what exhausted memory."""
+    gen = load(dirs.causal("gemma3"))
+    head = gen.model.get_output_embeddings()
+    seen: list[tuple[int, ...]] = []
+    hook = head.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    try:
+        gen.backend.encode([(QUESTION, _uneven_passages(4))], 4)
+    finally:
+        hook.remove()
+    assert seen == [(4, 1, gen.model.config.hidden_size)]
+
+
+@torch.no_grad()
+def test_decoding_stops_between_steps_once_every_caller_gave_up(dirs, load):
+    from openbook.rag.errors import Abandoned
+
+    gen = load(dirs.causal("gemma3"))
+    options = DecodingOptions(max_new_tokens=64, min_new_tokens=64)
+    steps = {"n": 0}
+    original = gen.backend.step
+
+    def counted(*args, **kwargs):
+        steps["n"] += 1
+        return original(*args, **kwargs)
+
+    gen.backend.step = counted
+    try:
+        for mode in ("rag-token", "rag-sequence-thorough"):
+            options.mode = mode
+            steps["n"] = 0
+            request = (QUESTION, make_passages(2), options)
+            asked = {"n": 0}
+
+            def gives_up_after_three(asked=asked) -> bool:
+                asked["n"] += 1
+                return asked["n"] > 3
+
+            out = gen.generate_batch([request, request], [gives_up_after_three, lambda: True])
+            assert all(isinstance(r, Abandoned) for r in out)
+            assert steps["n"] <= 3
+            # one caller still waiting: the shared group runs to the end for it
+            out = gen.generate_batch([request, request], [lambda: True, lambda: False])
+            assert not any(isinstance(r, Abandoned) for r in out)
+    finally:
+        gen.backend.step = original

@@ -17,7 +17,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory, redis_server):
-    with running_backends(tmp_path_factory.mktemp("backends"), redis_server.url) as running:
+    with running_backends(
+        tmp_path_factory.mktemp("backends"), redis_server.url, admin_token=TOKEN
+    ) as running:
         yield running
 
 

@@ -51,6 +51,7 @@ def system(tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         generator_model=bart,
         checkpoint_dir=tmp / "checkpoints",
+        admin_token=TOKEN,  # the gateway forwards its token on ReloadModel
     )
     retriever, _, stop = build_retriever(settings)
     generator, generator_servicer = build_generator(settings)

@@ -6,10 +6,13 @@ import grpc
 import pytest
 
 from openbook.config import Settings
-from openbook.serving.grpc_server import check_health
+from openbook.serving.grpc_server import bearer_metadata, check_health
 from openbook.testing import build_fact_indexes
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
+
+TOKEN = "retriever-admin-token"
+ADMIN = bearer_metadata(TOKEN)  # index admin RPCs need it (tests/services/test_admin_auth.py)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,7 @@ def retriever(index_root, redis_url):
         index_root=index_root,
         default_index="facts-a",
         redis_url=redis_url,
+        admin_token=TOKEN,
     )
     service, servicer, stop = build(settings)
     service.set_serving(True)
@@ -75,7 +79,7 @@ def test_swap_changes_active_index_and_is_shared_through_redis(retriever, redis_
     listed = stub.ListIndexes(retriever_pb2.ListIndexesRequest())
     assert listed.active == "facts-a"
     assert {i.name for i in listed.indexes} == {"facts-a", "facts-b"}
-    swapped = stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="facts-b"))
+    swapped = stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="facts-b"), metadata=ADMIN)
     assert (swapped.previous, swapped.active) == ("facts-a", "facts-b")
     reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=["Who wrote Hamlet?"], k=1))
     assert reply.index == "facts-b"
@@ -91,7 +95,7 @@ def test_swap_changes_active_index_and_is_shared_through_redis(retriever, redis_
 def test_unknown_index_is_not_found(retriever):
     stub, _, _ = retriever
     with pytest.raises(grpc.RpcError) as err:
-        stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="nope"))
+        stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="nope"), metadata=ADMIN)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "unknown index 'nope'" in err.value.details()
 
@@ -106,7 +110,7 @@ def test_corrupt_index_is_refused_and_current_keeps_serving(retriever, index_roo
             f.seek(200)
             f.write(b"corrupted!")
         with pytest.raises(grpc.RpcError) as err:
-            stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="broken"))
+            stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="broken"), metadata=ADMIN)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "checksum" in err.value.details()
         reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=["Who wrote Hamlet?"], k=1))
@@ -117,11 +121,11 @@ def test_corrupt_index_is_refused_and_current_keeps_serving(retriever, index_roo
 
 def test_unload_refuses_the_active_index(retriever):
     stub, _, _ = retriever
-    stub.LoadIndex(retriever_pb2.LoadIndexRequest(name="facts-b"))
+    stub.LoadIndex(retriever_pb2.LoadIndexRequest(name="facts-b"), metadata=ADMIN)
     with pytest.raises(grpc.RpcError) as err:
-        stub.UnloadIndex(retriever_pb2.UnloadIndexRequest(name="facts-a"))
+        stub.UnloadIndex(retriever_pb2.UnloadIndexRequest(name="facts-a"), metadata=ADMIN)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    info = stub.UnloadIndex(retriever_pb2.UnloadIndexRequest(name="facts-b"))
+    info = stub.UnloadIndex(retriever_pb2.UnloadIndexRequest(name="facts-b"), metadata=ADMIN)
     assert not info.loaded
 
 

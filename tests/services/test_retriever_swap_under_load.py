@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from openbook.config import Settings
+from openbook.serving.grpc_server import bearer_metadata
 from openbook.testing import build_fact_indexes
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
@@ -30,6 +31,7 @@ def test_swap_back_and_forth_under_load_fails_no_request(index_root, redis_url):
         default_index="facts-a",
         redis_url=redis_url,
         max_loaded_indexes=1,
+        admin_token="swap-token",
     )
     # max_loaded_indexes=1: every swap also releases the previous index while requests on it
     # may still be running — the hardest case for leases.
@@ -68,7 +70,11 @@ def test_swap_back_and_forth_under_load_fails_no_request(index_root, redis_url):
         nonlocal swaps
         target = "facts-b"
         while not done.is_set():
-            stub.SwapIndex(retriever_pb2.SwapIndexRequest(name=target), timeout=30)
+            stub.SwapIndex(
+                retriever_pb2.SwapIndexRequest(name=target),
+                timeout=30,
+                metadata=bearer_metadata("swap-token"),
+            )
             swaps += 1
             target = "facts-a" if target == "facts-b" else "facts-b"
             time.sleep(0.2)

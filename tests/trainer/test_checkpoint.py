@@ -1,6 +1,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +13,12 @@ import torch
 
 from openbook.checkpoint import (
     LATEST,
+    PARTIAL_MAX_AGE_S,
     CheckpointError,
+    CheckpointPathError,
+    _machine_tag,
+    checkpoint_in_root,
+    clean_stale_partials,
     generator_dir,
     latest_checkpoint,
     load_checkpoint,
@@ -151,3 +160,170 @@ def test_latest_pointer_and_pruning(models, tmp_path):
     assert latest_checkpoint(tmp_path / "nowhere") is None
     manifest = json.loads((tmp_path / "step-000003" / "manifest.json").read_text())
     assert manifest["version"] == "step-000003" and manifest["created_at"]
+
+
+# ----------------------------------------------------------------------------- partial writes
+
+# A writer killed mid-checkpoint: its generator's save() never returns.
+_STUCK_WRITER = """
+import sys, time
+from pathlib import Path
+from openbook.checkpoint import write_checkpoint
+
+class Stuck:
+    def save(self, out):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        Path(sys.argv[2]).write_text("saving")
+        time.sleep(600)
+
+write_checkpoint(
+    Path(sys.argv[1]), int(sys.argv[3]), query_encoder=None, generator=Stuck(),
+    base_generator="stuck", base_query_encoder=None, index={}, data_sha256="0" * 64,
+)
+"""
+
+
+def _start_writer(root: Path, step: int, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A writer process stuck inside write_checkpoint, and its partial directory."""
+    ready = tmp_path / f"saving-{step}"
+    args = [sys.executable, "-c", _STUCK_WRITER, str(root), str(ready), str(step)]
+    proc = subprocess.Popen(args)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, "the writer exited early"
+        assert time.monotonic() < deadline, "the writer never started saving"
+        time.sleep(0.05)
+    (partial,) = root.glob(f".step-{step:06d}.tmp-*")
+    return proc, partial
+
+
+def _age(path: Path, seconds: float) -> None:
+    """Make ``path`` and everything under it look untouched for ``seconds``."""
+    then = time.time() - seconds
+    for p in [*path.rglob("*"), path]:
+        os.utime(p, (then, then), follow_symlinks=False)
+
+
+def test_a_killed_writers_partial_is_removed_and_a_live_writers_kept(tmp_path):
+    root = tmp_path / "ckpt"
+    killed, dead_partial = _start_writer(root, 3, tmp_path)
+    live, live_partial = _start_writer(root, 4, tmp_path)  # a second trainer on the same root
+    try:
+        assert clean_stale_partials(root, grace_s=0) == []  # both writers alive
+        killed.kill()
+        killed.wait()
+        assert clean_stale_partials(root) == []  # within the grace period: kept for now
+        assert clean_stale_partials(root, grace_s=0) == [dead_partial]
+        assert live_partial.is_dir()
+        assert latest_checkpoint(root) is None
+    finally:
+        for proc in (killed, live):
+            proc.kill()
+            proc.wait()
+    assert clean_stale_partials(root, grace_s=0) == [live_partial]
+    assert list(root.iterdir()) == []
+
+
+def test_a_writer_in_this_process_keeps_its_partial(models, tmp_path):
+    gen, enc = models
+    seen: list[list[Path]] = []
+    _write(
+        tmp_path,
+        1,
+        gen,
+        enc,
+        _before_rename=lambda _: seen.append(clean_stale_partials(tmp_path, grace_s=0)),
+    )
+    assert seen == [[]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-000001"]
+
+
+def test_partials_the_lock_cannot_judge_wait_for_their_age(tmp_path):
+    this_machine = tmp_path / f".step-000001.tmp-{_machine_tag()}-999999-0123abcd"
+    unjudged = [
+        tmp_path / ".step-000002.tmp-someothermachine-7-0123abcd",  # a shared volume
+        tmp_path / ".step-000003.tmp-4242-0123abcd",  # names of earlier versions
+        tmp_path / ".step-000004.tmp-old-0123abcd",
+    ]
+    for d in (this_machine, *unjudged):
+        (d / "generator").mkdir(parents=True)
+        (d / "generator" / "config.json").write_text("{}")
+    pointer = tmp_path / f".{LATEST}.tmp-{_machine_tag()}-999999-0123abcd"
+    pointer.write_text("step-000001\n")
+    others = [tmp_path / ".keep", tmp_path / "step-000009", tmp_path / "notes.tmp-1"]
+    for d in others:
+        d.mkdir()
+
+    assert clean_stale_partials(tmp_path) == []  # everything was just written
+    for p in tmp_path.iterdir():
+        _age(p, 3600)
+    # This machine's, with no process holding its lock: abandoned once past the grace period.
+    assert clean_stale_partials(tmp_path) == [pointer, this_machine]
+    assert clean_stale_partials(tmp_path) == []
+    for p in tmp_path.iterdir():
+        _age(p, PARTIAL_MAX_AGE_S + 60)
+    assert clean_stale_partials(tmp_path) == sorted(unjudged)
+    assert sorted(tmp_path.iterdir()) == sorted(others)
+    assert clean_stale_partials(tmp_path / "nowhere") == []
+
+
+# ----------------------------------------------------------------------------- confinement
+
+
+def _fake_checkpoint(path: Path) -> Path:
+    """Enough for checkpoint_in_root, which only finds checkpoints (loaders verify them)."""
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text("{}")
+    return path
+
+
+def test_checkpoint_in_root_resolves_names_and_paths_inside_the_root(tmp_path):
+    root = tmp_path / "ckpt"
+    good = _fake_checkpoint(root / "step-000001")
+    (root / LATEST).write_text("step-000001\n")
+    _fake_checkpoint(root / "nq" / "step-000002")
+    (root / "nq" / LATEST).write_text("step-000002\n")
+    (root / "alias").symlink_to(good)  # a link that stays inside is fine
+    real = good.resolve()
+    for requested in ("", None, LATEST, "step-000001", str(good), "nq/../step-000001", "alias"):
+        assert checkpoint_in_root(root, requested) == real, requested
+    assert checkpoint_in_root(root, "nq") == (root / "nq" / "step-000002").resolve()
+    with pytest.raises(CheckpointError, match="'step-000003' not found in the checkpoint root"):
+        checkpoint_in_root(root, "step-000003")
+    with pytest.raises(CheckpointError, match="holds no checkpoint yet"):
+        checkpoint_in_root(tmp_path / "empty", "")
+    with pytest.raises(CheckpointPathError, match="no checkpoint root configured"):
+        checkpoint_in_root(None, "step-000001")
+
+
+def test_checkpoint_in_root_refuses_the_outside_and_partials_alike(tmp_path):
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root / "step-000001")
+    outside = _fake_checkpoint(tmp_path / "outside" / "step-000005")
+    (root / "step-000007").symlink_to(outside)
+    (root / "sub").mkdir()
+    (root / "sub" / "step-000005").symlink_to(outside)  # where a sub-root's latest leads
+    (root / "sub" / LATEST).write_text("step-000005\n")
+    messages = set()
+    for requested in (
+        str(outside),
+        str(tmp_path / "nowhere"),
+        "../outside/step-000005",
+        f"{root}/../outside/step-000005",
+        "step-000007",
+        "sub",
+        "step-000001\x00",
+        "/",
+    ):
+        with pytest.raises(CheckpointPathError) as err:
+            checkpoint_in_root(root, requested)
+        messages.add(str(err.value))
+    assert len(messages) == 1 and "outside" not in messages.pop()
+
+    _fake_checkpoint(root / ".step-000002.tmp-abc-1-0123abcd")  # complete, never renamed
+    with pytest.raises(CheckpointPathError, match="partial"):
+        checkpoint_in_root(root, ".step-000002.tmp-abc-1-0123abcd")
+    (root / LATEST).write_text(".step-000002.tmp-abc-1-0123abcd\n")
+    with pytest.raises(CheckpointError, match="does not name a checkpoint"):
+        checkpoint_in_root(root, "")

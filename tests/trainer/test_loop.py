@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from openbook.checkpoint import latest_checkpoint, verify_checkpoint
+from openbook.checkpoint import _machine_tag, latest_checkpoint, verify_checkpoint
 from openbook_trainer.config import ConfigError
 from openbook_trainer.loop import train
 
@@ -67,6 +71,28 @@ def test_resume_matches_uninterrupted_run(make_cfg, tmp_path):
     # a finished run resumes to "nothing to do"
     again = train(cfg)
     assert again.step == 4
+
+
+def test_partials_of_killed_runs_are_cleared_on_start_and_on_resume(make_cfg):
+    cfg = make_cfg(steps=1, eval_every=0, dev=None)
+
+    def left_by_killed_writer(step: int) -> Path:
+        """A partial from this machine whose writer is gone (nothing holds its lock)."""
+        partial = cfg.out / f".step-{step:06d}.tmp-{_machine_tag()}-999999-0123abcd"
+        (partial / "generator").mkdir(parents=True)
+        (partial / "generator" / "config.json").write_text("{}")
+        then = time.time() - 3600
+        for p in (partial / "generator" / "config.json", partial / "generator", partial):
+            os.utime(p, (then, then))
+        return partial
+
+    first = left_by_killed_writer(1)
+    assert train(cfg).step == 1
+    assert not first.exists()
+    second = left_by_killed_writer(2)
+    assert train(make_cfg(steps=2, eval_every=0, dev=None)).step == 2  # resumes from step 1
+    assert not second.exists()
+    assert [p.name for p in cfg.out.iterdir() if p.name.startswith(".")] == []
 
 
 def test_frozen_retriever_ablation_keeps_query_encoder(make_cfg, task):

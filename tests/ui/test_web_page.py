@@ -80,7 +80,7 @@ def driver():
 def gateway_url(tmp_path_factory, redis_server):
     redis_server.client().flushall()
     workdir = tmp_path_factory.mktemp("ui")
-    with running_backends(workdir, redis_server.url) as backends:
+    with running_backends(workdir, redis_server.url, admin_token=TOKEN) as backends:
         settings = backends.gateway_settings(redis_server.url, admin_token=TOKEN)
         with serving_gateway(settings, timeout_s=WAIT_S) as url:
             yield url

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import math
 import time
 import uuid
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
@@ -55,24 +58,42 @@ ANSWER_PARAMS = (
 )
 
 
-class BodySizeLimit:
-    """Refuse request bodies over ``max_bytes`` with 413 and a message saying so.
+# How much of a body over the limit the gateway reads and throws away before answering 413.
+# Closing a connection with unread bytes in the socket makes the kernel send a TCP reset, and
+# a client still writing its body then sees "connection reset" instead of the 413. Past this
+# many bytes, resetting is cheaper than reading.
+DRAIN_MAX_BYTES = 32 * 1024 * 1024
 
-    A declared ``Content-Length`` over the limit is refused before reading anything; a body
-    streamed without one is cut off as soon as it passes the limit.
+
+class BodySizeLimit:
+    """Refuse request bodies over ``max_bytes`` with a 413 the client can read.
+
+    A declared ``Content-Length`` over the limit is refused before the body reaches the app; a
+    body streamed without one is cut off as soon as it passes the limit. Either way the rest
+    of the body (up to ``drain_max_bytes``) is read and discarded first, so the answer is not
+    lost to a connection reset; the connection is then closed.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, drain_max_bytes: int = DRAIN_MAX_BYTES
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.drain_max_bytes = drain_max_bytes
         self.message = f"request body larger than {max_bytes} bytes (OPENBOOK_MAX_BODY_BYTES)"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length", "").strip()
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length", "").strip()
         if declared.isdigit() and int(declared) > self.max_bytes:
+            # A client that sent "Expect: 100-continue" waits for the go-ahead before sending
+            # its body, and the server asks for it on the first receive(): answer without one.
+            waiting = headers.get("expect", "").lower() == "100-continue"
+            if not waiting and int(declared) <= self.drain_max_bytes:
+                await self._drain(receive, 0)
             response = JSONResponse({"detail": self.message}, 413, headers={"Connection": "close"})
             await response(scope, receive, send)
             return
@@ -84,10 +105,22 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise HTTPException(413, self.message)
+                    if message.get("more_body", False):
+                        await self._drain(receive, received)
+                    raise HTTPException(413, self.message, headers={"Connection": "close"})
             return message
 
         await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive: Receive, received: int) -> None:
+        """Read and discard the rest of the body, stopping past ``drain_max_bytes``."""
+        while received <= self.drain_max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            received += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 class RequestContext:
@@ -158,11 +191,48 @@ class RequestContext:
 
 
 class AsciiJSONResponse(JSONResponse):
-    """JSON with non-ASCII escaped: renders any string, even one with lone surrogates that a
-    client sent (echoed back in a 422), which UTF-8 cannot encode."""
+    """JSON that renders whatever a client sent (echoed back in a 422): non-ASCII is escaped,
+    so even lone surrogates, which UTF-8 cannot encode, come out; NaN and ±Infinity (which
+    Python's json reads, and 1e400 as inf) come out as the strings "NaN", "Infinity" and
+    "-Infinity", since strict JSON has no such numbers."""
 
     def render(self, content) -> bytes:
-        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+        try:
+            text = json.dumps(content, allow_nan=False, separators=(",", ":"))
+        except ValueError:
+            text = json.dumps(_finite(content), allow_nan=False, separators=(",", ":"))
+        return text.encode("ascii")
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by its JSON-ish name."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
+T = TypeVar("T")
+# How often a request waiting on the generator checks that its HTTP client is still there.
+DISCONNECT_POLL_S = 0.25
+# nginx's "client closed request": logged and counted, never seen by the gone client.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _unless_disconnected(request: Request, call: Awaitable[T]) -> T:
+    """Await ``call``; if the HTTP client goes away first, cancel it (and with it the gRPC
+    call, so the generator drops the request instead of computing an answer nobody reads)."""
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise HTTPException(CLIENT_CLOSED_REQUEST, "the client closed the request")
 
 
 def _ms(start: float) -> float:
@@ -244,11 +314,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # RequestContext logs every request (route, status, ms, request id): uvicorn's own
             # access line would only repeat it.
             logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+        # The admin token is forwarded on the admin RPCs, which the services refuse without it.
         app.state.retrieval = Retrieval(
-            settings.retriever_addr, settings.retrieve_timeout_s, settings.health_timeout_s
+            settings.retriever_addr,
+            settings.retrieve_timeout_s,
+            settings.health_timeout_s,
+            admin_token=settings.admin_token,
         )
         app.state.generator = GeneratorClient(
-            settings.generator_addr, settings.generate_timeout_s, settings.health_timeout_s
+            settings.generator_addr,
+            settings.generate_timeout_s,
+            settings.health_timeout_s,
+            admin_token=settings.admin_token,
         )
         app.state.cache = AnswerCache(
             settings.redis_url, settings.cache_ttl_s, settings.redis_timeout_s
@@ -272,7 +349,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return AsciiJSONResponse({"detail": jsonable_encoder(exc.errors())}, 422)
+        errors = exc.errors()
+        try:
+            return AsciiJSONResponse({"detail": jsonable_encoder(errors)}, 422)
+        except RecursionError:
+            # JSON nested nearly as deep as the parser allows cannot be echoed back from down
+            # here: name the field and the problem, without the input.
+            shallow = [
+                {key: err[key] for key in ("type", "loc", "msg") if key in err} for err in errors
+            ]
+            return AsciiJSONResponse({"detail": jsonable_encoder(shallow)}, 422)
 
     # Outermost (added last): every response, a 413 from BodySizeLimit too, gets a request id.
     app.add_middleware(RequestContext, metrics=metrics, access_log=settings.access_log)
@@ -339,21 +425,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
 
         t = time.perf_counter()
-        generated = await state.generator.call(
-            state.generator.stub.Generate,
-            generator_pb2.GenerateRequest(
-                question=body.question,
-                passages=passages,
-                options=generator_pb2.DecodingOptions(
-                    mode=body.decoding,
-                    num_beams=body.num_beams,
-                    max_new_tokens=body.max_new_tokens,
-                    min_new_tokens=body.min_new_tokens,
-                    length_penalty=body.length_penalty,
-                    num_return_sequences=body.num_return_sequences,
+        generated = await _unless_disconnected(
+            request,
+            state.generator.call(
+                state.generator.stub.Generate,
+                generator_pb2.GenerateRequest(
+                    question=body.question,
+                    passages=passages,
+                    options=generator_pb2.DecodingOptions(
+                        mode=body.decoding,
+                        num_beams=body.num_beams,
+                        max_new_tokens=body.max_new_tokens,
+                        min_new_tokens=body.min_new_tokens,
+                        length_penalty=body.length_penalty,
+                        num_return_sequences=body.num_return_sequences,
+                    ),
                 ),
+                request_id,
             ),
-            request_id,
         )
         timings["generate_ms"] = _ms(t)
         metrics.stage_seconds.labels("generate").observe(timings["generate_ms"] / 1000)

@@ -1,7 +1,8 @@
 """Async gRPC clients for the retriever and generator, with deadlines and HTTP error mapping.
 
-Every call carries a deadline and the request id; a gRPC failure becomes an ``HTTPException``
-that names the service: bad input -> 422, overload -> 429, deadline -> 504, down -> 503.
+Every call carries a deadline and the request id, and admin RPCs (SwapIndex, ReloadModel, ...)
+the admin token; a gRPC failure becomes an ``HTTPException`` that names the service: bad
+input -> 422, overload -> 429, deadline -> 504, down -> 503.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ from typing import TypeVar
 import grpc
 from fastapi import HTTPException
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import SecretStr
 
-from openbook.serving.grpc_server import REQUEST_ID_HEADER
+from openbook.serving.grpc_server import (
+    ADMIN_RPCS,
+    GENERATOR_SERVICE,
+    REQUEST_ID_HEADER,
+    RETRIEVER_SERVICE,
+    bearer_metadata,
+)
 from openbook.v1 import generator_pb2_grpc, retriever_pb2_grpc
 
 T = TypeVar("T")
@@ -23,6 +31,9 @@ _HTTP_STATUS = {
     grpc.StatusCode.NOT_FOUND: 422,
     grpc.StatusCode.FAILED_PRECONDITION: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    # The request alone exceeds a service's budget (openbook.errors.TooLarge): it will never
+    # run as it is, so not a 429 to retry but a 413 saying what to change.
+    grpc.StatusCode.OUT_OF_RANGE: 413,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.CANCELLED: 503,
@@ -33,7 +44,14 @@ def http_error(service: str, error: grpc.aio.AioRpcError) -> HTTPException:
     code = error.code()
     status = _HTTP_STATUS.get(code, 502)
     detail = error.details() or code.name
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        # The caller's token was right (the gateway checked it); this one is the gateway's
+        # own configuration: a 502, not a 401.
+        detail = (
+            f"{service} refused the gateway's admin token ({detail}): OPENBOOK_ADMIN_TOKEN "
+            "must be the same on the gateway, the retriever and the generator"
+        )
+    elif code == grpc.StatusCode.UNAVAILABLE:
         detail = f"{service} unavailable: {detail}"
     elif status == 429:
         detail = f"{service} is overloaded: {detail}"
@@ -46,9 +64,17 @@ def http_error(service: str, error: grpc.aio.AioRpcError) -> HTTPException:
 
 
 class ServiceClient:
-    """One gRPC channel to one service."""
+    """One gRPC channel to one service. Calls to the stub methods named in ``admin_rpcs``
+    carry ``authorization: Bearer <admin_token>``; no other call does."""
 
-    def __init__(self, name: str, addr: str, timeout_s: float, health_timeout_s: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        addr: str,
+        timeout_s: float,
+        health_timeout_s: float,
+        admin_token: SecretStr | str | None = None,
+    ) -> None:
         self.name = name
         self.addr = addr
         self.timeout_s = timeout_s
@@ -63,6 +89,14 @@ class ServiceClient:
             ],
         )
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._admin_metadata = bearer_metadata(admin_token)
+        self._admin_calls: set[int] = set()
+
+    def _use_stub(self, stub, service: str):
+        """Remember which of ``stub``'s methods are admin RPCs: a stub's methods are created
+        once, so ``call`` recognises them by identity, whoever calls them."""
+        self._admin_calls = {id(getattr(stub, rpc)) for rpc in ADMIN_RPCS[service]}
+        return stub
 
     async def call(
         self,
@@ -71,9 +105,15 @@ class ServiceClient:
         request_id: str = "",
         timeout_s: float | None = None,
     ) -> T:
-        metadata = ((REQUEST_ID_HEADER, request_id),) if request_id else None
+        metadata: tuple[tuple[str, str], ...] = ()
+        if request_id:
+            metadata += ((REQUEST_ID_HEADER, request_id),)
+        if id(method) in self._admin_calls:
+            metadata += self._admin_metadata
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s, metadata=metadata)
+            return await method(
+                request, timeout=timeout_s or self.timeout_s, metadata=metadata or None
+            )
         except grpc.aio.AioRpcError as error:
             raise http_error(self.name, error) from None
 
@@ -91,12 +131,28 @@ class ServiceClient:
 
 
 class RetrieverClient(ServiceClient):
-    def __init__(self, addr: str, timeout_s: float, health_timeout_s: float) -> None:
-        super().__init__("retriever", addr, timeout_s, health_timeout_s)
-        self.stub = retriever_pb2_grpc.RetrieverStub(self.channel)
+    def __init__(
+        self,
+        addr: str,
+        timeout_s: float,
+        health_timeout_s: float,
+        admin_token: SecretStr | str | None = None,
+    ) -> None:
+        super().__init__("retriever", addr, timeout_s, health_timeout_s, admin_token)
+        self.stub = self._use_stub(
+            retriever_pb2_grpc.RetrieverStub(self.channel), RETRIEVER_SERVICE
+        )
 
 
 class GeneratorClient(ServiceClient):
-    def __init__(self, addr: str, timeout_s: float, health_timeout_s: float) -> None:
-        super().__init__("generator", addr, timeout_s, health_timeout_s)
-        self.stub = generator_pb2_grpc.GeneratorStub(self.channel)
+    def __init__(
+        self,
+        addr: str,
+        timeout_s: float,
+        health_timeout_s: float,
+        admin_token: SecretStr | str | None = None,
+    ) -> None:
+        super().__init__("generator", addr, timeout_s, health_timeout_s, admin_token)
+        self.stub = self._use_stub(
+            generator_pb2_grpc.GeneratorStub(self.channel), GENERATOR_SERVICE
+        )

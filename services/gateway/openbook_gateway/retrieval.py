@@ -1,6 +1,6 @@
 """The retriever as the gateway sees it: one service, or an index split over shards.
 
-With several addresses (``OPENBOOK_RETRIEVER_ADDR=host-0:50051,host-1:50051``) each serves one
+With several addresses (``OPENBOOK_RETRIEVER_ADDR=host-0:8051,host-1:8051``) each serves one
 shard of every index: a query fans out to all and the top-k are merged by score, so results
 equal those of the unsharded index. Admin calls go to every shard.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import HTTPException
+from pydantic import SecretStr
 
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2
@@ -25,11 +26,19 @@ def _to_proto(p: Passage) -> common_pb2.Passage:
 
 
 class Retrieval:
-    def __init__(self, addrs: str, timeout_s: float, health_timeout_s: float) -> None:
+    def __init__(
+        self,
+        addrs: str,
+        timeout_s: float,
+        health_timeout_s: float,
+        admin_token: SecretStr | str | None = None,
+    ) -> None:
         addresses = [a.strip() for a in addrs.split(",") if a.strip()]
         if not addresses:
             raise ValueError("OPENBOOK_RETRIEVER_ADDR: no address given")
-        self.shards = [RetrieverClient(a, timeout_s, health_timeout_s) for a in addresses]
+        self.shards = [
+            RetrieverClient(a, timeout_s, health_timeout_s, admin_token) for a in addresses
+        ]
 
     async def _all(self, method: str, request, request_id: str, timeout_s: float | None = None):
         return await asyncio.gather(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Decoding = Literal["rag-token", "rag-sequence-thorough", "rag-sequence-fast"]
 
@@ -13,18 +14,55 @@ Decoding = Literal["rag-token", "rag-sequence-thorough", "rag-sequence-fast"]
 MAX_QUESTION_CHARS = 2000
 INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
+# Every request body is strict: "5" and true are not numbers and "yes" is not a boolean, so a
+# client's mistake is a 422 naming the field rather than a silent guess. An int is still a
+# valid float; 5.0 is not a valid int. NaN and ±Infinity (Python's json reads them, and 1e400
+# as inf) are refused by the int types and by allow_inf_nan=False on floats.
+STRICT_REQUEST = ConfigDict(extra="forbid", strict=True)
+
+# The control characters a question may hold: people paste multi-line text.
+QUESTION_CONTROLS = "\t\n\r"
+CONTROL_NAMES = {"\t": "tab", "\n": "newline", "\r": "carriage return"}
+# Characters that show nothing: a question made only of these is blank.
+INVISIBLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+
+
+def refuse_controls(field: str, value: str, allowed: str = "") -> str:
+    """Return ``value``, or raise ValueError naming ``field`` and its first control character
+    that is not in ``allowed``.
+
+    NUL cuts strings short in C code, logs and paths; other control characters mean nothing
+    to a tokenizer. Refused here, each is a 422 naming the field instead of a surprise further
+    down. (Lone surrogates never get this far: pydantic refuses them as invalid strings.)
+    """
+    for at, char in enumerate(value):
+        if unicodedata.category(char) != "Cc" or char in allowed:
+            continue
+        where = f"U+{ord(char):04X} at index {at}"
+        if char == "\x00":
+            raise ValueError(f"{field} must not contain NUL characters ({where})")
+        if allowed:
+            where += "; allowed: " + ", ".join(CONTROL_NAMES.get(c, repr(c)) for c in allowed)
+        raise ValueError(f"{field} must not contain control characters ({where})")
+    return value
+
 
 class AnswerRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = STRICT_REQUEST
 
-    question: str = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
+    question: str = Field(
+        min_length=1,
+        max_length=MAX_QUESTION_CHARS,
+        description="visible text; tab, newline and carriage return are the only control "
+        "characters allowed",
+    )
     k: int = Field(5, ge=1, le=100, description="number of passages to retrieve and marginalise")
     decoding: Decoding = "rag-token"
     num_beams: int = Field(1, ge=1, le=16, description="1 = greedy")
     max_new_tokens: int = Field(32, ge=1, le=512)
     min_new_tokens: int = Field(0, ge=0, le=512)
     num_return_sequences: int = Field(1, ge=1, le=16)
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
     index: str | None = Field(
         None, pattern=INDEX_NAME_PATTERN, description="default: the active index"
     )
@@ -32,10 +70,12 @@ class AnswerRequest(BaseModel):
 
     @field_validator("question")
     @classmethod
-    def question_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("question must not be blank")
-        return value
+    def question_is_text(cls, value: str) -> str:
+        if all(ch.isspace() or unicodedata.category(ch) in INVISIBLE for ch in value):
+            raise ValueError(
+                "question must not be blank: it holds only whitespace, control or format characters"
+            )
+        return refuse_controls("question", value, QUESTION_CONTROLS)
 
     @model_validator(mode="after")
     def decoding_consistent(self) -> AnswerRequest:
@@ -88,7 +128,7 @@ class AnswerResponse(BaseModel):
 
 
 class SwapIndexRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = STRICT_REQUEST
 
     index: str = Field(pattern=INDEX_NAME_PATTERN)
 
@@ -114,13 +154,22 @@ class IndexesResponse(BaseModel):
 
 
 class ReloadModelRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = STRICT_REQUEST
 
     checkpoint: str | None = Field(
         None,
         max_length=4096,
-        description="checkpoint directory (as the services see it); default: the latest one",
+        description=(
+            "a checkpoint in the services' checkpoint root (OPENBOOK_CHECKPOINT_DIR): a version "
+            "such as step-000120, or an absolute path inside the root; default: the latest one"
+        ),
     )
+
+    @field_validator("checkpoint")
+    @classmethod
+    def checkpoint_is_a_path(cls, value: str | None) -> str | None:
+        # No path holds NUL or a control character that a client would mean to send.
+        return value if value is None else refuse_controls("checkpoint", value)
 
 
 class ReloadModelResponse(BaseModel):

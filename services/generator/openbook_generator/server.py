@@ -1,13 +1,23 @@
-"""Start the generator: load the model, then serve it over gRPC."""
+"""Start the generator: bind the gRPC port, load the model, then serve it.
+
+The port is bound (health: NOT_SERVING, RPCs: UNAVAILABLE) before the model loads, so a
+restarting generator holds its port from the first second and probes see it starting.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from openbook.checkpoint import latest_checkpoint
 from openbook.config import Settings
 from openbook.rag import RagGenerator
-from openbook.serving.grpc_server import GrpcService
+from openbook.serving.grpc_server import (
+    GENERATOR_SERVICE,
+    DeferredServicer,
+    GrpcService,
+    admin_methods,
+)
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import publish_model_version, redis_client
 from openbook.v1 import generator_pb2_grpc
@@ -28,7 +38,27 @@ def load_initial_generator(settings: Settings) -> RagGenerator:
     return RagGenerator.load(settings.generator_model, device=device, dtype=dtype)
 
 
-def build(settings: Settings) -> tuple[GrpcService, GeneratorServicer]:
+def bind(settings: Settings) -> tuple[GrpcService, DeferredServicer]:
+    """The gRPC server on its port, answering UNAVAILABLE until a servicer is attached."""
+    metrics = ServiceMetrics("generator")
+    pending = DeferredServicer("generator")
+    service = GrpcService(
+        GENERATOR_SERVICE,
+        settings.generator_host,
+        settings.generator_port,
+        lambda server: generator_pb2_grpc.add_GeneratorServicer_to_server(pending, server),
+        # A thread for every request waiting or running in a batch, so the queue can fill (and
+        # answer RESOURCE_EXHAUSTED), plus grpc_workers for everything else.
+        workers=settings.grpc_workers + settings.max_queue + settings.max_batch_size,
+        metrics=metrics,
+        admin_methods=admin_methods(GENERATOR_SERVICE),
+        admin_token=settings.admin_token,
+    )
+    return service, pending
+
+
+def load(settings: Settings, metrics: ServiceMetrics | None) -> GeneratorServicer:
+    """Load the model (the slow part) and the servicer around it."""
     generator = load_initial_generator(settings)
     redis = redis_client(settings.redis_url, settings.redis_timeout_s)
     log.info(
@@ -38,8 +68,7 @@ def build(settings: Settings) -> tuple[GrpcService, GeneratorServicer]:
         generator.device,
         generator.dtype,
     )
-    metrics = ServiceMetrics("generator")
-    servicer = GeneratorServicer(
+    return GeneratorServicer(
         generator,
         metrics=metrics,
         checkpoint_root=settings.checkpoint_dir,
@@ -47,23 +76,31 @@ def build(settings: Settings) -> tuple[GrpcService, GeneratorServicer]:
         max_batch_size=settings.max_batch_size,
         max_batch_wait_ms=settings.max_batch_wait_ms,
         max_queue=settings.max_queue,
+        memory_budget_bytes=settings.generator_memory_mb * 2**20,
+        max_request_s=settings.generator_max_request_s,
     )
-    service = GrpcService(
-        "openbook.v1.Generator",
-        settings.generator_host,
-        settings.generator_port,
-        lambda server: generator_pb2_grpc.add_GeneratorServicer_to_server(servicer, server),
-        workers=settings.grpc_workers,
-        metrics=metrics,
-    )
+
+
+def build(settings: Settings) -> tuple[GrpcService, GeneratorServicer]:
+    """Bound and loaded, not started: for running in-process (tests, benchmarks)."""
+    service, pending = bind(settings)
+    servicer = load(settings, service.metrics)
+    pending.attach(servicer)
     return service, servicer
 
 
-def serve(settings: Settings) -> None:
-    service, servicer = build(settings)
-    service.metrics.serve_http(settings.generator_metrics_port)
-    service.set_serving(True)
+def serve(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
+    service, pending = bind(settings)
+    service.metrics.serve_http(settings.generator_metrics_port, settings.generator_host)
+    loaded: list[GeneratorServicer] = []
+
+    def load_and_attach() -> None:
+        loaded.append(load(settings, service.metrics))
+        pending.attach(loaded[0])
+
     try:
-        service.run_until_signal()
+        service.run_until_signal(load_and_attach, stop)
     finally:
-        servicer.close()
+        for servicer in loaded:
+            servicer.close()

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from openbook.checkpoint import (
     CheckpointError,
+    checkpoint_in_root,
     generator_dir,
     resolve_checkpoint,
     verify_checkpoint,
 )
-from openbook.errors import InvalidArgument
+from openbook.errors import DeadlineExceeded, InvalidArgument, Overloaded, TooLarge
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
-from openbook.serving.batcher import Batcher
+from openbook.rag.errors import Abandoned
+from openbook.rag.memory import RequestShape, mib
+from openbook.serving.batcher import NO_DEADLINE_S, Batcher
 from openbook.serving.metrics import ServiceMetrics
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
@@ -26,8 +31,19 @@ MAX_PASSAGES = 100
 MAX_QUESTION_CHARS = 4000
 DEFAULTS = DecodingOptions()
 
-GenerateItem = tuple[str, Sequence[Passage], DecodingOptions]
 Generated = tuple[GenerationResult, str]  # the result and the model version that produced it
+# Weight of the newest batch in the running estimate of seconds per request.
+_RATE_WEIGHT = 0.3
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    """A validated request waiting for a batch, with the shape its memory is estimated from."""
+
+    question: str
+    passages: Sequence[Passage]
+    options: DecodingOptions
+    shape: RequestShape
 
 
 def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
@@ -99,14 +115,22 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         max_batch_size: int = 8,
         max_batch_wait_ms: float = 5.0,
         max_queue: int = 64,
+        memory_budget_bytes: int | None = None,
+        max_request_s: float | None = None,
         metrics: ServiceMetrics | None = None,
         checkpoint_root: Path | None = None,
         on_model: Callable[[str], None] | None = None,
     ) -> None:
+        """``memory_budget_bytes``: estimated working memory (beyond the weights) one batch may
+        hold (:mod:`openbook.rag.memory`); None: unbounded. ``max_request_s``: the longest any
+        request is worked on or waited for, whatever deadline its caller sets."""
         self.generator = generator
         self.on_model = on_model
         self.metrics = metrics
         self.checkpoint_root = checkpoint_root
+        self.memory_budget_bytes = memory_budget_bytes
+        self.max_request_s = max_request_s
+        self._seconds_per_request = 0.0  # running estimate, from finished batches
         self._reload_lock = threading.Lock()
         self.batcher: Batcher[GenerateItem, Generated] = Batcher(
             self._run_batch,
@@ -115,6 +139,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             max_queue=max_queue,
             name="generate-batcher",
             on_batch=self._on_batch,
+            fits=self._fits,
+            pass_gave_up=True,
         )
         if metrics is not None:
             metrics.track_queue(self.batcher.depth)
@@ -124,18 +150,76 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         if self.metrics is not None:
             self.metrics.observe_batch(size, self.batcher.depth())
 
-    def _run_batch(self, items: list[GenerateItem]) -> list[Generated | Exception]:
+    def _fits(self, items: list[GenerateItem]) -> bool:
+        if self.memory_budget_bytes is None:
+            return True
+        need = self.generator.memory.batch_bytes([item.shape for item in items])
+        return need <= self.memory_budget_bytes
+
+    def _run_batch(
+        self, items: list[GenerateItem], gave_up: list[Callable[[], bool]]
+    ) -> list[Generated | Exception]:
         # One model for the whole batch: a reload swaps the reference for later batches only.
         generator = self.generator
-        results = list(generator.generate_batch(items))
-        return [(r, generator.model_version) for r in results]
+        started = time.monotonic()
+        results = generator.generate_batch(
+            [(item.question, item.passages, item.options) for item in items], gave_up=gave_up
+        )
+        per_request = (time.monotonic() - started) / len(items)
+        previous = self._seconds_per_request
+        self._seconds_per_request = (
+            per_request
+            if not previous
+            else (1 - _RATE_WEIGHT) * previous + _RATE_WEIGHT * per_request
+        )
+        return [
+            DeadlineExceeded("the caller gave up; generation stopped")
+            if isinstance(r, Abandoned)
+            else (r, generator.model_version)
+            for r in results
+        ]
+
+    def admit(
+        self,
+        question: str,
+        passages: Sequence[Passage],
+        options: DecodingOptions,
+        time_left_s: float | None,
+    ) -> GenerateItem:
+        """Refuse, before anything is allocated, what cannot run: a request whose estimated
+        memory alone exceeds the budget (:class:`TooLarge`), or one that the work already queued
+        would keep waiting past its deadline (:class:`Overloaded`)."""
+        generator = self.generator
+        shape = generator.request_shape(question, passages, options)
+        if self.memory_budget_bytes is not None:
+            need = generator.memory.batch_bytes([shape])
+            if need > self.memory_budget_bytes:
+                raise TooLarge(
+                    f"this request needs an estimated {mib(need)} of working memory "
+                    f"({shape.passages} passages x {shape.beams} beams, prompts of up to "
+                    f"{shape.prompt_tokens} tokens, {shape.new_tokens} new tokens); the "
+                    f"generator's budget is {mib(self.memory_budget_bytes)} "
+                    "(OPENBOOK_GENERATOR_MEMORY_MB): use fewer passages (k), beams or new tokens"
+                )
+        ahead = (self.batcher.depth() + 1) * self._seconds_per_request
+        if time_left_s is not None and ahead > time_left_s:
+            raise Overloaded(
+                f"about {ahead:.1f}s of queued work is ahead of this request and its deadline "
+                f"leaves {time_left_s:.1f}s; retry later"
+            )
+        return GenerateItem(question, passages, options, shape)
 
     def Generate(self, request, context):
         passages = validate_generate(request)
         options = options_from_proto(request.options)
-        remaining = context.time_remaining()
+        time_left = context.time_remaining()
+        if time_left is None or time_left > NO_DEADLINE_S:
+            time_left = None
+        if self.max_request_s is not None:
+            time_left = min(time_left or self.max_request_s, self.max_request_s)
+        item = self.admit(request.question, passages, options, time_left)
         result, version = self.batcher.submit(
-            (request.question, passages, options), timeout_s=remaining
+            item, timeout_s=time_left, on_cancel=context.add_callback
         )
         return result_to_proto(result, version)
 
@@ -149,11 +233,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         or load raises (INVALID_ARGUMENT with the reason) and the old model keeps serving.
         """
         with self._reload_lock:
-            path = Path(request.path) if request.path else self.checkpoint_root
-            if path is None:
-                raise InvalidArgument("path: no checkpoint given and no checkpoint root configured")
             current = self.generator
-            self.generator = load_generator_checkpoint(path, current.device, current.dtype)
+            try:
+                # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.
+                path = checkpoint_in_root(self.checkpoint_root, request.path)
+                self.generator = load_generator_checkpoint(path, current.device, current.dtype)
+            except OSError as exc:  # inside the root, but unreadable (permissions, ...)
+                detail = exc.strerror or exc
+                raise InvalidArgument(f"checkpoint {request.path!r}: {detail}") from None
         log.info(
             "generator reloaded: %s -> %s", current.model_version, self.generator.model_version
         )

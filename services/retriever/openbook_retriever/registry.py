@@ -1,8 +1,10 @@
 """The indexes a retriever can serve, which one is active, and safe swapping between them.
 
-Every index directory under the index root is available by name. Requests hold a lease on
-the index they started with, so a swap or unload never pulls an index from under a running
-search: the index is closed only when its last lease ends.
+Every index directory under the index root is available by name: its directory name, which is
+the index's identity everywhere (replies, labels, cache keys, metrics), whatever the ``name``
+in its manifest says. Requests hold a lease on the index they started with, so a swap or
+unload never pulls an index from under a running search: the index is closed only when its
+last lease ends.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ class IndexRegistry:
                 if name in self._loaded:
                     return self._loaded[name].index
             log.info("loading index %s from %s", name, path)
-            index = open_index(path, verify=True)
+            # Served, labelled and cached under the directory name clients asked for, never
+            # the manifest's name (a copied index keeps the name it was built as).
+            index = open_index(path, verify=True, name=name)
             with self._lock:
                 self._loaded[name] = _Entry(index)
                 self._loading.pop(name, None)

@@ -1,4 +1,9 @@
-"""Start the retriever: index registry, shared active-index state, gRPC server."""
+"""Start the retriever: bind the gRPC port, then load the index registry, the shared
+active-index state and the query encoder, then serve.
+
+The port is bound (health: NOT_SERVING, RPCs: UNAVAILABLE) before the index loads, which can
+take minutes for a large one, so a restarting retriever holds its port from the first second.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,12 @@ import threading
 from openbook.checkpoint import latest_checkpoint
 from openbook.config import Settings
 from openbook.index import load_encoder
-from openbook.serving.grpc_server import GrpcService
+from openbook.serving.grpc_server import (
+    RETRIEVER_SERVICE,
+    DeferredServicer,
+    GrpcService,
+    admin_methods,
+)
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import ActiveIndexStore, redis_client
 from openbook.v1 import retriever_pb2_grpc
@@ -25,11 +35,34 @@ def warm_up(servicer: RetrieverServicer) -> None:
         servicer._search(index, ["warm-up"], 1, False)
 
 
-def build(settings: Settings) -> tuple[GrpcService, RetrieverServicer, threading.Event]:
+def bind(settings: Settings) -> tuple[GrpcService, DeferredServicer]:
+    """The gRPC server on its port, answering UNAVAILABLE until a servicer is attached."""
+    metrics = ServiceMetrics("retriever")
+    pending = DeferredServicer("retriever")
+    service = GrpcService(
+        RETRIEVER_SERVICE,
+        settings.retriever_host,
+        settings.retriever_port,
+        lambda server: retriever_pb2_grpc.add_RetrieverServicer_to_server(pending, server),
+        # as the generator: a thread per place in the batch queue and batch, plus grpc_workers
+        workers=settings.grpc_workers
+        + settings.retriever_max_queue
+        + settings.retriever_max_batch_size,
+        metrics=metrics,
+        admin_methods=admin_methods(RETRIEVER_SERVICE),
+        admin_token=settings.admin_token,
+    )
+    return service, pending
+
+
+def load(
+    settings: Settings, metrics: ServiceMetrics | None, stop: threading.Event
+) -> RetrieverServicer:
+    """Load the initial index, encoder and checkpoint (the slow part); follow the shared
+    active index until ``stop`` is set."""
     registry = IndexRegistry(settings.index_root, max_loaded=settings.max_loaded_indexes)
     shared = ActiveIndexStore(redis_client(settings.redis_url, settings.redis_timeout_s))
     encoder = load_encoder(settings.query_encoder) if settings.query_encoder else None
-    metrics = ServiceMetrics("retriever")
     servicer = RetrieverServicer(
         registry,
         shared,
@@ -65,25 +98,32 @@ def build(settings: Settings) -> tuple[GrpcService, RetrieverServicer, threading
     if registry.active:
         warm_up(servicer)
 
-    service = GrpcService(
-        "openbook.v1.Retriever",
-        settings.retriever_host,
-        settings.retriever_port,
-        lambda server: retriever_pb2_grpc.add_RetrieverServicer_to_server(servicer, server),
-        workers=settings.grpc_workers,
-        metrics=metrics,
-    )
     servicer._record_active()
-    stop = threading.Event()
     shared.watch(servicer.follow_shared_active, stop)
+    return servicer
+
+
+def build(settings: Settings) -> tuple[GrpcService, RetrieverServicer, threading.Event]:
+    """Bound and loaded, not started: for running in-process (tests, benchmarks). Set the
+    returned event to stop following the shared active index."""
+    service, pending = bind(settings)
+    stop = threading.Event()
+    servicer = load(settings, service.metrics, stop)
+    pending.attach(servicer)
     return service, servicer, stop
 
 
-def serve(settings: Settings) -> None:
-    service, _, stop = build(settings)
-    service.metrics.serve_http(settings.retriever_metrics_port)
-    service.set_serving(True)
+def serve(settings: Settings, stop: threading.Event | None = None) -> None:
+    """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
+    service, pending = bind(settings)
+    service.metrics.serve_http(settings.retriever_metrics_port, settings.retriever_host)
+    stop = stop if stop is not None else threading.Event()
+    following = threading.Event()
+
+    def load_and_attach() -> None:
+        pending.attach(load(settings, service.metrics, following))
+
     try:
-        service.run_until_signal()
+        service.run_until_signal(load_and_attach, stop)
     finally:
-        stop.set()
+        following.set()

@@ -16,7 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook.checkpoint import load_query_encoder, resolve_checkpoint, verify_checkpoint
+from openbook.checkpoint import (
+    checkpoint_in_root,
+    load_query_encoder,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from openbook.errors import InvalidArgument
 from openbook.index import Encoder, LoadedIndex
 from openbook.serving.batcher import Batcher
@@ -209,11 +214,10 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             publish_model_version(self.shared.client, "retriever", self.model_version)
 
     def ReloadModel(self, request, context):
-        if not request.path and self.checkpoint_root is None:
-            raise InvalidArgument("path: no checkpoint given and no checkpoint root configured")
+        # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.
         try:
-            self.use_checkpoint(Path(request.path) if request.path else self.checkpoint_root)
-        except OSError as exc:  # a path the file system refuses (too long, not readable, ...)
+            self.use_checkpoint(checkpoint_in_root(self.checkpoint_root, request.path))
+        except OSError as exc:  # inside the root, but unreadable (permissions, ...)
             raise InvalidArgument(f"checkpoint {request.path!r}: {exc.strerror or exc}") from None
         return common_pb2.ModelInfo(
             model_version=self.model_version,

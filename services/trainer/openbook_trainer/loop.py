@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from openbook.checkpoint import (
     CheckpointError,
+    clean_stale_partials,
     generator_dir,
     latest_checkpoint,
     query_encoder_dir,
@@ -109,6 +110,9 @@ class Trainer:
             assert cfg.epochs is not None
             self.total_steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
 
+        # A run killed mid-save left its partial .tmp- directory behind: clear those before
+        # resuming or saving, but never a live writer's (another trainer may share this root).
+        clean_stale_partials(cfg.out)
         resume_from = self._resume_point()
         self.base_generator = str(Path(cfg.generator).resolve())
         base_q = (

@@ -1,0 +1,159 @@
+"""Peak working memory of a decoding batch, estimated from the model's shapes.
+
+The generator admits work against a byte budget (``OPENBOOK_GENERATOR_MEMORY_MB``): a request
+whose estimate alone exceeds it is refused before anything is allocated, and batches are packed
+so that their estimate stays under it. The estimate is an upper bound of what decoding holds
+beyond the weights, by design of the code paths it describes:
+
+* **encode**: one prefill over ``rows_enc`` (request, passage) rows of ``prompt`` tokens. Only
+  the last position goes through the LM head (``logits_to_keep=1``); what remains transient is
+  the per-token activations and attention scores; what stays is the encoded key/value cache
+  (causal: the shared prefix forked per row + the prompt; BART: cross-attention keys/values) and
+  one float32 vocabulary row per encoded row (log p(y_1 | x, z)).
+* **decode**: the cache forked per beam (``rows_dec = rows_enc x beams``) and grown by the answer,
+  plus a few float32 distributions over the vocabulary per decoding row and step
+  (:data:`LOGIT_COPIES`: the model's logits, their log-softmax, the mixture / beam scores).
+* **score** (RAG-Sequence thorough, provenance): chunks of at most
+  ``models.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their forked cache.
+
+Numbers for the default model are in docs/benchmarks.md; ``bench/load --real`` measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from openbook.rag.models import SCORE_LOGIT_ELEMENTS, CausalBackend, GeneratorBackend
+from openbook.rag.options import DecodingOptions
+from openbook.types import Passage
+
+# float32 distributions over the vocabulary alive per decoding row during one step.
+LOGIT_COPIES = 4
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What decides one request's memory: its rows and their lengths (all in tokens)."""
+
+    passages: int  # k: encoded rows
+    beams: int  # decoding rows per passage
+    prompt_tokens: int  # longest per-passage input: causal prompt after the prefix / BART encoder
+    new_tokens: int  # max_new_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.passages * self.beams
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per unit of work for one loaded generator (see the module docstring)."""
+
+    vocab: int
+    prefix_tokens: int  # causal: shared prefix forked into every row; BART: 0
+    kv_bytes_per_token: int  # decoder self-attention keys + values, all layers, one token
+    cross_bytes_per_token: int  # BART: cross-attention keys + values per encoder token; causal: 0
+    activation_bytes_per_token: int  # transient per prefilled token inside one layer
+    score_bytes_per_pair: int  # attention scores (+ masks) per (query, key) pair in prefill
+    shared_cross: bool  # BART fast path: beams share the encoded row's cross keys/values
+
+    def batch_bytes(self, shapes: Sequence[RequestShape]) -> int:
+        """Estimated peak bytes of decoding ``shapes`` as one batch (prompts padded to the
+        longest, as the backends do)."""
+        if not shapes:
+            return 0
+        rows_enc = sum(s.passages for s in shapes)
+        rows_dec = sum(s.rows for s in shapes)
+        prompt = max(s.prompt_tokens for s in shapes)
+        new = max(s.new_tokens for s in shapes)
+        context = self.prefix_tokens + prompt  # keys each prompt token attends to at most
+        prefill = (
+            rows_enc
+            * prompt
+            * (self.activation_bytes_per_token + context * self.score_bytes_per_pair)
+        )
+        encoded = rows_enc * (
+            context * self.kv_bytes_per_token
+            + prompt * self.cross_bytes_per_token
+            + self.vocab * _F32
+        )
+        cross_rows = rows_enc if self.shared_cross else rows_dec
+        decoded = (
+            rows_dec * (context + new) * self.kv_bytes_per_token
+            + cross_rows * prompt * self.cross_bytes_per_token
+            + rows_dec * self.vocab * _F32 * LOGIT_COPIES
+        )
+        # Teacher-forced scoring: a chunk's logits and log-softmax, and its forked cache. At most
+        # every decoded hypothesis is scored under every passage of its request.
+        scored_rows = sum(s.rows * s.passages for s in shapes)
+        chunk_elements = min(SCORE_LOGIT_ELEMENTS, scored_rows * new * self.vocab)
+        chunk_rows = max(1, chunk_elements // max(1, new * self.vocab))
+        scoring = 2 * chunk_elements * _F32 + chunk_rows * (context + new) * self.kv_bytes_per_token
+        # Encode's transient activations are gone before decoding grows; the encoded cache stays.
+        return encoded + max(prefill, decoded + scoring)
+
+
+def memory_model(backend: GeneratorBackend) -> MemoryModel:
+    """The :class:`MemoryModel` of a loaded backend, from its config and parameter dtype."""
+    cfg = backend.model.config
+    elt = next(backend.model.parameters()).element_size()
+    vocab = backend.vocab_size
+    if isinstance(backend, CausalBackend):
+        hidden = int(cfg.hidden_size)
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+        inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
+        layer_types = 2 if getattr(backend, "_window", None) else 1
+        return MemoryModel(
+            vocab=vocab,
+            prefix_tokens=backend.prefix_len,
+            kv_bytes_per_token=int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * elt,
+            cross_bytes_per_token=0,
+            # residual, normed input, q/k/v/attention output, MLP gate + up + activation
+            activation_bytes_per_token=(4 * hidden + 2 * heads * head_dim + 3 * inter) * elt,
+            # per head one score (+ softmax copy), plus one mask value per attention layer type
+            score_bytes_per_pair=(2 * heads + layer_types) * elt,
+            shared_cross=False,
+        )
+    d = int(cfg.d_model)
+    heads = max(int(cfg.encoder_attention_heads), int(cfg.decoder_attention_heads))
+    ffn = max(int(cfg.encoder_ffn_dim), int(cfg.decoder_ffn_dim))
+    decoder_layers = int(cfg.decoder_layers)
+    return MemoryModel(
+        vocab=vocab,
+        prefix_tokens=0,
+        kv_bytes_per_token=decoder_layers * 2 * d * elt,
+        # encoder output kept + every decoder layer's cross keys and values
+        cross_bytes_per_token=(1 + decoder_layers * 2) * d * elt,
+        activation_bytes_per_token=(6 * d + 2 * ffn) * elt,
+        score_bytes_per_pair=2 * heads * elt,
+        shared_cross=getattr(backend, "_bart", None) is not None,
+    )
+
+
+def request_shape(
+    backend: GeneratorBackend,
+    question: str,
+    passages: Sequence[Passage],
+    options: DecodingOptions,
+) -> RequestShape:
+    """Tokenise the request's passage inputs (nothing else) to get its :class:`RequestShape`."""
+    if isinstance(backend, CausalBackend):
+        lengths = [len(backend.prompt_ids(question, p)) for p in passages]
+    else:
+        texts = backend.input_strings([(question, p) for p in passages])
+        enc = backend.tokenizer(texts, max_length=backend.max_combined_length, truncation=True)
+        lengths = [len(ids) for ids in enc["input_ids"]]
+    return RequestShape(
+        passages=len(passages),
+        beams=options.num_beams,
+        prompt_tokens=max(lengths, default=1),
+        new_tokens=options.max_new_tokens,
+    )
+
+
+def mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:,.0f} MiB"

@@ -1,0 +1,201 @@
+"""The generator admits work honestly, with its default settings: a full queue answers
+RESOURCE_EXHAUSTED at once, a request over the memory budget OUT_OF_RANGE before anything is
+allocated, and work whose caller gave up (deadline, cancel) stops between decoding steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from openbook.config import Settings
+from openbook.rag.testing import make_tiny_bart
+from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
+from openbook_generator.server import build as build_generator
+
+DEFAULTS = Settings()
+
+
+def _request(k: int = 3, **options) -> generator_pb2.GenerateRequest:
+    passages = [
+        common_pb2.Passage(
+            id=str(i), title=f"t{i}", text=f"passage number {i} about Paris", score=1
+        )
+        for i in range(k)
+    ]
+    return generator_pb2.GenerateRequest(
+        question="where is paris?",
+        passages=passages,
+        options=generator_pb2.DecodingOptions(**options),
+    )
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, redis_server):
+    """The generator service as `openbook serve generator` builds it, default limits."""
+    tmp = tmp_path_factory.mktemp("admission")
+    settings = Settings(
+        generator_host="127.0.0.1",
+        generator_port=0,
+        generator_model=make_tiny_bart(tmp / "bart"),
+        redis_url=redis_server.url,
+        checkpoint_dir=tmp / "checkpoints",
+    )
+    server, servicer = build_generator(settings)
+    server.set_serving(True)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = generator_pb2_grpc.GeneratorStub(channel)
+    yield settings, servicer, stub
+    channel.close()
+    server.stop(0)
+    servicer.close()
+
+
+@pytest.fixture
+def steps(service):
+    """Counts decoding steps; ``gate`` (set by default) holds every step while cleared,
+    ``entered`` is set once a step began, and ``delay_s`` slows each step down."""
+    _, servicer, _ = service
+    backend = servicer.generator.backend
+    original = backend.step
+    state = {"count": 0, "gate": threading.Event(), "entered": threading.Event(), "delay_s": 0.0}
+    state["gate"].set()
+
+    def counted(*args, **kwargs):
+        state["entered"].set()
+        state["gate"].wait()
+        time.sleep(state["delay_s"])
+        state["count"] += 1
+        return original(*args, **kwargs)
+
+    backend.step = counted
+    yield state
+    state["gate"].set()
+    backend.step = original
+    _wait_until(lambda: servicer.batcher.depth() == 0)
+
+
+def test_full_queue_answers_resource_exhausted_with_the_default_settings(service, steps):
+    settings, servicer, stub = service
+    assert (settings.max_queue, settings.max_batch_size) == (
+        DEFAULTS.max_queue,
+        DEFAULTS.max_batch_size,
+    )
+    steps["gate"].clear()  # the first batch blocks in its first step
+    first = stub.Generate.future(_request(max_new_tokens=8, min_new_tokens=8), timeout=120)
+    assert steps["entered"].wait(30)  # the first batch is running, blocked in a step
+    extra = 8
+    calls = [
+        stub.Generate.future(_request(max_new_tokens=2), timeout=120)
+        for _ in range(settings.max_queue + extra)
+    ]
+    _wait_until(lambda: sum(c.done() for c in calls) >= extra)
+    refused = [c for c in calls if c.done()]
+    assert len(refused) == extra
+    for call in refused:
+        assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue full" in call.details()
+    assert servicer.batcher.depth() == settings.max_queue
+    steps["gate"].set()
+    assert first.result().hypotheses
+    for call in calls:
+        if call not in refused:
+            assert call.result().hypotheses
+
+
+def test_request_over_the_memory_budget_is_refused_before_it_runs(service, steps):
+    _, servicer, stub = service
+    budget = servicer.memory_budget_bytes
+    try:
+        servicer.memory_budget_bytes = 1 << 20
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(_request(k=50, num_beams=16, max_new_tokens=512), timeout=30)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "passages (k)" in err.value.details()
+        assert "OPENBOOK_GENERATOR_MEMORY_MB" in err.value.details()
+        assert steps["count"] == 0  # refused before decoding anything
+        # what fits still runs
+        assert stub.Generate(_request(k=1, max_new_tokens=2), timeout=30).hypotheses
+    finally:
+        servicer.memory_budget_bytes = budget
+
+
+def test_batches_are_packed_under_the_memory_budget(service, steps):
+    _, servicer, stub = service
+    budget = servicer.memory_budget_bytes
+    sizes: list[int] = []
+    on_batch = servicer.batcher._on_batch
+    servicer.batcher._on_batch = sizes.append
+    try:
+        request = _request(k=3, max_new_tokens=4)
+        shape = servicer.generator.request_shape(
+            request.question, _passages(request), _options(max_new_tokens=4)
+        )
+        # room for two such requests in one batch, not three
+        servicer.memory_budget_bytes = servicer.generator.memory.batch_bytes([shape] * 2)
+        steps["gate"].clear()
+        calls = [stub.Generate.future(request, timeout=60) for _ in range(5)]
+        _wait_until(lambda: servicer.batcher.depth() >= 3)
+        steps["gate"].set()
+        for call in calls:
+            assert call.result().hypotheses
+        assert max(sizes) == 2
+    finally:
+        servicer.memory_budget_bytes = budget
+        servicer.batcher._on_batch = on_batch
+
+
+def test_work_past_its_deadline_stops_between_decoding_steps(service, steps):
+    _, servicer, stub = service
+    steps["delay_s"] = 0.05
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(_request(max_new_tokens=512, min_new_tokens=512), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_until(lambda: servicer.batcher.depth() == 0)
+    done = steps["count"]
+    time.sleep(0.5)
+    # The batch stopped at its next step instead of decoding all 512 tokens.
+    assert steps["count"] - done <= 1
+    assert steps["count"] < 100
+    steps["delay_s"] = 0.0
+    assert stub.Generate(_request(max_new_tokens=2), timeout=30).hypotheses
+
+
+def test_a_cancelled_call_leaves_the_queue_and_stops_its_batch(service, steps):
+    _, servicer, stub = service
+    steps["gate"].clear()
+    running = stub.Generate.future(_request(max_new_tokens=512, min_new_tokens=512), timeout=120)
+    assert steps["entered"].wait(30)
+    queued = stub.Generate.future(_request(max_new_tokens=4), timeout=120)
+    _wait_until(lambda: servicer.batcher.depth() == 1)
+    queued.cancel()
+    _wait_until(lambda: servicer.batcher.depth() == 0)  # its place is free at once
+    running.cancel()
+    steps["delay_s"] = 0.01
+    steps["gate"].set()
+    time.sleep(0.5)
+    assert steps["count"] < 100  # the cancelled batch stopped, far from 512 steps
+    assert stub.Generate(_request(max_new_tokens=2), timeout=30).hypotheses
+
+
+def _passages(request: generator_pb2.GenerateRequest):
+    from openbook_generator.servicer import validate_generate
+
+    return validate_generate(request)
+
+
+def _options(**fields):
+    from openbook.rag import DecodingOptions
+
+    return DecodingOptions(**fields)
