@@ -16,6 +16,9 @@ beyond the weights, by design of the code paths it describes:
 * **score** (RAG-Sequence thorough, provenance): chunks of at most
   ``models.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their forked cache.
 
+The four are summed (see :meth:`MemoryModel.batch_bytes` for why not the larger of prefill and
+decode).
+
 Numbers for the default model are in docs/benchmarks.md; ``bench/load --real`` measures them.
 """
 
@@ -91,8 +94,10 @@ class MemoryModel:
         chunk_elements = min(SCORE_LOGIT_ELEMENTS, scored_rows * new * self.vocab)
         chunk_rows = max(1, chunk_elements // max(1, new * self.vocab))
         scoring = 2 * chunk_elements * _F32 + chunk_rows * (context + new) * self.kv_bytes_per_token
-        # Encode's transient activations are gone before decoding grows; the encoded cache stays.
-        return encoded + max(prefill, decoded + scoring)
+        # Summed, not the larger of prefill and decode: the prefill's activations are freed
+        # before decoding grows, but the allocator may keep those pages resident (glibc keeps
+        # freed blocks below its mmap threshold), and a bound must not depend on the allocator.
+        return encoded + prefill + decoded + scoring
 
 
 def memory_model(backend: GeneratorBackend) -> MemoryModel:

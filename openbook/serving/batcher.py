@@ -59,6 +59,7 @@ class Batcher(Generic[T, R]):
     ``pass_gave_up`` it is called as ``fn(payloads, gave_up)``, ``gave_up[i]()`` saying whether
     item i's caller stopped waiting. ``fits(payloads)`` (default: always) says whether items may
     run as one batch; a single item always may (callers refuse what can never fit).
+    ``on_drop(n)`` is told of items that left the line because their caller gave up.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class Batcher(Generic[T, R]):
         max_queue: int = 64,
         name: str = "batcher",
         on_batch: Callable[[int], None] | None = None,
+        on_drop: Callable[[int], None] | None = None,
         fits: Callable[[list[T]], bool] | None = None,
         pass_gave_up: bool = False,
     ) -> None:
@@ -82,6 +84,7 @@ class Batcher(Generic[T, R]):
         self._waiting: deque[_Item[T, R]] = deque()
         self._cond = threading.Condition()
         self._on_batch = on_batch
+        self._on_drop = on_drop
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -136,6 +139,11 @@ class Batcher(Generic[T, R]):
             # not waiting any more: already taken into a batch, which sees ``gave_up``
             if item.future.cancel() and item in self._waiting:
                 self._waiting.remove(item)
+                self._dropped()
+
+    def _dropped(self) -> None:
+        if self._on_drop is not None:
+            self._on_drop(1)
 
     def _take(self) -> list[_Item[T, R]] | None:
         """The next batch (None once closed and drained); drops items whose caller gave up."""
@@ -157,6 +165,7 @@ class Batcher(Generic[T, R]):
                 if item.gave_up():
                     self._waiting.popleft()
                     _resolve(item.future, DeadlineExceeded("deadline passed while queued"))
+                    self._dropped()
                     continue
                 fits = self._fits
                 if (

@@ -43,6 +43,13 @@ class ServiceMetrics:
             ["service"],
             registry=self.registry,
         )
+        self.dropped = Counter(
+            "openbook_dropped_total",
+            "Requests dropped because every caller gave up (deadline passed, cancelled), by "
+            "where: 'queued' before a batch took them, 'running' between decoding steps",
+            ["service", "where"],
+            registry=self.registry,
+        )
         self.serving = Gauge(
             "openbook_serving_info",
             "1 for the index or model version being served",
@@ -58,6 +65,9 @@ class ServiceMetrics:
     def observe_batch(self, size: int, queued: int) -> None:
         self.batch_size.labels(self.service).observe(size)
         self.queue_depth.labels(self.service).set(queued)
+
+    def observe_dropped(self, where: str, count: int = 1) -> None:
+        self.dropped.labels(self.service, where).inc(count)
 
     def track_queue(self, depth: Callable[[], int]) -> None:
         """Report the live queue depth at every scrape (not only when a batch starts)."""

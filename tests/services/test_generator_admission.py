@@ -173,6 +173,10 @@ def test_work_past_its_deadline_stops_between_decoding_steps(service, steps):
 
 
 def test_a_cancelled_call_leaves_the_queue_and_stops_its_batch(service, steps):
+    _cancel_a_queued_and_a_running_call(service, steps)
+
+
+def _cancel_a_queued_and_a_running_call(service, steps) -> None:
     _, servicer, stub = service
     steps["gate"].clear()
     running = stub.Generate.future(_request(max_new_tokens=512, min_new_tokens=512), timeout=120)
@@ -199,3 +203,17 @@ def _options(**fields):
     from openbook.rag import DecodingOptions
 
     return DecodingOptions(**fields)
+
+
+def test_dropped_requests_are_counted_by_where_they_were_dropped(service, steps):
+    _, servicer, stub = service
+    metrics = servicer.metrics
+    assert metrics is not None
+
+    def dropped(where: str) -> float:
+        return metrics.dropped.labels("generator", where)._value.get()
+
+    queued, running = dropped("queued"), dropped("running")
+    _cancel_a_queued_and_a_running_call(service, steps)
+    assert dropped("queued") == queued + 1
+    assert dropped("running") == running + 1

@@ -6,12 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
-from openbook.checkpoint import write_checkpoint
 from openbook.config import Settings
-from openbook.index import load_encoder
-from openbook.rag import RagGenerator
 from openbook.rag.testing import make_tiny_bart
 from openbook.testing import build_fact_indexes
 from openbook_gateway.app import create_app
@@ -20,20 +18,6 @@ from openbook_retriever.server import build as build_retriever
 
 TOKEN = "reload-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def _checkpoint(root, step, bart_dir):
-    return write_checkpoint(
-        root,
-        step,
-        query_encoder=load_encoder("all-MiniLM-L6-v2", cached=False),
-        generator=RagGenerator.load(bart_dir).backend,
-        base_generator=str(bart_dir),
-        base_query_encoder="all-MiniLM-L6-v2",
-        index={"name": "facts-a"},
-        data_sha256="0" * 64,
-        generator_source=bart_dir,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +61,7 @@ def test_reload_under_load_switches_versions_without_failing_requests(system):
     before = client.post("/answer", json={"question": "Who wrote Hamlet?", "k": 2})
     assert before.status_code == 200
     assert before.json()["model_version"].startswith("bart")
-    _checkpoint(tmp / "checkpoints", 1, bart)
+    tiny_checkpoint(tmp / "checkpoints", 1, bart)
 
     failures, stop = [], threading.Event()
 
@@ -110,7 +94,7 @@ def test_reload_under_load_switches_versions_without_failing_requests(system):
 
 def test_corrupt_checkpoint_is_refused_and_old_model_keeps_serving(system):
     client, tmp, bart = system
-    ckpt = _checkpoint(tmp / "checkpoints", 2, bart)
+    ckpt = tiny_checkpoint(tmp / "checkpoints", 2, bart)
     weights = next((ckpt / "generator").glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
-from openbook.checkpoint import LATEST, CheckpointError, CheckpointPathError, write_checkpoint
+from openbook.checkpoint import LATEST, CheckpointError, CheckpointPathError
 from openbook.config import Settings
 from openbook.errors import status_for
-from openbook.index import load_encoder
 from openbook.rag import RagGenerator
 from openbook.rag.testing import make_tiny_bart
 from openbook.testing import build_fact_indexes
@@ -43,27 +43,13 @@ class Layout:
     bart: Path
 
 
-def _checkpoint(root: Path, step: int, bart: Path) -> Path:
-    return write_checkpoint(
-        root,
-        step,
-        query_encoder=load_encoder("all-MiniLM-L6-v2", cached=False),
-        generator=RagGenerator.load(bart).backend,
-        base_generator=str(bart),
-        base_query_encoder="all-MiniLM-L6-v2",
-        index={"name": "facts-a"},
-        data_sha256="0" * 64,
-        generator_source=bart,
-    )
-
-
 @pytest.fixture(scope="module")
 def layout(tmp_path_factory) -> Layout:
     tmp = tmp_path_factory.mktemp("confinement")
     bart = make_tiny_bart(tmp / "bart")
     root, outside = tmp / "checkpoints", tmp / "outside"
-    good = _checkpoint(root, 1, bart)
-    _checkpoint(outside, 5, bart)
+    good = tiny_checkpoint(root, 1, bart)
+    tiny_checkpoint(outside, 5, bart)
     # A complete checkpoint under a partial's hidden name, as a writer killed just before its
     # rename leaves it.
     shutil.copytree(good, root / ".step-000002.tmp-abc-1-0123abcd")

@@ -139,6 +139,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             max_queue=max_queue,
             name="generate-batcher",
             on_batch=self._on_batch,
+            on_drop=self._on_drop_queued,
             fits=self._fits,
             pass_gave_up=True,
         )
@@ -149,6 +150,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def _on_batch(self, size: int) -> None:
         if self.metrics is not None:
             self.metrics.observe_batch(size, self.batcher.depth())
+
+    def _on_drop_queued(self, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_dropped("queued", count)
 
     def _fits(self, items: list[GenerateItem]) -> bool:
         if self.memory_budget_bytes is None:
@@ -172,6 +177,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             if not previous
             else (1 - _RATE_WEIGHT) * previous + _RATE_WEIGHT * per_request
         )
+        abandoned = sum(isinstance(r, Abandoned) for r in results)
+        if abandoned and self.metrics is not None:
+            self.metrics.observe_dropped("running", abandoned)
         return [
             DeadlineExceeded("the caller gave up; generation stopped")
             if isinstance(r, Abandoned)

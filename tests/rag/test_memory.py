@@ -1,0 +1,67 @@
+"""The admission estimate (openbook/rag/memory.py) is built from the model's shapes: its unit
+costs must be those of the caches the backends really build, and it must grow with the work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openbook.rag import DecodingOptions
+from openbook.rag.memory import RequestShape
+from openbook.rag.testing import QUESTION, make_passages
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+@torch.no_grad()
+def test_causal_kv_bytes_per_token_are_those_of_the_cache(dirs, load, arch):
+    gen = load(dirs.causal(arch))
+    enc = gen.backend.encode([(QUESTION, make_passages(3))], 3)
+    cache = enc.cache
+    stored = _nbytes(t for layer in cache.layers for t in (layer.keys, layer.values))
+    slots = enc.mask.numel()  # rows x (prefix + padded prompt) cache slots
+    assert stored == slots * gen.memory.kv_bytes_per_token
+    assert gen.memory.prefix_tokens == gen.backend.prefix_len
+    assert gen.memory.vocab == gen.backend.vocab_size
+
+
+@torch.no_grad()
+def test_bart_self_and_cross_attention_bytes_are_those_of_the_caches(dirs, load):
+    gen = load(dirs.bart())
+    enc = gen.backend.encode([(QUESTION, make_passages(3))], 3)
+    assert enc.cross is not None  # the fast path, whose caches the model describes
+    rows, enc_tokens = enc.mask.shape
+    self_attention = _nbytes(t for kv in enc.cache for t in kv)  # one decoded token per row
+    assert self_attention == rows * gen.memory.kv_bytes_per_token
+    d_model = gen.model.config.d_model * next(gen.model.parameters()).element_size()
+    cross = _nbytes(t for kv in enc.cross for t in kv)
+    # cross_bytes_per_token also counts the encoder output kept per token
+    assert cross == rows * enc_tokens * (gen.memory.cross_bytes_per_token - d_model)
+    assert gen.memory.shared_cross
+
+
+def test_the_estimate_grows_with_every_dimension_of_the_work(dirs, load):
+    gen = load(dirs.causal("gemma3"))
+    base = RequestShape(passages=5, beams=1, prompt_tokens=100, new_tokens=32)
+    one = gen.memory.batch_bytes([base])
+    for more in (
+        RequestShape(10, 1, 100, 32),
+        RequestShape(5, 4, 100, 32),
+        RequestShape(5, 1, 200, 32),
+        RequestShape(5, 1, 100, 64),
+    ):
+        assert gen.memory.batch_bytes([more]) > one
+    assert gen.memory.batch_bytes([base, base]) > one
+    assert gen.memory.batch_bytes([]) == 0
+
+
+def test_request_shape_reads_the_longest_prompt(dirs, load):
+    gen = load(dirs.causal("gemma3"))
+    passages = make_passages(3)
+    passages[1].text = passages[1].text + " Paris" * 40
+    shape = gen.request_shape(QUESTION, passages, DecodingOptions(num_beams=2, max_new_tokens=7))
+    lengths = [len(gen.backend.prompt_ids(QUESTION, p)) for p in passages]
+    assert shape == RequestShape(3, 2, max(lengths), 7)
