@@ -1,7 +1,8 @@
 """Passage indexes for the RAG retriever: reading corpora, encoders, building and searching.
 
 Dense indexes (flat / hnsw / hnsw-sq8 / ivfpq on faiss) score by inner product, as DPR/RAG do;
-"bm25" is the paper's sparse ablation. See ``build_index``, ``open_index`` and ``split_index``.
+"bm25" is the paper's sparse ablation. See ``build_index``, ``import_embeddings`` (precomputed
+vectors), ``open_index`` and ``split_index``.
 
 Names are imported on first use (PEP 562): the gateway imports ``openbook.index.shard`` for
 ``merge_results`` and should not load torch, faiss and bm25s to get it.
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
         clear_encoder_cache,
         load_encoder,
     )
+    from openbook.index.importer import import_embeddings
     from openbook.index.loaded import LoadedIndex, open_index
     from openbook.index.manifest import IndexLoadError, Manifest
     from openbook.index.passages import read_passages, split_passages
@@ -34,6 +36,7 @@ _EXPORTS = {
     "Encoder": "encoders",
     "clear_encoder_cache": "encoders",
     "load_encoder": "encoders",
+    "import_embeddings": "importer",
     "LoadedIndex": "loaded",
     "open_index": "loaded",
     "IndexLoadError": "manifest",
@@ -56,6 +59,7 @@ __all__ = [  # a literal list, so linters see what the TYPE_CHECKING imports are
     "Manifest",
     "build_index",
     "clear_encoder_cache",
+    "import_embeddings",
     "load_encoder",
     "merge_results",
     "open_index",

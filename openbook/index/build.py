@@ -4,6 +4,9 @@ The build happens in ``<out_dir.parent>/.<out_dir.name>.partial`` and is renamed
 only once complete, so a half-built index never looks like an index. Re-running the same build
 after an interruption reuses the passage store and every embedding shard already written and
 verified (shape, dtype and sha256), which matters when a shard is hours of encoder time.
+
+The vectors come from a :class:`VectorSource`: the document encoder run over the passages
+here, or precomputed embedding files (``importer.py``); everything else is shared.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
@@ -37,6 +41,7 @@ from openbook.index.manifest import (
 )
 from openbook.index.passages import FORMATS, read_passages
 from openbook.index.store import PassageStore, PassageWriter
+from openbook.types import Passage
 
 INDEX_TYPES = (*faiss_index.DENSE_TYPES, "bm25")
 PASSAGES_FILE = "passages.sqlite"
@@ -128,9 +133,7 @@ def build_index(
             index_type=index_type,
             input_format=input_format,
             max_words=max_words,
-            doc_enc=doc_enc,
-            q_name=q_name,
-            batch_size=batch_size,
+            vectors=_encoder_source(doc_enc, q_name, batch_size) if doc_enc else None,
             shard_size=shard_size,
             progress=progress,
             hnsw_m=hnsw_m,
@@ -206,9 +209,7 @@ def _build_locked(
     index_type: str,
     input_format: str,
     max_words: int,
-    doc_enc: Encoder | None,
-    q_name: str | None,
-    batch_size: int,
+    vectors: VectorSource | None,
     shard_size: int,
     progress: bool,
     hnsw_m: int,
@@ -221,15 +222,17 @@ def _build_locked(
     rerank: int,
     score_scale: float,
     t0: float,
+    passages: Callable[[], Iterator[Passage]] | None = None,
 ) -> Manifest:
-    dense = doc_enc is not None
+    """``passages``: where the passages come from if not ``read_passages(inputs, ...)``."""
     work = out_dir.parent / f".{out_dir.name}.partial"
     state = work / _STATE
-    fingerprint = _fingerprint(inputs, input_format, max_words, doc_enc, shard_size)
+    fingerprint = _fingerprint(inputs, input_format, max_words, vectors, shard_size)
     _prepare_workdir(work, state, fingerprint)
 
     try:
-        count = _stage_passages(work, state, inputs, input_format, max_words)
+        read = passages or (lambda: read_passages(inputs, input_format, max_words))
+        count = _stage_passages(work, state, read)
         if count == 0:
             raise ValueError("no passages found in the inputs")
     except BaseException:
@@ -238,14 +241,13 @@ def _build_locked(
         raise
 
     params: dict = {}
-    if dense:
-        assert doc_enc is not None
-        _stage_vectors(work, state, doc_enc, count, batch_size, shard_size, progress)
+    if vectors is not None:
+        _stage_vectors(work, state, vectors, count, shard_size, progress)
         params = _stage_faiss(
             work,
             index_type,
             count,
-            doc_enc.dim,
+            vectors.dim,
             progress,
             hnsw_m=hnsw_m,
             ef_construction=ef_construction,
@@ -264,16 +266,16 @@ def _build_locked(
     files, sizes = checksum_dir(work)
     manifest = Manifest(
         name=name,
-        encoder=doc_enc.name if doc_enc else None,
-        query_encoder=q_name,
-        dim=doc_enc.dim if doc_enc else 0,
+        encoder=vectors.encoder if vectors else None,
+        query_encoder=vectors.query_encoder if vectors else None,
+        dim=vectors.dim if vectors else 0,
         count=count,
         index_type=index_type,
         index_params=params,
         files=files,
         sizes=sizes,
         checksum=combined_checksum(files),
-        normalize=bool(doc_enc.normalize) if doc_enc else False,
+        normalize=vectors.normalize if vectors else False,
         score_scale=float(score_scale),
         build_seconds=round(time.monotonic() - t0, 3),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -313,17 +315,25 @@ def _check_args(
 
 
 def _fingerprint(
-    inputs: list[Path], input_format: str, max_words: int, enc: Encoder | None, shard_size: int
+    inputs: list[Path],
+    input_format: str,
+    max_words: int,
+    vectors: VectorSource | None,
+    shard_size: int,
 ) -> str:
     """Identifies what the partial dir's passages and shards were computed from."""
     desc = {
         "inputs": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in inputs],
         "input_format": input_format,
         "max_words": max_words,
-        "encoder": enc.name if enc else None,
-        "encoder_weights": _weights_digest(enc) if enc else None,
+        "encoder": vectors.encoder if vectors else None,
+        "encoder_weights": vectors.digest() if vectors else None,
         "shard_size": shard_size,
     }
+    if vectors is not None and vectors.inputs:
+        desc["vector_inputs"] = [
+            (str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in vectors.inputs
+        ]
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
@@ -351,15 +361,13 @@ def _batched(it: Iterator, n: int) -> Iterator[list]:
         yield chunk
 
 
-def _stage_passages(
-    work: Path, state: Path, inputs: list[Path], input_format: str, max_words: int
-) -> int:
+def _stage_passages(work: Path, state: Path, passages: Callable[[], Iterator[Passage]]) -> int:
     done = state / "passages.done"
     if done.is_file() and (work / PASSAGES_FILE).is_file():
         return int(done.read_text())
     writer = PassageWriter(work / PASSAGES_FILE)
     try:
-        for chunk in _batched(read_passages(inputs, input_format, max_words), 10_000):
+        for chunk in _batched(passages(), 10_000):
             writer.add(chunk)
     finally:
         writer.close()
@@ -382,52 +390,102 @@ def _shard_ok(path: Path, rows: int, dim: int) -> bool:
     )
 
 
+# Yields (shard number, its float32 (rows, dim) vectors) for the shards in ``todo`` (ascending),
+# given the passage store, every shard's [start, stop) rows, and a progress callback (rows).
+ShardProducer = Callable[
+    [PassageStore, list[tuple[int, int]], list[int], Callable[[int], None]],
+    Iterator[tuple[int, np.ndarray]],
+]
+
+
+@dataclass(frozen=True)
+class VectorSource:
+    """Where a dense index's document vectors come from: an encoder run over the passages
+    (``build_index``) or precomputed embedding files (``import_embeddings``)."""
+
+    encoder: str  # the manifest's document encoder
+    query_encoder: str  # the manifest's query encoder: what the retriever loads
+    dim: int
+    normalize: bool
+    digest: Callable[[], str]  # what the vectors are computed from (resume fingerprint)
+    produce: ShardProducer
+    desc: str = "embedding"
+    inputs: tuple[Path, ...] = ()  # files the vectors are read from, if any
+
+
+def _encoder_source(enc: Encoder, q_name: str | None, batch_size: int) -> VectorSource:
+    def produce(store, spans, todo, update):  # type: ignore[no-untyped-def]
+        for i in todo:
+            a, b = spans[i]
+            vecs = np.empty((b - a, enc.dim), dtype=np.float32)
+            pos = 0
+            for rows in store.iter_batches(a, b, batch=batch_size * _ENCODE_CHUNK_BATCHES):
+                titles = [r[0] for r in rows]
+                texts = [r[1] for r in rows]
+                vecs[pos : pos + len(rows)] = enc.encode(texts, batch_size, titles=titles)
+                pos += len(rows)
+                update(len(rows))
+            yield i, vecs
+
+    return VectorSource(
+        encoder=enc.name,
+        query_encoder=q_name or enc.name,
+        dim=enc.dim,
+        normalize=bool(enc.normalize),
+        digest=lambda: _weights_digest(enc),
+        produce=produce,
+    )
+
+
 def _stage_vectors(
     work: Path,
     state: Path,
-    enc: Encoder,
+    source: VectorSource,
     count: int,
-    batch_size: int,
     shard_size: int,
     progress: bool,
 ) -> None:
+    """Write ``vectors.npy`` from ``source`` shard by shard; verified shards of an interrupted
+    run are kept, so only the missing ones are produced again."""
     out = work / VECTORS_FILE
     if (state / "vectors.done").is_file() and out.is_file():
         return
+    dim = source.dim
     shards = state / "shards"
     shards.mkdir(exist_ok=True)
     n_shards = (count + shard_size - 1) // shard_size
     spans = [(i * shard_size, min((i + 1) * shard_size, count)) for i in range(n_shards)]
     paths = [shards / f"shard-{i:05d}.npy" for i in range(n_shards)]
-    todo = [i for i, (a, b) in enumerate(spans) if not _shard_ok(paths[i], b - a, enc.dim)]
+    todo = [i for i, (a, b) in enumerate(spans) if not _shard_ok(paths[i], b - a, dim)]
     done_rows = count - sum(spans[i][1] - spans[i][0] for i in todo)
+    produced: list[int] = []
     store = PassageStore(work / PASSAGES_FILE)
     try:
         with tqdm(
-            total=count, initial=done_rows, unit="psg", desc="embedding", disable=not progress
+            total=count, initial=done_rows, unit="psg", desc=source.desc, disable=not progress
         ) as bar:
-            for i in todo:
+            for i, vecs in source.produce(store, spans, todo, bar.update):
+                produced.append(i)
                 a, b = spans[i]
-                vecs = np.empty((b - a, enc.dim), dtype=np.float32)
-                pos = 0
-                for rows in store.iter_batches(a, b, batch=batch_size * _ENCODE_CHUNK_BATCHES):
-                    titles = [r[0] for r in rows]
-                    texts = [r[1] for r in rows]
-                    vecs[pos : pos + len(rows)] = enc.encode(texts, batch_size, titles=titles)
-                    pos += len(rows)
-                    bar.update(len(rows))
+                if vecs.shape != (b - a, dim) or vecs.dtype != np.float32:
+                    raise ValueError(
+                        f"shard {i}: got {vecs.dtype} {vecs.shape}, expected "
+                        f"float32 ({b - a}, {dim})"
+                    )
                 if not np.isfinite(vecs).all():
-                    raise ValueError(f"encoder produced non-finite vectors in rows {a}..{b - 1}")
+                    raise ValueError(f"non-finite vectors in rows {a}..{b - 1}")
                 tmp = paths[i].with_suffix(".tmp.npy")
                 np.save(tmp, vecs)
                 tmp.replace(paths[i])
                 paths[i].with_suffix(".sha256").write_text(sha256_file(paths[i]))
     finally:
         store.close()
+    if produced != todo:
+        raise RuntimeError(f"vector shards {sorted(set(todo) - set(produced))[:5]} not produced")
 
     # One contiguous memory-mappable matrix: the trainer and rerankers read rows from it.
     tmp = work / "vectors.tmp.npy"
-    mat = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(count, enc.dim))
+    mat = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(count, dim))
     for (a, b), p in zip(spans, paths, strict=True):
         mat[a:b] = np.load(p, mmap_mode="r")
     mat.flush()

@@ -119,6 +119,99 @@ def build(
     )
 
 
+class EmbeddingsFormat(StrEnum):
+    auto = "auto"
+    pickle = "pickle"
+    parquet = "parquet"
+    arrow = "arrow"
+
+
+@app.command("import")
+def import_(
+    embeddings: Annotated[
+        list[Path],
+        typer.Argument(help="Embedding files: DPR pickle shards or wiki_dpr parquet/arrow"),
+    ],
+    name: Annotated[str, typer.Option(help="Index name recorded in the manifest")],
+    out: Annotated[Path, typer.Option(help="Index directory to create")],
+    doc_encoder: Annotated[
+        str, typer.Option(help="Encoder that computed the vectors (recorded in the manifest)")
+    ],
+    query_encoder: Annotated[
+        str, typer.Option(help="Query encoder the retriever loads (alias or local dir)")
+    ],
+    passages: Annotated[
+        Path | None,
+        typer.Option(
+            "--passages",
+            "-p",
+            help="DPR passages file (psgs_w100.tsv); default: the parquet/arrow files' text",
+        ),
+    ] = None,
+    type: Annotated[IndexType, typer.Option("--type", help="Index type (dense)")] = (
+        IndexType.flat
+    ),
+    format: Annotated[
+        EmbeddingsFormat, typer.Option("--format", help="Embeddings format")
+    ] = EmbeddingsFormat.auto,
+    batch_size: Annotated[int, typer.Option(min=1, help="Vectors read at a time")] = 10_000,
+    shard_size: Annotated[int, typer.Option(min=1)] = 50_000,
+    hnsw_m: Annotated[int, typer.Option(min=2)] = 32,
+    ef_construction: Annotated[int, typer.Option(min=1)] = 128,
+    ef_search: Annotated[int, typer.Option(min=1)] = 128,
+    hnsw_transform: Annotated[
+        HnswTransform, typer.Option(help="hnsw: native inner product or DPR's MIPS->L2")
+    ] = HnswTransform.none,
+    nlist: Annotated[int | None, typer.Option(min=1, help="ivfpq: inverted lists")] = None,
+    pq_m: Annotated[int | None, typer.Option(min=1, help="ivfpq: PQ sub-quantizers")] = None,
+    nprobe: Annotated[int, typer.Option(min=1, help="ivfpq: lists probed per query")] = 16,
+    rerank: Annotated[
+        int, typer.Option(min=0, help="Re-rank k*N candidates exactly (approximate types)")
+    ] = 0,
+    score_scale: Annotated[
+        float, typer.Option(help="Multiply scores by this (1: DPR's raw inner products)")
+    ] = 1.0,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing index at --out")] = False,
+    progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
+) -> None:
+    """Build an index from DPR passages + precomputed embeddings, without encoding
+    (resumes an interrupted import of the same files)."""
+    from openbook.index.importer import import_embeddings
+
+    if type is IndexType.bm25:
+        raise _fail("bm25 takes no embeddings; use a dense --type")
+    try:
+        manifest = import_embeddings(
+            passages,
+            embeddings,
+            out,
+            name=name,
+            doc_encoder=doc_encoder,
+            query_encoder=query_encoder,
+            index_type=type.value,
+            embeddings_format=format.value,
+            batch_size=batch_size,
+            shard_size=shard_size,
+            hnsw_m=hnsw_m,
+            ef_construction=ef_construction,
+            ef_search=ef_search,
+            hnsw_transform=hnsw_transform.value,
+            nlist=nlist,
+            pq_m=pq_m,
+            nprobe=nprobe,
+            rerank=rerank,
+            score_scale=score_scale,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    except (ValueError, OSError) as e:  # EmbeddingsError is a ValueError
+        raise _fail(str(e)) from None
+    typer.echo(
+        f"imported index {manifest.name!r} ({manifest.index_type}, {manifest.count} passages, "
+        f"dim {manifest.dim}) in {manifest.build_seconds:.1f}s -> {out}"
+    )
+
+
 @app.command()
 def info(
     path: Annotated[Path, typer.Argument(help="Index directory")],

@@ -1,4 +1,5 @@
-"""Query/document encoders: packaged MiniLM, local sentence-transformers dirs, DPR, own saves.
+"""Query/document encoders: packaged MiniLM, local sentence-transformers dirs, DPR, the question
+encoder of a RAG checkpoint directory, own saves.
 
 Everything loads from local directories only (``local_files_only=True``); nothing here may
 reach the Hugging Face hub at run time.
@@ -71,6 +72,11 @@ class Encoder:
             max_length=self.max_length,
             return_tensors="pt",
         )
+        if self.kind.startswith("dpr"):
+            # DPR and RAG encode with all-zero segment ids: DPR's own embedding script and
+            # transformers' RAG recipe (``ctx_encoder(input_ids)``) never pass the tokenizer's
+            # token_type_ids, which are 1 on the text of a (title, text) pair.
+            enc.pop("token_type_ids", None)
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _forward(self, batch: dict) -> torch.Tensor:
@@ -199,7 +205,7 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
     if role not in ("query", "document"):
         raise ValueError(f"role must be 'query' or 'document', got {role!r}")
     path = resolve_encoder_path(name_or_path)
-    # Only a DPR checkpoint can become a different model depending on the role.
+    # Only a DPR (or RAG) checkpoint can become a different model depending on the role.
     key = (str(path), role if _is_dpr(path) else "*")
     if cached:
         with _cache_lock:
@@ -212,7 +218,7 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
 
 def _is_dpr(path: Path) -> bool:
     cfg = path / "config.json"
-    return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") == "dpr"
+    return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") in ("dpr", "rag")
 
 
 def clear_encoder_cache() -> None:
@@ -229,6 +235,8 @@ def _load(name: str, path: Path, role: str) -> Encoder:
     config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
     kind, pooling, normalize, max_length = "auto", "mean", False, 512
     model_dir = path
+    if config.get("model_type") == "rag":
+        return _load_rag(name, path, role, config)
     if own.is_file():
         cfg = json.loads(own.read_text())
         kind = cfg.get("kind", "auto")
@@ -271,6 +279,29 @@ def _load(name: str, path: Path, role: str) -> Encoder:
         normalize=normalize,
         kind=kind,
         max_length=max_length,
+    )
+
+
+def _load_rag(name: str, path: Path, role: str, config: dict) -> Encoder:
+    """The question encoder (+ its tokenizer) of a RAG checkpoint directory, as RAG uses it:
+    DPR pooler output, no normalisation."""
+    from openbook.index.rag_encoder import load_rag_question_encoder
+
+    if role != "query":
+        raise ValueError(
+            f"encoder {name!r}: {path} is a RAG checkpoint, which holds a question encoder only; "
+            f"encode documents with the matching DPR context encoder"
+        )
+    model, tokenizer = load_rag_question_encoder(path, config)
+    tok_max = getattr(tokenizer, "model_max_length", 512) or 512
+    return Encoder(
+        encoder_id(name),
+        model,
+        tokenizer,
+        pooling="pooler",
+        normalize=False,
+        kind="dpr-question",
+        max_length=int(min(tok_max, 512)),
     )
 
 

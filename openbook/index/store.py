@@ -110,6 +110,14 @@ class PassageStore:
                 )
                 yield cur.fetchall()
 
+    def ids(self, start: int, stop: int) -> list[str]:
+        """Passage ids of rows [start, stop), in row order."""
+        with self._lock:
+            cur = self._conn.execute(
+                "SELECT id FROM passages WHERE row >= ? AND row < ? ORDER BY row", (start, stop)
+            )
+            return [r[0] for r in cur.fetchall()]
+
     def iter_passages(self, start: int, stop: int, batch: int = 10_000):
         """Yield lists of ``Passage`` (id, title, text) for rows in [start, stop), in row order."""
         for s in range(start, stop, batch):

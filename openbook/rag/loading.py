@@ -6,7 +6,10 @@ Supported layouts (all local; nothing is ever downloaded):
 * a RAG checkpoint saved by ``RagTokenForGeneration`` / ``RagSequenceForGeneration.save_pretrained``
   (``config.json`` with ``model_type: rag``; generator weights under the ``rag.generator.`` prefix
   of the weight file, generator tokenizer in ``generator_tokenizer/`` as
-  ``RagTokenizer.save_pretrained`` writes),
+  ``RagTokenizer.save_pretrained`` writes; the question-encoder tokenizer in
+  ``question_encoder_tokenizer/``, whose decoding of the question is what the generator reads, as
+  in transformers' ``RagRetriever``). The question encoder half of the same directory is loaded by
+  the retriever (:mod:`openbook.index.rag_encoder`),
 * a causal LM with an ``openbook_prompt.json``.
 """
 
@@ -37,6 +40,7 @@ MANIFEST_FILES = ("openbook_manifest.json", "manifest.json")
 # Written by `openbook demo prepare` (openbook.demo.models): lists every file with its sha256.
 PREPARED_MANIFEST = "openbook_model.json"
 RAG_GENERATOR_PREFIX = "rag.generator."
+RAG_QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -225,6 +229,8 @@ def _load_rag(
         ) from e
     tok_dir = root / "generator_tokenizer"
     tokenizer = _load_tokenizer(tok_dir if tok_dir.is_dir() else root)
+    # The generator reads the question as this tokenizer decodes it (Seq2SeqBackend.question_text)
+    question_tokenizer = _load_tokenizer(root / RAG_QUESTION_TOKENIZER_DIR)
 
     weights = _weights_file(root)
     if weights.name.endswith(".index.json"):
@@ -270,6 +276,7 @@ def _load_rag(
         title_sep=config.get("title_sep", " / "),
         doc_sep=config.get("doc_sep", " // "),
         max_combined_length=int(config.get("max_combined_length", 300)),
+        question_tokenizer=question_tokenizer,
     )
     return backend, _seq2seq_generation(generation)
 

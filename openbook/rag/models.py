@@ -186,9 +186,13 @@ class Seq2SeqBackend(GeneratorBackend):
         title_sep: str = " / ",
         doc_sep: str = " // ",
         max_combined_length: int = 300,
+        question_tokenizer=None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # A RAG checkpoint's question-encoder tokenizer: the question the generator reads is this
+        # tokenizer's decoding of it, as ``RagRetriever`` builds it (see :meth:`question_text`).
+        self.question_tokenizer = question_tokenizer
         cfg = model.config
         self.prefix = prefix
         self.title_sep = title_sep
@@ -202,11 +206,33 @@ class Seq2SeqBackend(GeneratorBackend):
         self._first_lp: Tensor | None = None
         self._bart = bart.BartDecoding(model) if bart.supports(model) else None
 
+    def question_text(self, question: str) -> str:
+        """The question as the generator reads it.
+
+        For a RAG checkpoint, transformers' ``RagRetriever`` joins each passage not to the question
+        as typed but to the question-encoder tokenizer's decoding of its input ids
+        (``skip_special_tokens=True``): lower-cased and re-spaced for an uncased BERT/DPR
+        tokenizer. Other generators read the question unchanged.
+        """
+        tok = self.question_tokenizer
+        if tok is None:
+            return question
+        limit = min(int(getattr(tok, "model_max_length", 512) or 512), 512)
+        ids = tok(question, truncation=True, max_length=limit)["input_ids"]
+        return tok.decode(ids, skip_special_tokens=True)
+
     def input_strings(self, rows: Sequence[tuple[str, Passage]]) -> list[str]:
-        return [
-            seq2seq_input(p.title, p.text, q, self.prefix, self.title_sep, self.doc_sep)
-            for q, p in rows
-        ]
+        decoded: dict[str, str] = {}
+        out = []
+        for q, p in rows:
+            if q not in decoded:
+                decoded[q] = self.question_text(q)
+            out.append(
+                seq2seq_input(
+                    p.title, p.text, decoded[q], self.prefix, self.title_sep, self.doc_sep
+                )
+            )
+        return out
 
     def _tokenize_inputs(self, rows: Sequence[tuple[str, Passage]]) -> tuple[Tensor, Tensor]:
         batch = self.tokenizer(

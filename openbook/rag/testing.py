@@ -207,8 +207,11 @@ def make_tiny_rag_checkpoint(
         gen_tok = AutoTokenizer.from_pretrained(bart_dir)
         words = sorted({w.strip(".,?/").lower() for line in CORPUS for w in line.split()} - {""})
         vocab_file = Path(tmp) / "vocab.txt"
-        vocab_file.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
-        q_tok = BertTokenizer(vocab_file=str(vocab_file))
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        vocab_file.write_text("\n".join([*specials, *words, ".", ",", "?", "/"]))
+        # an uncased vocabulary, as DPR's: the generator reads the question lower-cased
+        # (positional: transformers 5 names the argument ``vocab``, 4.x ``vocab_file``)
+        q_tok = BertTokenizer(str(vocab_file), do_lower_case=True, model_max_length=512)
         q_cfg = DPRConfig(
             vocab_size=len(q_tok),
             hidden_size=16,

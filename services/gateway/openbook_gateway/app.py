@@ -370,8 +370,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz(request: Request, response: Response) -> dict:
         state = request.app.state
+        shards = await state.retrieval.shard_health()
         services = {
-            "retriever": await state.retrieval.healthy(),
+            "retriever": all(shards.values()),
             "generator": await state.generator.healthy(),
         }
         redis_ok = await state.cache.ping()
@@ -379,7 +380,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if not ready:
             response.status_code = 503
         # Redis only caches and coordinates: without it the system still answers.
-        return {"ready": ready, "services": services, "redis": redis_ok}
+        body = {"ready": ready, "services": services, "redis": redis_ok}
+        if len(shards) > 1:  # sharded: which shard is down
+            body["retriever_shards"] = shards
+        return body
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -39,6 +39,11 @@ class Retrieval:
         self.shards = [
             RetrieverClient(a, timeout_s, health_timeout_s, admin_token) for a in addresses
         ]
+        if len(self.shards) > 1:
+            # Errors name the shard as configured (gRPC's own text has at best a resolved IP,
+            # and a deadline none): "retriever shard 1 (host-1:8051) unavailable: ...".
+            for i, shard in enumerate(self.shards):
+                shard.name = f"retriever shard {i} ({shard.addr})"
 
     async def _all(self, method: str, request, request_id: str, timeout_s: float | None = None):
         return await asyncio.gather(
@@ -118,7 +123,12 @@ class Retrieval:
         return replies[0].model_version
 
     async def healthy(self) -> bool:
-        return all(await asyncio.gather(*(shard.healthy() for shard in self.shards)))
+        return all((await self.shard_health()).values())
+
+    async def shard_health(self) -> dict[str, bool]:
+        """Each shard's health by its configured address."""
+        states = await asyncio.gather(*(shard.healthy() for shard in self.shards))
+        return {shard.addr: ok for shard, ok in zip(self.shards, states, strict=True)}
 
     async def close(self) -> None:
         for shard in self.shards:
