@@ -638,3 +638,17 @@ def load_checkpoint(
     if query_encoder is not None and device is not None:
         query_encoder.model.to(device)
     return LoadedCheckpoint(ckpt, manifest, generator, query_encoder)
+
+
+def locate_in_root(root: Path | None, requested: str | None) -> tuple[str, str]:
+    """The checkpoint a reload request names (confined as :func:`checkpoint_in_root`), as its
+    path relative to the real root and its manifest's version; nothing is loaded or hashed.
+    Replicas following a shared reload pin the relative path, which holds whatever path each
+    replica mounts the root at."""
+    path = checkpoint_in_root(root, requested)
+    relative = path.relative_to(Path(os.path.realpath(root))).as_posix()  # type: ignore[arg-type]
+    try:
+        version = read_manifest(path).version
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {relative!r}: unreadable manifest: {exc}") from None
+    return relative, version

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     # --- trained checkpoints (written by the trainer, loaded by retriever and generator)
     checkpoint_dir: Path = Path("var/checkpoints")
     load_latest_checkpoint: bool = True
+    # How long POST /admin/reload-model waits for every replica to report the desired model
+    # (converged or refused) before answering 202 with the replicas still loading.
+    reload_wait_s: float = Field(600.0, gt=0)
 
     # --- all services
     # Threads for RPCs that do not wait for a batch (health, info, admin); each service adds one

@@ -8,7 +8,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,16 @@ def running_backends(
         retriever.stop(0)
         generator.stop(0)
         generator_servicer.close()
+        _forget_desired_model(redis_url)
+
+
+def _forget_desired_model(redis_url: str) -> None:
+    """Drop a reload these backends were told about: replicas started later against the same
+    Redis (another test module) would otherwise converge to it at start."""
+    from openbook.shared_state import DESIRED_MODEL_KEY, redis_client
+
+    with suppress(redis.RedisError):
+        redis_client(redis_url).delete(DESIRED_MODEL_KEY)
 
 
 @contextmanager

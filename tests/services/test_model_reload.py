@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from openbook.config import Settings
 from openbook.rag.testing import make_tiny_bart
+from openbook.shared_state import DESIRED_MODEL_KEY
 from openbook.testing import build_fact_indexes
 from openbook_gateway.app import create_app
 from openbook_generator.server import build as build_generator
@@ -54,6 +55,7 @@ def system(tmp_path_factory, redis_server):
     retriever.stop(0)
     generator.stop(0)
     generator_servicer.close()
+    redis_server.client().delete(DESIRED_MODEL_KEY)  # later modules' replicas would follow it
 
 
 def test_reload_under_load_switches_versions_without_failing_requests(system):
@@ -84,7 +86,9 @@ def test_reload_under_load_switches_versions_without_failing_requests(system):
         for t in threads:
             t.join(60)
     assert reloaded.status_code == 200, reloaded.text
-    assert reloaded.json() == {"generator": "step-000001", "retriever": "step-000001"}
+    versions = {k: reloaded.json()[k] for k in ("generator", "retriever")}
+    assert versions == {"generator": "step-000001", "retriever": "step-000001"}
+    assert {r["state"] for r in reloaded.json()["replicas"]} == {"converged"}
     assert failures == []
     after = client.post("/answer", json={"question": "Who wrote Hamlet?", "k": 2}).json()
     assert after["model_version"] == "step-000001"

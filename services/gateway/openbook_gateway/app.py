@@ -18,15 +18,18 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+from redis.exceptions import RedisError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openbook.config import Settings, get_settings
 from openbook.logs import request_id_var
+from openbook.shared_state import CONVERGED, FAILED, LOADING
 from openbook.v1 import common_pb2, generator_pb2
 from openbook_gateway.cache import AnswerCache
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.metrics import GatewayMetrics
+from openbook_gateway.replicas import desired_model, list_replicas, outcome, reload_everywhere
 from openbook_gateway.retrieval import Retrieval
 from openbook_gateway.schemas import (
     AnswerRequest,
@@ -37,6 +40,8 @@ from openbook_gateway.schemas import (
     PassageOut,
     ReloadModelRequest,
     ReloadModelResponse,
+    ReplicaOut,
+    ReplicasResponse,
     SwapIndexRequest,
     SwapIndexResponse,
     TokenPosteriorOut,
@@ -529,18 +534,77 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         request_id = request.state.request_id
         path = body.checkpoint or ""
         timeout_s = max(settings.generate_timeout_s, 600.0)
-        retriever_version = await state.retrieval.reload_model(path, request_id, timeout_s)
-        generated = await state.generator.call(
-            state.generator.stub.ReloadModel,
-            common_pb2.ReloadModelRequest(path=path),
-            request_id,
-            timeout_s=timeout_s,
-        )
+
+        async def over_rpc(service: str) -> str:
+            """Today's reload: the one replica (per shard) this gateway's channel reaches."""
+            if service == "retriever":
+                return await state.retrieval.reload_model(path, request_id, timeout_s)
+            generated = await state.generator.call(
+                state.generator.stub.ReloadModel,
+                common_pb2.ReloadModelRequest(path=path),
+                request_id,
+                timeout_s=timeout_s,
+            )
+            return generated.model_version
+
+        shared = await reload_everywhere(state.cache.client, path, settings.reload_wait_s)
+        if shared is None:
+            log.warning("model reload without shared state: other replicas keep their model")
+            versions = {service: await over_rpc(service) for service in ("retriever", "generator")}
+            log.info("models reloaded over RPC: %s", versions)
+            return versions
+        reload_id, desired, outcomes = shared
+        versions = {}
+        for service in ("retriever", "generator"):
+            mine = [o for o in outcomes if o["service"] == service]
+            if not mine:  # no replica of it follows shared reloads (an older build)
+                version = await over_rpc(service)
+                mine = [dict(service=service, replica="rpc", version=version, state=CONVERGED)]
+                outcomes.extend(mine)
+            served = {o["version"] for o in mine if o["state"] == CONVERGED}
+            versions[service] = served.pop() if len(served) == 1 else ""
+        result = {
+            **versions,
+            "checkpoint": desired.get("resolved") or path or None,
+            "request": reload_id,
+            "replicas": [ReplicaOut(**o).model_dump() for o in outcomes],
+        }
+        failed = [o for o in outcomes if o["state"] == FAILED]
+        loading = [o for o in outcomes if o["state"] == LOADING]
         log.info(
-            "models reloaded: generator %s, retriever %s",
-            generated.model_version,
-            retriever_version,
+            "model reload %s: %d replicas converged, %d failed, %d loading",
+            reload_id,
+            len(outcomes) - len(failed) - len(loading),
+            len(failed),
+            len(loading),
         )
-        return {"generator": generated.model_version, "retriever": retriever_version}
+        if failed:
+            # Every replica that refused keeps its model: 422 when none took the checkpoint,
+            # 409 when the replicas now disagree.
+            reasons = "; ".join(f"{o['service']} {o['replica']}: {o['error']}" for o in failed)
+            status = 409 if len(failed) < len(outcomes) - len(loading) else 422
+            detail = f"checkpoint refused by {len(failed)} of {len(outcomes)} replicas: {reasons}"
+            return JSONResponse({"detail": detail, **result}, status)
+        if loading:  # the wait ran out: they keep loading, /admin/replicas shows them
+            return JSONResponse(result, 202)
+        return result
+
+    @app.get(
+        "/admin/replicas", response_model=ReplicasResponse, dependencies=[Depends(require_admin)]
+    )
+    async def replicas(request: Request) -> dict:
+        """Every live retriever and generator replica: the model version it serves and how the
+        latest reload went; and the desired model recorded in Redis."""
+        client = request.app.state.cache.client
+        try:
+            desired = await desired_model(client)
+            listed = await list_replicas(client)
+        except (RedisError, OSError) as exc:
+            raise HTTPException(503, f"redis unavailable: replicas unknown: {exc}") from None
+        request_id = desired.get("id", "")
+        return {
+            "desired": desired,
+            "replicas": [outcome(r, request_id) if request_id else r for r in listed],
+        }
 
     return app

@@ -172,6 +172,28 @@ class ReloadModelRequest(BaseModel):
         return value if value is None else refuse_controls("checkpoint", value)
 
 
+class ReplicaOut(BaseModel):
+    service: str
+    replica: str = Field(description="the replica's id: host, pid and a random suffix")
+    version: str = Field(description="the model version it serves now")
+    state: str = Field(
+        description="of the latest reload: 'converged', 'failed' (old model kept) or 'loading'"
+    )
+    error: str | None = Field(None, description="why the replica refused the checkpoint")
+
+
 class ReloadModelResponse(BaseModel):
-    generator: str
-    retriever: str
+    generator: str = Field(description="the version the generator replicas serve ('' if mixed)")
+    retriever: str = Field(description="the version the retriever replicas serve ('' if mixed)")
+    checkpoint: str | None = Field(
+        None, description="the checkpoint the replicas were told to load (relative to the root)"
+    )
+    request: str | None = Field(None, description="the id of this reload in shared state")
+    replicas: list[ReplicaOut] | None = Field(
+        None, description="each replica's result; null without Redis (one replica per service)"
+    )
+
+
+class ReplicasResponse(BaseModel):
+    desired: dict[str, str] = Field(description="the desired model recorded in Redis")
+    replicas: list[ReplicaOut]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from openbook.checkpoint import latest_checkpoint
+from openbook.checkpoint import latest_checkpoint, locate_in_root
 from openbook.config import Settings
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import (
@@ -19,7 +19,12 @@ from openbook.serving.grpc_server import (
     admin_methods,
 )
 from openbook.serving.metrics import ServiceMetrics
-from openbook.shared_state import publish_model_version, redis_client
+from openbook.shared_state import (
+    ModelFollower,
+    publish_model_version,
+    redis_client,
+    replica_metrics,
+)
 from openbook.v1 import generator_pb2_grpc
 from openbook_generator.servicer import GeneratorServicer, load_generator_checkpoint
 
@@ -68,7 +73,7 @@ def load(settings: Settings, metrics: ServiceMetrics | None) -> GeneratorService
         generator.device,
         generator.dtype,
     )
-    return GeneratorServicer(
+    servicer = GeneratorServicer(
         generator,
         metrics=metrics,
         checkpoint_root=settings.checkpoint_dir,
@@ -79,6 +84,27 @@ def load(settings: Settings, metrics: ServiceMetrics | None) -> GeneratorService
         memory_budget_bytes=settings.generator_memory_mb * 2**20,
         max_request_s=settings.generator_max_request_s,
     )
+    follow_reloads(settings, servicer, redis, metrics)
+    return servicer
+
+
+def follow_reloads(
+    settings: Settings, servicer: GeneratorServicer, redis, metrics: ServiceMetrics | None
+) -> ModelFollower:
+    """Converge to the desired model in Redis now (a replica started after a reload), then
+    follow later reloads until the servicer is closed."""
+    follower = ModelFollower(
+        redis,
+        "generator",
+        load=servicer.load_checkpoint,
+        resolve=lambda requested: locate_in_root(settings.checkpoint_dir, requested),
+        version=lambda: servicer.generator.model_version,
+        on_state=replica_metrics(metrics),
+    )
+    follower.sync()
+    follower.start(servicer.stop_following)
+    servicer.follower = follower
+    return follower
 
 
 def build(settings: Settings) -> tuple[GrpcService, GeneratorServicer]:

@@ -132,6 +132,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self.max_request_s = max_request_s
         self._seconds_per_request = 0.0  # running estimate, from finished batches
         self._reload_lock = threading.Lock()
+        self.stop_following = threading.Event()
+        self.follower = None  # openbook.shared_state.ModelFollower, once following reloads
         self.batcher: Batcher[GenerateItem, Generated] = Batcher(
             self._run_batch,
             max_batch_size=max_batch_size,
@@ -240,20 +242,27 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         Requests already batched finish on the old model; a checkpoint that fails to verify
         or load raises (INVALID_ARGUMENT with the reason) and the old model keeps serving.
         """
+        self.load_checkpoint(request.path)
+        return _model_info(self.generator)
+
+    def load_checkpoint(self, requested: str) -> str:
+        """Load the checkpoint ``requested`` names inside the checkpoint root, then switch to
+        it; raises (and keeps the current model) if it is refused. Returns the new version.
+        ReloadModel and the follower of shared reloads (every replica) both come here."""
         with self._reload_lock:
             current = self.generator
             try:
                 # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.
-                path = checkpoint_in_root(self.checkpoint_root, request.path)
+                path = checkpoint_in_root(self.checkpoint_root, requested)
                 self.generator = load_generator_checkpoint(path, current.device, current.dtype)
             except OSError as exc:  # inside the root, but unreadable (permissions, ...)
                 detail = exc.strerror or exc
-                raise InvalidArgument(f"checkpoint {request.path!r}: {detail}") from None
+                raise InvalidArgument(f"checkpoint {requested!r}: {detail}") from None
         log.info(
             "generator reloaded: %s -> %s", current.model_version, self.generator.model_version
         )
         self._announce()
-        return _model_info(self.generator)
+        return self.generator.model_version
 
     def _announce(self) -> None:
         version = self.generator.model_version
@@ -263,4 +272,5 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             self.on_model(version)
 
     def close(self) -> None:
+        self.stop_following.set()  # the follower of shared reloads, if one was started
         self.batcher.close()

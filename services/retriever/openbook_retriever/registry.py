@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,9 @@ class IndexRegistry:
         self._loaded: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._loading: dict[str, threading.Lock] = {}
         self.active: str | None = None
+        # Called with a loaded index before it becomes active; raising refuses the swap (the
+        # retriever checks that some query encoder pairs with the index).
+        self.before_activate: Callable[[LoadedIndex], None] | None = None
 
     # ---- discovery
     def available(self) -> list[str]:
@@ -120,10 +123,13 @@ class IndexRegistry:
     def swap(self, name: str) -> tuple[str | None, LoadedIndex]:
         """Make ``name`` active (loading it first); returns the previously active name.
 
-        A corrupt or mismatched index fails to load and the current one keeps serving.
+        A corrupt or mismatched index fails to load, and one ``before_activate`` refuses
+        is not activated: the current one keeps serving.
         """
         while True:
             index = self.load(name)
+            if self.before_activate is not None:
+                self.before_activate(index)  # refused: the current index keeps serving
             with self._lock:
                 if name not in self._loaded:
                     continue  # evicted between loading and activating: load it again

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from openbook.checkpoint import latest_checkpoint
+from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
 from openbook.config import Settings
 from openbook.index import load_encoder
 from openbook.serving.grpc_server import (
@@ -20,7 +20,12 @@ from openbook.serving.grpc_server import (
     admin_methods,
 )
 from openbook.serving.metrics import ServiceMetrics
-from openbook.shared_state import ActiveIndexStore, redis_client
+from openbook.shared_state import (
+    ActiveIndexStore,
+    ModelFollower,
+    redis_client,
+    replica_metrics,
+)
 from openbook.v1 import retriever_pb2_grpc
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.servicer import RetrieverServicer
@@ -100,7 +105,32 @@ def load(
 
     servicer._record_active()
     shared.watch(servicer.follow_shared_active, stop)
+    follow_reloads(settings, servicer, metrics, stop)
     return servicer
+
+
+def follow_reloads(
+    settings: Settings,
+    servicer: RetrieverServicer,
+    metrics: ServiceMetrics | None,
+    stop: threading.Event,
+) -> ModelFollower:
+    """Converge to the desired model in Redis now (a replica started after a reload), then
+    follow later reloads until ``stop`` is set: every replica, not only the one a gateway's
+    ReloadModel reaches, loads the checkpoint (verified, confined to the checkpoint root)."""
+    follower = ModelFollower(
+        servicer.shared.client,
+        "retriever",
+        load=lambda requested: servicer.use_checkpoint(
+            checkpoint_in_root(settings.checkpoint_dir, requested)
+        ),
+        resolve=lambda requested: locate_in_root(settings.checkpoint_dir, requested),
+        version=lambda: servicer.model_version,
+        on_state=replica_metrics(metrics),
+    )
+    follower.sync()
+    follower.start(stop)
+    return follower
 
 
 def build(settings: Settings) -> tuple[GrpcService, RetrieverServicer, threading.Event]:

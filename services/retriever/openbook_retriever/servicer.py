@@ -22,8 +22,13 @@ from openbook.checkpoint import (
     resolve_checkpoint,
     verify_checkpoint,
 )
-from openbook.errors import InvalidArgument
+from openbook.errors import FailedPrecondition, InvalidArgument
 from openbook.index import Encoder, LoadedIndex
+from openbook.index.pairing import (
+    QueryEncoderOverride,
+    checkpoint_override,
+    configured_override,
+)
 from openbook.serving.batcher import Batcher
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import ActiveIndexStore, publish_model_version
@@ -59,6 +64,11 @@ def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> None:
             raise InvalidArgument(f"queries[{i}]: longer than {MAX_QUERY_CHARS} characters")
     if not 1 <= request.k <= MAX_K:
         raise InvalidArgument(f"k: must be in [1, {MAX_K}], got {request.k}")
+
+
+class PairingError(FailedPrecondition, ValueError):
+    """No query encoder of the right lineage and dimension for an index (FAILED_PRECONDITION;
+    a ValueError, so callers that refuse bad checkpoints refuse these too)."""
 
 
 @dataclass
@@ -137,7 +147,13 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         self.metrics = metrics
         self.encoder_version = ""  # a checkpoint's version once one is loaded
         self.shared = shared
-        self.query_encoder = query_encoder
+        # An override of the indexes' own query encoders (OPENBOOK_QUERY_ENCODER, then a
+        # checkpoint's): it searches only the indexes it pairs with (openbook.index.pairing).
+        self.override: QueryEncoderOverride | None = (
+            configured_override(query_encoder) if query_encoder is not None else None
+        )
+        # A swap to an index no query encoder can search is refused before it becomes active.
+        registry.before_activate = self._check_pairing
         # Local swaps and following the shared key are serialised, so a stale read of the
         # key can never undo a swap that has just been made here.
         self._swap_lock = threading.Lock()
@@ -160,15 +176,50 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         self.batcher.close()
 
     @property
+    def query_encoder(self) -> Encoder | None:
+        """The override (None: every index searches with its own query encoder)."""
+        return self.override.encoder if self.override is not None else None
+
+    @property
     def model_version(self) -> str:
         if self.encoder_version:
             return self.encoder_version
         return self.query_encoder.name if self.query_encoder is not None else "index-default"
 
+    def _pairing(self, index: LoadedIndex) -> tuple[Encoder | None, str]:
+        """The encoder to search ``index`` with (None: its own, or bm25) and the model
+        version that names it: the override only where it pairs with the index."""
+        override = self.override
+        if override is None:
+            return None, self.model_version  # a checkpoint without a query encoder: its version
+        if override.fits(index.manifest, index.name):
+            return override.encoder, override.version
+        return None, "index-default"
+
+    def _check_pairing(self, index: LoadedIndex) -> None:
+        """Refuse to activate a dense index that neither the override pairs with nor its own
+        query encoder can search (the registry's ``before_activate``)."""
+        if not index.dense:
+            return
+        override = self.override
+        problem = override.problem(index.manifest, index.name) if override is not None else None
+        if override is not None and problem is None:
+            return
+        try:
+            index.query_encoder  # noqa: B018 - loads (and dim-checks) the manifest's encoder
+        except Exception as exc:  # noqa: BLE001 - any failure means nothing can search it
+            m = index.manifest
+            why = f"{problem}; and" if problem else "no query encoder override;"
+            raise PairingError(
+                f"index {index.name!r} refused: {why} its own query encoder "
+                f"{m.query_encoder or m.encoder!r} (dim {m.dim}) cannot be used: {exc}. "
+                f"The current index keeps serving"
+            ) from None
+
     def Retrieve(self, request, context):
         validate_retrieve(request)
         with self.registry.lease(request.index or None) as index:
-            encoder = self.query_encoder if index.manifest.index_type != "bm25" else None
+            encoder, version = self._pairing(index)
             search = _Search(
                 index, encoder, list(request.queries), request.k, request.return_vectors
             )
@@ -182,30 +233,68 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                 for passages in results
             ],
             index=name,
-            model_version=self.model_version,
+            model_version=version,
         )
 
     def _search(self, index: LoadedIndex, queries: list[str], k: int, vectors: bool):
         """Search ``index`` directly, outside the batcher (warm-up, tools)."""
-        encoder = self.query_encoder if index.manifest.index_type != "bm25" else None
+        encoder, _ = self._pairing(index)
         return index.search(queries, k, encoder=encoder, return_vectors=vectors)
 
     def use_checkpoint(self, path: Path) -> None:
         """Serve the query encoder of a trainer checkpoint (or the latest under a root).
 
-        The encoder is loaded and checked against the active index before the switch, so a
-        missing, corrupt or mismatched checkpoint raises and the current encoder keeps serving.
+        The encoder is loaded and checked before the switch, so a missing or corrupt
+        checkpoint raises and the current encoder keeps serving. It then searches only the
+        indexes it pairs with (the index it was trained against and those of the same lineage
+        and dimension, ``openbook.index.pairing``); the others keep their own query encoders.
+        A checkpoint that does not pair with the *active* (dense) index is refused
+        (FAILED_PRECONDITION): loading it would change nothing that is served.
         """
         ckpt = resolve_checkpoint(path)
         manifest = verify_checkpoint(ckpt)
         encoder = load_query_encoder(ckpt, verify=False)
-        if encoder is not None and self.registry.active:
-            with self.registry.lease() as index:
-                if index.dense:
-                    index.check_encoder(encoder)
-        self.query_encoder, self.encoder_version = encoder, manifest.version
+        override = None
+        if encoder is not None:
+            trained = str(manifest.index.get("name") or "")
+            override = checkpoint_override(
+                encoder,
+                manifest.version,
+                manifest.base_query_encoder,
+                self._trained_on(trained, manifest.index.get("checksum")),
+            )
+            if self.registry.active:
+                with self.registry.lease() as index:
+                    problem = override.problem(index.manifest, index.name)
+                    if index.dense and problem is not None:
+                        raise PairingError(
+                            f"checkpoint {manifest.version} (trained against index "
+                            f"{trained or '?'!r}, base query encoder "
+                            f"{manifest.base_query_encoder!r}) refused while index "
+                            f"{index.name!r} is active: {problem}. Swap to an index it pairs "
+                            f"with first; the current query encoder keeps serving"
+                        )
+        self.override, self.encoder_version = override, manifest.version
         self.announce_model()
         log.info("query encoder from checkpoint %s", manifest.version)
+
+    def _trained_on(self, name: str, checksum: str | None):
+        """The manifest of the index a checkpoint was trained against, when it is here."""
+        if not name or name not in self.registry.available():
+            return None
+        try:
+            m = self.registry.manifest(name)
+        except Exception as exc:  # noqa: BLE001 - lineage then comes from the base encoder only
+            log.warning("training index %s: unreadable manifest: %s", name, exc)
+            return None
+        if checksum and m.checksum != checksum:
+            log.warning(
+                "index %s changed since the checkpoint was trained on it (checksum %s != %s)",
+                name,
+                m.checksum[:12],
+                checksum[:12],
+            )
+        return m
 
     def announce_model(self) -> None:
         if self.metrics is not None:
