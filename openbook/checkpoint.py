@@ -2,7 +2,8 @@
 
 Layout of one checkpoint (``<root>/step-000120/``)::
 
-    generator/        Hugging Face model + tokenizer (safetensors), loadable by RagGenerator.load
+    generator/        Hugging Face model + tokenizer (safetensors), loadable by RagGenerator.load,
+                      + openbook_seq2seq.json / question_encoder_tokenizer/ or openbook_prompt.json
     query_encoder/    Encoder.save output (safetensors + openbook_encoder.json), if trained
     trainer_state.pt  optimizer / scheduler / RNG state for ``--resume`` (optional)
     manifest.json     written last: what this is, and the sha256 of every other file
@@ -190,9 +191,13 @@ def write_checkpoint(
     """Write ``root/step-XXXXXX`` atomically, point ``root/latest`` at it, return its path.
 
     ``generator`` is anything with ``save(dir)``, an object with ``.model`` and ``.tokenizer``
-    (a RagGenerator backend), or a ``(model, tokenizer)`` pair. Files the HF ``save_pretrained``
-    does not write but the loader reads (``openbook_*.json`` such as the causal-LM prompt) are
-    copied from ``generator_source``, the directory the generator was loaded from.
+    (a RagGenerator backend), or a ``(model, tokenizer)`` pair. What the HF ``save_pretrained``
+    does not write but the loader needs to rebuild the same backend is written from the running
+    backend: a seq2seq backend's input format (``openbook_seq2seq.json``: a RAG checkpoint's
+    prefix, title_sep, doc_sep, max_combined_length, n_docs) and question-encoder tokenizer
+    (``question_encoder_tokenizer/``), a causal LM's ``openbook_prompt.json``. Other
+    ``openbook_*.json`` files are copied from ``generator_source``, the directory the generator
+    was loaded from, where it still exists. All of them are checksummed in the manifest.
     ``query_encoder`` is an :class:`openbook.index.Encoder` or None when it was not trained
     (the serving retriever then keeps the index's own query encoder).
     ``keep_last`` deletes all but the newest N checkpoints after ``latest`` moved.
@@ -278,10 +283,47 @@ def _save_generator(generator: Any, out: Path, source: Path | None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        _save_backend_settings(generator, backend, out)
     if source is not None:
         for extra in Path(source).glob("openbook_*.json"):
             if extra.name != GENERATOR_VERSION_FILE and not (out / extra.name).exists():
                 shutil.copy2(extra, out / extra.name)
+
+
+def _save_backend_settings(generator: Any, backend: Any, out: Path) -> None:
+    """Write what the loader needs besides model + tokenizer to rebuild ``backend`` as it runs.
+
+    Taken from the running backend, never from its source directory (which need not exist where
+    the trainer runs): a seq2seq backend's input format (``openbook_seq2seq.json``) and its
+    question-encoder tokenizer (a RAG checkpoint's, saved with ``save_pretrained``); a causal
+    LM's prompt (``openbook_prompt.json``).
+    """
+    from openbook.rag.loading import RAG_QUESTION_TOKENIZER_DIR
+    from openbook.rag.prompting import PROMPT_FILE, SEQ2SEQ_FILE, PromptSpec
+
+    spec = getattr(backend, "spec", None)
+    if isinstance(spec, PromptSpec):
+        (out / PROMPT_FILE).write_text(
+            json.dumps(dataclasses.asdict(spec), indent=2) + "\n", encoding="utf-8"
+        )
+        return
+    if not all(hasattr(backend, a) for a in ("title_sep", "doc_sep", "max_combined_length")):
+        return
+    settings: dict[str, Any] = {
+        "prefix": getattr(backend, "prefix", None),
+        "title_sep": backend.title_sep,
+        "doc_sep": backend.doc_sep,
+        "max_combined_length": int(backend.max_combined_length),
+        "question_tokenizer": None,
+    }
+    n_docs = getattr(generator, "default_k", None) or getattr(backend, "n_docs", None)
+    if isinstance(n_docs, int) and not isinstance(n_docs, bool) and n_docs > 0:
+        settings["n_docs"] = n_docs
+    question_tokenizer = getattr(backend, "question_tokenizer", None)
+    if question_tokenizer is not None:
+        question_tokenizer.save_pretrained(out / RAG_QUESTION_TOKENIZER_DIR)
+        settings["question_tokenizer"] = RAG_QUESTION_TOKENIZER_DIR
+    (out / SEQ2SEQ_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
 def _point_latest(root: Path, name: str) -> None:

@@ -130,11 +130,14 @@ class Backends:
 
 @contextmanager
 def running_backends(
-    workdir: Path, redis_url: str, admin_token: str | None = BACKENDS_ADMIN_TOKEN
+    workdir: Path,
+    redis_url: str,
+    admin_token: str | None = BACKENDS_ADMIN_TOKEN,
+    generator_model: Path | None = None,
 ) -> Iterator[Backends]:
     """The real retriever (``facts-a`` active, ``facts-b`` loadable) and generator (a tiny
-    random BART) built as their servers build them, on free loopback ports. Their admin RPCs
-    need ``admin_token`` (None: admin off)."""
+    random BART, or ``generator_model``) built as their servers build them, on free loopback
+    ports. Their admin RPCs need ``admin_token`` (None: admin off)."""
     from openbook.config import Settings
     from openbook.rag.testing import make_tiny_bart
     from openbook_generator.server import build as build_generator
@@ -149,7 +152,7 @@ def running_backends(
         index_root=workdir / "indexes",
         default_index="facts-a",
         redis_url=redis_url,
-        generator_model=make_tiny_bart(workdir / "models" / "tiny-bart"),
+        generator_model=generator_model or make_tiny_bart(workdir / "models" / "tiny-bart"),
         checkpoint_dir=workdir / "checkpoints",  # empty: never a trained checkpoint of the repo
         admin_token=admin_token,
     )

@@ -54,9 +54,12 @@ class RagGenerator:
         *,
         model_version: str,
         generation: dict[str, Any] | None = None,
+        default_k: int = 0,
     ) -> None:
         self.backend = backend
         self.model_version = model_version
+        # Passages to retrieve when a request names none (a RAG checkpoint's n_docs); 0: none
+        self.default_k = default_k
         self.model_type = backend.kind
         self.device = str(backend.device)
         self.dtype = dtype_name(next(backend.model.parameters()).dtype)
@@ -74,7 +77,12 @@ class RagGenerator:
         file.
         """
         loaded = load(path, device, dtype)
-        return cls(loaded.backend, model_version=loaded.version, generation=loaded.generation)
+        return cls(
+            loaded.backend,
+            model_version=loaded.version,
+            generation=loaded.generation,
+            default_k=loaded.default_k,
+        )
 
     @property
     def model(self) -> torch.nn.Module:

@@ -32,7 +32,7 @@ from transformers import (
 
 from openbook.rag.errors import ModelLoadError
 from openbook.rag.models import CausalBackend, GeneratorBackend, Seq2SeqBackend
-from openbook.rag.prompting import PROMPT_FILE, PromptSpec
+from openbook.rag.prompting import PROMPT_FILE, SEQ2SEQ_FILE, PromptSpec, load_seq2seq_settings
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
@@ -58,6 +58,8 @@ class Loaded:
     model_type: str
     version: str
     generation: dict[str, Any]  # decoding defaults from the model's generation config
+    # Passages to retrieve when a request names none: a RAG checkpoint's n_docs; 0: no preference
+    default_k: int = 0
 
 
 def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
@@ -108,7 +110,20 @@ def load(path: str | Path, device: str | None, dtype: str | None) -> Loaded:
             f"used as a causal LM generator and needs a prompt file"
         )
     backend.model.eval()
-    return Loaded(backend, backend.kind, model_version(root), gen)
+    default_k = rag_n_docs(config) or _saved_n_docs(root)
+    return Loaded(backend, backend.kind, model_version(root), gen, default_k)
+
+
+MAX_DEFAULT_K = 100  # the most passages a request may ask for
+
+
+def rag_n_docs(config: dict) -> int:
+    """A RAG checkpoint's ``n_docs`` (the passages it marginalises over, at most 100); 0 for
+    any other model, or an ``n_docs`` that is not a positive integer (no preference)."""
+    n_docs = config.get("n_docs") if config.get("model_type") == "rag" else None
+    if isinstance(n_docs, bool) or not isinstance(n_docs, int) or n_docs < 1:
+        return 0
+    return min(n_docs, MAX_DEFAULT_K)
 
 
 def model_version(root: Path) -> str:
@@ -211,8 +226,27 @@ def _load_seq2seq(root: Path, device: str, dtype: torch.dtype) -> tuple[Generato
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load seq2seq model from {root}: {e}") from e
     model.to(device)
-    backend = Seq2SeqBackend(model, tokenizer, prefix=getattr(model.config, "prefix", None))
+    # Saved from a running backend (a checkpoint of a RAG generator): rebuild it as it was.
+    settings = load_seq2seq_settings(root / SEQ2SEQ_FILE) if (root / SEQ2SEQ_FILE).exists() else {}
+    q_dir = settings.get("question_tokenizer")
+    backend = Seq2SeqBackend(
+        model,
+        tokenizer,
+        prefix=settings.get("prefix", getattr(model.config, "prefix", None)),
+        title_sep=settings.get("title_sep", " / "),
+        doc_sep=settings.get("doc_sep", " // "),
+        max_combined_length=settings.get("max_combined_length", 300),
+        question_tokenizer=_load_tokenizer(root / q_dir) if q_dir else None,
+    )
     return backend, _seq2seq_generation(model.generation_config)
+
+
+def _saved_n_docs(root: Path) -> int:
+    """``n_docs`` of a RAG generator saved from its running backend (``openbook_seq2seq.json``,
+    see :func:`_load_seq2seq`), at most 100; 0 when there is none."""
+    if not (root / SEQ2SEQ_FILE).exists():
+        return 0
+    return min(load_seq2seq_settings(root / SEQ2SEQ_FILE).get("n_docs", 0), MAX_DEFAULT_K)
 
 
 def _load_rag(

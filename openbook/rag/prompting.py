@@ -11,6 +11,11 @@ from openbook.rag.errors import ModelLoadError
 TITLE_SEP = " / "
 DOC_SEP = " // "
 PROMPT_FILE = "openbook_prompt.json"
+# Written next to a seq2seq generator saved from a running backend (openbook.checkpoint): how the
+# backend builds its input (a RAG checkpoint keeps these in its RAG config, which a plain BART save
+# drops) and the directory of the question-encoder tokenizer whose decoding the generator reads.
+SEQ2SEQ_FILE = "openbook_seq2seq.json"
+_SEQ2SEQ_STR = ("title_sep", "doc_sep")
 
 
 def seq2seq_input(
@@ -80,3 +85,39 @@ class PromptSpec:
                 f"{{title}}, {{text}} and {{question}} ({e!r})"
             ) from e
         return spec
+
+
+def load_seq2seq_settings(path: Path) -> dict:
+    """Validated contents of an ``openbook_seq2seq.json``: any of ``prefix`` (str or None),
+    ``title_sep``, ``doc_sep`` (str), ``max_combined_length``, ``n_docs`` (positive int) and
+    ``question_tokenizer`` (a sub-directory name or None)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"corrupt file {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"corrupt file {path}: expected a JSON object")
+    out: dict = {}
+    if "prefix" in raw:
+        if raw["prefix"] is not None and not isinstance(raw["prefix"], str):
+            raise ModelLoadError(f"corrupt file {path}: 'prefix' must be a string or null")
+        out["prefix"] = raw["prefix"]
+    for name in _SEQ2SEQ_STR:
+        if name in raw:
+            if not isinstance(raw[name], str):
+                raise ModelLoadError(f"corrupt file {path}: {name!r} must be a string")
+            out[name] = raw[name]
+    for name in ("max_combined_length", "n_docs"):
+        if raw.get(name) is not None:
+            v = raw[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelLoadError(f"corrupt file {path}: {name!r} must be a positive integer")
+            out[name] = v
+    q = raw.get("question_tokenizer")
+    if q is not None:
+        if not isinstance(q, str) or q in ("", ".", "..") or Path(q).name != q:
+            raise ModelLoadError(
+                f"corrupt file {path}: 'question_tokenizer' must name a sub-directory"
+            )
+        out["question_tokenizer"] = q
+    return out

@@ -8,6 +8,7 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
+import openbook_gateway.app as gateway_app
 from openbook.testing import Backends, free_port, running_backends
 from openbook_gateway.app import create_app
 
@@ -122,7 +123,13 @@ def test_unknown_index_is_422_naming_it(client):
     assert "index" in reply.json()["detail"]
 
 
-def test_readiness_reports_both_services(client):
+def test_readiness_reports_both_services(client, monkeypatch):
+    # No replica state in Redis (these backends' replicas publish theirs every 0.5 s): the
+    # body is exactly what it always was.
+    async def no_replicas(redis_client) -> list[dict]:
+        return []
+
+    monkeypatch.setattr(gateway_app, "list_replicas", no_replicas)
     reply = client.get("/readyz")
     assert reply.status_code == 200
     assert reply.json() == {
@@ -131,6 +138,30 @@ def test_readiness_reports_both_services(client):
         "redis": True,
     }
     assert client.get("/healthz").status_code == 200
+
+
+def test_readiness_lists_each_replica_and_the_version_it_serves(client, backends):
+    # The backends' replicas publish their state in Redis (every 0.5 s, after a flush too).
+    deadline = time.monotonic() + 10
+    while True:
+        body = client.get("/readyz").json()
+        if {r["service"] for r in body.get("replicas", [])} == {"retriever", "generator"}:
+            break
+        assert time.monotonic() < deadline, body
+        time.sleep(0.1)
+    assert {key: body[key] for key in ("ready", "services", "redis")} == {
+        "ready": True,
+        "services": {"retriever": True, "generator": True},
+        "redis": True,
+    }
+    assert set(body) == {"ready", "services", "redis", "replicas"}
+    assert len(body["replicas"]) == 2
+    generator = backends.generator_servicer.generator.model_version
+    for replica in body["replicas"]:
+        assert set(replica) == {"service", "replica", "version", "state"}
+        assert replica["replica"] and replica["version"]
+        assert replica["state"] == "converged"
+    assert [r["version"] for r in body["replicas"] if r["service"] == "generator"] == [generator]
 
 
 def test_service_down_is_503_naming_it_within_the_deadline(backends, redis_url):

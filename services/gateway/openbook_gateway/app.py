@@ -32,6 +32,7 @@ from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.replicas import desired_model, list_replicas, outcome, reload_everywhere
 from openbook_gateway.retrieval import Retrieval
 from openbook_gateway.schemas import (
+    DEFAULT_K,
     AnswerRequest,
     AnswerResponse,
     HypothesisOut,
@@ -61,6 +62,50 @@ ANSWER_PARAMS = (
     "num_return_sequences",
     "length_penalty",
 )
+
+
+# Generator model versions whose default k the gateway remembers (a reload adds one).
+MAX_REMEMBERED_DEFAULTS = 16
+
+
+class DefaultK:
+    """The number of passages for a request that names none: the served generator's
+    ``default_k`` (a RAG checkpoint's n_docs), else :data:`DEFAULT_K`.
+
+    Read from the generator's Info RPC and remembered per generator model version; asked
+    again when an answer comes from a version not seen before (a reload).
+    """
+
+    def __init__(self, generator: GeneratorClient, timeout_s: float) -> None:
+        self.generator = generator
+        self.timeout_s = timeout_s
+        self.by_version: dict[str, int] = {}
+        self.version: str | None = None  # the version the latest Info or answer came from
+
+    async def get(self, request_id: str = "") -> int:
+        if self.version is None or self.version not in self.by_version:
+            try:
+                info = await self.generator.call(
+                    self.generator.stub.Info,
+                    generator_pb2.InfoRequest(),
+                    request_id,
+                    timeout_s=self.timeout_s,
+                )
+            except HTTPException as exc:  # the answer's own call reports the generator's state
+                log.warning("generator info unavailable, default k unknown: %s", exc.detail)
+                return self.by_version.get(self.version or "", DEFAULT_K)
+            self.remember(info.model_version, info.default_k or DEFAULT_K)
+        return self.by_version[self.version]
+
+    def remember(self, version: str, k: int) -> None:
+        if len(self.by_version) >= MAX_REMEMBERED_DEFAULTS and version not in self.by_version:
+            self.by_version.clear()
+        self.by_version[version] = k
+        self.version = version
+
+    def seen(self, version: str) -> None:
+        """An answer came from ``version``: a version not seen before is asked about next time."""
+        self.version = version
 
 
 # How much of a body over the limit the gateway reads and throws away before answering 413.
@@ -337,6 +382,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.last_index = None
         app.state.last_versions = {}
+        app.state.default_k = DefaultK(app.state.generator, settings.health_timeout_s)
         yield
         await app.state.retrieval.close()
         await app.state.generator.close()
@@ -388,6 +434,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body = {"ready": ready, "services": services, "redis": redis_ok}
         if len(shards) > 1:  # sharded: which shard is down
             body["retriever_shards"] = shards
+        if redis_ok:
+            try:
+                listed = await list_replicas(state.cache.client)
+            except (RedisError, OSError):
+                listed = []
+            if listed:  # the replicas that follow shared reloads, and the version each serves
+                body["replicas"] = [
+                    {key: r.get(key, "") for key in ("service", "replica", "version", "state")}
+                    for r in listed
+                ]
         return body
 
     @app.get("/metrics")
@@ -398,7 +454,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def answer(body: AnswerRequest, request: Request) -> dict:
         state = request.app.state
         request_id = request.state.request_id
-        params = body.model_dump(include=set(ANSWER_PARAMS))
+        # Resolved before the cache key is built: a request without k and one naming the
+        # model's default share the key.
+        k = body.k if body.k is not None else await state.default_k.get(request_id)
+        params = {**body.model_dump(include=set(ANSWER_PARAMS)), "k": k}
         timings: dict[str, float] = {}
         started = time.perf_counter()
 
@@ -426,7 +485,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics.cache.labels("skipped").inc()
 
         t = time.perf_counter()
-        retrieved = await state.retrieval.retrieve(body.question, body.k, body.index, request_id)
+        retrieved = await state.retrieval.retrieve(body.question, k, body.index, request_id)
         timings["retrieve_ms"] = _ms(t)
         metrics.stage_seconds.labels("retrieve").observe(timings["retrieve_ms"] / 1000)
         passages = list(retrieved.results[0].passages)
@@ -464,6 +523,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "retriever": retrieved.model_version,
         }
         state.last_versions = used_versions
+        state.default_k.seen(generated.model_version)
         serving.clear()
         for service, version in used_versions.items():
             serving.labels(service, version).set(1)

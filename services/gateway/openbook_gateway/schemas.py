@@ -13,6 +13,9 @@ Decoding = Literal["rag-token", "rag-sequence-thorough", "rag-sequence-fast"]
 # the field before any service is called.
 MAX_QUESTION_CHARS = 2000
 INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# Passages per answer when neither the request nor the served generator names a number (a RAG
+# checkpoint's config n_docs is the generator's own default).
+DEFAULT_K = 5
 
 # Every request body is strict: "5" and true are not numbers and "yes" is not a boolean, so a
 # client's mistake is a 422 naming the field rather than a silent guess. An int is still a
@@ -56,7 +59,13 @@ class AnswerRequest(BaseModel):
         description="visible text; tab, newline and carriage return are the only control "
         "characters allowed",
     )
-    k: int = Field(5, ge=1, le=100, description="number of passages to retrieve and marginalise")
+    k: int | None = Field(
+        None,
+        ge=1,
+        le=100,
+        description="number of passages to retrieve and marginalise; default: the model's "
+        f"n_docs ({DEFAULT_K})",
+    )
     decoding: Decoding = "rag-token"
     num_beams: int = Field(1, ge=1, le=16, description="1 = greedy")
     max_new_tokens: int = Field(32, ge=1, le=512)

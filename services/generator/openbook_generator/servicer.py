@@ -91,7 +91,11 @@ def result_to_proto(result: GenerationResult, model_version: str) -> generator_p
 
 def _model_info(g: RagGenerator) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
-        model_version=g.model_version, model_type=g.model_type, device=g.device, dtype=g.dtype
+        model_version=g.model_version,
+        model_type=g.model_type,
+        device=g.device,
+        dtype=g.dtype,
+        default_k=getattr(g, "default_k", 0),
     )
 
 

@@ -106,8 +106,9 @@
   const formError = $("form-error");
   const result = $("result");
 
-  function intField(id) {
+  function intField(id, optional = false) {
     const input = $(id);
+    if (optional && input.value.trim() === "") return undefined; // the server's default
     const value = Number(input.value);
     if (!Number.isInteger(value) || value < Number(input.min) || value > Number(input.max)) {
       const label = document.querySelector(`label[for="${id}"]`).textContent;
@@ -130,7 +131,7 @@
       body = {
         question: text,
         decoding: $("decoding").value,
-        k: intField("k"),
+        k: intField("k", true), // empty: the model's n_docs (5 without one)
         num_beams: intField("num-beams"),
         max_new_tokens: intField("max-new-tokens"),
         use_cache: $("use-cache").checked,
