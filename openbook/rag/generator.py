@@ -15,7 +15,13 @@ from openbook.rag.errors import Abandoned, InvalidRequest
 from openbook.rag.loading import dtype_name, load
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
 from openbook.rag.marginalize import doc_log_prior
-from openbook.rag.memory import MemoryModel, RequestShape, memory_model, request_shape
+from openbook.rag.memory import (
+    MemoryModel,
+    RequestShape,
+    measuring_twin,
+    memory_model,
+    request_shape,
+)
 from openbook.rag.models import CausalBackend, GeneratorBackend
 from openbook.rag.options import DecodingOptions, GenerationResult
 from openbook.types import Passage
@@ -65,6 +71,10 @@ class RagGenerator:
         self.dtype = dtype_name(next(backend.model.parameters()).dtype)
         self.generation = dict(generation or {})
         self.memory: MemoryModel = memory_model(backend)
+        # Requests are measured in other threads than the one decoding: with their own
+        # tokenizers (tokenizers are not thread-safe), one measurement at a time.
+        self._measuring = measuring_twin(backend)
+        self._measuring_lock = threading.Lock()
         self._lock = threading.Lock()
 
     @classmethod
@@ -103,7 +113,8 @@ class RagGenerator:
         self, question: str, passages: Sequence[Passage], options: DecodingOptions
     ) -> RequestShape:
         """Rows and lengths of a request (tokenises its passages), for :attr:`memory`."""
-        return request_shape(self.backend, question, passages, options)
+        with self._measuring_lock:
+            return request_shape(self._measuring, question, passages, options)
 
     def generate(
         self, question: str, passages: Sequence[Passage], options: DecodingOptions

@@ -102,6 +102,11 @@ def load(path: str | Path, device: str | None, dtype: str | None) -> Loaded:
         backend, gen = _load_rag(root, config, dev, torch_dtype)
     elif config.get("is_encoder_decoder") or model_type in ("bart", "mbart", "t5"):
         backend, gen = _load_seq2seq(root, dev, torch_dtype)
+    elif not _is_causal_lm(model_type):
+        raise ModelLoadError(
+            f"{root / 'config.json'}: model_type {model_type!r} is not a generator: expected a "
+            "BART-style encoder-decoder, a RAG checkpoint or a causal LM"
+        )
     elif (root / PROMPT_FILE).exists():
         backend, gen = _load_causal(root, dev, torch_dtype)
     else:
@@ -239,6 +244,13 @@ def _load_seq2seq(root: Path, device: str, dtype: torch.dtype) -> tuple[Generato
         question_tokenizer=_load_tokenizer(root / q_dir) if q_dir else None,
     )
     return backend, _seq2seq_generation(model.generation_config)
+
+
+def _is_causal_lm(model_type: object) -> bool:
+    """Whether transformers has a causal-LM head for ``model_type`` (Gemma, Llama, GPT-2, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return isinstance(model_type, str) and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _saved_n_docs(root: Path) -> int:

@@ -24,6 +24,7 @@ Numbers for the default model are in docs/benchmarks.md; ``bench/load --real`` m
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,13 +140,32 @@ def memory_model(backend: GeneratorBackend) -> MemoryModel:
     )
 
 
+def measuring_twin(backend: GeneratorBackend) -> GeneratorBackend:
+    """A copy of ``backend`` that shares its model but owns copies of its tokenizers.
+
+    Requests are measured (:func:`request_shape`) in the service's request threads while a batch
+    tokenises in the batch thread, and a Hugging Face fast tokenizer is not thread-safe: every
+    call sets the shared Rust tokenizer's padding and truncation, so a measurement running
+    beside a batch's padded call could leave the batch's tensors unpadded. The twin's tokenizers
+    are its own; use it from one thread at a time (one twin per generator, under a lock).
+    """
+    twin = copy.copy(backend)
+    twin.tokenizer = copy.deepcopy(backend.tokenizer)
+    question_tokenizer = getattr(backend, "question_tokenizer", None)
+    if question_tokenizer is not None:
+        twin.question_tokenizer = copy.deepcopy(question_tokenizer)
+    return twin
+
+
 def request_shape(
     backend: GeneratorBackend,
     question: str,
     passages: Sequence[Passage],
     options: DecodingOptions,
 ) -> RequestShape:
-    """Tokenise the request's passage inputs (nothing else) to get its :class:`RequestShape`."""
+    """Tokenise the request's passage inputs (nothing else) to get its :class:`RequestShape`.
+
+    ``backend`` is a :func:`measuring_twin` when this runs beside decoding in another thread."""
     if isinstance(backend, CausalBackend):
         lengths = [len(backend.prompt_ids(question, p)) for p in passages]
     else:

@@ -157,3 +157,16 @@ def test_causal_prompt_file(dirs, tmp_path):
     _expect(d, "openbook_prompt.json")
     (d / "openbook_prompt.json").unlink()
     _expect(d, "missing file .*openbook_prompt.json")
+
+
+@pytest.mark.parametrize("model_type", ["dpr", "clip", None])
+def test_a_directory_that_is_no_generator_is_refused_naming_its_type(tmp_path, model_type):
+    """Not BART, not RAG, not a causal LM (a DPR encoder, say): a clear error, not a request for
+    a prompt file or transformers' list of AutoModel classes."""
+    d = tmp_path / "encoder"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (d / "openbook_prompt.json").write_text(json.dumps({"prefix": "Q:"}))
+    with pytest.raises(ModelLoadError, match="is not a generator") as err:
+        RagGenerator.load(d)
+    assert "config.json" in str(err.value) and repr(model_type) in str(err.value)

@@ -65,3 +65,44 @@ def test_request_shape_reads_the_longest_prompt(dirs, load):
     shape = gen.request_shape(QUESTION, passages, DecodingOptions(num_beams=2, max_new_tokens=7))
     lengths = [len(gen.backend.prompt_ids(QUESTION, p)) for p in passages]
     assert shape == RequestShape(3, 2, max(lengths), 7)
+
+
+def test_requests_are_measured_with_tokenizers_of_their_own(dirs, load):
+    """Measuring runs in request threads beside decoding; a fast tokenizer carries its padding
+    and truncation settings as shared state, so the measuring twin must not share it."""
+    for gen in (load(dirs.bart()), load(dirs.causal("gemma3"))):
+        twin = gen._measuring
+        assert twin.tokenizer is not gen.backend.tokenizer
+        assert twin.tokenizer._tokenizer is not gen.backend.tokenizer._tokenizer
+        assert twin.model is gen.backend.model  # no second copy of the weights
+
+
+def test_measuring_beside_batched_decoding_never_breaks_its_padding(dirs, load):
+    import threading
+
+    gen = load(dirs.bart())
+    passages = make_passages(4)
+    for i, p in enumerate(passages):
+        p.text = p.text + " Paris" * (5 * i)  # uneven inputs: the batch must pad them
+    options = DecodingOptions(max_new_tokens=3)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def measure() -> None:
+        while not stop.is_set():
+            try:
+                gen.request_shape(QUESTION, passages[:1], options)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=measure) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(20):
+            gen.generate_batch([(QUESTION, passages, options), (QUESTION, passages[:2], options)])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
