@@ -3,7 +3,7 @@ VENV ?= .venv
 
 .PHONY: install up test lint bench
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard proto/openbook/v1/*.proto)
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt $(wildcard proto/openbook/v1/*.proto)
 	scripts/install.sh
 
 install: $(VENV)/.installed

@@ -22,7 +22,7 @@ if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
 fi
 
 if [ -x "$VENV/bin/python" ]; then
-  "$VENV/bin/python" -m pip install -q "selenium>=4.20"
+  "$VENV/bin/python" -m pip install -q -c constraints.txt "selenium>=4.20"
 else
   echo "install-browser: no $VENV yet: run scripts/install.sh first" >&2
   exit 1

@@ -26,6 +26,7 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
   "$VENV/bin/python" -m pip install -q torch==2.13.0
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+# Every other package at the exact version constraints.txt pins (scripts/update-constraints.sh).
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test]"
 touch "$VENV/.installed"
 echo "openbook installed in $VENV"
