@@ -96,14 +96,7 @@ def build_index(
     out_dir = Path(out_dir)
     inputs = [Path(p) for p in inputs]
     _check_args(inputs, out_dir, name, index_type, input_format, batch_size, shard_size, overwrite)
-    if hnsw_transform not in faiss_index.HNSW_TRANSFORMS:
-        raise ValueError(
-            f"unknown hnsw_transform {hnsw_transform!r}; expected {faiss_index.HNSW_TRANSFORMS}"
-        )
-    if rerank < 0:
-        raise ValueError(f"rerank must be >= 0, got {rerank}")
-    if score_scale is not None and (problem := score_scale_problem(float(score_scale))):
-        raise ValueError(problem)
+    _check_index_options(hnsw_transform, rerank, score_scale)
     dense = index_type != "bm25"
 
     doc_enc: Encoder | None = None
@@ -312,6 +305,18 @@ def _check_args(
             raise ValueError(f"{p}: no such file")
     if out_dir.exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
+
+
+def _check_index_options(hnsw_transform: str, rerank: int, score_scale: float | None) -> None:
+    """The faiss-stage options every build checks (``score_scale`` None: the default)."""
+    if hnsw_transform not in faiss_index.HNSW_TRANSFORMS:
+        raise ValueError(
+            f"unknown hnsw_transform {hnsw_transform!r}; expected {faiss_index.HNSW_TRANSFORMS}"
+        )
+    if rerank < 0:
+        raise ValueError(f"rerank must be >= 0, got {rerank}")
+    if score_scale is not None and (problem := score_scale_problem(float(score_scale))):
+        raise ValueError(problem)
 
 
 def _fingerprint(

@@ -34,6 +34,7 @@ from openbook.index.build import (
     _build_lock,
     _build_locked,
     _check_args,
+    _check_index_options,
 )
 from openbook.index.embedding_files import (
     EMBEDDING_FORMATS,
@@ -43,7 +44,7 @@ from openbook.index.embedding_files import (
     iter_table_passages,
     natural_order,
 )
-from openbook.index.manifest import Manifest, score_scale_problem
+from openbook.index.manifest import Manifest
 from openbook.index.store import PassageStore
 
 PASSAGES_FORMAT = "dpr-tsv"
@@ -102,14 +103,7 @@ def import_embeddings(
         raise ValueError(
             f"unknown embeddings format {embeddings_format!r}; expected {EMBEDDING_FORMATS}"
         )
-    if hnsw_transform not in faiss_index.HNSW_TRANSFORMS:
-        raise ValueError(
-            f"unknown hnsw_transform {hnsw_transform!r}; expected {faiss_index.HNSW_TRANSFORMS}"
-        )
-    if rerank < 0:
-        raise ValueError(f"rerank must be >= 0, got {rerank}")
-    if problem := score_scale_problem(float(score_scale)):
-        raise ValueError(problem)
+    _check_index_options(hnsw_transform, rerank, score_scale)
     if not doc_encoder or not query_encoder:
         raise ValueError("name the document and the query encoder the vectors belong to")
 
