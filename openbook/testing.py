@@ -112,6 +112,7 @@ class Backends:
     generator_port: int
     generator_servicer: Any  # openbook_generator.servicer.GeneratorServicer
     admin_token: str | None = BACKENDS_ADMIN_TOKEN
+    retriever_metrics: Any = None  # openbook.serving.metrics.ServiceMetrics
 
     def gateway_settings(self, redis_url: str, **overrides: Any):
         """Gateway settings that point at these backends (with their admin token)."""
@@ -140,8 +141,6 @@ def running_backends(
     ports. Their admin RPCs need ``admin_token`` (None: admin off)."""
     from openbook.config import Settings
     from openbook.rag.testing import make_tiny_bart
-    from openbook_generator.server import build as build_generator
-    from openbook_retriever.server import build as build_retriever
 
     build_fact_indexes(workdir / "indexes")
     settings = Settings(
@@ -156,19 +155,34 @@ def running_backends(
         checkpoint_dir=workdir / "checkpoints",  # empty: never a trained checkpoint of the repo
         admin_token=admin_token,
     )
+    with backends_serving(settings) as backends:
+        yield backends
+
+
+@contextmanager
+def backends_serving(settings: Any) -> Iterator[Backends]:
+    """The real retriever and generator built from ``settings`` as their servers build them
+    and started (port 0: a free one); on exit stopped, and a reload they were told about
+    forgotten in Redis (see :func:`_forget_desired_model`)."""
+    from openbook_generator.server import build as build_generator
+    from openbook_retriever.server import build as build_retriever
+
     retriever, _, stop_following = build_retriever(settings)
     generator, generator_servicer = build_generator(settings)
     for service in (retriever, generator):
         service.set_serving(True)
         service.start()
+    token = settings.admin_token.get_secret_value() if settings.admin_token else None
     try:
-        yield Backends(retriever.port, generator.port, generator_servicer, admin_token)
+        yield Backends(
+            retriever.port, generator.port, generator_servicer, token, retriever.metrics
+        )
     finally:
         stop_following.set()
         retriever.stop(0)
         generator.stop(0)
         generator_servicer.close()
-        _forget_desired_model(redis_url)
+        _forget_desired_model(settings.redis_url)
 
 
 def _forget_desired_model(redis_url: str) -> None:

@@ -22,11 +22,10 @@ from prometheus_client import generate_latest
 from openbook.config import Settings
 from openbook.index.shard import split_index
 from openbook.rag.testing import make_tiny_bart
-from openbook.testing import build_fact_indexes
+from openbook.testing import backends_serving, build_fact_indexes
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import Retrieval
-from openbook_generator.server import build as build_generator
 from openbook_retriever.server import build as build_retriever
 
 TOKEN = "identity-token"
@@ -74,29 +73,14 @@ def system(tmp_path_factory, redis_server):
             "generator_model": make_tiny_bart(tmp / "bart"),
         }
     )
-    retriever, _, stop = build_retriever(settings)
-    generator, generator_servicer = build_generator(settings)
-    for service in (retriever, generator):
-        service.set_serving(True)
-        service.start()
-    gateway = Settings(
-        retriever_addr=f"127.0.0.1:{retriever.port}",
-        generator_addr=f"127.0.0.1:{generator.port}",
-        redis_url=redis_server.url,
-        admin_token=TOKEN,
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{retriever.port}")
-    try:
-        with TestClient(create_app(gateway)) as client:
-            yield System(
-                client, retriever_pb2_grpc.RetrieverStub(channel), retriever.metrics, indexes
-            )
-    finally:
-        channel.close()
-        stop.set()
-        retriever.stop(0)
-        generator.stop(0)
-        generator_servicer.close()
+    with (
+        backends_serving(settings) as backends,
+        TestClient(create_app(backends.gateway_settings(redis_server.url))) as client,
+        grpc.insecure_channel(f"127.0.0.1:{backends.retriever_port}") as channel,
+    ):
+        yield System(
+            client, retriever_pb2_grpc.RetrieverStub(channel), backends.retriever_metrics, indexes
+        )
 
 
 @pytest.fixture

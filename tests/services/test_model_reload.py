@@ -11,11 +11,8 @@ from fastapi.testclient import TestClient
 
 from openbook.config import Settings
 from openbook.rag.testing import make_tiny_bart
-from openbook.shared_state import DESIRED_MODEL_KEY
-from openbook.testing import build_fact_indexes
+from openbook.testing import backends_serving, build_fact_indexes
 from openbook_gateway.app import create_app
-from openbook_generator.server import build as build_generator
-from openbook_retriever.server import build as build_retriever
 
 TOKEN = "reload-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,24 +35,11 @@ def system(tmp_path_factory, redis_server):
         checkpoint_dir=tmp / "checkpoints",
         admin_token=TOKEN,  # the gateway forwards its token on ReloadModel
     )
-    retriever, _, stop = build_retriever(settings)
-    generator, generator_servicer = build_generator(settings)
-    for service in (retriever, generator):
-        service.set_serving(True)
-        service.start()
-    gateway = Settings(
-        retriever_addr=f"127.0.0.1:{retriever.port}",
-        generator_addr=f"127.0.0.1:{generator.port}",
-        redis_url=redis_server.url,
-        admin_token=TOKEN,
-    )
-    with TestClient(create_app(gateway)) as client:
+    with (
+        backends_serving(settings) as backends,
+        TestClient(create_app(backends.gateway_settings(redis_server.url))) as client,
+    ):
         yield client, tmp, bart
-    stop.set()
-    retriever.stop(0)
-    generator.stop(0)
-    generator_servicer.close()
-    redis_server.client().delete(DESIRED_MODEL_KEY)  # later modules' replicas would follow it
 
 
 def test_reload_under_load_switches_versions_without_failing_requests(system):

@@ -22,14 +22,11 @@ from openbook.config import Settings
 from openbook.errors import status_for
 from openbook.rag import RagGenerator
 from openbook.rag.testing import make_tiny_bart
-from openbook.shared_state import DESIRED_MODEL_KEY
-from openbook.testing import build_fact_indexes
+from openbook.testing import backends_serving, build_fact_indexes
 from openbook.v1 import common_pb2
 from openbook_gateway.app import create_app
-from openbook_generator.server import build as build_generator
 from openbook_generator.servicer import GeneratorServicer
 from openbook_retriever.registry import IndexRegistry
-from openbook_retriever.server import build as build_retriever
 from openbook_retriever.servicer import RetrieverServicer
 
 TOKEN = "confinement-token"
@@ -160,34 +157,17 @@ def test_gateway_answers_422_without_revealing_the_outside(layout, redis_server)
         load_latest_checkpoint=False,
         admin_token=TOKEN,
     )
-    retriever, _, stop = build_retriever(settings)
-    generator, generator_servicer = build_generator(settings)
-    for service in (retriever, generator):
-        service.set_serving(True)
-        service.start()
-    gateway = Settings(
-        retriever_addr=f"127.0.0.1:{retriever.port}",
-        generator_addr=f"127.0.0.1:{generator.port}",
-        redis_url=redis_server.url,
-        admin_token=TOKEN,
-    )
-    try:
-        with TestClient(create_app(gateway)) as client:
-            details = set()
-            for path in (str(layout.outside / "step-000005"), "/nowhere", "../outside"):
-                reply = client.post("/admin/reload-model", json={"checkpoint": path}, headers=AUTH)
-                assert reply.status_code == 422, reply.text
-                details.add(reply.json()["detail"])
-            assert len(details) == 1 and "outside" not in details.pop()
-            reply = client.post(
-                "/admin/reload-model", json={"checkpoint": "step-000001"}, headers=AUTH
-            )
-            assert reply.status_code == 200, reply.text
-            versions = {k: reply.json()[k] for k in ("generator", "retriever")}
-            assert versions == {"generator": "step-000001", "retriever": "step-000001"}
-    finally:
-        stop.set()
-        retriever.stop(0)
-        generator.stop(0)
-        generator_servicer.close()
-        redis_server.client().delete(DESIRED_MODEL_KEY)  # later modules' replicas follow it
+    with (
+        backends_serving(settings) as backends,
+        TestClient(create_app(backends.gateway_settings(redis_server.url))) as client,
+    ):
+        details = set()
+        for path in (str(layout.outside / "step-000005"), "/nowhere", "../outside"):
+            reply = client.post("/admin/reload-model", json={"checkpoint": path}, headers=AUTH)
+            assert reply.status_code == 422, reply.text
+            details.add(reply.json()["detail"])
+        assert len(details) == 1 and "outside" not in details.pop()
+        reply = client.post("/admin/reload-model", json={"checkpoint": "step-000001"}, headers=AUTH)
+        assert reply.status_code == 200, reply.text
+        versions = {k: reply.json()[k] for k in ("generator", "retriever")}
+        assert versions == {"generator": "step-000001", "retriever": "step-000001"}
