@@ -64,18 +64,23 @@ def http_error(service: str, error: grpc.aio.AioRpcError) -> HTTPException:
 
 
 class ServiceClient:
-    """One gRPC channel to one service. Calls to the stub methods named in ``admin_rpcs``
-    carry ``authorization: Bearer <admin_token>``; no other call does."""
+    """One gRPC channel to one service, and its ``stub``. Calls to the stub's admin RPCs
+    (``ADMIN_RPCS``) carry ``authorization: Bearer <admin_token>``; no other call does.
+
+    A subclass per service names it: ``name`` (in errors), ``stub_class`` and ``service`` (its
+    full gRPC name)."""
+
+    name: str
+    stub_class: type
+    service: str
 
     def __init__(
         self,
-        name: str,
         addr: str,
         timeout_s: float,
         health_timeout_s: float,
         admin_token: SecretStr | str | None = None,
     ) -> None:
-        self.name = name
         self.addr = addr
         self.timeout_s = timeout_s
         self.health_timeout_s = health_timeout_s
@@ -89,14 +94,10 @@ class ServiceClient:
             ],
         )
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.stub = self.stub_class(self.channel)
         self._admin_metadata = bearer_metadata(admin_token)
-        self._admin_calls: set[int] = set()
-
-    def _use_stub(self, stub, service: str):
-        """Remember which of ``stub``'s methods are admin RPCs: a stub's methods are created
-        once, so ``call`` recognises them by identity, whoever calls them."""
-        self._admin_calls = {id(getattr(stub, rpc)) for rpc in ADMIN_RPCS[service]}
-        return stub
+        # A stub's methods are created once, so ``call`` recognises them by identity.
+        self._admin_calls = {id(getattr(self.stub, rpc)) for rpc in ADMIN_RPCS[self.service]}
 
     async def call(
         self,
@@ -131,28 +132,12 @@ class ServiceClient:
 
 
 class RetrieverClient(ServiceClient):
-    def __init__(
-        self,
-        addr: str,
-        timeout_s: float,
-        health_timeout_s: float,
-        admin_token: SecretStr | str | None = None,
-    ) -> None:
-        super().__init__("retriever", addr, timeout_s, health_timeout_s, admin_token)
-        self.stub = self._use_stub(
-            retriever_pb2_grpc.RetrieverStub(self.channel), RETRIEVER_SERVICE
-        )
+    name = "retriever"
+    stub_class = retriever_pb2_grpc.RetrieverStub
+    service = RETRIEVER_SERVICE
 
 
 class GeneratorClient(ServiceClient):
-    def __init__(
-        self,
-        addr: str,
-        timeout_s: float,
-        health_timeout_s: float,
-        admin_token: SecretStr | str | None = None,
-    ) -> None:
-        super().__init__("generator", addr, timeout_s, health_timeout_s, admin_token)
-        self.stub = self._use_stub(
-            generator_pb2_grpc.GeneratorStub(self.channel), GENERATOR_SERVICE
-        )
+    name = "generator"
+    stub_class = generator_pb2_grpc.GeneratorStub
+    service = GENERATOR_SERVICE
