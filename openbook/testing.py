@@ -174,9 +174,7 @@ def backends_serving(settings: Any) -> Iterator[Backends]:
         service.start()
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
     try:
-        yield Backends(
-            retriever.port, generator.port, generator_servicer, token, retriever.metrics
-        )
+        yield Backends(retriever.port, generator.port, generator_servicer, token, retriever.metrics)
     finally:
         stop_following.set()
         retriever.stop(0)

@@ -504,7 +504,9 @@ class CausalBackend(GeneratorBackend):
         ids = torch.tensor([self.prefix_ids], device=self.device)
         # A config-less DynamicCache keeps every entry, even for sliding-window layers (class doc).
         cache = DynamicCache() if self._window else None
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).past_key_values
+        # Only the cache is wanted: one position through the LM head, not the whole prefix.
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.past_key_values
 
     @property
     def prefix_len(self) -> int:

@@ -236,3 +236,44 @@ def test_decoding_stops_between_steps_once_every_caller_gave_up(dirs, load):
             assert not any(isinstance(r, Abandoned) for r in out)
     finally:
         gen.backend.step = original
+
+
+@torch.no_grad()
+def test_scoring_keeps_every_lm_head_call_within_the_logit_budget(dirs, load, monkeypatch):
+    from openbook.rag import models
+
+    gen = load(dirs.causal("gemma3"))
+    vocab = gen.backend.vocab_size
+    budget = 2 * vocab  # two positions' logits: forces row chunks and position segments
+    monkeypatch.setattr(models, "SCORE_LOGIT_ELEMENTS", budget)
+    enc = gen.backend.encode([(QUESTION, _uneven_passages(3))], 3)
+    seen: list[int] = []
+    head = gen.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[:-1]))
+    try:
+        gen.backend.score(enc, torch.tensor([0, 1, 2]), torch.tensor([[40, 17, 99, 5, 1]] * 3))
+    finally:
+        hook.remove()
+    assert seen and all(int(torch.tensor(s).prod()) * vocab <= budget for s in seen), seen
+
+
+def test_training_logits_cover_the_answer_positions_only(dirs, load):
+    gen = load(dirs.causal("gemma3"))
+    b = gen.backend
+    passages = _uneven_passages(2)
+    targets = b.tokenize_targets(["Paris", "the capital"])
+    prompt_width = b._prompt_batch([(QUESTION, p) for p in passages])[0].shape[1]
+    seen: list[tuple[int, ...]] = []
+    head = gen.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    try:
+        logits = b.target_logits([(QUESTION, passages)] * 2, targets)
+    finally:
+        hook.remove()
+    # With gradients on, the shared prefix is re-run for its cache (one position through the
+    # LM head, not the whole prefix); then the LM head runs over the T loss positions only, not
+    # the prompt before them.
+    hidden = gen.model.config.hidden_size
+    assert torch.is_grad_enabled()
+    assert seen == [(1, 1, hidden), (4, targets.shape[1], hidden)]
+    assert prompt_width > 1 and logits.shape[:2] == (4, targets.shape[1])
