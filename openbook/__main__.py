@@ -1,3 +1,3 @@
-from openbook.cli import main
+from openbook_cli.app import main
 
 main()

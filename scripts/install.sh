@@ -26,7 +26,12 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
   "$VENV/bin/python" -m pip install -q torch==2.13.0
 fi
-# Every other package at the exact version constraints.txt pins (scripts/update-constraints.sh).
-"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test]"
+# The core library, the four services, the `openbook` command and the test tools, editable, every
+# package at the exact version constraints.txt pins (scripts/update-constraints.sh). Each image
+# installs only its own service (services/*/Dockerfile, services/*/constraints.txt).
+"$VENV/bin/python" -m pip install -q -c constraints.txt \
+  -e ".[test]" \
+  -e services/gateway -e services/retriever -e services/generator -e services/trainer \
+  -e cli
 touch "$VENV/.installed"
 echo "openbook installed in $VENV"

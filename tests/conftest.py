@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openbook.testing import RedisServer
+from openbook_testkit.stack import RedisServer
 
 # Two cores on CI: more threads than that only adds contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from openbook.index import build_index
-from openbook.rag.testing import make_tiny_bart
-from openbook.testing import REPO_ROOT, LocalStack, build_fact_indexes
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import REPO_ROOT, LocalStack, build_fact_indexes
 
 pytestmark = pytest.mark.e2e
 
@@ -82,7 +82,7 @@ def test_every_service_exports_metrics(stack):
 def test_openbook_ask_shows_answer_and_provenance(stack):
     from typer.testing import CliRunner
 
-    from openbook.cli import app
+    from openbook_cli.app import app
 
     result = CliRunner().invoke(
         app, ["ask", "Who wrote Hamlet?", "--url", stack.url, "--k", "3"], env={"COLUMNS": "160"}
@@ -98,7 +98,7 @@ def test_openbook_ask_shows_answer_and_provenance(stack):
 def test_hot_swap_experiment_swaps_the_live_index(stack, tmp_path):
     from typer.testing import CliRunner
 
-    from openbook.cli import app
+    from openbook_cli.app import app
 
     report = tmp_path / "results.md"
     result = CliRunner().invoke(

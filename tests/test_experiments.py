@@ -3,11 +3,11 @@
 import dataclasses
 import json
 
-from openbook.experiments.open_qa import OpenQAConfig, markdown, plot_em_by_k, run_open_qa
-from openbook.experiments.report import write_section
 from openbook.index import build_index
-from openbook.index.testing import QUESTIONS, fact_rows, write_jsonl
-from openbook.rag.testing import make_tiny_bart
+from openbook_testkit.index import QUESTIONS, fact_rows, write_jsonl
+from openbook_testkit.rag import make_tiny_bart
+from openbook_trainer.experiments.open_qa import OpenQAConfig, markdown, plot_em_by_k, run_open_qa
+from openbook_trainer.experiments.report import write_section
 
 
 def test_open_qa_runs_every_system_and_resumes(tmp_path):
@@ -72,7 +72,7 @@ def test_report_sections_are_replaced_in_place(tmp_path):
 def test_qa_command_refuses_a_non_positive_prior_scale(tmp_path):
     from typer.testing import CliRunner
 
-    from openbook.cli import app
+    from openbook_cli.app import app
 
     result = CliRunner().invoke(
         app, ["experiments", "qa", "--prior-scale", "0", "--out", str(tmp_path)]

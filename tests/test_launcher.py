@@ -12,8 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from openbook.launcher import Backoff, ComposeProject, LaunchError, Stack, interpolate
-from openbook.testing import REPO_ROOT, free_port
+from openbook_cli.launcher import Backoff, ComposeProject, LaunchError, Stack, interpolate
+from openbook_testkit.stack import REPO_ROOT, free_port
 
 
 def test_interpolation_follows_compose_rules():
@@ -37,8 +37,8 @@ def test_repo_compose_file_translates_to_local_processes(tmp_path):
     project = ComposeProject(REPO_ROOT / "docker-compose.yml", env)
     gateway = project.services["gateway"]
     assert gateway.argv == ["openbook", "serve", "gateway"]
-    assert gateway.env["OPENBOOK_RETRIEVER_ADDR"] == "127.0.0.1:8051"
-    assert gateway.env["OPENBOOK_GENERATOR_ADDR"] == "127.0.0.1:8052"
+    assert gateway.env["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "127.0.0.1:8051"
+    assert gateway.env["OPENBOOK_GATEWAY_GENERATOR_ADDR"] == "127.0.0.1:8052"
     assert gateway.env["OPENBOOK_REDIS_URL"] == "redis://127.0.0.1:6379/0"
     assert gateway.env["OPENBOOK_GATEWAY_PORT"] == "9999"
     assert gateway.healthcheck[-1] == "http://127.0.0.1:9999/readyz"

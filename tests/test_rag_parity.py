@@ -15,7 +15,7 @@ building and decoding all inside transformers).
 
 openbook's side is what its README tells a user to do: ``openbook index build`` over the same
 passages with the DPR context encoder and the RAG directory as query encoder (flat, score scale
-1), the retriever with ``OPENBOOK_QUERY_ENCODER`` and the generator with
+1), the retriever with ``OPENBOOK_RETRIEVER_QUERY_ENCODER`` and the generator with
 ``OPENBOOK_GENERATOR_MODEL`` pointing at the RAG directory, the real gateway, ``POST /answer``.
 
 One deviation from stock transformers 5: ``RagSequenceForGeneration``'s per-passage beam search
@@ -38,9 +38,9 @@ from typer.testing import CliRunner
 
 from openbook.config import Settings
 from openbook.index.cli import app as index_cli
-from openbook.index.testing import FACTS, make_tiny_dpr_encoders, write_facts
-from openbook.rag.testing import make_tiny_rag_checkpoint, strip_trailing
-from openbook.testing import serving_gateway
+from openbook_testkit.index import FACTS, make_tiny_dpr_encoders, write_facts
+from openbook_testkit.rag import make_tiny_rag_checkpoint, strip_trailing
+from openbook_testkit.stack import serving_gateway
 
 K = 5  # n_docs: passages retrieved and marginalised
 MAX_NEW_TOKENS = 8

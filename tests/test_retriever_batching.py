@@ -7,13 +7,13 @@ import threading
 import grpc
 import pytest
 
-from openbook.index.testing import QUESTIONS
 from openbook.serving.grpc_server import GrpcService
 from openbook.serving.metrics import ServiceMetrics
-from openbook.testing import build_fact_indexes
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.servicer import RetrieverServicer, _Search, search_batch
+from openbook_testkit.index import QUESTIONS
+from openbook_testkit.stack import build_fact_indexes
 
 CALLS = 12
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from openbook.rag.generator import validate_request
-from openbook.testing import running_backends, serving_gateway
+from openbook_testkit.stack import running_backends, serving_gateway
 
 TOKEN = "fuzz-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

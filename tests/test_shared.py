@@ -12,8 +12,8 @@ from openbook.codegen import proto_files, stubs_are_stale
 from openbook.config import Settings
 from openbook.logs import JsonFormatter, request_id_var
 from openbook.shared_state import ActiveIndexStore, publish_model_version, redis_client
-from openbook.testing import free_port
 from openbook_gateway.cache import cache_key
+from openbook_testkit.stack import free_port
 
 
 def test_json_log_lines_carry_the_request_id_and_fields():
@@ -90,6 +90,6 @@ def test_settings_come_from_the_environment(monkeypatch):
     assert settings.gateway_port == 9123
     assert settings.admin_token.get_secret_value() == "t0k"
     assert "t0k" not in repr(settings)  # the token never shows up in logs of the settings
-    monkeypatch.setenv("OPENBOOK_MAX_BATCH_SIZE", "0")
+    monkeypatch.setenv("OPENBOOK_GENERATOR_MAX_BATCH_SIZE", "0")
     with pytest.raises(ValueError, match="max_batch_size"):
         Settings()

@@ -43,8 +43,8 @@ from transformers import (
 )
 
 from openbook.rag import DecodingOptions, RagGenerator
-from openbook.rag.testing import _word_level_tokenizer, strip_trailing
 from openbook.types import Passage
+from openbook_testkit.rag import _word_level_tokenizer, strip_trailing
 
 BASE = dict(d_model=768, layers=6, heads=12, ffn=3072, vocab=50265, head_std=0.1)
 QUICK = dict(d_model=64, layers=2, heads=4, ffn=128, vocab=2000, head_std=0.5)

@@ -10,8 +10,8 @@ two ratios measured in the same run: throughput at the most clients over one cli
     .venv/bin/python -m bench.load --seconds 30 --json load.json
     .venv/bin/python bench/load/run.py --clients 1 8 32
 
-Models: the generator is a tiny random BART (``openbook.rag.testing.make_tiny_bart``), the
-retriever MiniLM over two 30-passage indexes (``openbook.testing.build_fact_indexes``): the
+Models: the generator is a tiny random BART (``openbook_testkit.rag.make_tiny_bart``), the
+retriever MiniLM over two 30-passage indexes (``openbook_testkit.stack.build_fact_indexes``): the
 benchmark measures the serving system (HTTP, gRPC, batching, cache), not model quality.
 
 ``--real`` runs what users run instead: the default stack (Gemma 3 270M, the demo index
@@ -45,8 +45,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from openbook.index.testing import QUESTIONS  # noqa: E402
-from openbook.testing import LocalStack, build_fact_indexes  # noqa: E402
+from openbook_testkit.index import QUESTIONS  # noqa: E402
+from openbook_testkit.stack import LocalStack, build_fact_indexes  # noqa: E402
 
 QUESTION_LIST = list(QUESTIONS.values())
 
@@ -210,7 +210,7 @@ def cached(i: int, n: int) -> dict:
 
 
 def prepare(var: Path) -> None:
-    from openbook.rag.testing import make_tiny_bart
+    from openbook_testkit.rag import make_tiny_bart
 
     build_fact_indexes(var / "indexes")
     if not (var / "models" / "tiny-bart" / "config.json").exists():
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"1 client, cached, {args.cached_seconds:.0f} s ...", flush=True)
             levels.append(run_level(stack, "cached", 1, args.cached_seconds, cached))
         if args.compare_unbatched:
-            off = {"OPENBOOK_MAX_BATCH_SIZE": "1", "OPENBOOK_RETRIEVER_MAX_BATCH_SIZE": "1"}
+            off = {"OPENBOOK_GENERATOR_MAX_BATCH_SIZE": "1", "OPENBOOK_RETRIEVER_MAX_BATCH_SIZE": "1"}
             with running(var, {**env, **off}) as stack:
                 clients = max(args.clients)
                 print(f"{clients} clients, uncached, batching off ...", flush=True)

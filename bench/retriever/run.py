@@ -78,8 +78,8 @@ def make_data(
 
 def index_data(index_dir: Path, nq: int) -> tuple[np.ndarray, np.ndarray]:
     """The passage vectors of a built dense index and ``nq`` demo questions encoded as queries."""
-    from openbook.demo.data import default_data_dir
     from openbook.index import load_encoder, open_index
+    from openbook_trainer.demo.data import default_data_dir
 
     index = open_index(index_dir)
     m = index.manifest

@@ -1,7 +1,7 @@
 """Which query encoder searches which index.
 
 Every dense index's manifest names its document ``encoder`` and its ``query_encoder``: the
-pair it was built for. A query-encoder *override* (``OPENBOOK_QUERY_ENCODER``, or the
+pair it was built for. A query-encoder *override* (``OPENBOOK_RETRIEVER_QUERY_ENCODER``, or the
 fine-tuned query encoder of a trained checkpoint) replaces the manifest's query encoder only
 on the indexes it pairs with:
 
@@ -127,10 +127,10 @@ class QueryEncoderOverride:
 
 
 def configured_override(encoder: Encoder, name: str | None = None) -> QueryEncoderOverride:
-    """``OPENBOOK_QUERY_ENCODER``: pairs with indexes whose manifest names it (or what it was
+    """``OPENBOOK_RETRIEVER_QUERY_ENCODER``: pairs with indexes whose manifest names it (or what it was
     saved from) as query or document encoder, and, for a DPR question encoder or a RAG
     directory, with DPR context-encoder indexes; always of its dimension."""
-    return QueryEncoderOverride(encoder, "OPENBOOK_QUERY_ENCODER", [name], encoder.name)
+    return QueryEncoderOverride(encoder, "OPENBOOK_RETRIEVER_QUERY_ENCODER", [name], encoder.name)
 
 
 def checkpoint_override(

@@ -4,7 +4,8 @@
 directory (its own passages, vectors slice, index, manifest and checksums) at
 ``out_root/shard-<i>/<dir name of the source>``, so retriever ``i`` runs with
 ``OPENBOOK_INDEX_ROOT=out_root/shard-<i>`` and serves it under the same name as before. A query
-fans out to every shard and ``merge_results`` keeps the top-k by score.
+fans out to every shard and the gateway's ``merge_results``
+(:mod:`openbook_gateway.retrieval`) keeps the top-k by score.
 
 Exactness of merged results vs. the unsharded index, per type:
 
@@ -18,9 +19,6 @@ Exactness of merged results vs. the unsharded index, per type:
 * ``bm25``: each shard is re-indexed over its own passages, so IDF and average length are
   per shard and scores differ somewhat from the unsharded index's (as in any sharded Lucene
   setup). Merged rankings are close, not identical.
-
-faiss, bm25s and torch are only imported by ``split_index``: the gateway imports this module
-for ``merge_results`` alone.
 """
 
 from __future__ import annotations
@@ -28,44 +26,12 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 from openbook.index.manifest import MANIFEST, Manifest, checksum_dir, combined_checksum
-from openbook.types import Passage
 
 _TRAINED_TYPES = ("hnsw-sq8", "ivfpq")  # types whose quantizer the shards inherit
-
-
-def merge_results(per_shard: Sequence[Sequence[list[Passage]]], k: int) -> list[list[Passage]]:
-    """Merge ``per_shard[s][q]`` (each shard's hits for query q, best first) into the top-k.
-
-    Sorted by score, descending; ties keep shard order, then rank within the shard (a stable
-    sort over the hits concatenated in that order). A passage id seen twice keeps its best hit
-    only, so a shard listed twice by mistake cannot duplicate results.
-    """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if not per_shard:
-        return []
-    n_queries = len(per_shard[0])
-    if any(len(r) != n_queries for r in per_shard):
-        counts = [len(r) for r in per_shard]
-        raise ValueError(f"shards answered different numbers of queries: {counts}")
-    merged = []
-    for q in range(n_queries):
-        hits = sorted((p for shard in per_shard for p in shard[q]), key=lambda p: -p.score)
-        seen: set[str] = set()
-        top: list[Passage] = []
-        for p in hits:
-            if p.id not in seen:
-                seen.add(p.id)
-                top.append(p)
-                if len(top) == k:
-                    break
-        merged.append(top)
-    return merged
 
 
 def shard_spans(count: int, n_shards: int) -> list[tuple[int, int]]:

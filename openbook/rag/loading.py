@@ -37,7 +37,7 @@ from openbook.rag.prompting import PROMPT_FILE, SEQ2SEQ_FILE, PromptSpec, load_s
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 MANIFEST_FILES = ("openbook_manifest.json", "manifest.json")
-# Written by `openbook demo prepare` (openbook.demo.models): lists every file with its sha256.
+# Written by `openbook demo prepare` (openbook_trainer.demo.models): lists every file with its sha256.
 PREPARED_MANIFEST = "openbook_model.json"
 RAG_GENERATOR_PREFIX = "rag.generator."
 RAG_QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"

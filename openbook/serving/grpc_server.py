@@ -215,23 +215,15 @@ class GrpcService:
         add_servicers: Callable[[grpc.Server], None],
         workers: int = 16,
         metrics: ServiceMetrics | None = None,
-        max_concurrent_rpcs: int | None = None,
-        access_log: bool | None = None,
+        max_concurrent_rpcs: int = 256,
+        access_log: bool = True,
         admin_methods: Collection[str] = (),
         admin_token: SecretStr | str | None = None,
     ) -> None:
-        """``max_concurrent_rpcs`` and ``access_log`` default to the settings
-        OPENBOOK_GRPC_MAX_CONCURRENT_RPCS and OPENBOOK_ACCESS_LOG. ``admin_methods`` (full
+        """Services pass ``max_concurrent_rpcs`` (0: no limit) and ``access_log`` from their
+        settings (:class:`openbook.settings.GrpcServiceSettings`). ``admin_methods`` (full
         method paths, see ``admin_methods()``) need ``admin_token``; without one they are
         refused."""
-        if max_concurrent_rpcs is None or access_log is None:
-            from openbook.config import get_settings
-
-            settings = get_settings()
-            if max_concurrent_rpcs is None:
-                max_concurrent_rpcs = settings.grpc_max_concurrent_rpcs
-            if access_log is None:
-                access_log = settings.access_log
         self.name = name
         self.host = host
         self.metrics = metrics

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from openbook.demo.data import (
+from openbook_trainer.demo.data import (
     DEMO_SNAPSHOTS,
     LEADERS_2016,
     LEADERS_2018,
@@ -45,7 +45,7 @@ def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_index_root(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The four demo indexes built once from ``tiny_data_dir``."""
     pytest.importorskip("openbook.index")
-    from openbook.demo.indexes import prepare_demo_indexes
+    from openbook_trainer.demo.indexes import prepare_demo_indexes
 
     root = tmp_path_factory.mktemp("indexes")
     built = prepare_demo_indexes(root, tiny_data_dir, progress=False)

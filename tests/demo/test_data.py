@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from openbook.demo.data import (
+from openbook_trainer.demo.data import (
     ALL_FILES,
     DEMO_SNAPSHOTS,
     LEADERS_2016,

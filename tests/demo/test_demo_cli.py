@@ -8,8 +8,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from openbook.demo import models
-from openbook.demo.cli import app as demo_app
+from openbook_trainer.demo import models
+from openbook_trainer.demo.cli import app as demo_app
 
 from .test_models import FakeConverter
 

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("openbook.index")
 
-from openbook.demo.data import DEMO_SNAPSHOTS  # noqa: E402
-from openbook.demo.indexes import index_is_complete, prepare_demo_indexes  # noqa: E402
+from openbook_trainer.demo.data import DEMO_SNAPSHOTS  # noqa: E402
+from openbook_trainer.demo.indexes import index_is_complete, prepare_demo_indexes  # noqa: E402
 
 ALL = [s.name for s in DEMO_SNAPSHOTS]
 

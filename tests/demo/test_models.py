@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from openbook.demo import models
-from openbook.demo import prompt as prompt_module
-from openbook.demo.prompt import (
+from openbook_trainer.demo import models
+from openbook_trainer.demo import prompt as prompt_module
+from openbook_trainer.demo.prompt import (
     PROMPT_FILE,
     PromptTemplate,
     default_prompt,

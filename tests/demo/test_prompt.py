@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from openbook.demo.data import REPO_DATA_DIR, SQUAD_QUESTIONS, read_jsonl
-from openbook.demo.prompt import (
+from openbook_trainer.demo.data import REPO_DATA_DIR, SQUAD_QUESTIONS, read_jsonl
+from openbook_trainer.demo.prompt import (
     FEW_SHOT_EXAMPLES,
     PROMPT_FILE,
     PromptTemplate,

@@ -147,5 +147,5 @@ def test_default_ports_are_outside_the_ephemeral_range():
         ports[f"compose {name}"] = int(env[f"OPENBOOK_{name.upper()}_PORT"])
     for name, port in ports.items():
         assert port >= 1024 and port not in EPHEMERAL_PORTS, (name, port)
-    assert services["gateway"]["environment"]["OPENBOOK_RETRIEVER_ADDR"] == "retriever:8051"
-    assert services["gateway"]["environment"]["OPENBOOK_GENERATOR_ADDR"] == "generator:8052"
+    assert services["gateway"]["environment"]["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "retriever:8051"
+    assert services["gateway"]["environment"]["OPENBOOK_GATEWAY_GENERATOR_ADDR"] == "generator:8052"

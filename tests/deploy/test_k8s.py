@@ -451,8 +451,8 @@ def test_generator_variants():
     for part in ("requests", "limits"):
         assert gpu["resources"][part]["nvidia.com/gpu"] == 1
         assert "nvidia.com/gpu" not in cpu["resources"][part]
-    assert env_of(gpu, cpu_objs)["OPENBOOK_DEVICE"] == "cuda"
-    assert env_of(cpu, cpu_objs)["OPENBOOK_DEVICE"] == "cpu"
+    assert env_of(gpu, cpu_objs)["OPENBOOK_GENERATOR_DEVICE"] == "cuda"
+    assert env_of(cpu, cpu_objs)["OPENBOOK_GENERATOR_DEVICE"] == "cpu"
     trainer = containers(_load(K8S / "jobs" / "trainer.yaml")[0])[0]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
 
@@ -462,7 +462,7 @@ def test_retriever_mode_is_selectable():
         objs = render(K8S / "overlays" / name)
         config = by_kind(objs, "ConfigMap")["openbook-config"]["data"]
         assert config["OPENBOOK_RETRIEVER_SHARDING"] == "replicated"
-        assert config["OPENBOOK_RETRIEVER_ADDR"] == "retriever.openbook.svc.cluster.local:8051"
+        assert config["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "retriever.openbook.svc.cluster.local:8051"
 
     objs = render(K8S / "overlays" / "gpu-sharded")
     config = by_kind(objs, "ConfigMap")["openbook-config"]["data"]
@@ -472,7 +472,7 @@ def test_retriever_mode_is_selectable():
     assert config["OPENBOOK_RETRIEVER_SHARDING"] == "sharded"
     n = retriever["spec"]["replicas"]
     assert n >= 2
-    assert config["OPENBOOK_RETRIEVER_ADDR"].split(",") == [
+    assert config["OPENBOOK_GATEWAY_RETRIEVER_ADDR"].split(",") == [
         f"retriever-{i}.{headless['metadata']['name']}.openbook.svc.cluster.local:8051"
         for i in range(n)
     ]
@@ -522,7 +522,7 @@ def test_retriever_pod_serves_its_shard(tmp_path, mode, hostname, root):
 
 
 def test_index_build_job_builds_then_shards_for_real(tmp_path):
-    from openbook.index.testing import fact_rows, write_jsonl
+    from openbook_testkit.index import fact_rows, write_jsonl
 
     job = _load(K8S / "jobs" / "index-build.yaml")[0]
     data, indexes = tmp_path / "data", tmp_path / "indexes"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from openbook.rag.testing import make_tiny_bart
-from openbook.testing import LocalStack, build_fact_indexes
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import LocalStack, build_fact_indexes
 
 
 @pytest.fixture(scope="session")

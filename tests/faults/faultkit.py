@@ -14,7 +14,7 @@ from typing import TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from openbook.index.testing import QUESTIONS
+from openbook_testkit.index import QUESTIONS
 
 T = TypeVar("T")
 

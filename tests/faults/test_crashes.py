@@ -35,8 +35,8 @@ RESTART_TIMEOUT_S = 180
 @pytest.fixture(scope="module")
 def stack(start_stack):
     return start_stack(
-        OPENBOOK_RETRIEVE_TIMEOUT_S=str(RETRIEVE_TIMEOUT_S),
-        OPENBOOK_GENERATE_TIMEOUT_S=str(GENERATE_TIMEOUT_S),
+        OPENBOOK_GATEWAY_RETRIEVE_TIMEOUT_S=str(RETRIEVE_TIMEOUT_S),
+        OPENBOOK_GATEWAY_GENERATE_TIMEOUT_S=str(GENERATE_TIMEOUT_S),
     )
 
 

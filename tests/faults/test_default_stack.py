@@ -32,7 +32,7 @@ from faultkit import (
 )
 
 from openbook.config import Settings
-from openbook.testing import LocalStack
+from openbook_testkit.stack import LocalStack
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,7 @@
 """A generator that cannot keep up: 504 past the deadline, 429 when its queue is full.
 
 The stack's generator batches one request at a time with room for two waiting
-(``OPENBOOK_MAX_BATCH_SIZE=1``, ``OPENBOOK_MAX_QUEUE=2``). "Slow" is made deterministic by
+(``OPENBOOK_GENERATOR_MAX_BATCH_SIZE=1``, ``OPENBOOK_GENERATOR_MAX_QUEUE=2``). "Slow" is made deterministic by
 freezing the generator process (SIGSTOP): it accepts connections but answers nothing.
 """
 
@@ -35,10 +35,10 @@ FAIL_BOUND_S = 3 * (GENERATE_TIMEOUT_S + RETRIEVE_TIMEOUT_S)
 @pytest.fixture(scope="module")
 def stack(start_stack):
     return start_stack(
-        OPENBOOK_GENERATE_TIMEOUT_S=str(GENERATE_TIMEOUT_S),
-        OPENBOOK_RETRIEVE_TIMEOUT_S=str(RETRIEVE_TIMEOUT_S),
-        OPENBOOK_MAX_BATCH_SIZE="1",
-        OPENBOOK_MAX_QUEUE=str(MAX_QUEUE),
+        OPENBOOK_GATEWAY_GENERATE_TIMEOUT_S=str(GENERATE_TIMEOUT_S),
+        OPENBOOK_GATEWAY_RETRIEVE_TIMEOUT_S=str(RETRIEVE_TIMEOUT_S),
+        OPENBOOK_GENERATOR_MAX_BATCH_SIZE="1",
+        OPENBOOK_GENERATOR_MAX_QUEUE=str(MAX_QUEUE),
     )
 
 

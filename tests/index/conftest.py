@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from openbook.index import LoadedIndex, build_index, open_index
-from openbook.index.testing import make_tiny_dpr_encoders, write_facts
+from openbook_testkit.index import make_tiny_dpr_encoders, write_facts
 
 
 @pytest.fixture(scope="session")

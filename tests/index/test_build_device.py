@@ -9,8 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from openbook.cli import app
 from openbook.index import build_index, load_encoder
+from openbook_cli.app import app
 
 
 def test_explicit_cpu_gives_the_default_build(facts_jsonl: Path, facts_index_dir: Path, tmp_path):

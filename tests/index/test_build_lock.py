@@ -4,7 +4,7 @@ import pytest
 
 from openbook.index import build_index, open_index
 from openbook.index.build import _build_lock
-from openbook.index.testing import write_facts
+from openbook_testkit.index import write_facts
 
 
 def test_concurrent_build_of_the_same_index_is_refused(tmp_path):

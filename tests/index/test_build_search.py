@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from openbook.index import LoadedIndex, build_index, load_encoder, open_index
-from openbook.index.testing import FACTS, QUESTIONS, random_rows, write_jsonl
+from openbook_testkit.index import FACTS, QUESTIONS, random_rows, write_jsonl
 
 
 def test_flat_minilm_retrieves_answer_top1(facts_index: LoadedIndex) -> None:

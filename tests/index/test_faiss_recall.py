@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from openbook.index import faiss_index
-from openbook.index.testing import random_vectors
+from openbook_testkit.index import random_vectors
 
 N, DIM, NQ, K = 3000, 32, 50, 10
 

@@ -23,7 +23,7 @@ from openbook.index import open_index
 from openbook.index.cli import app
 from openbook.index.embedding_files import EmbeddingsError, iter_embeddings, natural_order
 from openbook.index.importer import import_embeddings
-from openbook.index.testing import random_vectors, write_dpr_tsv
+from openbook_testkit.index import random_vectors, write_dpr_tsv
 
 N, DIM = 30, 32  # DIM: the tiny DPR question encoder's
 DOC_ENCODER = "facebook/dpr-ctx_encoder-multiset-base"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from openbook.index import read_passages, split_passages
-from openbook.index.testing import write_dpr_tsv, write_jsonl
+from openbook_testkit.index import write_dpr_tsv, write_jsonl
 
 
 def test_split_disjoint_windows() -> None:

@@ -14,8 +14,8 @@ import torch
 from openbook.index import build_index, load_encoder, open_index
 from openbook.index.build import VECTORS_FILE
 from openbook.index.encoders import clear_encoder_cache
-from openbook.index.testing import make_tiny_dpr_encoders, write_facts
-from openbook.rag.testing import make_tiny_rag_checkpoint
+from openbook_testkit.index import make_tiny_dpr_encoders, write_facts
+from openbook_testkit.rag import make_tiny_rag_checkpoint
 
 QUESTIONS = ["What is the capital of France?", "who wrote  Hamlet", "Mount Everest, Himalayas?"]
 

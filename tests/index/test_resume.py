@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from openbook.index import Encoder, IndexLoadError, build_index, open_index
-from openbook.index.testing import random_rows, write_jsonl
+from openbook_testkit.index import random_rows, write_jsonl
 
 N, SHARD = 40, 10
 _REAL_ENCODE = Encoder.encode

@@ -13,14 +13,14 @@ from openbook.index import (
     IndexLoadError,
     LoadedIndex,
     build_index,
-    merge_results,
     open_index,
     split_index,
 )
 from openbook.index import shard as shard_mod
 from openbook.index.cli import app
-from openbook.index.testing import QUESTIONS, random_vectors, write_vector_index
 from openbook.types import Passage
+from openbook_gateway.retrieval import merge_results
+from openbook_testkit.index import QUESTIONS, random_vectors, write_vector_index
 
 K = 10
 

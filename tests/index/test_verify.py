@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from openbook.index import IndexLoadError, build_index, load_encoder, open_index
-from openbook.index.testing import random_rows, write_jsonl
+from openbook_testkit.index import random_rows, write_jsonl
 
 
 @pytest.fixture()

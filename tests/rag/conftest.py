@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from openbook.rag import RagGenerator
-from openbook.rag.testing import make_tiny_bart, make_tiny_causal_lm
 from openbook.types import Passage
+from openbook_testkit.rag import make_tiny_bart, make_tiny_causal_lm
 
 torch.set_num_threads(1)
 

@@ -11,8 +11,8 @@ import torch
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
-from openbook.rag.testing import QUESTION, make_passages
 from openbook.types import Passage
+from openbook_testkit.rag import QUESTION, make_passages
 
 ARCHS = ("gemma3", "llama")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions, RagGenerator
-from openbook.rag.testing import QUESTION, make_passages
+from openbook_testkit.rag import QUESTION, make_passages
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MODES = ("rag-token", "rag-sequence-thorough", "rag-sequence-fast")

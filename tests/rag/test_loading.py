@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions, ModelLoadError, RagGenerator
-from openbook.rag.testing import QUESTION, make_passages, make_tiny_rag_checkpoint, strip_trailing
+from openbook_testkit.rag import QUESTION, make_passages, make_tiny_rag_checkpoint, strip_trailing
 
 
 @pytest.fixture(scope="module")

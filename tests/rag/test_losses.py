@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
-from openbook.rag.testing import QUESTION, make_passages
+from openbook_testkit.rag import QUESTION, make_passages
 
 PAD, BOS, START = 1, 0, 2
 

@@ -8,7 +8,7 @@ import torch
 
 from openbook.rag import DecodingOptions
 from openbook.rag.memory import RequestShape
-from openbook.rag.testing import QUESTION, make_passages
+from openbook_testkit.rag import QUESTION, make_passages
 
 
 def _nbytes(tensors) -> int:

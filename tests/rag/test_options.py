@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from openbook.rag import DecodingOptions, InvalidRequest
-from openbook.rag.testing import QUESTION, make_passages
+from openbook_testkit.rag import QUESTION, make_passages
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions
-from openbook.rag.testing import QUESTION, make_passages
+from openbook_testkit.rag import QUESTION, make_passages
 
 
 def _doc_token_logprobs(gen, passages, tokens) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions, ModelLoadError, RagGenerator
-from openbook.rag.testing import (
+from openbook_testkit.rag import (
     QUESTION,
     make_passages,
     make_tiny_rag_checkpoint,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions
-from openbook.rag.testing import QUESTION, make_passages
+from openbook_testkit.rag import QUESTION, make_passages
 
 WORDS = ["paris", "france", "capital", "hamlet", "wrote", "fox"]  # vocabulary: 5 specials + 6 words
 MAX_NEW = 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions
-from openbook.rag.testing import QUESTION, make_passages, strip_trailing
+from openbook_testkit.rag import QUESTION, make_passages, strip_trailing
 
 SEEDS = (0, 1, 2)
 

@@ -15,7 +15,6 @@ from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     bearer_metadata,
 )
-from openbook.testing import running_backends
 from openbook.v1 import (
     common_pb2,
     generator_pb2,
@@ -24,6 +23,7 @@ from openbook.v1 import (
     retriever_pb2_grpc,
 )
 from openbook_gateway.app import create_app
+from openbook_testkit.stack import running_backends
 
 TOKEN = "grpc-admin-token"
 # RPCs that only read: callable without a token. An RPC added to the protos must go here or

@@ -14,9 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openbook.config import Settings
-from openbook.rag.testing import make_tiny_bart
 from openbook.serving.grpc_server import bearer_metadata
-from openbook.testing import build_fact_indexes, free_port
 from openbook.v1 import (
     common_pb2,
     generator_pb2,
@@ -24,6 +22,8 @@ from openbook.v1 import (
     retriever_pb2,
     retriever_pb2_grpc,
 )
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import build_fact_indexes, free_port
 
 TOKEN = "bind-token"
 SERVING = health_pb2.HealthCheckResponse.SERVING

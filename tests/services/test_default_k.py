@@ -10,11 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from openbook.rag.loading import rag_n_docs
-from openbook.rag.testing import make_tiny_rag_checkpoint
-from openbook.testing import running_backends
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_gateway.app import ANSWER_PARAMS, DefaultK, create_app
 from openbook_gateway.cache import cache_key
+from openbook_testkit.rag import make_tiny_rag_checkpoint
+from openbook_testkit.stack import running_backends
 
 TOKEN = "default-k-token"
 QUESTION = "Who wrote Hamlet?"

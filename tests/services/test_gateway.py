@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 import openbook_gateway.app as gateway_app
-from openbook.testing import Backends, free_port, running_backends
 from openbook_gateway.app import create_app
+from openbook_testkit.stack import Backends, free_port, running_backends
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,7 +1,7 @@
 """Client input the gateway must refuse cleanly (issue 14: no 5xx from any client input).
 
 Bad JSON bodies are a 422 naming the field, rendered as strict JSON even when the client sent
-NaN or Infinity; bodies over OPENBOOK_MAX_BODY_BYTES are a 413 the client can read, over a
+NaN or Infinity; bodies over OPENBOOK_GATEWAY_MAX_BODY_BYTES are a 413 the client can read, over a
 real socket, however the body is sent. The gateway runs under uvicorn on 127.0.0.1 in front
 of the real retriever and generator, so the requests that must still be answered are.
 """
@@ -16,15 +16,15 @@ import httpx
 import pytest
 from starlette.exceptions import HTTPException
 
-from openbook.testing import running_backends, serving_gateway
 from openbook_gateway.app import BodySizeLimit
+from openbook_testkit.stack import running_backends, serving_gateway
 
 TOKEN = "input-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {"content-type": "application/json"}
 MAX_BODY_BYTES = 64 * 1024
 FIVE_MB = 5 * 1024 * 1024
-LIMIT_TEXT = f"{MAX_BODY_BYTES} bytes (OPENBOOK_MAX_BODY_BYTES)"
+LIMIT_TEXT = f"{MAX_BODY_BYTES} bytes (OPENBOOK_GATEWAY_MAX_BODY_BYTES)"
 
 INT_FIELDS = ("k", "num_beams", "max_new_tokens", "min_new_tokens", "num_return_sequences")
 NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400", "-1e400")  # 1e400 reads as inf

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from openbook.config import Settings
-from openbook.rag.testing import make_tiny_bart
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_generator.server import build as build_generator
+from openbook_testkit.rag import make_tiny_bart
 
 DEFAULTS = Settings()
 

@@ -21,12 +21,12 @@ from prometheus_client import generate_latest
 
 from openbook.config import Settings
 from openbook.index.shard import split_index
-from openbook.rag.testing import make_tiny_bart
-from openbook.testing import backends_serving, build_fact_indexes
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import Retrieval
 from openbook_retriever.server import build as build_retriever
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import backends_serving, build_fact_indexes
 
 TOKEN = "identity-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

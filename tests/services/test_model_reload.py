@@ -10,9 +10,9 @@ from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
 from openbook.config import Settings
-from openbook.rag.testing import make_tiny_bart
-from openbook.testing import backends_serving, build_fact_indexes
 from openbook_gateway.app import create_app
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import backends_serving, build_fact_indexes
 
 TOKEN = "reload-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,4 +1,4 @@
-"""Each index owns its query encoder: an override (OPENBOOK_QUERY_ENCODER, a checkpoint's
+"""Each index owns its query encoder: an override (OPENBOOK_RETRIEVER_QUERY_ENCODER, a checkpoint's
 query encoder) searches only the indexes of its lineage and dimension; every other index keeps
 its own manifest's query encoder, and a query is never encoded by a mismatched one."""
 
@@ -14,13 +14,13 @@ from openbook.checkpoint import load_query_encoder, write_checkpoint
 from openbook.config import Settings
 from openbook.index import Manifest, build_index, load_encoder
 from openbook.index.pairing import checkpoint_override, configured_override
-from openbook.index.testing import QUESTIONS, make_tiny_dpr_encoders, write_facts
 from openbook.rag import RagGenerator
-from openbook.rag.testing import make_tiny_bart
 from openbook.serving.grpc_server import bearer_metadata
-from openbook.testing import build_fact_indexes
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
+from openbook_testkit.index import QUESTIONS, make_tiny_dpr_encoders, write_facts
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import build_fact_indexes
 
 TOKEN = "pairing-admin-token"
 ADMIN = bearer_metadata(TOKEN)

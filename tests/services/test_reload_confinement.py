@@ -21,13 +21,13 @@ from openbook.checkpoint import LATEST, CheckpointError, CheckpointPathError
 from openbook.config import Settings
 from openbook.errors import status_for
 from openbook.rag import RagGenerator
-from openbook.rag.testing import make_tiny_bart
-from openbook.testing import backends_serving, build_fact_indexes
 from openbook.v1 import common_pb2
 from openbook_gateway.app import create_app
 from openbook_generator.servicer import GeneratorServicer
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.servicer import RetrieverServicer
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import backends_serving, build_fact_indexes
 
 TOKEN = "confinement-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -15,15 +15,15 @@ from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
 from openbook.config import Settings
-from openbook.rag.testing import make_tiny_bart
 from openbook.shared_state import DESIRED_MODEL_KEY, MODEL_VERSIONS_KEY
-from openbook.testing import build_fact_indexes, free_port
 from openbook.v1 import generator_pb2, generator_pb2_grpc, retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import ANSWER_PARAMS, create_app
 from openbook_gateway.cache import cache_key
 from openbook_gateway.schemas import AnswerRequest
 from openbook_generator.server import build as build_generator
 from openbook_retriever.server import build as build_retriever
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import build_fact_indexes, free_port
 
 TOKEN = "replica-reload-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

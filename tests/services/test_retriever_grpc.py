@@ -7,9 +7,9 @@ import pytest
 
 from openbook.config import Settings
 from openbook.serving.grpc_server import bearer_metadata, check_health
-from openbook.testing import build_fact_indexes
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
+from openbook_testkit.stack import build_fact_indexes
 
 TOKEN = "retriever-admin-token"
 ADMIN = bearer_metadata(TOKEN)  # index admin RPCs need it (tests/services/test_admin_auth.py)

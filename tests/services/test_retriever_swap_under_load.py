@@ -8,9 +8,9 @@ import pytest
 
 from openbook.config import Settings
 from openbook.serving.grpc_server import bearer_metadata
-from openbook.testing import build_fact_indexes
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
+from openbook_testkit.stack import build_fact_indexes
 
 LOAD_SECONDS = 20
 CLIENTS = 4

@@ -1,6 +1,6 @@
 """Sharded serving end to end: an index split by ``openbook index shard``, one retriever per
 shard on loopback (each with ``OPENBOOK_INDEX_ROOT=<shard root>``, as in production), the real
-gateway under uvicorn with ``OPENBOOK_RETRIEVER_ADDR`` listing every shard, and an unsharded
+gateway under uvicorn with ``OPENBOOK_GATEWAY_RETRIEVER_ADDR`` listing every shard, and an unsharded
 setup beside it for reference.
 
 The sharded gateway must answer with the unsharded one's passages (same ids, same order, same
@@ -24,11 +24,11 @@ from typer.testing import CliRunner
 
 from openbook.config import Settings
 from openbook.index.cli import app as index_cli
-from openbook.rag.testing import make_tiny_bart
-from openbook.testing import build_fact_indexes, serving_gateway
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_generator.server import build as build_generator
 from openbook_retriever.server import build as build_retriever
+from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import build_fact_indexes, serving_gateway
 
 N_SHARDS = 2
 RETRIEVE_TIMEOUT_S = 3.0

@@ -19,7 +19,7 @@ from openbook.checkpoint import (
     write_checkpoint,
 )
 from openbook.rag import DecodingOptions, ModelLoadError, RagGenerator
-from openbook.rag.testing import (
+from openbook_testkit.rag import (
     PROMPT,
     QUESTION,
     make_passages,

@@ -122,7 +122,7 @@ def test_bad_setup_is_reported(make_cfg, task):
 
 def test_causal_lm_generator(make_cfg, tmp_path):
     from openbook.checkpoint import load_checkpoint
-    from openbook.rag.testing import make_tiny_causal_lm
+    from openbook_testkit.rag import make_tiny_causal_lm
 
     lm = make_tiny_causal_lm(tmp_path / "lm")
     result = train(make_cfg(generator=lm, steps=2, mode="rag-sequence", eval_max_examples=2))

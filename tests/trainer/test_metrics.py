@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from openbook.evaluation.metrics import (
+from openbook_trainer.evaluation.metrics import (
     accuracy,
     answer_recall_at_k,
     bleu,

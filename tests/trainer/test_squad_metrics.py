@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from openbook.evaluation.metrics import exact_match, f1_score, normalize_answer
+from openbook_trainer.evaluation.metrics import exact_match, f1_score, normalize_answer
 
 
 def test_normalize_answer() -> None:

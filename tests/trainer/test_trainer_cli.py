@@ -5,9 +5,9 @@ import json
 from typer.testing import CliRunner
 
 from openbook.checkpoint import latest_checkpoint
-from openbook.evaluation.cli import app as eval_app
 from openbook_trainer.cli import app as train_app
 from openbook_trainer.config import ConfigError, TrainConfig
+from openbook_trainer.evaluation.cli import app as eval_app
 
 runner = CliRunner()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from openbook.testing import running_backends, serving_gateway
+from openbook_testkit.stack import running_backends, serving_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"

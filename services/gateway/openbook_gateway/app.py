@@ -22,7 +22,6 @@ from redis.exceptions import RedisError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from openbook.config import Settings, get_settings
 from openbook.logs import request_id_var
 from openbook.shared_state import CONVERGED, FAILED, LOADING
 from openbook.v1 import common_pb2, generator_pb2
@@ -47,6 +46,7 @@ from openbook_gateway.schemas import (
     SwapIndexResponse,
     TokenPosteriorOut,
 )
+from openbook_gateway.settings import GatewaySettings
 from openbook_gateway.ui import router as ui_router
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class BodySizeLimit:
         self.app = app
         self.max_bytes = max_bytes
         self.drain_max_bytes = drain_max_bytes
-        self.message = f"request body larger than {max_bytes} bytes (OPENBOOK_MAX_BODY_BYTES)"
+        self.message = f"request body larger than {max_bytes} bytes (OPENBOOK_GATEWAY_MAX_BODY_BYTES)"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -289,7 +289,7 @@ def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 2)
 
 
-def _require_admin(settings: Settings):
+def _require_admin(settings: GatewaySettings):
     async def check(authorization: str | None = Header(default=None)) -> None:
         expected = settings.admin_token.get_secret_value() if settings.admin_token else ""
         if not expected:
@@ -341,8 +341,8 @@ def _hypotheses_out(generated: generator_pb2.GenerateResponse) -> list[Hypothesi
     ]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or get_settings()
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
     metrics = GatewayMetrics()
     lookups = {"hit": 0, "miss": 0}
     hit_ratio = Gauge(

@@ -1,6 +1,6 @@
 """The retriever as the gateway sees it: one service, or an index split over shards.
 
-With several addresses (``OPENBOOK_RETRIEVER_ADDR=host-0:8051,host-1:8051``) each serves one
+With several addresses (``OPENBOOK_GATEWAY_RETRIEVER_ADDR=host-0:8051,host-1:8051``) each serves one
 shard of every index: a query fans out to all and the top-k are merged by score, so results
 equal those of the unsharded index. Admin calls go to every shard.
 """
@@ -8,6 +8,7 @@ equal those of the unsharded index. Admin calls go to every shard.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from fastapi import HTTPException
 from pydantic import SecretStr
@@ -25,6 +26,36 @@ def _to_proto(p: Passage) -> common_pb2.Passage:
     return common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score)
 
 
+def merge_results(per_shard: Sequence[Sequence[list[Passage]]], k: int) -> list[list[Passage]]:
+    """Merge ``per_shard[s][q]`` (each shard's hits for query q, best first) into the top-k.
+
+    Sorted by score, descending; ties keep shard order, then rank within the shard (a stable
+    sort over the hits concatenated in that order). A passage id seen twice keeps its best hit
+    only, so a shard listed twice by mistake cannot duplicate results.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not per_shard:
+        return []
+    n_queries = len(per_shard[0])
+    if any(len(r) != n_queries for r in per_shard):
+        counts = [len(r) for r in per_shard]
+        raise ValueError(f"shards answered different numbers of queries: {counts}")
+    merged = []
+    for q in range(n_queries):
+        hits = sorted((p for shard in per_shard for p in shard[q]), key=lambda p: -p.score)
+        seen: set[str] = set()
+        top: list[Passage] = []
+        for p in hits:
+            if p.id not in seen:
+                seen.add(p.id)
+                top.append(p)
+                if len(top) == k:
+                    break
+        merged.append(top)
+    return merged
+
+
 class Retrieval:
     def __init__(
         self,
@@ -35,7 +66,7 @@ class Retrieval:
     ) -> None:
         addresses = [a.strip() for a in addrs.split(",") if a.strip()]
         if not addresses:
-            raise ValueError("OPENBOOK_RETRIEVER_ADDR: no address given")
+            raise ValueError("OPENBOOK_GATEWAY_RETRIEVER_ADDR: no address given")
         self.shards = [
             RetrieverClient(a, timeout_s, health_timeout_s, admin_token) for a in addresses
         ]
@@ -68,8 +99,6 @@ class Retrieval:
                 shard = self.shards[i]
                 retry = retriever_pb2.RetrieveRequest(queries=[question], k=k, index=label)
                 replies[i] = await shard.call(shard.stub.Retrieve, retry, request_id)
-        from openbook.index.shard import merge_results
-
         merged = merge_results(
             [[[_to_passage(p) for p in reply.results[0].passages]] for reply in replies], k
         )[0]

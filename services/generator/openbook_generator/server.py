@@ -10,7 +10,6 @@ import logging
 import threading
 
 from openbook.checkpoint import latest_checkpoint, locate_in_root
-from openbook.config import Settings
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
@@ -27,11 +26,12 @@ from openbook.shared_state import (
 )
 from openbook.v1 import generator_pb2_grpc
 from openbook_generator.servicer import GeneratorServicer, load_generator_checkpoint
+from openbook_generator.settings import GeneratorSettings
 
 log = logging.getLogger(__name__)
 
 
-def load_initial_generator(settings: Settings) -> RagGenerator:
+def load_initial_generator(settings: GeneratorSettings) -> RagGenerator:
     """The latest trained checkpoint if there is a good one, else the configured base model."""
     device, dtype = settings.device or None, settings.dtype or None
     if settings.load_latest_checkpoint:
@@ -40,17 +40,17 @@ def load_initial_generator(settings: Settings) -> RagGenerator:
                 return load_generator_checkpoint(settings.checkpoint_dir, device, dtype)
         except ValueError as exc:
             log.error("latest checkpoint refused, serving the base model instead: %s", exc)
-    return RagGenerator.load(settings.generator_model, device=device, dtype=dtype)
+    return RagGenerator.load(settings.model, device=device, dtype=dtype)
 
 
-def bind(settings: Settings) -> tuple[GrpcService, DeferredServicer]:
+def bind(settings: GeneratorSettings) -> tuple[GrpcService, DeferredServicer]:
     """The gRPC server on its port, answering UNAVAILABLE until a servicer is attached."""
     metrics = ServiceMetrics("generator")
     pending = DeferredServicer("generator")
     service = GrpcService(
         GENERATOR_SERVICE,
-        settings.generator_host,
-        settings.generator_port,
+        settings.host,
+        settings.port,
         lambda server: generator_pb2_grpc.add_GeneratorServicer_to_server(pending, server),
         # A thread for every request waiting or running in a batch, so the queue can fill (and
         # answer RESOURCE_EXHAUSTED), plus grpc_workers for everything else.
@@ -58,11 +58,13 @@ def bind(settings: Settings) -> tuple[GrpcService, DeferredServicer]:
         metrics=metrics,
         admin_methods=admin_methods(GENERATOR_SERVICE),
         admin_token=settings.admin_token,
+        max_concurrent_rpcs=settings.grpc_max_concurrent_rpcs,
+        access_log=settings.access_log,
     )
     return service, pending
 
 
-def load(settings: Settings, metrics: ServiceMetrics | None) -> GeneratorServicer:
+def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> GeneratorServicer:
     """Load the model (the slow part) and the servicer around it."""
     generator = load_initial_generator(settings)
     redis = redis_client(settings.redis_url, settings.redis_timeout_s)
@@ -81,15 +83,15 @@ def load(settings: Settings, metrics: ServiceMetrics | None) -> GeneratorService
         max_batch_size=settings.max_batch_size,
         max_batch_wait_ms=settings.max_batch_wait_ms,
         max_queue=settings.max_queue,
-        memory_budget_bytes=settings.generator_memory_mb * 2**20,
-        max_request_s=settings.generator_max_request_s,
+        memory_budget_bytes=settings.memory_mb * 2**20,
+        max_request_s=settings.max_request_s,
     )
     follow_reloads(settings, servicer, redis, metrics)
     return servicer
 
 
 def follow_reloads(
-    settings: Settings, servicer: GeneratorServicer, redis, metrics: ServiceMetrics | None
+    settings: GeneratorSettings, servicer: GeneratorServicer, redis, metrics: ServiceMetrics | None
 ) -> ModelFollower:
     """Converge to the desired model in Redis now (a replica started after a reload), then
     follow later reloads until the servicer is closed."""
@@ -107,7 +109,7 @@ def follow_reloads(
     return follower
 
 
-def build(settings: Settings) -> tuple[GrpcService, GeneratorServicer]:
+def build(settings: GeneratorSettings) -> tuple[GrpcService, GeneratorServicer]:
     """Bound and loaded, not started: for running in-process (tests, benchmarks)."""
     service, pending = bind(settings)
     servicer = load(settings, service.metrics)
@@ -115,10 +117,10 @@ def build(settings: Settings) -> tuple[GrpcService, GeneratorServicer]:
     return service, servicer
 
 
-def serve(settings: Settings, stop: threading.Event | None = None) -> None:
+def serve(settings: GeneratorSettings, stop: threading.Event | None = None) -> None:
     """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
     service, pending = bind(settings)
-    service.metrics.serve_http(settings.generator_metrics_port, settings.generator_host)
+    service.metrics.serve_http(settings.metrics_port, settings.host)
     loaded: list[GeneratorServicer] = []
 
     def load_and_attach() -> None:

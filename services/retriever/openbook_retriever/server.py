@@ -11,7 +11,6 @@ import logging
 import threading
 
 from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
-from openbook.config import Settings
 from openbook.index import load_encoder
 from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
@@ -29,6 +28,7 @@ from openbook.shared_state import (
 from openbook.v1 import retriever_pb2_grpc
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.servicer import RetrieverServicer
+from openbook_retriever.settings import RetrieverSettings
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +40,30 @@ def warm_up(servicer: RetrieverServicer) -> None:
         servicer._search(index, ["warm-up"], 1, False)
 
 
-def bind(settings: Settings) -> tuple[GrpcService, DeferredServicer]:
+def bind(settings: RetrieverSettings) -> tuple[GrpcService, DeferredServicer]:
     """The gRPC server on its port, answering UNAVAILABLE until a servicer is attached."""
     metrics = ServiceMetrics("retriever")
     pending = DeferredServicer("retriever")
     service = GrpcService(
         RETRIEVER_SERVICE,
-        settings.retriever_host,
-        settings.retriever_port,
+        settings.host,
+        settings.port,
         lambda server: retriever_pb2_grpc.add_RetrieverServicer_to_server(pending, server),
         # as the generator: a thread per place in the batch queue and batch, plus grpc_workers
         workers=settings.grpc_workers
-        + settings.retriever_max_queue
-        + settings.retriever_max_batch_size,
+        + settings.max_queue
+        + settings.max_batch_size,
         metrics=metrics,
         admin_methods=admin_methods(RETRIEVER_SERVICE),
         admin_token=settings.admin_token,
+        max_concurrent_rpcs=settings.grpc_max_concurrent_rpcs,
+        access_log=settings.access_log,
     )
     return service, pending
 
 
 def load(
-    settings: Settings, metrics: ServiceMetrics | None, stop: threading.Event
+    settings: RetrieverSettings, metrics: ServiceMetrics | None, stop: threading.Event
 ) -> RetrieverServicer:
     """Load the initial index, encoder and checkpoint (the slow part); follow the shared
     active index until ``stop`` is set."""
@@ -74,9 +76,9 @@ def load(
         encoder,
         metrics,
         checkpoint_root=settings.checkpoint_dir,
-        max_batch_size=settings.retriever_max_batch_size,
-        max_batch_wait_ms=settings.retriever_max_batch_wait_ms,
-        max_queue=settings.retriever_max_queue,
+        max_batch_size=settings.max_batch_size,
+        max_batch_wait_ms=settings.max_batch_wait_ms,
+        max_queue=settings.max_queue,
     )
 
     # The active index survives restarts and is agreed between replicas through Redis;
@@ -110,7 +112,7 @@ def load(
 
 
 def follow_reloads(
-    settings: Settings,
+    settings: RetrieverSettings,
     servicer: RetrieverServicer,
     metrics: ServiceMetrics | None,
     stop: threading.Event,
@@ -133,7 +135,7 @@ def follow_reloads(
     return follower
 
 
-def build(settings: Settings) -> tuple[GrpcService, RetrieverServicer, threading.Event]:
+def build(settings: RetrieverSettings) -> tuple[GrpcService, RetrieverServicer, threading.Event]:
     """Bound and loaded, not started: for running in-process (tests, benchmarks). Set the
     returned event to stop following the shared active index."""
     service, pending = bind(settings)
@@ -143,10 +145,10 @@ def build(settings: Settings) -> tuple[GrpcService, RetrieverServicer, threading
     return service, servicer, stop
 
 
-def serve(settings: Settings, stop: threading.Event | None = None) -> None:
+def serve(settings: RetrieverSettings, stop: threading.Event | None = None) -> None:
     """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
     service, pending = bind(settings)
-    service.metrics.serve_http(settings.retriever_metrics_port, settings.retriever_host)
+    service.metrics.serve_http(settings.metrics_port, settings.host)
     stop = stop if stop is not None else threading.Event()
     following = threading.Event()
 

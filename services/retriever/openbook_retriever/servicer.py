@@ -147,7 +147,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         self.metrics = metrics
         self.encoder_version = ""  # a checkpoint's version once one is loaded
         self.shared = shared
-        # An override of the indexes' own query encoders (OPENBOOK_QUERY_ENCODER, then a
+        # An override of the indexes' own query encoders (OPENBOOK_RETRIEVER_QUERY_ENCODER, then a
         # checkpoint's): it searches only the indexes it pairs with (openbook.index.pairing).
         self.override: QueryEncoderOverride | None = (
             configured_override(query_encoder) if query_encoder is not None else None

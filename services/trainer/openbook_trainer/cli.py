@@ -1,6 +1,6 @@
 """``openbook train``: fine-tune RAG's query encoder and/or generator (see docs/training.md).
 
-Mount with ``app.command("train")(train_command)``; ``python -m openbook_trainer`` runs it alone.
+``openbook-trainer train`` and ``openbook train`` run it.
 Every flag can also be set in ``--config FILE.yaml`` (same names); flags win over the file.
 """
 
@@ -75,10 +75,10 @@ def train_command(
     flags = {n: (v.value if isinstance(v, StrEnum) else v) for n, v in locals().items()}
     flags.pop("config")
     from openbook.checkpoint import CheckpointError
-    from openbook.evaluation.data import DataError
     from openbook.index import IndexLoadError
     from openbook.rag import ModelLoadError
     from openbook_trainer.config import ConfigError, TrainConfig
+    from openbook_trainer.evaluation.data import DataError
 
     try:
         cfg = TrainConfig.load(config, **flags)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from openbook.evaluation.data import DataError, Example, read_examples
+from openbook_trainer.evaluation.data import DataError, Example, read_examples
 
 __all__ = [
     "DataError",

@@ -41,7 +41,6 @@ from openbook.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from openbook.evaluation.runner import predict_local, score_predictions
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
 from openbook.index.encoders import encoder_id
 from openbook.rag import DecodingOptions, RagGenerator
@@ -53,6 +52,7 @@ from openbook_trainer.data import (
     read_examples,
     training_pairs,
 )
+from openbook_trainer.evaluation.runner import predict_local, score_predictions
 from openbook_trainer.retrieval import DenseRetrieval
 
 log = logging.getLogger("openbook.trainer")

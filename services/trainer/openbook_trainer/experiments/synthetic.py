@@ -13,6 +13,7 @@ the gold passage can only rise through the RAG marginal likelihood. Models are t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +73,6 @@ def make_task(
     encoded in eval mode; it matters for the query encoder in training).
     """
     from openbook.index import build_index
-    from openbook.index.testing import write_jsonl
-    from openbook.rag.testing import make_tiny_bart
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -98,8 +97,7 @@ def make_task(
         )
     generator = root / "bart"
     if not (generator / "config.json").is_file():
-        make_tiny_bart(generator, seed=seed, words=vocab, d_model=bart_d_model, layers=bart_layers)
-        _reinit_small(generator, seed)
+        make_word_bart(generator, vocab, d_model=bart_d_model, layers=bart_layers, seed=seed)
     return SyntheticTask(root, passages, train, dev, index, q_dir, generator, n_entities)
 
 
@@ -145,16 +143,77 @@ def make_dpr_pair(
     return dirs[0], dirs[1]
 
 
-def _reinit_small(model_dir: Path, seed: int) -> None:
-    """Re-initialise the test BART with the standard small init: make_tiny_bart's large weights
-    give peaked outputs (good for decoding tests) but train poorly."""
-    from transformers import BartForConditionalGeneration
+BART_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # BART's ids 0..4
 
+
+def make_word_bart(
+    out: Path, vocab: list[str], *, d_model: int, layers: int, seed: int
+) -> Path:
+    """A small BART, initialised as transformers does, over a whitespace word vocabulary.
+
+    Whole-word tokens keep the task's answers single tokens, so what the experiment measures is
+    whether the retriever learns which passage holds an answer, not the generator's spelling.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        GenerationConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    ids = {token: i for i, token in enumerate(BART_SPECIALS)}
+    for word in vocab:
+        ids.setdefault(word, len(ids))
+    word_level = Tokenizer(models.WordLevel(vocab=ids, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
+    config = BartConfig(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=2 * d_model,
+        decoder_ffn_dim=2 * d_model,
+        max_position_embeddings=512,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    # config.json and generation_config.json agree (BartConfig defaults forced_eos_token_id=2).
+    config.forced_eos_token_id = None
     torch.manual_seed(seed)
-    model = BartForConditionalGeneration.from_pretrained(model_dir)
-    fresh = BartForConditionalGeneration(model.config)
-    fresh.generation_config = model.generation_config
-    fresh.save_pretrained(model_dir)
+    model = BartForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, decoder_start_token_id=2
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
 
 
 def read_jsonl(path: Path) -> list[dict]:

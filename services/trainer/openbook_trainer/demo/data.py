@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+# services/trainer/openbook_trainer/demo/data.py -> the repository root
+REPO_DATA_DIR = Path(__file__).resolve().parents[4] / "data"
 
 SQUAD_PARAGRAPHS = Path("squad/paragraphs.jsonl")
 SQUAD_QUESTIONS = Path("squad/questions.jsonl")
@@ -37,12 +37,11 @@ DEMO_SNAPSHOTS: tuple[Snapshot, ...] = (
 )
 
 
-def default_data_dir() -> Path:
-    """``$OPENBOOK_DATA_DIR`` if set, else the repository's ``data/`` (when openbook runs from a
-    checkout or an editable install), else ``./data``."""
-    env = os.environ.get("OPENBOOK_DATA_DIR")
-    if env:
-        return Path(env)
+def default_data_dir(configured: Path | None = None) -> Path:
+    """``configured`` (the settings' ``OPENBOOK_DATA_DIR``) if given, else the repository's
+    ``data/`` (when openbook runs from a checkout or an editable install), else ``./data``."""
+    if configured is not None:
+        return configured
     return REPO_DATA_DIR if REPO_DATA_DIR.is_dir() else Path("data")
 
 

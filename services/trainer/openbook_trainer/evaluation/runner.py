@@ -7,15 +7,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from openbook.evaluation.data import Example
-from openbook.evaluation.metrics import (
+from openbook.types import Passage
+from openbook_trainer.evaluation.data import Example
+from openbook_trainer.evaluation.metrics import (
     accuracy,
     answer_recall_at_k,
     generation_scores,
     qa_scores,
     recall_at_k,
 )
-from openbook.types import Passage
 
 TASKS = ("qa", "generation", "classification")
 

@@ -1,6 +1,6 @@
 """``openbook eval``: score a running system (HTTP ``/answer``) or a checkpoint on a JSONL file.
 
-Mount with ``app.command("eval")(eval_command)``; ``python -m openbook.evaluation`` runs it alone.
+``openbook-trainer eval`` and ``openbook eval`` run it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, NoReturn
 
 import typer
 
-from openbook.evaluation.data import DataError, read_examples
-from openbook.evaluation.runner import EvalError, Prediction, predict_http, predict_local
-from openbook.evaluation.runner import score_predictions as score
+from openbook_trainer.evaluation.data import DataError, read_examples
+from openbook_trainer.evaluation.runner import EvalError, Prediction, predict_http, predict_local
+from openbook_trainer.evaluation.runner import score_predictions as score
 
 
 class Task(StrEnum):

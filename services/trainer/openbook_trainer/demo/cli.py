@@ -6,17 +6,13 @@ complete and does nothing, saying so.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from openbook.demo.data import default_data_dir
-
-DEFAULT_INDEX_ROOT = "var/indexes"
-DEFAULT_MODELS_DIR = "var/models"
+from openbook_trainer.demo.data import default_data_dir
 
 app = typer.Typer(help="Offline demo data, indexes and default models.", no_args_is_help=True)
 
@@ -24,10 +20,6 @@ app = typer.Typer(help="Offline demo data, indexes and default models.", no_args
 @app.callback()
 def _demo() -> None:
     """Offline demo data, indexes and default models."""
-
-
-def _env_path(var: str, default: str | Path) -> Path:
-    return Path(os.environ.get(var) or default)
 
 
 @app.command()
@@ -48,27 +40,26 @@ def prepare(
     skip_indexes: Annotated[bool, typer.Option(help="Do not build the indexes")] = False,
 ) -> None:
     """Build the missing demo indexes and the default generator; a no-op when all exist."""
-    from openbook.demo.indexes import prepare_demo_indexes
-    from openbook.demo.models import (
+    from pydantic import ValidationError
+
+    from openbook_trainer.demo.indexes import prepare_demo_indexes
+    from openbook_trainer.demo.models import (
         DEFAULT_MODEL_DIRNAME,
         is_prepared,
         prepare_default_generator,
     )
+    from openbook_trainer.settings import TrainerSettings
 
-    # OPENBOOK_PREPARE (set by docker-compose.yml): what the init step prepares —
-    # "indexes,models" (default), "indexes", "models" or "none".
-    wanted = {w.strip() for w in os.environ.get("OPENBOOK_PREPARE", "indexes,models").split(",")}
-    unknown = wanted - {"indexes", "models", "none", ""}
-    if unknown:
-        raise typer.BadParameter(
-            f"OPENBOOK_PREPARE: unknown part(s) {', '.join(sorted(unknown))}; "
-            "use indexes, models or none"
-        )
-    skip_indexes = skip_indexes or "indexes" not in wanted
-    skip_models = skip_models or "models" not in wanted
-    index_root = index_root or _env_path("OPENBOOK_INDEX_ROOT", DEFAULT_INDEX_ROOT)
-    models_dir = models_dir or _env_path("OPENBOOK_MODELS_DIR", DEFAULT_MODELS_DIR)
-    data_dir = data_dir or default_data_dir()
+    try:
+        settings = TrainerSettings()
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    # OPENBOOK_TRAINER_PREPARE (set by docker-compose.yml): what the init step prepares.
+    skip_indexes = skip_indexes or not settings.prepares("indexes")
+    skip_models = skip_models or not settings.prepares("models")
+    index_root = index_root or settings.index_root
+    models_dir = models_dir or settings.models_dir
+    data_dir = data_dir or default_data_dir(settings.data_dir)
     start = time.monotonic()
     did: list[str] = []
 

@@ -1,4 +1,10 @@
-"""The ``openbook`` command: serve a service, start the stack, build indexes, check health."""
+"""The ``openbook`` command: start the stack, ask it, and every service's own commands.
+
+It is the one package that knows every service (it depends on all four); the core library and
+the services never import it. ``openbook serve <service>`` runs exactly what that service's own
+command (``openbook-<service>``, what the images run) runs; the jobs' sub-commands are those of
+``openbook-trainer``.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +17,9 @@ import click
 import typer
 from typer.core import TyperGroup
 
-# Sub-commands that pull in torch and friends, imported only when invoked, so that light
-# commands (health checks run every few seconds) start fast.
-LAZY_COMMANDS = {
-    "index": ("openbook.index.cli:app", "Build and inspect indexes."),
-    "demo": ("openbook.demo.cli:app", "Demo data, indexes and default models."),
-    "train": ("openbook_trainer.cli:app", "Fine-tune the query encoder and generator jointly."),
-    "eval": ("openbook.evaluation.cli:app", "Score a running system or a checkpoint."),
-    "experiments": ("openbook.experiments.cli:app", "The paper's experiments, in small."),
-}
+# openbook-trainer's sub-commands: they pull in torch and friends, so they are imported only
+# when invoked and light commands (up, ask, health) start fast.
+LAZY_COMMANDS = ("train", "eval", "demo", "experiments", "index")
 
 
 class LazyGroup(TyperGroup):
@@ -29,12 +29,11 @@ class LazyGroup(TyperGroup):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in LAZY_COMMANDS:
             return super().get_command(ctx, name)
-        target, help_text = LAZY_COMMANDS[name]
-        module, attr = target.split(":")
         try:
-            sub_app = getattr(importlib.import_module(module), attr)
+            from openbook_trainer.__main__ import COMMANDS
         except ImportError as exc:
             raise click.ClickException(f"'{name}' is unavailable: {exc}") from None
+        sub_app, help_text = COMMANDS[name]
         command = typer.main.get_command(sub_app)
         command.name = name
         command.help = command.help or help_text
@@ -57,55 +56,9 @@ class ServiceName(StrEnum):
 
 @app.command()
 def serve(service: ServiceName) -> None:
-    """Run one service in the foreground, configured by OPENBOOK_* environment variables."""
-    from openbook.config import get_settings
-    from openbook.logs import setup_logging
-
-    settings = get_settings()
-    setup_logging(settings.log_level)
-    if service is ServiceName.retriever:
-        from openbook_retriever.server import serve as serve_retriever
-
-        serve_retriever(settings)
-    elif service is ServiceName.generator:
-        from openbook_generator.server import serve as serve_generator
-
-        serve_generator(settings)
-    else:
-        import uvicorn
-
-        from openbook_gateway.app import create_app
-
-        uvicorn.run(
-            create_app(settings),
-            host=settings.gateway_host,
-            port=settings.gateway_port,
-            log_config=None,
-            timeout_graceful_shutdown=10,
-        )
-
-
-@app.command()
-def health(
-    grpc_addr: str = typer.Option(None, "--grpc", help="host:port of a gRPC service"),
-    http_url: str = typer.Option(None, "--http", help="URL that must answer 200"),
-    timeout_s: float = typer.Option(2.0, "--timeout"),
-) -> None:
-    """Exit 0 when the service answers healthy (used by docker-compose healthchecks)."""
-    if bool(grpc_addr) == bool(http_url):
-        raise typer.BadParameter("give exactly one of --grpc or --http")
-    if grpc_addr:
-        from openbook.serving.grpc_server import check_health
-
-        ok = check_health(grpc_addr, timeout_s)
-    else:
-        import httpx
-
-        try:
-            ok = httpx.get(http_url, timeout=timeout_s).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-    raise typer.Exit(0 if ok else 1)
+    """Run one service in the foreground, as its own command (``openbook-<service>``) does."""
+    module = importlib.import_module(f"openbook_{service.value}.__main__")
+    module.main()
 
 
 @app.command("ask")
@@ -124,7 +77,7 @@ def ask_command(
 
     import httpx
 
-    from openbook.ask import ask, render
+    from openbook_cli.ask import ask, render
 
     try:
         answer = ask(url, question, k, decoding, num_beams, timeout_s)
@@ -143,7 +96,7 @@ def up(
     services: list[str] = typer.Argument(None, help="services to start (default: all)"),
 ) -> None:
     """Start the services of docker-compose.yml as local processes (no Docker needed)."""
-    from openbook.launcher import LaunchError, run_stack
+    from openbook_cli.launcher import LaunchError, run_stack
 
     try:
         run_stack(compose_file, services or None)

@@ -15,9 +15,9 @@ from typing import Any
 
 import redis
 
-from openbook.launcher import SUPERVISING_LINE
+from openbook_cli.launcher import SUPERVISING_LINE
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # The admin token of in-process backends: their admin RPCs (SwapIndex, ReloadModel, ...)
 # refuse calls without it, and a gateway in front of them forwards its own.
 BACKENDS_ADMIN_TOKEN = "backends-admin-token"
@@ -90,7 +90,7 @@ def build_fact_indexes(root: Path) -> tuple[str, str]:
     them — what an index swap must show.
     """
     from openbook.index import build_index
-    from openbook.index.testing import fact_rows, write_jsonl
+    from openbook_testkit.index import fact_rows, write_jsonl
 
     rows_a = fact_rows()
     rows_b = [
@@ -116,9 +116,9 @@ class Backends:
 
     def gateway_settings(self, redis_url: str, **overrides: Any):
         """Gateway settings that point at these backends (with their admin token)."""
-        from openbook.config import Settings
+        from openbook_gateway.settings import GatewaySettings
 
-        return Settings(
+        return GatewaySettings(
             **{
                 "retriever_addr": f"127.0.0.1:{self.retriever_port}",
                 "generator_addr": f"127.0.0.1:{self.generator_port}",
@@ -139,36 +139,40 @@ def running_backends(
     """The real retriever (``facts-a`` active, ``facts-b`` loadable) and generator (a tiny
     random BART, or ``generator_model``) built as their servers build them, on free loopback
     ports. Their admin RPCs need ``admin_token`` (None: admin off)."""
-    from openbook.config import Settings
-    from openbook.rag.testing import make_tiny_bart
+    from openbook_generator.settings import GeneratorSettings
+    from openbook_retriever.settings import RetrieverSettings
+    from openbook_testkit.rag import make_tiny_bart
 
     build_fact_indexes(workdir / "indexes")
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
-        generator_host="127.0.0.1",
-        generator_port=0,
-        index_root=workdir / "indexes",
-        default_index="facts-a",
-        redis_url=redis_url,
-        generator_model=generator_model or make_tiny_bart(workdir / "models" / "tiny-bart"),
-        checkpoint_dir=workdir / "checkpoints",  # empty: never a trained checkpoint of the repo
-        admin_token=admin_token,
+    common = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "redis_url": redis_url,
+        "checkpoint_dir": workdir / "checkpoints",  # empty: never a trained checkpoint of the repo
+        "admin_token": admin_token,
+    }
+    retriever = RetrieverSettings(
+        index_root=workdir / "indexes", default_index="facts-a", **common
     )
-    with backends_serving(settings) as backends:
+    generator = GeneratorSettings(
+        model=generator_model or make_tiny_bart(workdir / "models" / "tiny-bart"), **common
+    )
+    with backends_serving(retriever, generator) as backends:
         yield backends
 
 
 @contextmanager
-def backends_serving(settings: Any) -> Iterator[Backends]:
-    """The real retriever and generator built from ``settings`` as their servers build them
+def backends_serving(retriever_settings: Any, generator_settings: Any) -> Iterator[Backends]:
+    """The real retriever and generator built from their settings as their servers build them
     and started (port 0: a free one); on exit stopped, and a reload they were told about
-    forgotten in Redis (see :func:`_forget_desired_model`)."""
+    forgotten in Redis (see :func:`_forget_desired_model`). The two share Redis and the admin
+    token, as one deployment's services do."""
     from openbook_generator.server import build as build_generator
     from openbook_retriever.server import build as build_retriever
 
-    retriever, _, stop_following = build_retriever(settings)
-    generator, generator_servicer = build_generator(settings)
+    settings = retriever_settings
+    retriever, _, stop_following = build_retriever(retriever_settings)
+    generator, generator_servicer = build_generator(generator_settings)
     for service in (retriever, generator):
         service.set_serving(True)
         service.start()
@@ -255,9 +259,9 @@ class LocalStack:
             "OPENBOOK_RETRIEVER_METRICS_PORT": str(self.ports["rmetrics"]),
             "OPENBOOK_GENERATOR_METRICS_PORT": str(self.ports["gmetrics"]),
             "OPENBOOK_GENERATOR_MODEL": f"/var/openbook/models/{generator}",
-            "OPENBOOK_DEFAULT_INDEX": default_index,
+            "OPENBOOK_RETRIEVER_DEFAULT_INDEX": default_index,
             "OPENBOOK_ADMIN_TOKEN": admin_token,
-            "OPENBOOK_PREPARE": "none",
+            "OPENBOOK_TRAINER_PREPARE": "none",
             **(extra_env or {}),
         }
         self.proc: subprocess.Popen | None = None

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from openbook.evaluation.metrics import exact_match, f1_score, has_answer
-from openbook.experiments.records import ResultLog
 from openbook.types import Passage
+from openbook_trainer.evaluation.metrics import exact_match, f1_score, has_answer
+from openbook_trainer.experiments.records import ResultLog
 
 # A single empty passage: the generator's own prompt with nothing retrieved (closed book).
 NO_PASSAGE = Passage(id="closed-book", title="", text="", score=0.0)

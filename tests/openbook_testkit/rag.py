@@ -3,7 +3,7 @@ second).
 
 Used by this package's tests, the end-to-end tests and the trainer tests::
 
-    from openbook.rag.testing import make_tiny_bart, make_tiny_rag_checkpoint, make_tiny_causal_lm
+    from openbook_testkit.rag import make_tiny_bart, make_tiny_rag_checkpoint, make_tiny_causal_lm
     gen = RagGenerator.load(make_tiny_bart(tmp_path / "bart"))
 
 Weights are initialised with a large std so next-token distributions are peaked: near-uniform

@@ -6,7 +6,7 @@ and of the 2018 snapshot against ``answer_2018``), decoded greedily with plain t
 (at most ``--max-new-tokens``, stopping at the prompt's stop strings). The KV cache of the
 shared prefix is computed once and copied for every question.
 
-    .venv/bin/python -m openbook.demo.check_prompt --model-dir var/models/gemma-3-270m \
+    .venv/bin/python -m openbook_trainer.demo.check_prompt --model-dir var/models/gemma-3-270m \
         --squad 60 --threads 2
 """
 
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from openbook.demo.data import (
+from openbook_trainer.demo.data import (
     LEADERS_QUESTIONS,
     SQUAD_PARAGRAPHS,
     SQUAD_QUESTIONS,
     default_data_dir,
     read_jsonl,
 )
-from openbook.demo.prompt import PromptTemplate, default_prompt, load_prompt
-from openbook.evaluation.metrics import exact_match, f1_score
+from openbook_trainer.demo.prompt import PromptTemplate, default_prompt, load_prompt
+from openbook_trainer.evaluation.metrics import exact_match, f1_score
 
 
 @dataclass(frozen=True)

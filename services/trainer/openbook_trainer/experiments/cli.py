@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from pathlib import Path
 
 import click
 import typer
 
-from openbook.demo.data import default_data_dir
-from openbook.experiments.report import write_section
+from openbook_trainer.demo.data import default_data_dir
+from openbook_trainer.experiments.report import write_section
+from openbook_trainer.settings import TrainerSettings
 
 app = typer.Typer(
     help="Reproduce the RAG paper's experiments on the demo data.",
@@ -47,9 +47,10 @@ def hot_swap(
     report: Path = typer.Option(Path("docs/results.md")),
 ) -> None:
     """Ask the leader questions on wiki-2016 and wiki-2018, swapping the live index."""
-    from openbook.experiments.hot_swap import markdown, run_hot_swap
+    from openbook_trainer.experiments.hot_swap import markdown, run_hot_swap
 
-    questions = questions or default_data_dir() / "leaders" / "questions.jsonl"
+    data_dir = default_data_dir(TrainerSettings().data_dir)
+    questions = questions or data_dir / "leaders" / "questions.jsonl"
     try:
         result = run_hot_swap(
             url, admin_token, questions, k=k, decoding=decoding, limit=limit or None
@@ -77,7 +78,7 @@ def hot_swap(
 def open_qa(
     ctx: typer.Context,
     index_root: Path = typer.Option(
-        Path(os.environ.get("OPENBOOK_INDEX_ROOT", "var/indexes")), help="demo indexes"
+        None, help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)"
     ),
     generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="generator directory"),
     questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
@@ -92,7 +93,14 @@ def open_qa(
     """Closed book vs RAG-Token vs RAG-Sequence, dense vs BM25, EM vs k (Figure 3)."""
     if prior_scale <= 0:
         raise typer.BadParameter("must be greater than 0", param_hint="--prior-scale")
-    from openbook.experiments.open_qa import OpenQAConfig, markdown, plot_em_by_k, run_open_qa
+    from openbook_trainer.experiments.open_qa import (
+        OpenQAConfig,
+        markdown,
+        plot_em_by_k,
+        run_open_qa,
+    )
+    settings = TrainerSettings()
+    index_root = index_root or settings.index_root
 
     config = OpenQAConfig(
         index_root=index_root,
@@ -100,7 +108,7 @@ def open_qa(
         n=n,
         seed=seed,
         prior_scale=prior_scale,
-        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
+        questions=questions or default_data_dir(settings.data_dir) / "squad" / "questions.jsonl",
     )
     try:
         result = run_open_qa(config, out)

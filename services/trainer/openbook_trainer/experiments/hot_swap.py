@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from openbook.evaluation.metrics import exact_match
+from openbook_trainer.evaluation.metrics import exact_match
 
 PAPER = {
     ("2016", "2016"): 70.0,

@@ -1,3 +1,0 @@
-from openbook.evaluation.cli import main
-
-main()

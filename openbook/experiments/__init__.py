@@ -1,1 +1,0 @@
-"""The RAG paper's experiments, reproduced in small on the demo data (docs/results.md)."""

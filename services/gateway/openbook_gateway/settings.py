@@ -1,0 +1,26 @@
+"""The gateway's settings: ``OPENBOOK_GATEWAY_*``, plus the deployment-wide ones."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from openbook.settings import CommonSettings
+
+
+class GatewaySettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="OPENBOOK_GATEWAY_")
+
+    host: str = "127.0.0.1"  # loopback unless the deployment says otherwise
+    port: int = Field(8000, ge=0)
+    # host:port of the retriever; "a:1,b:2" (comma-separated) fans out over index shards.
+    retriever_addr: str = "127.0.0.1:8051"
+    generator_addr: str = "127.0.0.1:8052"
+    retrieve_timeout_s: float = Field(10.0, gt=0)
+    generate_timeout_s: float = Field(120.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    max_body_bytes: int = Field(64 * 1024, gt=0)  # larger request bodies get 413
+    cache_ttl_s: int = Field(24 * 3600, gt=0)
+    # How long POST /admin/reload-model waits for every replica to report the desired model
+    # (converged or refused) before answering 202 with the replicas still loading.
+    reload_wait_s: float = Field(600.0, gt=0)

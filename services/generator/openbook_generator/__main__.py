@@ -1,0 +1,17 @@
+"""``openbook-generator``: serve the generator over gRPC, configured by :class:`GeneratorSettings`."""
+
+from __future__ import annotations
+
+from openbook.logs import setup_logging
+from openbook_generator.server import serve
+from openbook_generator.settings import GeneratorSettings
+
+
+def main() -> None:
+    settings = GeneratorSettings()
+    setup_logging(settings.log_level)
+    serve(settings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""``openbook-retriever``: serve the retriever over gRPC, configured by :class:`RetrieverSettings`."""
+
+from __future__ import annotations
+
+from openbook.logs import setup_logging
+from openbook_retriever.server import serve
+from openbook_retriever.settings import RetrieverSettings
+
+
+def main() -> None:
+    settings = RetrieverSettings()
+    setup_logging(settings.log_level)
+    serve(settings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The jobs' settings (demo preparation, experiments): ``OPENBOOK_TRAINER_*``, plus the
+deployment's shared paths. Training itself is configured by its YAML file and flags
+(:mod:`openbook_trainer.config`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import field_validator
+from pydantic_settings import SettingsConfigDict
+
+from openbook.settings import CommonSettings, shared
+
+PREPARE_PARTS = ("indexes", "models")
+
+
+class TrainerSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="OPENBOOK_TRAINER_")
+
+    index_root: Path = shared(Path("var/indexes"), "OPENBOOK_INDEX_ROOT")
+    models_dir: Path = shared(Path("var/models"), "OPENBOOK_MODELS_DIR")
+    # The demo data; None: the repository's data/ (a checkout or an editable install), else ./data.
+    data_dir: Path | None = shared(None, "OPENBOOK_DATA_DIR")
+    # What `demo prepare` (the init step) prepares: "indexes,models", "indexes", "models" or
+    # "none".
+    prepare: str = "indexes,models"
+
+    @field_validator("prepare")
+    @classmethod
+    def _known_parts(cls, value: str) -> str:
+        parts = {p.strip() for p in value.split(",")} - {"", "none"}
+        unknown = parts - set(PREPARE_PARTS)
+        if unknown:
+            raise ValueError(
+                f"unknown part(s) {', '.join(sorted(unknown))}; use indexes, models or none"
+            )
+        return value
+
+    def prepares(self, part: str) -> bool:
+        return part in {p.strip() for p in self.prepare.split(",")}
