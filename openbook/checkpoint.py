@@ -9,9 +9,10 @@ Layout of one checkpoint (``<root>/step-000120/``)::
     manifest.json     written last: what this is, and the sha256 of every other file
 
 A checkpoint is assembled under a hidden temporary name in ``root`` and renamed into place only
-when complete, so a crash never leaves a directory that looks like a checkpoint. ``root/latest``
-is a one-line file naming the newest checkpoint, replaced with ``os.replace`` (atomic on POSIX),
-so readers see either the old or the new pointer, never a partial one.
+when complete, by the rules of :mod:`openbook.artifacts` (fsync, manifest, rename, fsync), so a
+crash never leaves a directory that looks like a checkpoint. ``root/latest`` is a one-line file
+naming the newest checkpoint, replaced atomically (:func:`openbook.artifacts.replace_file`), so
+readers see either the old or the new pointer, never a partial one.
 
 Temporary names are ``.<name>.tmp-<machine>-<pid>-<random>``, and the writer holds an
 exclusive ``flock`` on its temporary directory while it works, so
@@ -26,24 +27,26 @@ checkpoint root, after resolving symlinks and ``..``.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import functools
-import hashlib
 import json
-import logging
 import os
-import re
 import shutil
-import socket
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+# Marked F401: imported from here by the tests of checkpoints (they used to live here).
+from openbook.artifacts import (
+    PARTIAL_MAX_AGE_S,  # noqa: F401
+    checksum_files,
+    clean_stale_partials,  # noqa: F401
+    publish,
+    replace_file,
+    staging_dir,
+    verify_files,
+)
+from openbook.artifacts import machine_tag as _machine_tag  # noqa: F401
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -53,15 +56,6 @@ QUERY_ENCODER_DIR = "query_encoder"
 TRAINER_STATE = "trainer_state.pt"
 GENERATOR_VERSION_FILE = "openbook_manifest.json"  # read by openbook.rag.loading.model_version
 _PREFIX = "step-"
-_TMP_MARK = ".tmp-"
-# ``.<name>.tmp-<machine>-<pid>-<8 hex>``; older versions wrote names without the machine.
-_TMP_OWNER = re.compile(r"\.tmp-(?P<machine>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
-# A writer takes its lock right after creating its directory; younger entries are never
-# judged by their lock, so that instant cannot make a live writer's directory look abandoned.
-PARTIAL_GRACE_S = 30.0
-# Where the lock says nothing (another machine on a shared volume, a file system without
-# flock, a name without an owner), an entry untouched this long is abandoned.
-PARTIAL_MAX_AGE_S = 24 * 3600.0
 # Files a model directory must hold for the checkpoint to be usable at all.
 _REQUIRED_MODEL_FILES = ("config.json",)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -136,23 +130,6 @@ def version_name(step: int) -> str:
     return f"{_PREFIX}{step:06d}"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_files(paths: list[Path]) -> str:
-    """One digest over several files' contents (names excluded, order kept)."""
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(sha256_file(Path(p)).encode())
-        h.update(b"\n")
-    return h.hexdigest()
-
-
 def generator_dir(ckpt: Path) -> Path:
     return Path(ckpt) / GENERATOR_DIR
 
@@ -204,15 +181,10 @@ def write_checkpoint(
     ``_before_rename`` is a test hook called with the complete temporary directory.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     name = version_name(step)
     final = root / name
-    tmp = _tmp_path(root, name)
-    tmp.mkdir()
-    lock: int | None = None
-    try:
-        # Held until the end: tells clean_stale_partials that this directory is in use.
-        lock = _hold_writer_lock(tmp)
+    # Held under its writer's flock until the end: tells clean_stale_partials it is in use.
+    with staging_dir(final) as tmp:
         _save_generator(generator, tmp / GENERATOR_DIR, generator_source)
         # RagGenerator.load reports this as its model_version, so /answer names the checkpoint.
         (tmp / GENERATOR_DIR / GENERATOR_VERSION_FILE).write_text(
@@ -224,11 +196,6 @@ def write_checkpoint(
             import torch
 
             torch.save(dict(trainer_state), tmp / TRAINER_STATE)
-        files = {
-            p.relative_to(tmp).as_posix(): sha256_file(p)
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
         manifest = CheckpointManifest(
             version=name,
             step=int(step),
@@ -238,29 +205,19 @@ def write_checkpoint(
             index={str(k): str(v) for k, v in index.items()},
             data_sha256=data_sha256,
             metrics={k: float(v) for k, v in (metrics or {}).items()},
-            files=files,
+            files={rel: d.sha256 for rel, d in checksum_files(tmp, exclude={MANIFEST}).items()},
             trained=list(trained or []),
             config=_jsonable(dict(config or {})),
         )
-        _write_durably(tmp / MANIFEST, manifest.to_json())
-        _fsync_tree(tmp)
-        if _before_rename is not None:
-            _before_rename(tmp)
-        if final.exists():
-            # Re-saving a step (after a resume): move the old one aside first, since rename
-            # cannot replace a non-empty directory.
-            stale = _tmp_path(root, name)
-            final.rename(stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.rename(final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if lock is not None:
-            os.close(lock)
-    _point_latest(root, name)
+        # Re-saving a step (after a resume) replaces it.
+        publish(
+            tmp,
+            final,
+            manifests={MANIFEST: manifest.to_json()},
+            replace=True,
+            before_rename=_before_rename,
+        )
+    replace_file(root / LATEST, name + "\n")
     if keep_last is not None and keep_last > 0:
         _prune(root, keep=keep_last, protect=name)
     return final
@@ -303,9 +260,7 @@ def _save_backend_settings(generator: Any, backend: Any, out: Path) -> None:
 
     spec = getattr(backend, "spec", None)
     if isinstance(spec, PromptSpec):
-        (out / PROMPT_FILE).write_text(
-            json.dumps(dataclasses.asdict(spec), indent=2) + "\n", encoding="utf-8"
-        )
+        (out / PROMPT_FILE).write_text(spec.to_json(), encoding="utf-8")
         return
     if not all(hasattr(backend, a) for a in ("title_sep", "doc_sep", "max_combined_length")):
         return
@@ -326,13 +281,6 @@ def _save_backend_settings(generator: Any, backend: Any, out: Path) -> None:
     (out / SEQ2SEQ_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
-def _point_latest(root: Path, name: str) -> None:
-    tmp = _tmp_path(root, LATEST)
-    _write_durably(tmp, name + "\n")
-    os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
-
-
 def _prune(root: Path, keep: int, protect: str) -> None:
     done = sorted(p for p in root.glob(f"{_PREFIX}*") if (p / MANIFEST).is_file())
     for old in done[:-keep]:
@@ -340,155 +288,9 @@ def _prune(root: Path, keep: int, protect: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not support fsync on directories
-    finally:
-        os.close(fd)
-
-
 def _jsonable(value: Any) -> Any:
     """Config values as JSON: paths and other objects become strings."""
     return json.loads(json.dumps(value, default=str))
-
-
-# ----------------------------------------------------------------------------- partial writes
-
-
-@functools.lru_cache(maxsize=1)
-def _machine_tag() -> str:
-    """This kernel: the Linux boot id (shared by every container on the machine, new after a
-    reboot), else the host name. Only on the same kernel does a free flock prove a writer dead;
-    pids alone cannot, since every container numbers its processes from 1."""
-    try:
-        raw = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError):
-        raw = socket.gethostname()
-    return re.sub(r"[^A-Za-z0-9]", "", raw)[:32] or "unknown"
-
-
-def _tmp_path(root: Path, name: str) -> Path:
-    return root / f".{name}{_TMP_MARK}{_machine_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def _hold_writer_lock(path: Path) -> int | None:
-    """An exclusive flock on ``path``, held until the returned descriptor is closed (the kernel
-    drops it when the writer dies, however it dies). None where the file system has no flock."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _lock_is_free(path: Path) -> bool | None:
-    """Whether no process holds ``path``'s flock; None when this cannot be told."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # also releases the lock if it was taken
-    return True
-
-
-def _newest_mtime(path: Path) -> float:
-    """The latest modification time of ``path`` and anything under it (links not followed)."""
-    newest = path.lstat().st_mtime
-    if path.is_dir() and not path.is_symlink():
-        for parent, dirs, files in os.walk(path):
-            for entry in (*dirs, *files):
-                try:
-                    newest = max(newest, os.lstat(os.path.join(parent, entry)).st_mtime)
-                except OSError:
-                    continue  # removed while we looked
-    return newest
-
-
-def _is_abandoned(path: Path, now: float, grace_s: float, max_age_s: float) -> bool:
-    idle = now - _newest_mtime(path)
-    if idle < grace_s:
-        return False
-    owner = _TMP_OWNER.search(path.name)
-    free = _lock_is_free(path)
-    if free is False:
-        return False  # a live writer holds it
-    if free and owner is not None and owner["machine"] == _machine_tag():
-        return True  # written on this kernel, whose writer would hold the lock if it lived
-    # Another machine (a lock there may be invisible here), no flock, or an old-style name.
-    return idle > max_age_s
-
-
-def clean_stale_partials(
-    root: Path, *, grace_s: float = PARTIAL_GRACE_S, max_age_s: float = PARTIAL_MAX_AGE_S
-) -> list[Path]:
-    """Remove what killed writers left in ``root`` (``.<name>.tmp-*`` directories and files);
-    return what was removed.
-
-    Safe beside live writers, also other trainers writing into the same root: an entry is
-    removed when it was written on this machine and no process holds its writer lock, or,
-    where the lock cannot tell (another machine, no flock, an old-style name), when nothing in
-    it changed for ``max_age_s``. Entries younger than ``grace_s`` are always kept.
-    """
-    root = Path(root)
-    try:
-        entries = sorted(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    removed = []
-    now = time.time()
-    for path in entries:
-        if not (path.name.startswith(".") and _TMP_MARK in path.name):
-            continue
-        try:
-            if not _is_abandoned(path, now, grace_s, max_age_s):
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        except FileNotFoundError:
-            continue  # another cleaner (a second trainer starting) was faster
-        except OSError as exc:
-            log.warning("cannot remove partial checkpoint %s: %s", path, exc)
-            continue
-        log.info("removed partial checkpoint %s left by an interrupted writer", path.name)
-        removed.append(path)
-    return removed
 
 
 # ----------------------------------------------------------------------------- reading
@@ -601,12 +403,11 @@ def verify_checkpoint(path: Path) -> CheckpointManifest:
         raise CheckpointError(f"checkpoint {path}: directory not found")
     manifest = CheckpointManifest.from_file(path / MANIFEST)
     label = f"checkpoint {manifest.version}"
-    for rel, digest in sorted(manifest.files.items()):
-        f = path / rel
-        if not f.is_file():
-            raise CheckpointError(f"{label}: {rel} missing")
-        if sha256_file(f) != digest:
-            raise CheckpointError(f"{label}: {rel} is corrupt (sha256 mismatch)")
+    problem = verify_files(path, sha256=manifest.files)
+    if problem is not None and problem.kind == "checksum":
+        raise CheckpointError(f"{label}: {problem.rel} is corrupt (sha256 mismatch)")
+    if problem is not None:
+        raise CheckpointError(f"{label}: {problem}")
     for sub in (GENERATOR_DIR, QUERY_ENCODER_DIR):
         d = path / sub
         if sub == GENERATOR_DIR and not d.is_dir():
@@ -644,41 +445,79 @@ class LoadedCheckpoint:
         return self.manifest.version
 
 
-def load_query_encoder(ckpt: Path, *, verify: bool = True) -> Any | None:
-    """The checkpoint's query encoder (a private, uncached copy), or None if it has none."""
+def open_checkpoint(path: Path) -> tuple[Path, CheckpointManifest]:
+    """A checkpoint (or the latest one under a root), verified: its directory and manifest."""
+    ckpt = resolve_checkpoint(Path(path))
+    return ckpt, verify_checkpoint(ckpt)
+
+
+def _opened(path: Path, verify: bool) -> tuple[Path, CheckpointManifest]:
+    if verify:
+        return open_checkpoint(path)
+    ckpt = resolve_checkpoint(Path(path))
+    return ckpt, read_manifest(ckpt)
+
+
+def load_generator(
+    path: Path, *, device: str | None = None, dtype: str | None = None, verify: bool = True
+) -> Any:
+    """The generator of a checkpoint (or of the latest one under a root): an
+    :class:`openbook.rag.RagGenerator` whose ``model_version`` is the checkpoint's version.
+
+    The checkpoint is verified first unless ``verify=False`` (the caller just did). Raises
+    :class:`CheckpointError` for anything missing or corrupt, including files the model loader
+    rejects, so a server can keep its current model and report the message.
+    """
+    from openbook.rag import RagGenerator
+
+    ckpt, manifest = _opened(path, verify)
+    try:
+        generator = RagGenerator.load(generator_dir(ckpt), device=device, dtype=dtype)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {manifest.version}: {GENERATOR_DIR}/: {e}") from None
+    generator.model_version = manifest.version
+    return generator
+
+
+def load_query_encoder(path: Path, *, device: str | None = None, verify: bool = True) -> Any | None:
+    """The query encoder of a checkpoint (or of the latest one under a root), a private,
+    uncached :class:`openbook.index.Encoder` on ``device`` (default: where it loads), or None
+    when the checkpoint has none. Verified first unless ``verify=False``; raises
+    :class:`CheckpointError`."""
     from openbook.index import load_encoder
 
-    ckpt = Path(ckpt)
-    if verify:
-        verify_checkpoint(ckpt)
+    ckpt, _ = _opened(path, verify)
     d = query_encoder_dir(ckpt)
     if d is None:
         return None
     try:
-        return load_encoder(str(d), role="query", cached=False)
+        encoder = load_encoder(str(d), role="query", cached=False)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {ckpt.name}: {QUERY_ENCODER_DIR}/: {e}") from None
+    if device is not None:
+        encoder.model.to(device)
+    return encoder
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The optimizer / scheduler / RNG state a checkpoint was saved with, on the CPU (the
+    checkpoint is not verified again: :func:`open_checkpoint` first)."""
+    import torch
+
+    state_file = trainer_state_path(Path(path))
+    if state_file is None:
+        raise CheckpointError(f"{path} has no trainer state to resume from")
+    return torch.load(state_file, map_location="cpu", weights_only=True)
 
 
 def load_checkpoint(
     path: Path, *, device: str | None = None, dtype: str | None = None
 ) -> LoadedCheckpoint:
-    """Verify and load a checkpoint (or the latest one under a root).
-
-    Raises :class:`CheckpointError` for anything missing or corrupt, including files the model
-    loaders reject, so a server can keep its current model and report the message.
-    """
-    from openbook.rag import RagGenerator
-
-    ckpt = resolve_checkpoint(Path(path))
-    manifest = verify_checkpoint(ckpt)
-    try:
-        generator = RagGenerator.load(generator_dir(ckpt), device=device, dtype=dtype)
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {manifest.version}: {GENERATOR_DIR}/: {e}") from None
-    query_encoder = load_query_encoder(ckpt, verify=False)
-    if query_encoder is not None and device is not None:
-        query_encoder.model.to(device)
+    """Verify a checkpoint (or the latest one under a root) once and load its models
+    (:func:`load_generator`, :func:`load_query_encoder`); raises :class:`CheckpointError`."""
+    ckpt, manifest = open_checkpoint(path)
+    generator = load_generator(ckpt, device=device, dtype=dtype, verify=False)
+    query_encoder = load_query_encoder(ckpt, device=device, verify=False)
     return LoadedCheckpoint(ckpt, manifest, generator, query_encoder)
 
 

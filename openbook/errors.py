@@ -1,7 +1,10 @@
 """Errors that cross service boundaries, each with the gRPC status it maps to.
 
-Libraries raise ``ValueError`` subclasses for bad input (the index and RAG libraries do);
-services raise these when they need a specific status.
+A service's boundary validates each request into a typed request (``openbook.limits``) and
+raises these for a client's mistakes; whatever else escapes an RPC is a bug in the service
+and becomes INTERNAL (the gateway's 500), even a ``ValueError`` or ``LookupError`` from a
+library. Library errors that do mean "the client asked for something wrong" wherever a
+service meets them are declared once with :func:`client_errors`.
 """
 
 from __future__ import annotations
@@ -58,13 +61,26 @@ class Unavailable(OpenbookError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+# Library exception types declared as client errors, with their status (client_errors).
+_CLIENT_ERRORS: dict[type[BaseException], grpc.StatusCode] = {}
+
+
+def client_errors(
+    *types: type[BaseException], code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+) -> None:
+    """Declare library exceptions that a service raises only for a client's mistake (a
+    checkpoint or index that a request named and that is refused), so they answer ``code``.
+    For library types a service cannot raise as :class:`OpenbookError` subclasses."""
+    for cls in types:
+        _CLIENT_ERRORS[cls] = code
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status an exception escaping an RPC answers: its own for :class:`OpenbookError`s
+    and declared client errors, INTERNAL for anything else."""
     if isinstance(exc, OpenbookError):
         return exc.code
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, LookupError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
+    for cls in type(exc).__mro__:
+        if cls in _CLIENT_ERRORS:
+            return _CLIENT_ERRORS[cls]
     return grpc.StatusCode.INTERNAL

@@ -300,19 +300,3 @@ def replica_metrics(metrics) -> Callable[[dict], None] | None:
         metrics.set_serving("reload", state["state"])
 
     return record
-
-
-def set_desired_model(client: redis.Redis, checkpoint: str) -> str:
-    """Record ``checkpoint`` (as a client named it) as the model every replica must serve, and
-    announce it; returns the new request id. Raises ``redis.RedisError``."""
-    import uuid
-
-    request = uuid.uuid4().hex
-    pipe = client.pipeline()
-    pipe.delete(DESIRED_MODEL_KEY)
-    pipe.hset(
-        DESIRED_MODEL_KEY, mapping={"id": request, "checkpoint": checkpoint, "at": time.time()}
-    )
-    pipe.publish(MODEL_RELOAD_CHANNEL, request)
-    pipe.execute()
-    return request

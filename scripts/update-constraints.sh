@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Re-pin constraints.txt to what .venv holds now: run after a deliberate dependency change
-# (pyproject.toml) has been installed and tested. torch is pinned where it is installed
+# (pyproject.toml, services/*/pyproject.toml) has been installed and tested; then writes each
+# service's constraints.txt (its part of this file). torch is pinned where it is installed
 # (scripts/install.sh, the Dockerfiles), from a CPU or CUDA index; openbook itself is the project.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,3 +12,5 @@ VENV=${VENV:-.venv}
   "$VENV/bin/python" -m pip freeze --exclude-editable | grep -v -i -E '^(torch|openbook)([=@ ]|$)'
 } > constraints.txt
 echo "constraints.txt: $(grep -vc '^#' constraints.txt) packages pinned"
+# Each service's image installs only its own closure, pinned by its own file.
+"$VENV/bin/python" scripts/service_constraints.py

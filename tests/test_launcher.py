@@ -36,7 +36,7 @@ def test_repo_compose_file_translates_to_local_processes(tmp_path):
     }
     project = ComposeProject(REPO_ROOT / "docker-compose.yml", env)
     gateway = project.services["gateway"]
-    assert gateway.argv == ["openbook", "serve", "gateway"]
+    assert gateway.argv == ["openbook-gateway"]
     assert gateway.env["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "127.0.0.1:8051"
     assert gateway.env["OPENBOOK_GATEWAY_GENERATOR_ADDR"] == "127.0.0.1:8052"
     assert gateway.env["OPENBOOK_REDIS_URL"] == "redis://127.0.0.1:6379/0"
@@ -51,6 +51,21 @@ def test_repo_compose_file_translates_to_local_processes(tmp_path):
     assert order.index("init") < order.index("generator")
     assert "trainer" not in order  # behind a profile
     assert "trainer" in project.resolve_order(["trainer"])
+
+
+def test_openbook_commands_are_found_beside_this_python_when_not_on_path():
+    # What compose runs (openbook-retriever, openbook-health, ...) is installed with openbook:
+    # `openbook up` finds it even when its folder is not on PATH (an unactivated venv).
+    from openbook_cli.launcher import _resolve
+
+    bin_dir = Path(sys.executable).parent
+    env = {"PATH": "/nonexistent"}
+    installed = [c for c in ("openbook-retriever", "openbook-health") if (bin_dir / c).exists()]
+    assert installed, f"openbook's commands are not installed in {bin_dir}"
+    for command in installed:
+        assert _resolve([command, "--x"], env, "s") == [str(bin_dir / command), "--x"]
+    with pytest.raises(LaunchError, match="not found on PATH"):
+        _resolve(["python-no-such-command"], env, "s")
 
 
 def _write_compose(tmp_path, port):
@@ -136,7 +151,7 @@ def test_openbook_up_cli_stops_everything_on_sigterm(tmp_path):
     port = free_port()
     compose = _write_compose(tmp_path, port)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openbook", "up", "-f", str(compose)],
+        [sys.executable, "-m", "openbook_cli", "up", "-f", str(compose)],
         env={**os.environ, "WEB_PORT": str(port)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -36,7 +36,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from openbook.config import Settings
 from openbook.index.cli import app as index_cli
 from openbook_testkit.index import FACTS, make_tiny_dpr_encoders, write_facts
 from openbook_testkit.rag import make_tiny_rag_checkpoint, strip_trailing
@@ -237,8 +236,11 @@ def paper(models) -> Paper:
 
 @pytest.fixture(scope="module")
 def openbook(models, tmp_path_factory, redis_server) -> Iterator[Openbook]:
+    from openbook_gateway.settings import GatewaySettings
     from openbook_generator.server import build as build_generator
+    from openbook_generator.settings import GeneratorSettings
     from openbook_retriever.server import build as build_retriever
+    from openbook_retriever.settings import RetrieverSettings
 
     token_dir, sequence_dir, ctx_dir = models
     work = tmp_path_factory.mktemp("openbook")
@@ -267,9 +269,9 @@ def openbook(models, tmp_path_factory, redis_server) -> Iterator[Openbook]:
     assert built.exit_code == 0, built.output
     common = dict(redis_url=redis_server.url, checkpoint_dir=work / "checkpoints")
     retriever, _, stop_following = build_retriever(
-        Settings(
-            retriever_host="127.0.0.1",
-            retriever_port=0,
+        RetrieverSettings(
+            host="127.0.0.1",
+            port=0,
             index_root=work / "indexes",
             default_index=INDEX,
             query_encoder=str(token_dir),
@@ -277,9 +279,7 @@ def openbook(models, tmp_path_factory, redis_server) -> Iterator[Openbook]:
         )
     )
     generators = [
-        build_generator(
-            Settings(generator_host="127.0.0.1", generator_port=0, generator_model=d, **common)
-        )
+        build_generator(GeneratorSettings(host="127.0.0.1", port=0, model=d, **common))
         for d in (token_dir, sequence_dir)
     ]
     services = [retriever, *(g for g, _ in generators)]
@@ -288,10 +288,10 @@ def openbook(models, tmp_path_factory, redis_server) -> Iterator[Openbook]:
         service.start()
     try:
         gateways = [
-            Settings(
+            GatewaySettings(
                 retriever_addr=f"127.0.0.1:{retriever.port}",
                 generator_addr=f"127.0.0.1:{g.port}",
-                **common,
+                redis_url=redis_server.url,
             )
             for g, _ in generators
         ]

@@ -9,10 +9,11 @@ import time
 import pytest
 
 from openbook.codegen import proto_files, stubs_are_stale
-from openbook.config import Settings
 from openbook.logs import JsonFormatter, request_id_var
 from openbook.shared_state import ActiveIndexStore, publish_model_version, redis_client
 from openbook_gateway.cache import cache_key
+from openbook_gateway.settings import GatewaySettings
+from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.stack import free_port
 
 
@@ -86,10 +87,10 @@ def test_stubs_regenerate_when_a_proto_changes(tmp_path):
 def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("OPENBOOK_GATEWAY_PORT", "9123")
     monkeypatch.setenv("OPENBOOK_ADMIN_TOKEN", "t0k")
-    settings = Settings()
-    assert settings.gateway_port == 9123
+    settings = GatewaySettings()
+    assert settings.port == 9123
     assert settings.admin_token.get_secret_value() == "t0k"
     assert "t0k" not in repr(settings)  # the token never shows up in logs of the settings
     monkeypatch.setenv("OPENBOOK_GENERATOR_MAX_BATCH_SIZE", "0")
     with pytest.raises(ValueError, match="max_batch_size"):
-        Settings()
+        GeneratorSettings()

@@ -44,7 +44,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# The stack and data builders live with the tests (tests/openbook_testkit), not in a package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from openbook_testkit.index import QUESTIONS  # noqa: E402
 from openbook_testkit.stack import LocalStack, build_fact_indexes  # noqa: E402
 
@@ -412,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"1 client, cached, {args.cached_seconds:.0f} s ...", flush=True)
             levels.append(run_level(stack, "cached", 1, args.cached_seconds, cached))
         if args.compare_unbatched:
-            off = {"OPENBOOK_GENERATOR_MAX_BATCH_SIZE": "1", "OPENBOOK_RETRIEVER_MAX_BATCH_SIZE": "1"}
+            off = {
+                "OPENBOOK_GENERATOR_MAX_BATCH_SIZE": "1",
+                "OPENBOOK_RETRIEVER_MAX_BATCH_SIZE": "1",
+            }
             with running(var, {**env, **off}) as stack:
                 clients = max(args.clients)
                 print(f"{clients} clients, uncached, batching off ...", flush=True)

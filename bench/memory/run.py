@@ -54,9 +54,9 @@ def measure(model: str, index: str, shape: str, max_new_tokens: int) -> dict:
     """In this process: load, reset the peak mark, generate once (see the module docstring)."""
     import torch
 
-    from openbook.config import Settings
     from openbook.rag import DecodingOptions, RagGenerator
     from openbook.types import Passage
+    from openbook_generator.settings import GeneratorSettings
 
     k, beams, mode = shape.split(":")
     k, beams = int(k), int(beams)
@@ -71,7 +71,7 @@ def measure(model: str, index: str, shape: str, max_new_tokens: int) -> dict:
     )
     shape_ = generator.request_shape(QUESTION, passages, options)
     estimate = generator.memory.batch_bytes([shape_])
-    budget = Settings().generator_memory_mb * 2**20
+    budget = GeneratorSettings().memory_mb * 2**20
     with torch.inference_mode():  # warm the allocator and kernels on a tiny request first
         generator.generate(QUESTION, passages[:1], DecodingOptions(max_new_tokens=2))
     Path("/proc/self/clear_refs").write_text("5")  # peak mark := current resident size
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print()
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; model {args.model}")
-    from openbook.config import Settings
+    from openbook_generator.settings import GeneratorSettings
 
     print(
         "| k:beams:mode | prompt tokens | measured MiB | estimated MiB | measured / estimated "
-        f"| admitted ({Settings().generator_memory_mb:,} MiB budget) | seconds |"
+        f"| admitted ({GeneratorSettings().memory_mb:,} MiB budget) | seconds |"
     )
     print("|---|---:|---:|---:|---:|---|---:|")
     for r in results:

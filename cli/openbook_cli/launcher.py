@@ -263,10 +263,11 @@ class ComposeProject:
 
 
 def _resolve(argv: list[str], env: Mapping[str, str], service: str) -> list[str]:
-    """Find the executable; ``openbook`` falls back to the one beside this Python."""
+    """Find the executable; openbook's own commands (``openbook``, ``openbook-retriever``,
+    ``openbook-health``, ...) fall back to the ones beside this Python."""
     exe = shutil.which(argv[0], path=env.get("PATH"))
-    if exe is None and argv[0] == "openbook":
-        sibling = Path(sys.executable).parent / "openbook"
+    if exe is None and argv[0].startswith("openbook") and "/" not in argv[0]:
+        sibling = Path(sys.executable).parent / argv[0]
         exe = str(sibling) if sibling.exists() else None
     if exe is None:
         raise LaunchError(f"service {service}: command {argv[0]!r} not found on PATH")

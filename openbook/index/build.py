@@ -1,7 +1,8 @@
 """build_index: passages -> SQLite store -> sharded, resumable embeddings -> index -> manifest.
 
-The build happens in ``<out_dir.parent>/.<out_dir.name>.partial`` and is renamed to ``out_dir``
-only once complete, so a half-built index never looks like an index. Re-running the same build
+The build happens in ``<out_dir.parent>/.<out_dir.name>.partial`` and is published as ``out_dir``
+with its manifest only once complete (:func:`openbook.artifacts.publish`: fsync, manifest,
+rename, fsync), so a half-built index never looks like an index. Re-running the same build
 after an interruption reuses the passage store and every embedding shard already written and
 verified (shape, dtype and sha256), which matters when a shard is hours of encoder time.
 
@@ -28,16 +29,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from openbook.artifacts import clean_stale_partials, partial_dir, publish, sha256_file
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, build_bm25
 from openbook.index.encoders import DEFAULT_ENCODER, Encoder, encoder_id, load_encoder
 from openbook.index.manifest import (
     MANIFEST,
     Manifest,
-    checksum_dir,
-    combined_checksum,
+    checksum_fields,
     score_scale_problem,
-    sha256_file,
 )
 from openbook.index.passages import FORMATS, read_passages
 from openbook.index.store import PassageStore, PassageWriter
@@ -218,7 +218,7 @@ def _build_locked(
     passages: Callable[[], Iterator[Passage]] | None = None,
 ) -> Manifest:
     """``passages``: where the passages come from if not ``read_passages(inputs, ...)``."""
-    work = out_dir.parent / f".{out_dir.name}.partial"
+    work = partial_dir(out_dir)
     state = work / _STATE
     fingerprint = _fingerprint(inputs, input_format, max_words, vectors, shard_size)
     _prepare_workdir(work, state, fingerprint)
@@ -256,7 +256,6 @@ def _build_locked(
         params = {"k1": 1.5, "b": 0.75, "method": "lucene", "stopwords": "en"}
 
     shutil.rmtree(state)
-    files, sizes = checksum_dir(work)
     manifest = Manifest(
         name=name,
         encoder=vectors.encoder if vectors else None,
@@ -265,9 +264,7 @@ def _build_locked(
         count=count,
         index_type=index_type,
         index_params=params,
-        files=files,
-        sizes=sizes,
-        checksum=combined_checksum(files),
+        **checksum_fields(work),
         normalize=vectors.normalize if vectors else False,
         score_scale=float(score_scale),
         build_seconds=round(time.monotonic() - t0, 3),
@@ -275,8 +272,9 @@ def _build_locked(
         input_format=input_format,
         max_words=max_words,
     )
-    manifest.to_file(work / MANIFEST)
-    _publish(work, out_dir)
+    # An old version moved aside by a publish that was interrupted: nothing else removes it.
+    clean_stale_partials(out_dir.parent, name=out_dir.name)
+    publish(work, out_dir, manifests={MANIFEST: manifest.to_json()}, replace=True)
     return manifest
 
 
@@ -520,16 +518,3 @@ def _stage_bm25(work: Path, count: int, progress: bool) -> None:
     if out.exists():
         shutil.rmtree(out)
     build_bm25(texts, out, progress=progress)
-
-
-def _publish(work: Path, out_dir: Path) -> None:
-    """Atomically move the finished build into place, replacing an old index if allowed."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        out_dir.rename(old)
-    work.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old)

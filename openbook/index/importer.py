@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from openbook.artifacts import partial_dir
 from openbook.index import faiss_index
 from openbook.index.build import (
     VectorSource,
@@ -155,7 +156,7 @@ def import_embeddings(
             )
         except EmbeddingsError:
             # Re-running cannot fix bad input; leave nothing half-written behind.
-            shutil.rmtree(out_dir.parent / f".{out_dir.name}.partial", ignore_errors=True)
+            shutil.rmtree(partial_dir(out_dir), ignore_errors=True)
             raise
 
 

@@ -8,17 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from openbook.artifacts import verify_files
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
 from openbook.index.build import INDEX_TYPES, PASSAGES_FILE, VECTORS_FILE
 from openbook.index.encoders import Encoder, load_encoder
-from openbook.index.manifest import (
-    MANIFEST,
-    IndexLoadError,
-    Manifest,
-    combined_checksum,
-    sha256_file,
-)
+from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
 from openbook.index.store import PassageStore
 from openbook.types import Passage
 
@@ -43,20 +38,12 @@ def open_index(path: Path, verify: bool = True, *, name: str | None = None) -> L
     label = f"index {name or manifest.name!r}"
     if manifest.index_type not in INDEX_TYPES:
         raise IndexLoadError(f"{label}: unknown index_type {manifest.index_type!r}")
-    for rel, size in manifest.sizes.items():
-        f = path / rel
-        if not f.is_file():
-            raise IndexLoadError(f"{label}: {rel} missing")
-        if f.stat().st_size != size:
-            raise IndexLoadError(
-                f"{label}: {rel} size {f.stat().st_size} != {size} recorded in manifest"
-            )
+    if problem := verify_files(path, sizes=manifest.sizes):
+        raise IndexLoadError(f"{label}: {problem}")
     if combined_checksum(manifest.files) != manifest.checksum:
         raise IndexLoadError(f"{label}: manifest checksum does not match its file list")
-    if verify:
-        for rel, digest in manifest.files.items():
-            if sha256_file(path / rel) != digest:
-                raise IndexLoadError(f"{label}: {rel} checksum mismatch")
+    if verify and (problem := verify_files(path, sha256=manifest.files)):
+        raise IndexLoadError(f"{label}: {problem}")
     return LoadedIndex(path, manifest, name=name)
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openbook.artifacts import checksum_files, replace_file
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
@@ -49,13 +51,16 @@ class Manifest:
     def dense(self) -> bool:
         return self.index_type != "bm25"
 
-    def to_file(self, path: Path) -> None:
+    def to_json(self) -> str:
         data = dataclasses.asdict(self)
         if data["shard"] is None:
             del data["shard"]  # unsharded manifests stay as they were before sharding existed
-        tmp = Path(path).with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def to_file(self, path: Path) -> None:
+        """Write (or atomically replace) ``path``; a new index is published with its manifest
+        by :func:`openbook.artifacts.publish` instead."""
+        replace_file(Path(path), self.to_json())
 
     @classmethod
     def from_file(cls, path: Path) -> Manifest:
@@ -113,14 +118,6 @@ def _check_shard(path: Path, shard: Any, count: Any) -> None:
         raise IndexLoadError(f"{path}: invalid shard field {shard!r}")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def combined_checksum(files: dict[str, str]) -> str:
     h = hashlib.sha256()
     for rel in sorted(files):
@@ -128,12 +125,13 @@ def combined_checksum(files: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def checksum_dir(root: Path) -> tuple[dict[str, str], dict[str, int]]:
-    """sha256 and size of every file under ``root`` except the manifest itself."""
-    files, sizes = {}, {}
-    for p in sorted(Path(root).rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            rel = p.relative_to(root).as_posix()
-            files[rel] = sha256_file(p)
-            sizes[rel] = p.stat().st_size
-    return files, sizes
+def checksum_fields(root: Path) -> dict[str, Any]:
+    """The manifest fields that checksum the files under ``root`` (the manifest itself left
+    out): ``files`` (sha256), ``sizes`` and their ``checksum``."""
+    digests = checksum_files(root, exclude={MANIFEST})
+    files = {rel: d.sha256 for rel, d in digests.items()}
+    return {
+        "files": files,
+        "sizes": {rel: d.size for rel, d in digests.items()},
+        "checksum": combined_checksum(files),
+    }

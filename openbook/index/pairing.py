@@ -127,8 +127,8 @@ class QueryEncoderOverride:
 
 
 def configured_override(encoder: Encoder, name: str | None = None) -> QueryEncoderOverride:
-    """``OPENBOOK_RETRIEVER_QUERY_ENCODER``: pairs with indexes whose manifest names it (or what it was
-    saved from) as query or document encoder, and, for a DPR question encoder or a RAG
+    """``OPENBOOK_RETRIEVER_QUERY_ENCODER``: pairs with indexes whose manifest names it (or what
+    it was saved from) as query or document encoder, and, for a DPR question encoder or a RAG
     directory, with DPR context-encoder indexes; always of its dimension."""
     return QueryEncoderOverride(encoder, "OPENBOOK_RETRIEVER_QUERY_ENCODER", [name], encoder.name)
 

@@ -24,12 +24,12 @@ Exactness of merged results vs. the unsharded index, per type:
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from openbook.index.manifest import MANIFEST, Manifest, checksum_dir, combined_checksum
+from openbook.artifacts import clean_stale_partials, publish, staging_dir
+from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 
 _TRAINED_TYPES = ("hnsw-sq8", "ivfpq")  # types whose quantizer the shards inherit
 
@@ -42,10 +42,11 @@ def shard_spans(count: int, n_shards: int) -> list[tuple[int, int]]:
 def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True) -> list[Path]:
     """Split the index at ``src`` into ``n_shards`` shard indexes; returns their directories.
 
-    The source is verified first (every checksum). All shards are written under
-    ``.<out_root name>.partial`` and renamed to ``out_root`` together, so ``out_root`` never
-    holds a partial set. Passage ids are the parent's; rows are renumbered from 0 per shard
-    (``manifest.shard["row_offset"]`` maps them back).
+    The source is verified first (every checksum). All shards are written into a hidden
+    staging directory beside ``out_root`` and published as ``out_root`` together
+    (:mod:`openbook.artifacts`), so ``out_root`` never holds a partial set. Passage ids are the
+    parent's; rows are renumbered from 0 per shard (``manifest.shard["row_offset"]`` maps them
+    back).
     """
     from openbook.index.loaded import open_index
 
@@ -64,12 +65,11 @@ def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True)
         raise ValueError(f"cannot split {m.count} passages into {n_shards} shards")
 
     name = src.resolve().name  # retrievers serve an index under its directory name
-    work = out_root.parent / f".{out_root.name}.partial"
-    if work.exists():
-        shutil.rmtree(work)  # left by an interrupted split: shards are cheap to redo
-    work.mkdir(parents=True)
-    try:
+    # What interrupted splits left: shards are cheap to redo.
+    clean_stale_partials(out_root.parent, name=out_root.name)
+    with staging_dir(out_root) as work:
         template = _trained_template(src, m)
+        manifests = {}
         for i, (start, stop) in enumerate(shard_spans(m.count, n_shards)):
             shard = {
                 "index": i,
@@ -78,13 +78,13 @@ def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True)
                 "parent_count": m.count,
                 "parent_checksum": m.checksum,
             }
-            _write_shard(src, m, work / f"shard-{i}" / name, start, stop, shard, template, progress)
-        if out_root.exists():  # appeared while we worked; rename would merge into an empty dir
-            raise ValueError(f"{out_root} already exists")
-        work.rename(out_root)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+            rel = f"shard-{i}/{name}"
+            sm = _write_shard(src, m, work / rel, start, stop, shard, template, progress)
+            manifests[f"{rel}/{MANIFEST}"] = sm.to_json()
+        try:
+            publish(work, out_root, manifests=manifests)
+        except FileExistsError:  # appeared while we worked
+            raise ValueError(f"{out_root} already exists") from None
     return [out_root / f"shard-{i}" / name for i in range(n_shards)]
 
 
@@ -108,7 +108,9 @@ def _write_shard(
     shard: dict,
     template,
     progress: bool,
-) -> None:
+) -> Manifest:
+    """Write shard ``shard`` (rows ``[start, stop)`` of the index at ``src``) into ``out``;
+    return its manifest, which the caller publishes with it."""
     import numpy as np
     from tqdm.auto import tqdm
 
@@ -155,16 +157,12 @@ def _write_shard(
             build_bm25(texts, out / BM25_DIR)
             bar.update(count)
 
-    files, sizes = checksum_dir(out)
-    manifest = dataclasses.replace(
+    return dataclasses.replace(
         m,
         count=count,
         index_params=params,
-        files=files,
-        sizes=sizes,
-        checksum=combined_checksum(files),
+        **checksum_fields(out),
         build_seconds=round(time.monotonic() - t0, 3),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         shard=shard,
     )
-    manifest.to_file(out / MANIFEST)

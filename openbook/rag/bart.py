@@ -16,8 +16,9 @@ directly on the model's own modules (same weights, same operations, no copies of
 * on CPU the LM head multiplies by a cached contiguous transpose of its weight (bit-identical,
   faster for the few rows of a decoding step; costs one extra copy of that weight).
 
-Only ``BartForConditionalGeneration`` in eval mode without autograd takes this path; anything else
-(T5, mBART, training) uses transformers' forward (see :class:`openbook.rag.models.Seq2SeqBackend`).
+Only ``BartForConditionalGeneration`` in eval mode without autograd takes this path
+(:class:`openbook.rag.models.BartBackend`); anything else (T5, mBART, training) uses transformers'
+forward (:class:`openbook.rag.models.Seq2SeqBackend`).
 """
 
 from __future__ import annotations

@@ -104,8 +104,7 @@ class RagGenerator:
 
     def refresh(self) -> None:
         """Rebuild caches derived from the weights (causal prefix cache); call after updates."""
-        if isinstance(self.backend, CausalBackend):
-            self.backend.refresh()
+        self.backend.refresh()
 
     # ------------------------------------------------------------------ generation
 

@@ -16,7 +16,6 @@ Supported layouts (all local; nothing is ever downloaded):
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +30,19 @@ from transformers import (
 )
 
 from openbook.rag.errors import ModelLoadError
-from openbook.rag.models import CausalBackend, GeneratorBackend, Seq2SeqBackend
-from openbook.rag.prompting import PROMPT_FILE, SEQ2SEQ_FILE, PromptSpec, load_seq2seq_settings
+from openbook.rag.models import CausalBackend, GeneratorBackend, seq2seq_backend
+from openbook.rag.prompting import (
+    PROMPT_FILE,
+    SEQ2SEQ_FILE,
+    PromptSpec,
+    load_seq2seq_settings,
+    read_json,
+)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 MANIFEST_FILES = ("openbook_manifest.json", "manifest.json")
-# Written by `openbook demo prepare` (openbook_trainer.demo.models): lists every file with its sha256.
+# Written by `openbook demo prepare` (openbook_trainer.demo.models): every file's size and sha256.
 PREPARED_MANIFEST = "openbook_model.json"
 RAG_GENERATOR_PREFIX = "rag.generator."
 RAG_QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
@@ -77,18 +82,6 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[str, to
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ModelLoadError(f"missing file {path}") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"corrupt file {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"corrupt file {path}: expected a JSON object")
-    return data
 
 
 def load(path: str | Path, device: str | None, dtype: str | None) -> Loaded:
@@ -234,7 +227,7 @@ def _load_seq2seq(root: Path, device: str, dtype: torch.dtype) -> tuple[Generato
     # Saved from a running backend (a checkpoint of a RAG generator): rebuild it as it was.
     settings = load_seq2seq_settings(root / SEQ2SEQ_FILE) if (root / SEQ2SEQ_FILE).exists() else {}
     q_dir = settings.get("question_tokenizer")
-    backend = Seq2SeqBackend(
+    backend = seq2seq_backend(
         model,
         tokenizer,
         prefix=settings.get("prefix", getattr(model.config, "prefix", None)),
@@ -315,7 +308,7 @@ def _load_rag(
         generation = GenerationConfig.from_pretrained(str(root), local_files_only=True)
     else:
         generation = GenerationConfig.from_model_config(config)
-    backend = Seq2SeqBackend(
+    backend = seq2seq_backend(
         model,
         tokenizer,
         prefix=config.get("prefix") or gen_cfg.get("prefix"),

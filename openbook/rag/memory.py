@@ -28,7 +28,12 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from openbook.rag.models import SCORE_LOGIT_ELEMENTS, CausalBackend, GeneratorBackend
+from openbook.rag.models import (
+    SCORE_LOGIT_ELEMENTS,
+    BartBackend,
+    CausalBackend,
+    GeneratorBackend,
+)
 from openbook.rag.options import DecodingOptions
 from openbook.types import Passage
 
@@ -112,7 +117,7 @@ def memory_model(backend: GeneratorBackend) -> MemoryModel:
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
         inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
-        layer_types = 2 if getattr(backend, "_window", None) else 1
+        layer_types = 2 if backend.sliding_window else 1
         return MemoryModel(
             vocab=vocab,
             prefix_tokens=backend.prefix_len,
@@ -136,7 +141,7 @@ def memory_model(backend: GeneratorBackend) -> MemoryModel:
         cross_bytes_per_token=(1 + decoder_layers * 2) * d * elt,
         activation_bytes_per_token=(6 * d + 2 * ffn) * elt,
         score_bytes_per_pair=2 * heads * elt,
-        shared_cross=getattr(backend, "_bart", None) is not None,
+        shared_cross=isinstance(backend, BartBackend),
     )
 
 

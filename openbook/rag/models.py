@@ -1,16 +1,33 @@
-"""Generator back-ends behind one interface.
+"""Generator back-ends: one class per model family, each owning its typed decoding state.
 
-Both back-ends expose p(y_i | x, z, y_<i) for a batch of (request, passage) rows:
+Every family gives p(y_i | x, z, y_<i) for a batch of (request, passage) rows through the small
+interface of :class:`GeneratorBackend`:
 
-* :meth:`GeneratorBackend.encode` runs the expensive per-passage part ONCE — the BART encoder
-  plus the decoder-start step, or the causal LM's prompt prefill on top of the shared prefix
-  cache — and keeps the resulting key/value cache together with the first-token log-distribution.
-* :meth:`start` forks that cache into ``copies`` rows per passage (beams), :meth:`step` feeds one
-  token per row, :meth:`reorder` follows beam search's row permutation.
-* :meth:`score` teacher-forces whole candidate sequences, again reusing the encoded cache.
+* :meth:`~GeneratorBackend.encode` runs the expensive per-passage part ONCE (the encoder plus the
+  decoder-start step, or the prompt prefill on top of the shared prefix cache) and returns the
+  family's :class:`Encoded` state: its key/value caches and log p(y_1 | x, z);
+* :meth:`~GeneratorBackend.start` forks that into ``copies`` decoding rows per passage (beams), the
+  family's :class:`DecodeState`; :meth:`~GeneratorBackend.step` feeds one token per row;
+  :meth:`~GeneratorBackend.reorder` follows beam search's row permutation;
+* :meth:`~GeneratorBackend.score` teacher-forces whole candidate sequences, again reusing the
+  encoded state; :meth:`~GeneratorBackend.target_logits` gives differentiable training logits.
+
+Families:
+
+* :class:`Seq2SeqBackend`: any transformers encoder-decoder (T5, mBART, ...) through the model's
+  own forward, with :class:`Seq2SeqEncoded` / :class:`Seq2SeqDecodeState`;
+* :class:`BartBackend`: ``BartForConditionalGeneration`` (plain BART and a RAG checkpoint's
+  generator). At inference it decodes with :mod:`openbook.rag.bart` (cross-attention keys/values
+  computed once per passage and shared by its beams, prefix-tree scoring) with
+  :class:`BartEncoded` / :class:`BartDecodeState`; in training mode or with autograd on it is
+  exactly :class:`Seq2SeqBackend`;
+* :class:`CausalBackend`: decoder-only LMs (Gemma, Llama, ...) prompted per passage after a shared
+  prefix whose cache is computed once, with :class:`CausalEncoded` / :class:`CausalDecodeState`.
 
 Rows are always ordered (request, passage slot[, copy]). Requests with fewer passages than the
 batch's slot count are padded by repeating a passage; callers give such slots a log prior of -inf.
+Shapes: n requests, k passage slots, R = n*k encoded rows, N = R*copies decoding rows, V vocabulary.
+Adding a model family: see ``README.md`` in this folder.
 """
 
 from __future__ import annotations
@@ -33,52 +50,31 @@ from openbook.types import Passage
 # materialises: 2**24 float32 = 64 MiB, plus its log-softmax. With Gemma's 262k vocabulary a
 # whole-sequence forward of a few rows would otherwise hold gigabytes (see openbook/rag/memory.py).
 SCORE_LOGIT_ELEMENTS = 1 << 24
-# Sequences scored together as one prefix tree on the BART fast path (bounds the cache size).
+# Sequences scored together as one prefix tree on the BART path (bounds the cache size).
 _TREE_CHUNK_SEQS = 1024
+
+Items = Sequence[tuple[str, Sequence[Passage]]]  # (question, passages) per request
 
 
 @dataclass
 class Encoded:
-    """Per-passage state of ``n`` requests x ``k`` passage slots (rows ordered request-major).
+    """What every family's encoded state holds: ``n`` requests x ``k`` passage slots.
 
-    first_logprobs: (n*k, V) float32, log p(y_1 | x, z).
-    cache: key/value cache after the prompt / decoder-start step, n*k rows.
-    mask: (n*k, S) attention mask; encoder mask for seq2seq, prompt mask (prefix + padded passage
-        prompt) for causal LMs.
-    positions: (n*k,) causal LMs only: position id of the first answer token.
-    hidden: (n*k, S, d) seq2seq through transformers' forward only: encoder output.
-    cross: BART fast path only (:mod:`openbook.rag.bart`): per-layer cross-attention keys/values,
-        computed once per row and shared by every beam / candidate; ``cache`` is then a list of
-        per-layer self-attention keys/values and ``cross_mask`` the encoder mask (None: no padding).
+    first_logprobs: (R, V) float32, log p(y_1 | x, z), rows ordered request-major.
     """
 
     n: int
     k: int
     first_logprobs: Tensor
-    cache: Cache | bart.KV
-    mask: Tensor
-    positions: Tensor | None = None
-    hidden: Tensor | None = None
-    cross: bart.KV | None = None
-    cross_mask: Tensor | None = None
 
 
 @dataclass
 class DecodeState:
-    """Live decoding rows (request, slot, copy); ``length`` answer tokens already in the cache."""
-
-    cache: Cache | bart.KV
-    mask: Tensor
-    positions: Tensor | None
-    hidden: Tensor | None
-    length: int
-    cross: bart.KV | None = None
-    cross_mask: Tensor | None = None
-    copies: int = 1  # BART fast path: decoder rows per encoded row
+    """Base of the families' live decoding rows (request, slot, copy); :meth:`step` grows them."""
 
 
 class GeneratorBackend(ABC):
-    """p(y_i | x, z, y_<i) from some language model (see module docstring)."""
+    """p(y_i | x, z, y_<i) from one model family (see the module docstring)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -98,32 +94,33 @@ class GeneratorBackend(ABC):
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @abstractmethod
-    def encode(self, items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> Encoded: ...
+    def encode(self, items: Items, k: int) -> Encoded:
+        """Encode ``k`` passage slots of every request (short requests repeat their last one)."""
 
     @abstractmethod
-    def start(self, enc: Encoded, copies: int) -> DecodeState: ...
+    def start(self, enc: Encoded, copies: int) -> DecodeState:
+        """``copies`` decoding rows per encoded row: row ``r * copies + c`` reads encoded row r."""
 
     @abstractmethod
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
-        """Feed ``tokens`` (N,) -> next-token log-probs (N, V) float32."""
+        """Feed ``tokens`` (N,), one per row -> next-token log-probs (N, V) float32."""
 
+    @abstractmethod
     def reorder(self, state: DecodeState, rows: Tensor) -> None:
-        reorder_self_attention(state.cache, rows)
+        """Row i of ``state`` becomes its row ``rows[i]`` (N,) (beams move within their passage)."""
 
     @abstractmethod
     def score(
         self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
     ) -> Tensor:
-        """Token log-probs (R, T) float32 of ``seqs`` (R, T) under encoded rows ``rows`` (R,).
+        """Token log-probs (M, T) float32 of ``seqs`` (M, T) under encoded rows ``rows`` (M,).
 
-        Entry t is log p(seqs[r, t] | x, z, seqs[r, :t]); padding positions (t >= lengths[r] when
+        Entry t is log p(seqs[m, t] | x, z, seqs[m, :t]); padding positions (t >= lengths[m] when
         ``lengths`` is given) hold garbage the caller masks.
         """
 
     @abstractmethod
-    def target_logits(
-        self, items: Sequence[tuple[str, Sequence[Passage]]], targets: Tensor
-    ) -> Tensor:
+    def target_logits(self, items: Items, targets: Tensor) -> Tensor:
         """Generator logits for teacher forcing, differentiable, in transformers' RAG layout.
 
         items: n requests with exactly k passages each; targets: (n, T) starting with
@@ -134,36 +131,22 @@ class GeneratorBackend(ABC):
     def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
         """(n, T) loss targets: ``target_start_id``, answer tokens, EOS; right-padded."""
 
+    def refresh(self) -> None:
+        """Rebuild state derived from the weights (call after they change); none by default."""
+        return None
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in token_ids]
 
-    def _log_softmax(self, logits: Tensor) -> Tensor:
-        return torch.log_softmax(logits.float(), dim=-1)
 
-    def _gather_chunked(self, rows: Tensor, seqs: Tensor, forward) -> Tensor:
-        """Shared chunking for :meth:`score`: ``forward(rows, inputs)`` -> logits (r, T-1, V).
-
-        Rows are chunked so one chunk's logits stay within :data:`SCORE_LOGIT_ELEMENTS` (at least
-        one row per chunk).
-        """
-        n_rows, length = seqs.shape
-        out = torch.empty(n_rows, length, dtype=torch.float32, device=seqs.device)
-        chunk = max(1, SCORE_LOGIT_ELEMENTS // max(1, (length - 1) * self.vocab_size))
-        for lo in range(0, n_rows, chunk):
-            r = rows[lo : lo + chunk]
-            s = seqs[lo : lo + chunk]
-            out[lo : lo + chunk, 0] = self._first_lp[r].gather(1, s[:, :1]).squeeze(1)
-            if length > 1:
-                logits = forward(r, s[:, :-1])
-                lp = self._log_softmax(logits)
-                out[lo : lo + chunk, 1:] = lp.gather(2, s[:, 1:, None]).squeeze(2)
-        return out
+def _log_softmax(logits: Tensor) -> Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _pad_slots(items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> list[tuple[str, Passage]]:
+def _pad_slots(items: Items, k: int) -> list[tuple[str, Passage]]:
     """(question, passage) rows, k per request; short requests repeat their last passage."""
     rows: list[tuple[str, Passage]] = []
     for question, passages in items:
@@ -172,10 +155,51 @@ def _pad_slots(items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> list[t
     return rows
 
 
+def _copy_rows(enc: Encoded, copies: int) -> Tensor:
+    """(R * copies,) the encoded row of every decoding row: 0,0,..,1,1,.. (``copies`` each)."""
+    n_rows = enc.n * enc.k
+    return torch.arange(n_rows, device=enc.first_logprobs.device).repeat_interleave(copies)
+
+
+# --------------------------------------------------------------------------- encoder-decoders
+
+
+@dataclass
+class Seq2SeqEncoded(Encoded):
+    """Encoder-decoder state after the decoder-start step, through transformers' forward.
+
+    hidden: (R, S, d) encoder output. mask: (R, S) encoder attention mask.
+    cache: transformers' encoder-decoder cache, R rows (self-attention: the start token).
+    """
+
+    hidden: Tensor
+    mask: Tensor
+    cache: Cache
+
+
+@dataclass
+class Seq2SeqDecodeState(DecodeState):
+    """N decoding rows: hidden (N, S, d), mask (N, S) and cache copied per row."""
+
+    hidden: Tensor
+    mask: Tensor
+    cache: Cache
+
+
 class Seq2SeqBackend(GeneratorBackend):
-    """BART-style encoder-decoder; input formatted like transformers' ``RagRetriever``."""
+    """Encoder-decoder generator; input formatted like transformers' ``RagRetriever``.
+
+    This class runs any transformers encoder-decoder through its own forward; a family with a
+    faster path of its own subclasses it (:class:`BartBackend`). :func:`seq2seq_backend` picks
+    the family for a model.
+    """
 
     kind = "bart"
+
+    @classmethod
+    def supports(cls, model: torch.nn.Module) -> bool:
+        """Whether this family runs ``model`` (the generic class runs every encoder-decoder)."""
+        return True
 
     def __init__(
         self,
@@ -203,8 +227,8 @@ class Seq2SeqBackend(GeneratorBackend):
         self.eos_token_id = _first_id(cfg.eos_token_id, tokenizer.eos_token_id)
         self.bos_token_id = _first_id(cfg.bos_token_id, tokenizer.bos_token_id)
         self.pad_token_id = int(_first_id(cfg.pad_token_id, tokenizer.pad_token_id, 0))
-        self._first_lp: Tensor | None = None
-        self._bart = bart.BartDecoding(model) if bart.supports(model) else None
+
+    # ---------------------------------------------------------------- input
 
     def question_text(self, question: str) -> str:
         """The question as the generator reads it.
@@ -235,6 +259,7 @@ class Seq2SeqBackend(GeneratorBackend):
         return out
 
     def _tokenize_inputs(self, rows: Sequence[tuple[str, Passage]]) -> tuple[Tensor, Tensor]:
+        """Encoder input ids and attention mask, (rows, S) each, right-padded."""
         batch = self.tokenizer(
             self.input_strings(rows),
             max_length=self.max_combined_length,
@@ -244,64 +269,31 @@ class Seq2SeqBackend(GeneratorBackend):
         )
         return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
 
-    def _fast(self) -> bart.BartDecoding | None:
-        """The shared-cross-attention decoder (:mod:`openbook.rag.bart`) when it applies."""
-        if self._bart is None or self.model.training or torch.is_grad_enabled():
-            return None
-        return self._bart
-
-    def encode(self, items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> Encoded:
+    def _encoder_output(self, items: Items, k: int) -> tuple[Tensor, Tensor]:
+        """Encoder output (R, S, d) and attention mask (R, S) of every (request, slot) row."""
         ids, mask = self._tokenize_inputs(_pad_slots(items, k))
         hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        fast = self._fast()
-        if fast is not None:
-            rows = ids.shape[0]
-            cross = fast.cross_kv(hidden)
-            # transformers drops an all-ones encoder mask as well
-            cross_mask = None if bool(mask.all()) else mask.bool()
-            start = torch.full((rows,), self.decoder_start_token_id, device=ids.device)
-            h, cache = fast.step(start, 0, None, cross, cross_mask, 1)
-            first = fast.log_probs(h)
-            return Encoded(len(items), k, first, cache, mask, cross=cross, cross_mask=cross_mask)
-        start = torch.full((ids.shape[0], 1), self.decoder_start_token_id, device=ids.device)
+        return hidden, mask
+
+    # ---------------------------------------------------------------- decoding
+
+    def encode(self, items: Items, k: int) -> Seq2SeqEncoded:
+        hidden, mask = self._encoder_output(items, k)
+        start = torch.full((hidden.shape[0], 1), self.decoder_start_token_id, device=mask.device)
         out = self.model(
             encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
             attention_mask=mask,
             decoder_input_ids=start,
             use_cache=True,
         )
-        first = self._log_softmax(out.logits[:, -1])
-        return Encoded(len(items), k, first, out.past_key_values, mask, hidden=hidden)
+        first = _log_softmax(out.logits[:, -1])
+        return Seq2SeqEncoded(len(items), k, first, hidden, mask, out.past_key_values)
 
-    def start(self, enc: Encoded, copies: int) -> DecodeState:
-        n_rows = enc.n * enc.k
-        rows = torch.arange(n_rows, device=enc.mask.device).repeat_interleave(copies)
-        if enc.cross is not None:
-            return DecodeState(
-                cache=[(k_[rows], v_[rows]) for k_, v_ in enc.cache],
-                mask=enc.mask,
-                positions=None,
-                hidden=None,
-                length=0,
-                cross=enc.cross,
-                cross_mask=enc.cross_mask,
-                copies=copies,
-            )
-        return DecodeState(
-            cache=select_rows(enc.cache, rows),
-            mask=enc.mask[rows],
-            positions=None,
-            hidden=enc.hidden[rows],
-            length=0,
-        )
+    def start(self, enc: Seq2SeqEncoded, copies: int) -> Seq2SeqDecodeState:
+        rows = _copy_rows(enc, copies)
+        return Seq2SeqDecodeState(enc.hidden[rows], enc.mask[rows], select_rows(enc.cache, rows))
 
-    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
-        if state.cross is not None:
-            h, state.cache = self._bart.step(
-                tokens, state.length + 1, state.cache, state.cross, state.cross_mask, state.copies
-            )
-            state.length += 1
-            return self._bart.log_probs(h)
+    def step(self, state: Seq2SeqDecodeState, tokens: Tensor) -> Tensor:
         out = self.model(
             encoder_outputs=BaseModelOutput(last_hidden_state=state.hidden),
             attention_mask=state.mask,
@@ -310,45 +302,159 @@ class Seq2SeqBackend(GeneratorBackend):
             use_cache=True,
         )
         state.cache = out.past_key_values
-        state.length += 1
-        return self._log_softmax(out.logits[:, -1])
+        return _log_softmax(out.logits[:, -1])
 
-    def reorder(self, state: DecodeState, rows: Tensor) -> None:
-        if state.cross is not None:
-            state.cache = [(k[rows], v[rows]) for k, v in state.cache]
-        else:
-            reorder_self_attention(state.cache, rows)
+    def reorder(self, state: Seq2SeqDecodeState, rows: Tensor) -> None:
+        # beams stay within their passage: encoder output, mask and cross-attention are unchanged
+        reorder_self_attention(state.cache, rows)
 
     def score(
-        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
+        self,
+        enc: Seq2SeqEncoded,
+        rows: Tensor,
+        seqs: Tensor,
+        lengths: Sequence[int] | None = None,
     ) -> Tensor:
-        if enc.cross is not None:
-            return self._score_prefix_tree(enc, rows, seqs, lengths)
-        self._first_lp = enc.first_logprobs
+        """Teacher forcing in chunks of rows whose logits stay within
+        :data:`SCORE_LOGIT_ELEMENTS` (at least one row per chunk)."""
+        n_rows, length = seqs.shape
+        out = torch.empty(n_rows, length, dtype=torch.float32, device=seqs.device)
+        chunk = max(1, SCORE_LOGIT_ELEMENTS // max(1, (length - 1) * self.vocab_size))
+        for lo in range(0, n_rows, chunk):
+            r = rows[lo : lo + chunk]
+            s = seqs[lo : lo + chunk]
+            out[lo : lo + chunk, 0] = enc.first_logprobs[r].gather(1, s[:, :1]).squeeze(1)
+            if length > 1:
+                logits = self.model(
+                    encoder_outputs=BaseModelOutput(last_hidden_state=enc.hidden[r]),
+                    attention_mask=enc.mask[r],
+                    decoder_input_ids=s[:, :-1],
+                    past_key_values=select_rows(enc.cache, r),
+                    use_cache=True,
+                ).logits
+                lp = _log_softmax(logits)
+                out[lo : lo + chunk, 1:] = lp.gather(2, s[:, 1:, None]).squeeze(2)
+        return out
 
-        def forward(r: Tensor, inputs: Tensor) -> Tensor:
-            return self.model(
-                encoder_outputs=BaseModelOutput(last_hidden_state=enc.hidden[r]),
-                attention_mask=enc.mask[r],
-                decoder_input_ids=inputs,
-                past_key_values=select_rows(enc.cache, r),
-                use_cache=True,
-            ).logits
+    # ---------------------------------------------------------------- training
 
-        try:
-            return self._gather_chunked(rows, seqs, forward)
-        finally:
-            self._first_lp = None
+    def target_logits(self, items: Items, targets: Tensor) -> Tensor:
+        k = len(items[0][1])
+        ids, mask = self._tokenize_inputs(_pad_slots(items, k))
+        return self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            decoder_input_ids=targets.to(ids.device).repeat_interleave(k, dim=0),
+            use_cache=False,
+        ).logits
 
-    def _score_prefix_tree(
-        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None
+    def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
+        enc = self.tokenizer(text_target=list(answers), padding=False, truncation=False)
+        seqs = [[self.decoder_start_token_id, *ids] for ids in enc["input_ids"]]
+        return _right_pad(seqs, self.pad_token_id).to(self.device)
+
+
+@dataclass
+class BartEncoded(Encoded):
+    """BART state after the decoder-start step, from :mod:`openbook.rag.bart`.
+
+    mask: (R, S) encoder attention mask.
+    cross: per decoder layer, cross-attention keys and values (R, H, S, dh), computed once per row
+        and shared by every beam / scored candidate of that row.
+    cross_mask: (R, S) bool (True = attend), None when no row is padded.
+    cache: per decoder layer, self-attention keys and values of the start token (R, H, 1, dh).
+    """
+
+    mask: Tensor
+    cross: bart.KV
+    cross_mask: Tensor | None
+    cache: bart.KV
+
+
+@dataclass
+class BartDecodeState(DecodeState):
+    """N = R * copies decoding rows; rows ``r * copies + c`` read encoded row r's ``cross``.
+
+    cache: per decoder layer, self-attention keys and values (N, H, 1 + t, dh) after t answer
+    tokens (the decoder-start token sits at position 0).
+    """
+
+    copies: int
+    cross: bart.KV
+    cross_mask: Tensor | None
+    cache: bart.KV
+
+
+class BartBackend(Seq2SeqBackend):
+    """``BartForConditionalGeneration``, decoded by :mod:`openbook.rag.bart` at inference.
+
+    :mod:`openbook.rag.bart` reproduces BART's eval-mode forward without autograd; in training mode
+    (dropout) or with autograd on, :meth:`encode` returns the generic :class:`Seq2SeqEncoded` and
+    every method continues as :class:`Seq2SeqBackend` does. Training logits
+    (:meth:`target_logits`) always come from transformers' forward.
+    """
+
+    @classmethod
+    def supports(cls, model: torch.nn.Module) -> bool:
+        return bart.supports(model)
+
+    def __init__(self, model: torch.nn.Module, tokenizer, **kwargs) -> None:
+        super().__init__(model, tokenizer, **kwargs)
+        self._decoding = bart.BartDecoding(model)
+
+    def _decodes_itself(self) -> bool:
+        return not (self.model.training or torch.is_grad_enabled())
+
+    def encode(self, items: Items, k: int) -> BartEncoded | Seq2SeqEncoded:
+        if not self._decodes_itself():
+            return super().encode(items, k)
+        hidden, mask = self._encoder_output(items, k)
+        cross = self._decoding.cross_kv(hidden)
+        # transformers drops an all-ones encoder mask as well
+        cross_mask = None if bool(mask.all()) else mask.bool()
+        start = torch.full((hidden.shape[0],), self.decoder_start_token_id, device=mask.device)
+        h, cache = self._decoding.step(start, 0, None, cross, cross_mask, 1)
+        first = self._decoding.log_probs(h)
+        return BartEncoded(len(items), k, first, mask, cross, cross_mask, cache)
+
+    def start(
+        self, enc: BartEncoded | Seq2SeqEncoded, copies: int
+    ) -> BartDecodeState | Seq2SeqDecodeState:
+        if not isinstance(enc, BartEncoded):
+            return super().start(enc, copies)
+        rows = _copy_rows(enc, copies)
+        cache = [(k[rows], v[rows]) for k, v in enc.cache]
+        return BartDecodeState(copies, enc.cross, enc.cross_mask, cache)
+
+    def step(self, state: BartDecodeState | Seq2SeqDecodeState, tokens: Tensor) -> Tensor:
+        if not isinstance(state, BartDecodeState):
+            return super().step(state, tokens)
+        position = state.cache[0][0].shape[2]  # the tokens already cached, start token included
+        h, state.cache = self._decoding.step(
+            tokens, position, state.cache, state.cross, state.cross_mask, state.copies
+        )
+        return self._decoding.log_probs(h)
+
+    def reorder(self, state: BartDecodeState | Seq2SeqDecodeState, rows: Tensor) -> None:
+        if not isinstance(state, BartDecodeState):
+            return super().reorder(state, rows)
+        state.cache = [(k[rows], v[rows]) for k, v in state.cache]
+
+    def score(
+        self,
+        enc: BartEncoded | Seq2SeqEncoded,
+        rows: Tensor,
+        seqs: Tensor,
+        lengths: Sequence[int] | None = None,
     ) -> Tensor:
-        """:meth:`score` on the BART fast path: one decoder pass over a prefix tree.
+        """Teacher forcing as one decoder pass over a prefix tree.
 
         Candidates scored under one passage share prefixes (beams of one search differ in a few
         tokens, every candidate of a request is scored under each of its passages), so every
         distinct (passage row, prefix) is decoded once, attending to its ancestors only.
         """
+        if not isinstance(enc, BartEncoded):
+            return super().score(enc, rows, seqs, lengths)
         n_seqs, width = seqs.shape
         out = torch.zeros(n_seqs, width, dtype=torch.float32, device=seqs.device)
         if n_seqs == 0 or width == 0:
@@ -364,7 +470,7 @@ class Seq2SeqBackend(GeneratorBackend):
 
     def _score_tree_chunk(
         self,
-        enc: Encoded,
+        enc: BartEncoded,
         row_l: list[int],
         seq_l: list[list[int]],
         len_l: list[int],
@@ -413,8 +519,7 @@ class Seq2SeqBackend(GeneratorBackend):
             if d > 1:
                 mask[f] = mask[torch.tensor([flat[parent[j]] for j in js])]
             mask[f, 1 + torch.tensor([slot[j] for j in js])] = True
-        fast = self._bart
-        hidden = fast.forward_tree(
+        hidden = self._decoding.forward_tree(
             torch.tensor(tok, device=dev),
             torch.tensor(depth, device=dev),
             torch.tensor(flat, device=dev),
@@ -425,24 +530,44 @@ class Seq2SeqBackend(GeneratorBackend):
             enc.cross_mask,
         )
         w = torch.tensor(wanted, device=dev)
-        out[w[:, 2], w[:, 3]] = fast.gather_log_probs(hidden, w[:, 0], w[:, 1])
+        out[w[:, 2], w[:, 3]] = self._decoding.gather_log_probs(hidden, w[:, 0], w[:, 1])
 
-    def target_logits(
-        self, items: Sequence[tuple[str, Sequence[Passage]]], targets: Tensor
-    ) -> Tensor:
-        k = len(items[0][1])
-        ids, mask = self._tokenize_inputs(_pad_slots(items, k))
-        return self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            decoder_input_ids=targets.to(ids.device).repeat_interleave(k, dim=0),
-            use_cache=False,
-        ).logits
 
-    def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
-        enc = self.tokenizer(text_target=list(answers), padding=False, truncation=False)
-        seqs = [[self.decoder_start_token_id, *ids] for ids in enc["input_ids"]]
-        return _right_pad(seqs, self.pad_token_id).to(self.device)
+# Encoder-decoder families, most specific first: seq2seq_backend() builds the first whose
+# ``supports(model)`` holds, else the generic Seq2SeqBackend.
+SEQ2SEQ_FAMILIES: list[type[Seq2SeqBackend]] = [BartBackend]
+
+
+def seq2seq_backend(model: torch.nn.Module, tokenizer, **options) -> Seq2SeqBackend:
+    """The backend of the most specific registered family that runs ``model`` (``options``:
+    :class:`Seq2SeqBackend`'s keyword arguments)."""
+    family = next((f for f in SEQ2SEQ_FAMILIES if f.supports(model)), Seq2SeqBackend)
+    return family(model, tokenizer, **options)
+
+
+# --------------------------------------------------------------------------- decoder-only LMs
+
+
+@dataclass
+class CausalEncoded(Encoded):
+    """Causal-LM state after the prompt prefill.
+
+    cache: transformers cache of the shared prefix (P tokens, forked per row) and the left-padded
+        passage prompt (L tokens): R rows of P + L slots.
+    kv_pos: (R, P + L) position id of every cache slot, -1 for padding. The first answer token
+        sits at kv_pos[:, -1] + 1 (prompts are left-padded: the last slot is always real).
+    """
+
+    cache: Cache
+    kv_pos: Tensor
+
+
+@dataclass
+class CausalDecodeState(DecodeState):
+    """N decoding rows: cache and kv_pos (N, P + L + t) after t answer tokens."""
+
+    cache: Cache
+    kv_pos: Tensor
 
 
 class CausalBackend(GeneratorBackend):
@@ -456,8 +581,8 @@ class CausalBackend(GeneratorBackend):
     The padding shifts cache indices, and transformers builds sliding-window masks (Gemma 2/3,
     ...) from cache indices, which would shrink the window of padded rows. For such models the
     attention masks are built here from position ids instead, and caches never drop old entries.
-    For that, the causal backend keeps, per row, the position id of every cache slot (``kv_pos``,
-    -1 for padding) in ``Encoded.mask`` / ``DecodeState.mask``.
+    For that, the states keep, per row, the position id of every cache slot (``kv_pos``, -1 for
+    padding).
     """
 
     kind = "causal"
@@ -474,12 +599,13 @@ class CausalBackend(GeneratorBackend):
         self.target_start_id = self.pad_token_id
         layer_types = set(getattr(cfg, "layer_types", None) or [])
         window = getattr(cfg, "sliding_window", None)
-        self._window: int | None = None
+        # Sliding-window size when some layers use one (masks built here, see the class doc).
+        self.sliding_window: int | None = None
         self._layer_types: list[str] = []
         if window and "sliding_attention" in layer_types:
             if not layer_types <= {"full_attention", "sliding_attention"}:
                 raise ValueError(f"unsupported attention layer types {sorted(layer_types)}")
-            self._window = int(window)
+            self.sliding_window = int(window)
             self._layer_types = sorted(layer_types)
         prefix_ids: list[int] = []
         if spec.prefix:
@@ -503,7 +629,7 @@ class CausalBackend(GeneratorBackend):
     def _prefix_forward(self) -> Cache:
         ids = torch.tensor([self.prefix_ids], device=self.device)
         # A config-less DynamicCache keeps every entry, even for sliding-window layers (class doc).
-        cache = DynamicCache() if self._window else None
+        cache = DynamicCache() if self.sliding_window else None
         # Only the cache is wanted: one position through the LM head, not the whole prefix.
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.past_key_values
@@ -511,6 +637,8 @@ class CausalBackend(GeneratorBackend):
     @property
     def prefix_len(self) -> int:
         return len(self.prefix_ids)
+
+    # ---------------------------------------------------------------- input
 
     def prompt_ids(self, question: str, passage: Passage) -> list[int]:
         """Token ids of the passage part of the prompt, as they appear after the prefix.
@@ -551,10 +679,10 @@ class CausalBackend(GeneratorBackend):
     def _mask(self, kv_pos: Tensor, q_pos: Tensor) -> Tensor | dict[str, Tensor]:
         """Attention mask for queries at ``q_pos`` (R, q) over keys at ``kv_pos`` (R, S) (which
         already include the queries' own slots)."""
-        if self._window is None:
+        if self.sliding_window is None:
             return (kv_pos >= 0).long()
         keep = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
-        in_window = q_pos[:, :, None] - kv_pos[:, None, :] < self._window
+        in_window = q_pos[:, :, None] - kv_pos[:, None, :] < self.sliding_window
         dtype = next(self.model.parameters()).dtype
         neg = torch.finfo(dtype).min
         out = {}
@@ -569,7 +697,9 @@ class CausalBackend(GeneratorBackend):
         cache = self.prefix_cache if prefix_cache is None else prefix_cache
         return select_rows(cache, torch.zeros(n, dtype=torch.long, device=self.device))
 
-    def encode(self, items: Sequence[tuple[str, Sequence[Passage]]], k: int) -> Encoded:
+    # ---------------------------------------------------------------- decoding
+
+    def encode(self, items: Items, k: int) -> CausalEncoded:
         ids, kv_pos, pos = self._prompt_batch(_pad_slots(items, k))
         out = self.model(
             input_ids=ids,
@@ -582,36 +712,36 @@ class CausalBackend(GeneratorBackend):
             # memory.
             logits_to_keep=1,
         )
-        first = self._log_softmax(out.logits[:, -1])
-        next_pos = kv_pos[:, -1] + 1
-        return Encoded(len(items), k, first, out.past_key_values, kv_pos, positions=next_pos)
+        first = _log_softmax(out.logits[:, -1])
+        return CausalEncoded(len(items), k, first, out.past_key_values, kv_pos)
 
-    def start(self, enc: Encoded, copies: int) -> DecodeState:
-        rows = torch.arange(enc.n * enc.k, device=enc.mask.device).repeat_interleave(copies)
-        return DecodeState(
-            cache=select_rows(enc.cache, rows),
-            mask=enc.mask[rows],
-            positions=enc.positions[rows],
-            hidden=None,
-            length=0,
-        )
+    def start(self, enc: CausalEncoded, copies: int) -> CausalDecodeState:
+        rows = _copy_rows(enc, copies)
+        return CausalDecodeState(select_rows(enc.cache, rows), enc.kv_pos[rows])
 
-    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
-        q_pos = (state.positions + state.length)[:, None]
-        state.mask = torch.cat([state.mask, q_pos], dim=1)
+    def step(self, state: CausalDecodeState, tokens: Tensor) -> Tensor:
+        q_pos = state.kv_pos[:, -1:] + 1  # (N, 1): right after the last cached token
+        state.kv_pos = torch.cat([state.kv_pos, q_pos], dim=1)
         out = self.model(
             input_ids=tokens[:, None],
-            attention_mask=self._mask(state.mask, q_pos),
+            attention_mask=self._mask(state.kv_pos, q_pos),
             position_ids=q_pos,
             past_key_values=state.cache,
             use_cache=True,
         )
         state.cache = out.past_key_values
-        state.length += 1
-        return self._log_softmax(out.logits[:, -1])
+        return _log_softmax(out.logits[:, -1])
+
+    def reorder(self, state: CausalDecodeState, rows: Tensor) -> None:
+        # beams stay within their passage, whose rows share kv_pos
+        reorder_self_attention(state.cache, rows)
 
     def score(
-        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
+        self,
+        enc: CausalEncoded,
+        rows: Tensor,
+        seqs: Tensor,
+        lengths: Sequence[int] | None = None,
     ) -> Tensor:
         """Teacher forcing in chunks of rows and, when one row's logits alone exceed the budget,
         in segments of positions that extend the chunk's cache: at most
@@ -630,10 +760,11 @@ class CausalBackend(GeneratorBackend):
             r = rows[lo : lo + chunk]
             s = seqs[lo : lo + chunk]
             cache = select_rows(enc.cache, r)
-            kv_pos = enc.mask[r]
+            kv_pos = enc.kv_pos[r]
+            first_pos = kv_pos[:, -1:] + 1  # (c, 1) position of seqs[:, 0]
             for a in range(0, length - 1, segment):
                 inputs = s[:, a : a + segment]
-                q_pos = enc.positions[r, None] + a + torch.arange(inputs.shape[1], device=s.device)
+                q_pos = first_pos + a + torch.arange(inputs.shape[1], device=s.device)
                 kv_pos = torch.cat([kv_pos, q_pos], dim=1)
                 step = self.model(
                     input_ids=inputs,
@@ -643,16 +774,16 @@ class CausalBackend(GeneratorBackend):
                     use_cache=True,
                 )
                 cache = step.past_key_values
-                lp = self._log_softmax(step.logits)
+                lp = _log_softmax(step.logits)
                 targets = s[:, a + 1 : a + 1 + inputs.shape[1], None]
                 out[lo : lo + chunk, a + 1 : a + 1 + inputs.shape[1]] = lp.gather(
                     2, targets
                 ).squeeze(2)
         return out
 
-    def target_logits(
-        self, items: Sequence[tuple[str, Sequence[Passage]]], targets: Tensor
-    ) -> Tensor:
+    # ---------------------------------------------------------------- training
+
+    def target_logits(self, items: Items, targets: Tensor) -> Tensor:
         k = len(items[0][1])
         ids, kv_pos, pos = self._prompt_batch(_pad_slots(items, k))
         n_rows, width = ids.shape

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from openbook.limits import DECODING_MODES, MAX_BEAMS, MAX_NEW_TOKENS
 from openbook.rag.errors import InvalidRequest
-
-MODES = ("rag-token", "rag-sequence-thorough", "rag-sequence-fast")
-MAX_BEAMS = 16
-MAX_NEW_TOKENS = 512
 
 
 @dataclass
@@ -26,9 +23,12 @@ class DecodingOptions:
     num_return_sequences: int = 1
 
     def validate(self) -> None:
-        """Raise :class:`InvalidRequest` naming the first out-of-range field."""
-        if self.mode not in MODES:
-            raise InvalidRequest(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        """Raise :class:`InvalidRequest` naming the first out-of-range field.
+
+        The library's own invariants, for its Python callers (types included); the services
+        check requests against ``openbook.limits`` at their boundary before they get here."""
+        if self.mode not in DECODING_MODES:
+            raise InvalidRequest(f"mode must be one of {list(DECODING_MODES)}, got {self.mode!r}")
         _check_int("num_beams", self.num_beams, 1, MAX_BEAMS)
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
         _check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)

@@ -133,8 +133,9 @@ class DeferredServicer:
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Turns exceptions into gRPC statuses with a readable message, never a stack trace.
 
-    Bad input (``ValueError``) becomes INVALID_ARGUMENT with the library's message; anything
-    unexpected becomes INTERNAL and is logged with its traceback on the server side only.
+    An error raised for a client's mistake (``openbook.errors``: each RPC validates its request
+    at the top) answers its own status with its message; anything else, a ``ValueError`` from
+    a library included, is a bug: INTERNAL, logged with its traceback on the server side only.
     Every call's status and latency go to ``metrics``; the request id from the caller's
     metadata is put in the log context, and with ``access_log`` every call but health checks
     is logged once (method, status, milliseconds) under that request id.

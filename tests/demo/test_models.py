@@ -10,15 +10,10 @@ from typing import Any
 
 import pytest
 
+from openbook.rag.prompting import PromptSpec
 from openbook_trainer.demo import models
 from openbook_trainer.demo import prompt as prompt_module
-from openbook_trainer.demo.prompt import (
-    PROMPT_FILE,
-    PromptTemplate,
-    default_prompt,
-    load_prompt,
-    write_prompt,
-)
+from openbook_trainer.demo.prompt import PROMPT_FILE, default_prompt, load_prompt, write_prompt
 
 
 class FakeConverter:
@@ -145,7 +140,7 @@ def test_changed_default_prompt_reprepares(
     models.prepare_default_generator(out, progress=False)
     info = models.model_info(out)
     assert info is not None and len(info["prompt_sha256"]) == 64
-    changed = PromptTemplate(prefix="Answer briefly.\n\n")
+    changed = PromptSpec(prefix="Answer briefly.\n\n")
     monkeypatch.setattr(models, "default_prompt", lambda: changed)
     monkeypatch.setattr(prompt_module, "default_prompt", lambda: changed)
     assert not models.is_prepared(out)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from openbook.rag.prompting import PromptSpec
 from openbook_trainer.demo.data import REPO_DATA_DIR, SQUAD_QUESTIONS, read_jsonl
 from openbook_trainer.demo.prompt import (
     FEW_SHOT_EXAMPLES,
     PROMPT_FILE,
-    PromptTemplate,
     default_prompt,
     load_prompt,
     write_prompt,
@@ -48,12 +48,14 @@ def test_examples_are_not_evaluation_questions() -> None:
 
 
 def test_rejects_malformed() -> None:
+    # The generator's own parser: what it refuses, the demo refuses (fields it lacks: defaults).
     with pytest.raises(ValueError):
-        PromptTemplate.from_dict({"prefix": "", "passage_template": "{passage}"})
+        PromptSpec.from_dict({"prefix": "", "passage_template": "{passage}"})
     with pytest.raises(ValueError):
-        PromptTemplate.from_dict({"prefix": ""})
+        PromptSpec.from_dict({"prefix": 3, "passage_template": "{text}"})
     with pytest.raises(ValueError):
-        PromptTemplate.from_dict({"prefix": "", "passage_template": "{text}", "stop": [""]})
+        PromptSpec.from_dict({"prefix": "", "passage_template": "{text}", "stop": [""]})
+    assert PromptSpec.from_dict({"prefix": ""}) == PromptSpec()
 
 
 def test_generator_library_reads_it(tmp_path: Path) -> None:

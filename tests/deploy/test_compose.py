@@ -128,24 +128,34 @@ def test_services_listen_on_the_container_network_and_share_the_admin_token():
 
 
 def test_default_ports_are_outside_the_ephemeral_range():
-    from openbook.config import Settings
+    from openbook_gateway.settings import GatewaySettings
+    from openbook_generator.settings import GeneratorSettings
+    from openbook_retriever.settings import RetrieverSettings
 
-    default = {name: field.default for name, field in Settings.model_fields.items()}
+    def defaults(cls) -> dict:
+        return {name: field.default for name, field in cls.model_fields.items()}
+
+    gateway = defaults(GatewaySettings)
+    retriever, generator = defaults(RetrieverSettings), defaults(GeneratorSettings)
     ports = {
-        "gateway": default["gateway_port"],
-        "retriever": default["retriever_port"],
-        "generator": default["generator_port"],
-        "retriever metrics": default["retriever_metrics_port"],
-        "generator metrics": default["generator_metrics_port"],
-        "retriever addr": int(default["retriever_addr"].rsplit(":", 1)[1]),
-        "generator addr": int(default["generator_addr"].rsplit(":", 1)[1]),
-        "redis": int(default["redis_url"].rsplit(":", 1)[1].split("/")[0]),
+        "gateway": gateway["port"],
+        "retriever": retriever["port"],
+        "generator": generator["port"],
+        "retriever metrics": retriever["metrics_port"],
+        "generator metrics": generator["metrics_port"],
+        "retriever addr": int(gateway["retriever_addr"].rsplit(":", 1)[1]),
+        "generator addr": int(gateway["generator_addr"].rsplit(":", 1)[1]),
+        "redis": int(gateway["redis_url"].rsplit(":", 1)[1].split("/")[0]),
     }
+    # The gateway's defaults find the services on their own default ports.
+    assert ports["retriever addr"] == ports["retriever"]
+    assert ports["generator addr"] == ports["generator"]
     services = _compose()["services"]
     for name in ("gateway", "retriever", "generator"):
         env = services[name]["environment"]
         ports[f"compose {name}"] = int(env[f"OPENBOOK_{name.upper()}_PORT"])
     for name, port in ports.items():
         assert port >= 1024 and port not in EPHEMERAL_PORTS, (name, port)
-    assert services["gateway"]["environment"]["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "retriever:8051"
-    assert services["gateway"]["environment"]["OPENBOOK_GATEWAY_GENERATOR_ADDR"] == "generator:8052"
+    gateway_env = services["gateway"]["environment"]
+    assert gateway_env["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "retriever:8051"
+    assert gateway_env["OPENBOOK_GATEWAY_GENERATOR_ADDR"] == "generator:8052"

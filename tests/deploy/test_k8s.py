@@ -21,7 +21,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from openbook.config import Settings
+from openbook.settings import CommonSettings
+from openbook_gateway.settings import GatewaySettings
+from openbook_generator.settings import GeneratorSettings
+from openbook_retriever.settings import RetrieverSettings
+from openbook_trainer.settings import TrainerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -36,6 +40,25 @@ GRPC_SERVICES = {"retriever": 8051, "generator": 8052}
 MANIFEST_ONLY_VARS = {"OPENBOOK_RETRIEVER_SHARDING"}
 # ConfigMaps the operator creates from files in the repository (docs/deploy.md says how).
 OPERATOR_CONFIGMAPS = {"openbook-train"}
+SETTINGS_CLASSES = (
+    CommonSettings,
+    RetrieverSettings,
+    GeneratorSettings,
+    GatewaySettings,
+    TrainerSettings,
+)
+
+
+def setting_variables() -> set[str]:
+    """Every environment variable some service's settings read: a field's own name
+    (``validation_alias``, the deployment-wide ones) or its class's prefix plus its name."""
+    names = set()
+    for cls in SETTINGS_CLASSES:
+        prefix = cls.model_config.get("env_prefix", "")
+        for name, field in cls.model_fields.items():
+            alias = field.validation_alias
+            names.add(alias if isinstance(alias, str) else f"{prefix}{name}".upper())
+    return names
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -432,7 +455,7 @@ def test_services_mirror_docker_compose():
 
 def test_every_openbook_variable_is_a_real_setting():
     # A misspelt OPENBOOK_* variable is silently ignored by pydantic-settings: catch it here.
-    settings = {f"OPENBOOK_{name.upper()}" for name in Settings.model_fields}
+    settings = setting_variables()
     compose = (ROOT / "docker-compose.yml").read_text()
     objs = all_objects()
     for obj in objs:
@@ -442,6 +465,11 @@ def test_every_openbook_variable_is_a_real_setting():
             for var in env_of(c, objs):
                 if var.startswith("OPENBOOK_") and var not in MANIFEST_ONLY_VARS:
                     assert var in settings or var in compose, (_key(obj), var)
+    # ... and so is every one docker-compose.yml sets in a service's environment.
+    for name, service in yaml.safe_load(compose)["services"].items():
+        for var in service.get("environment") or {}:
+            if var.startswith("OPENBOOK_"):
+                assert var in settings, (f"docker-compose.yml {name}", var)
 
 
 def test_generator_variants():
@@ -462,7 +490,9 @@ def test_retriever_mode_is_selectable():
         objs = render(K8S / "overlays" / name)
         config = by_kind(objs, "ConfigMap")["openbook-config"]["data"]
         assert config["OPENBOOK_RETRIEVER_SHARDING"] == "replicated"
-        assert config["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "retriever.openbook.svc.cluster.local:8051"
+        assert (
+            config["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "retriever.openbook.svc.cluster.local:8051"
+        )
 
     objs = render(K8S / "overlays" / "gpu-sharded")
     config = by_kind(objs, "ConfigMap")["openbook-config"]["data"]
@@ -489,11 +519,11 @@ def _script(obj: dict) -> str:
     return c["args"][0]
 
 
-def _fake_openbook(tmp_path: Path) -> Path:
+def _fake_openbook(tmp_path: Path, command: str = "openbook-retriever") -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "openbook"
-    fake.write_text('#!/bin/sh\necho "openbook $* root=$OPENBOOK_INDEX_ROOT"\n')
+    fake = bin_dir / command
+    fake.write_text(f'#!/bin/sh\necho "{command} $* root=$OPENBOOK_INDEX_ROOT"\n')
     fake.chmod(0o755)
     return bin_dir
 
@@ -518,7 +548,7 @@ def test_retriever_pod_serves_its_shard(tmp_path, mode, hostname, root):
         ["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == f"openbook serve retriever root={root}"
+    assert out.stdout.strip().splitlines()[-1].split() == ["openbook-retriever", f"root={root}"]
 
 
 def test_index_build_job_builds_then_shards_for_real(tmp_path):

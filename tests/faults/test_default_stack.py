@@ -31,7 +31,7 @@ from faultkit import (
     wait_until,
 )
 
-from openbook.config import Settings
+from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.stack import LocalStack
 
 pytestmark = pytest.mark.e2e
@@ -110,7 +110,7 @@ def test_oversize_body_gets_a_readable_413(stack):
 def test_a_flood_gets_answers_and_429s_never_5xx(stack):
     """More concurrent requests than the generator's queue and batch hold: the excess is
     refused at once (429 with Retry-After), everything else answered, nothing times out."""
-    settings = Settings()
+    settings = GeneratorSettings()
     burst = settings.max_queue + settings.max_batch_size + 16
     with ThreadPoolExecutor(burst) as pool:
         futures = [

@@ -1,8 +1,9 @@
 """A generator that cannot keep up: 504 past the deadline, 429 when its queue is full.
 
 The stack's generator batches one request at a time with room for two waiting
-(``OPENBOOK_GENERATOR_MAX_BATCH_SIZE=1``, ``OPENBOOK_GENERATOR_MAX_QUEUE=2``). "Slow" is made deterministic by
-freezing the generator process (SIGSTOP): it accepts connections but answers nothing.
+(``OPENBOOK_GENERATOR_MAX_BATCH_SIZE=1``, ``OPENBOOK_GENERATOR_MAX_QUEUE=2``). "Slow" is made
+deterministic by freezing the generator process (SIGSTOP): it accepts connections but answers
+nothing.
 """
 
 from __future__ import annotations

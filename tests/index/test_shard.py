@@ -191,7 +191,7 @@ def test_split_errors_and_atomicity(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def fail_second(*args, **kw):
         if args[5]["index"] == 1:
             raise RuntimeError("disk full")
-        real(*args, **kw)
+        return real(*args, **kw)
 
     monkeypatch.setattr(shard_mod, "_write_shard", fail_second)
     with pytest.raises(RuntimeError, match="disk full"):

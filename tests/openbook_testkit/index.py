@@ -321,7 +321,7 @@ def write_vector_index(
     ``faiss_index.default_params`` (hnsw_m, ef_search, nlist, pq_m, ...)."""
     from openbook.index import faiss_index
     from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
-    from openbook.index.manifest import MANIFEST, Manifest, checksum_dir, combined_checksum
+    from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
     from openbook.index.store import PassageWriter
     from openbook.types import Passage
 
@@ -336,7 +336,6 @@ def write_vector_index(
     p = faiss_index.default_params(index_type, n, dim, **params)
     index, p = faiss_index.build_faiss(vectors, index_type, p)
     faiss_index.write(index, out_dir / faiss_index.INDEX_FILE)
-    files, sizes = checksum_dir(out_dir)
     Manifest(
         name=name,
         encoder="random-vectors",
@@ -345,8 +344,6 @@ def write_vector_index(
         count=n,
         index_type=index_type,
         index_params=p,
-        files=files,
-        sizes=sizes,
-        checksum=combined_checksum(files),
+        **checksum_fields(out_dir),
     ).to_file(out_dir / MANIFEST)
     return out_dir

@@ -151,9 +151,7 @@ def running_backends(
         "checkpoint_dir": workdir / "checkpoints",  # empty: never a trained checkpoint of the repo
         "admin_token": admin_token,
     }
-    retriever = RetrieverSettings(
-        index_root=workdir / "indexes", default_index="facts-a", **common
-    )
+    retriever = RetrieverSettings(index_root=workdir / "indexes", default_index="facts-a", **common)
     generator = GeneratorSettings(
         model=generator_model or make_tiny_bart(workdir / "models" / "tiny-bart"), **common
     )
@@ -285,7 +283,7 @@ class LocalStack:
 
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openbook", "up"],
+            [sys.executable, "-m", "openbook_cli", "up"],
             cwd=REPO_ROOT,
             env=self.env,
             stdout=self._log,
@@ -323,8 +321,13 @@ class LocalStack:
             try:
                 if child.status() == psutil.STATUS_ZOMBIE:
                     continue
-                if f"serve {service}" in " ".join(child.cmdline()) or (
-                    service == "redis" and child.name().startswith("redis")
+                # The service's own command (openbook-<service>, what compose runs), or
+                # `openbook serve <service>`, which runs the same.
+                argv = child.cmdline()
+                if (
+                    any(Path(arg).name == f"openbook-{service}" for arg in argv)
+                    or f"serve {service}" in " ".join(argv)
+                    or (service == "redis" and child.name().startswith("redis"))
                 ):
                     return child.pid
             except psutil.Error:

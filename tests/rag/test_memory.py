@@ -8,6 +8,7 @@ import torch
 
 from openbook.rag import DecodingOptions
 from openbook.rag.memory import RequestShape
+from openbook.rag.models import BartEncoded
 from openbook_testkit.rag import QUESTION, make_passages
 
 
@@ -22,7 +23,7 @@ def test_causal_kv_bytes_per_token_are_those_of_the_cache(dirs, load, arch):
     enc = gen.backend.encode([(QUESTION, make_passages(3))], 3)
     cache = enc.cache
     stored = _nbytes(t for layer in cache.layers for t in (layer.keys, layer.values))
-    slots = enc.mask.numel()  # rows x (prefix + padded prompt) cache slots
+    slots = enc.kv_pos.numel()  # rows x (prefix + padded prompt) cache slots
     assert stored == slots * gen.memory.kv_bytes_per_token
     assert gen.memory.prefix_tokens == gen.backend.prefix_len
     assert gen.memory.vocab == gen.backend.vocab_size
@@ -32,7 +33,7 @@ def test_causal_kv_bytes_per_token_are_those_of_the_cache(dirs, load, arch):
 def test_bart_self_and_cross_attention_bytes_are_those_of_the_caches(dirs, load):
     gen = load(dirs.bart())
     enc = gen.backend.encode([(QUESTION, make_passages(3))], 3)
-    assert enc.cross is not None  # the fast path, whose caches the model describes
+    assert isinstance(enc, BartEncoded)  # BART's own decoding, whose caches the model describes
     rows, enc_tokens = enc.mask.shape
     self_attention = _nbytes(t for kv in enc.cache for t in kv)  # one decoded token per row
     assert self_attention == rows * gen.memory.kv_bytes_per_token

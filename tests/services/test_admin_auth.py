@@ -8,7 +8,6 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from openbook.config import Settings
 from openbook.serving.grpc_server import (
     ADMIN_RPCS,
     GENERATOR_SERVICE,
@@ -23,6 +22,8 @@ from openbook.v1 import (
     retriever_pb2_grpc,
 )
 from openbook_gateway.app import create_app
+from openbook_generator.settings import GeneratorSettings
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.stack import running_backends
 
 TOKEN = "grpc-admin-token"
@@ -174,15 +175,11 @@ def test_admin_rpcs_are_off_without_a_configured_token(tmp_path, service):
     from openbook_generator.server import bind as bind_generator
     from openbook_retriever.server import bind as bind_retriever
 
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
-        generator_host="127.0.0.1",
-        generator_port=0,
-        admin_token=None,
-    )
-    bind = bind_retriever if service == "retriever" else bind_generator
-    running, _ = bind(settings)
+    if service == "retriever":
+        bind, settings_class = bind_retriever, RetrieverSettings
+    else:
+        bind, settings_class = bind_generator, GeneratorSettings
+    running, _ = bind(settings_class(host="127.0.0.1", port=0, admin_token=None))
     running.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:

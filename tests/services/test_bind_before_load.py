@@ -13,7 +13,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from openbook.config import Settings
 from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import (
     common_pb2,
@@ -22,6 +21,8 @@ from openbook.v1 import (
     retriever_pb2,
     retriever_pb2_grpc,
 )
+from openbook_generator.settings import GeneratorSettings
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes, free_port
 
@@ -80,26 +81,24 @@ def test_port_is_bound_and_not_serving_while_loading(service, workdir, redis_url
     import openbook_retriever.server as retriever_server
 
     port = free_port()
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=port,
-        retriever_metrics_port=0,
-        generator_host="127.0.0.1",
-        generator_port=port,
-        generator_metrics_port=0,
-        index_root=workdir / "indexes",
-        default_index="facts-a",
-        generator_model=workdir / "models" / "tiny-bart",
-        checkpoint_dir=workdir / "checkpoints",
-        redis_url=redis_url,
-        admin_token=TOKEN,
-    )
+    common = {
+        "host": "127.0.0.1",
+        "port": port,
+        "metrics_port": 0,
+        "checkpoint_dir": workdir / "checkpoints",
+        "redis_url": redis_url,
+        "admin_token": TOKEN,
+    }
     if service == "retriever":
         module, slow_step = retriever_server, "warm_up"  # after the index is loaded
         name = "openbook.v1.Retriever"
+        settings = RetrieverSettings(
+            index_root=workdir / "indexes", default_index="facts-a", **common
+        )
     else:
         module, slow_step = generator_server, "load_initial_generator"
         name = "openbook.v1.Generator"
+        settings = GeneratorSettings(model=workdir / "models" / "tiny-bart", **common)
     entered, release = _slow(monkeypatch, module, slow_step)
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -167,11 +166,11 @@ def test_a_failed_load_releases_the_port_and_raises(workdir, redis_url):
     from openbook_generator.server import serve
 
     port = free_port()
-    settings = Settings(
-        generator_host="127.0.0.1",
-        generator_port=port,
-        generator_metrics_port=0,
-        generator_model=workdir / "no-such-model",
+    settings = GeneratorSettings(
+        host="127.0.0.1",
+        port=port,
+        metrics_port=0,
+        model=workdir / "no-such-model",
         checkpoint_dir=workdir / "checkpoints",
         redis_url=redis_url,
     )

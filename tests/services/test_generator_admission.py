@@ -11,12 +11,12 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from openbook.config import Settings
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_generator.server import build as build_generator
+from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.rag import make_tiny_bart
 
-DEFAULTS = Settings()
+DEFAULTS = GeneratorSettings()
 
 
 def _request(k: int = 3, **options) -> generator_pb2.GenerateRequest:
@@ -44,10 +44,10 @@ def _wait_until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
 def service(tmp_path_factory, redis_server):
     """The generator service as `openbook serve generator` builds it, default limits."""
     tmp = tmp_path_factory.mktemp("admission")
-    settings = Settings(
-        generator_host="127.0.0.1",
-        generator_port=0,
-        generator_model=make_tiny_bart(tmp / "bart"),
+    settings = GeneratorSettings(
+        host="127.0.0.1",
+        port=0,
+        model=make_tiny_bart(tmp / "bart"),
         redis_url=redis_server.url,
         checkpoint_dir=tmp / "checkpoints",
     )
@@ -196,7 +196,7 @@ def _cancel_a_queued_and_a_running_call(service, steps) -> None:
 def _passages(request: generator_pb2.GenerateRequest):
     from openbook_generator.servicer import validate_generate
 
-    return validate_generate(request)
+    return validate_generate(request).passages
 
 
 def _options(**fields):

@@ -19,12 +19,13 @@ import redis
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
-from openbook.config import Settings
 from openbook.index.shard import split_index
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import Retrieval
+from openbook_generator.settings import GeneratorSettings
 from openbook_retriever.server import build as build_retriever
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import backends_serving, build_fact_indexes
 
@@ -44,10 +45,12 @@ class System:
     indexes: Path
 
 
-def _retriever_settings(tmp: Path, index_root: Path, redis_url: str, default: str) -> Settings:
-    return Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
+def _retriever_settings(
+    tmp: Path, index_root: Path, redis_url: str, default: str
+) -> RetrieverSettings:
+    return RetrieverSettings(
+        host="127.0.0.1",
+        port=0,
         index_root=index_root,
         default_index=default,
         redis_url=redis_url,
@@ -66,15 +69,17 @@ def system(tmp_path_factory, redis_server):
     manifest = indexes / RENAMED / "manifest.json"
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "name": "facts-a"}))
 
-    settings = _retriever_settings(tmp, indexes, redis_server.url, "facts-a").model_copy(
-        update={
-            "generator_host": "127.0.0.1",
-            "generator_port": 0,
-            "generator_model": make_tiny_bart(tmp / "bart"),
-        }
+    retriever = _retriever_settings(tmp, indexes, redis_server.url, "facts-a")
+    generator = GeneratorSettings(
+        host="127.0.0.1",
+        port=0,
+        model=make_tiny_bart(tmp / "bart"),
+        redis_url=redis_server.url,
+        admin_token=TOKEN,
+        checkpoint_dir=tmp / "checkpoints",
     )
     with (
-        backends_serving(settings) as backends,
+        backends_serving(retriever, generator) as backends,
         TestClient(create_app(backends.gateway_settings(redis_server.url))) as client,
         grpc.insecure_channel(f"127.0.0.1:{backends.retriever_port}") as channel,
     ):

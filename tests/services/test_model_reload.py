@@ -9,8 +9,9 @@ import pytest
 from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
-from openbook.config import Settings
 from openbook_gateway.app import create_app
+from openbook_generator.settings import GeneratorSettings
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import backends_serving, build_fact_indexes
 
@@ -23,20 +24,17 @@ def system(tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp("reload")
     build_fact_indexes(tmp / "indexes")
     bart = make_tiny_bart(tmp / "bart")
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
-        generator_host="127.0.0.1",
-        generator_port=0,
-        index_root=tmp / "indexes",
-        default_index="facts-a",
-        redis_url=redis_server.url,
-        generator_model=bart,
-        checkpoint_dir=tmp / "checkpoints",
-        admin_token=TOKEN,  # the gateway forwards its token on ReloadModel
-    )
+    common = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "redis_url": redis_server.url,
+        "checkpoint_dir": tmp / "checkpoints",
+        "admin_token": TOKEN,  # the gateway forwards its token on ReloadModel
+    }
+    retriever = RetrieverSettings(index_root=tmp / "indexes", default_index="facts-a", **common)
+    generator = GeneratorSettings(model=bart, **common)
     with (
-        backends_serving(settings) as backends,
+        backends_serving(retriever, generator) as backends,
         TestClient(create_app(backends.gateway_settings(redis_server.url))) as client,
     ):
         yield client, tmp, bart

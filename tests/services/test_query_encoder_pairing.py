@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from openbook.checkpoint import load_query_encoder, write_checkpoint
-from openbook.config import Settings
 from openbook.index import Manifest, build_index, load_encoder
 from openbook.index.pairing import checkpoint_override, configured_override
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.index import QUESTIONS, make_tiny_dpr_encoders, write_facts
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes
@@ -73,9 +73,9 @@ def world(tmp_path_factory):
 
 @pytest.fixture
 def retriever(world, redis_url):
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
+    settings = RetrieverSettings(
+        host="127.0.0.1",
+        port=0,
         index_root=world["root"],
         default_index="facts-a",
         query_encoder=str(world["q2"]),  # pairs with dpr-32 only

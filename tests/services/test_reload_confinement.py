@@ -18,14 +18,15 @@ from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
 from openbook.checkpoint import LATEST, CheckpointError, CheckpointPathError
-from openbook.config import Settings
 from openbook.errors import status_for
 from openbook.rag import RagGenerator
 from openbook.v1 import common_pb2
 from openbook_gateway.app import create_app
 from openbook_generator.servicer import GeneratorServicer
+from openbook_generator.settings import GeneratorSettings
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.servicer import RetrieverServicer
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import backends_serving, build_fact_indexes
 
@@ -144,21 +145,18 @@ def test_versions_inside_the_root_load(layout, service):
 def test_gateway_answers_422_without_revealing_the_outside(layout, redis_server):
     indexes = layout.tmp / "indexes"
     build_fact_indexes(indexes)
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
-        generator_host="127.0.0.1",
-        generator_port=0,
-        index_root=indexes,
-        default_index="facts-a",
-        redis_url=redis_server.url,
-        generator_model=layout.bart,
-        checkpoint_dir=layout.root,
-        load_latest_checkpoint=False,
-        admin_token=TOKEN,
-    )
+    common = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "redis_url": redis_server.url,
+        "checkpoint_dir": layout.root,
+        "load_latest_checkpoint": False,
+        "admin_token": TOKEN,
+    }
+    retriever = RetrieverSettings(index_root=indexes, default_index="facts-a", **common)
+    generator = GeneratorSettings(model=layout.bart, **common)
     with (
-        backends_serving(settings) as backends,
+        backends_serving(retriever, generator) as backends,
         TestClient(create_app(backends.gateway_settings(redis_server.url))) as client,
     ):
         details = set()

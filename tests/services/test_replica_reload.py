@@ -14,14 +14,16 @@ from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
-from openbook.config import Settings
 from openbook.shared_state import DESIRED_MODEL_KEY, MODEL_VERSIONS_KEY
 from openbook.v1 import generator_pb2, generator_pb2_grpc, retriever_pb2, retriever_pb2_grpc
-from openbook_gateway.app import ANSWER_PARAMS, create_app
-from openbook_gateway.cache import cache_key
+from openbook_gateway.app import create_app
+from openbook_gateway.cache import ANSWER_PARAMS, cache_key
 from openbook_gateway.schemas import AnswerRequest
+from openbook_gateway.settings import GatewaySettings
 from openbook_generator.server import build as build_generator
+from openbook_generator.settings import GeneratorSettings
 from openbook_retriever.server import build as build_retriever
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes, free_port
 
@@ -32,20 +34,23 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 class Replicas:
     """Retriever and generator replicas in this process, sharing one Redis and checkpoint root."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, retriever: RetrieverSettings, generator: GeneratorSettings) -> None:
+        self.retriever_settings = retriever
+        self.generator_settings = generator
         self.retrievers: list = []  # (service, servicer, stop)
         self.generators: list = []  # (service, servicer)
 
     def add_retriever(self, **overrides):
-        service, servicer, stop = build_retriever(self.settings.model_copy(update=overrides))
+        service, servicer, stop = build_retriever(
+            self.retriever_settings.model_copy(update=overrides)
+        )
         service.set_serving(True)
         service.start()
         self.retrievers.append((service, servicer, stop))
         return service, servicer
 
     def add_generator(self, **overrides):
-        service, servicer = build_generator(self.settings.model_copy(update=overrides))
+        service, servicer = build_generator(self.generator_settings.model_copy(update=overrides))
         service.set_serving(True)
         service.start()
         self.generators.append((service, servicer))
@@ -94,25 +99,23 @@ def system(tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp("replicas")
     build_fact_indexes(tmp / "indexes")
     bart = make_tiny_bart(tmp / "bart")
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
-        generator_host="127.0.0.1",
-        generator_port=0,
-        index_root=tmp / "indexes",
-        default_index="facts-a",
-        redis_url=redis_server.url,
-        generator_model=bart,
-        checkpoint_dir=tmp / "checkpoints",
-        admin_token=TOKEN,
+    common = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "redis_url": redis_server.url,
+        "checkpoint_dir": tmp / "checkpoints",
+        "admin_token": TOKEN,
+    }
+    replicas = Replicas(
+        RetrieverSettings(index_root=tmp / "indexes", default_index="facts-a", **common),
+        GeneratorSettings(model=bart, **common),
     )
-    replicas = Replicas(settings)
     try:
         for _ in range(2):
             replicas.add_retriever()
             replicas.add_generator()
         # The gateway's channels reach the first replica of each service only.
-        gateway = Settings(
+        gateway = GatewaySettings(
             retriever_addr=f"127.0.0.1:{replicas.retrievers[0][0].port}",
             generator_addr=f"127.0.0.1:{replicas.generators[0][0].port}",
             redis_url=redis_server.url,
@@ -233,7 +236,7 @@ def test_without_redis_the_reload_reaches_the_channels_replica_only(system):
     """Today's behaviour, with a warning: ReloadModel over the gateway's channels."""
     _, _, _, replicas, _ = system
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    gateway = Settings(
+    gateway = GatewaySettings(
         retriever_addr=f"127.0.0.1:{replicas.retrievers[0][0].port}",
         generator_addr=f"127.0.0.1:{replicas.generators[0][0].port}",
         redis_url=dead,

@@ -5,10 +5,10 @@ import shutil
 import grpc
 import pytest
 
-from openbook.config import Settings
 from openbook.serving.grpc_server import bearer_metadata, check_health
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.stack import build_fact_indexes
 
 TOKEN = "retriever-admin-token"
@@ -24,9 +24,9 @@ def index_root(tmp_path_factory):
 
 @pytest.fixture
 def retriever(index_root, redis_url):
-    settings = Settings(
-        retriever_host="127.0.0.1",
-        retriever_port=0,
+    settings = RetrieverSettings(
+        host="127.0.0.1",
+        port=0,
         index_root=index_root,
         default_index="facts-a",
         redis_url=redis_url,

@@ -22,11 +22,13 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from openbook.config import Settings
 from openbook.index.cli import app as index_cli
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
+from openbook_gateway.settings import GatewaySettings
 from openbook_generator.server import build as build_generator
+from openbook_generator.settings import GeneratorSettings
 from openbook_retriever.server import build as build_retriever
+from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes, serving_gateway
 
@@ -55,9 +57,9 @@ class Retriever:
     """One in-process retriever (the production server's build) over ``index_root``."""
 
     def __init__(self, index_root: Path, redis_url: str, work: Path, port: int = 0) -> None:
-        settings = Settings(
-            retriever_host="127.0.0.1",
-            retriever_port=port,
+        settings = RetrieverSettings(
+            host="127.0.0.1",
+            port=port,
             index_root=index_root,
             default_index="facts-a",
             redis_url=redis_url,
@@ -89,7 +91,7 @@ class System:
     shard_root: Path
     redis_url: str
     work: Path
-    gateway: Callable[[str, int], Settings]
+    gateway: Callable[[str, int], GatewaySettings]
     extra: list[Retriever] = field(default_factory=list)
 
 
@@ -134,10 +136,10 @@ def system(tmp_path_factory, redis_server) -> Iterator[System]:
             shards.append(Retriever(shard_root / f"shard-{i}", shards_redis, work))
             started.append(shards[-1])
         generator, generator_servicer = build_generator(
-            Settings(
-                generator_host="127.0.0.1",
-                generator_port=0,
-                generator_model=make_tiny_bart(work / "models" / "tiny-bart"),
+            GeneratorSettings(
+                host="127.0.0.1",
+                port=0,
+                model=make_tiny_bart(work / "models" / "tiny-bart"),
                 checkpoint_dir=work / "checkpoints",
                 redis_url=unsharded_redis,
             )
@@ -145,8 +147,8 @@ def system(tmp_path_factory, redis_server) -> Iterator[System]:
         generator.set_serving(True)
         generator.start()
 
-        def gateway(retriever_addr: str, redis_db: int) -> Settings:
-            return Settings(
+        def gateway(retriever_addr: str, redis_db: int) -> GatewaySettings:
+            return GatewaySettings(
                 retriever_addr=retriever_addr,
                 generator_addr=f"127.0.0.1:{generator.port}",
                 redis_url=f"redis://127.0.0.1:{redis_server.port}/{redis_db}",

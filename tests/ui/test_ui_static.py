@@ -7,15 +7,15 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from openbook.config import Settings
 from openbook_gateway.app import create_app
+from openbook_gateway.settings import GatewaySettings
 from openbook_gateway.ui import STATIC_DIR
 
 
 @pytest.fixture(scope="module")
 def client():
     # No `with`: the lifespan (gRPC/Redis clients) is not needed to serve files.
-    return TestClient(create_app(Settings()))
+    return TestClient(create_app(GatewaySettings()))
 
 
 def test_page_and_its_assets_are_served(client):

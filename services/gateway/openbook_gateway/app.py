@@ -1,4 +1,10 @@
-"""The HTTP front door: a thin router over the retriever and generator gRPC services."""
+"""The HTTP front door: a thin router over the retriever and generator gRPC services.
+
+Handlers orchestrate: request bodies arrive validated (``schemas``), the typed clients build
+and send the protos (``clients``, ``retrieval``, ``mapping``), ``cache`` keys and stores
+answers, ``metrics`` times and counts, ``replicas`` reloads models. Anything that fails
+otherwise is a 500 naming the request id.
+"""
 
 from __future__ import annotations
 
@@ -15,53 +21,43 @@ from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openbook.logs import request_id_var
-from openbook.shared_state import CONVERGED, FAILED, LOADING
-from openbook.v1 import common_pb2, generator_pb2
-from openbook_gateway.cache import AnswerCache
+from openbook.v1 import generator_pb2
+from openbook_gateway.cache import AnswerCache, answer_params
 from openbook_gateway.clients import GeneratorClient
-from openbook_gateway.metrics import GatewayMetrics
-from openbook_gateway.replicas import desired_model, list_replicas, outcome, reload_everywhere
+from openbook_gateway.mapping import (
+    answer_response,
+    cached_answer,
+    indexes_response,
+    stored_answer,
+)
+from openbook_gateway.metrics import GatewayMetrics, ms_since
+from openbook_gateway.replicas import desired_model, list_replicas, outcome, reload_models
 from openbook_gateway.retrieval import Retrieval
 from openbook_gateway.schemas import (
     DEFAULT_K,
     AnswerRequest,
     AnswerResponse,
-    HypothesisOut,
     IndexesResponse,
-    IndexOut,
-    PassageOut,
     ReloadModelRequest,
     ReloadModelResponse,
-    ReplicaOut,
     ReplicasResponse,
     SwapIndexRequest,
     SwapIndexResponse,
-    TokenPosteriorOut,
 )
 from openbook_gateway.settings import GatewaySettings
 from openbook_gateway.ui import router as ui_router
 
 log = logging.getLogger(__name__)
-
-# Fields of AnswerRequest that change the answer (and so belong in the cache key).
-ANSWER_PARAMS = (
-    "question",
-    "k",
-    "decoding",
-    "num_beams",
-    "max_new_tokens",
-    "min_new_tokens",
-    "num_return_sequences",
-    "length_penalty",
-)
 
 
 # Generator model versions whose default k the gateway remembers (a reload adds one).
@@ -130,7 +126,9 @@ class BodySizeLimit:
         self.app = app
         self.max_bytes = max_bytes
         self.drain_max_bytes = drain_max_bytes
-        self.message = f"request body larger than {max_bytes} bytes (OPENBOOK_GATEWAY_MAX_BODY_BYTES)"
+        self.message = (
+            f"request body larger than {max_bytes} bytes (OPENBOOK_GATEWAY_MAX_BODY_BYTES)"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -232,7 +230,7 @@ class RequestContext:
                             "method": method,
                             "route": route,
                             "status": status,
-                            "ms": _ms(started),
+                            "ms": ms_since(started),
                         }
                     },
                 )
@@ -285,10 +283,6 @@ async def _unless_disconnected(request: Request, call: Awaitable[T]) -> T:
             raise HTTPException(CLIENT_CLOSED_REQUEST, "the client closed the request")
 
 
-def _ms(start: float) -> float:
-    return round((time.perf_counter() - start) * 1000, 2)
-
-
 def _require_admin(settings: GatewaySettings):
     async def check(authorization: str | None = Header(default=None)) -> None:
         expected = settings.admin_token.get_secret_value() if settings.admin_token else ""
@@ -303,60 +297,9 @@ def _require_admin(settings: GatewaySettings):
     return check
 
 
-def _passages_out(
-    passages: list[common_pb2.Passage], generated: generator_pb2.GenerateResponse
-) -> list[PassageOut]:
-    best = generated.hypotheses[0] if generated.hypotheses else None
-    posterior: list[float] | None = None
-    if best is not None and len(best.doc_posterior):
-        posterior = list(best.doc_posterior)
-    elif best is not None and len(best.tokens):
-        posterior = list(best.tokens[-1].doc_posterior)
-    prior = list(generated.doc_prior)
-    return [
-        PassageOut(
-            id=p.id,
-            title=p.title,
-            text=p.text,
-            score=p.score,
-            prior=prior[i] if i < len(prior) else None,
-            posterior=posterior[i] if posterior and i < len(posterior) else None,
-        )
-        for i, p in enumerate(passages)
-    ]
-
-
-def _hypotheses_out(generated: generator_pb2.GenerateResponse) -> list[HypothesisOut]:
-    return [
-        HypothesisOut(
-            text=h.text,
-            log_prob=h.log_prob if math.isfinite(h.log_prob) else -1e30,
-            doc_posterior=list(h.doc_posterior) or None,
-            tokens=[
-                TokenPosteriorOut(token=t.token, posterior=list(t.doc_posterior)) for t in h.tokens
-            ]
-            or None,
-        )
-        for h in generated.hypotheses
-    ]
-
-
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     metrics = GatewayMetrics()
-    lookups = {"hit": 0, "miss": 0}
-    hit_ratio = Gauge(
-        "openbook_gateway_cache_hit_ratio",
-        "Share of answer-cache lookups that were hits, since the gateway started",
-        registry=metrics.registry,
-    )
-    hit_ratio.set_function(lambda: lookups["hit"] / max(1, lookups["hit"] + lookups["miss"]))
-    serving = Gauge(
-        "openbook_gateway_model_info",
-        "1 for the model version of each service that computed the latest answer",
-        ["service", "version"],
-        registry=metrics.registry,
-    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -380,8 +323,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.cache = AnswerCache(
             settings.redis_url, settings.cache_ttl_s, settings.redis_timeout_s
         )
-        app.state.last_index = None
-        app.state.last_versions = {}
         app.state.default_k = DefaultK(app.state.generator, settings.health_timeout_s)
         yield
         await app.state.retrieval.close()
@@ -410,6 +351,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 {key: err[key] for key in ("type", "loc", "msg") if key in err} for err in errors
             ]
             return AsciiJSONResponse({"detail": jsonable_encoder(shallow)}, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code < 500:
+            return await http_exception_handler(request, exc)
+        # A failure (here or in a service): its request id finds it in the logs.
+        body = {"detail": exc.detail, "request_id": getattr(request.state, "request_id", "")}
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     # Outermost (added last): every response, a 413 from BodySizeLimit too, gets a request id.
     app.add_middleware(RequestContext, metrics=metrics, access_log=settings.access_log)
@@ -454,117 +403,45 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def answer(body: AnswerRequest, request: Request) -> dict:
         state = request.app.state
         request_id = request.state.request_id
+        timer = metrics.stages()
         # Resolved before the cache key is built: a request without k and one naming the
         # model's default share the key.
         k = body.k if body.k is not None else await state.default_k.get(request_id)
-        params = {**body.model_dump(include=set(ANSWER_PARAMS)), "k": k}
-        timings: dict[str, float] = {}
-        started = time.perf_counter()
+        params = answer_params(body, k)
 
         if body.use_cache:
-            t = time.perf_counter()
-            # Redis is the shared truth; what this gateway saw last covers a Redis that lost
-            # its keys. The key names the index and model versions that would answer now.
-            shared_index, versions = await state.cache.serving()
-            index_hint = body.index or shared_index or state.last_index
-            versions = {**state.last_versions, **versions}
-            cached = None
-            if index_hint and versions:
-                cached = await state.cache.get(index_hint, {**params, "models": versions})
-            timings["cache_ms"] = _ms(t)
-            metrics.stage_seconds.labels("cache").observe(timings["cache_ms"] / 1000)
-            metrics.cache.labels("hit" if cached else "miss").inc()
-            lookups["hit" if cached else "miss"] += 1
-            if cached:
-                timings["total_ms"] = _ms(started)
+            with timer.stage("cache"):
+                cached = await state.cache.lookup(body.index, params)
+            metrics.cache_lookup(hit=cached is not None)
+            if cached is not None:
                 # Validated when it was stored: sent as it is, not validated again.
-                return JSONResponse(
-                    {**cached, "cached": True, "request_id": request_id, "timings_ms": timings}
-                )
+                return JSONResponse(cached_answer(cached, request_id, timer.done()))
         else:
-            metrics.cache.labels("skipped").inc()
+            metrics.cache_skipped()
 
-        t = time.perf_counter()
-        retrieved = await state.retrieval.retrieve(body.question, k, body.index, request_id)
-        timings["retrieve_ms"] = _ms(t)
-        metrics.stage_seconds.labels("retrieve").observe(timings["retrieve_ms"] / 1000)
+        with timer.stage("retrieve"):
+            retrieved = await state.retrieval.retrieve(body.question, k, body.index, request_id)
         passages = list(retrieved.results[0].passages)
         if not passages:
             raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
+        with timer.stage("generate"):
+            generated = await _unless_disconnected(
+                request, state.generator.generate(body, passages, request_id)
+            )
 
-        t = time.perf_counter()
-        generated = await _unless_disconnected(
-            request,
-            state.generator.call(
-                state.generator.stub.Generate,
-                generator_pb2.GenerateRequest(
-                    question=body.question,
-                    passages=passages,
-                    options=generator_pb2.DecodingOptions(
-                        mode=body.decoding,
-                        num_beams=body.num_beams,
-                        max_new_tokens=body.max_new_tokens,
-                        min_new_tokens=body.min_new_tokens,
-                        length_penalty=body.length_penalty,
-                        num_return_sequences=body.num_return_sequences,
-                    ),
-                ),
-                request_id,
-            ),
-        )
-        timings["generate_ms"] = _ms(t)
-        metrics.stage_seconds.labels("generate").observe(timings["generate_ms"] / 1000)
-        metrics.active_index.clear()
-        metrics.active_index.labels(retrieved.index).set(1)
-        if not body.index:
-            state.last_index = retrieved.index
-        used_versions = {
-            "generator": generated.model_version,
-            "retriever": retrieved.model_version,
-        }
-        state.last_versions = used_versions
+        versions = {"generator": generated.model_version, "retriever": retrieved.model_version}
+        metrics.answered(retrieved.index, versions)
+        state.cache.answered(retrieved.index, versions, active=not body.index)
         state.default_k.seen(generated.model_version)
-        serving.clear()
-        for service, version in used_versions.items():
-            serving.labels(service, version).set(1)
-        timings["total_ms"] = _ms(started)
-
-        result = AnswerResponse(
-            answer=generated.hypotheses[0].text if generated.hypotheses else "",
-            index=retrieved.index,
-            model_version=generated.model_version,
-            retriever_version=retrieved.model_version,
-            decoding=body.decoding,
-            passages=_passages_out(passages, generated),
-            hypotheses=_hypotheses_out(generated),
-            cached=False,
-            request_id=request_id,
-            timings_ms=timings,
-        ).model_dump()
+        result = answer_response(body, retrieved, generated, request_id, timer.done())
         if body.use_cache:
-            stored = {k: v for k, v in result.items() if k not in ("request_id", "timings_ms")}
-            await state.cache.put(retrieved.index, {**params, "models": used_versions}, stored)
+            await state.cache.store(retrieved.index, params, versions, stored_answer(result))
         return result
 
     @app.get("/indexes", response_model=IndexesResponse)
     async def indexes(request: Request) -> dict:
-        state = request.app.state
-        listed = await state.retrieval.list_indexes(request.state.request_id)
-        return {
-            "active": listed.active or None,
-            "indexes": [
-                IndexOut(
-                    name=i.name,
-                    encoder=i.encoder,
-                    dim=i.dim,
-                    count=i.count,
-                    index_type=i.index_type,
-                    loaded=i.loaded,
-                    active=i.active,
-                )
-                for i in listed.indexes
-            ],
-        }
+        listed = await request.app.state.retrieval.list_indexes(request.state.request_id)
+        return indexes_response(listed)
 
     @app.post(
         "/admin/swap-index", response_model=SwapIndexResponse, dependencies=[Depends(require_admin)]
@@ -575,7 +452,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         previous, active = await state.retrieval.swap(
             body.index, request.state.request_id, timeout_s=max(settings.retrieve_timeout_s, 600.0)
         )
-        state.last_index = active
+        state.cache.swapped(active)
         log.info("index swapped %s -> %s", previous, active)
         return {"previous": previous or None, "active": active}
 
@@ -588,66 +465,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         """Load a trained checkpoint into the retriever (query encoder) and the generator.
 
         Each service verifies the checkpoint before switching and keeps its current model if
-        it is refused; in-flight requests finish on the model they started with.
+        it is refused; if one service refuses it, the other is put back on the model it served
+        (``rolled_back``). In-flight requests finish on the model they started with.
         """
         state = request.app.state
-        request_id = request.state.request_id
-        path = body.checkpoint or ""
-        timeout_s = max(settings.generate_timeout_s, 600.0)
-
-        async def over_rpc(service: str) -> str:
-            """Today's reload: the one replica (per shard) this gateway's channel reaches."""
-            if service == "retriever":
-                return await state.retrieval.reload_model(path, request_id, timeout_s)
-            generated = await state.generator.call(
-                state.generator.stub.ReloadModel,
-                common_pb2.ReloadModelRequest(path=path),
-                request_id,
-                timeout_s=timeout_s,
-            )
-            return generated.model_version
-
-        shared = await reload_everywhere(state.cache.client, path, settings.reload_wait_s)
-        if shared is None:
-            log.warning("model reload without shared state: other replicas keep their model")
-            versions = {service: await over_rpc(service) for service in ("retriever", "generator")}
-            log.info("models reloaded over RPC: %s", versions)
-            return versions
-        reload_id, desired, outcomes = shared
-        versions = {}
-        for service in ("retriever", "generator"):
-            mine = [o for o in outcomes if o["service"] == service]
-            if not mine:  # no replica of it follows shared reloads (an older build)
-                version = await over_rpc(service)
-                mine = [dict(service=service, replica="rpc", version=version, state=CONVERGED)]
-                outcomes.extend(mine)
-            served = {o["version"] for o in mine if o["state"] == CONVERGED}
-            versions[service] = served.pop() if len(served) == 1 else ""
-        result = {
-            **versions,
-            "checkpoint": desired.get("resolved") or path or None,
-            "request": reload_id,
-            "replicas": [ReplicaOut(**o).model_dump() for o in outcomes],
-        }
-        failed = [o for o in outcomes if o["state"] == FAILED]
-        loading = [o for o in outcomes if o["state"] == LOADING]
-        log.info(
-            "model reload %s: %d replicas converged, %d failed, %d loading",
-            reload_id,
-            len(outcomes) - len(failed) - len(loading),
-            len(failed),
-            len(loading),
+        status, result = await reload_models(
+            state.retrieval,
+            state.generator,
+            state.cache.client,
+            body.checkpoint or "",
+            request.state.request_id,
+            timeout_s=max(settings.generate_timeout_s, 600.0),
+            wait_s=settings.reload_wait_s,
         )
-        if failed:
-            # Every replica that refused keeps its model: 422 when none took the checkpoint,
-            # 409 when the replicas now disagree.
-            reasons = "; ".join(f"{o['service']} {o['replica']}: {o['error']}" for o in failed)
-            status = 409 if len(failed) < len(outcomes) - len(loading) else 422
-            detail = f"checkpoint refused by {len(failed)} of {len(outcomes)} replicas: {reasons}"
-            return JSONResponse({"detail": detail, **result}, status)
-        if loading:  # the wait ran out: they keep loading, /admin/replicas shows them
-            return JSONResponse(result, 202)
-        return result
+        return result if status == 200 else JSONResponse(jsonable_encoder(result), status)
 
     @app.get(
         "/admin/replicas", response_model=ReplicasResponse, dependencies=[Depends(require_admin)]

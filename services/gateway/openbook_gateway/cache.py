@@ -1,8 +1,9 @@
 """Answers cached in Redis, keyed by everything that determines them.
 
 The key includes the index that computed the answer, so after a swap a lookup (keyed by the
-newly active index) can never return an answer computed on the other one. When Redis is
-unreachable the cache is skipped, never an error.
+newly active index) can never return an answer computed on the other one; and the model
+versions that computed it, so a reloaded model never serves the old one's answers. When
+Redis is unreachable the cache is skipped, never an error.
 """
 
 from __future__ import annotations
@@ -15,10 +16,29 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from openbook.shared_state import ACTIVE_INDEX_KEY, MODEL_VERSIONS_KEY
+from openbook_gateway.schemas import AnswerRequest
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "openbook:answer:"
+
+# Fields of AnswerRequest that change the answer (and so belong in the cache key).
+ANSWER_PARAMS = (
+    "question",
+    "k",
+    "decoding",
+    "num_beams",
+    "max_new_tokens",
+    "min_new_tokens",
+    "num_return_sequences",
+    "length_penalty",
+)
+
+
+def answer_params(body: AnswerRequest, k: int) -> dict:
+    """What decides an answer, with ``k`` resolved (a request naming no k and one naming the
+    model's default share their key)."""
+    return {**body.model_dump(include=set(ANSWER_PARAMS)), "k": k}
 
 
 def cache_key(index: str, params: dict) -> str:
@@ -32,6 +52,35 @@ class AnswerCache:
         self.client = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
         )
+        # What this gateway saw serve last: covers a Redis that lost its keys.
+        self.last_index: str | None = None
+        self.last_versions: dict[str, str] = {}
+
+    async def lookup(self, index: str | None, params: dict) -> dict | None:
+        """The stored answer for ``params`` on ``index`` (None: the active index), if any.
+
+        Keyed by the index and model versions that would answer now: Redis is the shared
+        truth (the active index, the versions the services announced), what this gateway saw
+        last fills in what Redis does not know."""
+        shared_index, versions = await self.serving()
+        index = index or shared_index or self.last_index
+        versions = {**self.last_versions, **versions}
+        if not (index and versions):
+            return None
+        return await self.get(index, {**params, "models": versions})
+
+    def answered(self, index: str, versions: dict[str, str], active: bool) -> None:
+        """An answer was computed on ``index`` (the active one if ``active``) by ``versions``."""
+        if active:
+            self.last_index = index
+        self.last_versions = versions
+
+    def swapped(self, active: str) -> None:
+        self.last_index = active
+
+    async def store(self, index: str, params: dict, versions: dict[str, str], answer: dict) -> None:
+        """File ``answer`` under the index and the model versions that computed it."""
+        await self.put(index, {**params, "models": versions}, answer)
 
     async def serving(self) -> tuple[str | None, dict[str, str]]:
         """The active index and the model versions the services announced."""

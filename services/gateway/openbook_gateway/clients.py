@@ -2,7 +2,8 @@
 
 Every call carries a deadline and the request id, and admin RPCs (SwapIndex, ReloadModel, ...)
 the admin token; a gRPC failure becomes an ``HTTPException`` that names the service: bad
-input -> 422, overload -> 429, deadline -> 504, down -> 503.
+input -> 422, overload -> 429, deadline -> 504, down -> 503, a bug in the service -> 500
+(its message stays in the service's log, under the request id).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     bearer_metadata,
 )
-from openbook.v1 import generator_pb2_grpc, retriever_pb2_grpc
+from openbook.v1 import (
+    common_pb2,
+    generator_pb2,
+    generator_pb2_grpc,
+    retriever_pb2_grpc,
+)
+from openbook_gateway.mapping import generate_request
+from openbook_gateway.schemas import AnswerRequest
 
 T = TypeVar("T")
 
@@ -37,6 +45,9 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.CANCELLED: 503,
+    # Whatever the service did not raise on purpose: a bug there, not the client's mistake.
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNKNOWN: 500,
 }
 
 
@@ -57,6 +68,8 @@ def http_error(service: str, error: grpc.aio.AioRpcError) -> HTTPException:
         detail = f"{service} is overloaded: {detail}"
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
         detail = f"{service} did not answer within the deadline"
+    elif status == 500:
+        detail = f"internal error in the {service}"
     elif status >= 500:
         detail = f"{service} failed: {detail}"
     headers = {"Retry-After": "1"} if status in (429, 503) else None
@@ -141,3 +154,14 @@ class GeneratorClient(ServiceClient):
     name = "generator"
     stub_class = generator_pb2_grpc.GeneratorStub
     service = GENERATOR_SERVICE
+
+    async def generate(
+        self, body: AnswerRequest, passages: list[common_pb2.Passage], request_id: str
+    ) -> generator_pb2.GenerateResponse:
+        return await self.call(self.stub.Generate, generate_request(body, passages), request_id)
+
+    async def reload_model(self, path: str, request_id: str, timeout_s: float) -> str:
+        """Load the checkpoint ``path`` names; returns the version now served."""
+        request = common_pb2.ReloadModelRequest(path=path)
+        reply = await self.call(self.stub.ReloadModel, request, request_id, timeout_s)
+        return reply.model_version

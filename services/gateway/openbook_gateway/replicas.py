@@ -4,6 +4,11 @@
 generator replica follows it (:class:`openbook.shared_state.ModelFollower`) and publishes its
 own state (replica id, version served, state of the latest reload, error) under a key with a
 TTL. The gateway waits, bounded, for every replica it can see to report on the request.
+
+The retriever and the generator of one deployment serve one checkpoint: if either cannot
+switch to it, the one that did is put back (:func:`reload_models`), as a refused index swap
+puts back the shards that had swapped. Without Redis the reload goes over RPC, to the one
+replica (per shard) each of the gateway's channels reaches.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
+from fastapi import HTTPException
 from redis.exceptions import RedisError
 
 from openbook.shared_state import (
@@ -24,6 +31,8 @@ from openbook.shared_state import (
     MODEL_RELOAD_CHANNEL,
     REPLICA_KEY_PREFIX,
 )
+from openbook_gateway.clients import GeneratorClient
+from openbook_gateway.retrieval import Retrieval
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +85,23 @@ def outcome(replica: dict, request: str) -> dict:
     }
 
 
-async def reload_everywhere(
-    client, checkpoint: str, wait_s: float
-) -> tuple[str, dict, list[dict]] | None:
+@dataclass
+class SharedReload:
+    """A reload told to every replica through Redis, and where it got."""
+
+    request: str  # its id
+    desired: dict  # the desired record (with the checkpoint the replicas resolved)
+    outcomes: list[dict]  # each replica's (``outcome``)
+    before: list[dict]  # each replica's state before the request
+
+
+async def reload_everywhere(client, checkpoint: str, wait_s: float) -> SharedReload | None:
     """Set the desired model and wait (at most ``wait_s``) until every live replica reports on
-    it. Returns the request id, the desired record and each replica's outcome; None when Redis
-    cannot be reached or no replica follows shared reloads (the caller falls back to RPCs)."""
+    it. None when Redis cannot be reached or no replica follows shared reloads (the caller
+    falls back to RPCs)."""
     try:
-        if not await list_replicas(client):
+        before = await list_replicas(client)
+        if not before:
             log.warning("no replica follows shared reloads: reloading over RPC only")
             return None
         request = await set_desired(client, checkpoint)
@@ -109,4 +127,144 @@ async def reload_everywhere(
         if time.monotonic() > deadline:
             break
         await asyncio.sleep(POLL_S)
-    return request, desired, outcomes
+    for service in SERVICES:
+        if not any(o["service"] == service for o in outcomes):
+            # Nothing of this service can switch: the other one must not stay switched alone.
+            error = f"no {service} replica follows shared reloads (none is up)"
+            outcomes.append(
+                dict(service=service, replica="", version="", state=FAILED, error=error)
+            )
+    return SharedReload(request, desired, outcomes, before)
+
+
+def _served(outcomes: list[dict]) -> dict[str, str]:
+    """The version each service's replicas serve ('' where they differ)."""
+    versions = {}
+    for service in SERVICES:
+        served = {
+            o["version"] for o in outcomes if o["service"] == service and o["state"] == CONVERGED
+        }
+        versions[service] = served.pop() if len(served) == 1 else ""
+    return versions
+
+
+def _moved(reload: SharedReload) -> list[dict]:
+    """The replicas that switched (or are still switching) to the requested model."""
+    before = {(r.get("service"), r.get("replica")): r.get("version") for r in reload.before}
+    return [
+        o
+        for o in reload.outcomes
+        if o["state"] == LOADING
+        or (o["state"] == CONVERGED and o["version"] != before.get((o["service"], o["replica"])))
+    ]
+
+
+async def reload_models(
+    retrieval: Retrieval,
+    generator: GeneratorClient,
+    client,
+    checkpoint: str,
+    request_id: str,
+    timeout_s: float,
+    wait_s: float,
+) -> tuple[int, dict]:
+    """Reload the retriever (query encoder) and the generator from ``checkpoint`` ('' : the
+    latest), both or neither. Returns the HTTP status and the body (``ReloadModelResponse``,
+    with ``detail`` when a replica refused): 200 when every replica switched, 202 when some
+    are still loading after ``wait_s``, 422 when the checkpoint was refused and every replica
+    serves what it served before (the ones that had switched were put back), 409 when the
+    replicas now disagree (a refusal, and the others could not be put back)."""
+    shared = await reload_everywhere(client, checkpoint, wait_s)
+    if shared is None:
+        log.warning("model reload without shared state: other replicas keep their model")
+        versions = await reload_over_rpc(retrieval, generator, checkpoint, request_id, timeout_s)
+        log.info("models reloaded over RPC: %s", versions)
+        return 200, versions
+    outcomes = shared.outcomes
+    failed = [o for o in outcomes if o["state"] == FAILED]
+    loading = [o for o in outcomes if o["state"] == LOADING]
+    log.info(
+        "model reload %s: %d replicas converged, %d failed, %d loading",
+        shared.request,
+        len(outcomes) - len(failed) - len(loading),
+        len(failed),
+        len(loading),
+    )
+    body = {
+        **_served(outcomes),
+        "checkpoint": shared.desired.get("resolved") or checkpoint or None,
+        "request": shared.request,
+        "replicas": outcomes,
+        "rolled_back": None,
+    }
+    if not failed:
+        # The wait may have run out: those loading keep loading, /admin/replicas shows them.
+        return (202 if loading else 200), body
+    # Every replica that refused keeps its model.
+    reasons = "; ".join(f"{o['service']} {o['replica'] or '-'}: {o['error']}" for o in failed)
+    detail = f"checkpoint refused by {len(failed)} of {len(outcomes)} replicas: {reasons}"
+    moved = _moved(shared)
+    if not moved:
+        return 422, {"detail": detail, **body}
+    previous = {r.get("version", "") for r in shared.before}
+    if len(previous) != 1 or not next(iter(previous)):
+        detail += f"; the replicas that switched cannot be put back: they served {sorted(previous)}"
+        return 409, {"detail": detail, **body}
+    (target,) = previous
+    log.warning(
+        "model reload %s refused: putting %d replicas back on %s",
+        shared.request,
+        len(moved),
+        target,
+    )
+    back = await reload_everywhere(client, target, wait_s)
+    mine = {(o["service"], o["replica"]) for o in moved}
+    stuck = [
+        o
+        for o in (back.outcomes if back is not None else moved)
+        if (o["service"], o["replica"]) in mine
+        and (o["state"] != CONVERGED or o["version"] != target)
+    ]
+    if back is None or stuck:
+        why = "; ".join(
+            f"{o['service']} {o['replica'] or '-'}: {o['error'] or o['state']}" for o in stuck
+        )
+        if back is None:
+            why = "redis unavailable"
+        detail += f"; the replicas that switched could not be put back on {target}: {why}"
+        return 409, {"detail": detail, **body}
+    detail += f"; the replicas that had switched were put back on {target}"
+    return 422, {"detail": detail, **body, **_served(back.outcomes), "rolled_back": target}
+
+
+async def reload_over_rpc(
+    retrieval: Retrieval,
+    generator: GeneratorClient,
+    checkpoint: str,
+    request_id: str,
+    timeout_s: float,
+) -> dict[str, str]:
+    """Reload over the gateway's channels: every retriever shard (all or none), then the
+    generator; if the generator cannot switch, the retriever is put back. Raises the refusal
+    (an ``HTTPException``), a 409 when the retriever could not be put back."""
+    previous, retriever = await retrieval.reload_model(checkpoint, request_id, timeout_s)
+    try:
+        generator_version = await generator.reload_model(checkpoint, request_id, timeout_s)
+    except HTTPException as refused:
+        if all(version == retriever for version in previous):
+            raise  # the retriever did not change
+        try:
+            await retrieval.restore_model(previous, request_id, timeout_s)
+        except HTTPException as stuck:
+            raise HTTPException(
+                409,
+                f"{refused.detail}; the retriever, switched to {retriever}, could not be put "
+                f"back: {stuck.detail}",
+            ) from None
+        back = ", ".join(sorted(set(previous)))
+        raise HTTPException(
+            refused.status_code,
+            f"{refused.detail} (the retriever was put back on {back})",
+            headers=refused.headers,
+        ) from None
+    return {"retriever": retriever, "generator": generator_version}

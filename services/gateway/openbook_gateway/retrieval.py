@@ -122,7 +122,9 @@ class Retrieval:
             info.count = sum(shard[name].count for shard in per_shard)
             info.loaded = all(shard[name].loaded for shard in per_shard)
             indexes.append(info)
-        return retriever_pb2.ListIndexesResponse(indexes=indexes, active=replies[0].active)
+        return retriever_pb2.ListIndexesResponse(
+            indexes=indexes, active=replies[0].active, model_version=replies[0].model_version
+        )
 
     async def swap(self, name: str, request_id: str, timeout_s: float) -> tuple[str, str]:
         """Swap every shard; if one refuses, put the others back so all agree."""
@@ -146,10 +148,54 @@ class Retrieval:
             raise HTTPException(503, f"retriever swap failed: {error}")
         return results[0].previous, results[0].active
 
-    async def reload_model(self, path: str, request_id: str, timeout_s: float) -> str:
+    async def model_versions(self, request_id: str) -> list[str]:
+        """The query-encoder version each shard serves."""
+        replies = await self._all("ListIndexes", retriever_pb2.ListIndexesRequest(), request_id)
+        return [reply.model_version for reply in replies]
+
+    async def reload_model(
+        self, path: str, request_id: str, timeout_s: float
+    ) -> tuple[list[str], str]:
+        """Reload every shard; if one refuses, put the others back so all agree (as ``swap``
+        does). Returns each shard's previous version and the version now served."""
+        previous = await self.model_versions(request_id)
         request = common_pb2.ReloadModelRequest(path=path)
-        replies = await self._all("ReloadModel", request, request_id, timeout_s)
-        return replies[0].model_version
+        results = await asyncio.gather(
+            *(
+                shard.call(shard.stub.ReloadModel, request, request_id, timeout_s)
+                for shard in self.shards
+            ),
+            return_exceptions=True,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            switched = [
+                (shard, before)
+                for shard, before, result in zip(self.shards, previous, results, strict=True)
+                if not isinstance(result, BaseException) and result.model_version != before
+            ]
+            for shard, before in switched:
+                back = common_pb2.ReloadModelRequest(path=before)
+                await shard.call(shard.stub.ReloadModel, back, request_id, timeout_s)
+            error = failed[0]
+            if isinstance(error, HTTPException):
+                raise error
+            raise HTTPException(503, f"retriever reload failed: {error}")
+        return previous, results[0].model_version
+
+    async def restore_model(self, versions: list[str], request_id: str, timeout_s: float) -> None:
+        """Put every shard back on its version in ``versions`` (from ``reload_model``)."""
+        await asyncio.gather(
+            *(
+                shard.call(
+                    shard.stub.ReloadModel,
+                    common_pb2.ReloadModelRequest(path=version),
+                    request_id,
+                    timeout_s,
+                )
+                for shard, version in zip(self.shards, versions, strict=True)
+            )
+        )
 
     async def healthy(self) -> bool:
         return all((await self.shard_health()).values())

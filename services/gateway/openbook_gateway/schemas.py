@@ -1,18 +1,29 @@
-"""HTTP request and response bodies of the gateway."""
+"""HTTP request and response bodies of the gateway.
+
+Requests are checked once, here, against ``openbook.limits``: the limits the retriever and
+generator enforce at their own boundaries, so a request accepted here is one they accept.
+"""
 
 from __future__ import annotations
 
-import unicodedata
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Decoding = Literal["rag-token", "rag-sequence-thorough", "rag-sequence-fast"]
+from openbook.limits import (
+    INDEX_NAME_PATTERN,
+    MAX_BEAMS,
+    MAX_CHECKPOINT_CHARS,
+    MAX_K,
+    MAX_LENGTH_PENALTY,
+    MAX_NEW_TOKENS,
+    MAX_QUESTION_CHARS,
+    MAX_RETURN_SEQUENCES,
+    MIN_LENGTH_PENALTY,
+    DecodingMode,
+    check_decoding,
+    check_question,
+    refuse_controls,
+)
 
-# The same limit the services enforce; the gateway checks first so clients get a 422 naming
-# the field before any service is called.
-MAX_QUESTION_CHARS = 2000
-INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # Passages per answer when neither the request nor the served generator names a number (a RAG
 # checkpoint's config n_docs is the generator's own default).
 DEFAULT_K = 5
@@ -22,32 +33,6 @@ DEFAULT_K = 5
 # valid float; 5.0 is not a valid int. NaN and ±Infinity (Python's json reads them, and 1e400
 # as inf) are refused by the int types and by allow_inf_nan=False on floats.
 STRICT_REQUEST = ConfigDict(extra="forbid", strict=True)
-
-# The control characters a question may hold: people paste multi-line text.
-QUESTION_CONTROLS = "\t\n\r"
-CONTROL_NAMES = {"\t": "tab", "\n": "newline", "\r": "carriage return"}
-# Characters that show nothing: a question made only of these is blank.
-INVISIBLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
-
-
-def refuse_controls(field: str, value: str, allowed: str = "") -> str:
-    """Return ``value``, or raise ValueError naming ``field`` and its first control character
-    that is not in ``allowed``.
-
-    NUL cuts strings short in C code, logs and paths; other control characters mean nothing
-    to a tokenizer. Refused here, each is a 422 naming the field instead of a surprise further
-    down. (Lone surrogates never get this far: pydantic refuses them as invalid strings.)
-    """
-    for at, char in enumerate(value):
-        if unicodedata.category(char) != "Cc" or char in allowed:
-            continue
-        where = f"U+{ord(char):04X} at index {at}"
-        if char == "\x00":
-            raise ValueError(f"{field} must not contain NUL characters ({where})")
-        if allowed:
-            where += "; allowed: " + ", ".join(CONTROL_NAMES.get(c, repr(c)) for c in allowed)
-        raise ValueError(f"{field} must not contain control characters ({where})")
-    return value
 
 
 class AnswerRequest(BaseModel):
@@ -62,16 +47,18 @@ class AnswerRequest(BaseModel):
     k: int | None = Field(
         None,
         ge=1,
-        le=100,
+        le=MAX_K,
         description="number of passages to retrieve and marginalise; default: the model's "
         f"n_docs ({DEFAULT_K})",
     )
-    decoding: Decoding = "rag-token"
-    num_beams: int = Field(1, ge=1, le=16, description="1 = greedy")
-    max_new_tokens: int = Field(32, ge=1, le=512)
-    min_new_tokens: int = Field(0, ge=0, le=512)
-    num_return_sequences: int = Field(1, ge=1, le=16)
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
+    decoding: DecodingMode = "rag-token"
+    num_beams: int = Field(1, ge=1, le=MAX_BEAMS, description="1 = greedy")
+    max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
+    min_new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
+    num_return_sequences: int = Field(1, ge=1, le=MAX_RETURN_SEQUENCES)
+    length_penalty: float = Field(
+        1.0, ge=MIN_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False
+    )
     index: str | None = Field(
         None, pattern=INDEX_NAME_PATTERN, description="default: the active index"
     )
@@ -80,25 +67,19 @@ class AnswerRequest(BaseModel):
     @field_validator("question")
     @classmethod
     def question_is_text(cls, value: str) -> str:
-        if all(ch.isspace() or unicodedata.category(ch) in INVISIBLE for ch in value):
-            raise ValueError(
-                "question must not be blank: it holds only whitespace, control or format characters"
-            )
-        return refuse_controls("question", value, QUESTION_CONTROLS)
+        return check_question("question", value)
 
     @model_validator(mode="after")
     def decoding_consistent(self) -> AnswerRequest:
-        # The generator checks these too; checking here names the field before any call.
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) must not exceed "
-                f"max_new_tokens ({self.max_new_tokens})"
-            )
-        if self.num_return_sequences > self.num_beams:
-            raise ValueError(
-                f"num_return_sequences ({self.num_return_sequences}) must not exceed "
-                f"num_beams ({self.num_beams})"
-            )
+        # The fields' own ranges are checked above; this adds how they bound each other.
+        check_decoding(
+            self.decoding,
+            self.num_beams,
+            self.max_new_tokens,
+            self.min_new_tokens,
+            self.num_return_sequences,
+            self.length_penalty,
+        )
         return self
 
 
@@ -128,7 +109,7 @@ class AnswerResponse(BaseModel):
     index: str
     model_version: str
     retriever_version: str
-    decoding: Decoding
+    decoding: DecodingMode
     passages: list[PassageOut]
     hypotheses: list[HypothesisOut]
     cached: bool
@@ -167,7 +148,7 @@ class ReloadModelRequest(BaseModel):
 
     checkpoint: str | None = Field(
         None,
-        max_length=4096,
+        max_length=MAX_CHECKPOINT_CHARS,
         description=(
             "a checkpoint in the services' checkpoint root (OPENBOOK_CHECKPOINT_DIR): a version "
             "such as step-000120, or an absolute path inside the root; default: the latest one"
@@ -200,6 +181,11 @@ class ReloadModelResponse(BaseModel):
     request: str | None = Field(None, description="the id of this reload in shared state")
     replicas: list[ReplicaOut] | None = Field(
         None, description="each replica's result; null without Redis (one replica per service)"
+    )
+    rolled_back: str | None = Field(
+        None,
+        description="when some replicas refused the checkpoint: the version the ones that had "
+        "switched were put back on",
     )
 
 

@@ -1,4 +1,4 @@
-"""``openbook-generator``: serve the generator over gRPC, configured by :class:`GeneratorSettings`."""
+"""``openbook-generator``: serve the generator over gRPC (settings: :class:`GeneratorSettings`)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from openbook.checkpoint import latest_checkpoint, locate_in_root
+from openbook.checkpoint import latest_checkpoint, load_generator, locate_in_root
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
@@ -25,7 +25,7 @@ from openbook.shared_state import (
     replica_metrics,
 )
 from openbook.v1 import generator_pb2_grpc
-from openbook_generator.servicer import GeneratorServicer, load_generator_checkpoint
+from openbook_generator.servicer import GeneratorServicer
 from openbook_generator.settings import GeneratorSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def load_initial_generator(settings: GeneratorSettings) -> RagGenerator:
     if settings.load_latest_checkpoint:
         try:
             if latest_checkpoint(settings.checkpoint_dir) is not None:
-                return load_generator_checkpoint(settings.checkpoint_dir, device, dtype)
+                return load_generator(settings.checkpoint_dir, device=device, dtype=dtype)
         except ValueError as exc:
             log.error("latest checkpoint refused, serving the base model instead: %s", exc)
     return RagGenerator.load(settings.model, device=device, dtype=dtype)

@@ -1,23 +1,30 @@
-"""gRPC handlers of the generator: validation, batching, translation to protobuf."""
+"""gRPC handlers of the generator: validation, batching, translation to protobuf.
+
+``Generate`` turns its proto request into a :class:`ValidGenerateRequest` first, checked once
+against ``openbook.limits`` (the limits the gateway enforces too); everything behind it trusts
+that request. Anything else that fails is a bug here, and answers INTERNAL.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from openbook.checkpoint import (
-    CheckpointError,
-    checkpoint_in_root,
-    generator_dir,
-    resolve_checkpoint,
-    verify_checkpoint,
+from openbook.checkpoint import CheckpointError, checkpoint_in_root, load_generator
+from openbook.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    Overloaded,
+    TooLarge,
+    client_errors,
 )
-from openbook.errors import DeadlineExceeded, InvalidArgument, Overloaded, TooLarge
-from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
+from openbook.limits import MAX_K, check_decoding, check_question
+from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.errors import Abandoned
 from openbook.rag.memory import RequestShape, mib
 from openbook.serving.batcher import NO_DEADLINE_S, Batcher
@@ -27,13 +34,23 @@ from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_PASSAGES = 100
-MAX_QUESTION_CHARS = 4000
+# A checkpoint that ReloadModel is asked for and that is refused: the client's choice.
+client_errors(CheckpointError, ModelLoadError)
+
 DEFAULTS = DecodingOptions()
 
 Generated = tuple[GenerationResult, str]  # the result and the model version that produced it
 # Weight of the newest batch in the running estimate of seconds per request.
 _RATE_WEIGHT = 0.3
+
+
+@dataclass(frozen=True)
+class ValidGenerateRequest:
+    """A ``GenerateRequest`` checked against ``openbook.limits``: what the servicer works on."""
+
+    question: str
+    passages: tuple[Passage, ...]
+    options: DecodingOptions
 
 
 @dataclass(frozen=True)
@@ -47,29 +64,41 @@ class GenerateItem:
 
 
 def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
-    """Unset (zero) fields take the library defaults; the library validates ranges."""
+    """Unset (zero) fields take the library defaults; every field is checked here."""
+    length_penalty = msg.length_penalty if msg.HasField("length_penalty") else 1.0
     options = DecodingOptions(
         mode=msg.mode or DEFAULTS.mode,
         num_beams=msg.num_beams or DEFAULTS.num_beams,
         max_new_tokens=msg.max_new_tokens or DEFAULTS.max_new_tokens,
         min_new_tokens=msg.min_new_tokens,
-        length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+        length_penalty=length_penalty,
         num_return_sequences=msg.num_return_sequences or DEFAULTS.num_return_sequences,
     )
-    options.validate()
+    check_decoding(
+        options.mode,
+        options.num_beams,
+        options.max_new_tokens,
+        options.min_new_tokens,
+        options.num_return_sequences,
+        options.length_penalty,
+    )
     return options
 
 
-def validate_generate(request: generator_pb2.GenerateRequest) -> list[Passage]:
-    if not request.question.strip():
-        raise InvalidArgument("question: must not be empty")
-    if len(request.question) > MAX_QUESTION_CHARS:
-        raise InvalidArgument(f"question: longer than {MAX_QUESTION_CHARS} characters")
+def validate_generate(request: generator_pb2.GenerateRequest) -> ValidGenerateRequest:
+    """The request, checked once; raises :class:`InvalidArgument` naming the first bad field."""
+    question = check_question("question", request.question)
     if not request.passages:
         raise InvalidArgument("passages: at least one passage is required")
-    if len(request.passages) > MAX_PASSAGES:
-        raise InvalidArgument(f"passages: at most {MAX_PASSAGES}, got {len(request.passages)}")
-    return [Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in request.passages]
+    if len(request.passages) > MAX_K:
+        raise InvalidArgument(f"passages: at most {MAX_K}, got {len(request.passages)}")
+    for i, p in enumerate(request.passages):
+        if not math.isfinite(p.score):
+            raise InvalidArgument(f"passages[{i}].score must be a finite number, got {p.score}")
+    passages = tuple(
+        Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in request.passages
+    )
+    return ValidGenerateRequest(question, passages, options_from_proto(request.options))
 
 
 def result_to_proto(result: GenerationResult, model_version: str) -> generator_pb2.GenerateResponse:
@@ -97,18 +126,6 @@ def _model_info(g: RagGenerator) -> common_pb2.ModelInfo:
         dtype=g.dtype,
         default_k=getattr(g, "default_k", 0),
     )
-
-
-def load_generator_checkpoint(path: Path, device: str | None, dtype: str | None) -> RagGenerator:
-    """The generator of a verified trainer checkpoint (or of the latest one under a root)."""
-    ckpt = resolve_checkpoint(path)
-    manifest = verify_checkpoint(ckpt)
-    try:
-        generator = RagGenerator.load(generator_dir(ckpt), device=device, dtype=dtype)
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {manifest.version}: generator: {exc}") from None
-    generator.model_version = manifest.version
-    return generator
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
@@ -224,14 +241,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         return GenerateItem(question, passages, options, shape)
 
     def Generate(self, request, context):
-        passages = validate_generate(request)
-        options = options_from_proto(request.options)
+        valid = validate_generate(request)
         time_left = context.time_remaining()
         if time_left is None or time_left > NO_DEADLINE_S:
             time_left = None
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
-        item = self.admit(request.question, passages, options, time_left)
+        item = self.admit(valid.question, valid.passages, valid.options, time_left)
         result, version = self.batcher.submit(
             item, timeout_s=time_left, on_cancel=context.add_callback
         )
@@ -258,7 +274,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             try:
                 # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.
                 path = checkpoint_in_root(self.checkpoint_root, requested)
-                self.generator = load_generator_checkpoint(path, current.device, current.dtype)
+                self.generator = load_generator(path, device=current.device, dtype=current.dtype)
             except OSError as exc:  # inside the root, but unreadable (permissions, ...)
                 detail = exc.strerror or exc
                 raise InvalidArgument(f"checkpoint {requested!r}: {detail}") from None

@@ -1,4 +1,4 @@
-"""``openbook-retriever``: serve the retriever over gRPC, configured by :class:`RetrieverSettings`."""
+"""``openbook-retriever``: serve the retriever over gRPC (settings: :class:`RetrieverSettings`)."""
 
 from __future__ import annotations
 

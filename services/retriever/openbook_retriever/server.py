@@ -50,9 +50,7 @@ def bind(settings: RetrieverSettings) -> tuple[GrpcService, DeferredServicer]:
         settings.port,
         lambda server: retriever_pb2_grpc.add_RetrieverServicer_to_server(pending, server),
         # as the generator: a thread per place in the batch queue and batch, plus grpc_workers
-        workers=settings.grpc_workers
-        + settings.max_queue
-        + settings.max_batch_size,
+        workers=settings.grpc_workers + settings.max_queue + settings.max_batch_size,
         metrics=metrics,
         admin_methods=admin_methods(RETRIEVER_SERVICE),
         admin_token=settings.admin_token,

@@ -5,6 +5,10 @@ index, then queues its queries; the batch worker runs one query-encoder forward 
 queries of every waiting call on the same index and encoder, and one search per distinct
 ``(k, return_vectors)``. Each call still gets its own result or its own error, and holds its
 lease until its result is back, so a swap never closes an index under a queued call.
+
+Each RPC checks its proto request once, at the top, against ``openbook.limits`` (the limits
+the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest` that
+everything behind it trusts. Anything else that fails is a bug here, and answers INTERNAL.
 """
 
 from __future__ import annotations
@@ -17,18 +21,19 @@ from pathlib import Path
 import numpy as np
 
 from openbook.checkpoint import (
+    CheckpointError,
     checkpoint_in_root,
     load_query_encoder,
-    resolve_checkpoint,
-    verify_checkpoint,
+    open_checkpoint,
 )
-from openbook.errors import FailedPrecondition, InvalidArgument
-from openbook.index import Encoder, LoadedIndex
+from openbook.errors import FailedPrecondition, InvalidArgument, client_errors
+from openbook.index import Encoder, IndexLoadError, LoadedIndex
 from openbook.index.pairing import (
     QueryEncoderOverride,
     checkpoint_override,
     configured_override,
 )
+from openbook.limits import MAX_K, MAX_QUERIES, check_index_name, check_question, check_range
 from openbook.serving.batcher import Batcher
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import ActiveIndexStore, publish_model_version
@@ -38,9 +43,9 @@ from openbook_retriever.registry import IndexRegistry
 
 log = logging.getLogger(__name__)
 
-MAX_K = 100
-MAX_QUERIES = 256
-MAX_QUERY_CHARS = 4000
+# An index or a checkpoint that a request named and that cannot be loaded (corrupt, missing
+# files, mismatched): refused, and the current one keeps serving.
+client_errors(CheckpointError, IndexLoadError)
 
 
 def passage_to_proto(p: Passage, with_vector: bool) -> common_pb2.Passage:
@@ -50,20 +55,31 @@ def passage_to_proto(p: Passage, with_vector: bool) -> common_pb2.Passage:
     return msg
 
 
-def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> None:
+@dataclass(frozen=True)
+class ValidRetrieveRequest:
+    """A ``RetrieveRequest`` checked against ``openbook.limits``: what the servicer works on."""
+
+    queries: tuple[str, ...]
+    k: int
+    index: str | None  # None: the active index
+    return_vectors: bool
+
+
+def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRequest:
+    """The request, checked once; raises :class:`InvalidArgument` naming the first bad field."""
     if not request.queries:
         raise InvalidArgument("queries: at least one query is required")
     if len(request.queries) > MAX_QUERIES:
         raise InvalidArgument(
             f"queries: at most {MAX_QUERIES} per request, got {len(request.queries)}"
         )
-    for i, query in enumerate(request.queries):
-        if not query.strip():
-            raise InvalidArgument(f"queries[{i}]: must not be empty")
-        if len(query) > MAX_QUERY_CHARS:
-            raise InvalidArgument(f"queries[{i}]: longer than {MAX_QUERY_CHARS} characters")
-    if not 1 <= request.k <= MAX_K:
-        raise InvalidArgument(f"k: must be in [1, {MAX_K}], got {request.k}")
+    queries = tuple(check_question(f"queries[{i}]", q) for i, q in enumerate(request.queries))
+    return ValidRetrieveRequest(
+        queries=queries,
+        k=check_range("k", request.k, 1, MAX_K),
+        index=check_index_name("index", request.index) if request.index else None,
+        return_vectors=request.return_vectors,
+    )
 
 
 class PairingError(FailedPrecondition, ValueError):
@@ -217,18 +233,20 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             ) from None
 
     def Retrieve(self, request, context):
-        validate_retrieve(request)
-        with self.registry.lease(request.index or None) as index:
+        valid = validate_retrieve(request)
+        with self.registry.lease(valid.index) as index:
+            if valid.return_vectors and not index.dense:
+                raise InvalidArgument(
+                    f"return_vectors: index {index.name!r} is bm25 and stores no vectors"
+                )
             encoder, version = self._pairing(index)
-            search = _Search(
-                index, encoder, list(request.queries), request.k, request.return_vectors
-            )
+            search = _Search(index, encoder, list(valid.queries), valid.k, valid.return_vectors)
             results = self.batcher.submit(search, timeout_s=context.time_remaining())
             name = index.name
         return retriever_pb2.RetrieveResponse(
             results=[
                 retriever_pb2.QueryResult(
-                    passages=[passage_to_proto(p, request.return_vectors) for p in passages]
+                    passages=[passage_to_proto(p, valid.return_vectors) for p in passages]
                 )
                 for passages in results
             ],
@@ -251,8 +269,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         A checkpoint that does not pair with the *active* (dense) index is refused
         (FAILED_PRECONDITION): loading it would change nothing that is served.
         """
-        ckpt = resolve_checkpoint(path)
-        manifest = verify_checkpoint(ckpt)
+        ckpt, manifest = open_checkpoint(path)
         encoder = load_query_encoder(ckpt, verify=False)
         override = None
         if encoder is not None:
@@ -336,24 +353,29 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                 infos.append(self._info(name))
             except Exception as exc:  # noqa: BLE001 - one unreadable manifest must not hide the rest
                 log.warning("index %s: unreadable manifest: %s", name, exc)
-        return retriever_pb2.ListIndexesResponse(indexes=infos, active=self.registry.active or "")
+        return retriever_pb2.ListIndexesResponse(
+            indexes=infos, active=self.registry.active or "", model_version=self.model_version
+        )
 
     def LoadIndex(self, request, context):
-        self.registry.load(request.name)
-        return self._info(request.name)
+        name = check_index_name("name", request.name)
+        self.registry.load(name)
+        return self._info(name)
 
     def UnloadIndex(self, request, context):
-        self.registry.unload(request.name)
-        return self._info(request.name)
+        name = check_index_name("name", request.name)
+        self.registry.unload(name)
+        return self._info(name)
 
     def SwapIndex(self, request, context):
+        name = check_index_name("name", request.name)
         with self._swap_lock:
-            previous, _ = self.registry.swap(request.name)  # a bad index raises: nothing shared
+            previous, _ = self.registry.swap(name)  # a bad index raises: nothing shared
             if self.shared is not None:
-                self.shared.set(request.name)
+                self.shared.set(name)
             self._record_active()
         return retriever_pb2.SwapIndexResponse(
-            previous=previous or "", active=request.name, info=self._info(request.name)
+            previous=previous or "", active=name, info=self._info(name)
         )
 
     def follow_shared_active(self) -> None:

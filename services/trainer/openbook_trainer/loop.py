@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from openbook.artifacts import clean_stale_partials, sha256_file
 from openbook.checkpoint import (
     CheckpointError,
-    clean_stale_partials,
-    generator_dir,
     latest_checkpoint,
-    query_encoder_dir,
+    load_generator,
+    load_query_encoder,
+    load_trainer_state,
     read_manifest,
-    sha256_file,
     trainer_state_path,
     verify_checkpoint,
     write_checkpoint,
@@ -120,14 +120,18 @@ class Trainer:
         )
         assert base_q is not None
         self.base_query_encoder = encoder_id(base_q)
+        # float32 master weights; autocast provides the reduced precision on CUDA.
+        dev = str(self.device)
         if resume_from is not None:
             m = read_manifest(resume_from)
             self.base_generator, self.base_query_encoder = m.base_generator, m.base_query_encoder
-        gen_src = generator_dir(resume_from) if resume_from else Path(cfg.generator)
-        q_src = (query_encoder_dir(resume_from) if resume_from else None) or base_q
-
-        self.generator = _load_generator(gen_src, self.device)
-        self.encoder = _load_query_encoder(str(q_src), self.device)
+            # _resume_point verified the checkpoint
+            self.generator = load_generator(resume_from, device=dev, dtype="float32", verify=False)
+            encoder = load_query_encoder(resume_from, device=dev, verify=False)
+        else:
+            self.generator = RagGenerator.load(Path(cfg.generator), device=dev, dtype="float32")
+            encoder = None
+        self.encoder = encoder or _load_query_encoder(base_q, self.device)
         self.retrieval = DenseRetrieval(self.index, self.encoder, cfg.k)
         self.trained = [
             name
@@ -365,9 +369,8 @@ class Trainer:
 
     def _restore(self, ckpt: Path) -> None:
         path = trainer_state_path(ckpt)
-        assert path is not None
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_trainer_state(ckpt)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.scaler.load_state_dict(state["scaler"])
@@ -438,11 +441,6 @@ def _open_dense_index(cfg: TrainConfig) -> LoadedIndex:
         index.close()
         raise ConfigError(f"k={cfg.k} exceeds the {index.manifest.count} passages of the index")
     return index
-
-
-def _load_generator(path: Path, device: torch.device) -> RagGenerator:
-    # float32 master weights; autocast provides the reduced precision on CUDA.
-    return RagGenerator.load(path, device=str(device), dtype="float32")
 
 
 def _load_query_encoder(name: str, device: torch.device) -> Encoder:

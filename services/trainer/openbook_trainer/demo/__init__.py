@@ -1,4 +1,5 @@
 """Offline demo assets: the shipped data, the default generator and the demo indexes.
 
-``openbook demo prepare`` (see :mod:`openbook_trainer.demo.cli`) turns them into what the services load.
+``openbook demo prepare`` (see :mod:`openbook_trainer.demo.cli`) turns them into what the
+services load.
 """

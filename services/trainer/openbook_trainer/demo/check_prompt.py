@@ -2,9 +2,10 @@
 
 For each question the prompt is built from its gold passage (the SQuAD paragraph it was asked
 on; for the leaders, the office's passage of the 2016 snapshot scored against ``answer_2016``,
-and of the 2018 snapshot against ``answer_2018``), decoded greedily with plain transformers
-(at most ``--max-new-tokens``, stopping at the prompt's stop strings). The KV cache of the
-shared prefix is computed once and copied for every question.
+and of the 2018 snapshot against ``answer_2018``), decoded greedily by the generator the
+services run (:class:`openbook.rag.RagGenerator` over that one passage: at most
+``--max-new-tokens``, stopping at end of sequence or the prompt's stop strings). The KV cache of
+the shared prefix is computed once and forked for every question.
 
     .venv/bin/python -m openbook_trainer.demo.check_prompt --model-dir var/models/gemma-3-270m \
         --squad 60 --threads 2
@@ -13,15 +14,15 @@ shared prefix is computed once and copied for every question.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from openbook.types import Passage
 from openbook_trainer.demo.data import (
     LEADERS_QUESTIONS,
     SQUAD_PARAGRAPHS,
@@ -29,8 +30,12 @@ from openbook_trainer.demo.data import (
     default_data_dir,
     read_jsonl,
 )
-from openbook_trainer.demo.prompt import PromptTemplate, default_prompt, load_prompt
+from openbook_trainer.demo.prompt import default_prompt, load_prompt
 from openbook_trainer.evaluation.metrics import exact_match, f1_score
+
+if TYPE_CHECKING:
+    from openbook.rag import RagGenerator
+    from openbook.rag.prompting import PromptSpec
 
 
 @dataclass(frozen=True)
@@ -70,58 +75,39 @@ def leaders_items(data_dir: Path, year: int) -> list[QAItem]:
 
 
 class GreedyAnswerer:
-    """Greedy decoding of one answer per prompt, reusing the KV cache of the prompt prefix."""
+    """Greedy decoding of one answer per question from its gold passage alone, by openbook's
+    generator (RAG-Token over a single passage is plain greedy decoding of the prompt)."""
 
-    def __init__(
-        self, model: Any, tokenizer: Any, prompt: PromptTemplate, max_new_tokens: int = 16
-    ) -> None:
-        import torch
-        from transformers import DynamicCache
+    def __init__(self, generator: RagGenerator, max_new_tokens: int = 16) -> None:
+        from openbook.rag import DecodingOptions
 
-        self.torch = torch
-        self.model, self.tokenizer, self.prompt = model, tokenizer, prompt
-        self.max_new_tokens = max_new_tokens
-        self.prefix_ids: list[int] = tokenizer(prompt.prefix)["input_ids"]
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
-            model(input_ids=torch.tensor([self.prefix_ids]), past_key_values=cache, use_cache=True)
-        self.prefix_cache = cache
+        self.generator = generator
+        self.options = DecodingOptions(max_new_tokens=max_new_tokens)
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, prompt: PromptSpec | None = None, max_new_tokens: int = 16
+    ) -> GreedyAnswerer:
+        """The causal LM in ``model_dir`` on the CPU in float32, prompted with ``prompt``
+        (default: the prompt file in ``model_dir``)."""
+        from openbook.rag import RagGenerator
+        from openbook.rag.models import CausalBackend
+
+        generator = RagGenerator.load(model_dir, device="cpu", dtype="float32")
+        spec = getattr(generator.backend, "spec", None)
+        if spec is None:
+            raise ValueError(f"{model_dir}: not a causal LM with a prompt file")
+        if prompt is not None and prompt != spec:
+            backend = CausalBackend(generator.model, generator.tokenizer, prompt)
+            generator = RagGenerator(
+                backend, model_version=generator.model_version, generation=generator.generation
+            )
+        return cls(generator, max_new_tokens)
 
     def answer(self, item: QAItem) -> str:
-        torch = self.torch
-        full = self.tokenizer(self.prompt.render(item.title, item.text, item.question))
-        ids: list[int] = full["input_ids"]
-        n = len(self.prefix_ids)
-        if ids[:n] == self.prefix_ids:
-            cache, new_ids = copy.deepcopy(self.prefix_cache), ids[n:]
-        else:  # the tokenizer merged across the prefix boundary: no reuse
-            from transformers import DynamicCache
-
-            cache, new_ids = DynamicCache(config=self.model.config), ids
-        generated: list[int] = []
-        text = ""
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([new_ids]), past_key_values=cache, logits_to_keep=1
-            )
-            for _ in range(self.max_new_tokens):
-                next_id = int(out.logits[0, -1].argmax())
-                if next_id in self.eos_ids:
-                    break
-                generated.append(next_id)
-                text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                if any(s in text for s in self.prompt.stop):
-                    break
-                out = self.model(
-                    input_ids=torch.tensor([[next_id]]),
-                    past_key_values=out.past_key_values,
-                    logits_to_keep=1,
-                )
-        for stop in self.prompt.stop:
-            text = text.split(stop, 1)[0]
-        return text.strip()
+        passage = Passage(id="gold", title=item.title, text=item.text)
+        result = self.generator.generate(item.question, [passage], self.options)
+        return result.hypotheses[0].text
 
 
 def evaluate(answerer: GreedyAnswerer, items: list[QAItem], show: bool = False) -> dict[str, Any]:
@@ -166,15 +152,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
     data_dir = args.data_dir or default_data_dir()
     prompt = load_prompt(args.prompt) if args.prompt else default_prompt()
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(args.model_dir), dtype=torch.float32)
-    model.eval()
-    answerer = GreedyAnswerer(model, tokenizer, prompt, args.max_new_tokens)
+    answerer = GreedyAnswerer.load(args.model_dir, prompt, args.max_new_tokens)
 
     sets: dict[str, list[QAItem]] = {}
     if args.squad:

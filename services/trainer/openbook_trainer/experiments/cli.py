@@ -99,6 +99,7 @@ def open_qa(
         plot_em_by_k,
         run_open_qa,
     )
+
     settings = TrainerSettings()
     index_root = index_root or settings.index_root
 

@@ -146,9 +146,7 @@ def make_dpr_pair(
 BART_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # BART's ids 0..4
 
 
-def make_word_bart(
-    out: Path, vocab: list[str], *, d_model: int, layers: int, seed: int
-) -> Path:
+def make_word_bart(out: Path, vocab: list[str], *, d_model: int, layers: int, seed: int) -> Path:
     """A small BART, initialised as transformers does, over a whitespace word vocabulary.
 
     Whole-word tokens keep the task's answers single tokens, so what the experiment measures is

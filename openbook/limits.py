@@ -1,0 +1,122 @@
+"""What a request may ask for: every limit and text rule, defined once.
+
+Each boundary checks a request once, against these, and turns it into a typed request that
+the code behind it trusts: the gateway's HTTP schemas (``openbook_gateway.schemas``), the
+retriever's ``Retrieve`` and index RPCs and the generator's ``Generate``. A request the gateway
+accepts is therefore one the services accept.
+
+Torch-free and framework-free (the gateway imports it). The ``check_*`` functions raise
+:class:`openbook.errors.InvalidArgument` (a ``ValueError``, so a pydantic validator reports it
+as a 422 naming the field) with a message that starts with the field's name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from typing import Literal, get_args
+
+from openbook.errors import InvalidArgument
+
+# How an answer is decoded (openbook.rag.options): RAG-Token, or RAG-Sequence with the
+# thorough or fast approximation of the paper (§2.5).
+DecodingMode = Literal["rag-token", "rag-sequence-thorough", "rag-sequence-fast"]
+DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
+
+# Characters in a question (code points): the gateway's question, each retriever query and
+# the generator's question.
+MAX_QUESTION_CHARS = 2000
+# Passages per question: retrieved (k), and handed to the generator.
+MAX_K = 100
+# Queries in one Retrieve call.
+MAX_QUERIES = 256
+MAX_BEAMS = 16
+# The n-best list returned is at most num_beams long.
+MAX_RETURN_SEQUENCES = MAX_BEAMS
+MAX_NEW_TOKENS = 512
+MIN_LENGTH_PENALTY, MAX_LENGTH_PENALTY = -10.0, 10.0
+# An index is named by its directory under the index root.
+INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# A checkpoint named in a reload request (a version, or a path inside the checkpoint root).
+MAX_CHECKPOINT_CHARS = 4096
+
+# The control characters a question may hold: people paste multi-line text.
+QUESTION_CONTROLS = "\t\n\r"
+CONTROL_NAMES = {"\t": "tab", "\n": "newline", "\r": "carriage return"}
+# Characters that show nothing: a question made only of these is blank.
+INVISIBLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+
+_INDEX_NAME = re.compile(INDEX_NAME_PATTERN)
+
+
+def refuse_controls(field: str, value: str, allowed: str = "") -> str:
+    """Return ``value``, or raise naming ``field`` and its first control character that is not
+    in ``allowed``.
+
+    NUL cuts strings short in C code, logs and paths; other control characters mean nothing
+    to a tokenizer. (Lone surrogates never get this far: protobuf and pydantic refuse them.)
+    """
+    for at, char in enumerate(value):
+        if unicodedata.category(char) != "Cc" or char in allowed:
+            continue
+        where = f"U+{ord(char):04X} at index {at}"
+        if char == "\x00":
+            raise InvalidArgument(f"{field} must not contain NUL characters ({where})")
+        if allowed:
+            where += "; allowed: " + ", ".join(CONTROL_NAMES.get(c, repr(c)) for c in allowed)
+        raise InvalidArgument(f"{field} must not contain control characters ({where})")
+    return value
+
+
+def check_question(field: str, value: str) -> str:
+    """A question (or retriever query): visible text of at most :data:`MAX_QUESTION_CHARS`
+    characters, whose only control characters are tab, newline and carriage return."""
+    if len(value) > MAX_QUESTION_CHARS:
+        raise InvalidArgument(
+            f"{field} must be at most {MAX_QUESTION_CHARS} characters, got {len(value)}"
+        )
+    if all(ch.isspace() or unicodedata.category(ch) in INVISIBLE for ch in value):
+        raise InvalidArgument(
+            f"{field} must not be blank: it holds only whitespace, control or format characters"
+        )
+    return refuse_controls(field, value, QUESTION_CONTROLS)
+
+
+def check_range(field: str, value: int, lo: int, hi: int) -> int:
+    if not lo <= value <= hi:
+        raise InvalidArgument(f"{field} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_index_name(field: str, value: str) -> str:
+    if not _INDEX_NAME.match(value):
+        raise InvalidArgument(
+            f"{field} must be an index name (letters, digits, '.', '_' and '-', at most 128, "
+            f"starting with a letter or digit), got {value!r}"
+        )
+    return value
+
+
+def check_decoding(
+    mode: str,
+    num_beams: int,
+    max_new_tokens: int,
+    min_new_tokens: int,
+    num_return_sequences: int,
+    length_penalty: float,
+) -> None:
+    """Decoding options: each in its range, and consistent with each other."""
+    if mode not in DECODING_MODES:
+        raise InvalidArgument(f"mode must be one of {list(DECODING_MODES)}, got {mode!r}")
+    check_range("num_beams", num_beams, 1, MAX_BEAMS)
+    check_range("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
+    check_range("min_new_tokens", min_new_tokens, 0, max_new_tokens)
+    check_range("num_return_sequences", num_return_sequences, 1, num_beams)
+    if not (
+        math.isfinite(length_penalty) and MIN_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY
+    ):
+        raise InvalidArgument(
+            f"length_penalty must be in [{MIN_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+            f"got {length_penalty!r}"
+        )

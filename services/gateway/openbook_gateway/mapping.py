@@ -1,0 +1,129 @@
+"""Between the gateway's HTTP bodies and the services' protos, in both directions.
+
+Requests are built from bodies already validated (``openbook_gateway.schemas``): nothing here
+checks anything again. Replies become response bodies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from openbook.v1 import common_pb2, generator_pb2, retriever_pb2
+from openbook_gateway.schemas import (
+    AnswerRequest,
+    AnswerResponse,
+    HypothesisOut,
+    IndexOut,
+    PassageOut,
+    TokenPosteriorOut,
+)
+
+
+def generate_request(
+    body: AnswerRequest, passages: Sequence[common_pb2.Passage]
+) -> generator_pb2.GenerateRequest:
+    return generator_pb2.GenerateRequest(
+        question=body.question,
+        passages=passages,
+        options=generator_pb2.DecodingOptions(
+            mode=body.decoding,
+            num_beams=body.num_beams,
+            max_new_tokens=body.max_new_tokens,
+            min_new_tokens=body.min_new_tokens,
+            length_penalty=body.length_penalty,
+            num_return_sequences=body.num_return_sequences,
+        ),
+    )
+
+
+def answer_response(
+    body: AnswerRequest,
+    retrieved: retriever_pb2.RetrieveResponse,
+    generated: generator_pb2.GenerateResponse,
+    request_id: str,
+    timings: dict[str, float],
+) -> dict:
+    """The body of a computed answer (``cached`` false)."""
+    return AnswerResponse(
+        answer=generated.hypotheses[0].text if generated.hypotheses else "",
+        index=retrieved.index,
+        model_version=generated.model_version,
+        retriever_version=retrieved.model_version,
+        decoding=body.decoding,
+        passages=passages_out(retrieved.results[0].passages, generated),
+        hypotheses=hypotheses_out(generated),
+        cached=False,
+        request_id=request_id,
+        timings_ms=timings,
+    ).model_dump()
+
+
+# What a stored answer leaves out: they belong to the request that computed it.
+PER_REQUEST_FIELDS = ("request_id", "timings_ms")
+
+
+def stored_answer(answer: dict) -> dict:
+    """An answer as the cache keeps it."""
+    return {key: value for key, value in answer.items() if key not in PER_REQUEST_FIELDS}
+
+
+def cached_answer(stored: dict, request_id: str, timings: dict[str, float]) -> dict:
+    """A stored answer served to this request (validated when it was stored)."""
+    return {**stored, "cached": True, "request_id": request_id, "timings_ms": timings}
+
+
+def passages_out(
+    passages: Sequence[common_pb2.Passage], generated: generator_pb2.GenerateResponse
+) -> list[PassageOut]:
+    best = generated.hypotheses[0] if generated.hypotheses else None
+    posterior: list[float] | None = None
+    if best is not None and len(best.doc_posterior):
+        posterior = list(best.doc_posterior)
+    elif best is not None and len(best.tokens):
+        posterior = list(best.tokens[-1].doc_posterior)
+    prior = list(generated.doc_prior)
+    return [
+        PassageOut(
+            id=p.id,
+            title=p.title,
+            text=p.text,
+            score=p.score,
+            prior=prior[i] if i < len(prior) else None,
+            posterior=posterior[i] if posterior and i < len(posterior) else None,
+        )
+        for i, p in enumerate(passages)
+    ]
+
+
+def hypotheses_out(generated: generator_pb2.GenerateResponse) -> list[HypothesisOut]:
+    return [
+        HypothesisOut(
+            text=h.text,
+            log_prob=h.log_prob if math.isfinite(h.log_prob) else -1e30,
+            doc_posterior=list(h.doc_posterior) or None,
+            tokens=[
+                TokenPosteriorOut(token=t.token, posterior=list(t.doc_posterior)) for t in h.tokens
+            ]
+            or None,
+        )
+        for h in generated.hypotheses
+    ]
+
+
+def indexes_response(listed: retriever_pb2.ListIndexesResponse) -> dict:
+    return {
+        "active": listed.active or None,
+        "indexes": [
+            IndexOut(
+                name=i.name,
+                encoder=i.encoder,
+                dim=i.dim,
+                count=i.count,
+                index_type=i.index_type,
+                loaded=i.loaded,
+                active=i.active,
+            )
+            for i in listed.indexes
+        ],
+    }

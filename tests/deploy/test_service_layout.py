@@ -1,0 +1,114 @@
+"""The layout's promises: the core library never imports a service, no service imports another
+or the test kit, each image installs only its own service, and the gateway runs without torch,
+faiss or transformers (imported in the development environment, where they are installed, and
+installed alone, as its Dockerfile does, in a fresh virtual environment)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("gateway", "retriever", "generator", "trainer")
+MODEL_LIBRARIES = ("torch", "faiss", "transformers", "bm25s", "safetensors")
+IMPORT = re.compile(r"^\s*(?:from|import)\s+([A-Za-z_][\w.]*)", re.MULTILINE)
+
+
+def _imports(folder: Path) -> dict[str, set[str]]:
+    """Top-level package of every import, per file under ``folder``."""
+    return {
+        str(path.relative_to(ROOT)): {m.split(".")[0] for m in IMPORT.findall(path.read_text())}
+        for path in folder.rglob("*.py")
+        if "_pb2" not in path.name
+    }
+
+
+def test_the_core_library_imports_no_service():
+    banned = {f"openbook_{s}" for s in SERVICES} | {"openbook_cli", "openbook_testkit"}
+    offenders = {f: i & banned for f, i in _imports(ROOT / "openbook").items() if i & banned}
+    assert not offenders
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_service_imports_the_core_and_itself_only(service):
+    banned = {f"openbook_{s}" for s in SERVICES if s != service} | {
+        "openbook_cli",
+        "openbook_testkit",
+    }
+    package = ROOT / "services" / service / f"openbook_{service}"
+    offenders = {f: i & banned for f, i in _imports(package).items() if i & banned}
+    assert not offenders
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_dockerfile_installs_only_its_service(service):
+    text = (ROOT / "services" / service / "Dockerfile").read_text()
+    copied = [line.split()[1] for line in text.splitlines() if line.startswith("COPY ")]
+    assert not [c for c in copied if c.startswith("services") and c != f"services/{service}"]
+    assert "constraints.txt" not in copied, "the root constraints pin every service's packages"
+    installs = [line for line in text.splitlines() if "pip install" in line]
+    project = [line for line in installs if "torch==" not in line]
+    assert project == [
+        f"RUN pip install -c services/{service}/constraints.txt . ./services/{service}"
+    ]
+    assert any("torch==" in line for line in installs) == (service != "gateway")
+
+
+def test_service_constraints_are_current():
+    """Each services/*/constraints.txt is its service's part of the root constraints.txt."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "service_constraints.py"), "--check"], check=True
+    )
+
+
+GATEWAY_CHECK = """
+import importlib.util, sys
+from openbook_gateway.app import create_app
+from openbook_gateway.settings import GatewaySettings
+import openbook.health, openbook_gateway.__main__
+create_app(GatewaySettings())
+loaded = sorted(m for m in {libraries!r} if m in sys.modules)
+assert not loaded, f"the gateway imported {{loaded}}"
+installed = sorted(m for m in {libraries!r} if importlib.util.find_spec(m) is not None)
+print("installed:", ",".join(installed))
+"""
+
+
+def _check_gateway(python: str) -> str:
+    out = subprocess.run(
+        [python, "-c", GATEWAY_CHECK.format(libraries=MODEL_LIBRARIES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_gateway_imports_no_model_library():
+    """Even where torch & co. are installed (here), building the app never imports them."""
+    assert "torch" in _check_gateway(sys.executable)
+
+
+def test_the_gateway_installs_and_starts_without_model_libraries(tmp_path):
+    """Its Dockerfile's install, in a fresh environment: none of them is even installed."""
+    env_dir = tmp_path / "gateway-venv"
+    venv.create(env_dir, with_pip=True)
+    python = str(env_dir / "bin" / "python")
+    dockerfile = (ROOT / "services" / "gateway" / "Dockerfile").read_text()
+    (install,) = [line for line in dockerfile.splitlines() if "pip install" in line]
+    args = shlex.split(install.removeprefix("RUN "))
+    assert args[:2] == ["pip", "install"]
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args[2:]],
+        cwd=ROOT,
+        check=True,
+        timeout=900,
+    )
+    assert _check_gateway(python).strip() == "installed:"
