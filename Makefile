@@ -3,7 +3,8 @@ VENV ?= .venv
 
 .PHONY: install up test lint bench
 
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt $(wildcard proto/openbook/v1/*.proto)
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt cli/pyproject.toml \
+		$(wildcard services/*/pyproject.toml) $(wildcard proto/openbook/v1/*.proto)
 	scripts/install.sh
 
 install: $(VENV)/.installed

@@ -29,15 +29,9 @@ class LazyGroup(TyperGroup):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in LAZY_COMMANDS:
             return super().get_command(ctx, name)
-        try:
-            from openbook_trainer.__main__ import COMMANDS
-        except ImportError as exc:
-            raise click.ClickException(f"'{name}' is unavailable: {exc}") from None
-        sub_app, help_text = COMMANDS[name]
-        command = typer.main.get_command(sub_app)
-        command.name = name
-        command.help = command.help or help_text
-        return command
+        from openbook_trainer.__main__ import command_group
+
+        return command_group().get_command(ctx, name)
 
 
 app = typer.Typer(

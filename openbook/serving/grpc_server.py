@@ -27,11 +27,11 @@ AUTHORIZATION_HEADER = "authorization"
 RETRIEVER_SERVICE = "openbook.v1.Retriever"
 GENERATOR_SERVICE = "openbook.v1.Generator"
 # Every RPC that changes what a service serves or holds (proto/openbook/v1): only callers with
-# OPENBOOK_ADMIN_TOKEN (the gateway's admin API, operators) may make them. LoadIndex is here
-# too: it fills memory and evicts loaded indexes. tests/services/test_admin_auth.py fails when
-# an RPC is added to the protos without being put here or declared read-only there.
+# OPENBOOK_ADMIN_TOKEN (the gateway's admin API, operators) may make them.
+# tests/services/test_admin_auth.py fails when an RPC is added to the protos without being put
+# here or declared read-only there.
 ADMIN_RPCS: dict[str, frozenset[str]] = {
-    RETRIEVER_SERVICE: frozenset({"LoadIndex", "UnloadIndex", "SwapIndex", "ReloadModel"}),
+    RETRIEVER_SERVICE: frozenset({"SwapIndex", "ReloadModel"}),
     GENERATOR_SERVICE: frozenset({"ReloadModel"}),
 }
 

@@ -112,3 +112,27 @@ def test_the_gateway_installs_and_starts_without_model_libraries(tmp_path):
         timeout=900,
     )
     assert _check_gateway(python).strip() == "installed:"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--config", "x.yaml"],  # docker-compose's trainer, the k8s trainer job
+        ["demo", "prepare"],  # docker-compose's init, the k8s demo-prepare job
+        ["index", "build"],  # the k8s index-build job
+        ["index", "shard"],
+        ["eval"],
+        ["experiments", "qa"],
+    ],
+)
+def test_the_jobs_commands_resolve(argv):
+    """What compose and the k8s jobs run in the jobs image reaches the command it names."""
+    out = subprocess.run(
+        [sys.executable, "-m", "openbook_trainer", *argv, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    command = " ".join(a for a in argv if a.isalpha())  # without options and their values
+    assert f"Usage: openbook-trainer {command} [OPTIONS]" in " ".join(out.stdout.split())

@@ -61,12 +61,6 @@ def _admin_calls(retriever, generator):
     """(name, thunk taking metadata) for every admin RPC, with requests that succeed or fail
     for reasons of their own once past the token."""
     return {
-        "Retriever/LoadIndex": lambda md: retriever.LoadIndex(
-            retriever_pb2.LoadIndexRequest(name="facts-b"), metadata=md, timeout=60
-        ),
-        "Retriever/UnloadIndex": lambda md: retriever.UnloadIndex(
-            retriever_pb2.UnloadIndexRequest(name="facts-b"), metadata=md, timeout=60
-        ),
         "Retriever/SwapIndex": lambda md: retriever.SwapIndex(
             retriever_pb2.SwapIndexRequest(name="facts-a"), metadata=md, timeout=60
         ),
@@ -96,7 +90,7 @@ def test_every_rpc_is_classified():
         rpcs = {m.name for m in module.DESCRIPTOR.services_by_name[short].methods}
         assert ADMIN_RPCS[service] | READ_ONLY_RPCS[service] == rpcs, service
         assert not ADMIN_RPCS[service] & READ_ONLY_RPCS[service]
-    assert {"SwapIndex", "UnloadIndex", "LoadIndex", "ReloadModel"} <= ADMIN_RPCS[RETRIEVER_SERVICE]
+    assert {"SwapIndex", "ReloadModel"} <= ADMIN_RPCS[RETRIEVER_SERVICE]
     assert "ReloadModel" in ADMIN_RPCS[GENERATOR_SERVICE]
 
 

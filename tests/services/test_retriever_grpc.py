@@ -119,16 +119,6 @@ def test_corrupt_index_is_refused_and_current_keeps_serving(retriever, index_roo
         shutil.rmtree(broken)
 
 
-def test_unload_refuses_the_active_index(retriever):
-    stub, _, _ = retriever
-    stub.LoadIndex(retriever_pb2.LoadIndexRequest(name="facts-b"), metadata=ADMIN)
-    with pytest.raises(grpc.RpcError) as err:
-        stub.UnloadIndex(retriever_pb2.UnloadIndexRequest(name="facts-a"), metadata=ADMIN)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    info = stub.UnloadIndex(retriever_pb2.UnloadIndexRequest(name="facts-b"), metadata=ADMIN)
-    assert not info.loaded
-
-
 def test_swap_announced_by_another_replica_is_followed(retriever, redis_server):
     import time
 

@@ -94,15 +94,6 @@ class IndexRegistry:
                 self._evict_idle(keep=name)
             return index
 
-    def unload(self, name: str) -> None:
-        with self._lock:
-            if name == self.active:
-                raise FailedPrecondition(f"index {name!r} is active; swap to another first")
-            entry = self._loaded.pop(name, None)
-            if entry is None:
-                raise NotFound(f"index {name!r} is not loaded")
-            self._retire(name, entry)
-
     def _retire(self, name: str, entry: _Entry) -> None:
         if entry.leases == 0:
             entry.index.close()

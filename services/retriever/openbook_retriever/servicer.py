@@ -357,16 +357,6 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             indexes=infos, active=self.registry.active or "", model_version=self.model_version
         )
 
-    def LoadIndex(self, request, context):
-        name = check_index_name("name", request.name)
-        self.registry.load(name)
-        return self._info(name)
-
-    def UnloadIndex(self, request, context):
-        name = check_index_name("name", request.name)
-        self.registry.unload(name)
-        return self._info(name)
-
     def SwapIndex(self, request, context):
         name = check_index_name("name", request.name)
         with self._swap_lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from typer.core import TyperGroup
 
 from openbook.index.cli import app as index_app
 from openbook_trainer.cli import app as train_app
@@ -22,17 +23,24 @@ COMMANDS: dict[str, tuple[typer.Typer, str]] = {
     "index": (index_app, "Build, import and inspect indexes."),
 }
 
-app = typer.Typer(
-    help="openbook's jobs: training, evaluation, demo preparation, experiments, indexes.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-)
-for _name, (_sub_app, _help) in COMMANDS.items():
-    app.add_typer(_sub_app, name=_name, help=_help)
+
+def command_group() -> TyperGroup:
+    """The sub-commands as one group: a single-command app (train, eval) is that command, a
+    multi-command one (demo, experiments, index) a group of its own."""
+    # typer's own click: its commands raise typer's exceptions, which only its groups handle.
+    group = TyperGroup(
+        name="openbook-trainer",
+        help="openbook's jobs: training, evaluation, demo preparation, experiments, indexes.",
+    )
+    for name, (sub_app, help_text) in COMMANDS.items():
+        command = typer.main.get_command(sub_app)
+        command.help = command.help or help_text
+        group.add_command(command, name)
+    return group
 
 
 def main() -> None:
-    sys.exit(app())
+    sys.exit(command_group().main(prog_name="openbook-trainer"))
 
 
 if __name__ == "__main__":
