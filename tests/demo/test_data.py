@@ -64,3 +64,12 @@ def test_snapshots_use_shipped_files() -> None:
     for snap in DEMO_SNAPSHOTS:
         assert set(snap.inputs) <= set(ALL_FILES)
         assert snap.index_type in {"flat", "bm25"}
+
+
+def test_default_data_dir_is_the_settings_one(monkeypatch, tmp_path):
+    from openbook_trainer.demo.data import default_data_dir
+
+    monkeypatch.delenv("OPENBOOK_DATA_DIR", raising=False)
+    assert default_data_dir() == REPO_DATA_DIR
+    monkeypatch.setenv("OPENBOOK_DATA_DIR", str(tmp_path))
+    assert default_data_dir() == tmp_path

@@ -59,7 +59,7 @@ def prepare(
     skip_models = skip_models or not settings.prepares("models")
     index_root = index_root or settings.index_root
     models_dir = models_dir or settings.models_dir
-    data_dir = data_dir or default_data_dir(settings.data_dir)
+    data_dir = data_dir or default_data_dir()
     start = time.monotonic()
     did: list[str] = []
 

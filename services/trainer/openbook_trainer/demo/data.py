@@ -37,9 +37,12 @@ DEMO_SNAPSHOTS: tuple[Snapshot, ...] = (
 )
 
 
-def default_data_dir(configured: Path | None = None) -> Path:
-    """``configured`` (the settings' ``OPENBOOK_DATA_DIR``) if given, else the repository's
-    ``data/`` (when openbook runs from a checkout or an editable install), else ``./data``."""
+def default_data_dir() -> Path:
+    """The settings' ``OPENBOOK_DATA_DIR`` if set, else the repository's ``data/`` (when
+    openbook runs from a checkout or an editable install), else ``./data``."""
+    from openbook_trainer.settings import TrainerSettings
+
+    configured = TrainerSettings().data_dir
     if configured is not None:
         return configured
     return REPO_DATA_DIR if REPO_DATA_DIR.is_dir() else Path("data")

@@ -49,8 +49,7 @@ def hot_swap(
     """Ask the leader questions on wiki-2016 and wiki-2018, swapping the live index."""
     from openbook_trainer.experiments.hot_swap import markdown, run_hot_swap
 
-    data_dir = default_data_dir(TrainerSettings().data_dir)
-    questions = questions or data_dir / "leaders" / "questions.jsonl"
+    questions = questions or default_data_dir() / "leaders" / "questions.jsonl"
     try:
         result = run_hot_swap(
             url, admin_token, questions, k=k, decoding=decoding, limit=limit or None
@@ -100,8 +99,7 @@ def open_qa(
         run_open_qa,
     )
 
-    settings = TrainerSettings()
-    index_root = index_root or settings.index_root
+    index_root = index_root or TrainerSettings().index_root
 
     config = OpenQAConfig(
         index_root=index_root,
@@ -109,7 +107,7 @@ def open_qa(
         n=n,
         seed=seed,
         prior_scale=prior_scale,
-        questions=questions or default_data_dir(settings.data_dir) / "squad" / "questions.jsonl",
+        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
     )
     try:
         result = run_open_qa(config, out)
