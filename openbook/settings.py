@@ -48,6 +48,14 @@ class GrpcServiceSettings(CommonSettings):
     # RPCs a service accepts at once (running + waiting for a worker); beyond: RESOURCE_EXHAUSTED
     # (the gateway's 429), so a backlog can never grow without bound. 0: no limit.
     grpc_max_concurrent_rpcs: int = Field(256, ge=0)
+    # Concurrent requests share one batch (a forward pass, a search); each service sets its own
+    # defaults. One request more than max_queue waiting gets RESOURCE_EXHAUSTED (the gateway's
+    # 429). The server has a thread for each place in the queue and the batch on top of
+    # grpc_workers, so the queue can fill (with fewer threads than waiting places, a full queue
+    # could never be observed).
+    max_batch_size: int = Field(1, ge=1)
+    max_batch_wait_ms: float = Field(0.0, ge=0)
+    max_queue: int = Field(1, ge=1)
     # Trained checkpoints (written by the trainer, loaded by retriever and generator).
     checkpoint_dir: Path = shared(Path("var/checkpoints"), "OPENBOOK_CHECKPOINT_DIR")
     load_latest_checkpoint: bool = True

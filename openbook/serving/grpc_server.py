@@ -18,6 +18,7 @@ from pydantic import SecretStr
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
 from openbook.serving.metrics import ServiceMetrics
+from openbook.settings import GrpcServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,33 @@ ADMIN_RPCS: dict[str, frozenset[str]] = {
     RETRIEVER_SERVICE: frozenset({"SwapIndex", "ReloadModel"}),
     GENERATOR_SERVICE: frozenset({"ReloadModel"}),
 }
+
+
+def bind_deferred(
+    service: str,
+    name: str,
+    settings: GrpcServiceSettings,
+    add_servicer: Callable[[object, grpc.Server], None],
+) -> tuple[GrpcService, DeferredServicer]:
+    """``service``'s gRPC server bound on the settings' port, answering UNAVAILABLE until a
+    servicer is attached to the returned :class:`DeferredServicer` (``add_servicer``: the
+    generated ``add_*Servicer_to_server``)."""
+    pending = DeferredServicer(name)
+    bound = GrpcService(
+        service,
+        settings.host,
+        settings.port,
+        lambda server: add_servicer(pending, server),
+        # A thread for every request waiting or running in a batch, so the queue can fill (and
+        # answer RESOURCE_EXHAUSTED), plus grpc_workers for everything else.
+        workers=settings.grpc_workers + settings.max_queue + settings.max_batch_size,
+        metrics=ServiceMetrics(name),
+        admin_methods=admin_methods(service),
+        admin_token=settings.admin_token,
+        max_concurrent_rpcs=settings.grpc_max_concurrent_rpcs,
+        access_log=settings.access_log,
+    )
+    return bound, pending
 
 
 def admin_methods(service: str) -> frozenset[str]:

@@ -15,7 +15,7 @@ from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
     DeferredServicer,
     GrpcService,
-    admin_methods,
+    bind_deferred,
 )
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import (
@@ -45,23 +45,12 @@ def load_initial_generator(settings: GeneratorSettings) -> RagGenerator:
 
 def bind(settings: GeneratorSettings) -> tuple[GrpcService, DeferredServicer]:
     """The gRPC server on its port, answering UNAVAILABLE until a servicer is attached."""
-    metrics = ServiceMetrics("generator")
-    pending = DeferredServicer("generator")
-    service = GrpcService(
+    return bind_deferred(
         GENERATOR_SERVICE,
-        settings.host,
-        settings.port,
-        lambda server: generator_pb2_grpc.add_GeneratorServicer_to_server(pending, server),
-        # A thread for every request waiting or running in a batch, so the queue can fill (and
-        # answer RESOURCE_EXHAUSTED), plus grpc_workers for everything else.
-        workers=settings.grpc_workers + settings.max_queue + settings.max_batch_size,
-        metrics=metrics,
-        admin_methods=admin_methods(GENERATOR_SERVICE),
-        admin_token=settings.admin_token,
-        max_concurrent_rpcs=settings.grpc_max_concurrent_rpcs,
-        access_log=settings.access_log,
+        "generator",
+        settings,
+        generator_pb2_grpc.add_GeneratorServicer_to_server,
     )
-    return service, pending
 
 
 def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> GeneratorServicer:

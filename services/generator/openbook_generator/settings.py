@@ -20,9 +20,6 @@ class GeneratorSettings(GrpcServiceSettings):
     dtype: str = ""  # "": the model's own
     max_batch_size: int = Field(8, ge=1)
     max_batch_wait_ms: float = Field(5.0, ge=0)
-    # Requests waiting for a batch; one more gets RESOURCE_EXHAUSTED (the gateway's 429). The
-    # thread pool has a thread for each of them on top of grpc_workers, so the queue can fill
-    # (with fewer threads than waiting places, a full queue could never be observed).
     max_queue: int = Field(32, ge=1)
     # Estimated working memory (beyond the weights) one batch may hold, openbook/rag/memory.py:
     # a request that needs more alone is refused (OUT_OF_RANGE, the gateway's 413) before

@@ -16,7 +16,7 @@ from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     DeferredServicer,
     GrpcService,
-    admin_methods,
+    bind_deferred,
 )
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import (
@@ -42,22 +42,12 @@ def warm_up(servicer: RetrieverServicer) -> None:
 
 def bind(settings: RetrieverSettings) -> tuple[GrpcService, DeferredServicer]:
     """The gRPC server on its port, answering UNAVAILABLE until a servicer is attached."""
-    metrics = ServiceMetrics("retriever")
-    pending = DeferredServicer("retriever")
-    service = GrpcService(
+    return bind_deferred(
         RETRIEVER_SERVICE,
-        settings.host,
-        settings.port,
-        lambda server: retriever_pb2_grpc.add_RetrieverServicer_to_server(pending, server),
-        # as the generator: a thread per place in the batch queue and batch, plus grpc_workers
-        workers=settings.grpc_workers + settings.max_queue + settings.max_batch_size,
-        metrics=metrics,
-        admin_methods=admin_methods(RETRIEVER_SERVICE),
-        admin_token=settings.admin_token,
-        max_concurrent_rpcs=settings.grpc_max_concurrent_rpcs,
-        access_log=settings.access_log,
+        "retriever",
+        settings,
+        retriever_pb2_grpc.add_RetrieverServicer_to_server,
     )
-    return service, pending
 
 
 def load(

@@ -25,5 +25,4 @@ class RetrieverSettings(GrpcServiceSettings):
     # Concurrent Retrieve calls share one encoder forward pass and one search.
     max_batch_size: int = Field(32, ge=1)
     max_batch_wait_ms: float = Field(2.0, ge=0)
-    # Requests waiting for a batch; one more gets RESOURCE_EXHAUSTED (the gateway's 429).
     max_queue: int = Field(64, ge=1)
