@@ -44,7 +44,11 @@ from transformers import (
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
-from openbook_testkit.rag import _word_level_tokenizer, strip_trailing
+from openbook_trainer.experiments.synthetic import word_tokenizer
+
+# The tiny-model helpers live in the test kit (tests/openbook_testkit), not in the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from openbook_testkit.rag import strip_trailing  # noqa: E402
 
 BASE = dict(d_model=768, layers=6, heads=12, ffn=3072, vocab=50265, head_std=0.1)
 QUICK = dict(d_model=64, layers=2, heads=4, ffn=128, vocab=2000, head_std=0.5)
@@ -57,7 +61,7 @@ MODES = (
 
 def build_model(directory: Path, size: dict) -> Path:
     words = [f"w{i}" for i in range(size["vocab"] - 5)]
-    tokenizer = _word_level_tokenizer(words)
+    tokenizer = word_tokenizer(words)
     config = BartConfig(
         vocab_size=len(tokenizer),
         d_model=size["d_model"],

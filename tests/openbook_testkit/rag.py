@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from openbook.types import Passage
+from openbook_trainer.experiments.synthetic import BART_SPECIALS, small_bart_config, word_tokenizer
 
 CORPUS = [
     "Paris is the capital and most populous city of France.",
@@ -38,7 +39,6 @@ TEXTS = [
     "The Eiffel Tower is in Paris.",
 ]
 QUESTION = "What is the capital of France?"
-BART_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # BART ids 0..4
 
 
 def make_passages(k: int, seed: int = 0) -> list[Passage]:
@@ -72,29 +72,6 @@ def _train_byte_bpe(vocab_size: int, specials: list[str]) -> tuple[dict[str, int
     model = json.loads(bpe._tokenizer.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     return model["vocab"], merges
-
-
-def _word_level_tokenizer(words: Sequence[str]):
-    """BART-compatible tokenizer over a handful of whole words (for brute-force enumeration)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(BART_SPECIALS)}
-    for w in words:
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        mask_token="<mask>",
-    )
 
 
 def _bpe_bart_tokenizer():
@@ -131,32 +108,12 @@ def make_tiny_bart(
     instead of the default ~300-token byte-level BPE. generation: extra generation-config fields
     (e.g. ``{"forced_bos_token_id": 0}``) saved in ``generation_config.json``.
     """
-    from transformers import BartConfig, BartForConditionalGeneration, GenerationConfig
+    from transformers import BartForConditionalGeneration, GenerationConfig
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _word_level_tokenizer(words) if words is not None else _bpe_bart_tokenizer()
-    config = BartConfig(
-        vocab_size=len(tokenizer),
-        d_model=d_model,
-        encoder_layers=layers,
-        decoder_layers=layers,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=2 * d_model,
-        decoder_ffn_dim=2 * d_model,
-        max_position_embeddings=512,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-    )
-    # BartConfig defaults forced_eos_token_id=2; keep config.json and generation_config.json in
-    # agreement so every transformers entry point (RAG models read config.json) decodes alike.
-    config.forced_eos_token_id = None
+    tokenizer = word_tokenizer(words) if words is not None else _bpe_bart_tokenizer()
+    config = small_bart_config(len(tokenizer), d_model=d_model, layers=layers)
     if generation and "forced_eos_token_id" in generation:
         config.forced_eos_token_id = generation["forced_eos_token_id"]
     torch.manual_seed(seed)

@@ -13,7 +13,7 @@ the gold passage can only rise through the RAG marginal likelihood. Models are t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,19 +146,11 @@ def make_dpr_pair(
 BART_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # BART's ids 0..4
 
 
-def make_word_bart(out: Path, vocab: list[str], *, d_model: int, layers: int, seed: int) -> Path:
-    """A small BART, initialised as transformers does, over a whitespace word vocabulary.
-
-    Whole-word tokens keep the task's answers single tokens, so what the experiment measures is
-    whether the retriever learns which passage holds an answer, not the generator's spelling.
-    """
+def word_tokenizer(vocab: Sequence[str]):
+    """A BART-compatible fast tokenizer over whole words (BART's five specials, then
+    ``vocab``): every word is one token."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        GenerationConfig,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import PreTrainedTokenizerFast
 
     ids = {token: i for i, token in enumerate(BART_SPECIALS)}
     for word in vocab:
@@ -168,7 +160,7 @@ def make_word_bart(out: Path, vocab: list[str], *, d_model: int, layers: int, se
     word_level.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
     )
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=word_level,
         bos_token="<s>",
         pad_token="<pad>",
@@ -176,8 +168,16 @@ def make_word_bart(out: Path, vocab: list[str], *, d_model: int, layers: int, se
         unk_token="<unk>",
         mask_token="<mask>",
     )
+
+
+def small_bart_config(vocab_size: int, *, d_model: int, layers: int):
+    """A BART configuration of the given width and depth, BART's special-token ids, no
+    dropout, and no forced EOS (so config.json and generation_config.json agree: BartConfig
+    defaults ``forced_eos_token_id=2``)."""
+    from transformers import BartConfig
+
     config = BartConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         d_model=d_model,
         encoder_layers=layers,
         decoder_layers=layers,
@@ -194,10 +194,23 @@ def make_word_bart(out: Path, vocab: list[str], *, d_model: int, layers: int, se
         attention_dropout=0.0,
         activation_dropout=0.0,
     )
-    # config.json and generation_config.json agree (BartConfig defaults forced_eos_token_id=2).
     config.forced_eos_token_id = None
+    return config
+
+
+def make_word_bart(out: Path, vocab: list[str], *, d_model: int, layers: int, seed: int) -> Path:
+    """A small BART, initialised as transformers does, over a whitespace word vocabulary.
+
+    Whole-word tokens keep the task's answers single tokens, so what the experiment measures is
+    whether the retriever learns which passage holds an answer, not the generator's spelling.
+    """
+    from transformers import BartForConditionalGeneration, GenerationConfig
+
+    tokenizer = word_tokenizer(vocab)
     torch.manual_seed(seed)
-    model = BartForConditionalGeneration(config)
+    model = BartForConditionalGeneration(
+        small_bart_config(len(tokenizer), d_model=d_model, layers=layers)
+    )
     model.generation_config = GenerationConfig(
         bos_token_id=0, eos_token_id=2, pad_token_id=1, decoder_start_token_id=2
     )
