@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,12 @@ from openbook_testkit.stack import RedisServer
 
 # Two cores on CI: more threads than that only adds contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Exactness tests compare answers and scores in float32: every generator service the suite
+# starts (in process or through `openbook up`, which inherits this environment) loads its
+# weights in float32, even on a CPU with native bf16, where the service's "auto" would pick
+# bf16. A test of the precision policy itself passes its own dtype.
+os.environ.setdefault("OPENBOOK_GENERATOR_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -44,25 +44,28 @@ class BoundedCost:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def generate_batch(self, requests, **kwargs):
-        cheap = []
-        for question, passages, options in requests:
+    def engine(self, *args, **kwargs):
+        """The inner engine, admitting every (validated) request with cheap options."""
+        engine = self.inner.engine(*args, **kwargs)
+        add = engine.add
+
+        def cheap_add(question, passages, options, **more):
             validate_request(question, passages, options)
-            beams, tokens = min(options.num_beams, 2), min(options.max_new_tokens, 4)
-            cheap.append(
-                (
-                    question,
-                    passages,
-                    dataclasses.replace(
-                        options,
-                        num_beams=beams,
-                        max_new_tokens=tokens,
-                        min_new_tokens=min(options.min_new_tokens, tokens),
-                        num_return_sequences=min(options.num_return_sequences, beams),
-                    ),
-                )
-            )
-        return self.inner.generate_batch(cheap, **kwargs)
+            return add(question, passages, _cheap(options), **more)
+
+        engine.add = cheap_add
+        return engine
+
+
+def _cheap(options):
+    beams, tokens = min(options.num_beams, 2), min(options.max_new_tokens, 4)
+    return dataclasses.replace(
+        options,
+        num_beams=beams,
+        max_new_tokens=tokens,
+        min_new_tokens=min(options.min_new_tokens, tokens),
+        num_return_sequences=min(options.num_return_sequences, beams),
+    )
 
 
 @pytest.fixture(scope="module")

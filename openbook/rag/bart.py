@@ -23,6 +23,8 @@ forward (:class:`openbook.rag.models.Seq2SeqBackend`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,6 +33,23 @@ from torch import Tensor
 _LM_HEAD_ROWS = 1024
 
 KV = list[tuple[Tensor, Tensor]]  # per decoder layer: keys, values (rows, heads, length, head_dim)
+
+
+@dataclass
+class CrossSegment:
+    """Consecutive decoder rows reading P passage rows, ``copies`` rows per passage row.
+
+    cross: per decoder layer, cross-attention keys and values (P, H, S, dh); mask: (P, S) bool
+    (True = attend), None when no passage row is padded.
+    """
+
+    copies: int
+    cross: KV
+    mask: Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return int(self.cross[0][0].shape[0]) * self.copies
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -70,26 +89,31 @@ class BartDecoding:
     def step(
         self,
         tokens: Tensor,
-        position: int,
+        positions: Tensor,
         past: KV | None,
-        cross: KV,
-        cross_mask: Tensor | None,
-        copies: int,
+        self_mask: Tensor | None,
+        segments: list[CrossSegment],
     ) -> tuple[Tensor, KV]:
-        """Feed one token per decoder row: tokens (N,) at decoder position ``position``.
+        """Feed one token per decoder row: tokens (N,) at decoder positions ``positions`` (N,).
 
-        Decoder row ``p * copies + c`` reads passage row p: cross, per layer (P, H, S, dh) with
-        N = P * copies; cross_mask (P, S) bool (True = attend) or None. past: self-attention
-        cache of the N rows, or None at the decoder-start step. Returns the new hidden states (N, d)
-        and the extended cache.
+        ``segments`` cover the N rows in order; in a segment of P passage rows with ``copies``
+        rows each, decoder row ``p * copies + c`` (counted from the segment's first row) reads
+        passage row p: its cross keys/values, per layer (P, H, S, dh), and mask (P, S) bool
+        (True = attend) or None. past: self-attention cache of the N rows (left-padded when rows
+        started at different steps), or None at the decoder-start step; self_mask (N, L) bool
+        says which cached slots are real (None: all). Returns the new hidden states (N, d) and
+        the extended cache.
         """
         dec = self._decoder
         n = tokens.shape[0]
         x = dec.embed_tokens(tokens[:, None])
-        pos = dec.embed_positions.weight[position + dec.embed_positions.offset]
-        x = dec.layernorm_embedding(x + pos)
+        pos = dec.embed_positions.weight[positions + dec.embed_positions.offset]
+        x = dec.layernorm_embedding(x + pos[:, None])
         hidden_shape = (n, 1, -1, self.head_dim)
-        xmask = None if cross_mask is None else cross_mask[:, None, None, :]
+        smask = None
+        if self_mask is not None:
+            own = torch.ones(n, 1, dtype=torch.bool, device=self_mask.device)
+            smask = torch.cat([self_mask, own], dim=1)[:, None, None, :]
         new_cache: KV = []
         for i, layer in enumerate(dec.layers):
             attn = layer.self_attn
@@ -100,17 +124,26 @@ class BartDecoding:
                 k = torch.cat([past[i][0], k], dim=2)
                 v = torch.cat([past[i][1], v], dim=2)
             new_cache.append((k, v))
-            a = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=smask, scale=attn.scaling)
             x = layer.self_attn_layer_norm(x + attn.out_proj(a.transpose(1, 2).reshape(n, 1, -1)))
 
             attn = layer.encoder_attn
-            # the `copies` queries of one passage row attend to its keys/values together
-            q = attn.q_proj(x).view(-1, copies, self.heads, self.head_dim).transpose(1, 2)
-            ck, cv = cross[i]
-            a = F.scaled_dot_product_attention(q, ck, cv, attn_mask=xmask, scale=attn.scaling)
-            x = layer.encoder_attn_layer_norm(
-                x + attn.out_proj(a.transpose(1, 2).reshape(n, 1, -1))
-            )
+            q_all = attn.q_proj(x)
+            outs = []
+            at = 0
+            for seg in segments:
+                ck, cv = seg.cross[i]
+                rows = ck.shape[0] * seg.copies
+                # the `copies` queries of one passage row attend to its keys/values together
+                q = q_all[at : at + rows].view(-1, seg.copies, self.heads, self.head_dim)
+                xmask = None if seg.mask is None else seg.mask[:, None, None, :]
+                a = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), ck, cv, attn_mask=xmask, scale=attn.scaling
+                )
+                outs.append(a.transpose(1, 2).reshape(rows, 1, -1))
+                at += rows
+            a = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x = layer.encoder_attn_layer_norm(x + attn.out_proj(a))
 
             h = layer.fc2(layer.activation_fn(layer.fc1(x)))
             x = layer.final_layer_norm(x + h)

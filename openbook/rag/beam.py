@@ -1,9 +1,9 @@
 """Greedy and beam search over an abstract next-token log-distribution.
 
-The search never touches a model: a ``step`` callback receives the tokens chosen for every live row
-(and, for beam search, which previous beam each row continues) and returns the next
-log-distributions. RAG-Token plugs in the passage-marginalised distribution, RAG-Sequence the
-per-passage one.
+A search never touches a model: its caller (:mod:`openbook.rag.engine`) feeds it the next-token
+log-distributions of its rows, one step at a time, and reads back the tokens chosen for every
+live row (and, for beam search, which previous beam each row continues). RAG-Token feeds the
+passage-marginalised distribution, RAG-Sequence the per-passage one.
 
 The beam search reproduces transformers' (>= 4.50) vectorised beam search decision for decision —
 top 2 x num_beams continuations, finished hypotheses scored as sum_logprob / generated_len **
@@ -55,8 +55,6 @@ class Finished:
     payload: list[list[float]] | None = None
 
 
-# step(tokens (batch*beams,), source_beams (batch, beams) or None) -> log-probs (batch*beams, V)
-StepFn = Callable[[Tensor, Tensor | None], Tensor]
 # stop(tokens generated so far) -> finished early (stop string); EOS and length are handled here
 StopFn = Callable[[list[int]], bool]
 # payload(source beams (batch, c), tokens (batch, c)) -> (batch, c, E) float values attached to each
@@ -98,115 +96,177 @@ def _block_repeated_ngrams(scores: Tensor, history: Tensor, s: SearchSettings) -
     return scores
 
 
-def greedy_search(
-    batch: int,
-    first: Tensor,
-    step: StepFn,
-    s: SearchSettings,
-    stop: StopFn | None = None,
-    payload: PayloadFn | None = None,
-) -> list[list[Finished]]:
-    """Argmax decoding of ``batch`` independent rows; ``first`` (batch, V): step-0 distribution."""
-    device = first.device
-    tokens = torch.empty(batch, 0, dtype=torch.long, device=device)
-    raw_lp: list[Tensor] = []
-    extra: list[Tensor] = []
-    proc_sum = torch.zeros(batch, device=device)
-    lengths = torch.full((batch,), s.max_new_tokens, dtype=torch.long)
-    done = torch.zeros(batch, dtype=torch.bool)
-    lp = first
-    for g in range(s.max_new_tokens):
-        scores = _process(lp, tokens, g, s)
+class Search:
+    """One search over ``batch`` items, driven one step at a time by its caller.
+
+    ``start(first)`` takes the step-0 distributions (batch, V); afterwards ``tokens`` (rows,) are
+    the tokens to feed the model for every live row (rows = batch, or batch * num_beams) and
+    ``source`` (batch, num_beams) or None which previous row each row continues (the caller
+    reorders its cache by it before feeding). ``advance(lp)`` takes the next distributions
+    (rows, V) of those rows. Both return False once the search is over; ``result()`` then gives
+    the finished hypotheses per item, best first.
+
+    Driving a search step by step lets the decoding engine run many searches (requests) in one
+    batch, each joining and leaving between steps, with every decision identical to running it
+    alone.
+    """
+
+    rows: int
+    tokens: Tensor
+    source: Tensor | None
+
+    def start(self, first: Tensor) -> bool:
+        raise NotImplementedError
+
+    def advance(self, lp: Tensor) -> bool:
+        raise NotImplementedError
+
+    def result(self) -> list[list[Finished]]:
+        raise NotImplementedError
+
+
+class GreedySearch(Search):
+    """Argmax decoding of ``batch`` independent rows."""
+
+    def __init__(
+        self,
+        batch: int,
+        s: SearchSettings,
+        device: torch.device,
+        stop: StopFn | None = None,
+        payload: PayloadFn | None = None,
+    ) -> None:
+        self.rows = batch
+        self.s = s
+        self.stop = stop
+        self.payload = payload
+        self.source = None
+        self.seq = torch.empty(batch, 0, dtype=torch.long, device=device)
+        self.tokens = torch.empty(0, dtype=torch.long, device=device)
+        self._raw_lp: list[Tensor] = []
+        self._extra: list[Tensor] = []
+        self._proc_sum = torch.zeros(batch, device=device)
+        self._lengths = torch.full((batch,), s.max_new_tokens, dtype=torch.long)
+        self._done = torch.zeros(batch, dtype=torch.bool)
+        self._g = 0
+
+    def start(self, first: Tensor) -> bool:
+        return self.advance(first)
+
+    def advance(self, lp: Tensor) -> bool:
+        s, g, done = self.s, self._g, self._done
+        device = lp.device
+        scores = _process(lp, self.seq, g, s)
         nxt = scores.argmax(dim=-1)
         # rows already finished keep feeding padding, as transformers does; their values are
         # discarded
         nxt = torch.where(done.to(device), torch.full_like(nxt, s.pad_token_id), nxt)
-        raw_lp.append(lp.gather(1, nxt[:, None]).squeeze(1))
-        if payload is not None:
-            extra.append(payload(torch.zeros_like(nxt)[:, None], nxt[:, None])[:, 0])
-        proc_sum += torch.where(done.to(device), 0.0, scores.gather(1, nxt[:, None]).squeeze(1))
-        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        self._raw_lp.append(lp.gather(1, nxt[:, None]).squeeze(1))
+        if self.payload is not None:
+            self._extra.append(self.payload(torch.zeros_like(nxt)[:, None], nxt[:, None])[:, 0])
+        self._proc_sum += torch.where(
+            done.to(device), 0.0, scores.gather(1, nxt[:, None]).squeeze(1)
+        )
+        self.seq = torch.cat([self.seq, nxt[:, None]], dim=1)
         nxt_cpu = nxt.tolist()
-        for r in range(batch):
+        for r in range(self.rows):
             if done[r]:
                 continue
             if (s.eos_token_id is not None and nxt_cpu[r] == s.eos_token_id) or (
-                stop is not None and stop(tokens[r].tolist())
+                self.stop is not None and self.stop(self.seq[r].tolist())
             ):
                 done[r] = True
-                lengths[r] = g + 1
-        if bool(done.all()) or g + 1 == s.max_new_tokens:
-            break
-        lp = step(nxt, None)
-    tok = tokens.tolist()
-    lps = torch.stack(raw_lp, dim=1).tolist()
-    pay = torch.stack(extra, dim=1).tolist() if extra else None
-    return [
-        [
-            Finished(
-                tok[r][: lengths[r]],
-                float(proc_sum[r]),
-                lps[r][: lengths[r]],
-                None if pay is None else pay[r][: lengths[r]],
-            )
+                self._lengths[r] = g + 1
+        self._g = g + 1
+        self.tokens = nxt
+        return not (bool(done.all()) or g + 1 == s.max_new_tokens)
+
+    def result(self) -> list[list[Finished]]:
+        tok = self.seq.tolist()
+        lps = torch.stack(self._raw_lp, dim=1).tolist()
+        pay = torch.stack(self._extra, dim=1).tolist() if self._extra else None
+        lengths = self._lengths
+        return [
+            [
+                Finished(
+                    tok[r][: lengths[r]],
+                    float(self._proc_sum[r]),
+                    lps[r][: lengths[r]],
+                    None if pay is None else pay[r][: lengths[r]],
+                )
+            ]
+            for r in range(self.rows)
         ]
-        for r in range(batch)
-    ]
 
 
-def beam_search(
-    batch: int,
-    first: Tensor,
-    step: StepFn,
-    s: SearchSettings,
-    stop: StopFn | None = None,
-    payload: PayloadFn | None = None,
-) -> list[list[Finished]]:
-    """Beam search for ``batch`` items with ``s.num_beams`` beams each.
+class BeamSearch(Search):
+    """Beam search for ``batch`` items with ``s.num_beams`` beams each (transformers' decisions,
+    module docstring)."""
 
-    ``first`` (batch, V) is the step-0 distribution shared by all beams of an item. Returns, per
-    item, the finished hypotheses best first (at most ``num_return_sequences``).
-    """
-    nb, max_new = s.num_beams, s.max_new_tokens
-    device = first.device
-    vocab = first.shape[-1]
-    n_eos = 1 if s.eos_token_id is not None else 0
-    keep = max(2, 1 + n_eos) * nb
-    top_nb_mask = torch.zeros(keep, dtype=torch.bool, device=device)
-    top_nb_mask[:nb] = True
+    def __init__(
+        self,
+        batch: int,
+        s: SearchSettings,
+        device: torch.device,
+        stop: StopFn | None = None,
+        payload: PayloadFn | None = None,
+    ) -> None:
+        nb, max_new = s.num_beams, s.max_new_tokens
+        self.batch, self.rows = batch, batch * nb
+        self.s = s
+        self.stop = stop
+        self.payload = payload
+        n_eos = 1 if s.eos_token_id is not None else 0
+        self.keep = max(2, 1 + n_eos) * nb
+        self._top_nb_mask = torch.zeros(self.keep, dtype=torch.bool, device=device)
+        self._top_nb_mask[:nb] = True
+        self.run_seq = torch.full(
+            (batch, nb, max_new), s.pad_token_id, dtype=torch.long, device=device
+        )
+        self.run_lp = torch.zeros((batch, nb, max_new), dtype=torch.float32, device=device)
+        self.run_score = torch.zeros((batch, nb), device=device)
+        self.run_score[:, 1:] = _NEG  # only beam 0 may expand at step 0: all beams are identical
+        self.fin_seq = self.run_seq.clone()
+        self.fin_lp = self.run_lp.clone()
+        self.fin_len = torch.zeros((batch, nb), dtype=torch.long, device=device)
+        self.fin_score = torch.full((batch, nb), _NEG, device=device)
+        self.fin_done = torch.zeros((batch, nb), dtype=torch.bool, device=device)
+        self.can_improve = torch.ones((batch, 1), dtype=torch.bool, device=device)
+        self._batch_idx = torch.arange(batch, device=device)[:, None]
+        self.run_pay: Tensor | None = None  # (batch, nb, max_new, E) once E is known
+        self.fin_pay: Tensor | None = None
+        self.tokens = torch.empty(0, dtype=torch.long, device=device)
+        self.source = None
+        self._g = 0
 
-    run_seq = torch.full((batch, nb, max_new), s.pad_token_id, dtype=torch.long, device=device)
-    run_lp = torch.zeros((batch, nb, max_new), dtype=torch.float32, device=device)
-    run_score = torch.zeros((batch, nb), device=device)
-    run_score[:, 1:] = _NEG  # only beam 0 may expand at step 0: all beams are identical there
-    fin_seq = run_seq.clone()
-    fin_lp = run_lp.clone()
-    fin_len = torch.zeros((batch, nb), dtype=torch.long, device=device)
-    fin_score = torch.full((batch, nb), _NEG, device=device)
-    fin_done = torch.zeros((batch, nb), dtype=torch.bool, device=device)
-    can_improve = torch.ones((batch, 1), dtype=torch.bool, device=device)
-    batch_idx = torch.arange(batch, device=device)[:, None]
-    run_pay = fin_pay = None  # (batch, nb, max_new, E) once the payload's width is known
+    def start(self, first: Tensor) -> bool:
+        vocab = first.shape[-1]
+        nb = self.s.num_beams
+        return self.advance(
+            first[:, None, :].expand(self.batch, nb, vocab).reshape(self.batch * nb, vocab)
+        )
 
-    lp = first[:, None, :].expand(batch, nb, vocab).reshape(batch * nb, vocab)
-    g = 0
-    while True:
-        scores = _process(lp, run_seq[:, :, :g].reshape(batch * nb, g), g, s)
-        total = (scores.view(batch, nb, vocab) + run_score[:, :, None]).view(batch, nb * vocab)
+    def advance(self, lp: Tensor) -> bool:
+        s, g, batch, nb = self.s, self._g, self.batch, self.s.num_beams
+        max_new, keep, batch_idx = s.max_new_tokens, self.keep, self._batch_idx
+        device = lp.device
+        vocab = lp.shape[-1]
+        scores = _process(lp, self.run_seq[:, :, :g].reshape(batch * nb, g), g, s)
+        total = (scores.view(batch, nb, vocab) + self.run_score[:, :, None]).view(batch, nb * vocab)
         cand_score, cand_idx = torch.topk(total, keep)
         src = cand_idx // vocab
         tok = cand_idx % vocab
-        cand_seq = run_seq[batch_idx, src]
+        cand_seq = self.run_seq[batch_idx, src]
         cand_seq[:, :, g] = tok
-        cand_lp = run_lp[batch_idx, src]
+        cand_lp = self.run_lp[batch_idx, src]
         cand_lp[:, :, g] = lp.view(batch, nb, vocab)[batch_idx, src, tok]
         cand_pay = None
-        if payload is not None:
-            values = payload(src, tok)
-            if run_pay is None:
-                run_pay = values.new_zeros(batch, nb, max_new, values.shape[-1])
-                fin_pay = run_pay.clone()
-            cand_pay = run_pay[batch_idx, src]
+        if self.payload is not None:
+            values = self.payload(src, tok)
+            if self.run_pay is None:
+                self.run_pay = values.new_zeros(batch, nb, max_new, values.shape[-1])
+                self.fin_pay = self.run_pay.clone()
+            cand_pay = self.run_pay[batch_idx, src]
             cand_pay[:, :, g] = values
 
         hits = torch.zeros((batch, keep), dtype=torch.bool, device=device)
@@ -214,61 +274,82 @@ def beam_search(
             hits[:] = True
         if s.eos_token_id is not None:
             hits |= tok == s.eos_token_id
-        if stop is not None:
+        if self.stop is not None:
             seqs = cand_seq[:, :, : g + 1].tolist()
             for b in range(batch):
                 for j in range(keep):
-                    if not hits[b, j] and stop(seqs[b][j]):
+                    if not hits[b, j] and self.stop(seqs[b][j]):
                         hits[b, j] = True
 
         # live beams for the next step: best non-finished continuations
         live = cand_score + hits.float() * _NEG
         nxt = torch.topk(live, nb).indices
-        run_seq = cand_seq[batch_idx, nxt]
-        run_lp = cand_lp[batch_idx, nxt]
+        self.run_seq = cand_seq[batch_idx, nxt]
+        self.run_lp = cand_lp[batch_idx, nxt]
         if cand_pay is not None:
-            run_pay = cand_pay[batch_idx, nxt]
-        run_score = live[batch_idx, nxt]
+            self.run_pay = cand_pay[batch_idx, nxt]
+        self.run_score = live[batch_idx, nxt]
         run_src = src[batch_idx, nxt]
 
         # finished pool: only the top num_beams candidates may finish, scored with length penalty
-        just_done = hits & top_nb_mask[None, :]
+        just_done = hits & self._top_nb_mask[None, :]
         pen = cand_score / float(g + 1) ** s.length_penalty
-        full = fin_done.all(dim=-1, keepdim=True) & (s.early_stopping is True)
+        full = self.fin_done.all(dim=-1, keepdim=True) & (s.early_stopping is True)
         pen = (
-            pen + full.float() * _NEG + (~can_improve).float() * _NEG + (~just_done).float() * _NEG
+            pen
+            + full.float() * _NEG
+            + (~self.can_improve).float() * _NEG
+            + (~just_done).float() * _NEG
         )
-        m_score = torch.cat([fin_score, pen], dim=1)
+        m_score = torch.cat([self.fin_score, pen], dim=1)
         best = torch.topk(m_score, nb).indices
-        fin_score = m_score[batch_idx, best]
-        fin_seq = torch.cat([fin_seq, cand_seq], dim=1)[batch_idx, best]
-        fin_lp = torch.cat([fin_lp, cand_lp], dim=1)[batch_idx, best]
+        self.fin_score = m_score[batch_idx, best]
+        self.fin_seq = torch.cat([self.fin_seq, cand_seq], dim=1)[batch_idx, best]
+        self.fin_lp = torch.cat([self.fin_lp, cand_lp], dim=1)[batch_idx, best]
         if cand_pay is not None:
-            fin_pay = torch.cat([fin_pay, cand_pay], dim=1)[batch_idx, best]
+            self.fin_pay = torch.cat([self.fin_pay, cand_pay], dim=1)[batch_idx, best]
         new_len = torch.full((batch, keep), g + 1, dtype=torch.long, device=device)
-        fin_len = torch.cat([fin_len, new_len], dim=1)[batch_idx, best]
-        fin_done = torch.cat([fin_done, just_done], dim=1)[batch_idx, best]
+        self.fin_len = torch.cat([self.fin_len, new_len], dim=1)[batch_idx, best]
+        self.fin_done = torch.cat([self.fin_done, just_done], dim=1)[batch_idx, best]
 
         g += 1
+        self._g = g
         best_len = max_new if s.early_stopping == "never" and s.length_penalty > 0.0 else g
-        best_possible = run_score[:, :1] / float(best_len) ** s.length_penalty
-        worst_done = torch.where(fin_done, fin_score.min(dim=1, keepdim=True).values, _NEG)
-        can_improve = can_improve & (best_possible > worst_done).any(dim=-1, keepdim=True)
-        still_open = not (bool(fin_done.all()) and s.early_stopping is True)
-        if not (bool(can_improve.any()) and still_open and not bool(hits.all())):
-            break
-        lp = step(run_seq[:, :, g - 1].reshape(-1), run_src)
+        best_possible = self.run_score[:, :1] / float(best_len) ** s.length_penalty
+        worst_done = torch.where(
+            self.fin_done, self.fin_score.min(dim=1, keepdim=True).values, _NEG
+        )
+        self.can_improve = self.can_improve & (best_possible > worst_done).any(dim=-1, keepdim=True)
+        still_open = not (bool(self.fin_done.all()) and s.early_stopping is True)
+        self.tokens = self.run_seq[:, :, g - 1].reshape(-1)
+        self.source = run_src
+        return bool(self.can_improve.any()) and still_open and not bool(hits.all())
 
-    out: list[list[Finished]] = []
-    seqs, lps, lens, scs = fin_seq.tolist(), fin_lp.tolist(), fin_len.tolist(), fin_score.tolist()
-    pays = None if fin_pay is None else fin_pay.tolist()
-    for b in range(batch):
-        hyps = []
-        for j in range(min(nb, s.num_return_sequences)):
-            if lens[b][j] == 0:  # slot never filled (fewer hypotheses than beams)
-                continue
-            n = lens[b][j]
-            pay = None if pays is None else pays[b][j][:n]
-            hyps.append(Finished(seqs[b][j][:n], scs[b][j], lps[b][j][:n], pay))
-        out.append(hyps)
-    return out
+    def result(self) -> list[list[Finished]]:
+        s, nb = self.s, self.s.num_beams
+        out: list[list[Finished]] = []
+        seqs, lps = self.fin_seq.tolist(), self.fin_lp.tolist()
+        lens, scs = self.fin_len.tolist(), self.fin_score.tolist()
+        pays = None if self.fin_pay is None else self.fin_pay.tolist()
+        for b in range(self.batch):
+            hyps = []
+            for j in range(min(nb, s.num_return_sequences)):
+                if lens[b][j] == 0:  # slot never filled (fewer hypotheses than beams)
+                    continue
+                n = lens[b][j]
+                pay = None if pays is None else pays[b][j][:n]
+                hyps.append(Finished(seqs[b][j][:n], scs[b][j], lps[b][j][:n], pay))
+            out.append(hyps)
+        return out
+
+
+def new_search(
+    batch: int,
+    s: SearchSettings,
+    device: torch.device,
+    stop: StopFn | None = None,
+    payload: PayloadFn | None = None,
+) -> Search:
+    """Greedy search for one beam (as transformers' ``generate``), beam search otherwise."""
+    search = GreedySearch if s.num_beams == 1 else BeamSearch
+    return search(batch, s, device, stop, payload)

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from openbook.rag import rag_sequence, rag_token
 from openbook.rag.beam import SearchSettings, StopFn
+from openbook.rag.engine import DecodingEngine, GaveUp
 from openbook.rag.errors import Abandoned, InvalidRequest
 from openbook.rag.loading import dtype_name, load
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
-from openbook.rag.marginalize import doc_log_prior
 from openbook.rag.memory import (
     MemoryModel,
     RequestShape,
@@ -27,10 +26,8 @@ from openbook.rag.options import DecodingOptions, GenerationResult
 from openbook.types import Passage
 
 Request = tuple[str, Sequence[Passage], DecodingOptions]
-# Asked between decoding steps: True once the request's caller gave up (deadline, cancel).
-GaveUp = Callable[[], bool]
 
-# Upper bound on decoder rows (requests x passages x beams) in one grouped forward pass.
+# Upper bound on decoder rows (requests x passages x beams) decoded together.
 MAX_BATCH_ROWS = 256
 
 
@@ -120,60 +117,45 @@ class RagGenerator:
     ) -> GenerationResult:
         return self.generate_batch([(question, passages, options)])[0]
 
+    def engine(self, max_rows: int = MAX_BATCH_ROWS) -> DecodingEngine:
+        """A continuous-batching engine over this generator (:mod:`openbook.rag.engine`); use it
+        from one thread, under ``torch.inference_mode()``, with requests that passed
+        :func:`validate_request`."""
+        return DecodingEngine(self.backend, self._settings, self._stop_fn(), max_rows)
+
     def generate_batch(
         self, requests: Sequence[Request], gave_up: Sequence[GaveUp] | None = None
     ) -> list[GenerationResult | Abandoned]:
-        """Generate for several requests; requests with equal options share forward passes.
+        """Generate for several requests, decoded together by one :meth:`engine`.
 
         Every request is validated first; the first invalid one raises :class:`InvalidRequest`
         (callers that must isolate bad requests validate each with :func:`validate_request`).
-        ``gave_up[i]``, when given, says whether request i's caller stopped waiting: a group of
-        requests whose callers all gave up stops between decoding steps (or before it starts),
-        and its requests get an :class:`Abandoned` instead of a result. Without ``gave_up``
-        every entry is a :class:`GenerationResult`.
+        ``gave_up[i]``, when given, says whether request i's caller stopped waiting: its rows
+        leave the batch before the next decoding step (or it never starts) and it gets an
+        :class:`Abandoned` instead of a result. Without ``gave_up`` every entry is a
+        :class:`GenerationResult`.
         """
         for question, passages, options in requests:
             validate_request(question, passages, options)
         results: list[GenerationResult | Abandoned | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = {}
-        for idx, (_, _, options) in enumerate(requests):
-            groups.setdefault(options.key(), []).append(idx)
+        waiting = list(range(len(requests)))
         with self._lock, torch.inference_mode():
-            for members in groups.values():
-                for chunk in self._chunks(members, requests):
-                    stop_when = None
-                    if gave_up is not None:
-                        checks = [gave_up[i] for i in chunk]
-
-                        def stop_when(checks=checks) -> bool:
-                            return all(check() for check in checks)
-
-                    try:
-                        if stop_when is not None and stop_when():
-                            raise Abandoned("every caller gave up before decoding started")
-                        outs = self._run_group([requests[i] for i in chunk], stop_when)
-                    except Abandoned as exc:
-                        outs = [exc] * len(chunk)
-                    for i, res in zip(chunk, outs, strict=True):
-                        results[i] = res
+            engine = self.engine()
+            while waiting or len(engine):
+                while waiting:
+                    i = waiting[0]
+                    question, passages, options = requests[i]
+                    if gave_up is not None and gave_up[i]():
+                        results[waiting.pop(0)] = Abandoned("the caller gave up before decoding")
+                        continue
+                    if not engine.accepts(len(passages) * options.num_beams):
+                        break
+                    waiting.pop(0)
+                    check = None if gave_up is None else gave_up[i]
+                    engine.add(question, passages, options, tag=i, gave_up=check)
+                for i, outcome in engine.step():
+                    results[i] = outcome
         return [r for r in results if r is not None]
-
-    @staticmethod
-    def _chunks(members: list[int], requests: Sequence[Request]) -> list[list[int]]:
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        width = 0
-        for i in members:
-            _, passages, options = requests[i]
-            k = max(width, len(passages))
-            if current and (len(current) + 1) * k * options.num_beams > MAX_BATCH_ROWS:
-                chunks.append(current)
-                current, k = [], len(passages)
-            current.append(i)
-            width = k
-        if current:
-            chunks.append(current)
-        return chunks
 
     def _settings(self, options: DecodingOptions) -> SearchSettings:
         b = self.backend
@@ -210,40 +192,6 @@ class RagGenerator:
             return any(s in tail for s in stops)
 
         return stop if (stops or extra) else None
-
-    def _run_group(
-        self, group: Sequence[Request], abandoned: Callable[[], bool] | None = None
-    ) -> list[GenerationResult]:
-        options = group[0][2]
-        ks = [len(p) for _, p, _ in group]
-        k = max(ks)
-        items = [(q, list(p)) for q, p, _ in group]
-        scores = torch.zeros(len(group), k)
-        valid = torch.zeros(len(group), k, dtype=torch.bool)
-        for i, (_, passages, _) in enumerate(group):
-            scores[i, : ks[i]] = torch.tensor([float(p.score) for p in passages])
-            valid[i, : ks[i]] = True
-        log_prior = doc_log_prior(scores, valid)
-        enc = self.backend.encode(items, k)
-        settings = self._settings(options)
-        stop = self._stop_fn()
-        if options.mode == "rag-token":
-            hyps = rag_token.decode(self.backend, enc, log_prior, ks, settings, stop, abandoned)
-        else:
-            hyps = rag_sequence.decode(
-                self.backend,
-                enc,
-                log_prior,
-                ks,
-                settings,
-                thorough=options.mode == "rag-sequence-thorough",
-                stop=stop,
-                abandoned=abandoned,
-            )
-        return [
-            GenerationResult(hypotheses=hyps[i], doc_prior=log_prior[i, : ks[i]].exp().tolist())
-            for i in range(len(group))
-        ]
 
     # ------------------------------------------------------------------ training
 

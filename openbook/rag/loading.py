@@ -67,17 +67,63 @@ class Loaded:
     default_k: int = 0
 
 
+AUTO = "auto"  # the hardware policy, resolve_device_dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this processor does bfloat16 arithmetic in hardware (x86 AVX512-BF16 or AMX-BF16,
+    Arm's BF16 extension), so that bf16 weights compute faster than float32 rather than being
+    widened to float32 for every operation. torch's CPU feature probe where it has one, else
+    the kernel's flags in ``/proc/cpuinfo``."""
+    flags = {"avx512_bf16", "amx_bf16", "bf16", "sve_bf16"}
+    get_capabilities = getattr(getattr(torch, "cpu", None), "get_capabilities", None)
+    if get_capabilities is not None:
+        try:
+            caps = get_capabilities()
+            return any(bool(caps.get(flag, False)) for flag in flags)
+        except Exception:  # noqa: BLE001 - a failed probe falls back to /proc/cpuinfo
+            pass
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features") and flags & set(value.split()):
+            return True
+    return False
+
+
+def auto_dtype(device: str) -> torch.dtype:
+    """The precision policy ("auto"): on CUDA bf16, or fp16 on a GPU without bf16; on the CPU
+    bf16 only where the processor computes it natively (:func:`cpu_has_native_bf16`), else
+    float32 (emulated bf16 is slower than float32 and no smaller in working memory)."""
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
+    """The device (None: CUDA when present, else the CPU) and the weights' precision.
+
+    ``dtype`` is one of :data:`_DTYPES`' names, ``"auto"`` (:func:`auto_dtype`, the generator
+    service's policy) or None, the library default that tests and training rely on for exact
+    results: float32 on the CPU whatever it supports, the CUDA policy on a GPU."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype is None:
-        if device.startswith("cuda"):
-            return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return device, torch.float32
+    name = None if dtype is None else str(dtype).strip().lower()
+    if name is None:
+        return device, auto_dtype(device) if device.startswith("cuda") else torch.float32
+    if name == AUTO:
+        return device, auto_dtype(device)
     try:
-        return device, _DTYPES[str(dtype).lower()]
+        return device, _DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+        raise ValueError(
+            f"dtype must be {AUTO!r} or one of {sorted(_DTYPES)}, got {dtype!r}"
+        ) from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

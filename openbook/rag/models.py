@@ -32,17 +32,27 @@ Adding a model family: see ``README.md`` in this folder.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from openbook.rag import bart
-from openbook.rag.cache import reorder_self_attention, select_rows
+from openbook.rag.cache import (
+    broadcast_rows,
+    drop_leading,
+    join_rows,
+    reorder_self_attention,
+    select_rows,
+    share_rows,
+)
+from openbook.rag.passage_cache import HeadKV, PassageCache
 from openbook.rag.prompting import PromptSpec, seq2seq_input
 from openbook.types import Passage
 
@@ -50,6 +60,9 @@ from openbook.types import Passage
 # materialises: 2**24 float32 = 64 MiB, plus its log-softmax. With Gemma's 262k vocabulary a
 # whole-sequence forward of a few rows would otherwise hold gigabytes (see openbook/rag/memory.py).
 SCORE_LOGIT_ELEMENTS = 1 << 24
+# Keys/values of passage prompts a causal backend keeps across requests, by default
+# (openbook/rag/passage_cache.py; the generator service sets OPENBOOK_GENERATOR_PASSAGE_CACHE_MB).
+DEFAULT_PASSAGE_CACHE_BYTES = 256 * 2**20
 # Sequences scored together as one prefix tree on the BART path (bounds the cache size).
 _TREE_CHUNK_SEQS = 1024
 
@@ -109,6 +122,20 @@ class GeneratorBackend(ABC):
     def reorder(self, state: DecodeState, rows: Tensor) -> None:
         """Row i of ``state`` becomes its row ``rows[i]`` (N,) (beams move within their passage)."""
 
+    # Whether :meth:`join` accepts states that have decoded different numbers of tokens (the
+    # decoding engine then admits new requests into a running batch between steps).
+    joins_running: bool = True
+
+    @abstractmethod
+    def join(self, states: Sequence[DecodeState]) -> DecodeState:
+        """One state whose rows are the rows of ``states``, in order (caches left-padded to the
+        longest; padding is masked). Every row decodes exactly as it would in its own state."""
+
+    @abstractmethod
+    def keep(self, state: DecodeState, rows: Tensor) -> DecodeState:
+        """The state of rows ``rows`` (ascending) only: the rows of finished searches leave.
+        Whole passage groups (all copies of an encoded row) leave together."""
+
     @abstractmethod
     def score(
         self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
@@ -133,6 +160,11 @@ class GeneratorBackend(ABC):
 
     def refresh(self) -> None:
         """Rebuild state derived from the weights (call after they change); none by default."""
+        return None
+
+    def set_passage_cache(self, max_bytes: int) -> None:
+        """Bound the keys/values of passage prompts kept across requests (0: keep none). A
+        family that reuses nothing across requests ignores it."""
         return None
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -308,6 +340,27 @@ class Seq2SeqBackend(GeneratorBackend):
         # beams stay within their passage: encoder output, mask and cross-attention are unchanged
         reorder_self_attention(state.cache, rows)
 
+    # transformers' decoder cache has no per-row padding: only states at the same step join
+    joins_running = False
+
+    def join(self, states: Sequence[Seq2SeqDecodeState]) -> Seq2SeqDecodeState:
+        if len(states) == 1:
+            return states[0]
+        lengths = {s.cache.get_seq_length() for s in states}
+        widths = {s.hidden.shape[1] for s in states}
+        if len(lengths) != 1 or len(widths) != 1:
+            raise ValueError("Seq2SeqBackend joins only states of equal decoder and encoder length")
+        return Seq2SeqDecodeState(
+            torch.cat([s.hidden for s in states]),
+            torch.cat([s.mask for s in states]),
+            join_rows([s.cache for s in states]),
+        )
+
+    def keep(self, state: Seq2SeqDecodeState, rows: Tensor) -> Seq2SeqDecodeState:
+        return Seq2SeqDecodeState(
+            state.hidden[rows], state.mask[rows], select_rows(state.cache, rows)
+        )
+
     def score(
         self,
         enc: Seq2SeqEncoded,
@@ -373,16 +426,20 @@ class BartEncoded(Encoded):
 
 @dataclass
 class BartDecodeState(DecodeState):
-    """N = R * copies decoding rows; rows ``r * copies + c`` read encoded row r's ``cross``.
+    """N decoding rows in cross-attention segments (:class:`openbook.rag.bart.CrossSegment`): the
+    rows of one :meth:`BartBackend.start` form one segment, whose rows ``r * copies + c`` read
+    encoded row r's cross keys/values; :meth:`BartBackend.join` concatenates segments.
 
-    cache: per decoder layer, self-attention keys and values (N, H, 1 + t, dh) after t answer
-    tokens (the decoder-start token sits at position 0).
+    cache: per decoder layer, self-attention keys and values (N, H, L, dh), left-padded when rows
+    started at different steps (the decoder-start token first). self_mask: (N, L) bool, True
+    for real slots; None when no row is padded. positions: (N,) decoder position of each row's
+    next token (1 + answer tokens so far).
     """
 
-    copies: int
-    cross: bart.KV
-    cross_mask: Tensor | None
+    segments: list[bart.CrossSegment]
     cache: bart.KV
+    self_mask: Tensor | None
+    positions: Tensor
 
 
 class BartBackend(Seq2SeqBackend):
@@ -413,7 +470,9 @@ class BartBackend(Seq2SeqBackend):
         # transformers drops an all-ones encoder mask as well
         cross_mask = None if bool(mask.all()) else mask.bool()
         start = torch.full((hidden.shape[0],), self.decoder_start_token_id, device=mask.device)
-        h, cache = self._decoding.step(start, 0, None, cross, cross_mask, 1)
+        zero = torch.zeros_like(start)
+        segment = bart.CrossSegment(1, cross, cross_mask)
+        h, cache = self._decoding.step(start, zero, None, None, [segment])
         first = self._decoding.log_probs(h)
         return BartEncoded(len(items), k, first, mask, cross, cross_mask, cache)
 
@@ -424,21 +483,101 @@ class BartBackend(Seq2SeqBackend):
             return super().start(enc, copies)
         rows = _copy_rows(enc, copies)
         cache = [(k[rows], v[rows]) for k, v in enc.cache]
-        return BartDecodeState(copies, enc.cross, enc.cross_mask, cache)
+        segment = bart.CrossSegment(copies, enc.cross, enc.cross_mask)
+        positions = torch.ones(rows.shape[0], dtype=torch.long, device=rows.device)
+        return BartDecodeState([segment], cache, None, positions)
 
     def step(self, state: BartDecodeState | Seq2SeqDecodeState, tokens: Tensor) -> Tensor:
         if not isinstance(state, BartDecodeState):
             return super().step(state, tokens)
-        position = state.cache[0][0].shape[2]  # the tokens already cached, start token included
         h, state.cache = self._decoding.step(
-            tokens, position, state.cache, state.cross, state.cross_mask, state.copies
+            tokens, state.positions, state.cache, state.self_mask, state.segments
         )
+        state.positions = state.positions + 1
+        if state.self_mask is not None:
+            own = torch.ones_like(state.self_mask[:, :1])
+            state.self_mask = torch.cat([state.self_mask, own], dim=1)
         return self._decoding.log_probs(h)
 
     def reorder(self, state: BartDecodeState | Seq2SeqDecodeState, rows: Tensor) -> None:
         if not isinstance(state, BartDecodeState):
             return super().reorder(state, rows)
+        # beams stay within their passage: segments, mask and positions are unchanged
         state.cache = [(k[rows], v[rows]) for k, v in state.cache]
+
+    joins_running = True
+
+    def join(
+        self, states: Sequence[BartDecodeState | Seq2SeqDecodeState]
+    ) -> BartDecodeState | Seq2SeqDecodeState:
+        if len(states) == 1:
+            return states[0]
+        if not all(isinstance(s, BartDecodeState) for s in states):
+            return super().join(states)
+        widths = [s.cache[0][0].shape[2] for s in states]
+        width = max(widths)
+        cache = [
+            (
+                torch.cat(
+                    [
+                        F.pad(s.cache[i][0], (0, 0, width - w, 0))
+                        for s, w in zip(states, widths, strict=True)
+                    ]
+                ),
+                torch.cat(
+                    [
+                        F.pad(s.cache[i][1], (0, 0, width - w, 0))
+                        for s, w in zip(states, widths, strict=True)
+                    ]
+                ),
+            )
+            for i in range(len(states[0].cache))
+        ]
+        self_mask = None
+        if any(s.self_mask is not None for s in states) or len(set(widths)) > 1:
+            masks = []
+            for s, w in zip(states, widths, strict=True):
+                m = s.self_mask
+                if m is None:
+                    m = torch.ones(
+                        s.positions.shape[0], w, dtype=torch.bool, device=s.positions.device
+                    )
+                masks.append(F.pad(m, (width - w, 0), value=False))
+            self_mask = torch.cat(masks)
+        segments = [seg for s in states for seg in s.segments]
+        positions = torch.cat([s.positions for s in states])
+        return BartDecodeState(segments, cache, self_mask, positions)
+
+    def keep(
+        self, state: BartDecodeState | Seq2SeqDecodeState, rows: Tensor
+    ) -> BartDecodeState | Seq2SeqDecodeState:
+        if not isinstance(state, BartDecodeState):
+            return super().keep(state, rows)
+        kept = rows.tolist()
+        segments: list[bart.CrossSegment] = []
+        at = 0
+        for seg in state.segments:
+            mine = [r - at for r in kept if at <= r < at + seg.rows]
+            at += seg.rows
+            if not mine:
+                continue
+            passages = sorted({r // seg.copies for r in mine})
+            if len(passages) * seg.copies != len(mine):
+                raise ValueError("keep: a passage row's copies must leave together")
+            idx = torch.tensor(passages, device=rows.device)
+            cross = [(k[idx], v[idx]) for k, v in seg.cross]
+            mask = None if seg.mask is None else seg.mask[idx]
+            segments.append(bart.CrossSegment(seg.copies, cross, mask))
+        cache = [(k[rows], v[rows]) for k, v in state.cache]
+        positions = state.positions[rows]
+        self_mask = None if state.self_mask is None else state.self_mask[rows]
+        if self_mask is not None:
+            lead = int(self_mask.any(dim=0).long().argmax())
+            cache = [(k[:, :, lead:], v[:, :, lead:]) for k, v in cache]
+            self_mask = self_mask[:, lead:]
+            if bool(self_mask.all()):
+                self_mask = None
+        return BartDecodeState(segments, cache, self_mask, positions)
 
     def score(
         self,
@@ -587,7 +726,13 @@ class CausalBackend(GeneratorBackend):
 
     kind = "causal"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, spec: PromptSpec) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        spec: PromptSpec,
+        passage_cache_bytes: int = DEFAULT_PASSAGE_CACHE_BYTES,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec
@@ -619,20 +764,49 @@ class CausalBackend(GeneratorBackend):
                 "token; at least one shared leading token is required"
             )
         self.prefix_ids = prefix_ids
+        # The part of the passage template before the question: its keys/values depend on the
+        # passage alone and are reused across requests (openbook/rag/passage_cache.py).
+        self._head_template = _passage_head(spec.passage_template)
+        self.passage_cache = PassageCache(passage_cache_bytes)
+        # whether _head_logits reproduces the model's logits (set by refresh)
+        self._own_head = False
         self.refresh()
+
+    def set_passage_cache(self, max_bytes: int) -> None:
+        self.passage_cache = PassageCache(max_bytes)
 
     def refresh(self) -> None:
         """Recompute the cached prefix keys/values (call after the weights change)."""
         with torch.no_grad():
-            self.prefix_cache = self._prefix_forward()
+            self.prefix_cache = self._prefix_forward(check_head=True)
+        self.passage_cache.clear()  # keys/values of the old weights
 
-    def _prefix_forward(self) -> Cache:
+    def _prefix_forward(self, check_head: bool = False) -> Cache:
         ids = torch.tensor([self.prefix_ids], device=self.device)
         # A config-less DynamicCache keeps every entry, even for sliding-window layers (class doc).
         cache = DynamicCache() if self.sliding_window else None
         # Only the cache is wanted: one position through the LM head, not the whole prefix.
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=check_head,
+        )
+        if check_head:
+            mine = self._head_logits(out.hidden_states[-1][:, -1:]).float()
+            self._own_head = bool(torch.allclose(mine, out.logits.float(), rtol=1e-4, atol=1e-4))
         return out.past_key_values
+
+    def _head_logits(self, hidden: Tensor) -> Tensor:
+        """The LM head over final hidden states (..., d) -> logits (..., V): the output
+        embedding and, for Gemma 2/3, the final logit soft-capping. Used only where it was seen
+        to reproduce the model's own logits (``_own_head``, checked on the prefix)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @property
     def prefix_len(self) -> int:
@@ -641,40 +815,75 @@ class CausalBackend(GeneratorBackend):
     # ---------------------------------------------------------------- input
 
     def prompt_ids(self, question: str, passage: Passage) -> list[int]:
-        """Token ids of the passage part of the prompt, as they appear after the prefix.
+        """Token ids of the passage part of the prompt, as they appear after the prefix."""
+        return self._ids_after_prefix(
+            self.spec.passage_prompt(passage.title, passage.text, question)
+        )
+
+    def _ids_after_prefix(self, text: str) -> list[int]:
+        """Token ids of ``text`` as it appears after the prefix.
 
         The whole prompt is tokenised so that tokenizers which treat the start of a string
         specially (SentencePiece's dummy prefix) split it as the model saw it; when the prefix's
-        tokens do not survive as a prefix of that (a merge across the boundary), the passage part is
+        tokens do not survive as a prefix of that (a merge across the boundary), ``text`` is
         tokenised on its own instead.
         """
-        text = self.spec.passage_prompt(passage.title, passage.text, question)
         if self._prefix_text_ids:
             full = self.tokenizer(self.spec.prefix + text, add_special_tokens=False)["input_ids"]
             if full[: len(self._prefix_text_ids)] == self._prefix_text_ids:
                 return full[len(self._prefix_text_ids) :]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _prompt_batch(self, rows: Sequence[tuple[str, Passage]]) -> tuple[Tensor, Tensor, Tensor]:
-        """Left-padded passage prompts.
+    def head_length(self, passage: Passage, ids: Sequence[int]) -> int:
+        """How many leading tokens of a passage prompt ``ids`` depend on the passage alone: those
+        of the template up to ``{question}``, when the prompt's tokens start with exactly them
+        (a token merged across the boundary gives 0: nothing is reused). Always leaves one
+        token at least to prefill."""
+        if self._head_template is None:
+            return 0
+        try:
+            text = self._head_template.format(title=passage.title, text=passage.text)
+        except (KeyError, IndexError, ValueError):
+            return 0
+        head = self._ids_after_prefix(text)
+        n = len(head)
+        return n if 0 < n < len(ids) and list(ids[:n]) == head else 0
 
-        Returns ids (R, L), kv_pos (R, P+L): position id of every prefix/prompt slot (-1 for
-        padding), and the position ids (R, L) of the prompt tokens (padding gets P - 1, harmless).
+    def _prompt_batch(self, rows: Sequence[tuple[str, Passage]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Left-padded passage prompts of ``rows``: see :meth:`_prompt_tensors`."""
+        return self._prompt_tensors([self.prompt_ids(q, p) for q, p in rows])
+
+    def _prompt_tensors(self, prompts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Left-padded passage prompts right after the prefix: see :meth:`_tail_tensors`."""
+        return self._tail_tensors(prompts, self._prefix_pos(len(prompts)))
+
+    def _prefix_pos(self, n: int) -> Tensor:
+        """(n, P) position ids of the prefix slots."""
+        return torch.arange(self.prefix_len, device=self.device).expand(n, -1)
+
+    def _tail_tensors(
+        self, tails: Sequence[Sequence[int]], past_pos: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Left-padded token rows to prefill after cached slots whose position ids are
+        ``past_pos`` (R, S) (-1: padding).
+
+        Returns ids (R, L), kv_pos (R, S+L): position id of every cached and new slot (-1 for
+        padding), and the position ids (R, L) of the new tokens (padding gets the position
+        before the row's first new token, harmless: it is masked).
         """
-        prompts = [self.prompt_ids(q, p) for q, p in rows]
-        if any(not p for p in prompts):
+        if any(not t for t in tails):
             raise ValueError("passage_template produced an empty prompt")
-        width = max(len(p) for p in prompts)
-        n, plen = len(prompts), self.prefix_len
+        n, width = len(tails), max(len(t) for t in tails)
+        start = (past_pos.max(dim=1).values + 1).cpu()
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        kv_pos = torch.full((n, plen + width), -1, dtype=torch.long)
-        kv_pos[:, :plen] = torch.arange(plen)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p) :] = torch.tensor(p)
-            kv_pos[r, plen + width - len(p) :] = torch.arange(plen, plen + len(p))
-        pos = kv_pos[:, plen:].clamp(min=plen - 1)
+        new_pos = torch.full((n, width), -1, dtype=torch.long)
+        for r, t in enumerate(tails):
+            ids[r, width - len(t) :] = torch.tensor(list(t))
+            new_pos[r, width - len(t) :] = torch.arange(int(start[r]), int(start[r]) + len(t))
+        pos = torch.where(new_pos >= 0, new_pos, start[:, None] - 1)
         dev = self.device
-        return ids.to(dev), kv_pos.to(dev), pos.to(dev)
+        kv_pos = torch.cat([past_pos, new_pos.to(dev)], dim=1)
+        return ids.to(dev), kv_pos, pos.to(dev)
 
     def _mask(self, kv_pos: Tensor, q_pos: Tensor) -> Tensor | dict[str, Tensor]:
         """Attention mask for queries at ``q_pos`` (R, q) over keys at ``kv_pos`` (R, S) (which
@@ -694,28 +903,125 @@ class CausalBackend(GeneratorBackend):
         return out
 
     def _forked_prefix(self, n: int, prefix_cache: Cache | None = None) -> Cache:
+        # views, not copies: the prompt's forward concatenates the prefix into each row's cache
         cache = self.prefix_cache if prefix_cache is None else prefix_cache
-        return select_rows(cache, torch.zeros(n, dtype=torch.long, device=self.device))
+        return broadcast_rows(cache, n)
 
     # ---------------------------------------------------------------- decoding
 
     def encode(self, items: Items, k: int) -> CausalEncoded:
-        ids, kv_pos, pos = self._prompt_batch(_pad_slots(items, k))
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._mask(kv_pos, pos),
-            position_ids=pos,
-            past_key_values=self._forked_prefix(ids.shape[0]),
-            use_cache=True,
-            # Only the last prompt position predicts an answer token: the LM head over every
-            # position (262k vocabulary x hundreds of positions x k rows) is what used to exhaust
-            # memory.
-            logits_to_keep=1,
+        """Prefill every row's passage prompt after the shared prefix.
+
+        A prompt is its passage's head (reused from :attr:`passage_cache` when that passage was
+        prefilled before, else prefilled and kept there) and the question's tail. Rows are
+        prefilled in groups of similar length (:func:`_length_groups`), so that left padding
+        (computed, then masked) stays a small fraction of the work; the groups' caches are then
+        joined (padded slots cost memory only) in row order.
+        """
+        rows = _pad_slots(items, k)
+        prompts = [self.prompt_ids(q, p) for q, p in rows]
+        heads = [0] * len(rows)
+        if self.passage_cache.enabled:
+            heads = [self.head_length(p, ids) for (_, p), ids in zip(rows, prompts, strict=True)]
+        head_kv = self._head_keys_values(
+            [tuple(ids[:h]) for ids, h in zip(prompts, heads, strict=True)]
         )
-        first = _log_softmax(out.logits[:, -1])
-        return CausalEncoded(len(items), k, first, out.past_key_values, kv_pos)
+        tails = [ids[h:] for ids, h in zip(prompts, heads, strict=True)]
+        groups = _length_groups([len(t) for t in tails])
+        parts: list[CausalDecodeState] = []
+        lasts: list[Tensor] = []  # last hidden states, or first log-probs without _own_head
+        for group in groups:
+            past = self._past([head_kv.get(tuple(prompts[r][: heads[r]])) for r in group])
+            ids, kv_pos, pos = self._tail_tensors([tails[r] for r in group], past.kv_pos)
+            inputs = dict(
+                input_ids=ids,
+                attention_mask=self._mask(kv_pos, pos),
+                position_ids=pos,
+                past_key_values=past.cache,
+                use_cache=True,
+            )
+            if self._own_head:
+                out = self.model.base_model(**inputs)
+                lasts.append(out.last_hidden_state[:, -1])
+            else:
+                # Only the last prompt position predicts an answer token: the LM head over every
+                # position (262k vocabulary x hundreds of positions x k rows) is what used to
+                # exhaust memory.
+                out = self.model(**inputs, logits_to_keep=1)
+                lasts.append(_log_softmax(out.logits[:, -1]))
+            parts.append(CausalDecodeState(out.past_key_values, kv_pos))
+        joined = self.join(parts)
+        # One pass of the LM head for every group: on a CPU it is bound by reading its weights
+        # (Gemma's 262k x 640), whatever the rows.
+        first = torch.cat(lasts)
+        if self._own_head:
+            first = _log_softmax(self._head_logits(first))
+        order = [r for group in groups for r in group]
+        if order != sorted(order):  # back to row order
+            back = torch.empty(len(order), dtype=torch.long)
+            back[torch.tensor(order)] = torch.arange(len(order))
+            back = back.to(self.device)
+            joined = CausalDecodeState(select_rows(joined.cache, back), joined.kv_pos[back])
+            first = first[back]
+        return CausalEncoded(len(items), k, first, joined.cache, joined.kv_pos)
+
+    def _head_keys_values(self, heads: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], HeadKV]:
+        """Keys/values of every distinct non-empty passage head: from the passage cache, or
+        prefilled (grouped by length) after the prefix and kept there."""
+        found: dict[tuple[int, ...], HeadKV] = {}
+        missing: list[tuple[int, ...]] = []
+        for head in dict.fromkeys(h for h in heads if h):
+            kv = self.passage_cache.get(head)
+            if kv is None:
+                missing.append(head)
+            else:
+                found[head] = kv
+        for group in _length_groups([len(h) for h in missing]):
+            chunk = [missing[i] for i in group]
+            ids, kv_pos, pos = self._prompt_tensors(chunk)
+            out = self.model.base_model(  # keys/values only: no LM head
+                input_ids=ids,
+                attention_mask=self._mask(kv_pos, pos),
+                position_ids=pos,
+                past_key_values=self._forked_prefix(len(chunk)),
+                use_cache=True,
+            )
+            layers = out.past_key_values.layers
+            for i, head in enumerate(chunk):
+                n = len(head)
+                # the head's own slots (left padding sits before them), in tensors of its own
+                kv = [
+                    (x.keys[i : i + 1, :, -n:].clone(), x.values[i : i + 1, :, -n:].clone())
+                    for x in layers
+                ]
+                self.passage_cache.put(head, kv)
+                found[head] = kv
+        return found
+
+    def _past(self, heads: Sequence[HeadKV | None]) -> CausalDecodeState:
+        """The cached slots rows start from: the prefix, then their passage head when given."""
+        if all(h is None for h in heads):
+            return CausalDecodeState(self._forked_prefix(len(heads)), self._prefix_pos(len(heads)))
+        states = []
+        for head in heads:
+            if head is None:
+                states.append(CausalDecodeState(self._forked_prefix(1), self._prefix_pos(1)))
+                continue
+            cache = copy.copy(self.prefix_cache)
+            cache.layers = []
+            for layer, (k, v) in zip(self.prefix_cache.layers, head, strict=True):
+                new = copy.copy(layer)
+                new.keys = torch.cat([layer.keys, k], dim=2)
+                new.values = torch.cat([layer.values, v], dim=2)
+                cache.layers.append(new)
+            width = self.prefix_len + head[0][0].shape[2]
+            pos = torch.arange(width, device=self.device)[None, :]
+            states.append(CausalDecodeState(cache, pos))
+        return self.join(states)
 
     def start(self, enc: CausalEncoded, copies: int) -> CausalDecodeState:
+        if copies == 1:  # the encoded rows themselves; the first step's update copies them
+            return CausalDecodeState(share_rows(enc.cache), enc.kv_pos)
         rows = _copy_rows(enc, copies)
         return CausalDecodeState(select_rows(enc.cache, rows), enc.kv_pos[rows])
 
@@ -735,6 +1041,24 @@ class CausalBackend(GeneratorBackend):
     def reorder(self, state: CausalDecodeState, rows: Tensor) -> None:
         # beams stay within their passage, whose rows share kv_pos
         reorder_self_attention(state.cache, rows)
+
+    def join(self, states: Sequence[CausalDecodeState]) -> CausalDecodeState:
+        # Left padding is the prompts' own: slots at kv_pos -1 are masked, positions unchanged.
+        if len(states) == 1:
+            return states[0]
+        width = max(s.kv_pos.shape[1] for s in states)
+        kv_pos = torch.cat(
+            [F.pad(s.kv_pos, (width - s.kv_pos.shape[1], 0), value=-1) for s in states]
+        )
+        return CausalDecodeState(join_rows([s.cache for s in states]), kv_pos)
+
+    def keep(self, state: CausalDecodeState, rows: Tensor) -> CausalDecodeState:
+        cache = select_rows(state.cache, rows)
+        kv_pos = state.kv_pos[rows]
+        # slots that only the rows which left used: padding for every row left
+        lead = int((kv_pos >= 0).any(dim=0).long().argmax())
+        drop_leading(cache, lead)
+        return CausalDecodeState(cache, kv_pos[:, lead:])
 
     def score(
         self,
@@ -819,6 +1143,33 @@ class CausalBackend(GeneratorBackend):
         if cut:
             text = text[: min(cut)]
         return text.removeprefix(self.spec.answer_prefix).strip()
+
+
+def _passage_head(template: str) -> str | None:
+    """The part of a passage template before ``{question}``, when it holds the passage (its
+    title or text); None when nothing before the question depends on the passage."""
+    if "{question}" not in template:
+        return None
+    head = template.split("{question}", 1)[0]
+    return head if "{text}" in head or "{title}" in head else None
+
+
+# A row joins a prefill group while its prompt is at least this fraction of the group's longest
+# (so padding stays under 1 - this of the group's tokens).
+_GROUP_MIN_FILL = 0.9
+
+
+def _length_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """Row indices grouped for prefill, longest first: each group's rows are within
+    :data:`_GROUP_MIN_FILL` of its longest row's length."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    groups: list[list[int]] = []
+    for r in order:
+        if groups and lengths[r] >= _GROUP_MIN_FILL * lengths[groups[-1][0]]:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
 
 
 def _first_id(*candidates) -> int | None:

@@ -10,114 +10,93 @@ is in it and treated as 0 otherwise.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from openbook.rag.beam import Finished, SearchSettings, StopFn, beam_search, greedy_search
-from openbook.rag.errors import Abandoned
+from openbook.rag.beam import Finished, SearchSettings, StopFn, new_search
 from openbook.rag.marginalize import sequence_doc_logliks, sequence_log_marginal
 from openbook.rag.models import Encoded, GeneratorBackend
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
 
 
-def decode(
+class PassageRows:
+    """The ``beams`` decoder rows of one passage of a RAG-Sequence request: an independent search
+    under that passage alone. Beam search keeps every beam, as transformers' RAG-Sequence asks
+    ``generate`` for ``num_return_sequences = num_beams``.
+
+    first_logprobs: (V,) log p(y_1 | x, z) of the passage.
+    """
+
+    def __init__(self, first_logprobs: Tensor, settings: SearchSettings, stop: StopFn | None):
+        beams = settings.num_beams
+        if beams > 1:
+            settings = replace(settings, num_return_sequences=beams)
+        self.rows = beams
+        self.search = new_search(1, settings, first_logprobs.device, stop)
+        self.live = self.search.start(first_logprobs[None, :])
+
+    def feed(self) -> tuple[Tensor, Tensor | None]:
+        source = self.search.source
+        return self.search.tokens, None if source is None else source.reshape(-1)
+
+    def advance(self, lp: Tensor) -> bool:
+        self.live = self.search.advance(lp)
+        return self.live
+
+    def hypotheses(self) -> list[Finished]:
+        return self.search.result()[0]
+
+
+def rank(
     backend: GeneratorBackend,
     enc: Encoded,
     log_prior: Tensor,
-    ks: list[int],
+    per_passage: list[list[Finished]],
     settings: SearchSettings,
     *,
     thorough: bool,
-    stop: StopFn | None = None,
-    abandoned: Callable[[], bool] | None = None,
-) -> list[list[Hypothesis]]:
-    """``abandoned`` is asked before every decoding step and before re-scoring; when it says
-    yes, :class:`Abandoned` is raised and no further work is done."""
-    per_passage = search_per_passage(backend, enc, settings, stop, abandoned)
-    prior = log_prior.to(enc.first_logprobs.device)
-    cands: list[list[list[int]]] = []
-    origin: list[
-        list[dict[int, Finished]]
-    ] = []  # candidate -> {passage: that passage's hypothesis}
-    for i in range(enc.n):
-        seen: dict[tuple[int, ...], int] = {}
-        cs: list[list[int]] = []
-        org: list[dict[int, Finished]] = []
-        for z in range(ks[i]):
-            for h in per_passage[i * enc.k + z]:
-                key = tuple(h.tokens)
-                if key not in seen:
-                    seen[key] = len(cs)
-                    cs.append(h.tokens)
-                    org.append({})
-                org[seen[key]].setdefault(z, h)
-        cands.append(cs)
-        origin.append(org)
+) -> list[Hypothesis]:
+    """The request's answers from its passages' searches (``per_passage[z]``), best first.
 
-    if thorough:
-        if abandoned is not None and abandoned():
-            raise Abandoned("every caller gave up")
-        # a candidate's log-probs under the passage whose search found it are known already
-        known = [
-            [{z: h.token_logprobs for z, h in org.items()} for org in request] for request in origin
-        ]
-        scored = score_candidates(backend, enc, cands, ks, known)
-    out: list[list[Hypothesis]] = []
-    for i in range(enc.n):
-        lp = prior[i, : ks[i]]
-        skip_first = _skip_bos(backend, cands[i])
-        if thorough:
-            log_p, post = _thorough(backend, scored[i], cands[i], lp, skip_first)
-        else:
-            log_p, post = _fast(origin[i], lp, skip_first)
-        # torch.topk, as transformers ranks, so that ties resolve identically
-        order = torch.topk(log_p, min(settings.num_return_sequences, len(cands[i]))).indices
-        out.append(
-            [
-                Hypothesis(
-                    text=backend.decode(cands[i][c]),
-                    token_ids=list(cands[i][c]),
-                    log_prob=float(log_p[c]),
-                    doc_posterior=post[c].tolist(),
-                    tokens=None,
-                    token_doc_posteriors=None,
-                )
-                for c in order.tolist()
-            ]
-        )
-    return out
-
-
-def search_per_passage(
-    backend: GeneratorBackend,
-    enc: Encoded,
-    settings: SearchSettings,
-    stop: StopFn | None,
-    abandoned: Callable[[], bool] | None = None,
-) -> list[list[Finished]]:
-    """Independent search for each of the n*k rows; beam search returns every beam, as transformers'
-    RAG-Sequence asks ``generate`` for ``num_return_sequences = num_beams``.
+    ``enc`` holds this request only (n = 1, k = its passages); ``log_prior`` (k,).
     """
-    beams = settings.num_beams
-    rows = enc.n * enc.k
-    state = backend.start(enc, beams)
-    group = (torch.arange(rows, device=enc.first_logprobs.device) * beams)[:, None]
-
-    def step(tokens: Tensor, source: Tensor | None) -> Tensor:
-        if abandoned is not None and abandoned():
-            raise Abandoned("every caller gave up")
-        if source is not None:
-            backend.reorder(state, (group + source).reshape(-1))
-        return backend.step(state, tokens)
-
-    if beams == 1:
-        return greedy_search(rows, enc.first_logprobs, step, settings, stop)
-    every_beam = replace(settings, num_return_sequences=beams)
-    return beam_search(rows, enc.first_logprobs, step, every_beam, stop)
+    k = enc.k
+    prior = log_prior.to(enc.first_logprobs.device)
+    seen: dict[tuple[int, ...], int] = {}
+    cands: list[list[int]] = []
+    origin: list[dict[int, Finished]] = []  # candidate -> {passage: that passage's hypothesis}
+    for z in range(k):
+        for h in per_passage[z]:
+            key = tuple(h.tokens)
+            if key not in seen:
+                seen[key] = len(cands)
+                cands.append(h.tokens)
+                origin.append({})
+            origin[seen[key]].setdefault(z, h)
+    skip_first = _skip_bos(backend, cands)
+    if thorough:
+        # a candidate's log-probs under the passage whose search found it are known already
+        known = [[{z: h.token_logprobs for z, h in org.items()} for org in origin]]
+        scored = score_candidates(backend, enc, [cands], [k], known)[0]
+        log_p, post = _thorough(backend, scored, cands, prior, skip_first)
+    else:
+        log_p, post = _fast(origin, prior, skip_first)
+    # torch.topk, as transformers ranks, so that ties resolve identically
+    order = torch.topk(log_p, min(settings.num_return_sequences, len(cands))).indices
+    return [
+        Hypothesis(
+            text=backend.decode(cands[c]),
+            token_ids=list(cands[c]),
+            log_prob=float(log_p[c]),
+            doc_posterior=post[c].tolist(),
+            tokens=None,
+            token_doc_posteriors=None,
+        )
+        for c in order.tolist()
+    ]
 
 
 def _skip_bos(backend: GeneratorBackend, cands: list[list[int]]) -> bool:

@@ -2,64 +2,70 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-from openbook.rag.beam import Finished, SearchSettings, StopFn, beam_search, greedy_search
-from openbook.rag.errors import Abandoned
+from openbook.rag.beam import Finished, SearchSettings, StopFn, new_search
 from openbook.rag.marginalize import token_marginal, token_posteriors
 from openbook.rag.models import Encoded, GeneratorBackend
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
 
 
-def decode(
-    backend: GeneratorBackend,
-    enc: Encoded,
-    log_prior: Tensor,
-    ks: list[int],
-    settings: SearchSettings,
-    stop: StopFn | None = None,
-    abandoned: Callable[[], bool] | None = None,
-) -> list[list[Hypothesis]]:
-    """Decode ``enc.n`` requests; ``log_prior`` (n, k) is -inf on padding slots, ``ks`` = real k.
+class RagTokenRows:
+    """The k * beams decoder rows of one RAG-Token request (row ``z * beams + b``: passage z,
+    beam b) and its one search over the passage-marginalised distribution.
 
-    ``abandoned`` is asked before every decoding step and before re-scoring; when it says yes,
-    :class:`Abandoned` is raised and no further work is done.
+    ``enc`` holds this request only (n = 1, k = its passages); ``log_prior`` (k,).
     """
-    n, k, beams = enc.n, enc.k, settings.num_beams
-    vocab = enc.first_logprobs.shape[-1]
-    prior = log_prior.to(enc.first_logprobs.device)
-    # transformers' beam search log-softmaxes the already-normalised marginal once more; doing the
-    # same keeps scores bit-compatible.
-    first = torch.log_softmax(token_marginal(enc.first_logprobs.view(n, k, vocab), prior), dim=-1)
-    state = backend.start(enc, beams)
-    group = (torch.arange(n * k, device=first.device) * beams).view(n, k, 1)
-    # per-passage log p(y_i | x, z, y_<i) of the current step, (n, k, beams * V)
-    current = [enc.first_logprobs.view(n, k, 1, vocab).expand(n, k, beams, vocab)]
 
-    def step(tokens: Tensor, source: Tensor | None) -> Tensor:
-        if abandoned is not None and abandoned():
-            raise Abandoned("every caller gave up")
-        if source is not None:
-            backend.reorder(state, (group + source[:, None, :]).reshape(-1))
-        per_row = tokens.view(n, 1, beams).expand(n, k, beams).reshape(-1)
-        lp = backend.step(state, per_row).view(n, k, beams, vocab)
-        current[0] = lp
-        return torch.log_softmax(token_marginal(lp, prior), dim=-1).view(n * beams, vocab)
+    def __init__(
+        self,
+        enc: Encoded,
+        log_prior: Tensor,
+        settings: SearchSettings,
+        stop: StopFn | None,
+    ) -> None:
+        k, beams = enc.k, settings.num_beams
+        vocab = enc.first_logprobs.shape[-1]
+        device = enc.first_logprobs.device
+        self.k, self.beams, self.vocab = k, beams, vocab
+        self.rows = k * beams
+        self.prior = log_prior.to(device)[None, :]  # (1, k)
+        self._passage_rows = (torch.arange(k, device=device) * beams)[:, None]  # (k, 1)
+        # per-passage log p(y_i | x, z, y_<i) of the current step, (1, k, beams, V)
+        self._current = enc.first_logprobs.view(1, k, 1, vocab).expand(1, k, beams, vocab)
+        self.search = new_search(1, settings, device, stop, self._per_passage)
+        # transformers' beam search log-softmaxes the already-normalised marginal once more;
+        # doing the same keeps scores bit-compatible.
+        first = torch.log_softmax(
+            token_marginal(enc.first_logprobs.view(1, k, vocab), self.prior), dim=-1
+        )
+        self.live = self.search.start(first)
 
-    def per_passage(source: Tensor, tokens: Tensor) -> Tensor:
-        """(n, c, k) per-passage log-probs of the chosen continuations (kept for provenance)."""
-        idx = (source * vocab + tokens)[:, None, :].expand(n, k, -1)
-        return current[0].reshape(n, k, beams * vocab).gather(2, idx).transpose(1, 2)
+    def feed(self) -> tuple[Tensor, Tensor | None]:
+        """The token of every row (its beam's) and, after beam moves, the rows to reorder to."""
+        tokens = self.search.tokens.view(1, self.beams).expand(self.k, self.beams).reshape(-1)
+        source = self.search.source
+        if source is None:
+            return tokens, None
+        return tokens, (self._passage_rows + source.view(1, -1)).reshape(-1)
 
-    search = greedy_search if beams == 1 else beam_search
-    found = search(n, first, step, settings, stop, per_passage)
-    if abandoned is not None and abandoned():
-        raise Abandoned("every caller gave up")
-    return _with_provenance(backend, enc, prior, ks, found)
+    def advance(self, lp: Tensor) -> bool:
+        """lp: (k * beams, V) per-passage next-token log-probs of the rows fed."""
+        self._current = lp.view(1, self.k, self.beams, self.vocab)
+        marginal = torch.log_softmax(token_marginal(self._current, self.prior), dim=-1)
+        self.live = self.search.advance(marginal.view(self.beams, self.vocab))
+        return self.live
+
+    def _per_passage(self, source: Tensor, tokens: Tensor) -> Tensor:
+        """(1, c, k) per-passage log-probs of the chosen continuations (kept for provenance)."""
+        idx = (source * self.vocab + tokens)[:, None, :].expand(1, self.k, -1)
+        flat = self._current.reshape(1, self.k, self.beams * self.vocab)
+        return flat.gather(2, idx).transpose(1, 2)
+
+    def hypotheses(self, backend: GeneratorBackend, enc: Encoded) -> list[Hypothesis]:
+        return _with_provenance(backend, enc, self.prior, [self.k], self.search.result())[0]
 
 
 def _with_provenance(

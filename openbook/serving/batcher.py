@@ -39,7 +39,9 @@ BatchFn = Callable[..., Sequence[R | Exception]]
 
 
 @dataclass(eq=False)
-class _Item(Generic[T, R]):
+class Waiting(Generic[T, R]):
+    """One submitted item and its caller's future."""
+
     payload: T
     deadline: float | None  # time.monotonic() value, or None for no deadline
     future: Future = field(default_factory=Future)
@@ -81,7 +83,7 @@ class Batcher(Generic[T, R]):
         self.max_queue = max_queue
         self._fits = fits
         self._pass_gave_up = pass_gave_up
-        self._waiting: deque[_Item[T, R]] = deque()
+        self._waiting: deque[Waiting[T, R]] = deque()
         self._cond = threading.Condition()
         self._on_batch = on_batch
         self._on_drop = on_drop
@@ -109,7 +111,7 @@ class Batcher(Generic[T, R]):
         if timeout_s is not None and timeout_s > NO_DEADLINE_S:
             timeout_s = None  # gRPC reports "no deadline" as a practically infinite time left
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        item: _Item[T, R] = _Item(payload, deadline)
+        item: Waiting[T, R] = Waiting(payload, deadline)
         with self._cond:
             if self._closed:
                 raise Overloaded("server is shutting down")
@@ -133,7 +135,7 @@ class Batcher(Generic[T, R]):
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
-    def _give_up(self, item: _Item[T, R]) -> None:
+    def _give_up(self, item: Waiting[T, R]) -> None:
         """Cancel ``item`` (unless it has its result) and free its place in the line."""
         with self._cond:
             # not waiting any more: already taken into a batch, which sees ``gave_up``
@@ -145,10 +147,10 @@ class Batcher(Generic[T, R]):
         if self._on_drop is not None:
             self._on_drop(1)
 
-    def _take(self) -> list[_Item[T, R]] | None:
+    def _take(self) -> list[Waiting[T, R]] | None:
         """The next batch (None once closed and drained); drops items whose caller gave up."""
         with self._cond:
-            batch: list[_Item[T, R]] = []
+            batch: list[Waiting[T, R]] = []
             until: float | None = None
             while len(batch) < self.max_batch_size:
                 if not self._waiting:
@@ -164,7 +166,7 @@ class Batcher(Generic[T, R]):
                 item = self._waiting[0]
                 if item.gave_up():
                     self._waiting.popleft()
-                    _resolve(item.future, DeadlineExceeded("deadline passed while queued"))
+                    resolve(item.future, DeadlineExceeded("deadline passed while queued"))
                     self._dropped()
                     continue
                 fits = self._fits
@@ -200,13 +202,13 @@ class Batcher(Generic[T, R]):
             except Exception as exc:  # noqa: BLE001 - reported to every caller of the batch
                 log.exception("batch of %d failed", len(batch))
                 for item in batch:
-                    _resolve(item.future, exc)
+                    resolve(item.future, exc)
                 continue
             for item, result in zip(batch, results, strict=True):
-                _resolve(item.future, result)
+                resolve(item.future, result)
 
 
-def _resolve(future: Future, result: object) -> None:
+def resolve(future: Future, result: object) -> None:
     """Set a result unless the caller gave up (cancelled) in the meantime."""
     try:
         if isinstance(result, Exception):

@@ -56,6 +56,13 @@ class ServiceMetrics:
             ["service", "kind", "name"],
             registry=self.registry,
         )
+        self.passage_cache = Gauge(
+            "openbook_passage_cache_lookups",
+            "Passage prompts looked up in the generator's passage cache since the model loaded, "
+            "by result ('hit': keys/values reused, 'miss': prefilled)",
+            ["service", "result"],
+            registry=self.registry,
+        )
         self.service = service
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
@@ -72,6 +79,13 @@ class ServiceMetrics:
     def track_queue(self, depth: Callable[[], int]) -> None:
         """Report the live queue depth at every scrape (not only when a batch starts)."""
         self.queue_depth.labels(self.service).set_function(depth)
+
+    def track_passage_cache(self, lookups: Callable[[str], int]) -> None:
+        """Report ``lookups("hit")`` and ``lookups("miss")`` at every scrape."""
+        for result in ("hit", "miss"):
+            self.passage_cache.labels(self.service, result).set_function(
+                lambda result=result: lookups(result)
+            )
 
     def set_serving(self, kind: str, name: str) -> None:
         """Record the one ``kind`` ('index', 'model') being served: ``name``."""

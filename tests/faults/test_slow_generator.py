@@ -62,7 +62,7 @@ def _ask_all(stack, n: int, **params):
 
 def test_requests_past_their_deadline_get_504_and_are_never_generated(stack):
     pid = service_pid(stack, "generator")
-    batches = sample(_generator_metrics(stack), "openbook_batch_size_count", service="generator")
+    before = _generator_metrics(stack)
     os.kill(pid, signal.SIGSTOP)
     try:
         replies = [f.result(timeout=FAIL_BOUND_S + 30) for f in _ask_all(stack, 6)]
@@ -75,13 +75,18 @@ def test_requests_past_their_deadline_get_504_and_are_never_generated(stack):
     slow = [r for r in replies if r.seconds > FAIL_BOUND_S]
     assert not slow, describe_all(slow)
 
-    # Thawed, the generator finds those six calls expired: it drops them instead of spending
-    # the next minutes generating answers nobody waits for. With batches of one, the batch
-    # count tells how many requests were generated: only the next one.
+    # Thawed, the generator finds those six calls expired: it drops them from its queue
+    # instead of spending the next minutes generating answers nobody waits for. None of them
+    # started decoding (none was dropped while running), and one answer was generated: the next.
     probe = ask(stack.url, "Who wrote Hamlet?", use_cache=False)
     assert probe.status == 200, probe.describe()
     after = _generator_metrics(stack)
-    assert sample(after, "openbook_batch_size_count", service="generator") == batches + 1
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert grew("openbook_dropped_total", service="generator", where="running") == 0
+    assert grew("openbook_rpc_total", service="generator", method="Generate", code="OK") == 1
     assert sample(after, "openbook_queue_depth", service="generator") == 0
 
 

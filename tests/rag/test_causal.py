@@ -200,27 +200,73 @@ def test_prompt_prefill_computes_logits_at_the_last_position_only(dirs, load):
         gen.backend.encode([(QUESTION, _uneven_passages(4))], 4)
     finally:
         hook.remove()
-    assert seen == [(4, 1, gen.model.config.hidden_size)]
+    # one call for every prefill group (rows of similar prompt length), one position per row
+    assert seen == [(4, gen.model.config.hidden_size)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_the_lm_head_applied_after_prefill_reproduces_the_models_own(dirs, load, arch):
+    """encode applies the LM head once for all prefill groups (``_head_logits``) only where it
+    was seen to give the model's own logits; otherwise each group runs the model's own head."""
+    gen = load(dirs.causal(arch))
+    b = gen.backend
+    assert b._own_head  # Gemma 3 / Llama: the output embedding (+ soft-capping) is the head
+    passages = _uneven_passages(4)
+    own = b.encode([(QUESTION, passages)], 4).first_logprobs
+    try:
+        b._own_head = False
+        models = b.encode([(QUESTION, passages)], 4).first_logprobs
+    finally:
+        b.refresh()
+    assert b._own_head
+    assert torch.allclose(own, models, atol=1e-5)
 
 
 @torch.no_grad()
-def test_decoding_stops_between_steps_once_every_caller_gave_up(dirs, load):
+def test_prompts_of_different_lengths_are_prefilled_without_much_padding(dirs, load):
+    """Rows are prefilled in groups of similar prompt length: the tokens computed stay within
+    1/0.9 of the real prompt tokens (one padded batch computes every row at the longest)."""
+    gen = load(dirs.causal("gemma3"))
+    b = gen.backend
+    passages = make_passages(4, 3)
+    for i, p in enumerate(passages):  # prompts from ~70 to ~130 tokens
+        p.text = p.text + " Paris" * (20 * i)
+    lengths = [len(b.prompt_ids(QUESTION, p)) for p in passages]
+    assert max(lengths) > 1.5 * min(lengths)  # the case that padding made expensive
+    computed: list[int] = []
+    hook = gen.model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _out: computed.append(args[0].numel())
+    )
+    try:
+        enc = b.encode([(QUESTION, passages)], 4)
+    finally:
+        hook.remove()
+    assert sum(computed) <= sum(lengths) / 0.9
+    # and every row's first distribution is that of its prompt prefilled alone
+    for z, p in enumerate(passages):
+        alone = b.encode([(QUESTION, [p])], 1)
+        assert torch.allclose(enc.first_logprobs[z], alone.first_logprobs[0], atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_request_whose_caller_gave_up_leaves_the_batch_between_steps(dirs, load):
     from openbook.rag.errors import Abandoned
 
     gen = load(dirs.causal("gemma3"))
     options = DecodingOptions(max_new_tokens=64, min_new_tokens=64)
-    steps = {"n": 0}
+    rows_fed: list[int] = []
     original = gen.backend.step
 
-    def counted(*args, **kwargs):
-        steps["n"] += 1
-        return original(*args, **kwargs)
+    def counted(state, tokens):
+        rows_fed.append(int(tokens.shape[0]))
+        return original(state, tokens)
 
     gen.backend.step = counted
     try:
         for mode in ("rag-token", "rag-sequence-thorough"):
             options.mode = mode
-            steps["n"] = 0
+            rows_fed.clear()
             request = (QUESTION, make_passages(2), options)
             asked = {"n": 0}
 
@@ -230,10 +276,14 @@ def test_decoding_stops_between_steps_once_every_caller_gave_up(dirs, load):
 
             out = gen.generate_batch([request, request], [gives_up_after_three, lambda: True])
             assert all(isinstance(r, Abandoned) for r in out)
-            assert steps["n"] <= 3
-            # one caller still waiting: the shared group runs to the end for it
+            assert len(rows_fed) <= 3
+            # the caller still waiting gets its whole answer; the other's rows leave at once
+            rows_fed.clear()
             out = gen.generate_batch([request, request], [lambda: True, lambda: False])
-            assert not any(isinstance(r, Abandoned) for r in out)
+            assert isinstance(out[0], Abandoned)
+            assert not isinstance(out[1], Abandoned)
+            assert len(out[1].hypotheses[0].token_ids) == 64
+            assert set(rows_fed) == {2}  # only the waiting request's two passage rows ran
     finally:
         gen.backend.step = original
 

@@ -1,6 +1,7 @@
 """The generator admits work honestly, with its default settings: a full queue answers
 RESOURCE_EXHAUSTED at once, a request over the memory budget OUT_OF_RANGE before anything is
-allocated, and work whose caller gave up (deadline, cancel) stops between decoding steps."""
+allocated, and work whose caller gave up (deadline, cancel) stops between decoding steps.
+Requests join the running batch between steps while the budget allows."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def steps(service):
     yield state
     state["gate"].set()
     backend.step = original
-    _wait_until(lambda: servicer.batcher.depth() == 0)
+    _wait_until(lambda: servicer.scheduler.depth() == 0)
 
 
 def test_full_queue_answers_resource_exhausted_with_the_default_settings(service, steps):
@@ -106,7 +107,7 @@ def test_full_queue_answers_resource_exhausted_with_the_default_settings(service
     for call in refused:
         assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue full" in call.details()
-    assert servicer.batcher.depth() == settings.max_queue
+    assert servicer.scheduler.depth() == settings.max_queue
     steps["gate"].set()
     assert first.result().hypotheses
     for call in calls:
@@ -135,25 +136,25 @@ def test_batches_are_packed_under_the_memory_budget(service, steps):
     _, servicer, stub = service
     budget = servicer.memory_budget_bytes
     sizes: list[int] = []
-    on_batch = servicer.batcher._on_batch
-    servicer.batcher._on_batch = sizes.append
+    on_step = servicer.scheduler._on_step
+    servicer.scheduler._on_step = lambda size, queued: sizes.append(size)
     try:
         request = _request(k=3, max_new_tokens=4)
         shape = servicer.generator.request_shape(
             request.question, _passages(request), _options(max_new_tokens=4)
         )
-        # room for two such requests in one batch, not three
+        # room for two such requests decoding together, not three
         servicer.memory_budget_bytes = servicer.generator.memory.batch_bytes([shape] * 2)
         steps["gate"].clear()
         calls = [stub.Generate.future(request, timeout=60) for _ in range(5)]
-        _wait_until(lambda: servicer.batcher.depth() >= 3)
+        _wait_until(lambda: servicer.scheduler.depth() >= 3)
         steps["gate"].set()
         for call in calls:
             assert call.result().hypotheses
         assert max(sizes) == 2
     finally:
         servicer.memory_budget_bytes = budget
-        servicer.batcher._on_batch = on_batch
+        servicer.scheduler._on_step = on_step
 
 
 def test_work_past_its_deadline_stops_between_decoding_steps(service, steps):
@@ -162,7 +163,7 @@ def test_work_past_its_deadline_stops_between_decoding_steps(service, steps):
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(_request(max_new_tokens=512, min_new_tokens=512), timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_until(lambda: servicer.batcher.depth() == 0)
+    _wait_until(lambda: servicer.scheduler.depth() == 0)
     done = steps["count"]
     time.sleep(0.5)
     # The batch stopped at its next step instead of decoding all 512 tokens.
@@ -182,9 +183,9 @@ def _cancel_a_queued_and_a_running_call(service, steps) -> None:
     running = stub.Generate.future(_request(max_new_tokens=512, min_new_tokens=512), timeout=120)
     assert steps["entered"].wait(30)
     queued = stub.Generate.future(_request(max_new_tokens=4), timeout=120)
-    _wait_until(lambda: servicer.batcher.depth() == 1)
+    _wait_until(lambda: servicer.scheduler.depth() == 1)
     queued.cancel()
-    _wait_until(lambda: servicer.batcher.depth() == 0)  # its place is free at once
+    _wait_until(lambda: servicer.scheduler.depth() == 0)  # its place is free at once
     running.cancel()
     steps["delay_s"] = 0.01
     steps["gate"].set()

@@ -203,7 +203,8 @@ def test_a_value_error_inside_the_generator_is_internal_not_invalid_argument(
     def broken(*args, **kwargs):
         raise ValueError("a bug deep inside")
 
-    monkeypatch.setattr(backends.generator_servicer.generator, "generate_batch", broken)
+    # a decoding step fails: every request of the running batch fails with it
+    monkeypatch.setattr(backends.generator_servicer.generator.backend, "step", broken)
     with grpc.insecure_channel(f"127.0.0.1:{backends.generator_port}") as channel:
         stub = generator_pb2_grpc.GeneratorStub(channel)
         with pytest.raises(grpc.RpcError) as err:

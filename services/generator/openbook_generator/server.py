@@ -73,6 +73,7 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
         max_batch_wait_ms=settings.max_batch_wait_ms,
         max_queue=settings.max_queue,
         memory_budget_bytes=settings.memory_mb * 2**20,
+        passage_cache_bytes=settings.passage_cache_mb * 2**20,
         max_request_s=settings.max_request_s,
     )
     follow_reloads(settings, servicer, redis, metrics)

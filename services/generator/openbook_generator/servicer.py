@@ -1,4 +1,4 @@
-"""gRPC handlers of the generator: validation, batching, translation to protobuf.
+"""gRPC handlers of the generator: validation, admission, translation to protobuf.
 
 ``Generate`` turns its proto request into a :class:`ValidGenerateRequest` first, checked once
 against ``openbook.limits`` (the limits the gateway enforces too); everything behind it trusts
@@ -10,14 +10,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, load_generator
 from openbook.errors import (
-    DeadlineExceeded,
     InvalidArgument,
     Overloaded,
     TooLarge,
@@ -25,12 +23,12 @@ from openbook.errors import (
 )
 from openbook.limits import MAX_K, check_decoding, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
-from openbook.rag.errors import Abandoned
 from openbook.rag.memory import RequestShape, mib
-from openbook.serving.batcher import NO_DEADLINE_S, Batcher
+from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.metrics import ServiceMetrics
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
+from openbook_generator.scheduler import GenerateItem, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +36,6 @@ log = logging.getLogger(__name__)
 client_errors(CheckpointError, ModelLoadError)
 
 DEFAULTS = DecodingOptions()
-
-Generated = tuple[GenerationResult, str]  # the result and the model version that produced it
-# Weight of the newest batch in the running estimate of seconds per request.
-_RATE_WEIGHT = 0.3
 
 
 @dataclass(frozen=True)
@@ -51,16 +45,6 @@ class ValidGenerateRequest:
     question: str
     passages: tuple[Passage, ...]
     options: DecodingOptions
-
-
-@dataclass(frozen=True)
-class GenerateItem:
-    """A validated request waiting for a batch, with the shape its memory is estimated from."""
-
-    question: str
-    passages: Sequence[Passage]
-    options: DecodingOptions
-    shape: RequestShape
 
 
 def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
@@ -137,6 +121,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         max_batch_wait_ms: float = 5.0,
         max_queue: int = 64,
         memory_budget_bytes: int | None = None,
+        passage_cache_bytes: int | None = None,
         max_request_s: float | None = None,
         metrics: ServiceMetrics | None = None,
         checkpoint_root: Path | None = None,
@@ -145,70 +130,42 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         """``memory_budget_bytes``: estimated working memory (beyond the weights) one batch may
         hold (:mod:`openbook.rag.memory`); None: unbounded. ``max_request_s``: the longest any
         request is worked on or waited for, whatever deadline its caller sets."""
-        self.generator = generator
+        self.passage_cache_bytes = passage_cache_bytes
+        self.generator = self._configured(generator)
         self.on_model = on_model
         self.metrics = metrics
         self.checkpoint_root = checkpoint_root
         self.memory_budget_bytes = memory_budget_bytes
         self.max_request_s = max_request_s
-        self._seconds_per_request = 0.0  # running estimate, from finished batches
         self._reload_lock = threading.Lock()
         self.stop_following = threading.Event()
         self.follower = None  # openbook.shared_state.ModelFollower, once following reloads
-        self.batcher: Batcher[GenerateItem, Generated] = Batcher(
-            self._run_batch,
+        self.scheduler = Scheduler(
+            lambda: self.generator,
             max_batch_size=max_batch_size,
             max_wait_ms=max_batch_wait_ms,
             max_queue=max_queue,
-            name="generate-batcher",
-            on_batch=self._on_batch,
-            on_drop=self._on_drop_queued,
             fits=self._fits,
-            pass_gave_up=True,
+            on_step=self._on_step,
+            on_drop=self._on_drop,
         )
         if metrics is not None:
-            metrics.track_queue(self.batcher.depth)
+            metrics.track_queue(self.scheduler.depth)
+            metrics.track_passage_cache(self._passage_lookups)
         self._announce()
 
-    def _on_batch(self, size: int) -> None:
+    def _on_step(self, size: int, queued: int) -> None:
         if self.metrics is not None:
-            self.metrics.observe_batch(size, self.batcher.depth())
+            self.metrics.observe_batch(size, queued)
 
-    def _on_drop_queued(self, count: int) -> None:
+    def _on_drop(self, where: str, count: int) -> None:
         if self.metrics is not None:
-            self.metrics.observe_dropped("queued", count)
+            self.metrics.observe_dropped(where, count)
 
-    def _fits(self, items: list[GenerateItem]) -> bool:
+    def _fits(self, shapes: list[RequestShape]) -> bool:
         if self.memory_budget_bytes is None:
             return True
-        need = self.generator.memory.batch_bytes([item.shape for item in items])
-        return need <= self.memory_budget_bytes
-
-    def _run_batch(
-        self, items: list[GenerateItem], gave_up: list[Callable[[], bool]]
-    ) -> list[Generated | Exception]:
-        # One model for the whole batch: a reload swaps the reference for later batches only.
-        generator = self.generator
-        started = time.monotonic()
-        results = generator.generate_batch(
-            [(item.question, item.passages, item.options) for item in items], gave_up=gave_up
-        )
-        per_request = (time.monotonic() - started) / len(items)
-        previous = self._seconds_per_request
-        self._seconds_per_request = (
-            per_request
-            if not previous
-            else (1 - _RATE_WEIGHT) * previous + _RATE_WEIGHT * per_request
-        )
-        abandoned = sum(isinstance(r, Abandoned) for r in results)
-        if abandoned and self.metrics is not None:
-            self.metrics.observe_dropped("running", abandoned)
-        return [
-            DeadlineExceeded("the caller gave up; generation stopped")
-            if isinstance(r, Abandoned)
-            else (r, generator.model_version)
-            for r in results
-        ]
+        return self.generator.memory.batch_bytes(shapes) <= self.memory_budget_bytes
 
     def admit(
         self,
@@ -232,7 +189,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     f"generator's budget is {mib(self.memory_budget_bytes)} "
                     "(OPENBOOK_GENERATOR_MEMORY_MB): use fewer passages (k), beams or new tokens"
                 )
-        ahead = (self.batcher.depth() + 1) * self._seconds_per_request
+        ahead = self.scheduler.wait_estimate_s()
         if time_left_s is not None and ahead > time_left_s:
             raise Overloaded(
                 f"about {ahead:.1f}s of queued work is ahead of this request and its deadline "
@@ -248,7 +205,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
         item = self.admit(valid.question, valid.passages, valid.options, time_left)
-        result, version = self.batcher.submit(
+        result, version = self.scheduler.submit(
             item, timeout_s=time_left, on_cancel=context.add_callback
         )
         return result_to_proto(result, version)
@@ -274,7 +231,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             try:
                 # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.
                 path = checkpoint_in_root(self.checkpoint_root, requested)
-                self.generator = load_generator(path, device=current.device, dtype=current.dtype)
+                self.generator = self._configured(
+                    load_generator(path, device=current.device, dtype=current.dtype)
+                )
             except OSError as exc:  # inside the root, but unreadable (permissions, ...)
                 detail = exc.strerror or exc
                 raise InvalidArgument(f"checkpoint {requested!r}: {detail}") from None
@@ -283,6 +242,17 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         )
         self._announce()
         return self.generator.model_version
+
+    def _passage_lookups(self, result: str) -> int:
+        cache = getattr(self.generator.backend, "passage_cache", None)
+        if cache is None:
+            return 0
+        return cache.hits if result == "hit" else cache.misses
+
+    def _configured(self, generator: RagGenerator) -> RagGenerator:
+        if self.passage_cache_bytes is not None:
+            generator.backend.set_passage_cache(self.passage_cache_bytes)
+        return generator
 
     def _announce(self) -> None:
         version = self.generator.model_version
@@ -293,4 +263,4 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     def close(self) -> None:
         self.stop_following.set()  # the follower of shared reloads, if one was started
-        self.batcher.close()
+        self.scheduler.close()

@@ -9,6 +9,10 @@ the shared prefix is computed once and forked for every question.
 
     .venv/bin/python -m openbook_trainer.demo.check_prompt --model-dir var/models/gemma-3-270m \
         --squad 60 --threads 2
+
+``--dtype`` picks the precision the weights are loaded in (float32 by default; ``bfloat16`` or
+``auto``, the generator service's hardware policy, to measure what reduced precision costs);
+``--out`` also records every prediction, so two runs can be compared answer by answer.
 """
 
 from __future__ import annotations
@@ -86,14 +90,18 @@ class GreedyAnswerer:
 
     @classmethod
     def load(
-        cls, model_dir: Path, prompt: PromptSpec | None = None, max_new_tokens: int = 16
+        cls,
+        model_dir: Path,
+        prompt: PromptSpec | None = None,
+        max_new_tokens: int = 16,
+        dtype: str = "float32",
     ) -> GreedyAnswerer:
-        """The causal LM in ``model_dir`` on the CPU in float32, prompted with ``prompt``
-        (default: the prompt file in ``model_dir``)."""
+        """The causal LM in ``model_dir`` on the CPU in ``dtype`` (float32 unless asked),
+        prompted with ``prompt`` (default: the prompt file in ``model_dir``)."""
         from openbook.rag import RagGenerator
         from openbook.rag.models import CausalBackend
 
-        generator = RagGenerator.load(model_dir, device="cpu", dtype="float32")
+        generator = RagGenerator.load(model_dir, device="cpu", dtype=dtype)
         spec = getattr(generator.backend, "spec", None)
         if spec is None:
             raise ValueError(f"{model_dir}: not a causal LM with a prompt file")
@@ -112,11 +120,13 @@ class GreedyAnswerer:
 
 def evaluate(answerer: GreedyAnswerer, items: list[QAItem], show: bool = False) -> dict[str, Any]:
     em = f1 = 0.0
+    predictions = []
     start = time.monotonic()
     for item in items:
         pred = answerer.answer(item)
         e, f = exact_match(pred, item.answers), f1_score(pred, item.answers)
         em, f1 = em + e, f1 + f
+        predictions.append({"question": item.question, "prediction": pred, "em": bool(e)})
         if show:
             print(
                 f"  [{'EM' if e else f'{f:.2f}'}] {item.question!r} -> {pred!r} "
@@ -129,6 +139,7 @@ def evaluate(answerer: GreedyAnswerer, items: list[QAItem], show: bool = False) 
         "em": round(100 * em / n, 1),
         "f1": round(100 * f1 / n, 1),
         "seconds": round(time.monotonic() - start, 1),
+        "predictions": predictions,
     }
 
 
@@ -147,6 +158,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-leaders", action="store_true")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="precision of the weights: float32 (default), bfloat16, float16 or auto "
+        "(the generator service's hardware policy)",
+    )
     parser.add_argument("--show", action="store_true", help="print every prediction")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -156,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     data_dir = args.data_dir or default_data_dir()
     prompt = load_prompt(args.prompt) if args.prompt else default_prompt()
-    answerer = GreedyAnswerer.load(args.model_dir, prompt, args.max_new_tokens)
+    answerer = GreedyAnswerer.load(args.model_dir, prompt, args.max_new_tokens, args.dtype)
 
     sets: dict[str, list[QAItem]] = {}
     if args.squad:
@@ -165,7 +182,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sets["leaders-2016"] = leaders_items(data_dir, 2016)
         sets["leaders-2018"] = leaders_items(data_dir, 2018)
 
-    results: dict[str, Any] = {"model_dir": str(args.model_dir), "sets": {}}
+    results: dict[str, Any] = {
+        "model_dir": str(args.model_dir),
+        "dtype": answerer.generator.dtype,
+        "sets": {},
+    }
     for name, items in sets.items():
         print(f"{name}: {len(items)} questions", file=sys.stderr, flush=True)
         res = evaluate(answerer, items, show=args.show)

@@ -1,0 +1,162 @@
+"""Continuous batching (openbook/rag/engine.py): requests that join a running decode between steps,
+with different k, modes, beams and lengths, decode exactly as each would alone, and rows leave
+the batch the step their search ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openbook.rag import DecodingOptions
+from openbook.rag.errors import Abandoned
+from openbook_testkit.rag import QUESTION, make_passages
+
+KINDS = ("bart", "llama", "gemma3")
+
+TOKEN_BEAM = DecodingOptions(num_beams=3, max_new_tokens=7, num_return_sequences=2)
+TOKEN_GREEDY = DecodingOptions(max_new_tokens=4)
+LONG_GREEDY = DecodingOptions(max_new_tokens=9, min_new_tokens=9)
+THOROUGH = DecodingOptions(mode="rag-sequence-thorough", num_beams=2, max_new_tokens=5)
+FAST = DecodingOptions(mode="rag-sequence-fast", num_beams=3, max_new_tokens=6)
+SEQ_GREEDY = DecodingOptions(mode="rag-sequence-thorough", max_new_tokens=3)
+
+# (step the request arrives at, question, k, options)
+ARRIVALS = [
+    (0, QUESTION, 3, LONG_GREEDY),
+    (0, "Who wrote Hamlet?", 2, TOKEN_BEAM),
+    (1, "Where is the tower?", 5, TOKEN_GREEDY),
+    (2, QUESTION, 1, THOROUGH),
+    (3, "Who wrote Hamlet?", 4, FAST),
+    (3, QUESTION, 2, SEQ_GREEDY),
+    (6, "Where is the tower?", 3, TOKEN_BEAM),
+    (8, QUESTION, 2, LONG_GREEDY),
+]
+
+
+def _generator(dirs, load, kind):
+    return load(dirs.bart(0) if kind == "bart" else dirs.causal(kind))
+
+
+def _assert_same(got, alone):
+    assert got.doc_prior == pytest.approx(alone.doc_prior, abs=1e-6)
+    assert [h.token_ids for h in got.hypotheses] == [h.token_ids for h in alone.hypotheses]
+    for a, b in zip(got.hypotheses, alone.hypotheses, strict=True):
+        assert a.text == b.text
+        assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)
+        if b.doc_posterior is not None:
+            assert a.doc_posterior == pytest.approx(b.doc_posterior, abs=1e-4)
+        if b.token_doc_posteriors is not None:
+            for x, y in zip(a.token_doc_posteriors, b.token_doc_posteriors, strict=True):
+                assert x == pytest.approx(y, abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_joining_mid_decode_decode_as_if_alone(dirs, load, kind):
+    gen = _generator(dirs, load, kind)
+    requests = [(q, make_passages(k, seed), o) for seed, (_, q, k, o) in enumerate(ARRIVALS)]
+    results = {}
+    rows_per_step = []
+    with torch.inference_mode():
+        engine = gen.engine()
+        step = 0
+        while len(results) < len(requests):
+            for i, (arrives, *_) in enumerate(ARRIVALS):
+                if arrives == step:
+                    q, ps, o = requests[i]
+                    assert engine.accepts(len(ps) * o.num_beams)
+                    engine.add(q, ps, o, tag=i)
+            for tag, outcome in engine.step():
+                assert tag not in results
+                results[tag] = outcome
+            rows_per_step.append(engine.rows)
+            step += 1
+    # requests really overlapped: later ones joined while earlier ones were decoding
+    assert max(rows_per_step) > max(len(ps) * o.num_beams for _, ps, o in requests)
+    for i, (q, ps, o) in enumerate(requests):
+        _assert_same(results[i], gen.generate(q, ps, o))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_leave_the_step_their_search_ends(dirs, load, kind):
+    gen = _generator(dirs, load, kind)
+    short = DecodingOptions(max_new_tokens=2, min_new_tokens=2)
+    long = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
+    with torch.inference_mode():
+        engine = gen.engine()
+        engine.add(QUESTION, make_passages(3, 1), short, tag="short")
+        engine.add(QUESTION, make_passages(4, 2), long, tag="long")
+        assert engine.rows == 7
+        # token 1 was chosen from the prefill; one step chooses token 2, ending the short answer
+        done = engine.step()
+        assert [tag for tag, _ in done] == ["short"]
+        assert engine.rows == 4  # its 3 rows left at once; the long request goes on alone
+        finished = {}
+        while len(engine):
+            finished.update(engine.step())
+            assert engine.rows in (0, 4)
+    assert len(dict(done)["short"].hypotheses[0].token_ids) == 2
+    assert len(finished["long"].hypotheses[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("kind", ("bart", "gemma3"))
+def test_a_passage_search_of_rag_sequence_leaves_before_its_request_ends(dirs, load, kind):
+    """RAG-Sequence searches one passage at a time: a passage whose answer ended frees its rows
+    while the request's other passages still decode."""
+    gen = _generator(dirs, load, kind)
+    options = DecodingOptions(mode="rag-sequence-fast", max_new_tokens=12)
+    passages = make_passages(5, 3)
+    alone = gen.generate(QUESTION, passages, options)
+    with torch.inference_mode():
+        engine = gen.engine()
+        engine.add(QUESTION, passages, options, tag=0)
+        rows = [engine.rows]
+        out = []
+        while len(engine):
+            out += engine.step()
+            rows.append(engine.rows)
+    _assert_same(out[0][1], alone)
+    assert rows == sorted(rows, reverse=True)  # rows only ever leave
+
+
+def test_an_abandoned_request_leaves_and_the_others_finish(dirs, load):
+    gen = _generator(dirs, load, "gemma3")
+    options = DecodingOptions(max_new_tokens=6, min_new_tokens=6)
+    a, b = make_passages(2, 0), make_passages(3, 1)
+    gave_up = {"b": False}
+    with torch.inference_mode():
+        engine = gen.engine()
+        engine.add(QUESTION, a, options, tag="a")
+        engine.add(QUESTION, b, options, tag="b", gave_up=lambda: gave_up["b"])
+        engine.step()
+        gave_up["b"] = True
+        out = dict(engine.step())
+        assert isinstance(out["b"], Abandoned)
+        assert engine.rows == 2
+        while len(engine):
+            out.update(engine.step())
+    _assert_same(out["a"], gen.generate(QUESTION, a, options))
+
+
+def test_max_rows_bounds_what_joins(dirs, load):
+    gen = _generator(dirs, load, "llama")
+    options = DecodingOptions(num_beams=2, max_new_tokens=3)
+    with torch.inference_mode():
+        engine = gen.engine(max_rows=8)
+        assert engine.accepts(10)  # too many rows, but an empty engine takes it
+        assert not engine.accepts(10, joining=2)  # unless others join with it
+        engine.add(QUESTION, make_passages(3), options)  # 6 rows
+        assert engine.accepts(2)
+        assert not engine.accepts(4)
+        assert not engine.accepts(2, joining=2)
+
+
+def test_a_request_complete_at_admission_is_returned_by_the_next_step(dirs, load):
+    gen = _generator(dirs, load, "gemma3")
+    options = DecodingOptions(max_new_tokens=1)
+    with torch.inference_mode():
+        engine = gen.engine()
+        engine.add(QUESTION, make_passages(2), options, tag="one")
+        assert engine.rows == 0 and len(engine) == 1  # not decoding, not yet returned
+        out = engine.step()
+    assert [tag for tag, _ in out] == ["one"] and len(engine) == 0
+    _assert_same(out[0][1], gen.generate(QUESTION, make_passages(2), options))
