@@ -41,6 +41,7 @@ from openbook.rag.marginalize import doc_log_prior
 from openbook.rag.models import DecodeState, Encoded, GeneratorBackend
 from openbook.rag.options import DecodingOptions, GenerationResult, Hypothesis
 from openbook.rag.rag_token import RagTokenRows
+from openbook.rag.streaming import OnToken, RequestStream
 from openbook.types import Passage
 
 # Asked before every step: True once the request's caller gave up (deadline, cancel).
@@ -61,6 +62,11 @@ class Rows(Protocol):
         """Take the rows' next-token log-probs (rows, V); False once the search is over."""
         ...
 
+    def decided(self) -> tuple[int, Tensor | None]:
+        """Greedy only: the token decided at the latest step and, for RAG-Token, its
+        per-passage log-probs (k,) (:mod:`openbook.rag.streaming`)."""
+        ...
+
 
 @dataclass(eq=False)
 class Running:
@@ -73,12 +79,27 @@ class Running:
     settings: SearchSettings
     groups: list[Rows]
     gave_up: GaveUp | None
+    # the events of a streaming greedy request (None: nothing streamed)
+    stream: RequestStream | None = None
     # seconds of engine time this request was charged (its prefill + its share of every step)
     cost_s: float = 0.0
     done: bool = field(default=False)
 
     def finished(self) -> bool:
         return not any(g.live for g in self.groups)
+
+    def emit(self, groups: Sequence[Rows]) -> None:
+        """Stream the tokens ``groups`` (of this request) decided at the latest step."""
+        if self.stream is None:
+            return
+        for z, group in enumerate(self.groups):
+            if group not in groups:
+                continue
+            token, per_passage = group.decided()
+            if per_passage is not None:
+                self.stream.marginal_token(token, per_passage)
+            else:
+                self.stream.token(token, passage=z)
 
     def result(self, backend: GeneratorBackend) -> GenerationResult:
         if self.options.mode == "rag-token":
@@ -108,7 +129,8 @@ class DecodingEngine:
 
     ``settings_for(options)`` gives a request's search settings, ``stop`` the stop-string check
     of the model family (or None). ``max_rows`` bounds the decoder rows decoded together; a
-    request larger than that alone still runs, alone.
+    request larger than that alone still runs, alone. ``stop_strings``: where the model
+    family's decoding cuts an answer (held back while streaming, :mod:`openbook.rag.streaming`).
     """
 
     def __init__(
@@ -117,11 +139,13 @@ class DecodingEngine:
         settings_for: Callable[[DecodingOptions], SearchSettings],
         stop: StopFn | None,
         max_rows: int,
+        stop_strings: Sequence[str] = (),
     ) -> None:
         self.backend = backend
         self.settings_for = settings_for
         self.stop = stop
         self.max_rows = max_rows
+        self.stop_strings = tuple(stop_strings)
         self._state: DecodeState | None = None
         self._groups: list[tuple[Running, Rows]] = []
         self._requests: list[Running] = []
@@ -157,9 +181,12 @@ class DecodingEngine:
         *,
         tag: Any = None,
         gave_up: GaveUp | None = None,
+        on_token: OnToken | None = None,
     ) -> Running:
         """Encode one (validated) request and join its rows to the batch; it decodes from the
-        next :meth:`step` on, which also returns it once finished."""
+        next :meth:`step` on, which also returns it once finished. ``on_token``, for a greedy
+        request, is called with every token as it is decided (:mod:`openbook.rag.streaming`),
+        from the thread that runs the engine, before the request's outcome is returned."""
         started = _now()
         k = len(passages)
         scores = torch.tensor([[float(p.score) for p in passages]])
@@ -175,6 +202,15 @@ class DecodingEngine:
                 for z in range(k)
             ]
         request = Running(tag, options, enc, log_prior, settings, groups, gave_up)
+        if on_token is not None and options.num_beams == 1:
+            request.stream = RequestStream(
+                on_token,
+                log_prior,
+                lambda token: self.backend.token_strings([token])[0],
+                self.backend.decode,
+                self.stop_strings,
+            )
+            request.emit(groups)
         self._requests.append(request)
         live = [g for g in groups if g.live]
         if live:
@@ -233,6 +269,12 @@ class DecodingEngine:
         for _, group in self._groups:
             group.advance(lp[at : at + group.rows])
             at += group.rows
+        streaming: dict[int, tuple[Running, list[Rows]]] = {}
+        for request, group in self._groups:
+            if request.stream is not None:
+                streaming.setdefault(id(request), (request, []))[1].append(group)
+        for request, groups in streaming.values():
+            request.emit(groups)
 
     def _leave(self) -> None:
         """Rows of finished searches leave; finished requests are finalised."""
@@ -273,10 +315,20 @@ class DecodingEngine:
     def _finish(self, request: Running) -> None:
         started = _now()
         result = request.result(self.backend)
+        for hyp in result.hypotheses:
+            hyp.finish_reason = self._finish_reason(hyp.token_ids, request.options)
         request.cost_s += _now() - started
         request.done = True
         self._requests.remove(request)
         self._done.append((request.tag, result))
+
+    def _finish_reason(self, tokens: list[int], options: DecodingOptions) -> str:
+        if len(tokens) < options.max_new_tokens:
+            return "stop"
+        ended = tokens[-1] == self.backend.eos_token_id or (
+            self.stop is not None and self.stop(tokens)
+        )
+        return "stop" if ended else "length"
 
 
 def _rows_of(groups: Sequence[Rows], wanted: Callable[[Rows], bool]) -> Tensor:

@@ -23,6 +23,7 @@ from openbook.rag.memory import (
 )
 from openbook.rag.models import CausalBackend, GeneratorBackend
 from openbook.rag.options import DecodingOptions, GenerationResult
+from openbook.rag.streaming import OnToken
 from openbook.types import Passage
 
 Request = tuple[str, Sequence[Passage], DecodingOptions]
@@ -113,15 +114,34 @@ class RagGenerator:
             return request_shape(self._measuring, question, passages, options)
 
     def generate(
-        self, question: str, passages: Sequence[Passage], options: DecodingOptions
+        self,
+        question: str,
+        passages: Sequence[Passage],
+        options: DecodingOptions,
+        on_token: OnToken | None = None,
     ) -> GenerationResult:
-        return self.generate_batch([(question, passages, options)])[0]
+        """One answer; ``on_token`` (greedy decoding) is called with each token as it is
+        decided (:mod:`openbook.rag.streaming`)."""
+        validate_request(question, passages, options)
+        with self._lock, torch.inference_mode():
+            engine = self.engine()
+            engine.add(question, passages, options, on_token=on_token)
+            while True:
+                for _, outcome in engine.step():
+                    assert isinstance(outcome, GenerationResult)
+                    return outcome
 
     def engine(self, max_rows: int = MAX_BATCH_ROWS) -> DecodingEngine:
         """A continuous-batching engine over this generator (:mod:`openbook.rag.engine`); use it
         from one thread, under ``torch.inference_mode()``, with requests that passed
         :func:`validate_request`."""
-        return DecodingEngine(self.backend, self._settings, self._stop_fn(), max_rows)
+        return DecodingEngine(
+            self.backend, self._settings, self._stop_fn(), max_rows, self.stop_strings()
+        )
+
+    def stop_strings(self) -> list[str]:
+        """Strings at which the model family's decoding cuts an answer (causal prompts)."""
+        return list(self.backend.spec.stop) if isinstance(self.backend, CausalBackend) else []
 
     def generate_batch(
         self, requests: Sequence[Request], gave_up: Sequence[GaveUp] | None = None
@@ -180,7 +200,7 @@ class RagGenerator:
         b = self.backend
         if not isinstance(b, CausalBackend):
             return None
-        stops = list(b.spec.stop)
+        stops = self.stop_strings()
         extra = {t for t in self.generation.get("extra_eos_token_ids", []) if t != b.eos_token_id}
         tok = b.tokenizer
 

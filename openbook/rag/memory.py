@@ -50,6 +50,8 @@ class RequestShape:
     beams: int  # decoding rows per passage
     prompt_tokens: int  # longest per-passage input: causal prompt after the prefix / BART encoder
     new_tokens: int  # max_new_tokens
+    # every passage input together (what the model reads; reported as a request's usage)
+    input_tokens: int = 0
 
     @property
     def rows(self) -> int:
@@ -182,6 +184,7 @@ def request_shape(
         beams=options.num_beams,
         prompt_tokens=max(lengths, default=1),
         new_tokens=options.max_new_tokens,
+        input_tokens=sum(lengths),
     )
 
 

@@ -75,6 +75,8 @@ class Hypothesis:
     doc_posterior: list[float] | None = None
     tokens: list[str] | None = None
     token_doc_posteriors: list[list[float]] | None = None
+    # "stop": the model ended it (EOS or a stop string); "length": max_new_tokens ran out
+    finish_reason: str = "stop"
 
 
 @dataclass

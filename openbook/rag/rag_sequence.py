@@ -46,6 +46,10 @@ class PassageRows:
         self.live = self.search.advance(lp)
         return self.live
 
+    def decided(self) -> tuple[int, None]:
+        """Greedy: the token the latest step decided for this passage."""
+        return int(self.search.tokens[0]), None
+
     def hypotheses(self) -> list[Finished]:
         return self.search.result()[0]
 

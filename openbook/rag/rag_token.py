@@ -58,6 +58,11 @@ class RagTokenRows:
         self.live = self.search.advance(marginal.view(self.beams, self.vocab))
         return self.live
 
+    def decided(self) -> tuple[int, Tensor]:
+        """Greedy: the token the latest step decided and its per-passage log-probs (k,)."""
+        token = int(self.search.tokens[0])
+        return token, self._current[0, :, 0, token]
+
     def _per_passage(self, source: Tensor, tokens: Tensor) -> Tensor:
         """(1, c, k) per-passage log-probs of the chosen continuations (kept for provenance)."""
         idx = (source * self.vocab + tokens)[:, None, :].expand(1, self.k, -1)

@@ -53,7 +53,112 @@ class Waiting(Generic[T, R]):
         )
 
 
-class Batcher(Generic[T, R]):
+class WaitingLine(Generic[T, R]):
+    """A bounded line of submitted items and the one worker thread (``_run``) that serves it;
+    each caller blocks on its own future. The base of :class:`Batcher` and of the generator's
+    continuous-batching scheduler, which differ only in how the worker takes and runs items.
+
+    ``on_drop(n)`` is told of items that left the line because their caller gave up. A subclass
+    sets up its own state, then calls :meth:`_start`.
+    """
+
+    def __init__(
+        self, *, max_queue: int, name: str, on_drop: Callable[[int], None] | None = None
+    ) -> None:
+        self.max_queue = max_queue
+        self._waiting: deque[Waiting[T, R]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._on_drop = on_drop
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def depth(self) -> int:
+        """Items waiting in the line (not those running)."""
+        with self._cond:
+            return len(self._waiting)
+
+    def submit(
+        self,
+        payload: T,
+        timeout_s: float | None = None,
+        on_cancel: Callable[[Callable[[], None]], object] | None = None,
+    ) -> R:
+        """Block until ``payload`` has been processed; raise its error if it failed.
+
+        ``on_cancel(callback)``, when given, registers ``callback`` to be called if the caller
+        goes away (e.g. gRPC's ``context.add_callback``): the item then leaves the line, or the
+        work running it is told it gave up.
+        """
+        timeout_s = bounded_timeout(timeout_s)
+        item = self._enqueue(payload, timeout_s, on_cancel)
+        return self._outcome(item, timeout_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def _enqueue(
+        self,
+        payload: T,
+        timeout_s: float | None,
+        on_cancel: Callable[[Callable[[], None]], object] | None,
+    ) -> Waiting[T, R]:
+        """Put ``payload`` in the line (or refuse it: closed, line full)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        item: Waiting[T, R] = Waiting(payload, deadline)
+        with self._cond:
+            if self._closed:
+                raise Overloaded("server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise Overloaded(f"queue full ({self.max_queue} requests waiting); retry later")
+            self._waiting.append(item)
+            self._cond.notify()
+        if on_cancel is not None:
+            on_cancel(lambda: self._give_up(item))
+        return item
+
+    def _outcome(self, item: Waiting[T, R], timeout_s: float | None) -> R:
+        """``item``'s result, waiting at most ``timeout_s``; its error raised."""
+        try:
+            return item.future.result(timeout=timeout_s)
+        except TimeoutError:
+            self._give_up(item)
+            raise DeadlineExceeded(f"no result within {timeout_s:.1f}s") from None
+        except CancelledError:
+            raise Cancelled("the caller cancelled the request") from None
+
+    def _give_up(self, item: Waiting[T, R]) -> None:
+        """Cancel ``item`` (unless it has its result) and free its place in the line."""
+        with self._cond:
+            # not waiting any more: already taken by the worker, which sees ``gave_up``
+            if item.future.cancel() and item in self._waiting:
+                self._waiting.remove(item)
+                self._dropped()
+
+    def _expired_head(self) -> bool:
+        """Drop the first waiting item if its caller gave up (call under ``_cond``)."""
+        item = self._waiting[0]
+        if not item.gave_up():
+            return False
+        self._waiting.popleft()
+        resolve(item.future, DeadlineExceeded("deadline passed while queued"))
+        self._dropped()
+        return True
+
+    def _dropped(self) -> None:
+        if self._on_drop is not None:
+            self._on_drop(1)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Batcher(WaitingLine[T, R]):
     """Run ``fn(list[T]) -> list[R | Exception]`` on batches of concurrently submitted items.
 
     ``fn`` returns one result per item, in order; an ``Exception`` in the list fails only
@@ -77,75 +182,14 @@ class Batcher(Generic[T, R]):
         fits: Callable[[list[T]], bool] | None = None,
         pass_gave_up: bool = False,
     ) -> None:
+        super().__init__(max_queue=max_queue, name=name, on_drop=on_drop)
         self._fn = fn
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
-        self.max_queue = max_queue
         self._fits = fits
         self._pass_gave_up = pass_gave_up
-        self._waiting: deque[Waiting[T, R]] = deque()
-        self._cond = threading.Condition()
         self._on_batch = on_batch
-        self._on_drop = on_drop
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def depth(self) -> int:
-        """Items waiting for a batch (not those running)."""
-        with self._cond:
-            return len(self._waiting)
-
-    def submit(
-        self,
-        payload: T,
-        timeout_s: float | None = None,
-        on_cancel: Callable[[Callable[[], None]], object] | None = None,
-    ) -> R:
-        """Block until ``payload`` has been processed; raise its error if it failed.
-
-        ``on_cancel(callback)``, when given, registers ``callback`` to be called if the caller
-        goes away (e.g. gRPC's ``context.add_callback``): the item then leaves the line, or its
-        running batch is told it gave up.
-        """
-        if timeout_s is not None and timeout_s > NO_DEADLINE_S:
-            timeout_s = None  # gRPC reports "no deadline" as a practically infinite time left
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        item: Waiting[T, R] = Waiting(payload, deadline)
-        with self._cond:
-            if self._closed:
-                raise Overloaded("server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise Overloaded(f"queue full ({self.max_queue} requests waiting); retry later")
-            self._waiting.append(item)
-            self._cond.notify()
-        if on_cancel is not None:
-            on_cancel(lambda: self._give_up(item))
-        try:
-            return item.future.result(timeout=timeout_s)
-        except TimeoutError:
-            self._give_up(item)
-            raise DeadlineExceeded(f"no result within {timeout_s:.1f}s") from None
-        except CancelledError:
-            raise Cancelled("the caller cancelled the request") from None
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout=10)
-
-    def _give_up(self, item: Waiting[T, R]) -> None:
-        """Cancel ``item`` (unless it has its result) and free its place in the line."""
-        with self._cond:
-            # not waiting any more: already taken into a batch, which sees ``gave_up``
-            if item.future.cancel() and item in self._waiting:
-                self._waiting.remove(item)
-                self._dropped()
-
-    def _dropped(self) -> None:
-        if self._on_drop is not None:
-            self._on_drop(1)
+        self._start()
 
     def _take(self) -> list[Waiting[T, R]] | None:
         """The next batch (None once closed and drained); drops items whose caller gave up."""
@@ -163,12 +207,9 @@ class Batcher(Generic[T, R]):
                     if remaining <= 0 or not self._cond.wait(remaining):
                         break
                     continue
-                item = self._waiting[0]
-                if item.gave_up():
-                    self._waiting.popleft()
-                    resolve(item.future, DeadlineExceeded("deadline passed while queued"))
-                    self._dropped()
+                if self._expired_head():
                     continue
+                item = self._waiting[0]
                 fits = self._fits
                 if (
                     batch
@@ -206,6 +247,11 @@ class Batcher(Generic[T, R]):
                 continue
             for item, result in zip(batch, results, strict=True):
                 resolve(item.future, result)
+
+
+def bounded_timeout(timeout_s: float | None) -> float | None:
+    """gRPC reports "no deadline" as a practically infinite time left: that is no timeout."""
+    return None if timeout_s is not None and timeout_s > NO_DEADLINE_S else timeout_s
 
 
 def resolve(future: Future, result: object) -> None:

@@ -8,8 +8,9 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -175,57 +176,92 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
-        inner = handler.unary_unary
         method = handler_call_details.method
-        short_method = method.rsplit("/", 1)[-1]
-        metrics = self.metrics
-        access_log = self.access_log and not method.startswith("/grpc.health.")
-
-        def wrapped(request, context: grpc.ServicerContext):
-            metadata = dict(context.invocation_metadata() or ())
-            token = request_id_var.set(metadata.get(REQUEST_ID_HEADER, ""))
-            started = time.perf_counter()
-            code = grpc.StatusCode.OK
-            try:
-                return inner(request, context)
-            except grpc.RpcError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise  # already aborted with a status by the servicer
-            except Exception as exc:  # noqa: BLE001 - the boundary: map every error to a status
-                code = status_for(exc)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("unhandled error in %s", method)
-                    message = f"internal error in {method}: {type(exc).__name__}: {exc}"
-                else:
-                    log.info("%s: %s: %s", short_method, code.name, exc)
-                    message = str(exc)
-                context.abort(code, message)
-            finally:
-                seconds = time.perf_counter() - started
-                if metrics is not None:
-                    metrics.observe_rpc(short_method, code.name, seconds)
-                if access_log:
-                    log.info(
-                        "rpc %s %s",
-                        short_method,
-                        code.name,
-                        extra={
-                            "fields": {
-                                "rpc": short_method,
-                                "code": code.name,
-                                "ms": round(seconds * 1000, 2),
-                            }
-                        },
-                    )
-                request_id_var.reset(token)
-
-        return grpc.unary_unary_rpc_method_handler(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+        call = _ObservedCall(
+            method, self.metrics, self.access_log and not method.startswith("/grpc.health.")
         )
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request, context: grpc.ServicerContext):
+                with call.observed(context):
+                    return inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            streaming = handler.unary_stream
+
+            def stream(request, context: grpc.ServicerContext):
+                # The whole stream is one call: an error before or between events ends it with
+                # its status; the client going away closes the handler's iterator.
+                with call.observed(context):
+                    yield from streaming(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+class _ObservedCall:
+    """Status mapping, metrics and the access log of one RPC method (``ErrorInterceptor``)."""
+
+    def __init__(self, method: str, metrics: ServiceMetrics | None, access_log: bool) -> None:
+        self.method = method
+        self.short_method = method.rsplit("/", 1)[-1]
+        self.metrics = metrics
+        self.access_log = access_log
+
+    @contextmanager
+    def observed(self, context: grpc.ServicerContext) -> Iterator[None]:
+        method, short_method = self.method, self.short_method
+        metadata = dict(context.invocation_metadata() or ())
+        token = request_id_var.set(metadata.get(REQUEST_ID_HEADER, ""))
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except grpc.RpcError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise  # already aborted with a status by the servicer
+        except GeneratorExit:
+            code = grpc.StatusCode.CANCELLED  # a stream whose client went away
+            raise
+        except Exception as exc:  # noqa: BLE001 - the boundary: map every error to a status
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("unhandled error in %s", method)
+                message = f"internal error in {method}: {type(exc).__name__}: {exc}"
+            else:
+                log.info("%s: %s: %s", short_method, code.name, exc)
+                message = str(exc)
+            context.abort(code, message)
+        finally:
+            seconds = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.observe_rpc(short_method, code.name, seconds)
+            if self.access_log:
+                log.info(
+                    "rpc %s %s",
+                    short_method,
+                    code.name,
+                    extra={
+                        "fields": {
+                            "rpc": short_method,
+                            "code": code.name,
+                            "ms": round(seconds * 1000, 2),
+                        }
+                    },
+                )
+            request_id_var.reset(token)
 
 
 class GrpcService:

@@ -185,6 +185,38 @@ def backends_serving(retriever_settings: Any, generator_settings: Any) -> Iterat
         _forget_desired_model(settings.redis_url)
 
 
+@contextmanager
+def generator_service(model: Path, workdir: Path, redis_url: str, **settings: Any) -> Iterator[Any]:
+    """The generator service as ``openbook serve generator`` builds it, serving ``model`` on a
+    free loopback port; yields ``(settings, servicer, stub)``."""
+    import grpc
+
+    from openbook.v1 import generator_pb2_grpc
+    from openbook_generator.server import build as build_generator
+    from openbook_generator.settings import GeneratorSettings
+
+    config = GeneratorSettings(
+        **{
+            "host": "127.0.0.1",
+            "port": 0,
+            "model": model,
+            "redis_url": redis_url,
+            "checkpoint_dir": workdir / "checkpoints",
+            **settings,
+        }
+    )
+    server, servicer = build_generator(config)
+    server.set_serving(True)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield config, servicer, generator_pb2_grpc.GeneratorStub(channel)
+    finally:
+        channel.close()
+        server.stop(0)
+        servicer.close()
+
+
 def _forget_desired_model(redis_url: str) -> None:
     """Drop a reload these backends were told about: replicas started later against the same
     Redis (another test module) would otherwise converge to it at start."""

@@ -31,7 +31,7 @@ TOKEN = "grpc-admin-token"
 # into ADMIN_RPCS (openbook/serving/grpc_server.py): test_every_rpc_is_classified says so.
 READ_ONLY_RPCS = {
     RETRIEVER_SERVICE: {"Retrieve", "ListIndexes"},
-    GENERATOR_SERVICE: {"Generate", "Info"},
+    GENERATOR_SERVICE: {"Generate", "GenerateStream", "Info"},
 }
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 

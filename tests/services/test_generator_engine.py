@@ -7,15 +7,13 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
-from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
-from openbook_generator.server import build as build_generator
-from openbook_generator.settings import GeneratorSettings
+from openbook.v1 import common_pb2, generator_pb2
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
+from openbook_testkit.stack import generator_service
 
 REQUESTS = [
     (QUESTION, 3, dict(max_new_tokens=12, min_new_tokens=12)),
@@ -40,22 +38,9 @@ def _proto(question: str, passages: list[Passage], options: dict) -> generator_p
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp("engine")
-    settings = GeneratorSettings(
-        host="127.0.0.1",
-        port=0,
-        model=make_tiny_causal_lm(tmp / "gemma", arch="gemma3"),
-        redis_url=redis_server.url,
-        checkpoint_dir=tmp / "checkpoints",
-        passage_cache_mb=0,
-    )
-    server, servicer = build_generator(settings)
-    server.set_serving(True)
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    yield settings, servicer, generator_pb2_grpc.GeneratorStub(channel)
-    channel.close()
-    server.stop(0)
-    servicer.close()
+    model = make_tiny_causal_lm(tmp / "gemma", arch="gemma3")
+    with generator_service(model, tmp, redis_server.url, passage_cache_mb=0) as running:
+        yield running
 
 
 def test_concurrent_requests_decode_together_with_their_lone_answers(service):

@@ -8,16 +8,14 @@ otherwise is a 500 naming the request id.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
@@ -32,15 +30,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openbook.logs import request_id_var
 from openbook.v1 import generator_pb2
-from openbook_gateway.cache import AnswerCache, answer_params
+from openbook_gateway import openai_api
+from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.cache import AnswerCache
 from openbook_gateway.clients import GeneratorClient
-from openbook_gateway.mapping import (
-    answer_response,
-    cached_answer,
-    indexes_response,
-    stored_answer,
-)
+from openbook_gateway.events import EventStream, sse
+from openbook_gateway.mapping import indexes_response
 from openbook_gateway.metrics import GatewayMetrics, ms_since
+from openbook_gateway.openai_api import is_openai_path
+from openbook_gateway.openai_schemas import OpenAIRequestError
 from openbook_gateway.replicas import desired_model, list_replicas, outcome, reload_models
 from openbook_gateway.retrieval import Retrieval
 from openbook_gateway.schemas import (
@@ -214,6 +212,8 @@ class RequestContext:
                 if response_started:
                     raise
                 body = {"detail": "internal error", "request_id": request_id}
+                if is_openai_path(scope["path"]):
+                    body = openai_api.error_body(500, f"internal error (request {request_id})")
                 await JSONResponse(body, 500)(scope, receive, send_with_id)
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.requests.labels(route, status).inc()
@@ -261,26 +261,6 @@ def _finite(value):
     if isinstance(value, list | tuple):
         return [_finite(item) for item in value]
     return value
-
-
-T = TypeVar("T")
-# How often a request waiting on the generator checks that its HTTP client is still there.
-DISCONNECT_POLL_S = 0.25
-# nginx's "client closed request": logged and counted, never seen by the gone client.
-CLIENT_CLOSED_REQUEST = 499
-
-
-async def _unless_disconnected(request: Request, call: Awaitable[T]) -> T:
-    """Await ``call``; if the HTTP client goes away first, cancel it (and with it the gRPC
-    call, so the generator drops the request instead of computing an answer nobody reads)."""
-    task = asyncio.ensure_future(call)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise HTTPException(CLIENT_CLOSED_REQUEST, "the client closed the request")
 
 
 def _require_admin(settings: GatewaySettings):
@@ -337,11 +317,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
     require_admin = _require_admin(settings)
     app.include_router(ui_router)
+    app.include_router(openai_api.openai_router(settings, metrics))
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        if is_openai_path(request.url.path):
+            return openai_api.validation_error_response(errors)
         try:
             return AsciiJSONResponse({"detail": jsonable_encoder(errors)}, 422)
         except RecursionError:
@@ -352,8 +335,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             ]
             return AsciiJSONResponse({"detail": jsonable_encoder(shallow)}, 422)
 
+    @app.exception_handler(OpenAIRequestError)
+    async def openai_request_error(request: Request, exc: OpenAIRequestError) -> JSONResponse:
+        return openai_api.error_response(exc.status, exc, exc.param, exc.code)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if is_openai_path(request.url.path):
+            headers = getattr(exc, "headers", None)
+            return openai_api.error_response(exc.status_code, exc.detail, headers=headers)
         if exc.status_code < 500:
             return await http_exception_handler(request, exc)
         # A failure (here or in a service): its request id finds it in the logs.
@@ -400,43 +390,21 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/answer", response_model=AnswerResponse)
-    async def answer(body: AnswerRequest, request: Request) -> dict:
-        state = request.app.state
-        request_id = request.state.request_id
-        timer = metrics.stages()
-        # Resolved before the cache key is built: a request without k and one naming the
-        # model's default share the key.
-        k = body.k if body.k is not None else await state.default_k.get(request_id)
-        params = answer_params(body, k)
-
-        if body.use_cache:
-            with timer.stage("cache"):
-                cached = await state.cache.lookup(body.index, params)
-            metrics.cache_lookup(hit=cached is not None)
-            if cached is not None:
-                # Validated when it was stored: sent as it is, not validated again.
-                return JSONResponse(cached_answer(cached, request_id, timer.done()))
-        else:
-            metrics.cache_skipped()
-
-        with timer.stage("retrieve"):
-            retrieved = await state.retrieval.retrieve(body.question, k, body.index, request_id)
-        passages = list(retrieved.results[0].passages)
-        if not passages:
-            raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
-        with timer.stage("generate"):
-            generated = await _unless_disconnected(
-                request, state.generator.generate(body, passages, request_id)
-            )
-
-        versions = {"generator": generated.model_version, "retriever": retrieved.model_version}
-        metrics.answered(retrieved.index, versions)
-        state.cache.answered(retrieved.index, versions, active=not body.index)
-        state.default_k.seen(generated.model_version)
-        result = answer_response(body, retrieved, generated, request_id, timer.done())
-        if body.use_cache:
-            await state.cache.store(retrieved.index, params, versions, stored_answer(result))
-        return result
+    async def answer(body: AnswerRequest, request: Request) -> Response:
+        """The answer, or with ``"stream": true`` Server-Sent Events: ``token`` events as it is
+        written, then an ``answer`` event with the same body (an ``error`` event if it fails
+        after the stream began; before that, the usual HTTP error)."""
+        events = answer_events(body, request, metrics, stream=body.stream)
+        if not body.stream:
+            async for event in events:
+                if isinstance(event, AnswerOut):
+                    return JSONResponse(event.body)
+            raise HTTPException(502, "no answer")  # answer_events always ends with one
+        # The first event waits for retrieval and the prompt's prefill: errors until then are
+        # plain HTTP errors.
+        first = await unless_disconnected(request, anext(events))
+        stream = _answer_sse(first, events, request.state.request_id)
+        return EventStream(stream, on_end=lambda outcome: metrics.stream_ended("answer", outcome))
 
     @app.get("/indexes", response_model=IndexesResponse)
     async def indexes(request: Request) -> dict:
@@ -499,3 +467,34 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         }
 
     return app
+
+
+async def _answer_sse(
+    first: TokenOut | AnswerOut,
+    events: AsyncGenerator[TokenOut | AnswerOut, None],
+    request_id: str,
+) -> AsyncGenerator[bytes, None]:
+    """``/answer``'s Server-Sent Events (docs/api.md): ``token``, then ``answer`` or ``error``."""
+    try:
+        event = first
+        while True:
+            if isinstance(event, AnswerOut):
+                yield sse(event.body, "answer")
+                return
+            yield sse(event.body(), "token")
+            event = await anext(events)
+    except HTTPException as exc:
+        yield sse(_error(exc.status_code, exc.detail, request_id), "error")
+    except StopAsyncIteration:
+        yield sse(_error(502, "the answer ended without a final event", request_id), "error")
+    except Exception:  # noqa: BLE001 - the stream has begun: end it with an error event
+        log.exception("answer stream failed")
+        yield sse(_error(500, "internal error", request_id), "error")
+    finally:
+        await events.aclose()
+
+
+def _error(status: int, detail: object, request_id: str) -> dict:
+    """An error event's body: as an HTTP error's, with the request id of a failure."""
+    body = {"status": status, "detail": detail}
+    return {**body, "request_id": request_id} if status >= 500 else body

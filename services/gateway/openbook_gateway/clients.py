@@ -8,7 +8,7 @@ input -> 422, overload -> 429, deadline -> 504, down -> 503, a bug in the servic
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
@@ -159,6 +159,24 @@ class GeneratorClient(ServiceClient):
         self, body: AnswerRequest, passages: list[common_pb2.Passage], request_id: str
     ) -> generator_pb2.GenerateResponse:
         return await self.call(self.stub.Generate, generate_request(body, passages), request_id)
+
+    async def generate_stream(
+        self, body: AnswerRequest, passages: list[common_pb2.Passage], request_id: str
+    ) -> AsyncIterator[generator_pb2.GenerateEvent]:
+        """GenerateStream's events; leaving the iteration early cancels the call (the
+        generator then drops the request from its batch)."""
+        call = self.stub.GenerateStream(
+            generate_request(body, passages),
+            timeout=self.timeout_s,
+            metadata=((REQUEST_ID_HEADER, request_id),) if request_id else None,
+        )
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise http_error(self.name, error) from None
+        finally:
+            call.cancel()  # a no-op once the stream ended
 
     async def reload_model(self, path: str, request_id: str, timeout_s: float) -> str:
         """Load the checkpoint ``path`` names; returns the version now served."""

@@ -56,6 +56,7 @@ def answer_response(
         cached=False,
         request_id=request_id,
         timings_ms=timings,
+        prompt_tokens=generated.prompt_tokens,
     ).model_dump()
 
 
@@ -106,6 +107,8 @@ def hypotheses_out(generated: generator_pb2.GenerateResponse) -> list[Hypothesis
                 TokenPosteriorOut(token=t.token, posterior=list(t.doc_posterior)) for t in h.tokens
             ]
             or None,
+            num_tokens=h.num_tokens,
+            finish_reason=h.finish_reason or None,
         )
         for h in generated.hypotheses
     ]

@@ -50,6 +50,13 @@ class GatewayMetrics:
             ["service", "version"],
             registry=self.registry,
         )
+        self.streams = Counter(
+            "openbook_gateway_streams_total",
+            "Streamed responses by API (answer, openai) and how they ended: completed, or "
+            "disconnected (the client went away; its generation was cancelled)",
+            ["api", "outcome"],
+            registry=self.registry,
+        )
         self._lookups = {"hit": 0, "miss": 0}
         hit_ratio = Gauge(
             "openbook_gateway_cache_hit_ratio",
@@ -67,6 +74,9 @@ class GatewayMetrics:
 
     def cache_skipped(self) -> None:
         self.cache.labels("skipped").inc()
+
+    def stream_ended(self, api: str, outcome: str) -> None:
+        self.streams.labels(api, outcome).inc()
 
     def answered(self, index: str, versions: dict[str, str]) -> None:
         """An answer was computed on ``index`` by these model versions (service -> version)."""

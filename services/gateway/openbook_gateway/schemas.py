@@ -63,6 +63,11 @@ class AnswerRequest(BaseModel):
         None, pattern=INDEX_NAME_PATTERN, description="default: the active index"
     )
     use_cache: bool = True
+    stream: bool = Field(
+        False,
+        description="answer as Server-Sent Events: token events as the answer is written, then "
+        "an answer event with this response's body (docs/api.md)",
+    )
 
     @field_validator("question")
     @classmethod
@@ -102,6 +107,10 @@ class HypothesisOut(BaseModel):
     log_prob: float
     doc_posterior: list[float] | None = None
     tokens: list[TokenPosteriorOut] | None = None
+    num_tokens: int | None = Field(None, description="tokens generated")
+    finish_reason: str | None = Field(
+        None, description="'stop' (the model ended it) or 'length' (max_new_tokens ran out)"
+    )
 
 
 class AnswerResponse(BaseModel):
@@ -115,6 +124,9 @@ class AnswerResponse(BaseModel):
     cached: bool
     request_id: str
     timings_ms: dict[str, float]
+    prompt_tokens: int | None = Field(
+        None, description="tokens the generator read: the k passage inputs together"
+    )
 
 
 class SwapIndexRequest(BaseModel):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from openbook.settings import CommonSettings
@@ -24,3 +24,7 @@ class GatewaySettings(CommonSettings):
     # How long POST /admin/reload-model waits for every replica to report the desired model
     # (converged or refused) before answering 202 with the replicas still loading.
     reload_wait_s: float = Field(600.0, gt=0)
+    # Keys of the OpenAI-compatible API (/v1/*), comma-separated: each call then needs
+    # "Authorization: Bearer <one of them>". Unset: /v1 is open, as /answer is. Not the admin
+    # token, which only opens /admin.
+    api_keys: SecretStr | None = None

@@ -20,21 +20,20 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
+import queue
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-from openbook.errors import Cancelled, DeadlineExceeded, Overloaded
+from openbook.errors import DeadlineExceeded
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.engine import DecodingEngine, Running
 from openbook.rag.errors import Abandoned
 from openbook.rag.memory import RequestShape
-from openbook.serving.batcher import NO_DEADLINE_S, Waiting, resolve
+from openbook.rag.streaming import OnToken, TokenEvent
+from openbook.serving.batcher import Waiting, WaitingLine, bounded_timeout, resolve
 from openbook.types import Passage
 
 log = logging.getLogger(__name__)
@@ -52,15 +51,23 @@ class GenerateItem:
     passages: Sequence[Passage]
     options: DecodingOptions
     shape: RequestShape
+    # called from the decoding thread with every token decided (a streaming request)
+    on_token: OnToken | None = None
 
 
-class Scheduler:
+# Put in a stream's queue once its request is resolved (answered, failed or dropped).
+_RESOLVED = object()
+
+
+class Scheduler(WaitingLine[GenerateItem, Generated]):
     """Continuous batching of generate requests (module docstring).
 
     ``current()`` is the model new requests start on. ``fits(shapes)`` says whether requests of
     those shapes may decode together (the memory budget). ``on_step(requests, queued)`` is told
     the batch size of every step, ``on_drop(where, n)`` of requests dropped because their caller
-    gave up (``where``: "queued" or "running").
+    gave up (``where``: "queued" or "running"). ``submit`` (:class:`WaitingLine`) blocks for a
+    result, and a running request's rows leave the batch before the next step once its caller
+    gave up; :meth:`stream` yields tokens as they are decided, then the result.
     """
 
     def __init__(
@@ -74,28 +81,23 @@ class Scheduler:
         on_step: Callable[[int, int], None] | None = None,
         on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
+        super().__init__(
+            max_queue=max_queue,
+            name="generate-scheduler",
+            on_drop=None if on_drop is None else (lambda n: on_drop("queued", n)),
+        )
         self._current = current
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
-        self.max_queue = max_queue
         self._fits = fits
         self._on_step = on_step
-        self._on_drop = on_drop
-        self._waiting: deque[Waiting] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
+        self._on_running_drop = on_drop
         # one engine per model that has running requests, the current model's last
         self._engines: dict[int, tuple[RagGenerator, DecodingEngine]] = {}
         # id(waiting) -> the request and, once admitted, its engine entry
         self._running: dict[int, tuple[Waiting, Running | None]] = {}
         self.seconds_per_request = 0.0  # engine time per request, running estimate
-        self._thread = threading.Thread(target=self._run, name="generate-scheduler", daemon=True)
-        self._thread.start()
-
-    def depth(self) -> int:
-        """Requests waiting for a place in the batch (not those running)."""
-        with self._cond:
-            return len(self._waiting)
+        self._start()
 
     def running(self) -> int:
         with self._cond:
@@ -108,57 +110,38 @@ class Scheduler:
             ahead = len(self._waiting) + 1 - (self.max_batch_size - len(self._running))
         return max(0, ahead) * self.seconds_per_request
 
-    def submit(
+    def stream(
         self,
         item: GenerateItem,
         timeout_s: float | None = None,
         on_cancel: Callable[[Callable[[], None]], object] | None = None,
-    ) -> Generated:
-        """Block until ``item`` is generated; raise its error if it failed.
-
-        ``on_cancel(callback)``, when given, registers ``callback`` to be called if the caller
-        goes away (gRPC's ``context.add_callback``): the request then leaves the line, or its
-        rows leave the batch before the next step.
-        """
-        if timeout_s is not None and timeout_s > NO_DEADLINE_S:
-            timeout_s = None
+    ) -> Iterator[TokenEvent | Generated]:
+        """Generate ``item``, yielding its tokens as they are decided
+        (:mod:`openbook.rag.streaming`: greedy decoding only) and then its result; raises its
+        error, as :meth:`submit` does. Closing the iterator early (the caller went away) gives
+        the request up: it leaves the line, or its rows the batch before the next step."""
+        timeout_s = bounded_timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waiting = Waiting(item, deadline)
-        with self._cond:
-            if self._closed:
-                raise Overloaded("server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise Overloaded(f"queue full ({self.max_queue} requests waiting); retry later")
-            self._waiting.append(waiting)
-            self._cond.notify()
-        if on_cancel is not None:
-            on_cancel(lambda: self._give_up(waiting))
+        events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        waiting = self._enqueue(replace(item, on_token=events.put), timeout_s, on_cancel)
+        waiting.future.add_done_callback(lambda _: events.put(_RESOLVED))
         try:
-            return waiting.future.result(timeout=timeout_s)
-        except TimeoutError:
-            self._give_up(waiting)
-            raise DeadlineExceeded(f"no result within {timeout_s:.1f}s") from None
-        except CancelledError:
-            raise Cancelled("the caller cancelled the request") from None
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout=10)
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    event = events.get(timeout=left)
+                except queue.Empty:
+                    self._give_up(waiting)
+                    raise DeadlineExceeded(f"no result within {timeout_s:.1f}s") from None
+                if event is _RESOLVED:
+                    break
+                assert isinstance(event, TokenEvent)
+                yield event
+            yield self._outcome(waiting, None)  # resolved: returns at once
+        finally:
+            self._give_up(waiting)  # a no-op once it is resolved
 
     # ------------------------------------------------------------------ the decoding thread
-
-    def _give_up(self, waiting: Waiting) -> None:
-        with self._cond:
-            # running requests see ``gave_up`` before the next step
-            if waiting.future.cancel() and waiting in self._waiting:
-                self._waiting.remove(waiting)
-                self._dropped("queued", 1)
-
-    def _dropped(self, where: str, count: int) -> None:
-        if self._on_drop is not None and count:
-            self._on_drop(where, count)
 
     def _take(self) -> list[Waiting] | None:
         """Waiting requests that may join now (None once closed and drained). Blocks while
@@ -179,12 +162,9 @@ class Scheduler:
             shapes = [w.payload.shape for w, _ in self._running.values()]
             engine = self._engine(self._current())
             while self._waiting and len(self._running) < self.max_batch_size:
-                head = self._waiting[0]
-                if head.gave_up():
-                    self._waiting.popleft()
-                    resolve(head.future, DeadlineExceeded("deadline passed while queued"))
-                    self._dropped("queued", 1)
+                if self._expired_head():
                     continue
+                head = self._waiting[0]
                 item: GenerateItem = head.payload
                 busy = bool(self._running or taken)
                 if busy and not self._fits([*shapes, item.shape]):
@@ -232,6 +212,7 @@ class Scheduler:
                 item.options,
                 tag=(waiting, generator.model_version),
                 gave_up=waiting.gave_up,
+                on_token=item.on_token,
             )
         except Exception as exc:  # noqa: BLE001 - fails this request only
             log.exception("admitting a request failed")
@@ -251,7 +232,8 @@ class Scheduler:
             return
         for (waiting, version), outcome in outcomes:
             if isinstance(outcome, Abandoned):
-                self._dropped("running", 1)
+                if self._on_running_drop is not None:
+                    self._on_running_drop("running", 1)
                 self._finish(waiting, DeadlineExceeded("the caller gave up; generation stopped"))
             else:
                 self._finish(waiting, (outcome, version))

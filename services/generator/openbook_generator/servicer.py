@@ -24,6 +24,7 @@ from openbook.errors import (
 from openbook.limits import MAX_K, check_decoding, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.memory import RequestShape, mib
+from openbook.rag.streaming import TokenEvent
 from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.metrics import ServiceMetrics
 from openbook.types import Passage
@@ -85,10 +86,17 @@ def validate_generate(request: generator_pb2.GenerateRequest) -> ValidGenerateRe
     return ValidGenerateRequest(question, passages, options_from_proto(request.options))
 
 
-def result_to_proto(result: GenerationResult, model_version: str) -> generator_pb2.GenerateResponse:
+def result_to_proto(
+    result: GenerationResult, model_version: str, prompt_tokens: int
+) -> generator_pb2.GenerateResponse:
     hypotheses = []
     for hyp in result.hypotheses:
-        msg = generator_pb2.Hypothesis(text=hyp.text, log_prob=float(hyp.log_prob))
+        msg = generator_pb2.Hypothesis(
+            text=hyp.text,
+            log_prob=float(hyp.log_prob),
+            num_tokens=len(hyp.token_ids),
+            finish_reason=hyp.finish_reason,
+        )
         if hyp.doc_posterior is not None:
             msg.doc_posterior.extend(hyp.doc_posterior)
         if hyp.tokens is not None and hyp.token_doc_posteriors is not None:
@@ -98,8 +106,22 @@ def result_to_proto(result: GenerationResult, model_version: str) -> generator_p
                 )
         hypotheses.append(msg)
     return generator_pb2.GenerateResponse(
-        hypotheses=hypotheses, doc_prior=result.doc_prior, model_version=model_version
+        hypotheses=hypotheses,
+        doc_prior=result.doc_prior,
+        model_version=model_version,
+        prompt_tokens=prompt_tokens,
     )
+
+
+def token_to_proto(event: TokenEvent) -> generator_pb2.GenerateEvent:
+    token = generator_pb2.TokenEvent(
+        token_id=event.token_id,
+        token=event.token,
+        text=event.text,
+        passage=event.passage,
+        doc_posterior=event.doc_posterior or (),
+    )
+    return generator_pb2.GenerateEvent(token=token)
 
 
 def _model_info(g: RagGenerator) -> common_pb2.ModelInfo:
@@ -198,17 +220,40 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         return GenerateItem(question, passages, options, shape)
 
     def Generate(self, request, context):
+        item, time_left = self._admitted(request, context)
+        result, version = self.scheduler.submit(
+            item, timeout_s=time_left, on_cancel=context.add_callback
+        )
+        return result_to_proto(result, version, item.shape.input_tokens)
+
+    def GenerateStream(self, request, context):
+        """Validated and admitted before the first event, as Generate; then token events, and
+        the reply as the last event. The client going away closes this iterator, which takes
+        the request out of the batch."""
+        item, time_left = self._admitted(request, context)
+        events = self.scheduler.stream(item, timeout_s=time_left, on_cancel=context.add_callback)
+        return self._stream_events(events, item.shape.input_tokens)
+
+    @staticmethod
+    def _stream_events(events, prompt_tokens: int):
+        for event in events:
+            if isinstance(event, TokenEvent):
+                yield token_to_proto(event)
+            else:
+                result, version = event
+                done = result_to_proto(result, version, prompt_tokens)
+                yield generator_pb2.GenerateEvent(done=done)
+
+    def _admitted(self, request, context) -> tuple[GenerateItem, float | None]:
+        """The request validated and admitted, and how long it may take (its deadline, bounded
+        by ``max_request_s``)."""
         valid = validate_generate(request)
         time_left = context.time_remaining()
         if time_left is None or time_left > NO_DEADLINE_S:
             time_left = None
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
-        item = self.admit(valid.question, valid.passages, valid.options, time_left)
-        result, version = self.scheduler.submit(
-            item, timeout_s=time_left, on_cancel=context.add_callback
-        )
-        return result_to_proto(result, version)
+        return self.admit(valid.question, valid.passages, valid.options, time_left), time_left
 
     def Info(self, request, context):
         return _model_info(self.generator)

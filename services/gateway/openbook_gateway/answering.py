@@ -1,0 +1,156 @@
+"""The answer pipeline behind ``POST /answer`` and ``POST /v1/chat/completions``: cache lookup,
+retrieval, generation (whole, or streamed token by token), cache store.
+
+:func:`answer_events` yields :class:`TokenOut` events while the answer is written (streaming
+only) and one :class:`AnswerOut` last. The texts of the token events whose ``passage`` is None
+add up to the answer: the generator's token texts, then, as a last token event with no token,
+whatever the answer adds to them (a tail the generator held back; for RAG-Sequence and beam
+search, which decide only at the end, the whole answer). A cached answer streams the same way:
+its tokens (RAG-Token: with their posteriors), then its text.
+
+Errors before the first event are the caller's to turn into an HTTP status; an error after it
+is raised from the iterator (an ``HTTPException``), for the caller to send as an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import HTTPException, Request
+
+from openbook.v1 import generator_pb2
+from openbook_gateway.cache import answer_params
+from openbook_gateway.mapping import answer_response, cached_answer, stored_answer
+from openbook_gateway.metrics import GatewayMetrics
+from openbook_gateway.schemas import AnswerRequest
+
+T = TypeVar("T")
+# How often a request waiting on the generator checks that its HTTP client is still there.
+DISCONNECT_POLL_S = 0.25
+# nginx's "client closed request": logged and counted, never seen by the gone client.
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """A token of the answer as it is written (see the module docstring)."""
+
+    text: str
+    token: str | None  # None: the text that completes the answer, at the end
+    passage: int | None = None  # RAG-Sequence: the passage whose own hypothesis grew
+    posterior: list[float] | None = None  # RAG-Token: p(z | x, y_<=i)
+
+    def body(self) -> dict:
+        return {
+            "text": self.text,
+            "token": self.token,
+            "passage": self.passage,
+            "posterior": self.posterior,
+        }
+
+
+@dataclass(frozen=True)
+class AnswerOut:
+    """The finished answer: the ``AnswerResponse`` body."""
+
+    body: dict
+
+
+async def unless_disconnected(request: Request, call: Awaitable[T]) -> T:
+    """Await ``call``; if the HTTP client goes away first, cancel it (and with it the gRPC
+    call, so the generator drops the request instead of computing an answer nobody reads)."""
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise HTTPException(CLIENT_CLOSED_REQUEST, "the client closed the request")
+    finally:
+        task.cancel()  # a no-op once done
+
+
+async def answer_events(
+    body: AnswerRequest, request: Request, metrics: GatewayMetrics, *, stream: bool
+) -> AsyncIterator[TokenOut | AnswerOut]:
+    """The answer to ``body`` (module docstring); without ``stream`` only its AnswerOut."""
+    state = request.app.state
+    request_id = request.state.request_id
+    timer = metrics.stages()
+    # Resolved before the cache key is built: a request without k and one naming the
+    # model's default share the key.
+    k = body.k if body.k is not None else await state.default_k.get(request_id)
+    params = answer_params(body, k)
+
+    if body.use_cache:
+        with timer.stage("cache"):
+            cached = await state.cache.lookup(body.index, params)
+        metrics.cache_lookup(hit=cached is not None)
+        if cached is not None:
+            # Validated when it was stored: sent as it is, not validated again.
+            answer = cached_answer(cached, request_id, timer.done())
+            if stream:
+                for event in _replayed(answer):
+                    yield event
+            yield AnswerOut(answer)
+            return
+    else:
+        metrics.cache_skipped()
+
+    with timer.stage("retrieve"):
+        retrieved = await state.retrieval.retrieve(body.question, k, body.index, request_id)
+    passages = list(retrieved.results[0].passages)
+    if not passages:
+        raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
+    generated: generator_pb2.GenerateResponse | None = None
+    sent = ""  # the answer text streamed so far
+    with timer.stage("generate"):
+        if not stream:
+            generated = await unless_disconnected(
+                request, state.generator.generate(body, passages, request_id)
+            )
+        else:
+            async for event in state.generator.generate_stream(body, passages, request_id):
+                if event.WhichOneof("event") == "done":
+                    generated = event.done
+                    break
+                token = event.token
+                passage = token.passage if token.HasField("passage") else None
+                if passage is None:
+                    sent += token.text
+                yield TokenOut(token.text, token.token, passage, list(token.doc_posterior) or None)
+    if generated is None:
+        raise HTTPException(502, "generator ended the stream without an answer")
+
+    versions = {"generator": generated.model_version, "retriever": retrieved.model_version}
+    metrics.answered(retrieved.index, versions)
+    state.cache.answered(retrieved.index, versions, active=not body.index)
+    state.default_k.seen(generated.model_version)
+    answer = answer_response(body, retrieved, generated, request_id, timer.done())
+    if body.use_cache:
+        await state.cache.store(retrieved.index, params, versions, stored_answer(answer))
+    if stream:
+        rest = _rest(answer["answer"], sent)
+        if rest:
+            yield TokenOut(rest, None)
+    yield AnswerOut(answer)
+
+
+def _replayed(answer: dict) -> list[TokenOut]:
+    """A cached answer's token events: its tokens with their posteriors (RAG-Token), then its
+    text."""
+    best = answer["hypotheses"][0] if answer.get("hypotheses") else {}
+    events = [TokenOut("", t["token"], None, t["posterior"]) for t in best.get("tokens") or []]
+    if answer["answer"]:
+        events.append(TokenOut(answer["answer"], None))
+    return events
+
+
+def _rest(answer: str, sent: str) -> str:
+    """What ``answer`` adds to the text already streamed (nothing after a divergence, which the
+    generator's incremental decoding avoids: the answer event has the text)."""
+    return answer[len(sent) :] if answer.startswith(sent) else ""

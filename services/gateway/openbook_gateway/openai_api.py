@@ -1,0 +1,356 @@
+"""The OpenAI-compatible API: ``POST /v1/chat/completions`` (whole or streamed) and
+``GET /v1/models``, so that OpenAI's SDKs and chat front-ends work unchanged.
+
+* The last user message is the question; earlier turns are not read (openbook answers one
+  question from the passages it retrieves).
+* Models: ``openbook`` answers from the active index, ``openbook/<index>`` from that index.
+* Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams):
+  sampling parameters other than those meaning "no sampling" are refused (400).
+* ``stop`` cuts each answer at its first stop sequence (the answer is still computed whole).
+* The reply carries the passages used as ``citations`` (1-based, as the ``[i]`` markers appended
+  to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``.
+* Errors are OpenAI's error objects (``{"error": {"message", "type", "param", "code"}}``); a
+  stream that fails after it began ends with such an object as its last event.
+* With ``OPENBOOK_GATEWAY_API_KEYS`` set, every ``/v1`` call needs ``Authorization: Bearer
+  <one of them>`` (not the admin token, which is for ``/admin``).
+
+The answer itself comes from the same pipeline as ``POST /answer``
+(:mod:`openbook_gateway.answering`): the same cache, limits and errors.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.events import EventStream, sse
+from openbook_gateway.metrics import GatewayMetrics
+from openbook_gateway.openai_schemas import (
+    MODEL,
+    ChatCompletionRequest,
+    OpenAIRequestError,
+    to_answer_request,
+)
+from openbook_gateway.settings import GatewaySettings
+
+PREFIX = "/v1"
+
+# HTTP status -> OpenAI's error type
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def is_openai_path(path: str) -> bool:
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def error_body(
+    status: int, message: object, param: str | None = None, code: str | None = None
+) -> dict:
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": str(message), "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: object,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    # Input the services refused (422 there) is a 400 here, as OpenAI answers bad input.
+    status = 400 if status == 422 else status
+    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+def validation_error_response(errors: list[dict]) -> JSONResponse:
+    """The first of a body's validation errors, as OpenAI reports bad input."""
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = loc[0] if loc else None
+    for part in loc[1:]:
+        param = f"{param}[{part}]" if part.isdigit() else f"{param}.{part}"
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif param:
+        message = f"{param}: {message}"
+    return error_response(400, message, param, first.get("type"))
+
+
+def _require_api_key(settings: GatewaySettings):
+    keys = [
+        key.strip().encode()
+        for key in (settings.api_keys.get_secret_value() if settings.api_keys else "").split(",")
+        if key.strip()
+    ]
+
+    async def check(authorization: str | None = Header(default=None)) -> None:
+        if not keys:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        presented = token.strip().encode()
+        # every key compared, in constant time each: no early exit that times the match
+        matches = [hmac.compare_digest(presented, key) for key in keys]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise OpenAIRequestError(
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
+                "OPENBOOK_GATEWAY_API_KEYS",
+                None,
+                "invalid_api_key",
+                status=401,
+            )
+
+    return check
+
+
+def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRouter:
+    router = APIRouter(prefix=PREFIX, dependencies=[Depends(_require_api_key(settings))])
+    created = int(time.time())
+
+    def model_card(model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "openbook"}
+
+    async def model_ids(request: Request) -> list[str]:
+        listed = await request.app.state.retrieval.list_indexes(request.state.request_id)
+        return [MODEL, *(f"{MODEL}/{index.name}" for index in listed.indexes)]
+
+    @router.get("/models")
+    async def models(request: Request) -> dict:
+        """``openbook`` (the active index) and ``openbook/<index>`` for every index."""
+        return {"object": "list", "data": [model_card(m) for m in await model_ids(request)]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        if model_id not in await model_ids(request):
+            raise _unknown_model(model_id)
+        return model_card(model_id)
+
+    async def index_of(body: ChatCompletionRequest, request: Request) -> str | None:
+        """The index the model (and the ``index`` extra field) name; None: the active one."""
+        index: str | None = None
+        if body.model != MODEL:
+            if body.model not in await model_ids(request):
+                raise _unknown_model(body.model)
+            index = body.model.removeprefix(MODEL + "/")
+        if body.index is not None:
+            if index is not None and body.index != index:
+                raise OpenAIRequestError(
+                    f"index {body.index!r} contradicts model {body.model!r}", "index"
+                )
+            index = body.index
+        return index
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.check_supported()
+        question = to_answer_request(body, await index_of(body, request))
+        request_id = request.state.request_id
+        reply = Completion(body, request_id)
+        events = answer_events(question, request, metrics, stream=body.stream)
+        if not body.stream:
+            async for event in events:
+                if isinstance(event, AnswerOut):
+                    return JSONResponse(reply.whole(event.body))
+            raise HTTPException(502, "no answer")  # answer_events always ends with one
+        first = await unless_disconnected(request, anext(events))
+        return EventStream(
+            reply.chunks(first, events),
+            on_end=lambda outcome: metrics.stream_ended("openai", outcome),
+        )
+
+    return router
+
+
+def _unknown_model(model_id: str) -> OpenAIRequestError:
+    return OpenAIRequestError(
+        f"The model {model_id!r} does not exist: GET /v1/models lists '{MODEL}' (the active "
+        f"index) and '{MODEL}/<index>' for each index",
+        "model",
+        "model_not_found",
+        status=404,
+    )
+
+
+class Completion:
+    """The reply to one chat completion, whole or as chunks (module docstring)."""
+
+    def __init__(self, body: ChatCompletionRequest, request_id: str) -> None:
+        self.body = body
+        self.stops = body.stop_sequences()
+        self.id = f"chatcmpl-{request_id}"
+        self.created = int(time.time())
+
+    def whole(self, answer: dict) -> dict:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": content, "refusal": None},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+            for i, (content, finish) in enumerate(self._choices(answer))
+        ]
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.body.model,
+            "system_fingerprint": answer.get("model_version"),
+            "choices": choices,
+            "usage": self._usage(answer),
+            **self._extras(answer),
+        }
+
+    async def chunks(
+        self, first: TokenOut | AnswerOut, events: AsyncGenerator[TokenOut | AnswerOut, None]
+    ) -> AsyncGenerator[bytes, None]:
+        """The stream: a role chunk, the first answer's text as it is written (RAG-Token greedy;
+        other modes decide at the end), each answer's rest and finish reason, the usage when
+        asked for, then ``[DONE]``; or an error object if it fails on the way."""
+        try:
+            yield self._chunk([_delta(0, {"role": "assistant", "content": ""})])
+            written, sent = "", ""  # the first answer's text so far, and what was sent of it
+            event = first
+            while isinstance(event, TokenOut):
+                if event.passage is None and self.body.n == 1:
+                    written += event.text
+                    visible = _before_stop(written, self.stops)
+                    if len(visible) > len(sent):
+                        yield self._chunk([_delta(0, {"content": visible[len(sent) :]})])
+                        sent = visible
+                event = await anext(events)
+            answer = event.body
+            choices = self._choices(answer)
+            for i, (content, finish) in enumerate(choices):
+                if i == 0:  # its role went first, and perhaps some of its text
+                    delta = {"content": content[len(sent) :]} if content.startswith(sent) else {}
+                else:
+                    delta = {"role": "assistant", "content": content}
+                if delta.get("content") or "role" in delta:
+                    yield self._chunk([_delta(i, delta)])
+                # the passages cited and the provenance come once, with the last finish
+                extras = self._extras(answer) if i == len(choices) - 1 else None
+                yield self._chunk([_delta(i, {}, finish)], extras=extras)
+            if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                yield self._chunk([], usage=self._usage(answer))
+            yield sse("[DONE]")
+        except HTTPException as exc:
+            status = 400 if exc.status_code == 422 else exc.status_code
+            yield sse(error_body(status, exc.detail))
+        except StopAsyncIteration:
+            yield sse(error_body(502, "the answer ended without a final event"))
+        finally:
+            await events.aclose()
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None, extras: dict | None = None):
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.body.model,
+            "choices": choices,
+            **(extras or {}),
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    def _choices(self, answer: dict) -> list[tuple[str, str]]:
+        """(content, finish_reason) of each answer: cut at a stop sequence, markers added."""
+        out = []
+        for hyp in answer["hypotheses"][: self.body.n]:
+            content = _before_stop(hyp["text"], self.stops, hold=False)
+            finish = "stop" if len(content) < len(hyp["text"]) else hyp.get("finish_reason")
+            if self.body.citation_markers and content:
+                content += _markers(hyp, answer)
+            out.append((content, finish or "stop"))
+        return out
+
+    def _usage(self, answer: dict) -> dict:
+        prompt = answer.get("prompt_tokens") or 0
+        completion = sum(h.get("num_tokens") or 0 for h in answer["hypotheses"][: self.body.n])
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    @staticmethod
+    def _extras(answer: dict) -> dict:
+        """The documented extra fields: the passages used, and openbook's provenance."""
+        citations = [
+            {"index": i + 1, **{key: p.get(key) for key in _CITED}}
+            for i, p in enumerate(answer["passages"])
+        ]
+        provenance = {key: answer.get(key) for key in _PROVENANCE}
+        return {"citations": citations, "openbook": provenance}
+
+
+_CITED = ("id", "title", "text", "score", "prior", "posterior")
+_PROVENANCE = (
+    "index",
+    "model_version",
+    "retriever_version",
+    "decoding",
+    "hypotheses",
+    "cached",
+    "request_id",
+    "timings_ms",
+)
+
+
+def _delta(index: int, delta: dict, finish: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+
+def _before_stop(text: str, stops: list[str], hold: bool = True) -> str:
+    """``text`` up to its first stop sequence; with ``hold``, also without a tail that may be
+    the start of one (more text may complete it)."""
+    cuts = [text.find(stop) for stop in stops if stop in text]
+    if cuts:
+        return text[: min(cuts)]
+    if hold:
+        for stop in stops:
+            for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:n]):
+                    return text[: len(text) - n]
+    return text
+
+
+def _markers(hyp: dict, answer: dict) -> str:
+    """`` [i][j]``: the passages an answer was drawn from, in the order they first count.
+
+    RAG-Token: the most probable passage of each token (its per-token posterior);
+    RAG-Sequence: the most probable passage given the whole answer; otherwise the best
+    passage of the answer's posterior (or prior)."""
+    used: list[int] = []
+    if hyp.get("tokens"):
+        for token in hyp["tokens"]:
+            best = _argmax(token["posterior"])
+            if best is not None and best not in used:
+                used.append(best)
+    elif hyp.get("doc_posterior"):
+        best = _argmax(hyp["doc_posterior"])
+        used = [] if best is None else [best]
+    else:
+        scores = [p.get("posterior") or p.get("prior") or 0.0 for p in answer["passages"]]
+        best = _argmax(scores)
+        used = [] if best is None else [best]
+    return (" " + "".join(f"[{i + 1}]" for i in used)) if used else ""
+
+
+def _argmax(values: list[float]) -> int | None:
+    return max(range(len(values)), key=values.__getitem__) if values else None

@@ -1,0 +1,277 @@
+"""Request body of the OpenAI-compatible ``POST /v1/chat/completions``, checked once, here.
+
+It accepts OpenAI's fields, refusing those whose meaning openbook cannot honour (sampling,
+tools, log-probs, images, ...) with a 400 that names the field, and openbook's own options as
+extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ...; the official clients send
+them with ``extra_body``). :func:`to_answer_request` turns it into the
+:class:`~openbook_gateway.schemas.AnswerRequest` the answer pipeline runs; every limit is the
+one ``/answer`` enforces (``openbook.limits``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from openbook.limits import (
+    INDEX_NAME_PATTERN,
+    MAX_BEAMS,
+    MAX_K,
+    MAX_LENGTH_PENALTY,
+    MAX_NEW_TOKENS,
+    MAX_RETURN_SEQUENCES,
+    MIN_LENGTH_PENALTY,
+    DecodingMode,
+)
+from openbook_gateway.schemas import AnswerRequest
+
+# Messages in one conversation; only the last user message is read, but a client may send its
+# whole history.
+MAX_MESSAGES = 256
+MAX_STOP_SEQUENCES = 4  # as OpenAI
+MAX_STOP_CHARS = 64
+# Prefix of the model ids that name an index: "openbook/<index>". "openbook": the active index.
+MODEL = "openbook"
+
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class OpenAIRequestError(ValueError):
+    """A request openbook refuses: a 400 (404 for an unknown model) naming ``param``."""
+
+    def __init__(
+        self, message: str, param: str | None, code: str | None = None, status: int = 400
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # extra="allow": assistant messages of a history carry fields (tool_calls, refusal,
+    # annotations, ...) that openbook does not read
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = STRICT
+
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_RETURN_SEQUENCES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    stop: str | list[str] | None = None
+    # Decoding is greedy or beam search: deterministic. Only values that ask for exactly that
+    # are accepted (see ``refuse_sampling``).
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    seed: int | None = None  # decoding is deterministic: any seed gives the same answer
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+
+    # openbook's options (extra body fields)
+    k: int | None = Field(None, ge=1, le=MAX_K)
+    decoding: DecodingMode = "rag-token"
+    num_beams: int | None = Field(None, ge=1, le=MAX_BEAMS)
+    min_new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
+    length_penalty: float = Field(
+        1.0, ge=MIN_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False
+    )
+    index: str | None = Field(None, pattern=INDEX_NAME_PATTERN)
+    use_cache: bool = True
+    # Append [1], [2], ... (1-based positions in ``citations``) to each answer: the passages the
+    # answer was drawn from (see docs/api.md).
+    citation_markers: bool = True
+
+    def check_supported(self) -> None:
+        """Raise :class:`OpenAIRequestError` for what openbook cannot honour."""
+        refuse_sampling(self)
+        if self.logprobs or self.top_logprobs:
+            raise OpenAIRequestError(
+                "logprobs are not returned: openbook gives the passage posterior of every "
+                "token instead (the 'openbook' field of the reply)",
+                "logprobs" if self.logprobs else "top_logprobs",
+                "unsupported_parameter",
+            )
+        if self.logit_bias:
+            raise OpenAIRequestError(
+                "logit_bias is not supported", "logit_bias", "unsupported_parameter"
+            )
+        for name in ("tools", "functions", "tool_choice", "function_call"):
+            if getattr(self, name) not in (None, [], "none"):
+                raise OpenAIRequestError(
+                    f"{name}: openbook answers from retrieved passages and calls no tools",
+                    name,
+                    "unsupported_parameter",
+                )
+        if self.response_format is not None and self.response_format.type != "text":
+            raise OpenAIRequestError(
+                f"response_format {self.response_format.type!r} is not supported: only 'text'",
+                "response_format",
+                "unsupported_parameter",
+            )
+        if self.modalities not in (None, ["text"]):
+            raise OpenAIRequestError(
+                "modalities: only ['text']", "modalities", "unsupported_parameter"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIRequestError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise OpenAIRequestError(
+                "max_tokens and max_completion_tokens disagree: send one", "max_tokens"
+            )
+        if self.num_beams is not None and self.num_beams < self.n:
+            raise OpenAIRequestError(
+                f"n={self.n} answers need num_beams >= n (got {self.num_beams})", "n"
+            )
+        self.stop_sequences()
+
+    def stop_sequences(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise OpenAIRequestError(f"stop: at most {MAX_STOP_SEQUENCES} sequences", "stop")
+        for i, stop in enumerate(stops):
+            if not 0 < len(stop) <= MAX_STOP_CHARS:
+                raise OpenAIRequestError(
+                    f"stop[{i}]: between 1 and {MAX_STOP_CHARS} characters", "stop"
+                )
+        return stops
+
+    def question(self) -> tuple[str, int]:
+        """The last user message's text, and its position in ``messages``."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            message = self.messages[i]
+            if message.role != "user":
+                continue
+            content = message.content
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise OpenAIRequestError(
+                            f"messages[{i}].content[{j}]: only text parts are supported "
+                            f"(got {part.type!r})",
+                            f"messages[{i}].content[{j}]",
+                            "unsupported_content",
+                        )
+                content = "\n".join(part.text or "" for part in content)
+            if not content or not content.strip():
+                raise OpenAIRequestError(
+                    f"messages[{i}].content: the question (the last user message) is empty",
+                    f"messages[{i}].content",
+                )
+            return content, i
+        raise OpenAIRequestError(
+            "messages: no user message; the last user message is the question", "messages"
+        )
+
+
+def refuse_sampling(body: ChatCompletionRequest) -> None:
+    """Greedy and beam search are deterministic: temperature 0 (or unset) and top_p 1 (or
+    unset) ask for that; anything else asks for sampling, which openbook does not do."""
+    if body.temperature not in (None, 0):
+        raise OpenAIRequestError(
+            f"temperature {body.temperature} asks for sampling; openbook decodes greedily or "
+            "by beam search (deterministic): send temperature 0 or leave it out",
+            "temperature",
+            "unsupported_value",
+        )
+    if body.top_p not in (None, 1):
+        raise OpenAIRequestError(
+            f"top_p {body.top_p} asks for nucleus sampling; openbook does not sample: send "
+            "top_p 1 or leave it out",
+            "top_p",
+            "unsupported_value",
+        )
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name) not in (None, 0):
+            raise OpenAIRequestError(
+                f"{name} is not supported: send 0 or leave it out", name, "unsupported_value"
+            )
+
+
+# AnswerRequest fields as this API names them, for errors that come from AnswerRequest.
+_PARAM = {
+    "question": "messages",
+    "max_new_tokens": "max_tokens",
+    "num_return_sequences": "n",
+}
+
+
+def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerRequest:
+    """The ``/answer`` request this chat completion asks for, on ``index`` (None: active).
+
+    ``n`` > 1 answers are the n best hypotheses of beam search (``num_beams`` defaults to n).
+    """
+    question, at = body.question()
+    beams = body.num_beams or body.n
+    fields = {
+        "question": question,
+        "k": body.k,
+        "decoding": body.decoding,
+        "num_beams": beams,
+        "max_new_tokens": body.max_completion_tokens or body.max_tokens or 32,
+        "min_new_tokens": body.min_new_tokens,
+        "num_return_sequences": body.n,
+        "length_penalty": body.length_penalty,
+        "index": index,
+        "use_cache": body.use_cache,
+        "stream": body.stream,
+    }
+    try:
+        return AnswerRequest(**fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else ""
+        param = _PARAM.get(field, field)
+        if field == "question":
+            param = f"messages[{at}].content"
+        message = error["msg"].removeprefix("Value error, ")
+        raise OpenAIRequestError(f"{param}: {message}", param) from None

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible API through the official ``openai`` client, over a real uvicorn,
+retriever, generator (a tiny random Llama) and Redis: whole and streamed completions, models,
+citations and usage, API keys, and OpenAI-style errors that name the parameter."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from openbook_testkit.rag import make_tiny_causal_lm
+from openbook_testkit.stack import running_backends, serving_gateway
+
+KEY = "sk-test-key"
+ASK = [{"role": "user", "content": "Who wrote Hamlet?"}]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory, redis_server):
+    tmp = tmp_path_factory.mktemp("openai")
+    model = make_tiny_causal_lm(tmp / "llama", arch="llama")
+    with running_backends(tmp, redis_server.url, generator_model=model) as backends:
+        settings = backends.gateway_settings(redis_server.url, api_keys=f"other-key,{KEY}")
+        with serving_gateway(settings) as base:
+            yield base
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _answer(url: str, **body) -> dict:
+    reply = httpx.post(f"{url}/answer", json={"use_cache": False, **body}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_models_list_the_active_index_and_every_index(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["openbook", "openbook/facts-a", "openbook/facts-b"]
+    assert client.models.retrieve("openbook/facts-b").id == "openbook/facts-b"
+
+
+def test_a_completion_is_the_answer_with_citations_and_usage(client, url):
+    reply = client.chat.completions.create(
+        model="openbook",
+        messages=[{"role": "system", "content": "Be brief."}, *ASK],
+        max_tokens=8,
+        extra_body={"k": 3, "use_cache": False},
+    )
+    answer = _answer(url, question="Who wrote Hamlet?", k=3, max_new_tokens=8)
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content.startswith(answer["answer"])
+    markers = choice.message.content[len(answer["answer"]) :]
+    assert markers.startswith(" [") and markers.endswith("]")
+    citations = reply.model_extra["citations"]
+    assert [c["id"] for c in citations] == [p["id"] for p in answer["passages"]]
+    assert [c["index"] for c in citations] == [1, 2, 3]
+    assert choice.finish_reason == answer["hypotheses"][0]["finish_reason"]
+    assert reply.usage.completion_tokens == answer["hypotheses"][0]["num_tokens"]
+    assert reply.usage.prompt_tokens == answer["prompt_tokens"] > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.model == "openbook" and reply.id.startswith("chatcmpl-")
+    assert reply.model_extra["openbook"]["index"] == "facts-a"
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one(client):
+    request = dict(
+        model="openbook/facts-b",
+        messages=ASK,
+        max_tokens=12,
+        extra_body={"k": 2, "use_cache": False},
+    )
+    whole = client.chat.completions.create(**request)
+    chunks = list(
+        client.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    contents = [c.choices[0].delta.content for c in chunks if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for text in contents if text) > 2  # the answer came token by token
+    assert "".join(text or "" for text in contents) == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    cited = [c for c in chunks if c.model_extra.get("citations")]
+    assert len(cited) == 1
+    assert cited[0].model_extra["citations"] == whole.model_extra["citations"]
+    assert whole.model_extra["openbook"]["index"] == "facts-b"
+
+
+def test_n_answers_are_the_best_beams(client, url):
+    reply = client.chat.completions.create(
+        model="openbook",
+        messages=ASK,
+        n=2,
+        max_tokens=6,
+        extra_body={"k": 2, "use_cache": False, "citation_markers": False},
+    )
+    answer = _answer(
+        url,
+        question="Who wrote Hamlet?",
+        k=2,
+        num_beams=2,
+        num_return_sequences=2,
+        max_new_tokens=6,
+    )
+    assert [c.message.content for c in reply.choices] == [h["text"] for h in answer["hypotheses"]]
+    streamed = client.chat.completions.create(
+        model="openbook",
+        messages=ASK,
+        n=2,
+        max_tokens=6,
+        stream=True,
+        extra_body={"k": 2, "use_cache": False, "citation_markers": False},
+    )
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in reply.choices]
+
+
+def test_stop_cuts_the_answer(client):
+    request = dict(
+        model="openbook",
+        messages=ASK,
+        max_tokens=12,
+        extra_body={"k": 2, "citation_markers": False},
+    )
+    text = client.chat.completions.create(**request).choices[0].message.content
+    assert len(text) > 3
+    stop = text[2:4]
+    cut = client.chat.completions.create(**request, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(**request, stop=stop, stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(pieces) == text[: text.find(stop)]
+
+
+def test_a_wrong_or_missing_key_is_401(url):
+    for key in ("wrong", ""):
+        bad = openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0)
+        headers = {} if key else {"Authorization": ""}
+        with pytest.raises(openai.AuthenticationError) as caught:
+            bad.chat.completions.create(model="openbook", messages=ASK, extra_headers=headers)
+        assert caught.value.code == "invalid_api_key"
+    # the admin API is not opened by an API key, nor /v1 by the admin token
+    assert (
+        httpx.get(f"{url}/admin/replicas", headers={"Authorization": f"Bearer {KEY}"}).status_code
+        == 401
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"model": "gpt-4o"}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "system", "content": "You are helpful."}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "   "}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages[0].content"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+        ),
+        ({"messages": ASK * 300}, "messages"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"max_tokens": 100000}, "max_tokens"),
+        ({"n": 3, "extra_body": {"num_beams": 2}}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"extra_body": {"k": 1000}}, "k"),
+        ({"extra_body": {"decoding": "rag-magic"}}, "decoding"),
+        ({"extra_body": {"index": "facts-b"}, "model": "openbook/facts-a"}, "index"),
+        ({"extra_body": {"frobnicate": True}}, "frobnicate"),
+    ],
+)
+def test_bad_input_is_an_openai_error_naming_the_parameter(client, changes, param):
+    request = {"model": "openbook", "messages": ASK, **changes}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**request)
+    error = caught.value
+    assert error.status_code == (404 if param == "model" else 400), error.body
+    assert error.param == param, error.body
+    assert error.type == "invalid_request_error"
+    if param == "model":
+        assert error.code == "model_not_found"
+
+
+def test_temperature_zero_is_greedy_and_accepted(client):
+    reply = client.chat.completions.create(
+        model="openbook", messages=ASK, temperature=0, top_p=1, seed=7, max_tokens=4
+    )
+    assert reply.choices[0].message.content is not None
