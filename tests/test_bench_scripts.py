@@ -1,9 +1,11 @@
 """Every benchmark's one command still starts: its imports resolve (the test kit lives under
 tests/, not in the package) and it parses its arguments. The benchmarks themselves run outside
-CI (docs/benchmarks.md)."""
+CI (docs/benchmarks.md), except the streaming load benchmark, once on the tiny stack for a few
+seconds (it is the client of the streaming API that its numbers rest on)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,35 @@ def test_bench_script_starts(script):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
+
+
+@pytest.mark.e2e
+def test_load_stream_bench_runs_tiny(tmp_path):
+    """bench/load/stream.py end to end on the tiny stack: both modes answered at two levels."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/load/stream.py",
+            "--clients",
+            "1",
+            "2",
+            "--seconds",
+            "2",
+            "--json",
+            str(tmp_path / "stream.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "TTFT / non-stream p50" in out.stdout
+    levels = json.loads((tmp_path / "stream.json").read_text())["levels"]
+    assert [lv["clients"] for lv in levels] == [1, 2]
+    for lv in levels:
+        assert lv["pairs"] > 0 and lv["errors"] == 0
+        stream = lv["stream"]
+        assert 0 < stream["ttft_p50_ms"] <= stream["p50_ms"]
+        # tiny BART, RAG-Token greedy: one token event per generated token
+        assert lv["streams_token_per_event"] == lv["pairs"]

@@ -22,6 +22,8 @@ answers, and the peak resident memory of each service process; then it sends one
 and checks the generator still answers. Ratios are against the 1-client level of the same run.
 
     .venv/bin/python bench/load/run.py --real --var var --seconds 60 --json load-real.json
+
+Streaming (``"stream": true``) against plain answers, time to first token: bench/load/stream.py.
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ class DecodingEngine:
     ``settings_for(options)`` gives a request's search settings, ``stop`` the stop-string check
     of the model family (or None). ``max_rows`` bounds the decoder rows decoded together; a
     request larger than that alone still runs, alone. ``stop_strings``: where the model
-    family's decoding cuts an answer (held back while streaming, :mod:`openbook.rag.streaming`).
+    family's decoding cuts an answer, ``answer_prefix``: what it removes from an answer's start
+    (both held back while streaming, :mod:`openbook.rag.streaming`).
     """
 
     def __init__(
@@ -140,12 +141,14 @@ class DecodingEngine:
         stop: StopFn | None,
         max_rows: int,
         stop_strings: Sequence[str] = (),
+        answer_prefix: str = "",
     ) -> None:
         self.backend = backend
         self.settings_for = settings_for
         self.stop = stop
         self.max_rows = max_rows
         self.stop_strings = tuple(stop_strings)
+        self.answer_prefix = answer_prefix
         self._state: DecodeState | None = None
         self._groups: list[tuple[Running, Rows]] = []
         self._requests: list[Running] = []
@@ -209,6 +212,7 @@ class DecodingEngine:
                 lambda token: self.backend.token_strings([token])[0],
                 self.backend.decode,
                 self.stop_strings,
+                self.answer_prefix,
             )
             request.emit(groups)
         self._requests.append(request)

@@ -135,8 +135,14 @@ class RagGenerator:
         """A continuous-batching engine over this generator (:mod:`openbook.rag.engine`); use it
         from one thread, under ``torch.inference_mode()``, with requests that passed
         :func:`validate_request`."""
+        causal = isinstance(self.backend, CausalBackend)
         return DecodingEngine(
-            self.backend, self._settings, self._stop_fn(), max_rows, self.stop_strings()
+            self.backend,
+            self._settings,
+            self._stop_fn(),
+            max_rows,
+            self.stop_strings(),
+            answer_prefix=self.backend.spec.answer_prefix if causal else "",
         )
 
     def stop_strings(self) -> list[str]:

@@ -48,12 +48,14 @@ class TextStream:
 
     ``push(token_id)`` returns the text the sequence gained, emitting only what is settled:
     text that every longer sequence's decoding also starts with, as far as can be told
-    (``stops``: strings at which decoding cuts the answer).
+    (``stops``: strings at which decoding cuts the answer; ``lead``: the answer prefix that
+    decoding removes from the start once it is complete).
     """
 
-    def __init__(self, decode: Decode, stops: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Decode, stops: Sequence[str] = (), lead: str = "") -> None:
         self.decode = decode
         self.stops = [s for s in stops if s]
+        self.lead = lead.strip()
         self.tokens: list[int] = []
         self.sent = ""
 
@@ -62,6 +64,8 @@ class TextStream:
         text = self.decode(self.tokens)
         if not text.startswith(self.sent):
             return ""  # the decoding changed what was already sent: wait until it agrees again
+        if not self.sent and text and self.lead.startswith(text) and text != self.lead:
+            return ""  # may be the answer prefix the decoding removes once it is complete
         settled = len(text)
         if text.endswith("\ufffd"):  # a multi-byte character not yet complete
             settled = len(text.rstrip("\ufffd"))
@@ -82,8 +86,8 @@ class TextStream:
 class RequestStream:
     """The events of one streaming request, built from its searches' decided tokens.
 
-    ``log_prior``: (k,) log p(z|x). ``token_string`` spells one token; ``decode`` and ``stops``
-    give the answer text (:class:`TextStream`).
+    ``log_prior``: (k,) log p(z|x). ``token_string`` spells one token; ``decode``, ``stops``
+    and ``lead`` give the answer text (:class:`TextStream`).
     """
 
     def __init__(
@@ -93,12 +97,13 @@ class RequestStream:
         token_string: Callable[[int], str],
         decode: Decode,
         stops: Sequence[str] = (),
+        lead: str = "",
     ) -> None:
         self.on_token = on_token
         self.log_prior = log_prior.float().cpu()
         self.token_string = token_string
         self._texts: dict[int | None, TextStream] = {}
-        self._decode, self._stops = decode, stops
+        self._decode, self._stops, self._lead = decode, stops, lead
         # RAG-Token: sum_{j<=i} log p(y_j | x, z, y_<j) per passage, (k,)
         self._joint = self.log_prior.clone()
 
@@ -120,5 +125,5 @@ class RequestStream:
     def _text(self, passage: int | None, token_id: int) -> str:
         stream = self._texts.get(passage)
         if stream is None:
-            stream = self._texts[passage] = TextStream(self._decode, self._stops)
+            stream = self._texts[passage] = TextStream(self._decode, self._stops, self._lead)
         return stream.push(token_id)

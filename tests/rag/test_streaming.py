@@ -112,3 +112,15 @@ def test_text_stream_releases_a_false_alarm():
     assert stream.push(1) == "A"
     assert stream.push(2) == ""
     assert stream.push(3) == "Ex"
+
+
+def test_text_stream_holds_an_incomplete_answer_prefix():
+    pieces = {1: "Ans", 2: "wer:", 3: " Paris"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids).removeprefix("Answer:").strip()
+
+    stream = TextStream(decode, lead="Answer:")
+    assert stream.push(1) == ""  # "Ans" may become the prefix the decoding removes
+    assert stream.push(2) == ""
+    assert stream.push(3) == "Paris"

@@ -1,10 +1,13 @@
 """The web page end to end in headless Chromium, over a live gateway and real backends.
 
-Ask with RAG-Token and k=3, see the answer, the passages with prior/posterior bars and the
-per-token heat map, swap the index with the admin token, see the label change. Screenshots go
-to ``artifacts/`` (kept by CI). Needs Debian's ``chromium`` and ``chromium-driver`` and the
-``selenium`` package (``scripts/install-browser.sh``); without them the test is skipped, or
-fails where ``OPENBOOK_REQUIRE_BROWSER=1`` says the browser must be there.
+Ask with RAG-Token and k=3 and watch the answer being written (the page asks with
+``"stream": true``): the answer text and the per-token heat map grow token by token, then the
+answer, the passages with prior/posterior bars and the heat map are those of the ``answer``
+event. Swap the index with the admin token, see the label change. Errors before and during the
+stream are shown. Screenshots (one mid-stream) go to ``artifacts/`` (kept by CI). Needs Debian's
+``chromium`` and ``chromium-driver`` and the ``selenium`` package
+(``scripts/install-browser.sh``); without them the test is skipped, or fails where
+``OPENBOOK_REQUIRE_BROWSER=1`` says the browser must be there.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import httpx
 import pytest
 
+from openbook_testkit.sse import read_events
 from openbook_testkit.stack import running_backends, serving_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +29,90 @@ CHROMIUM = os.environ.get("OPENBOOK_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("OPENBOOK_CHROMEDRIVER", "/usr/bin/chromedriver")
 TOKEN = "ui-admin-token"
 WAIT_S = 30
+NEW_TOKENS = 16  # the tiny random BART writes every one of them: several token events
+
+# Watches the page write its answer. Every DOM change is a mutation record, however many
+# events one network chunk brought, and the observer gets them in order: __timeline has, per
+# change, the answer's text after it (a text node, never changed once written) and how many
+# heat-map cells had been appended one by one so far; __states what the page looked like
+# whenever the observer ran (answer text, cell count, being written, Ask disabled).
+WATCH_JS = """
+const answer = document.getElementById("answer");
+const heatmap = document.getElementById("heatmap");
+const button = document.getElementById("ask-button");
+let text = answer.textContent;
+let cells = 0;
+Object.assign(window, { __timeline: [], __states: [] });
+window.__observer = new MutationObserver((records) => {
+  for (const r of records) {
+    if (r.type !== "childList") continue;
+    if (r.target === answer) {
+      text = [...r.addedNodes].map((n) => n.textContent).join("");
+    } else if (r.target.nodeName === "TR") {  // a heat-map row, maybe replaced since
+      const added = [...r.addedNodes].filter((n) => n.nodeName === "TD").length;
+      if (!added) continue;
+      cells += added;
+    } else {
+      continue;
+    }
+    window.__timeline.push({ text, cells });
+  }
+  window.__states.push({
+    text: answer.textContent,
+    cells: heatmap.querySelectorAll("td").length,
+    writing: answer.classList.contains("is-writing"),
+    disabled: button.disabled,
+  });
+});
+window.__observer.observe(document.getElementById("result"), {
+  subtree: true, childList: true, characterData: true, attributes: true,
+});
+"""
+
+# Wraps fetch: POST /answer's body reaches the page in 7-byte pieces (events and lines split
+# across chunks), and stops after the first 8 events until window.__gate.release().
+GATE_JS = """
+const realFetch = window.__realFetch || window.fetch;
+window.__realFetch = realFetch;
+window.__gate = { paused: false };
+window.fetch = async (...args) => {
+  const response = await realFetch(...args);
+  if (!String(args[0]).endsWith("/answer") || !response.body) return response;
+  const gate = new Promise((resolve) => { window.__gate.release = resolve; });
+  const reader = response.body.getReader();
+  let events = 0;
+  let previous = 0;
+  const body = new ReadableStream({
+    async pull(controller) {
+      const { done, value } = await reader.read();
+      if (done) return controller.close();
+      for (let i = 0; i < value.length; i += 7) {
+        const piece = value.slice(i, i + 7);
+        controller.enqueue(piece);
+        for (const byte of piece) {
+          if (byte === 10 && previous === 10 && ++events === 8) {
+            window.__gate.paused = true;
+            await gate;
+            window.__gate.paused = false;
+          }
+          previous = byte;
+        }
+      }
+    },
+  });
+  return new Response(body, { status: response.status, headers: response.headers });
+};
+"""
+
+# Replaces fetch for POST /answer with one canned reply: (status, content type, body).
+CANNED_JS = """
+const [status, type, text] = arguments;
+window.__realFetch = window.__realFetch || window.fetch;
+window.fetch = async (url, init) =>
+  String(url).endsWith("/answer")
+    ? new Response(text, { status, headers: { "Content-Type": type } })
+    : window.__realFetch(url, init);
+"""
 
 
 def _browser_missing() -> str | None:
@@ -105,10 +194,34 @@ def _screenshot(driver, name: str, width: int = 1280) -> Path:
     return path
 
 
+def _answered(driver) -> bool:
+    """The page is done with its request: Ask is back and no answer is being written."""
+    return driver.execute_script(
+        "const b = document.getElementById('ask-button');"
+        "return !b.disabled && b.textContent === 'Ask'"
+        " && !document.getElementById('answer').classList.contains('is-writing')"
+    )
+
+
+def _heatmap_values(driver) -> list[list[float]]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#heatmap tbody tr')].map("
+        "r => [...r.querySelectorAll('td')].map(c => parseFloat(c.dataset.value)))"
+    )
+
+
+def _answer_event(url: str, body: dict) -> dict:
+    """The ``answer`` event of the same request, asked outside the browser."""
+    with httpx.stream("POST", f"{url}/answer", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = list(read_events(r.iter_lines()))
+    assert events[-1].event == "answer"
+    return events[-1].json()
+
+
 def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     wait = WebDriverWait(driver, WAIT_S)
@@ -117,20 +230,68 @@ def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
     badge = driver.find_element(By.ID, "active-index")
     wait.until(lambda d: badge.text == "facts-a")
 
-    # --- ask: question, RAG-Token, k = 3
+    # --- ask: question, RAG-Token, k = 3, 16 tokens; watch the answer being written
     question = driver.find_element(By.ID, "question")
     question.send_keys("Who wrote Hamlet?")
     Select(driver.find_element(By.ID, "decoding")).select_by_value("rag-token")
     k = driver.find_element(By.ID, "k")
     k.clear()
     k.send_keys("3")
-    driver.find_element(By.ID, "ask-button").click()
+    max_tokens = driver.find_element(By.ID, "max-new-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys(str(NEW_TOKENS))
+    driver.execute_script(WATCH_JS)
+    ask = driver.find_element(By.ID, "ask-button")
+    ask.click()
+    assert not ask.is_enabled()  # off from the click until the answer is done
+    wait.until(_answered)
+    watched = driver.execute_script(
+        "window.__observer.disconnect();"
+        "return {timeline: window.__timeline, states: window.__states}"
+    )
 
-    wait.until(ec.visibility_of_element_located((By.ID, "result")))
     answer = driver.find_element(By.ID, "answer")
     assert answer.get_attribute("aria-live") == "polite"
+    assert answer.get_attribute("aria-busy") is None
     assert answer.text.strip()
     assert driver.find_element(By.ID, "form-error").get_attribute("hidden") is not None
+    assert not driver.find_element(By.ID, "answer-status").is_displayed()
+    assert not driver.find_element(By.ID, "passages-pending").is_displayed()
+
+    # the page shows what the answer event says (the same request again: the cached answer)
+    asked = {
+        "question": "Who wrote Hamlet?",
+        "decoding": "rag-token",
+        "k": 3,
+        "num_beams": 1,
+        "max_new_tokens": NEW_TOKENS,
+        "use_cache": True,
+    }
+    event = _answer_event(gateway_url, asked)
+    assert event["cached"] is True  # the page asked exactly this
+    final = event["answer"]
+    best = event["hypotheses"][0]["tokens"]
+    assert len(best) == NEW_TOKENS
+    assert driver.execute_script("return document.getElementById('answer').textContent") == final
+
+    # it was written token by token, while Ask stayed off: the answer's text grew through
+    # prefixes of the answer, the heat map cell by cell (3 passages per token), in step
+    states = watched["states"]
+    writing = [s for s in states if s["writing"]]
+    assert writing and all(s["disabled"] for s in writing)
+    assert states[-1]["text"] == final and not states[-1]["writing"]
+    assert states[-1]["cells"] == 3 * NEW_TOKENS
+    timeline = watched["timeline"]
+    texts = list(dict.fromkeys(t["text"] for t in timeline if t["text"]))
+    assert texts[-1] == final and all(final.startswith(t) for t in texts), (texts, final)
+    assert [len(t) for t in texts] == sorted({len(t) for t in texts}), texts
+    assert len(texts) - 1 >= 2, texts  # intermediate states before the final one
+    cells = [t["cells"] for t in timeline]
+    assert cells == sorted(cells) and cells[-1] == 3 * NEW_TOKENS, cells  # appended, one by one
+    assert len(set(cells)) == 3 * NEW_TOKENS + (0 in cells), cells
+    # the text changed while the heat map was growing, not all before or after it
+    while_growing = {t["text"] for t in timeline if 0 < t["cells"] < 3 * NEW_TOKENS}
+    assert len(while_growing) >= 3, timeline
 
     passages = driver.find_elements(By.CSS_SELECTOR, "#passages > li.passage")
     assert len(passages) == 3
@@ -162,9 +323,55 @@ def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
     assert all(len(row) == n_tokens for row in values)
     for j in range(n_tokens):
         assert sum(row[j] for row in values) == pytest.approx(1.0, abs=0.01)
+    assert n_tokens == len(best)
+    for j, token in enumerate(best):
+        assert [row[j] for row in values] == pytest.approx(token["posterior"], abs=1e-4)
+    assert [p.get_attribute("data-passage-id") for p in passages] == [
+        p["id"] for p in event["passages"]
+    ]
 
     shot = _screenshot(driver, "ui-answer.png")
     assert shot.stat().st_size > 10_000
+
+    # --- mid-stream: the body in small pieces, held after 8 events (not from the cache)
+    driver.set_window_size(1280, 1000)
+    driver.find_element(By.ID, "use-cache").click()
+    driver.execute_script(GATE_JS)
+    ask.click()
+    wait.until(lambda d: d.execute_script("return window.__gate.paused"))
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#heatmap td")) == 3 * 8)
+    assert not ask.is_enabled() and ask.text == "Writing…"
+    assert "is-writing" in answer.get_attribute("class")
+    assert answer.get_attribute("aria-busy") == "true"
+    status = driver.find_element(By.ID, "answer-status")
+    assert status.is_displayed() and status.text.startswith("writing…"), status.text
+    assert "8 tokens" in status.text
+    assert answer.text.strip() and final.startswith(answer.text.strip())
+    assert answer.text.strip() != final.strip()
+    assert driver.find_element(By.ID, "passages-pending").is_displayed()
+    assert not driver.find_elements(By.CSS_SELECTOR, "#passages > li")
+    assert heatmap.is_displayed()
+    assert [r.text for r in heatmap.find_elements(By.CSS_SELECTOR, "tbody th")] == [
+        "#1",
+        "#2",
+        "#3",
+    ]
+    assert _heatmap_values(driver) == [row[:8] for row in values]
+    _screenshot(driver, "ui-writing.png")
+    driver.set_window_size(1280, 1000)
+
+    driver.execute_script("window.__gate.release()")
+    wait.until(_answered)
+    assert driver.execute_script("return document.getElementById('answer').textContent") == final
+    assert _heatmap_values(driver) == values
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#passages > li.passage")) == 3
+    meta = driver.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll('#answer-meta div')]"
+        ".map(d => [d.firstChild.textContent, d.lastChild.textContent]))"
+    )
+    assert meta["Cached"] == "no" and meta["Decoding"] == "rag-token"
+    driver.execute_script("window.fetch = window.__realFetch")
+    driver.find_element(By.ID, "use-cache").click()
 
     # --- swap: a wrong token is refused and says so; the right one swaps
     driver.set_window_size(1280, 1000)
@@ -193,6 +400,7 @@ def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
 
     # --- the next answer comes from the new index
     driver.find_element(By.ID, "ask-button").click()
+    wait.until(_answered)
     wait.until(
         lambda d: (
             d.find_element(By.CSS_SELECTOR, "#passages > li.passage")
@@ -205,10 +413,59 @@ def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
     # --- RAG-Sequence: no per-token heat map, and the page says why
     Select(driver.find_element(By.ID, "decoding")).select_by_value("rag-sequence-fast")
     driver.find_element(By.ID, "ask-button").click()
-    wait.until(lambda d: not d.find_element(By.ID, "heatmap").is_displayed())
+    wait.until(_answered)
+    assert not driver.find_element(By.ID, "heatmap").is_displayed()
     assert "RAG-Token" in driver.find_element(By.ID, "heatmap-note").text
+    assert driver.find_element(By.ID, "answer").text.strip()
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#passages > li.passage")) == 3
 
     # --- narrow screen: still usable
     driver.set_window_size(390, 900)
     assert driver.find_element(By.ID, "ask-button").is_displayed()
     _screenshot(driver, "ui-mobile.png", width=390)
+
+
+def test_errors_before_and_during_the_stream_are_shown(driver, gateway_url):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, WAIT_S)
+    driver.set_window_size(1280, 1000)
+    driver.get(gateway_url + "/")
+    driver.find_element(By.ID, "question").send_keys("Who wrote Hamlet?")
+    ask = driver.find_element(By.ID, "ask-button")
+    error = driver.find_element(By.ID, "form-error")
+    answer = driver.find_element(By.ID, "answer")
+    token = '{"text":" Shakes","token":"\\u0120Shakes","passage":null,"posterior":[0.9,0.1]}'
+
+    def reply(status: int, content_type: str, body: str) -> str:
+        driver.execute_script(CANNED_JS, status, content_type, body)
+        ask.click()
+        wait.until(_answered)
+        wait.until(lambda d: error.is_displayed())
+        return error.text
+
+    # before the stream: a plain HTTP error, shown as the page always did
+    assert (
+        reply(503, "application/json", '{"detail": "generator unavailable"}')
+        == "generator unavailable"
+    )
+    assert not driver.find_element(By.ID, "result").is_displayed()
+
+    # during it: an error event; what was written stays, marked incomplete
+    stream = f"event: token\ndata: {token}\n\n" + (
+        'event: error\ndata: {"status":504,"detail":"generation timed out","request_id":"r1"}\n\n'
+    )
+    assert reply(200, "text/event-stream", stream) == "generation timed out"
+    assert answer.text == "Shakes"
+    assert "is-incomplete" in answer.get_attribute("class")
+    assert answer.get_attribute("aria-busy") is None
+    assert driver.find_element(By.ID, "answer-status").text == "incomplete"
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#heatmap td")) == 2
+
+    # a stream that ends without its answer event
+    assert "ended before the answer was complete" in reply(
+        200, "text/event-stream", f"event: token\ndata: {token}\n\n"
+    )
+    _screenshot(driver, "ui-stream-error.png")
+    driver.execute_script("window.fetch = window.__realFetch")

@@ -1,5 +1,6 @@
-// openbook web page: ask a question, show the answer, the passages and where each token came
-// from. Vanilla JS, no dependencies. Text from the API is only ever set with textContent.
+// openbook web page: ask a question, watch the answer being written (POST /answer with
+// "stream": true, Server-Sent Events), then see the passages and where each token came from.
+// Vanilla JS, no dependencies. Text from the API is only ever set with textContent.
 "use strict";
 
 (function () {
@@ -76,6 +77,49 @@
     node.hidden = !message;
   }
 
+  // A text/event-stream parser: push() decoded text as it arrives (an event, even a line, may
+  // be split across chunks), end() when the body is done. onEvent(name, data) once per event.
+  function eventStream(onEvent) {
+    let buffer = "";
+    let name = "";
+    let data = [];
+    function line(text) {
+      if (text === "") {
+        if (data.length) onEvent(name || "message", data.join("\n"));
+        name = "";
+        data = [];
+        return;
+      }
+      if (text.startsWith(":")) return; // a comment (keep-alive)
+      const colon = text.indexOf(":");
+      const field = colon < 0 ? text : text.slice(0, colon);
+      let value = colon < 0 ? "" : text.slice(colon + 1);
+      if (value.startsWith(" ")) value = value.slice(1);
+      if (field === "event") name = value;
+      else if (field === "data") data.push(value);
+    }
+    return {
+      push(text) {
+        buffer += text;
+        const ends = /\r\n|\r|\n/g;
+        let start = 0;
+        let match;
+        while ((match = ends.exec(buffer))) {
+          // A lone "\r" at the end may be the first half of "\r\n": wait for the next chunk.
+          if (match[0] === "\r" && ends.lastIndex === buffer.length) break;
+          line(buffer.slice(start, match.index));
+          start = ends.lastIndex;
+        }
+        buffer = buffer.slice(start);
+      },
+      end() {
+        if (buffer) line(buffer.replace(/\r$/, ""));
+        buffer = "";
+        line(""); // an event the body ended without a blank line after
+      },
+    };
+  }
+
   // ------------------------------------------------------------------ active index
 
   const indexBadge = $("active-index");
@@ -105,6 +149,9 @@
   const askButton = $("ask-button");
   const formError = $("form-error");
   const result = $("result");
+  const answerNode = $("answer");
+  const answerStatus = $("answer-status");
+  let busy = false;
 
   function intField(id, optional = false) {
     const input = $(id);
@@ -120,6 +167,7 @@
 
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
+    if (busy) return; // Enter while an answer is still being written
     showError(formError, "");
     let body;
     try {
@@ -141,23 +189,98 @@
       return;
     }
 
+    busy = true;
     askButton.disabled = true;
     askButton.textContent = "Asking…";
     document.body.classList.add("is-busy");
     form.setAttribute("aria-busy", "true");
     try {
-      const data = await api("POST", "/answer", body);
-      render(data);
-      if (data.index && data.index !== indexBadge.textContent) setActiveIndex(data.index, "ok");
+      await ask(body);
     } catch (err) {
       showError(formError, err.message);
     } finally {
+      busy = false;
       askButton.disabled = false;
       askButton.textContent = "Ask";
       document.body.classList.remove("is-busy");
       form.removeAttribute("aria-busy");
     }
   });
+
+  // Asks with "stream": true and shows the answer as it is written: the token events' text
+  // (those of no passage: RAG-Sequence's per-passage drafts are not the answer) and, for
+  // RAG-Token, each token's column of the heat map; then renders the answer event's body.
+  // Errors before the stream began are plain HTTP errors; after it, an error event.
+  async function ask(body) {
+    let response;
+    try {
+      response = await fetch("/answer", {
+        method: "POST",
+        headers: { Accept: "text/event-stream, application/json", "Content-Type": "application/json" },
+        body: JSON.stringify({ ...body, stream: true }),
+      });
+    } catch (err) {
+      throw new Error("cannot reach the gateway (" + err.message + ")");
+    }
+    const type = (response.headers.get("Content-Type") || "").toLowerCase();
+    if (!response.ok || !type.startsWith("text/event-stream") || !response.body) {
+      let data = null;
+      try {
+        data = await response.json();
+      } catch (err) {
+        data = null;
+      }
+      if (!response.ok || !data) throw new Error(errorText(response.status, data));
+      finish(data); // a plain JSON answer: a gateway that does not stream
+      return;
+    }
+
+    const live = startWriting(body);
+    let answered = false;
+    let failed = null;
+    const events = eventStream((name, text) => {
+      if (answered || failed) return;
+      if (name === "token") {
+        live.token(JSON.parse(text));
+      } else if (name === "answer") {
+        answered = true;
+        finish(JSON.parse(text));
+      } else if (name === "error") {
+        const data = JSON.parse(text);
+        failed = errorText(data.status, data);
+      }
+    });
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    try {
+      for (;;) {
+        let chunk;
+        try {
+          chunk = await reader.read();
+        } catch (err) {
+          throw new Error("the answer stream broke off (" + err.message + ")");
+        }
+        if (chunk.done) {
+          events.push(decoder.decode());
+          events.end();
+          break;
+        }
+        events.push(decoder.decode(chunk.value, { stream: true }));
+      }
+    } catch (err) {
+      reader.cancel().catch(() => {});
+      if (!answered) live.stop();
+      throw err;
+    }
+    if (answered) return;
+    live.stop();
+    throw new Error(failed || "the answer stream ended before the answer was complete");
+  }
+
+  function finish(data) {
+    render(data);
+    if (data.index && data.index !== indexBadge.textContent) setActiveIndex(data.index, "ok");
+  }
 
   // Enter asks; Shift+Enter is a new line.
   question.addEventListener("keydown", (event) => {
@@ -167,13 +290,126 @@
     }
   });
 
+  // ------------------------------------------------------------------ writing (streaming)
+
+  // Clears the last answer and shows this one being written. token(t) for each token event;
+  // stop() when the stream failed before its answer event (what was written stays, marked).
+  function startWriting(request) {
+    $("empty").hidden = true;
+    result.hidden = false;
+    document.body.classList.remove("is-busy"); // nothing old left to dim
+    askButton.textContent = "Writing…";
+
+    answerNode.textContent = "";
+    answerNode.classList.remove("is-empty", "is-incomplete");
+    answerNode.classList.add("is-writing");
+    answerNode.setAttribute("aria-busy", "true"); // screen readers read it once it is done
+    $("answer-meta").replaceChildren();
+    $("other-hypotheses").hidden = true;
+    $("hypotheses").replaceChildren();
+    $("passages").replaceChildren();
+    $("passages-pending").hidden = false;
+    const heatmap = liveHeatmap(request);
+
+    let written = 0; // tokens generated (RAG-Sequence: over every passage's draft)
+    const drafts = new Set(); // RAG-Sequence: the passages whose drafts are growing
+    function showStatus(text, state) {
+      answerStatus.textContent = text;
+      answerStatus.dataset.state = state;
+      answerStatus.hidden = false;
+    }
+    function progress() {
+      let text = "writing…";
+      if (written) text += ` ${written} token${written === 1 ? "" : "s"}`;
+      if (drafts.size) text += `, drafting from ${drafts.size} passage${drafts.size === 1 ? "" : "s"}`;
+      showStatus(text, "writing");
+    }
+    progress();
+
+    return {
+      token(t) {
+        const ofPassage = t.passage !== null && t.passage !== undefined;
+        if (ofPassage) drafts.add(t.passage);
+        else if (t.text) answerNode.textContent += t.text;
+        if (t.token !== null && t.token !== undefined) {
+          written += 1;
+          if (!ofPassage && Array.isArray(t.posterior)) heatmap.add(t);
+        }
+        progress();
+      },
+      stop() {
+        answerNode.classList.remove("is-writing");
+        answerNode.classList.add("is-incomplete");
+        answerNode.removeAttribute("aria-busy");
+        if (!answerNode.textContent.trim()) answerNode.textContent = "(no answer)";
+        $("passages-pending").hidden = true;
+        showStatus("incomplete", "error");
+      },
+    };
+  }
+
+  const NOTE_TOKEN =
+    "RAG-Token posterior over the retrieved passages for each generated token, p(z | x, y_i, y_<i), " +
+    "as in Figure 2 of Lewis et al. (2020). Darker is more likely; hover a cell for its value (screen readers read each cell).";
+  const NOTE_SEQUENCE =
+    "Per-token posteriors exist for RAG-Token decoding only: RAG-Sequence uses one passage for the whole answer (its posterior is shown as bars above).";
+
+  // The heat map while RAG-Token (greedy) writes: a column per token as its event arrives.
+  // The passages' titles are not known yet (they come with the answer): rows are #1..#k.
+  function liveHeatmap(request) {
+    const table = $("heatmap");
+    const note = $("heatmap-note");
+    const card = $("heatmap-card");
+    const scroll = table.parentElement;
+    card.hidden = false;
+    card.querySelector(".scale").hidden = true;
+    scroll.hidden = true;
+    table.hidden = true;
+    table.replaceChildren();
+    if (request.decoding !== "rag-token") note.textContent = NOTE_SEQUENCE;
+    else if (request.num_beams > 1) note.textContent = "Beam search decides at the end: the heat map comes with the answer.";
+    else note.textContent = "The heat map fills in as the answer is written: a column per token.";
+
+    let head = null;
+    let rows = [];
+    let n = 0;
+    return {
+      add(t) {
+        if (!head) {
+          head = el("tr", {}, cornerCell());
+          rows = t.posterior.map((_, i) => el("tr", {}, el("th", { scope: "row" }, el("span", { class: "passage-rank", text: `#${i + 1}` }))));
+          table.replaceChildren(
+            el("caption", { class: "visually-hidden", text: "Per-token passage posterior, as the answer is written" }),
+            el("thead", {}, head),
+            el("tbody", {}, ...rows)
+          );
+          card.querySelector(".scale").hidden = false;
+          scroll.hidden = false;
+          table.hidden = false;
+          note.textContent = NOTE_TOKEN;
+        }
+        // Follow the newest column, unless the reader scrolled back to look at older ones.
+        const following = scroll.scrollLeft + scroll.clientWidth >= scroll.scrollWidth - 4;
+        head.append(tokenHeader(t, n));
+        rows.forEach((row, i) => row.append(heatCell(t, i, `#${i + 1}`)));
+        n += 1;
+        if (following) scroll.scrollLeft = scroll.scrollWidth;
+      },
+    };
+  }
+
   // ------------------------------------------------------------------ rendering
 
   function render(data) {
     $("empty").hidden = true;
     result.hidden = false;
 
-    const answer = $("answer");
+    const answer = answerNode;
+    answer.classList.remove("is-writing", "is-incomplete");
+    answer.removeAttribute("aria-busy");
+    answerStatus.hidden = true;
+    answerStatus.textContent = "";
+    $("passages-pending").hidden = true;
     answer.textContent = data.answer && data.answer.trim() ? data.answer : "(empty answer)";
     answer.classList.toggle("is-empty", !(data.answer && data.answer.trim()));
 
@@ -264,44 +500,43 @@
     if (!hasMap) {
       table.replaceChildren();
       table.hidden = true;
-      note.textContent =
-        data.decoding === "rag-token"
-          ? "The generator returned no per-token posteriors for this answer."
-          : "Per-token posteriors exist for RAG-Token decoding only: RAG-Sequence uses one passage for the whole answer (its posterior is shown as bars above).";
+      note.textContent = data.decoding === "rag-token" ? "The generator returned no per-token posteriors for this answer." : NOTE_SEQUENCE;
       return;
     }
     table.hidden = false;
-    note.textContent =
-      "RAG-Token posterior over the retrieved passages for each generated token, p(z | x, y_i, y_<i), " +
-      "as in Figure 2 of Lewis et al. (2020). Darker is more likely; hover a cell for its value (screen readers read each cell).";
+    note.textContent = NOTE_TOKEN;
 
     const caption = el("caption", { class: "visually-hidden", text: `Per-token passage posterior: ${tokens.length} tokens × ${passages.length} passages` });
-    const head = el(
-      "tr",
-      {},
-      el("th", { scope: "col" }, el("span", { class: "visually-hidden", text: "Passage" })),
-      ...tokens.map((t, j) =>
-        el("th", { scope: "col", title: JSON.stringify(t.token) }, el("span", { class: "tok", text: tokenLabel(t.token) }), el("span", { class: "visually-hidden", text: ` (token ${j + 1})` }))
-      )
-    );
+    const head = el("tr", {}, cornerCell(), ...tokens.map((t, j) => tokenHeader(t, j)));
     const rows = passages.map((p, i) =>
       el(
         "tr",
         {},
         el("th", { scope: "row", title: p.title }, el("span", { class: "passage-rank", text: `#${i + 1}` }), p.title || p.id),
-        ...tokens.map((t) => {
-          const v = Array.isArray(t.posterior) && Number.isFinite(t.posterior[i]) ? t.posterior[i] : 0;
-          const cell = el("td", {
-            title: `${tokenLabel(t.token)} ← #${i + 1} ${p.title}: ${pct(v)}`,
-            "aria-label": pct(v),
-            "data-value": v.toFixed(4),
-          });
-          cell.style.backgroundColor = `rgba(var(--heat), ${Math.max(0, Math.min(1, v)).toFixed(3)})`;
-          return cell;
-        })
+        ...tokens.map((t) => heatCell(t, i, `#${i + 1} ${p.title}`))
       )
     );
     table.replaceChildren(caption, el("thead", {}, head), el("tbody", {}, ...rows));
+  }
+
+  function cornerCell() {
+    return el("th", { scope: "col" }, el("span", { class: "visually-hidden", text: "Passage" }));
+  }
+
+  function tokenHeader(t, j) {
+    return el("th", { scope: "col", title: JSON.stringify(t.token) }, el("span", { class: "tok", text: tokenLabel(t.token) }), el("span", { class: "visually-hidden", text: ` (token ${j + 1})` }));
+  }
+
+  // Token t's posterior for passage i (named passageName in the cell's tooltip).
+  function heatCell(t, i, passageName) {
+    const v = Array.isArray(t.posterior) && Number.isFinite(t.posterior[i]) ? t.posterior[i] : 0;
+    const cell = el("td", {
+      title: `${tokenLabel(t.token)} ← ${passageName}: ${pct(v)}`,
+      "aria-label": pct(v),
+      "data-value": v.toFixed(4),
+    });
+    cell.style.backgroundColor = `rgba(var(--heat), ${Math.max(0, Math.min(1, v)).toFixed(3)})`;
+    return cell;
   }
 
   // ------------------------------------------------------------------ swapping the index
