@@ -20,6 +20,17 @@ def shared(default, env: str, **constraints):
     return Field(default, validation_alias=env, **constraints)
 
 
+# Spellings of a model's precision and the torch dtype name each stands for ("auto": the
+# hardware policy, openbook.rag.loading.auto_dtype). Torch-free, so that reading settings does
+# not import torch; openbook.rag.loading maps the names to dtypes.
+PRECISIONS = {
+    "auto": "auto",
+    **dict.fromkeys(("float32", "fp32"), "float32"),
+    **dict.fromkeys(("bfloat16", "bf16"), "bfloat16"),
+    **dict.fromkeys(("float16", "fp16", "half"), "float16"),
+}
+
+
 class CommonSettings(BaseSettings):
     # populate_by_name: code and tests construct settings by field name, the environment by
     # variable name.

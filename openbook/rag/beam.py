@@ -111,9 +111,21 @@ class Search:
     alone.
     """
 
-    rows: int
-    tokens: Tensor
-    source: Tensor | None
+    def __init__(
+        self,
+        rows: int,
+        s: SearchSettings,
+        device: torch.device,
+        stop: StopFn | None,
+        payload: PayloadFn | None,
+    ) -> None:
+        self.rows = rows
+        self.s = s
+        self.stop = stop
+        self.payload = payload
+        self.tokens = torch.empty(0, dtype=torch.long, device=device)
+        self.source: Tensor | None = None
+        self._g = 0  # tokens decided so far
 
     def start(self, first: Tensor) -> bool:
         raise NotImplementedError
@@ -136,19 +148,13 @@ class GreedySearch(Search):
         stop: StopFn | None = None,
         payload: PayloadFn | None = None,
     ) -> None:
-        self.rows = batch
-        self.s = s
-        self.stop = stop
-        self.payload = payload
-        self.source = None
+        super().__init__(batch, s, device, stop, payload)
         self.seq = torch.empty(batch, 0, dtype=torch.long, device=device)
-        self.tokens = torch.empty(0, dtype=torch.long, device=device)
         self._raw_lp: list[Tensor] = []
         self._extra: list[Tensor] = []
         self._proc_sum = torch.zeros(batch, device=device)
         self._lengths = torch.full((batch,), s.max_new_tokens, dtype=torch.long)
         self._done = torch.zeros(batch, dtype=torch.bool)
-        self._g = 0
 
     def start(self, first: Tensor) -> bool:
         return self.advance(first)
@@ -212,10 +218,8 @@ class BeamSearch(Search):
         payload: PayloadFn | None = None,
     ) -> None:
         nb, max_new = s.num_beams, s.max_new_tokens
-        self.batch, self.rows = batch, batch * nb
-        self.s = s
-        self.stop = stop
-        self.payload = payload
+        super().__init__(batch * nb, s, device, stop, payload)
+        self.batch = batch
         n_eos = 1 if s.eos_token_id is not None else 0
         self.keep = max(2, 1 + n_eos) * nb
         self._top_nb_mask = torch.zeros(self.keep, dtype=torch.bool, device=device)
@@ -235,9 +239,6 @@ class BeamSearch(Search):
         self._batch_idx = torch.arange(batch, device=device)[:, None]
         self.run_pay: Tensor | None = None  # (batch, nb, max_new, E) once E is known
         self.fin_pay: Tensor | None = None
-        self.tokens = torch.empty(0, dtype=torch.long, device=device)
-        self.source = None
-        self._g = 0
 
     def start(self, first: Tensor) -> bool:
         vocab = first.shape[-1]

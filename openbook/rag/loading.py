@@ -38,6 +38,7 @@ from openbook.rag.prompting import (
     load_seq2seq_settings,
     read_json,
 )
+from openbook.settings import PRECISIONS
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
@@ -46,15 +47,7 @@ MANIFEST_FILES = ("openbook_manifest.json", "manifest.json")
 PREPARED_MANIFEST = "openbook_model.json"
 RAG_GENERATOR_PREFIX = "rag.generator."
 RAG_QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+_DTYPES = {name: getattr(torch, dtype) for name, dtype in PRECISIONS.items() if dtype != "auto"}
 
 
 @dataclass

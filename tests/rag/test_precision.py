@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from openbook.rag import DecodingOptions, RagGenerator, loading
 from openbook.rag.loading import resolve_device_dtype
-from openbook_generator.settings import DTYPES, GeneratorSettings
+from openbook.settings import PRECISIONS
+from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 
 
@@ -118,7 +119,7 @@ def test_settings_accept_auto_and_the_dtype_names(monkeypatch):
     monkeypatch.setenv("OPENBOOK_GENERATOR_DTYPE", "float32")
     assert GeneratorSettings().dtype == "float32"
     # Every spelling the settings accept is one the loader accepts, and names the same dtype.
-    for name, canonical in DTYPES.items():
+    for name, canonical in PRECISIONS.items():
         if name != "auto":
             assert resolve_device_dtype("cpu", name)[1] == getattr(torch, canonical)
 

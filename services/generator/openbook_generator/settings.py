@@ -7,16 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from openbook.settings import GrpcServiceSettings
-
-# OPENBOOK_GENERATOR_DTYPE's accepted spellings and the name each stands for (those of
-# openbook.rag.loading, kept here so that reading the settings does not import torch).
-DTYPES = {
-    "auto": "auto",
-    **dict.fromkeys(("float32", "fp32"), "float32"),
-    **dict.fromkeys(("bfloat16", "bf16"), "bfloat16"),
-    **dict.fromkeys(("float16", "fp16", "half"), "float16"),
-}
+from openbook.settings import PRECISIONS, GrpcServiceSettings
 
 
 class GeneratorSettings(GrpcServiceSettings):
@@ -50,9 +41,9 @@ class GeneratorSettings(GrpcServiceSettings):
     @classmethod
     def _known_dtype(cls, value: str) -> str:
         name = value.strip().lower() or "auto"
-        if name not in DTYPES:
+        if name not in PRECISIONS:
             raise ValueError(
                 f"OPENBOOK_GENERATOR_DTYPE={value!r} is not a precision: use auto, float32, "
                 "bfloat16 or float16"
             )
-        return DTYPES[name]
+        return PRECISIONS[name]
