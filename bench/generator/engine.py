@@ -51,7 +51,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The private redis-server and free ports come from the test kit (tests/openbook_testkit).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from openbook_testkit.stack import RedisServer, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REF = "a390178"
@@ -199,12 +202,6 @@ def ensure_baseline_tree(tree: Path, ref: str) -> str:
 # servers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tree_env(tree: Path) -> dict[str, str]:
     """The caller's environment without OPENBOOK_*, the tree first on the import path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")}
@@ -230,49 +227,6 @@ def verify_imports(name: str, tree: Path) -> dict[str, str]:
     if foreign:
         sys.exit(f"{name}: modules not from {tree}: {foreign}")
     return {n: mods[n] for n in ("openbook", "openbook_generator") if n in mods}
-
-
-class RedisProc:
-    """A private redis-server (so the servers share nothing with other deployments)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
-
-    def url(self, db: int) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
 
 
 @dataclass
@@ -773,7 +727,8 @@ def main(argv: list[str] | None = None) -> None:
 
     redis = None
     if shutil.which("redis-server"):
-        redis = RedisProc(Path(tempfile.mkdtemp(prefix="redis-", dir=workdir)))
+        redis = RedisServer(Path(tempfile.mkdtemp(prefix="redis-", dir=workdir)))
+        redis.start()
     else:
         print(
             "warning: no redis-server: the servers use their default OPENBOOK_REDIS_URL",
@@ -785,7 +740,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"starting {name} server on {server.addr} (log {server.log_path})", file=sys.stderr
             )
-            server.start(args, redis.url(db) if redis else None, workdir)
+            redis_url = f"redis://127.0.0.1:{redis.port}/{db}" if redis else None
+            server.start(args, redis_url, workdir)
             server.wait_ready(args.startup_timeout)  # one model load at a time
             print(f"{name} ready: {server.info}", file=sys.stderr)
             clients[name] = Client(server, protos, args.timeout)
