@@ -34,7 +34,7 @@ from openbook_gateway import openai_api
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
 from openbook_gateway.cache import AnswerCache
 from openbook_gateway.clients import GeneratorClient
-from openbook_gateway.events import EventStream, sse
+from openbook_gateway.events import STREAMED, EventStream, sse
 from openbook_gateway.mapping import indexes_response
 from openbook_gateway.metrics import GatewayMetrics, ms_since
 from openbook_gateway.openai_api import is_openai_path
@@ -389,7 +389,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/answer", response_model=AnswerResponse)
+    @app.post("/answer", response_model=AnswerResponse, responses=STREAMED)
     async def answer(body: AnswerRequest, request: Request) -> Response:
         """The answer, or with ``"stream": true`` Server-Sent Events: ``token`` events as it is
         written, then an ``answer`` event with the same body (an ``error`` event if it fails

@@ -22,6 +22,15 @@ SSE_HEADERS = {
 }
 
 
+# OpenAPI: a route that answers with a stream when asked to (docs/api.md)
+STREAMED: dict = {
+    200: {
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "description": 'with "stream": true, Server-Sent Events (docs/api.md)',
+    }
+}
+
+
 def sse(data: object, event: str | None = None) -> bytes:
     """One event in the text/event-stream format; ``data`` as one line of JSON (or as is)."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
-from openbook_gateway.events import EventStream, sse
+from openbook_gateway.events import STREAMED, EventStream, sse
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.openai_schemas import (
     MODEL,
@@ -153,7 +153,7 @@ def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRout
             index = body.index
         return index
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", responses=STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check_supported()
         question = to_answer_request(body, await index_of(body, request))
