@@ -200,3 +200,12 @@ def test_temperature_zero_is_greedy_and_accepted(client):
         model="openbook", messages=ASK, temperature=0, top_p=1, seed=7, max_tokens=4
     )
     assert reply.choices[0].message.content is not None
+
+
+def test_a_body_over_the_limit_is_an_openai_413(url):
+    huge = {"model": "openbook", "messages": [{"role": "user", "content": "x" * 100_000}]}
+    reply = httpx.post(
+        f"{url}/v1/chat/completions", json=huge, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert reply.status_code == 413
+    assert reply.json()["error"]["type"] == "invalid_request_error"

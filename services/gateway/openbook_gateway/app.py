@@ -140,7 +140,10 @@ class BodySizeLimit:
             waiting = headers.get("expect", "").lower() == "100-continue"
             if not waiting and int(declared) <= self.drain_max_bytes:
                 await self._drain(receive, 0)
-            response = JSONResponse({"detail": self.message}, 413, headers={"Connection": "close"})
+            body = {"detail": self.message}
+            if is_openai_path(scope["path"]):
+                body = openai_api.error_body(413, self.message, code="request_too_large")
+            response = JSONResponse(body, 413, headers={"Connection": "close"})
             await response(scope, receive, send)
             return
         received = 0
