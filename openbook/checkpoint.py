@@ -4,6 +4,9 @@ Layout of one checkpoint (``<root>/step-000120/``)::
 
     generator/        Hugging Face model + tokenizer (safetensors), loadable by RagGenerator.load,
                       + openbook_seq2seq.json / question_encoder_tokenizer/ or openbook_prompt.json
+    generator_adapter/  instead of generator/, when only a LoRA adapter was trained: peft's files
+                      + openbook_adapter.json naming the base model it applies to
+                      (openbook.rag.adapters); a few MB instead of the whole model
     query_encoder/    Encoder.save output (safetensors + openbook_encoder.json), if trained
     trainer_state.pt  optimizer / scheduler / RNG state for ``--resume`` (optional)
     manifest.json     written last: what this is, and the sha256 of every other file
@@ -52,12 +55,14 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 GENERATOR_DIR = "generator"
+GENERATOR_ADAPTER_DIR = "generator_adapter"
 QUERY_ENCODER_DIR = "query_encoder"
 TRAINER_STATE = "trainer_state.pt"
 GENERATOR_VERSION_FILE = "openbook_manifest.json"  # read by openbook.rag.loading.model_version
 _PREFIX = "step-"
 # Files a model directory must hold for the checkpoint to be usable at all.
 _REQUIRED_MODEL_FILES = ("config.json",)
+_REQUIRED_ADAPTER_FILES = ("adapter_config.json", "openbook_adapter.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -134,6 +139,11 @@ def generator_dir(ckpt: Path) -> Path:
     return Path(ckpt) / GENERATOR_DIR
 
 
+def generator_adapter_dir(ckpt: Path) -> Path | None:
+    d = Path(ckpt) / GENERATOR_ADAPTER_DIR
+    return d if d.is_dir() else None
+
+
 def query_encoder_dir(ckpt: Path) -> Path | None:
     d = Path(ckpt) / QUERY_ENCODER_DIR
     return d if d.is_dir() else None
@@ -154,6 +164,7 @@ def write_checkpoint(
     query_encoder: Any | None,
     generator: Any,
     base_generator: str,
+    generator_adapter: GeneratorAdapter | None = None,
     base_query_encoder: str | None,
     index: Mapping[str, str],
     data_sha256: str,
@@ -177,6 +188,8 @@ def write_checkpoint(
     was loaded from, where it still exists. All of them are checksummed in the manifest.
     ``query_encoder`` is an :class:`openbook.index.Encoder` or None when it was not trained
     (the serving retriever then keeps the index's own query encoder).
+    ``generator_adapter``, when given, is saved instead of the whole generator
+    (``generator_adapter/``): the LoRA adapter and the identity of the base it applies to.
     ``keep_last`` deletes all but the newest N checkpoints after ``latest`` moved.
     ``_before_rename`` is a test hook called with the complete temporary directory.
     """
@@ -185,11 +198,20 @@ def write_checkpoint(
     final = root / name
     # Held under its writer's flock until the end: tells clean_stale_partials it is in use.
     with staging_dir(final) as tmp:
-        _save_generator(generator, tmp / GENERATOR_DIR, generator_source)
-        # RagGenerator.load reports this as its model_version, so /answer names the checkpoint.
-        (tmp / GENERATOR_DIR / GENERATOR_VERSION_FILE).write_text(
-            json.dumps({"version": name}) + "\n", encoding="utf-8"
-        )
+        if generator_adapter is not None:
+            from openbook.rag.adapters import save_adapter
+
+            adapter = generator_adapter
+            save_adapter(
+                adapter.peft_model, tmp / GENERATOR_ADAPTER_DIR, adapter.base_id, base_generator
+            )
+        else:
+            save_generator_dir(generator, tmp / GENERATOR_DIR, generator_source)
+            # RagGenerator.load reports this as its model_version, so /answer names the
+            # checkpoint.
+            (tmp / GENERATOR_DIR / GENERATOR_VERSION_FILE).write_text(
+                json.dumps({"version": name}) + "\n", encoding="utf-8"
+            )
         if query_encoder is not None:
             query_encoder.save(tmp / QUERY_ENCODER_DIR)
         if trainer_state is not None:
@@ -223,7 +245,18 @@ def write_checkpoint(
     return final
 
 
-def _save_generator(generator: Any, out: Path, source: Path | None) -> None:
+@dataclass(frozen=True)
+class GeneratorAdapter:
+    """A trained LoRA adapter to checkpoint: its ``peft`` model and its base's identity."""
+
+    peft_model: Any
+    base_id: str
+
+
+def save_generator_dir(generator: Any, out: Path, source: Path | None) -> None:
+    """A generator as a model directory that :meth:`openbook.rag.RagGenerator.load` loads: the
+    weights and tokenizer, the backend settings it runs with, and ``openbook_*.json`` files of
+    ``source`` (the directory it was loaded from) that are not rewritten."""
     if hasattr(generator, "save") and callable(generator.save):
         generator.save(out)
     else:
@@ -242,8 +275,10 @@ def _save_generator(generator: Any, out: Path, source: Path | None) -> None:
         tokenizer.save_pretrained(out)
         _save_backend_settings(generator, backend, out)
     if source is not None:
+        # not the version, nor the demo's list of the source's file hashes: not these files
+        skip = {GENERATOR_VERSION_FILE, "openbook_model.json"}
         for extra in Path(source).glob("openbook_*.json"):
-            if extra.name != GENERATOR_VERSION_FILE and not (out / extra.name).exists():
+            if extra.name not in skip and not (out / extra.name).exists():
                 shutil.copy2(extra, out / extra.name)
 
 
@@ -408,17 +443,21 @@ def verify_checkpoint(path: Path) -> CheckpointManifest:
         raise CheckpointError(f"{label}: {problem.rel} is corrupt (sha256 mismatch)")
     if problem is not None:
         raise CheckpointError(f"{label}: {problem}")
-    for sub in (GENERATOR_DIR, QUERY_ENCODER_DIR):
+    adapter = (path / GENERATOR_ADAPTER_DIR).is_dir()
+    if not adapter and not (path / GENERATOR_DIR).is_dir():
+        raise CheckpointError(f"{label}: {GENERATOR_DIR}/ missing")
+    for sub in (GENERATOR_DIR, GENERATOR_ADAPTER_DIR, QUERY_ENCODER_DIR):
         d = path / sub
-        if sub == GENERATOR_DIR and not d.is_dir():
-            raise CheckpointError(f"{label}: {sub}/ missing")
         if not d.is_dir():
             continue
         for p in sorted(d.rglob("*")):
             rel = p.relative_to(path).as_posix()
             if p.is_file() and rel not in manifest.files:
                 raise CheckpointError(f"{label}: {rel} is not listed in {MANIFEST}")
-        for req in _REQUIRED_MODEL_FILES:
+        required = (
+            _REQUIRED_ADAPTER_FILES if sub == GENERATOR_ADAPTER_DIR else _REQUIRED_MODEL_FILES
+        )
+        for req in required:
             if f"{sub}/{req}" not in manifest.files:
                 raise CheckpointError(f"{label}: {sub}/{req} missing")
         if not any(
@@ -459,22 +498,37 @@ def _opened(path: Path, verify: bool) -> tuple[Path, CheckpointManifest]:
 
 
 def load_generator(
-    path: Path, *, device: str | None = None, dtype: str | None = None, verify: bool = True
+    path: Path,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    verify: bool = True,
+    base: Path | None = None,
 ) -> Any:
     """The generator of a checkpoint (or of the latest one under a root): an
     :class:`openbook.rag.RagGenerator` whose ``model_version`` is the checkpoint's version.
 
-    The checkpoint is verified first unless ``verify=False`` (the caller just did). Raises
-    :class:`CheckpointError` for anything missing or corrupt, including files the model loader
-    rejects, so a server can keep its current model and report the message.
+    A checkpoint that holds only an adapter (``generator_adapter/``) is loaded onto ``base``
+    (default: the base model the trainer recorded) and merged into it; a base other than the
+    one it was trained on is refused. The checkpoint is verified first unless ``verify=False``
+    (the caller just did). Raises :class:`CheckpointError` for anything missing or corrupt,
+    including files the model loader rejects, so a server can keep its current model and report
+    the message.
     """
     from openbook.rag import RagGenerator
 
     ckpt, manifest = _opened(path, verify)
+    adapter = generator_adapter_dir(ckpt)
+    where = GENERATOR_ADAPTER_DIR if adapter is not None else GENERATOR_DIR
     try:
-        generator = RagGenerator.load(generator_dir(ckpt), device=device, dtype=dtype)
+        if adapter is None:
+            generator = RagGenerator.load(generator_dir(ckpt), device=device, dtype=dtype)
+        else:
+            base_dir = Path(base if base is not None else manifest.base_generator)
+            generator = RagGenerator.load(base_dir, device=device, dtype=dtype)
+            generator.apply_adapter(adapter, base_dir)
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {manifest.version}: {GENERATOR_DIR}/: {e}") from None
+        raise CheckpointError(f"checkpoint {manifest.version}: {where}/: {e}") from None
     generator.model_version = manifest.version
     return generator
 

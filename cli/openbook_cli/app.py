@@ -19,7 +19,7 @@ from typer.core import TyperGroup
 
 # openbook-trainer's sub-commands: they pull in torch and friends, so they are imported only
 # when invoked and light commands (up, ask, health) start fast.
-LAZY_COMMANDS = ("train", "eval", "demo", "experiments", "index")
+LAZY_COMMANDS = ("train", "merge-adapter", "eval", "demo", "experiments", "index")
 
 
 class LazyGroup(TyperGroup):

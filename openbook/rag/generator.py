@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from openbook.rag.adapters import check_base, merged
 from openbook.rag.beam import SearchSettings, StopFn
 from openbook.rag.engine import DecodingEngine, GaveUp
 from openbook.rag.errors import Abandoned, InvalidRequest
@@ -103,6 +104,14 @@ class RagGenerator:
     def refresh(self) -> None:
         """Rebuild caches derived from the weights (causal prefix cache); call after updates."""
         self.backend.refresh()
+
+    def apply_adapter(self, adapter_dir: Path, base_dir: Path) -> None:
+        """Merge a LoRA adapter (:mod:`openbook.rag.adapters`) into this generator, loaded from
+        ``base_dir``; raises :class:`~openbook.rag.adapters.AdapterMismatch` if the adapter was
+        trained on another base model."""
+        check_base(adapter_dir, base_dir)
+        self.backend.model = merged(self.backend.model, adapter_dir)
+        self.refresh()
 
     # ------------------------------------------------------------------ generation
 

@@ -22,3 +22,32 @@ def tiny_checkpoint(root: Path, step: int, bart: Path) -> Path:
         data_sha256="0" * 64,
         generator_source=bart,
     )
+
+
+def tiny_adapter_checkpoint(root: Path, step: int, base: Path, trained_on: Path | None = None):
+    """An adapter-only checkpoint (LoRA on the generator, random non-zero updates so that it
+    changes answers) of base model ``base``, claiming to be trained on ``trained_on`` (default:
+    ``base``; another model makes an adapter for the wrong base)."""
+    import torch
+
+    from openbook.checkpoint import GeneratorAdapter
+    from openbook.rag.adapters import LoraSpec, attach_lora, base_identity
+
+    generator = RagGenerator.load(base, dtype="float32")
+    peft_model = attach_lora(generator.model, LoraSpec(rank=2, alpha=4.0))
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for name, param in generator.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    return write_checkpoint(
+        root,
+        step,
+        query_encoder=load_encoder("all-MiniLM-L6-v2", cached=False),
+        generator=None,
+        generator_adapter=GeneratorAdapter(peft_model, base_identity(trained_on or base)),
+        base_generator=str(trained_on or base),
+        base_query_encoder="all-MiniLM-L6-v2",
+        index={"name": "facts-a"},
+        data_sha256="0" * 64,
+    )

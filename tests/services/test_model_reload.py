@@ -99,3 +99,46 @@ def test_reload_needs_the_admin_token(system):
     assert client.post("/admin/reload-model", json={}).status_code == 401
     missing = client.post("/admin/reload-model", json={"checkpoint": "/nope"}, headers=AUTH)
     assert missing.status_code == 422
+
+
+def test_an_adapter_checkpoint_reloads_onto_the_configured_base(system):
+    from checkpoints_kit import tiny_adapter_checkpoint
+
+    from openbook.checkpoint import load_checkpoint
+
+    client, tmp, bart = system
+    ckpt = tiny_adapter_checkpoint(tmp / "checkpoints", 3, bart)
+    assert not (ckpt / "generator").exists()
+    reply = client.post("/admin/reload-model", json={"checkpoint": ckpt.name}, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["generator"] == "step-000003"
+    question = {"question": "Who wrote Hamlet?", "k": 2, "use_cache": False}
+    served = client.post("/answer", json=question).json()
+    assert served["model_version"] == "step-000003"
+    expected = load_checkpoint(ckpt).generator  # base + adapter, merged
+    assert served["hypotheses"][0]["log_prob"] == pytest.approx(
+        _log_prob(client, expected, question), abs=1e-3
+    )
+
+    # an adapter trained on another base model is refused; the served model stays
+    other = make_tiny_bart(tmp / "other-bart", seed=7)
+    wrong = tiny_adapter_checkpoint(tmp / "checkpoints", 4, bart, trained_on=other)
+    refused = client.post("/admin/reload-model", json={"checkpoint": wrong.name}, headers=AUTH)
+    assert refused.status_code == 422, refused.text
+    assert "trained on base model" in refused.text
+    still = client.post("/answer", json=question).json()
+    assert still["model_version"] == "step-000003"
+
+
+def _log_prob(client, generator, question: dict) -> float:
+    """log p(y|x) of ``generator``'s answer to ``question`` over the passages the stack used."""
+    from openbook.rag import DecodingOptions
+    from openbook.types import Passage
+
+    served = client.post("/answer", json=question).json()
+    passages = [
+        Passage(id=p["id"], title=p["title"], text=p["text"], score=p["score"])
+        for p in served["passages"]
+    ]
+    options = DecodingOptions(max_new_tokens=32)
+    return generator.generate(question["question"], passages, options).hypotheses[0].log_prob

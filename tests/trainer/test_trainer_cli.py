@@ -183,3 +183,33 @@ def test_eval_against_http_answer(task, tmp_path):
     metrics = json.loads(out.read_text())["metrics"]
     assert metrics["em"] == 87.5 and metrics["recall@1"] == 100.0  # 7 of 8 right
     assert "model version: step-000042" in res.output
+
+
+def test_train_a_lora_adapter_from_the_command_line(task, tmp_path):
+    lora = ["--generator-adapter", "lora", "--lora-rank", "4", "--lora-target", "q_proj"]
+    res = runner.invoke(train_app, _args(task, tmp_path / "ck", "--steps", "1", *lora))
+    assert res.exit_code == 0, res.output
+    ckpt = latest_checkpoint(tmp_path / "ck")
+    config = json.loads((ckpt / "generator_adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["target_modules"] == ["q_proj"]
+    res = runner.invoke(
+        eval_app,
+        [
+            "--data",
+            str(task.dev),
+            "--checkpoint",
+            str(ckpt),
+            "--index",
+            str(task.index),
+            "--k",
+            "2",
+            "--max-new-tokens",
+            "3",
+        ],
+    )
+    assert res.exit_code == 0, res.output  # the adapter checkpoint loads onto its base
+
+    res = runner.invoke(
+        train_app, _args(task, tmp_path / "ck2", "--generator-adapter", "lora", "--lora-rank", "0")
+    )
+    assert res.exit_code == 2 and "lora-rank" in res.output

@@ -37,7 +37,9 @@ def load_initial_generator(settings: GeneratorSettings) -> RagGenerator:
     if settings.load_latest_checkpoint:
         try:
             if latest_checkpoint(settings.checkpoint_dir) is not None:
-                return load_generator(settings.checkpoint_dir, device=device, dtype=dtype)
+                return load_generator(
+                    settings.checkpoint_dir, device=device, dtype=dtype, base=settings.model
+                )
         except ValueError as exc:
             log.error("latest checkpoint refused, serving the base model instead: %s", exc)
     return RagGenerator.load(settings.model, device=device, dtype=dtype)
@@ -68,6 +70,7 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
         generator,
         metrics=metrics,
         checkpoint_root=settings.checkpoint_dir,
+        base_model=settings.model,
         on_model=lambda version: publish_model_version(redis, "generator", version),
         max_batch_size=settings.max_batch_size,
         max_batch_wait_ms=settings.max_batch_wait_ms,

@@ -147,16 +147,19 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         max_request_s: float | None = None,
         metrics: ServiceMetrics | None = None,
         checkpoint_root: Path | None = None,
+        base_model: Path | None = None,
         on_model: Callable[[str], None] | None = None,
     ) -> None:
         """``memory_budget_bytes``: estimated working memory (beyond the weights) one batch may
         hold (:mod:`openbook.rag.memory`); None: unbounded. ``max_request_s``: the longest any
-        request is worked on or waited for, whatever deadline its caller sets."""
+        request is worked on or waited for, whatever deadline its caller sets. ``base_model``:
+        the configured model, onto which a checkpoint that holds only an adapter is loaded."""
         self.passage_cache_bytes = passage_cache_bytes
         self.generator = self._configured(generator)
         self.on_model = on_model
         self.metrics = metrics
         self.checkpoint_root = checkpoint_root
+        self.base_model = base_model
         self.memory_budget_bytes = memory_budget_bytes
         self.max_request_s = max_request_s
         self._reload_lock = threading.Lock()
@@ -277,7 +280,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.
                 path = checkpoint_in_root(self.checkpoint_root, requested)
                 self.generator = self._configured(
-                    load_generator(path, device=current.device, dtype=current.dtype)
+                    load_generator(
+                        path, device=current.device, dtype=current.dtype, base=self.base_model
+                    )
                 )
             except OSError as exc:  # inside the root, but unreadable (permissions, ...)
                 detail = exc.strerror or exc

@@ -13,10 +13,12 @@ from openbook_trainer.cli import app as train_app
 from openbook_trainer.demo.cli import app as demo_app
 from openbook_trainer.evaluation.cli import app as eval_app
 from openbook_trainer.experiments.cli import app as experiments_app
+from openbook_trainer.merge import app as merge_app
 
 # name -> (typer app, help); openbook_cli mounts these same apps under the same names.
 COMMANDS: dict[str, tuple[typer.Typer, str]] = {
     "train": (train_app, "Fine-tune the query encoder and generator jointly."),
+    "merge-adapter": (merge_app, "Merge a checkpoint's generator adapter into its base."),
     "eval": (eval_app, "Score a running system or a checkpoint."),
     "demo": (demo_app, "Demo data, indexes and default models."),
     "experiments": (experiments_app, "The paper's experiments, in small."),
@@ -25,8 +27,8 @@ COMMANDS: dict[str, tuple[typer.Typer, str]] = {
 
 
 def command_group() -> TyperGroup:
-    """The sub-commands as one group: a single-command app (train, eval) is that command, a
-    multi-command one (demo, experiments, index) a group of its own."""
+    """The sub-commands as one group: a single-command app (train, merge-adapter, eval) is that
+    command, a multi-command one (demo, experiments, index) a group of its own."""
     # typer's own click: its commands raise typer's exceptions, which only its groups handle.
     group = TyperGroup(
         name="openbook-trainer",

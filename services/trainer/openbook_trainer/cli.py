@@ -26,6 +26,11 @@ class Task(StrEnum):
     classification = "classification"
 
 
+class Adapter(StrEnum):
+    none = "none"
+    lora = "lora"
+
+
 class Precision(StrEnum):
     auto = "auto"
     fp32 = "fp32"
@@ -70,10 +75,22 @@ def train_command(
         None, "--resume/--no-resume", help="continue from OUT/latest (default: resume)"
     ),
     progress: bool | None = typer.Option(None, "--progress/--no-progress"),
+    generator_adapter: Adapter | None = typer.Option(
+        None,
+        "--generator-adapter",
+        help="lora: train a LoRA adapter of the generator only (checkpoints hold the adapter)",
+    ),
+    lora_rank: int | None = typer.Option(None, "--lora-rank", help="adapter rank r (16)"),
+    lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="scale alpha (32)"),
+    lora_dropout: float | None = typer.Option(None, "--lora-dropout", help="(0.05)"),
+    lora_targets: list[str] | None = typer.Option(
+        None, "--lora-target", help="a module name to adapt (repeat); default: all linear"
+    ),
 ) -> None:
     """Fine-tune RAG: marginal NLL through p(z|x) into the query encoder and/or generator."""
     flags = {n: (v.value if isinstance(v, StrEnum) else v) for n, v in locals().items()}
     flags.pop("config")
+    flags["lora_targets"] = flags["lora_targets"] or None  # none given: the config's
     from openbook.checkpoint import CheckpointError
     from openbook.index import IndexLoadError
     from openbook.rag import ModelLoadError

@@ -8,6 +8,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from openbook.rag.adapters import MAX_ALPHA, MAX_RANK, LoraSpec
+
 Mode = Literal["rag-sequence", "rag-token"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Task = Literal["qa", "generation", "classification"]
@@ -44,6 +46,18 @@ class TrainConfig(BaseModel):
         "first", description="train on the first gold answer only, or one example per answer"
     )
 
+    # --- parameter-efficient generator training (openbook/rag/adapters.py): only a LoRA adapter
+    # of the generator learns (and is checkpointed, a few MB); the base weights stay frozen
+    generator_adapter: Literal["none", "lora"] = Field(
+        "none", description="none: train every generator weight; lora: a LoRA adapter only"
+    )
+    lora_rank: int = Field(16, ge=1, le=MAX_RANK)
+    lora_alpha: float = Field(32.0, gt=0, le=MAX_ALPHA)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    lora_targets: list[str] | None = Field(
+        None, description="module names to adapt; default: every linear layer but the LM head"
+    )
+
     # --- optimisation
     steps: int | None = Field(None, ge=1, description="optimizer steps (exclusive with epochs)")
     epochs: float | None = Field(None, gt=0)
@@ -76,7 +90,22 @@ class TrainConfig(BaseModel):
             self.epochs = 1.0
         if not (self.train_query_encoder or self.train_generator):
             raise ValueError("nothing to train: enable train_query_encoder and/or train_generator")
+        if self.generator_adapter != "none" and not self.train_generator:
+            raise ValueError(
+                f"generator-adapter {self.generator_adapter} trains the generator: drop "
+                "--freeze-generator, or set generator-adapter none"
+            )
+        if self.lora_targets is not None and not self.lora_targets:
+            raise ValueError("lora-targets: name at least one module, or leave it unset")
         return self
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        """The adapter to train, or None when every generator weight trains."""
+        if self.generator_adapter == "none":
+            return None
+        targets = tuple(self.lora_targets) if self.lora_targets else None
+        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_dropout, targets)
 
     @property
     def eval_decoding(self) -> str:

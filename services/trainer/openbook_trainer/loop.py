@@ -32,6 +32,8 @@ from tqdm.auto import tqdm
 from openbook.artifacts import clean_stale_partials, sha256_file
 from openbook.checkpoint import (
     CheckpointError,
+    GeneratorAdapter,
+    generator_adapter_dir,
     latest_checkpoint,
     load_generator,
     load_query_encoder,
@@ -44,6 +46,13 @@ from openbook.checkpoint import (
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
 from openbook.index.encoders import encoder_id
 from openbook.rag import DecodingOptions, RagGenerator
+from openbook.rag.adapters import (
+    adapter_base,
+    attach_lora,
+    base_identity,
+    check_base,
+    load_trainable,
+)
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.data import (
     TrainPair,
@@ -122,15 +131,36 @@ class Trainer:
         self.base_query_encoder = encoder_id(base_q)
         # float32 master weights; autocast provides the reduced precision on CUDA.
         dev = str(self.device)
+        lora = cfg.lora
+        self.peft_model = None  # the LoRA-wrapped generator when only an adapter trains
+        self.base_id = ""
+        encoder = None
         if resume_from is not None:
             m = read_manifest(resume_from)
             self.base_generator, self.base_query_encoder = m.base_generator, m.base_query_encoder
-            # _resume_point verified the checkpoint
-            self.generator = load_generator(resume_from, device=dev, dtype="float32", verify=False)
+            adapter = generator_adapter_dir(resume_from)
+            if (adapter is not None) != (lora is not None):
+                raise ConfigError(
+                    f"{resume_from} was trained {'with' if adapter else 'without'} a generator "
+                    f"adapter and this run is configured {'with' if lora else 'without'} one; "
+                    "use --no-resume or another --out"
+                )
+            if adapter is None:
+                # _resume_point verified the checkpoint
+                self.generator = load_generator(
+                    resume_from, device=dev, dtype="float32", verify=False
+                )
+            else:
+                self.generator = RagGenerator.load(Path(cfg.generator), device=dev, dtype="float32")
+                check_base(adapter, Path(cfg.generator))
+                self.base_id = adapter_base(adapter)["base_identity"]
+                self.peft_model = load_trainable(self.generator.model, adapter)
             encoder = load_query_encoder(resume_from, device=dev, verify=False)
         else:
             self.generator = RagGenerator.load(Path(cfg.generator), device=dev, dtype="float32")
-            encoder = None
+            if lora is not None:
+                self.base_id = base_identity(Path(cfg.generator))
+                self.peft_model = attach_lora(self.generator.model, lora)
         self.encoder = encoder or _load_query_encoder(base_q, self.device)
         self.retrieval = DenseRetrieval(self.index, self.encoder, cfg.k)
         self.trained = [
@@ -179,7 +209,8 @@ class Trainer:
     def _set_trainable(self) -> None:
         cfg = self.cfg
         self.encoder.model.requires_grad_(cfg.train_query_encoder)
-        self.generator.model.requires_grad_(cfg.train_generator)
+        if self.peft_model is None:  # with an adapter, peft froze the base and not the adapter
+            self.generator.model.requires_grad_(cfg.train_generator)
         self._train_mode()
 
     def _train_mode(self) -> None:
@@ -339,6 +370,9 @@ class Trainer:
             self.step,
             query_encoder=self.encoder if save_q else None,
             generator=self.generator,
+            generator_adapter=(
+                None if self.peft_model is None else GeneratorAdapter(self.peft_model, self.base_id)
+            ),
             base_generator=self.base_generator,
             base_query_encoder=self.base_query_encoder,
             index={"name": self.index.name, "checksum": self.index.manifest.checksum},
