@@ -265,3 +265,25 @@ def make_tiny_causal_lm(
     tokenizer.save_pretrained(out)
     (out / "openbook_prompt.json").write_text(json.dumps(prompt or PROMPT, indent=1))
     return out
+
+
+def make_tiny_adapter(base: Path, out: Path, seed: int = 0) -> Path:
+    """A LoRA adapter of the model at ``base`` (rank 2) with random non-zero updates, so that it
+    changes answers, saved at ``out`` as training saves one (openbook/rag/adapters.py)."""
+    from openbook.rag import RagGenerator
+    from openbook.rag.adapters import LoraSpec, attach_lora, base_identity, save_adapter
+
+    generator = RagGenerator.load(base, dtype="float32")
+    peft_model = attach_lora(generator.model, LoraSpec(rank=2, alpha=4.0))
+    randomize_lora(generator.model, seed)
+    save_adapter(peft_model, out, base_identity(base), str(base))
+    return Path(out)
+
+
+def randomize_lora(model: torch.nn.Module, seed: int) -> None:
+    """Give LoRA's B matrices (zero at the start) random values."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)

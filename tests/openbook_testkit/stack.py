@@ -254,6 +254,10 @@ def serving_gateway(settings, timeout_s: float = 60) -> Iterator[str]:
         thread.join(30)
 
 
+# The default generator (docker-compose.yml), whose adapter the stack serves with it.
+DEFAULT_GENERATOR = "gemma-3-270m"
+
+
 class LocalStack:
     """The whole system started by ``openbook up`` (docker-compose.yml) on free ports.
 
@@ -292,6 +296,8 @@ class LocalStack:
             "OPENBOOK_RETRIEVER_DEFAULT_INDEX": default_index,
             "OPENBOOK_ADMIN_TOKEN": admin_token,
             "OPENBOOK_TRAINER_PREPARE": "none",
+            # the default generator's adapter (compose's default) applies to that model only
+            **({} if generator == DEFAULT_GENERATOR else {"OPENBOOK_GENERATOR_ADAPTER": ""}),
             **(extra_env or {}),
         }
         self.proc: subprocess.Popen | None = None

@@ -28,18 +28,13 @@ def tiny_adapter_checkpoint(root: Path, step: int, base: Path, trained_on: Path 
     """An adapter-only checkpoint (LoRA on the generator, random non-zero updates so that it
     changes answers) of base model ``base``, claiming to be trained on ``trained_on`` (default:
     ``base``; another model makes an adapter for the wrong base)."""
-    import torch
-
     from openbook.checkpoint import GeneratorAdapter
     from openbook.rag.adapters import LoraSpec, attach_lora, base_identity
+    from openbook_testkit.rag import randomize_lora
 
     generator = RagGenerator.load(base, dtype="float32")
     peft_model = attach_lora(generator.model, LoraSpec(rank=2, alpha=4.0))
-    torch.manual_seed(step)
-    with torch.no_grad():
-        for name, param in generator.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
+    randomize_lora(generator.model, step)
     return write_checkpoint(
         root,
         step,

@@ -11,6 +11,7 @@ import threading
 
 from openbook.checkpoint import latest_checkpoint, load_generator, locate_in_root
 from openbook.rag import RagGenerator
+from openbook.rag.adapters import AdapterMismatch
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
     DeferredServicer,
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 def load_initial_generator(settings: GeneratorSettings) -> RagGenerator:
-    """The latest trained checkpoint if there is a good one, else the configured base model."""
+    """The latest trained checkpoint if there is a good one, else the configured model (with
+    its adapter merged in, when one is configured)."""
     device, dtype = settings.device or None, settings.dtype or None
     if settings.load_latest_checkpoint:
         try:
@@ -42,7 +44,24 @@ def load_initial_generator(settings: GeneratorSettings) -> RagGenerator:
                 )
         except ValueError as exc:
             log.error("latest checkpoint refused, serving the base model instead: %s", exc)
-    return RagGenerator.load(settings.model, device=device, dtype=dtype)
+    generator = RagGenerator.load(settings.model, device=device, dtype=dtype)
+    adapter = settings.adapter
+    if adapter is not None and not adapter.is_dir():
+        log.warning(
+            "adapter %s not found (run `openbook demo prepare`): serving %s alone",
+            adapter,
+            settings.model,
+        )
+    elif adapter is not None:
+        try:
+            generator.apply_adapter(adapter, settings.model)
+        except AdapterMismatch as exc:
+            # compose's default adapter is the default model's: another model serves alone
+            log.warning("%s; serving %s alone", exc, settings.model)
+            return generator
+        generator.model_version = f"{generator.model_version}+{adapter.name}"
+        log.info("adapter %s merged into %s", adapter, settings.model)
+    return generator
 
 
 def bind(settings: GeneratorSettings) -> tuple[GrpcService, DeferredServicer]:

@@ -16,6 +16,13 @@ class GeneratorSettings(GrpcServiceSettings):
     port: int = Field(8052, ge=0)  # below the ephemeral range, as the retriever's
     metrics_port: int = Field(9102, ge=0)
     model: Path = Path("var/models/gemma-3-270m")
+    # A LoRA adapter (openbook/rag/adapters.py) merged into the model at start, unless a trained
+    # checkpoint is served instead. docker-compose.yml names the default generator's
+    # (data/adapters/gemma-3-270m-squad, installed by `openbook demo prepare`); None or "": the
+    # model alone (the few-shot prompt). One that is missing, or that was trained on another
+    # model (compose's default when OPENBOOK_GENERATOR_MODEL names another), is skipped with a
+    # warning.
+    adapter: Path | None = None
     device: str = ""  # "": CUDA when present, else CPU
     # The weights' precision: "auto" (CUDA: bf16, fp16 on a GPU without it; CPU: bf16 where the
     # processor has native bf16 arithmetic, AVX512-BF16 / AMX-BF16, else float32), or "float32",
@@ -36,6 +43,11 @@ class GeneratorSettings(GrpcServiceSettings):
     passage_cache_mb: int = Field(256, ge=0)
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
     max_request_s: float = Field(300.0, gt=0)
+
+    @field_validator("adapter", mode="before")
+    @classmethod
+    def _no_adapter(cls, value: object) -> object:
+        return None if value is None or str(value).strip() == "" else value
 
     @field_validator("dtype")
     @classmethod

@@ -44,7 +44,9 @@ def prepare(
 
     from openbook_trainer.demo.indexes import prepare_demo_indexes
     from openbook_trainer.demo.models import (
+        DEFAULT_ADAPTER_DIRNAME,
         DEFAULT_MODEL_DIRNAME,
+        install_default_adapter,
         is_prepared,
         prepare_default_generator,
     )
@@ -73,6 +75,9 @@ def prepare(
         else:
             prepare_default_generator(model_dir, progress=True)
             did.append(f"generator {model_dir}")
+        adapter_dir = models_dir / DEFAULT_ADAPTER_DIRNAME
+        if install_default_adapter(data_dir, model_dir, adapter_dir):
+            did.append(f"adapter {adapter_dir}")
 
     if did:
         typer.echo(f"prepared {', '.join(did)} in {time.monotonic() - start:.0f} s")

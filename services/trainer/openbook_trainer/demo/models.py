@@ -230,3 +230,45 @@ def _make_readable(root: Path) -> None:
     root.chmod(0o755)
     for path in root.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+# The default generator's LoRA adapter, shipped in the repository (data/adapters/<name>) and
+# installed next to the model it applies to (docs/results.md, "Fine-tuning the default").
+DEFAULT_ADAPTER = "gemma-3-270m-squad"
+DEFAULT_ADAPTER_DIRNAME = "gemma-3-270m-squad-lora"
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "openbook_adapter.json")
+
+
+def install_default_adapter(
+    data_dir: Path, model_dir: Path, out_dir: Path, *, progress: bool = True
+) -> bool:
+    """Copy the shipped adapter to ``out_dir`` once its base is checked to be ``model_dir``;
+    True when it was (re)installed. An adapter whose base is not the prepared model (a
+    conversion that came out different) is not installed: the generator then serves the model
+    alone, with a warning, rather than refusing to start."""
+    from openbook.artifacts import sha256_file
+    from openbook.rag.adapters import AdapterMismatch, check_base
+
+    log = _stderr if progress else _quiet
+    source = Path(data_dir) / "adapters" / DEFAULT_ADAPTER
+    if not source.is_dir():
+        log(f"no adapter shipped at {source}: the generator serves the few-shot prompt")
+        return False
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and all(
+        (out_dir / name).is_file() and sha256_file(out_dir / name) == sha256_file(source / name)
+        for name in _ADAPTER_FILES
+    ):
+        log(f"adapter already installed at {out_dir}")
+        return False
+    try:
+        check_base(source, model_dir)
+    except AdapterMismatch as e:
+        log(f"warning: adapter not installed: {e}")
+        return False
+    with staging_dir(out_dir) as tmp:
+        for name in _ADAPTER_FILES:
+            shutil.copyfile(source / name, tmp / name)
+        publish(tmp, out_dir, replace=True, before_rename=_make_readable)
+    log(f"adapter installed at {out_dir}")
+    return True

@@ -47,7 +47,7 @@ class FinetuneConfig:
     steps: int = 60
     batch_size: int = 4
     lr_generator: float = 1e-3
-    lr_query_encoder: float = 1e-5
+    lr_query_encoder: float = 3e-5  # the paper's learning rate
     lora_rank: int = 16
     lora_alpha: float = 32.0
     max_new_tokens: int = 16
@@ -237,6 +237,7 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
             )
             adapter = ckpt / "generator_adapter" / "adapter_model.safetensors"
             result.adapter_bytes = adapter.stat().st_size
+            del loaded  # not held while the next run trains
     (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result
 
