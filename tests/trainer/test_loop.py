@@ -117,7 +117,21 @@ def test_bad_setup_is_reported(make_cfg, task):
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         if torch.cuda.is_available():
             raise ConfigError("needs a CUDA device (skipped on GPU machines)")
-        train(make_cfg(precision="bf16"))
+        train(make_cfg(precision="fp16"))
+
+
+def test_cpu_autocast_follows_the_processor(monkeypatch):
+    from openbook_trainer import loop
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: True)
+    assert loop._pick_amp_dtype("auto", cpu) == torch.bfloat16
+    assert loop._pick_amp_dtype("bf16", cpu) == torch.bfloat16
+    assert loop._pick_amp_dtype("fp32", cpu) is None
+    monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: False)
+    assert loop._pick_amp_dtype("auto", cpu) is None
+    with pytest.raises(ConfigError, match="native bf16"):
+        loop._pick_amp_dtype("bf16", cpu)
 
 
 def test_causal_lm_generator(make_cfg, tmp_path):

@@ -53,6 +53,7 @@ from openbook.rag.adapters import (
     check_base,
     load_trainable,
 )
+from openbook.rag.loading import cpu_has_native_bf16
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.data import (
     TrainPair,
@@ -451,13 +452,18 @@ def _pick_device(name: str | None) -> torch.device:
 
 
 def _pick_amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """Autocast dtype; weights and optimizer state stay float32 (mixed precision)."""
+    """Autocast dtype; weights and optimizer state stay float32 (mixed precision). On the CPU,
+    bf16 where the processor computes it natively (AVX512-BF16, AMX-BF16), else float32."""
     if precision == "fp32":
         return None
     if device.type != "cuda":
-        if precision != "auto":
-            raise ConfigError(f"precision {precision!r} needs a CUDA device")
-        return None
+        native = cpu_has_native_bf16()
+        if precision == "fp16" or (precision == "bf16" and not native):
+            raise ConfigError(
+                f"precision {precision!r} needs a CUDA device"
+                + (" (or, for bf16, a CPU with native bf16)" if precision == "bf16" else "")
+            )
+        return torch.bfloat16 if native else None
     if precision == "fp16":
         return torch.float16
     if precision == "bf16" or torch.cuda.is_bf16_supported():
