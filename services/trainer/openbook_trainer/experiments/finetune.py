@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from openbook_trainer.evaluation.metrics import exact_match, f1_score, has_answer
-from openbook_trainer.experiments.records import ResultLog
+from openbook_trainer.evaluation.metrics import answer_recall_at_k
+from openbook_trainer.experiments.records import ResultLog, em_f1, qa_row
 
 
 @dataclass
@@ -152,36 +152,22 @@ def _evaluate(
     from openbook.rag import DecodingOptions
 
     options = DecodingOptions(mode=config.mode, max_new_tokens=config.max_new_tokens)
-    ems, f1s = [], []
+    rows = []
     for q in tqdm(dev, desc=name, unit="q"):
         key = f"{name}|{generator.model_version}|{q['id']}"
         row = log.get(key)
         if row is None:
             passages = retrieve([q["question"]])[0]
             answer = generator.generate(q["question"], passages, options).hypotheses[0].text
-            row = {
-                "question": q["question"],
-                "answer": answer,
-                "gold": q["answers"],
-                "em": exact_match(answer, q["answers"]),
-                "f1": f1_score(answer, q["answers"]),
-            }
+            row = qa_row(q, answer)
             log.add(key, row)
-        ems.append(row["em"])
-        f1s.append(row["f1"])
-    return {"em": 100.0 * sum(ems) / len(ems), "f1": 100.0 * sum(f1s) / len(f1s)}
+        rows.append(row)
+    return em_f1(rows)
 
 
 def _recall(retrieved: list[list], dev: list[dict], ks: tuple[int, ...]) -> dict[int, float]:
-    return {
-        k: 100.0
-        * sum(
-            any(has_answer(p.text, q["answers"]) for p in passages[:k])
-            for q, passages in zip(dev, retrieved, strict=True)
-        )
-        / len(dev)
-        for k in ks
-    }
+    texts = [[p.text for p in passages] for passages in retrieved]
+    return {k: answer_recall_at_k(texts, [q["answers"] for q in dev], k) for k in ks}
 
 
 def run_finetune(config: FinetuneConfig) -> FinetuneResult:

@@ -15,8 +15,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from openbook.types import Passage
-from openbook_trainer.evaluation.metrics import exact_match, f1_score, has_answer
-from openbook_trainer.experiments.records import ResultLog
+from openbook_trainer.evaluation.metrics import answer_recall_at_k
+from openbook_trainer.experiments.records import ResultLog, em_f1, qa_row
 
 # A single empty passage: the generator's own prompt with nothing retrieved (closed book).
 NO_PASSAGE = Passage(id="closed-book", title="", text="", score=0.0)
@@ -95,17 +95,11 @@ def run_open_qa(config: OpenQAConfig, out_dir: Path) -> OpenQAResult:
         }
     )
     for kind in retrieved:
-        result.retrieval[kind] = {
-            k: 100.0
-            * sum(
-                any(has_answer(p.text, q["answers"]) for p in passages[:k])
-                for q, passages in zip(questions, retrieved[kind], strict=True)
-            )
-            / len(questions)
-            for k in config.ks
-        }
+        texts = [[p.text for p in passages] for passages in retrieved[kind]]
+        golds = [q["answers"] for q in questions]
+        result.retrieval[kind] = {k: answer_recall_at_k(texts, golds, k) for k in config.ks}
     for system in config.systems():
-        ems, f1s = [], []
+        rows = []
         mode = "rag-token" if system.mode == "closed-book" else system.mode
         options = DecodingOptions(mode=mode, num_beams=1, max_new_tokens=config.max_new_tokens)
         for i, q in enumerate(tqdm(questions, desc=system.name, unit="q")):
@@ -125,20 +119,10 @@ def run_open_qa(config: OpenQAConfig, out_dir: Path) -> OpenQAResult:
                     ]
                 )
                 answer = generator.generate(q["question"], passages, options).hypotheses[0].text
-                row = {
-                    "question": q["question"],
-                    "answer": answer,
-                    "gold": q["answers"],
-                    "em": exact_match(answer, q["answers"]),
-                    "f1": f1_score(answer, q["answers"]),
-                }
+                row = qa_row(q, answer)
                 log.add(key, row)
-            ems.append(row["em"])
-            f1s.append(row["f1"])
-        result.scores[system.name] = {
-            "em": 100.0 * sum(ems) / len(ems),
-            "f1": 100.0 * sum(f1s) / len(f1s),
-        }
+            rows.append(row)
+        result.scores[system.name] = em_f1(rows)
     return result
 
 
