@@ -132,13 +132,7 @@ def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, C
                 time.sleep(1.0)  # as Retry-After says
         conn.close()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return latencies, server, statuses, time.perf_counter() - started
+    return latencies, server, statuses, run_clients(client, clients)
 
 
 class PeakRss:
@@ -467,3 +461,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_clients(client, clients: int) -> float:
+    """Run ``client(i)`` for i < ``clients`` in as many threads at once; the seconds it took."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started

@@ -61,6 +61,7 @@ from bench.load.run import (  # noqa: E402
     LocalStack,
     demo_questions,
     prepare,
+    run_clients,
 )
 from openbook_testkit.sse import read_events  # noqa: E402
 
@@ -199,13 +200,7 @@ def drive(port: int, clients: int, seconds: float, body) -> tuple[list[Sample], 
             pair += 1
         conn.close()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return samples, time.perf_counter() - started
+    return samples, run_clients(client, clients)
 
 
 def _pct(values: list[float], q: float) -> float:
