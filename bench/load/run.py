@@ -96,6 +96,17 @@ def _mean_batch(before, after, service: str) -> float:
     return total / count if count else 0.0
 
 
+def run_clients(client, clients: int) -> float:
+    """Run ``client(i)`` for i < ``clients`` in as many threads at once; the seconds it took."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
 def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, Counter, float]:
     """``clients`` threads, each with one keep-alive connection (``http.client``: the leanest
     client, so the load generator takes little CPU from the stack it measures). Returns the
@@ -461,14 +472,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def run_clients(client, clients: int) -> float:
-    """Run ``client(i)`` for i < ``clients`` in as many threads at once; the seconds it took."""
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - started
