@@ -597,3 +597,71 @@ def test_index_build_job_builds_then_shards_for_real(tmp_path):
     assert again.returncode == 1
     assert "skipping the build" in again.stdout
     assert "exists: build under a new INDEX_NAME" in again.stderr
+
+
+def test_distributed_training_job_runs_torchrun_for_real(tmp_path):
+    """The multi-node training Job: pods find pod 0 through the headless Service, and the
+    container's script is torchrun running `openbook train` (here: one node of two ranks on the
+    CPU, rendezvous on localhost) to a checkpoint."""
+    import socket
+
+    from openbook.checkpoint import latest_checkpoint
+    from openbook_trainer.experiments.synthetic import make_task
+
+    objs = _load(K8S / "jobs" / "trainer-distributed.yaml")
+    service, job = by_kind(objs, "Service"), by_kind(objs, "Job")
+    (svc_name, svc), (job_name, job) = *service.items(), *job.items()
+    pod = job["spec"]["template"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["subdomain"] == svc_name
+    assert job["spec"]["completionMode"] == "Indexed"
+    container = containers(job)[0]
+    env = {v["name"]: v["value"] for v in container["env"]}
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == int(env["NNODES"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == int(env["NPROC_PER_NODE"])
+    assert env["RDZV_HOST"] == f"{job_name}-0.{svc_name}"  # Indexed Job pod 0's DNS name
+    assert {p["port"] for p in svc["spec"]["ports"]} == {int(env["RDZV_PORT"])}
+
+    task = make_task(tmp_path / "task", n_entities=6)
+    config = tmp_path / "train.yaml"
+    out = tmp_path / "checkpoints"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "train": str(task.train),
+                "index": str(task.index),
+                "generator": str(task.generator),
+                "out": str(out),
+                "k": 2,
+                "batch_size": 4,
+                "steps": 2,
+                "dist_timeout": 120,
+            }
+        )
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")},
+        **env,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "NNODES": "1",
+        "NPROC_PER_NODE": "2",
+        "RDZV_HOST": "127.0.0.1",
+        "RDZV_PORT": str(port),
+        "TRAIN_DEVICE": "cpu",
+        "TRAIN_CONFIG": str(config),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        ["/bin/sh", "-c", _script(job)], env=run_env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and ckpt.name == "step-000002"
+    import torch
+
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2

@@ -71,6 +71,14 @@ def train_command(
     save_every: int | None = typer.Option(None, "--save-every", help="steps; 0: at end only"),
     keep_last: int | None = typer.Option(None, "--keep-last", help="checkpoints kept"),
     seed: int | None = typer.Option(None, "--seed"),
+    shard_optimizer: bool | None = typer.Option(
+        None,
+        "--shard-optimizer/--no-shard-optimizer",
+        help="under torchrun: shard the Adam state across ranks (ZeRO-1)",
+    ),
+    dist_timeout: float | None = typer.Option(
+        None, "--dist-timeout", help="seconds a rank waits for the others (1800)"
+    ),
     resume: bool | None = typer.Option(
         None, "--resume/--no-resume", help="continue from OUT/latest (default: resume)"
     ),
@@ -95,6 +103,7 @@ def train_command(
     from openbook.index import IndexLoadError
     from openbook.rag import ModelLoadError
     from openbook_trainer.config import ConfigError, TrainConfig
+    from openbook_trainer.distributed import DistributedError
     from openbook_trainer.evaluation.data import DataError
 
     try:
@@ -106,7 +115,14 @@ def train_command(
 
     try:
         result = run_training(cfg)
-    except (ConfigError, CheckpointError, DataError, IndexLoadError, ModelLoadError) as e:
+    except (
+        ConfigError,
+        CheckpointError,
+        DataError,
+        DistributedError,
+        IndexLoadError,
+        ModelLoadError,
+    ) as e:
         _fail(str(e), code=1)
     except KeyboardInterrupt:
         typer.echo(

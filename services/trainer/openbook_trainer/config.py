@@ -72,6 +72,14 @@ class TrainConfig(BaseModel):
     device: str | None = None
     seed: int = 0
 
+    # --- several processes (torchrun; openbook_trainer/distributed.py)
+    shard_optimizer: bool = Field(
+        False, description="under torchrun: ZeRO-1, each rank holds 1/world of the Adam state"
+    )
+    dist_timeout: float = Field(
+        1800.0, gt=0, description="seconds a rank waits in a collective before failing"
+    )
+
     # --- evaluation, checkpoints
     eval_every: int = Field(0, ge=0, description="steps between dev evaluations; 0: at end")
     eval_max_examples: int | None = Field(500, ge=1)

@@ -12,6 +12,11 @@ Per micro-batch of B (input x, target y) pairs:
 c is the index's score_scale (1 for DPR-style inner products, 20 for cosine encoders).
 The NLL reaches the query encoder only through p(z|x): passages under which the generator finds
 y likely gain prior mass. No retrieval supervision is used.
+
+Under ``torchrun`` the same loop is data parallel (openbook_trainer/distributed.py): every rank
+takes its part of each global micro-batch, retrieves for it from its own copy of the index, and
+DDP averages the gradients; rank 0 alone logs and writes checkpoints. Training results do not
+depend on the number of processes, up to float rounding.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from tqdm.auto import tqdm
 
 from openbook.artifacts import clean_stale_partials, sha256_file
@@ -62,6 +68,7 @@ from openbook_trainer.data import (
     read_examples,
     training_pairs,
 )
+from openbook_trainer.distributed import World, rank_device, world_from_env
 from openbook_trainer.evaluation.runner import predict_local, score_predictions
 from openbook_trainer.retrieval import DenseRetrieval
 
@@ -84,18 +91,23 @@ def train(cfg: TrainConfig, *, on_step: StepHook | None = None) -> TrainResult:
 
     ``on_step(step, loss)`` runs after every optimizer step, before evaluation and saving.
     """
-    trainer = Trainer(cfg)
+    world = world_from_env(cfg.device, cfg.dist_timeout)
     try:
-        return trainer.run(on_step)
+        trainer = Trainer(cfg, world)
+        try:
+            return trainer.run(on_step)
+        finally:
+            trainer.index.close()
     finally:
-        trainer.index.close()
+        world.close()
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, world: World | None = None) -> None:
         self.cfg = cfg
+        self.world = world or World()
         _seed_everything(cfg.seed)
-        self.device = _pick_device(cfg.device)
+        self.device = _pick_device(rank_device(self.world, cfg.device))
         self.amp_dtype = _pick_amp_dtype(cfg.precision, self.device)
 
         self.index = _open_dense_index(cfg)
@@ -120,10 +132,13 @@ class Trainer:
             assert cfg.epochs is not None
             self.total_steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
 
-        # A run killed mid-save left its partial .tmp- directory behind: clear those before
-        # resuming or saving, but never a live writer's (another trainer may share this root).
-        clean_stale_partials(cfg.out)
-        resume_from = self._resume_point()
+        world = self.world
+        # Ranks that trained on different files or indexes would average meaningless gradients.
+        world.agree("the training data (sha256)", self.data_sha256)
+        world.agree("the index (checksum)", self.index.manifest.checksum)
+        # Rank 0 alone looks at the checkpoint root (and clears what killed writers left); the
+        # others start from what it found, or fail with the same error.
+        resume_from = world.from_main(self._resume_point)
         self.base_generator = str(Path(cfg.generator).resolve())
         base_q = (
             cfg.query_encoder or self.index.manifest.query_encoder or self.index.manifest.encoder
@@ -173,8 +188,9 @@ class Trainer:
             if on
         ]
         self._set_trainable()
+        self.ddp = self._data_parallel()
 
-        self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=cfg.weight_decay)
+        self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.scaler = torch.amp.GradScaler(
             self.device.type, enabled=self.amp_dtype == torch.float16
@@ -184,9 +200,16 @@ class Trainer:
         self.metrics: dict[str, float] = {}
         if resume_from is not None:
             self._restore(resume_from)
+        elif world.distributed:
+            # Dropout masks must differ between ranks (the models are already identical:
+            # DDP broadcast rank 0's weights). Restored runs restore each rank's own state.
+            _seed_everything(cfg.seed + world.rank)
 
     def _resume_point(self) -> Path | None:
         cfg = self.cfg
+        # A run killed mid-save left its partial .tmp- directory behind: clear those before
+        # resuming or saving, but never a live writer's (another trainer may share this root).
+        clean_stale_partials(cfg.out)
         if not cfg.resume:
             return None
         ckpt = latest_checkpoint(cfg.out)
@@ -230,6 +253,32 @@ class Trainer:
             groups.append({"params": params, "lr": cfg.lr_generator, "name": "generator"})
         return groups
 
+    def _data_parallel(self) -> torch.nn.parallel.DistributedDataParallel | None:
+        """DDP over both models (only what requires grad is synchronised), or None alone."""
+        if not self.world.distributed:
+            return None
+        on_cuda = self.device.type == "cuda"
+        return torch.nn.parallel.DistributedDataParallel(
+            _RagLoss(self),
+            device_ids=[self.device] if on_cuda else None,
+            # Parameters the objective never reaches (a BERT pooler behind mean pooling, a
+            # frozen part) must not stall the gradient reduction.
+            find_unused_parameters=True,
+        )
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW; with ``shard_optimizer`` under torchrun, ZeRO-1: every rank keeps the Adam
+        moments of 1/world of the parameters (for generators whose optimizer state does not
+        fit one device), and the updated weights are broadcast after each step."""
+        cfg = self.cfg
+        if cfg.shard_optimizer and self.world.distributed:
+            return ZeroRedundancyOptimizer(
+                self._param_groups(),
+                optimizer_class=torch.optim.AdamW,
+                weight_decay=cfg.weight_decay,
+            )
+        return torch.optim.AdamW(self._param_groups(), weight_decay=cfg.weight_decay)
+
     def _lr_factor(self, step: int) -> float:
         """Linear warm-up, then linear decay to 0 at the last step (as RAG's fine-tuning)."""
         warm = self.cfg.warmup_steps
@@ -251,7 +300,7 @@ class Trainer:
             initial=self.step,
             desc="train",
             unit="step",
-            disable=not cfg.progress,
+            disable=not (cfg.progress and self.world.is_main),
             dynamic_ncols=True,
         )
         ema: float | None = None
@@ -269,7 +318,8 @@ class Trainer:
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
                     self.metrics = {"train_loss": ema, **self.evaluate()}
                     self._log({"step": self.step, **self.metrics})
-                    bar.write(f"step {self.step}: " + _fmt(self.metrics))
+                    if self.world.is_main:
+                        bar.write(f"step {self.step}: " + _fmt(self.metrics))
                 if (cfg.save_every and self.step % cfg.save_every == 0) or last:
                     ckpt = self.save()
         finally:
@@ -277,15 +327,26 @@ class Trainer:
         return TrainResult(self.step, loss, self.metrics, ckpt)
 
     def optimizer_step(self) -> float:
-        """grad_accum micro-batches, then one (clipped, scaled) AdamW update; returns mean loss."""
+        """grad_accum micro-batches, then one (clipped, scaled) AdamW update; returns mean loss.
+
+        Each micro-batch's loss is its mean NLL over the *global* micro-batch, whichever part of
+        it this rank computed; gradients are averaged across ranks at the last micro-batch.
+        """
         cfg = self.cfg
-        total = 0.0
-        for _ in range(cfg.grad_accum):
+        total = 0.0  # this rank's share of the summed micro-batch means
+        for j in range(cfg.grad_accum):
             batch = batch_at(self.pairs, self.cursor, cfg.batch_size, cfg.seed)
             self.cursor += 1
-            loss = self.batch_loss(batch)
-            self.scaler.scale(loss / cfg.grad_accum).backward()
-            total += float(loss.detach())
+            rows, counted = self.world.part(batch)
+            weight = self.world.loss_weight(len(batch)) / cfg.grad_accum if counted else 0.0
+            last = j == cfg.grad_accum - 1
+            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+            with sync:
+                nll = self._summed_nll(rows)
+                self.scaler.scale(nll * weight).backward()
+            if counted:
+                total += float(nll.detach()) / len(batch)
+        total = self.world.sum(total)
         self.scaler.unscale_(self.optimizer)
         if cfg.max_grad_norm > 0:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -296,8 +357,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return total / cfg.grad_accum
 
-    def batch_loss(self, batch: list[TrainPair]) -> torch.Tensor:
-        """Mean over the batch of -log p(y|x) (marginalised over the k retrieved passages)."""
+    def _summed_nll(self, batch: list[TrainPair]) -> torch.Tensor:
+        """Sum over ``batch`` of -log p(y|x); under torchrun through DDP, whose forward pass
+        readies the gradient reduction of the backward pass that follows."""
+        if self.ddp is not None and torch.is_grad_enabled():
+            return self.ddp(batch)
+        return self.summed_nll(batch)
+
+    def summed_nll(self, batch: list[TrainPair]) -> torch.Tensor:
+        """Sum over the batch of -log p(y|x) (marginalised over the k retrieved passages)."""
         cfg = self.cfg
         questions = [p.question for p in batch]
         targets = [p.target for p in batch]
@@ -315,7 +383,7 @@ class Trainer:
                 reduce_loss=True,
                 exclude_bos_score=cfg.exclude_bos_score,
             )
-        return nll / len(batch)
+        return nll
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
@@ -325,48 +393,67 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> dict[str, float]:
-        """Dev loss, task metrics (EM/F1, BLEU/ROUGE-L or accuracy) and recall@1/k."""
+        """Dev loss, task metrics (EM/F1, BLEU/ROUGE-L or accuracy) and recall@1/k.
+
+        Under torchrun every rank evaluates every world_size-th example; the losses are summed
+        and the predictions gathered, so every rank scores the whole dev set.
+        """
         if not self.dev:
             return {}
-        cfg = self.cfg
+        cfg, world = self.cfg, self.world
+        mine = self.dev[world.rank :: world.world_size]
         self.encoder.model.eval()
         self.generator.model.eval()
         self.generator.refresh()
         try:
             with torch.no_grad():
-                dev_pairs = training_pairs(self.dev, "first")
-                losses = [
-                    float(self.batch_loss(dev_pairs[i : i + cfg.batch_size]))
-                    * len(dev_pairs[i : i + cfg.batch_size])
+                dev_pairs = training_pairs(mine, "first")
+                loss = sum(
+                    float(self.summed_nll(dev_pairs[i : i + cfg.batch_size]))
                     for i in range(0, len(dev_pairs), cfg.batch_size)
-                ]
+                )
             options = DecodingOptions(
                 mode=cfg.eval_decoding,
                 num_beams=cfg.eval_num_beams,
                 max_new_tokens=cfg.eval_max_new_tokens,
             )
             preds = predict_local(
-                self.dev,
+                mine,
                 retrieve=self.retrieval.search,
                 generator=self.generator,
                 options=options,
                 batch_size=cfg.batch_size,
             )
-            scores = score_predictions(cfg.task, self.dev, preds, cfg.k)
         finally:
             self._train_mode()
-        out = {"dev_loss": sum(losses) / len(dev_pairs)}
+        per_rank = world.gather(preds)
+        ordered = [None] * len(self.dev)
+        for r, rank_preds in enumerate(per_rank):
+            ordered[r :: world.world_size] = rank_preds
+        scores = score_predictions(cfg.task, self.dev, ordered, cfg.k)
+        out = {"dev_loss": world.sum(loss) / len(self.dev)}
         out.update({f"dev_{k}": v for k, v in scores.items() if k != "n"})
         return out
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
-        cfg = self.cfg
+        """Write a checkpoint (rank 0; every rank takes part in gathering its state and waits
+        for it to be in place) and return its path."""
+        cfg, world = self.cfg, self.world
         # An explicitly chosen query encoder must travel with the checkpoint even when frozen,
         # or the serving retriever would fall back to the index's own encoder.
         save_q = cfg.train_query_encoder or cfg.query_encoder is not None
-        path = write_checkpoint(
+        rng_by_rank = world.gather(_rng_state())
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self.optimizer.consolidate_state_dict(to=0)  # a collective: every rank
+        path = world.from_main(lambda: self._write(save_q, rng_by_rank))
+        log.info("saved %s", path)
+        return path
+
+    def _write(self, save_q: bool, rng_by_rank: list[dict[str, Any]]) -> Path:
+        cfg = self.cfg
+        return write_checkpoint(
             cfg.out,
             self.step,
             query_encoder=self.encoder if save_q else None,
@@ -381,31 +468,37 @@ class Trainer:
             metrics=self.metrics,
             trained=self.trained,
             config=cfg.model_dump(mode="json"),
-            trainer_state=self._trainer_state(),
+            trainer_state=self._trainer_state(rng_by_rank),
             generator_source=Path(cfg.generator),
             keep_last=cfg.keep_last,
         )
-        log.info("saved %s", path)
-        return path
 
-    def _trainer_state(self) -> dict[str, Any]:
-        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
+    def _trainer_state(self, rng_by_rank: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "step": self.step,
             "cursor": self.cursor,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": rng,
+            "rng": rng_by_rank[0],
+            # every rank's generators: dropout on rank r continues where it stopped
+            "rng_by_rank": rng_by_rank,
+            "world_size": self.world.world_size,
             "metrics": dict(self.metrics),
         }
 
     def _restore(self, ckpt: Path) -> None:
         path = trainer_state_path(ckpt)
+        state = load_trainer_state(ckpt)
+        # Checkpoints from before distributed training have no world_size: one process.
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != self.world.world_size:
+            raise ConfigError(
+                f"{ckpt} was written by a run of {saved_world} process(es) and this run has "
+                f"{self.world.world_size}: resume with the same torchrun --nnodes x "
+                "--nproc_per_node, or start anew with --no-resume or another --out"
+            )
         try:
-            state = load_trainer_state(ckpt)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.scaler.load_state_dict(state["scaler"])
@@ -417,7 +510,7 @@ class Trainer:
         self.step = int(state["step"])
         self.cursor = int(state["cursor"])
         self.metrics = dict(state.get("metrics", {}))
-        rng = state["rng"]
+        rng = state.get("rng_by_rank", [state["rng"]])[self.world.rank]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if "cuda" in rng and torch.cuda.is_available():
@@ -425,12 +518,35 @@ class Trainer:
         log.info("resumed from %s at step %d", ckpt, self.step)
 
     def _log(self, row: dict[str, Any]) -> None:
+        if not self.world.is_main:
+            return
         self.cfg.out.mkdir(parents=True, exist_ok=True)
         with open(self.cfg.out / TRAIN_LOG, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class _RagLoss(torch.nn.Module):
+    """The query encoder and the generator as one module whose forward is the summed NLL of a
+    batch of pairs: the unit DDP wraps (its parameters are both models' parameters)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__()
+        self.query_encoder = trainer.encoder.model
+        self.generator = trainer.generator.model
+        self._summed_nll = trainer.summed_nll
+
+    def forward(self, batch: list[TrainPair]) -> torch.Tensor:
+        return self._summed_nll(batch)
+
+
+def _rng_state() -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -1,0 +1,41 @@
+"""``openbook train`` as torchrun runs it, except that one rank SIGKILLs itself after a step.
+
+    torchrun ... tests/trainer/ddp_worker.py --kill-rank R --kill-at-step S -- train <flags>
+
+The kill comes after the step's checkpoint (if one is due), as a crash of that rank would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import openbook_trainer.loop as loop
+from openbook_trainer.__main__ import command_group
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kill-rank", type=int, required=True)
+    parser.add_argument("--kill-at-step", type=int, required=True)
+    parser.add_argument("argv", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    rank = int(os.environ["RANK"])
+    real_train = loop.train
+
+    def killed_at(step: int, loss: float) -> None:
+        if rank == args.kill_rank and step == args.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def train(cfg, *, on_step=None):  # type: ignore[no-untyped-def]
+        return real_train(cfg, on_step=killed_at)
+
+    loop.train = train
+    sys.exit(command_group().main(args=argv, prog_name="openbook-trainer"))
+
+
+if __name__ == "__main__":
+    main()
