@@ -32,7 +32,13 @@ from tqdm.auto import tqdm
 from openbook.artifacts import clean_stale_partials, partial_dir, publish, sha256_file
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, build_bm25
-from openbook.index.encoders import DEFAULT_ENCODER, Encoder, encoder_id, load_encoder
+from openbook.index.encoders import (
+    DEFAULT_ENCODER,
+    Encoder,
+    encoder_id,
+    load_encoder,
+    resolve_precision,
+)
 from openbook.index.manifest import (
     MANIFEST,
     Manifest,
@@ -47,7 +53,6 @@ INDEX_TYPES = (*faiss_index.DENSE_TYPES, "bm25")
 PASSAGES_FILE = "passages.sqlite"
 VECTORS_FILE = "vectors.npy"
 _STATE = "_build"  # scratch space inside the partial dir, removed before the final rename
-_ENCODE_CHUNK_BATCHES = 16  # encode() calls per progress-bar update
 
 
 def _encoding_device(device: str | None) -> torch.device:
@@ -86,10 +91,13 @@ def build_index(
     overwrite: bool = False,
     device: str | None = None,
     score_scale: float | None = None,
+    precision: str = "auto",
 ) -> Manifest:
     """Build an index directory at ``out_dir`` and return its manifest. See module docstring.
 
     ``device`` (e.g. ``cuda``) runs the document encoder there; the default is the CPU.
+    ``precision`` is the dtype it runs in (:func:`openbook.index.encoders.resolve_precision`:
+    ``auto`` is float32 on the CPU, bfloat16 or float16 on CUDA).
     ``score_scale`` multiplies every returned score (default: :func:`default_score_scale`).
     """
     t0 = time.monotonic()
@@ -97,24 +105,14 @@ def build_index(
     inputs = [Path(p) for p in inputs]
     _check_args(inputs, out_dir, name, index_type, input_format, batch_size, shard_size, overwrite)
     _check_index_options(hnsw_transform, rerank, score_scale)
-    dense = index_type != "bm25"
 
+    source: VectorSource | None = None
     doc_enc: Encoder | None = None
-    q_name: str | None = None
-    if dense:
-        encode_on = _encoding_device(device)
-        # A private copy when it moves: the shared one may serve queries on the CPU.
-        doc_enc = load_encoder(encoder, role="document", cached=encode_on.type == "cpu")
-        doc_enc.model.to(encode_on)
-        q_name = encoder_id(query_encoder) if query_encoder else doc_enc.name
-        q_enc = load_encoder(query_encoder, role="query") if query_encoder else doc_enc
-        if q_enc.dim != doc_enc.dim:
-            raise ValueError(
-                f"query encoder {q_enc.name!r} dim {q_enc.dim} != document encoder "
-                f"{doc_enc.name!r} dim {doc_enc.dim}"
-            )
-        if index_type == "ivfpq" and pq_m is not None and doc_enc.dim % pq_m:
-            raise ValueError(f"pq_m={pq_m} must divide the encoder dim {doc_enc.dim}")
+    if index_type != "bm25":
+        doc_enc, q_name, precision = document_encoder(
+            encoder, query_encoder, device, precision, index_type=index_type, pq_m=pq_m
+        )
+        source = encoder_source(doc_enc, q_name, batch_size, precision)
 
     if score_scale is None:
         score_scale = default_score_scale(doc_enc)
@@ -126,7 +124,7 @@ def build_index(
             index_type=index_type,
             input_format=input_format,
             max_words=max_words,
-            vectors=_encoder_source(doc_enc, q_name, batch_size) if doc_enc else None,
+            vectors=source,
             shard_size=shard_size,
             progress=progress,
             hnsw_m=hnsw_m,
@@ -140,6 +138,34 @@ def build_index(
             score_scale=score_scale,
             t0=t0,
         )
+
+
+def document_encoder(
+    encoder: str,
+    query_encoder: str | None,
+    device: str | None,
+    precision: str,
+    *,
+    index_type: str,
+    pq_m: int | None = None,
+) -> tuple[Encoder, str, str]:
+    """The document encoder on its device, the query encoder's manifest name, and the resolved
+    precision; the query encoder must have the document encoder's dim."""
+    encode_on = _encoding_device(device)
+    precision = resolve_precision(precision, encode_on)
+    # A private copy when it moves: the shared one may serve queries on the CPU.
+    doc_enc = load_encoder(encoder, role="document", cached=encode_on.type == "cpu")
+    doc_enc.model.to(encode_on)
+    q_name = encoder_id(query_encoder) if query_encoder else doc_enc.name
+    q_enc = load_encoder(query_encoder, role="query") if query_encoder else doc_enc
+    if q_enc.dim != doc_enc.dim:
+        raise ValueError(
+            f"query encoder {q_enc.name!r} dim {q_enc.dim} != document encoder "
+            f"{doc_enc.name!r} dim {doc_enc.dim}"
+        )
+    if index_type == "ivfpq" and pq_m is not None and doc_enc.dim % pq_m:
+        raise ValueError(f"pq_m={pq_m} must divide the encoder dim {doc_enc.dim}")
+    return doc_enc, q_name, precision
 
 
 # The similarity scale that sentence-transformers' MultipleNegativesRankingLoss trains with
@@ -216,11 +242,18 @@ def _build_locked(
     score_scale: float,
     t0: float,
     passages: Callable[[], Iterator[Passage]] | None = None,
+    shard: dict | None = None,
+    fingerprint_extra: dict | None = None,
 ) -> Manifest:
-    """``passages``: where the passages come from if not ``read_passages(inputs, ...)``."""
+    """``passages``: where the passages come from if not ``read_passages(inputs, ...)``.
+    ``shard``: the manifest's ``shard`` field (a slice of a parallel build). Anything else the
+    passages or vectors depend on goes in ``fingerprint_extra``, so that a partial build of
+    something else is never resumed."""
     work = partial_dir(out_dir)
     state = work / _STATE
-    fingerprint = _fingerprint(inputs, input_format, max_words, vectors, shard_size)
+    fingerprint = _fingerprint(
+        inputs, input_format, max_words, vectors, shard_size, fingerprint_extra
+    )
     _prepare_workdir(work, state, fingerprint)
 
     try:
@@ -271,6 +304,7 @@ def _build_locked(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         input_format=input_format,
         max_words=max_words,
+        shard=shard,
     )
     # An old version moved aside by a publish that was interrupted: nothing else removes it.
     clean_stale_partials(out_dir.parent, name=out_dir.name)
@@ -323,6 +357,7 @@ def _fingerprint(
     max_words: int,
     vectors: VectorSource | None,
     shard_size: int,
+    extra: dict | None = None,
 ) -> str:
     """Identifies what the partial dir's passages and shards were computed from."""
     desc = {
@@ -337,6 +372,8 @@ def _fingerprint(
         desc["vector_inputs"] = [
             (str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in vectors.inputs
         ]
+    if extra:
+        desc["extra"] = extra
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
@@ -416,26 +453,38 @@ class VectorSource:
     inputs: tuple[Path, ...] = ()  # files the vectors are read from, if any
 
 
-def _encoder_source(enc: Encoder, q_name: str | None, batch_size: int) -> VectorSource:
+def encoder_source(
+    enc: Encoder, q_name: str | None, batch_size: int, precision: str = "float32"
+) -> VectorSource:
+    """Vectors from ``enc`` run over the passages in ``precision`` (a resolved name)."""
+
     def produce(store, spans, todo, update):  # type: ignore[no-untyped-def]
         for i in todo:
             a, b = spans[i]
-            vecs = np.empty((b - a, enc.dim), dtype=np.float32)
-            pos = 0
-            for rows in store.iter_batches(a, b, batch=batch_size * _ENCODE_CHUNK_BATCHES):
-                titles = [r[0] for r in rows]
-                texts = [r[1] for r in rows]
-                vecs[pos : pos + len(rows)] = enc.encode(texts, batch_size, titles=titles)
-                pos += len(rows)
-                update(len(rows))
+            rows = [row for batch in store.iter_batches(a, b) for row in batch]
+            # One call per embedding shard: the encoder sorts by length across the whole shard
+            # (fuller batches than a smaller window) and tokenizes ahead of the model.
+            vecs = enc.encode(
+                [r[1] for r in rows],
+                batch_size,
+                titles=[r[0] for r in rows],
+                precision=precision,
+                on_progress=update,
+            )
             yield i, vecs
+
+    def digest() -> str:
+        # float32 keeps the digest builds had before precisions existed (their partial builds
+        # stay resumable); shards encoded in another precision are never mixed with them.
+        weights = _weights_digest(enc)
+        return weights if precision == "float32" else f"{weights}+{precision}"
 
     return VectorSource(
         encoder=enc.name,
         query_encoder=q_name or enc.name,
         dim=enc.dim,
         normalize=bool(enc.normalize),
-        digest=lambda: _weights_digest(enc),
+        digest=digest,
         produce=produce,
     )
 

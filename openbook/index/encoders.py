@@ -7,9 +7,12 @@ reach the Hugging Face hub at run time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,39 @@ _ALIASES = {DEFAULT_ENCODER, f"sentence-transformers/{DEFAULT_ENCODER}"}
 ENCODER_CONFIG = "openbook_encoder.json"
 POOLINGS = ("mean", "cls", "max", "pooler")
 KINDS = ("auto", "dpr-question", "dpr-context")
+# Precisions a document encoder can run in (``auto``: see resolve_precision).
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Batches tokenized ahead of the model: one keeps the device fed; two absorb uneven batches.
+_PREFETCH_BATCHES = 2
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The dtype name a document encoder runs in on ``device``.
+
+    ``auto`` is float32 on the CPU, so CPU builds stay exact and reproducible, and on CUDA
+    bfloat16 where the GPU computes it natively (Ampere and later), else float16: both halve
+    memory traffic and run on tensor cores, and an embedding's direction survives the rounding
+    (MiniLM under bfloat16 autocast: cosine >= 0.9999 to its float32 vectors on the test facts).
+    Anything else is taken as given.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    if precision != "auto":
+        return precision
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The torch dtype of a resolved precision name (``float32``, ``bfloat16``, ``float16``)."""
+    try:
+        return _DTYPES[precision]
+    except KeyError:
+        raise ValueError(
+            f"unknown precision {precision!r}; expected one of {tuple(_DTYPES)}"
+        ) from None
 
 
 class Encoder:
@@ -64,6 +100,11 @@ class Encoder:
         return next(self.model.parameters()).device
 
     def _tokenize(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> dict:
+        return {k: v.to(self.device) for k, v in self._tokenize_cpu(texts, pairs).items()}
+
+    def _tokenize_cpu(
+        self, texts: Sequence[str], pairs: Sequence[str] | None = None
+    ) -> dict[str, torch.Tensor]:
         enc = self.tokenizer(
             list(texts),
             list(pairs) if pairs is not None else None,
@@ -77,7 +118,7 @@ class Encoder:
             # transformers' RAG recipe (``ctx_encoder(input_ids)``) never pass the tokenizer's
             # token_type_ids, which are 1 on the text of a (title, text) pair.
             enc.pop("token_type_ids", None)
-        return {k: v.to(self.device) for k, v in enc.items()}
+        return dict(enc)
 
     def _forward(self, batch: dict) -> torch.Tensor:
         if self.pooling == "pooler":
@@ -108,31 +149,92 @@ class Encoder:
         texts: Sequence[str],
         batch_size: int = 64,
         titles: Sequence[str] | None = None,
+        *,
+        precision: str = "float32",
+        prefetch: bool = True,
+        on_progress: Callable[[int], None] | None = None,
     ) -> np.ndarray:
         """Encode without gradients in eval mode; returns float32 ``(len(texts), dim)``.
 
         ``titles`` (documents only) are encoded together with the text: as a sentence pair for
         DPR (how DPR built its Wikipedia index), as ``"title. text"`` otherwise.
+
+        Throughput (an index build passes a whole embedding shard per call):
+
+        * Texts are sorted by length across the call, so each batch pads to nearly its own
+          length; the output keeps the input order.
+        * ``precision`` other than ``float32`` runs the model under ``torch.autocast`` in that
+          dtype (``bfloat16`` / ``float16``); pooling and normalisation stay in float32.
+        * ``prefetch`` tokenizes the next batches in a background thread while the model runs
+          (fast tokenizers and torch both release the GIL), and a batch's result is copied
+          back only after the next batch is queued, so a GPU is never idle waiting for the
+          tokenizer or the copy. The same batches are computed in the same order either way:
+          on the CPU in float32 the vectors are bit-for-bit those of ``prefetch=False``.
+
+        ``on_progress`` is called with the number of texts of each finished batch.
         """
         n = len(texts)
         if titles is not None and len(titles) != n:
             raise ValueError(f"{len(titles)} titles for {n} texts")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        dtype = precision_dtype(precision)
         out = np.empty((n, self.dim), dtype=np.float32)
         if n == 0:
             return out
         # Length-sorted batches waste far less compute on padding; order is restored below.
         order = sorted(range(n), key=lambda i: len(texts[i]) + (len(titles[i]) if titles else 0))
+        batches = [order[s : s + batch_size] for s in range(0, n, batch_size)]
+        device = self.device
+        pin = device.type == "cuda"
+
+        def tokenize(idx: list[int]) -> dict[str, torch.Tensor]:
+            sub_titles = [titles[i] for i in idx] if titles is not None else None
+            tokens = self._tokenize_cpu(*self._inputs([texts[i] for i in idx], sub_titles))
+            if pin:  # page-locked memory lets the copy to the GPU run asynchronously
+                tokens = {k: v.pin_memory() for k, v in tokens.items()}
+            return tokens
+
+        def drain(pending: tuple[list[int], torch.Tensor] | None) -> None:
+            if pending is not None:
+                idx, vec = pending
+                out[idx] = vec.cpu().numpy()
+                if on_progress is not None:
+                    on_progress(len(idx))
+
         with self._lock, torch.inference_mode():
+            amp = (
+                torch.autocast(device.type, dtype=dtype)
+                if dtype != torch.float32
+                else contextlib.nullcontext()
+            )
             was_training = self.model.training
             self.model.eval()
+            pool = (
+                ThreadPoolExecutor(1, "encode-tokenizer") if prefetch and len(batches) > 1 else None
+            )
             try:
-                for s in range(0, n, batch_size):
-                    idx = order[s : s + batch_size]
-                    sub_t = [texts[i] for i in idx]
-                    sub_ti = [titles[i] for i in idx] if titles is not None else None
-                    vec = self.encode_tensor(sub_t, sub_ti)
-                    out[idx] = vec.float().cpu().numpy()
+                ahead: deque[Future] = deque()
+                pending: tuple[list[int], torch.Tensor] | None = None
+                for b, idx in enumerate(batches):
+                    if pool is not None:
+                        while len(ahead) < _PREFETCH_BATCHES and b + len(ahead) < len(batches):
+                            ahead.append(pool.submit(tokenize, batches[b + len(ahead)]))
+                        tokens = ahead.popleft().result()
+                    else:
+                        tokens = tokenize(idx)
+                    batch = {k: v.to(device, non_blocking=pin) for k, v in tokens.items()}
+                    with amp:
+                        pooled = self._forward(batch)
+                    vec = pooled.float()
+                    if self.normalize:
+                        vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
+                    drain(pending)  # the previous batch, now that this one is queued
+                    pending = (idx, vec)
+                drain(pending)
             finally:
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
                 self.model.train(was_training)
         return out
 

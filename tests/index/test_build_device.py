@@ -54,10 +54,12 @@ def test_unusable_device_is_refused_before_anything_is_written(
 def test_cuda_build_matches_cpu_and_leaves_the_shared_encoder_on_cpu(
     facts_jsonl: Path, facts_index_dir: Path, tmp_path
 ):
-    build_index([facts_jsonl], tmp_path / "gpu", name="facts", device="cuda", progress=False)
-    np.testing.assert_allclose(
-        np.load(tmp_path / "gpu" / "vectors.npy"),
-        np.load(facts_index_dir / "vectors.npy"),
-        atol=1e-4,
-    )
+    cpu = np.load(facts_index_dir / "vectors.npy")
+    kw = {"name": "facts", "device": "cuda", "progress": False}
+    build_index([facts_jsonl], tmp_path / "fp32", precision="float32", **kw)
+    np.testing.assert_allclose(np.load(tmp_path / "fp32" / "vectors.npy"), cpu, atol=1e-4)
+    # The default on CUDA is half precision (bfloat16 or float16): same directions.
+    build_index([facts_jsonl], tmp_path / "auto", **kw)
+    half = np.load(tmp_path / "auto" / "vectors.npy")
+    assert ((half * cpu).sum(1) / np.linalg.norm(half, axis=1)).min() > 0.999
     assert load_encoder("all-MiniLM-L6-v2").device.type == "cpu"

@@ -102,3 +102,52 @@ def test_no_hub_names(tmp_path: Path) -> None:
         load_encoder(str(tmp_path))
     with pytest.raises(ValueError, match="role"):
         load_encoder(DEFAULT_ENCODER, role="passage")
+
+
+def _docs(n: int) -> tuple[list[str], list[str]]:
+    from openbook_testkit.index import word_rows
+
+    rows = word_rows(n, seed=5, min_words=1, max_words=60)
+    return [r["text"] for r in rows], [r["title"] for r in rows]
+
+
+@pytest.mark.parametrize("which", ["dpr", "minilm"])
+def test_prefetching_gives_the_same_vectors(dpr_dirs: tuple[Path, Path], which: str) -> None:
+    # The background tokenizer changes when batches are tokenized, never what is computed.
+    enc = load_encoder(str(dpr_dirs[0]) if which == "dpr" else DEFAULT_ENCODER, role="document")
+    texts, titles = _docs(203)  # 13 batches of 16, the last one short
+    done: list[int] = []
+    fast = enc.encode(texts, 16, titles=titles, on_progress=done.append)
+    slow = enc.encode(texts, 16, titles=titles, prefetch=False)
+    np.testing.assert_array_equal(fast, slow)
+    assert sorted(done) == [11] + [16] * 12
+    # Length sorting only groups texts into batches: each text keeps its own vector.
+    one = enc.encode([texts[7]], titles=[titles[7]])
+    np.testing.assert_allclose(fast[7:8], one, atol=1e-5)
+
+
+def test_reduced_precision_keeps_the_direction() -> None:
+    enc = load_encoder(DEFAULT_ENCODER, role="document")
+    texts, titles = _docs(40)
+    full = enc.encode(texts, 8, titles=titles)
+    bf16 = enc.encode(texts, 8, titles=titles, precision="bfloat16")
+    assert bf16.dtype == np.float32 and not np.array_equal(full, bf16)
+    cosine = (full * bf16).sum(1) / np.linalg.norm(bf16, axis=1)
+    assert cosine.min() > 0.999
+    with pytest.raises(ValueError, match="unknown precision 'int8'"):
+        enc.encode(texts, precision="int8")
+
+
+def test_precision_auto_is_float32_on_cpu_and_half_on_cuda(monkeypatch) -> None:
+    from openbook.index.encoders import resolve_precision
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_precision("auto", cpu) == "float32"
+    assert resolve_precision("bfloat16", cpu) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", cuda) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", cuda) == "float16"
+    assert resolve_precision("float32", cuda) == "float32"
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        resolve_precision("fp8", cpu)

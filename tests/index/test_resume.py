@@ -23,11 +23,11 @@ def _count_encodes(monkeypatch: pytest.MonkeyPatch, fail_on_call: int | None) ->
     calls: list[int] = []
     real = _REAL_ENCODE
 
-    def encode(self: Encoder, texts, batch_size=64, titles=None):  # type: ignore[no-untyped-def]
+    def encode(self: Encoder, texts, batch_size=64, titles=None, **kw):  # type: ignore[no-untyped-def]
         if fail_on_call is not None and len(calls) + 1 == fail_on_call:
             raise Boom("interrupted")
         calls.append(len(texts))
-        return real(self, texts, batch_size, titles=titles)
+        return real(self, texts, batch_size, titles=titles, **kw)
 
     monkeypatch.setattr(Encoder, "encode", encode)
     return calls
@@ -38,7 +38,7 @@ def test_resume_skips_finished_shards(
 ) -> None:
     src = write_jsonl(tmp_path / "r.jsonl", random_rows(N))
     out = tmp_path / "idx"
-    # batch_size 4 x 16 batches per chunk > SHARD, so each encode() call is one whole shard
+    # the build encodes one embedding shard per encode() call
     kw = {
         "name": "r",
         "encoder": str(dpr_dirs[0]),

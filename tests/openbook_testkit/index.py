@@ -242,6 +242,24 @@ def random_rows(n: int, words: int = 20, seed: int = 0) -> list[dict[str, str]]:
     ]
 
 
+def word_rows(n: int, seed: int = 0, min_words: int = 3, max_words: int = 40) -> list[dict]:
+    """``n`` passages of varied length made of words the tiny encoders' vocab knows (so, unlike
+    ``random_rows``, every passage gets a vector of its own from ``make_tiny_dpr_encoders``)."""
+    rng = np.random.default_rng(seed)
+    words = _WORDS.split(" ")
+    rows = []
+    for i in range(n):
+        length = int(rng.integers(min_words, max_words + 1))
+        rows.append(
+            {
+                "id": f"w{i}",
+                "title": str(rng.choice(words)),
+                "text": " ".join(rng.choice(words, length)),
+            }
+        )
+    return rows
+
+
 _WORDS = (
     "the a an of in on is was who what when where which how to and or by for with from at "
     "tower paris mountain highest earth python language created moon first person walk "
