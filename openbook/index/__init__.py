@@ -2,7 +2,8 @@
 
 Dense indexes (flat / hnsw / hnsw-sq8 / ivfpq on faiss) score by inner product, as DPR/RAG do;
 "bm25" is the paper's sparse ablation. See ``build_index``, ``import_embeddings`` (precomputed
-vectors), ``open_index`` and ``split_index``. Needs ``openbook[index]`` (torch, faiss, bm25s).
+vectors), ``open_index``, ``split_index``, and ``build_slice`` / ``join_slices`` (one index built
+as N slices in parallel). Needs ``openbook[index]`` (torch, faiss, bm25s).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 from openbook.index.build import INDEX_TYPES, build_index
 from openbook.index.encoders import DEFAULT_ENCODER, Encoder, clear_encoder_cache, load_encoder
 from openbook.index.importer import import_embeddings
+from openbook.index.join import install_shards, join_slices, merge_slices
 from openbook.index.loaded import LoadedIndex, open_index
 from openbook.index.manifest import IndexLoadError, Manifest
+from openbook.index.parallel import IndexSet, build_slice, read_index_set
 from openbook.index.passages import read_passages, split_passages
 from openbook.index.shard import split_index
 
@@ -20,13 +23,19 @@ __all__ = [
     "INDEX_TYPES",
     "Encoder",
     "IndexLoadError",
+    "IndexSet",
     "LoadedIndex",
     "Manifest",
     "build_index",
+    "build_slice",
     "clear_encoder_cache",
     "import_embeddings",
+    "install_shards",
+    "join_slices",
     "load_encoder",
+    "merge_slices",
     "open_index",
+    "read_index_set",
     "read_passages",
     "split_index",
     "split_passages",

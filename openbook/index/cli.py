@@ -26,6 +26,13 @@ class HnswTransform(StrEnum):
     mips_to_l2 = "mips_to_l2"
 
 
+class Precision(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class InputFormat(StrEnum):
     auto = "auto"
     jsonl = "jsonl"
@@ -44,7 +51,13 @@ def build(
         list[Path], typer.Option("--passages", "-p", help="Input file (repeatable)")
     ],
     name: Annotated[str, typer.Option(help="Index name recorded in the manifest")],
-    out: Annotated[Path, typer.Option(help="Index directory to create")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Index directory to create; with --num-shards the set's root (OUT/shard-<i>/NAME"
+            " after join-shards)"
+        ),
+    ],
     encoder: Annotated[
         str, typer.Option(help="Document encoder (alias or local dir)")
     ] = "all-MiniLM-L6-v2",
@@ -82,10 +95,56 @@ def build(
             "normalise (cosine), else 1"
         ),
     ] = None,
+    precision: Annotated[
+        Precision,
+        typer.Option(help="Encoder dtype; auto: float32 on CPU, bfloat16 (else float16) on CUDA"),
+    ] = Precision.auto,
+    num_shards: Annotated[
+        int | None,
+        typer.Option(min=1, help="Build one slice of N for a parallel build (see join-shards)"),
+    ] = None,
+    shard_id: Annotated[
+        int | None, typer.Option(help="Which slice (0..N-1): e.g. $JOB_COMPLETION_INDEX")
+    ] = None,
 ) -> None:
-    """Build an index from passage files (resumes an interrupted build of the same inputs)."""
+    """Build an index from passage files (resumes an interrupted build of the same inputs).
+
+    With --num-shards N --shard-id I: build slice I of N (contiguous passages) as a complete
+    serving shard, staged until `openbook index join-shards OUT --num-shards N` publishes the
+    set; run the N slices in parallel, on N GPUs or nodes.
+    """
     from openbook.index.build import build_index
 
+    if (num_shards is None) != (shard_id is None):
+        raise _fail("--num-shards and --shard-id go together")
+    if num_shards is not None and shard_id is not None:
+        if nlist is not None or pq_m is not None:
+            raise _fail("--nlist / --pq-m are ivfpq options; slices cannot be ivfpq")
+        _build_slice(
+            passages,
+            out,
+            num_shards=num_shards,
+            shard_id=shard_id,
+            name=name,
+            encoder=encoder,
+            query_encoder=query_encoder,
+            index_type=type.value,
+            input_format=format.value,
+            batch_size=batch_size,
+            shard_size=shard_size,
+            max_words=max_words,
+            hnsw_m=hnsw_m,
+            ef_construction=ef_construction,
+            ef_search=ef_search,
+            hnsw_transform=hnsw_transform.value,
+            rerank=rerank,
+            device=device,
+            precision=precision.value,
+            score_scale=score_scale,
+            overwrite=overwrite,
+            progress=progress,
+        )
+        return
     try:
         manifest = build_index(
             passages,
@@ -110,13 +169,34 @@ def build(
             rerank=rerank,
             device=device,
             score_scale=score_scale,
+            precision=precision.value,
         )
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         raise _fail(str(e)) from None
     typer.echo(
         f"built index {manifest.name!r} ({manifest.index_type}, {manifest.count} passages, "
         f"dim {manifest.dim}) in {manifest.build_seconds:.1f}s -> {out}"
     )
+
+
+def _build_slice(passages: list[Path], out: Path, **kw) -> None:  # type: ignore[no-untyped-def]
+    from openbook.index.parallel import build_slice
+
+    try:
+        res = build_slice(passages, out, **kw)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise _fail(str(e)) from None
+    m, (start, stop) = res.manifest, res.span
+    what = f"slice {kw['shard_id']} of {kw['num_shards']} (rows {start}..{stop - 1} of {res.total})"
+    if res.state == "built":
+        typer.echo(f"built {what} in {m.build_seconds:.1f}s -> {res.path}")
+    else:
+        typer.echo(f"{what}: {res.state} -> {res.path}")
+    if res.state != "already joined":
+        typer.echo(
+            f"join with: openbook index join-shards {out} --num-shards {kw['num_shards']}",
+            err=True,
+        )
 
 
 class EmbeddingsFormat(StrEnum):
@@ -212,6 +292,61 @@ def import_(
     )
 
 
+@app.command("join-shards")
+def join_shards(
+    out_root: Annotated[Path, typer.Argument(help="The --out the slices were built with")],
+    num_shards: Annotated[int, typer.Option(min=1, help="How many slices make up the index")],
+    if_complete: Annotated[
+        bool,
+        typer.Option(help="Exit 0 without joining while slices are missing (the last one joins)"),
+    ] = False,
+    into: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also install shard i at INTO/shard-<i>/NAME beside other indexes (hard links), "
+            "e.g. $OPENBOOK_INDEX_ROOT/shards for the sharded retrievers"
+        ),
+    ] = None,
+    merge: Annotated[
+        Path | None, typer.Option(help="Also write one unsharded index here from the slices")
+    ] = None,
+    merge_type: Annotated[
+        IndexType | None,
+        typer.Option(help="Index type of the merged index (default: the slices'); e.g. hnsw-sq8"),
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
+) -> None:
+    """Check that the N slices of a parallel build agree and publish them as one index set at
+    OUT_ROOT (OUT_ROOT/shard-<i>/NAME, served with OPENBOOK_INDEX_ROOT=OUT_ROOT/shard-<i>)."""
+    from openbook.index.join import join_slices
+
+    try:
+        res = join_slices(
+            out_root,
+            num_shards,
+            if_complete=if_complete,
+            into=into,
+            merge=merge,
+            merge_type=merge_type.value if merge_type else None,
+            progress=progress,
+        )
+    except (ValueError, OSError, RuntimeError) as e:  # IndexLoadError is a ValueError
+        raise _fail(str(e)) from None
+    if res.index_set is None:
+        built = num_shards - len(res.missing)
+        typer.echo(
+            f"{built} of {num_shards} slices built; missing: {', '.join(res.missing)}. "
+            "Not joining yet: the last slice's join will."
+        )
+        return
+    s = res.index_set
+    typer.echo(f"{res.state} {s.name!r}: {s.num_shards} shards, {s.count} passages -> {out_root}")
+    for p in res.installed:
+        typer.echo(f"installed {p}")
+    if res.merged is not None:
+        typer.echo(f"merged {res.merged.index_type} index, {res.merged.count} passages -> {merge}")
+
+
 @app.command()
 def info(
     path: Annotated[Path, typer.Argument(help="Index directory")],
@@ -220,10 +355,14 @@ def info(
     """Print an index's manifest as JSON (optionally verifying checksums)."""
     from openbook.index.loaded import open_index
     from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
+    from openbook.index.parallel import SET_MANIFEST, read_index_set
 
     try:
         if not path.is_dir():
             raise IndexLoadError(f"{path}: index directory not found")
+        if (path / SET_MANIFEST).is_file() and not (path / MANIFEST).is_file():
+            typer.echo(read_index_set(path).to_json(), nl=False)  # a joined set: its shards.json
+            return
         if verify:
             open_index(path, verify=True).close()
         manifest = Manifest.from_file(path / MANIFEST)
