@@ -224,6 +224,20 @@ def test_a_dying_rank_fails_the_run_instead_of_hanging(task, tmp_path):
     assert str(signal.SIGKILL.value) in proc.stderr or "SIGKILL" in proc.stderr
 
 
+def test_a_stalled_rank_times_out_the_others(task, tmp_path):
+    # rank 1 stops (SIGSTOP) after step 1 without dying: rank 0's next collective fails after
+    # --dist-timeout, and torchrun ends the job
+    args = _args(task, tmp_path / "ckpt", "--dist-timeout", "5")
+    proc = _run(
+        _torchrun(2, str(WORKER), "--kill-rank", "1", "--kill-at-step", "1", "--stall", "--",
+                  *args),
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
+
+
 def test_sharded_optimizer_state_trains_like_one_process(task, one_process_run, initial, tmp_path):
     out = tmp_path / "zero"
     _two_processes(*_args(task, out, "--shard-optimizer"))
