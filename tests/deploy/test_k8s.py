@@ -665,3 +665,85 @@ def test_distributed_training_job_runs_torchrun_for_real(tmp_path):
 
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2
+
+
+def test_parallel_index_build_job_builds_slices_then_the_last_pod_joins_for_real(tmp_path):
+    """The Indexed Job of docs/deploy.md's parallel build: one pod per slice and GPU, each
+    resumable on its own; run here as two pods at once on the CPU, then a retried pod, then the
+    merged variant."""
+    from openbook.index.loaded import open_index
+    from openbook_testkit.index import fact_rows, write_jsonl
+
+    job = _load(K8S / "jobs" / "index-build-parallel.yaml")[0]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    container = containers(job)[0]
+    env = {v["name"]: v["value"] for v in container["env"]}
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == int(env["SHARDS"])
+    assert spec["backoffLimitPerIndex"] >= 1 and pod["restartPolicy"] == "Never"
+    for part in ("requests", "limits"):
+        assert container["resources"][part]["nvidia.com/gpu"] == 1
+    assert env["ENCODE_DEVICE"] == "cuda" and env["SERVE_AS"] == "sharded"
+    assert env["INDEX_TYPE"] not in ("hnsw-sq8", "ivfpq")  # refused per slice
+    # The sharded retrievers serve what --into installs: OPENBOOK_INDEX_ROOT/shards/shard-<i>.
+    assert '--into "$OPENBOOK_INDEX_ROOT/shards"' in _script(job)
+
+    data, indexes = tmp_path / "data", tmp_path / "indexes"
+    write_jsonl(data / "facts.jsonl", fact_rows())
+    base = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")},
+        **env,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "OPENBOOK_INDEX_ROOT": str(indexes),
+        "OPENBOOK_DATA_DIR": str(data),
+        "INDEX_NAME": "facts",
+        "PASSAGES": "facts.jsonl",
+        "PASSAGES_FORMAT": "jsonl",
+        "INDEX_TYPE": "flat",
+        "ENCODER": "all-MiniLM-L6-v2",
+        "QUERY_ENCODER": "",
+        "BATCH_SIZE": "8",
+        "SHARDS": "2",
+        "ENCODE_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+    def start(index: int, **more: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["/bin/sh", "-c", _script(job)],
+            env={**base, "JOB_COMPLETION_INDEX": str(index), **more},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def finish(proc: subprocess.Popen) -> str:
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, out
+        return out
+
+    outs = [finish(p) for p in [start(0), start(1)]]
+    assert sum("joined 'facts': 2 shards, 30 passages" in o for o in outs) >= 1
+    for i in range(2):
+        with open_index(indexes / "shards" / f"shard-{i}" / "facts", verify=True) as shard:
+            assert shard.name == "facts" and shard.manifest.shard["index"] == i
+    assert (indexes / "sets" / "facts" / "shards.json").is_file()
+    assert not (indexes / "facts").exists()  # sharded: nothing for the replicated retrievers
+
+    # A retried pod (say its first attempt died after the join) changes nothing.
+    again = finish(start(1))
+    assert "already joined" in again and "installed" in again
+
+    # SERVE_AS=merged: one unsharded index, here rebuilt as hnsw from the flat slices.
+    merged = finish(start(0, SERVE_AS="merged", MERGE_TYPE="hnsw"))
+    assert "merged hnsw index, 30 passages" in merged
+    with open_index(indexes / "facts", verify=True) as idx:
+        assert idx.manifest.index_type == "hnsw" and idx.manifest.shard is None
+
+
+def test_every_job_is_in_the_deploy_docs_listing():
+    listing = (ROOT / "docs" / "deploy.md").read_text().split("## What is in `deploy/k8s/`")[1]
+    listing = listing.split("```")[1]
+    for job in JOBS:
+        assert f"    {job.name} " in listing, job.name

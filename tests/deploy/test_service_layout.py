@@ -119,8 +119,9 @@ def test_the_gateway_installs_and_starts_without_model_libraries(tmp_path):
     [
         ["train", "--config", "x.yaml"],  # docker-compose's trainer, the k8s trainer job
         ["demo", "prepare"],  # docker-compose's init, the k8s demo-prepare job
-        ["index", "build"],  # the k8s index-build job
+        ["index", "build"],  # the k8s index-build and index-build-parallel jobs
         ["index", "shard"],
+        ["index", "join-shards"],  # index-build-parallel
         ["eval"],
         ["experiments", "qa"],
     ],
@@ -134,5 +135,6 @@ def test_the_jobs_commands_resolve(argv):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    command = " ".join(a for a in argv if a.isalpha())  # without options and their values
+    # without options and their values
+    command = " ".join(a for a in argv if re.fullmatch(r"[a-z]+(-[a-z]+)*", a))
     assert f"Usage: openbook-trainer {command} [OPTIONS]" in " ".join(out.stdout.split())
