@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +26,9 @@ KINDS = ("auto", "dpr-question", "dpr-context")
 # Precisions a document encoder can run in (``auto``: see resolve_precision).
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Batches tokenized ahead of the model: one keeps the device fed; two absorb uneven batches.
-_PREFETCH_BATCHES = 2
+# encode() tokenizes this many batches at once and sorts them by their exact token counts.
+_SORT_CHUNK_BATCHES = 16
+_PADDED = ("input_ids", "token_type_ids", "attention_mask")  # what the models take
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -161,11 +161,16 @@ class Encoder:
 
         Throughput (an index build passes a whole embedding shard per call):
 
-        * Texts are sorted by length across the call, so each batch pads to nearly its own
-          length; the output keeps the input order.
+        * Batches are length-sorted, so each pads to nearly its own length: the texts are
+          ordered by characters across the call (free), then taken in chunks of
+          ``_SORT_CHUNK_BATCHES`` batches that are tokenized together and re-sorted by their
+          exact token counts. Measured with MiniLM, batches of 64, on SQuAD's Wikipedia
+          passages: characters alone leave 27% of the tokens as padding, this 4%, a full sort
+          by tokens 2% (but that would tokenize the whole call before the model could start).
+          The output keeps the input order.
         * ``precision`` other than ``float32`` runs the model under ``torch.autocast`` in that
           dtype (``bfloat16`` / ``float16``); pooling and normalisation stay in float32.
-        * ``prefetch`` tokenizes the next batches in a background thread while the model runs
+        * ``prefetch`` tokenizes the next chunk in a background thread while the model runs
           (fast tokenizers and torch both release the GIL), and a batch's result is copied
           back only after the next batch is queued, so a GPU is never idle waiting for the
           tokenizer or the copy. The same batches are computed in the same order either way:
@@ -182,18 +187,12 @@ class Encoder:
         out = np.empty((n, self.dim), dtype=np.float32)
         if n == 0:
             return out
-        # Length-sorted batches waste far less compute on padding; order is restored below.
-        order = sorted(range(n), key=lambda i: len(texts[i]) + (len(titles[i]) if titles else 0))
-        batches = [order[s : s + batch_size] for s in range(0, n, batch_size)]
         device = self.device
-        pin = device.type == "cuda"
+        pin = device.type == "cuda"  # page-locked memory lets copies to the GPU run async
+        chunks = self._length_chunks(texts, titles, batch_size)
 
-        def tokenize(idx: list[int]) -> dict[str, torch.Tensor]:
-            sub_titles = [titles[i] for i in idx] if titles is not None else None
-            tokens = self._tokenize_cpu(*self._inputs([texts[i] for i in idx], sub_titles))
-            if pin:  # page-locked memory lets the copy to the GPU run asynchronously
-                tokens = {k: v.pin_memory() for k, v in tokens.items()}
-            return tokens
+        def prepare(rows: list[int]) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+            return self._sorted_batches(texts, titles, rows, batch_size, pin)
 
         def drain(pending: tuple[list[int], torch.Tensor] | None) -> None:
             if pending is not None:
@@ -210,32 +209,95 @@ class Encoder:
             )
             was_training = self.model.training
             self.model.eval()
-            pool = (
-                ThreadPoolExecutor(1, "encode-tokenizer") if prefetch and len(batches) > 1 else None
-            )
+            # One chunk (a batch of queries) has nothing to overlap: no thread for it.
+            threaded = prefetch and len(chunks) > 1
+            pool = ThreadPoolExecutor(1, "encode-tokenizer") if threaded else None
             try:
-                ahead: deque[Future] = deque()
+                ahead: Future | None = pool.submit(prepare, chunks[0]) if pool else None
                 pending: tuple[list[int], torch.Tensor] | None = None
-                for b, idx in enumerate(batches):
-                    if pool is not None:
-                        while len(ahead) < _PREFETCH_BATCHES and b + len(ahead) < len(batches):
-                            ahead.append(pool.submit(tokenize, batches[b + len(ahead)]))
-                        tokens = ahead.popleft().result()
+                for c in range(len(chunks)):
+                    if ahead is not None:
+                        batches = ahead.result()
+                        nxt = c + 1 < len(chunks)
+                        ahead = pool.submit(prepare, chunks[c + 1]) if pool and nxt else None
                     else:
-                        tokens = tokenize(idx)
-                    batch = {k: v.to(device, non_blocking=pin) for k, v in tokens.items()}
-                    with amp:
-                        pooled = self._forward(batch)
-                    vec = pooled.float()
-                    if self.normalize:
-                        vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
-                    drain(pending)  # the previous batch, now that this one is queued
-                    pending = (idx, vec)
+                        batches = prepare(chunks[c])
+                    for idx, tokens in batches:
+                        batch = {k: v.to(device, non_blocking=pin) for k, v in tokens.items()}
+                        with amp:
+                            pooled = self._forward(batch)
+                        vec = pooled.float()
+                        if self.normalize:
+                            vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
+                        drain(pending)  # the previous batch, now that this one is queued
+                        pending = (idx, vec)
                 drain(pending)
             finally:
                 if pool is not None:
                     pool.shutdown(wait=True, cancel_futures=True)
                 self.model.train(was_training)
+        return out
+
+    def _length_chunks(
+        self, texts: Sequence[str], titles: Sequence[str] | None, batch_size: int
+    ) -> list[list[int]]:
+        """The rows ordered by characters, cut into the chunks ``encode`` tokenizes at once."""
+        order = sorted(
+            range(len(texts)), key=lambda i: len(texts[i]) + (len(titles[i]) if titles else 0)
+        )
+        size = batch_size * _SORT_CHUNK_BATCHES
+        return [order[s : s + size] for s in range(0, len(order), size)]
+
+    def _sorted_batches(
+        self,
+        texts: Sequence[str],
+        titles: Sequence[str] | None,
+        rows: list[int],
+        batch_size: int,
+        pin: bool = False,
+    ) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+        """``rows`` tokenized, sorted by token count and cut into padded batches: (the rows of
+        each batch, its tensors as ``_tokenize_cpu`` would give them for those rows)."""
+        sub_titles = [titles[i] for i in rows] if titles is not None else None
+        first, second = self._inputs([texts[i] for i in rows], sub_titles)
+        enc = self.tokenizer(
+            first,
+            second,
+            truncation="only_second" if second is not None else True,
+            max_length=self.max_length,
+        )
+        features = {k: v for k, v in enc.items() if k in _PADDED}
+        if self.kind.startswith("dpr"):
+            features.pop("token_type_ids", None)  # as in _tokenize_cpu
+        lengths = [len(ids) for ids in features["input_ids"]]
+        local = sorted(range(len(rows)), key=lengths.__getitem__)
+        out = []
+        for s in range(0, len(local), batch_size):
+            part = local[s : s + batch_size]
+            tensors = self._pad({k: [v[j] for j in part] for k, v in features.items()})
+            if pin:
+                tensors = {k: v.pin_memory() for k, v in tensors.items()}
+            out.append(([rows[j] for j in part], tensors))
+        return out
+
+    def _pad(self, features: dict[str, list[list[int]]]) -> dict[str, torch.Tensor]:
+        """Pad to the longest sequence as ``tokenizer(..., padding=True)`` does."""
+        width = max(len(ids) for ids in features["input_ids"])
+        fill = {
+            "input_ids": self.tokenizer.pad_token_id,
+            "token_type_ids": self.tokenizer.pad_token_type_id,
+            "attention_mask": 0,
+        }
+        left = self.tokenizer.padding_side == "left"
+        out = {}
+        for key, seqs in features.items():
+            arr = np.full((len(seqs), width), fill[key], dtype=np.int64)
+            for j, seq in enumerate(seqs):
+                if left:
+                    arr[j, width - len(seq) :] = seq
+                else:
+                    arr[j, : len(seq)] = seq
+            out[key] = torch.from_numpy(arr)
         return out
 
     def _inputs(

@@ -115,15 +115,32 @@ def _docs(n: int) -> tuple[list[str], list[str]]:
 def test_prefetching_gives_the_same_vectors(dpr_dirs: tuple[Path, Path], which: str) -> None:
     # The background tokenizer changes when batches are tokenized, never what is computed.
     enc = load_encoder(str(dpr_dirs[0]) if which == "dpr" else DEFAULT_ENCODER, role="document")
-    texts, titles = _docs(203)  # 13 batches of 16, the last one short
+    texts, titles = _docs(203)  # 4 chunks of 16 batches of 4, the last chunk short
     done: list[int] = []
-    fast = enc.encode(texts, 16, titles=titles, on_progress=done.append)
-    slow = enc.encode(texts, 16, titles=titles, prefetch=False)
+    fast = enc.encode(texts, 4, titles=titles, on_progress=done.append)
+    slow = enc.encode(texts, 4, titles=titles, prefetch=False)
     np.testing.assert_array_equal(fast, slow)
-    assert sorted(done) == [11] + [16] * 12
+    assert sorted(done) == [3] + [4] * 50
     # Length sorting only groups texts into batches: each text keeps its own vector.
     one = enc.encode([texts[7]], titles=[titles[7]])
     np.testing.assert_allclose(fast[7:8], one, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["dpr", "minilm"])
+def test_sorted_batches_are_padded_as_the_tokenizer_pads(
+    dpr_dirs: tuple[Path, Path], which: str
+) -> None:
+    enc = load_encoder(str(dpr_dirs[0]) if which == "dpr" else DEFAULT_ENCODER, role="document")
+    texts, titles = _docs(40)
+    batches = enc._sorted_batches(texts, titles, list(range(40)), 8)
+    assert sorted(i for rows, _ in batches for i in rows) == list(range(40))
+    widths = [int(t["attention_mask"].sum(1).max()) for _, t in batches]
+    assert widths == sorted(widths)  # sorted by tokens: each batch no longer than the next
+    for rows, tensors in batches:
+        want = enc._tokenize_cpu(*enc._inputs([texts[i] for i in rows], [titles[i] for i in rows]))
+        assert tensors.keys() == want.keys()
+        for k in want:
+            assert torch.equal(tensors[k], want[k]), k
 
 
 def test_reduced_precision_keeps_the_direction() -> None:
