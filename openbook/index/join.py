@@ -148,7 +148,7 @@ def _join_staged(out_root: Path, num_shards: int, if_complete: bool) -> JoinResu
             f"{len(found)} of {num_shards} slices built; missing: {', '.join(missing)}"
         )
 
-    index_set = _check_slices(parts, found, num_shards)
+    index_set = _check_slices(found, num_shards)
     for i in range(num_shards):
         _remove_leftovers(parts / f"shard-{i}", keep=index_set.name)
     for p in parts.iterdir():
@@ -161,9 +161,7 @@ def _join_staged(out_root: Path, num_shards: int, if_complete: bool) -> JoinResu
     return JoinResult("joined", out_root, index_set)
 
 
-def _check_slices(
-    parts: Path, found: dict[int, tuple[Path, Manifest]], num_shards: int
-) -> IndexSet:
+def _check_slices(found: dict[int, tuple[Path, Manifest]], num_shards: int) -> IndexSet:
     """Every slice complete, and all of them slices of one build; errors name what differs."""
     first: dict[str, Any] | None = None
     for i, (path, m) in sorted(found.items()):
@@ -279,22 +277,24 @@ def install_shards(set_root: Path, into: Path) -> list[Path]:
     """Install the set at ``set_root`` into a serving tree: shard i at ``into/shard-<i>/<name>``,
     beside other indexes' shards. Files are hard-linked (copied where the file system cannot
     link), each shard directory published whole by a rename; a shard already there with the
-    same checksum is kept, any other index of that name is refused."""
+    same checksum is kept, and any other index of that name is refused before anything is
+    installed."""
     set_root, into = Path(set_root), Path(into)
     index_set = read_index_set(set_root)
-    out = []
-    for s in index_set.shards:
-        dest = into / f"shard-{s.index}" / index_set.name
-        if not _installed(dest, s):
-            with staging_dir(dest) as tmp:
-                _link_tree(set_root / s.path, tmp)
-                try:
-                    publish(tmp, dest)
-                except FileExistsError:
-                    if not _installed(dest, s):
-                        raise
-        out.append(dest)
-    return out
+    dests = [(s, into / f"shard-{s.index}" / index_set.name) for s in index_set.shards]
+    todo = [(s, dest) for s, dest in dests if not _installed(dest, s)]
+    for s, dest in todo:
+        src = set_root / s.path
+        with staging_dir(dest) as tmp:
+            # The manifest goes in last, as publish writes every manifest: until then the
+            # directory does not look like an index to anything listing the tree.
+            _link_tree(src, tmp, skip=MANIFEST)
+            try:
+                publish(tmp, dest, manifests={MANIFEST: (src / MANIFEST).read_text()})
+            except FileExistsError:  # another installer was faster: fine if it is this shard
+                if not _installed(dest, s):
+                    raise
+    return [dest for _, dest in dests]
 
 
 def _installed(dest: Path, s: SetShard) -> bool:
@@ -311,9 +311,11 @@ def _installed(dest: Path, s: SetShard) -> bool:
     return True
 
 
-def _link_tree(src: Path, dst: Path) -> None:
+def _link_tree(src: Path, dst: Path, skip: str) -> None:
     for p in sorted(src.rglob("*")):
         target = dst / p.relative_to(src)
+        if p.relative_to(src).as_posix() == skip:
+            continue
         if p.is_dir():
             target.mkdir(parents=True, exist_ok=True)
             continue

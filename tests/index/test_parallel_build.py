@@ -464,3 +464,33 @@ def test_merge_into_a_trained_type_and_refusals(
         join_slices(out, 2, merge=tmp_path / "sq8", merge_type="flat")
     with pytest.raises(IndexLoadError, match="not a joined index set"):
         join_slices(tmp_path / "sq8", 2)
+
+
+def test_install_refuses_another_index_of_the_same_name_before_installing(
+    facts_jsonl: Path, tmp_path: Path
+) -> None:
+    out, serve = tmp_path / "set", tmp_path / "shards"
+    for i in range(2):
+        build_slice(
+            [facts_jsonl],
+            out,
+            num_shards=2,
+            shard_id=i,
+            name="f",
+            index_type="bm25",
+            progress=False,
+        )
+    (serve / "shard-1" / "f").mkdir(parents=True)  # an older index "f", still served there
+    with pytest.raises(ValueError, match=r"shard-1/f exists and is another index"):
+        join_slices(out, 2, into=serve)
+    assert out.is_dir()  # the set is joined; only the install was refused
+    assert not (serve / "shard-0").exists()  # nothing installed
+    (serve / "shard-1" / "f").rmdir()
+    res = join_slices(out, 2, into=serve)
+    assert res.state == "already joined" and len(res.installed) == 2
+    for i in range(2):  # hard links of the set's files, manifest identical
+        a, b = out / f"shard-{i}" / "f", serve / f"shard-{i}" / "f"
+        assert (a / "manifest.json").read_text() == (b / "manifest.json").read_text()
+        assert os.path.samefile(a / "passages.sqlite", b / "passages.sqlite")
+        with open_index(b) as idx:
+            assert idx.manifest.shard["index"] == i
