@@ -352,7 +352,8 @@ def info(
     path: Annotated[Path, typer.Argument(help="Index directory")],
     verify: Annotated[bool, typer.Option(help="Re-hash every file against the manifest")] = False,
 ) -> None:
-    """Print an index's manifest as JSON (optionally verifying checksums)."""
+    """Print an index's manifest as JSON (optionally verifying checksums); for the root of a
+    joined parallel build, its shards.json."""
     from openbook.index.loaded import open_index
     from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
     from openbook.index.parallel import SET_MANIFEST, read_index_set

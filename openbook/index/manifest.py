@@ -44,7 +44,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     # Set on shards written by ``split_index``; absent (None) for an unsharded index:
     # {"index": i, "count": n_shards, "row_offset": first parent row, "parent_count": rows in
-    #  the parent, "parent_checksum": the parent manifest's checksum}.
+    #  the parent, "parent_checksum": the parent manifest's checksum}. A slice of a parallel
+    # build (``parallel.build_slice``) has no parent index: its ``parent_checksum`` is the
+    # sha256 of ``build``, the identity of the whole logical index, which it carries too.
     shard: dict[str, Any] | None = None
 
     @property
