@@ -217,14 +217,20 @@ def _check_slices(found: dict[int, tuple[Path, Manifest]], num_shards: int) -> I
 
 def _remove_leftovers(d: Path, keep: str) -> None:
     """Remove what finished or killed slice builds left beside slice ``keep`` (lock files,
-    interrupted publishes); refuse while a build of it still runs (its lock is held)."""
-    for p in d.iterdir():
+    partial dirs, interrupted publishes); refuse while a rebuild of it (``--overwrite``) runs:
+    its lock is held and its partial dir exists. A held lock without a partial dir is a build
+    that has just published and is letting go of its lock."""
+    entries = list(d.iterdir())
+    building = any(p.name.endswith(".partial") for p in entries) and any(
+        p.name.endswith(".lock") and _lock_held(p) for p in entries
+    )
+    if building:
+        raise ValueError(f"{d / keep} is being rebuilt (its build lock is held); wait for it")
+    for p in entries:
         if p.name == keep:
             continue
-        if p.name.endswith(".lock") and _lock_held(p):
-            raise ValueError(f"{d / keep} is being rebuilt ({p.name} is locked); wait for it")
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
+            shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
 

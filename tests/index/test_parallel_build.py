@@ -494,3 +494,32 @@ def test_install_refuses_another_index_of_the_same_name_before_installing(
         assert os.path.samefile(a / "passages.sqlite", b / "passages.sqlite")
         with open_index(b) as idx:
             assert idx.manifest.shard["index"] == i
+
+
+def test_join_beside_a_build_that_just_finished_or_a_rebuild(
+    facts_jsonl: Path, tmp_path: Path
+) -> None:
+    from openbook.artifacts import partial_dir
+    from openbook.index.build import _build_lock
+
+    out = tmp_path / "set"
+    for i in range(2):
+        build_slice(
+            [facts_jsonl],
+            out,
+            num_shards=2,
+            shard_id=i,
+            name="f",
+            index_type="bm25",
+            progress=False,
+        )
+    staged = slice_dir(out, 1, "f")
+    # _build_lock stands for a builder of slice 1: holding its lock, with a partial dir it is a
+    # rebuild in progress; without one, a build that has published and is about to unlock.
+    with _build_lock(staged):
+        partial_dir(staged).mkdir()
+        with pytest.raises(ValueError, match=r"shard-1/f is being rebuilt"):
+            join_slices(out, 2)
+        partial_dir(staged).rmdir()
+        assert join_slices(out, 2).state == "joined"
+    assert sorted(p.name for p in (out / "shard-1").iterdir()) == ["f"]
