@@ -80,9 +80,9 @@ _IDENTITY_ORDER = (
     "name",
     "num_shards",
     "encoder",
+    "precision",  # before the weights: their digest records the precision too
     "encoder_weights",
     "query_encoder",
-    "precision",
     "dim",
     "normalize",
     "index_type",
@@ -115,8 +115,9 @@ def _inputs_identity(inputs: list[Path], input_format: str) -> list[dict[str, An
 
     Content, not path or mtime: slices on different nodes may mount the shared volume at
     different paths, and a copy of the corpus (a re-download, an rsync without -t) has new
-    mtimes but the same passages. Hashing is one sequential read (~13 GB for DPR's Wikipedia:
-    a minute or so per slice), small next to the hours of encoding it protects.
+    mtimes but the same passages. Hashing is one sequential read (DPR's Wikipedia, ~13 GB:
+    ~30 s at sha256's ~0.5 GB/s, longer on slow network storage), small next to the hours of
+    encoding it protects.
     """
     return [
         {
@@ -132,8 +133,9 @@ def count_passages(inputs: list[Path], input_format: str, max_words: int) -> int
     """The number of passages ``read_passages`` yields, refusing duplicate ids as a build would
     (a slice sees only its own rows, so a duplicate across slices is caught here or never).
 
-    Memory: one 8-byte hash per passage (~170 MB for Wikipedia's 21M); ids whose hashes
-    collide are compared exactly in a second pass.
+    Memory: one 8-byte hash per passage (~170 MB for Wikipedia's 21M; Python's string hash,
+    consistent within this process, which is all it is used for); ids whose hashes collide
+    are compared exactly in a second pass.
     """
     hashes = np.fromiter(
         (hash(p.id) for p in read_passages(inputs, input_format, max_words)), dtype=np.int64

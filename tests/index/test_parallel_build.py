@@ -384,6 +384,21 @@ def test_slices_with_other_encoders_or_weights_are_refused(
     r = runner.invoke(app, ["join-shards", str(out), "--num-shards", "2"])
     assert r.exit_code == 2 and "shard 1 was built with encoder" in r.output
 
+    # One precision for all: a bfloat16 slice (say, on another GPU model) is not a float32 one.
+    out = tmp_path / "set1"
+    build_slice([facts_jsonl], out, num_shards=2, shard_id=0, encoder=str(dpr_dirs[0]), **kw)
+    build_slice(
+        [facts_jsonl],
+        out,
+        num_shards=2,
+        shard_id=1,
+        encoder=str(dpr_dirs[0]),
+        precision="bfloat16",
+        **kw,
+    )
+    with pytest.raises(ValueError, match="with precision 'bfloat16', shard 0 with 'float32'$"):
+        join_slices(out, 2)
+
     # Same directory, retrained weights: named by the weights' digest.
     enc = tmp_path / "enc"
     out = tmp_path / "set2"
