@@ -1,7 +1,8 @@
 """Every benchmark's one command still starts: its imports resolve (the test kit lives under
 tests/, not in the package) and it parses its arguments. The benchmarks themselves run outside
 CI (docs/benchmarks.md), except the streaming load benchmark, once on the tiny stack for a few
-seconds (it is the client of the streaming API that its numbers rest on)."""
+seconds (it is the client of the streaming API that its numbers rest on), and the training step
+benchmark on the synthetic task's tiny models (~20 s; it drives torchrun)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,37 @@ def test_load_stream_bench_runs_tiny(tmp_path):
         assert 0 < stream["ttft_p50_ms"] <= stream["p50_ms"]
         # tiny BART, RAG-Token greedy: one token event per generated token
         assert lv["streams_token_per_event"] == lv["pairs"]
+
+
+def test_train_step_bench_runs_tiny(tmp_path):
+    """bench/train/step.py on the synthetic task's tiny models: one process and torchrun x2,
+    every step timed from the train log, the 2-process run related to the 1-process one."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/train/step.py",
+            "--shapes",
+            "tiny",
+            "--precision",
+            "fp32",
+            "--steps",
+            "4",
+            "--work",
+            str(tmp_path / "work"),
+            "--json",
+            str(tmp_path / "step.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "| precision | processes x threads |" in out.stdout
+    runs = json.loads((tmp_path / "step.json").read_text())["runs"]
+    assert [r["nproc"] for r in runs] == [1, 2]
+    for r in runs:
+        assert r["status"] == "ok" and r["steps_logged"] == 4
+        assert r["step_s"] > 0 and len(r["step_times_s"]) == 3
+        assert r["peak_rss_gib"] > 0
+    assert runs[0]["speedup_vs_1proc"] == 1.0 and runs[1]["speedup_vs_1proc"] > 0
