@@ -261,9 +261,12 @@ class Trainer:
         return torch.nn.parallel.DistributedDataParallel(
             _RagLoss(self),
             device_ids=[self.device] if on_cuda else None,
-            # Parameters the objective never reaches (a BERT pooler behind mean pooling, a
-            # frozen part) must not stall the gradient reduction.
+            # Parameters the objective never reaches (a BERT pooler behind mean pooling) must
+            # not stall the gradient reduction. (static_graph=True, which would find them once
+            # instead of at every step, fails with no_sync in torch 2.13.)
             find_unused_parameters=True,
+            # Gradients live in DDP's communication buckets: no second copy of them.
+            gradient_as_bucket_view=True,
         )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
