@@ -297,7 +297,7 @@ def _hold_writer_lock(path: Path) -> int | None:
     return fd
 
 
-def _lock_is_free(path: Path) -> bool | None:
+def lock_is_free(path: Path) -> bool | None:
     """Whether no process holds ``path``'s flock; None when this cannot be told."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -332,7 +332,7 @@ def _is_abandoned(path: Path, now: float, grace_s: float, max_age_s: float) -> b
     if idle < grace_s:
         return False
     owner = _TMP_OWNER.search(path.name)
-    free = _lock_is_free(path)
+    free = lock_is_free(path)
     if free is False:
         return False  # a live writer holds it
     if free and owner is not None and owner["machine"] == machine_tag():

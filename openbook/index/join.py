@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from openbook.artifacts import publish, staging_dir
+from openbook.artifacts import lock_is_free, publish, staging_dir
 from openbook.index import faiss_index
 from openbook.index.build import (
     PASSAGES_FILE,
@@ -222,7 +222,7 @@ def _remove_leftovers(d: Path, keep: str) -> None:
     that has just published and is letting go of its lock."""
     entries = list(d.iterdir())
     building = any(p.name.endswith(".partial") for p in entries) and any(
-        p.name.endswith(".lock") and _lock_held(p) for p in entries
+        p.name.endswith(".lock") and lock_is_free(p) is False for p in entries
     )
     if building:
         raise ValueError(f"{d / keep} is being rebuilt (its build lock is held); wait for it")
@@ -233,22 +233,6 @@ def _remove_leftovers(d: Path, keep: str) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
-
-
-def _lock_held(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
 
 
 @contextlib.contextmanager
