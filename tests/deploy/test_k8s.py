@@ -513,6 +513,17 @@ def test_retriever_mode_is_selectable():
 # ----------------------------------------------------------------------------- the shell
 
 
+def _shell_env(job_env: dict[str, str], **overrides: str) -> dict[str, str]:
+    """The environment a Job's shell runs in here: this process's (without openbook settings),
+    the Job's own variables, this virtualenv's commands first on PATH, then ``overrides``."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")},
+        **job_env,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        **overrides,
+    }
+
+
 def _script(obj: dict) -> str:
     c = containers(obj)[0]
     assert c["command"] == ["/bin/sh", "-c"]
@@ -557,22 +568,20 @@ def test_index_build_job_builds_then_shards_for_real(tmp_path):
     job = _load(K8S / "jobs" / "index-build.yaml")[0]
     data, indexes = tmp_path / "data", tmp_path / "indexes"
     write_jsonl(data / "facts.jsonl", fact_rows())
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")},
-        **{v["name"]: v["value"] for v in containers(job)[0]["env"]},
-        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "OPENBOOK_INDEX_ROOT": str(indexes),
-        "OPENBOOK_DATA_DIR": str(data),
-        "INDEX_NAME": "facts",
-        "PASSAGES": "facts.jsonl",
-        "PASSAGES_FORMAT": "jsonl",
-        "INDEX_TYPE": "flat",
-        "ENCODER": "all-MiniLM-L6-v2",
-        "QUERY_ENCODER": "",
-        "SHARDS": "2",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
+    env = _shell_env(
+        {v["name"]: v["value"] for v in containers(job)[0]["env"]},
+        OPENBOOK_INDEX_ROOT=str(indexes),
+        OPENBOOK_DATA_DIR=str(data),
+        INDEX_NAME="facts",
+        PASSAGES="facts.jsonl",
+        PASSAGES_FORMAT="jsonl",
+        INDEX_TYPE="flat",
+        ENCODER="all-MiniLM-L6-v2",
+        QUERY_ENCODER="",
+        SHARDS="2",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
 
     def run() -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -643,18 +652,16 @@ def test_distributed_training_job_runs_torchrun_for_real(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")},
-        **env,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "NNODES": "1",
-        "NPROC_PER_NODE": "2",
-        "RDZV_HOST": "127.0.0.1",
-        "RDZV_PORT": str(port),
-        "TRAIN_DEVICE": "cpu",
-        "TRAIN_CONFIG": str(config),
-        "OMP_NUM_THREADS": "1",
-    }
+    run_env = _shell_env(
+        env,
+        NNODES="1",
+        NPROC_PER_NODE="2",
+        RDZV_HOST="127.0.0.1",
+        RDZV_PORT=str(port),
+        TRAIN_DEVICE="cpu",
+        TRAIN_CONFIG=str(config),
+        OMP_NUM_THREADS="1",
+    )
     done = subprocess.run(
         ["/bin/sh", "-c", _script(job)], env=run_env, capture_output=True, text=True, timeout=600
     )
@@ -690,24 +697,22 @@ def test_parallel_index_build_job_builds_slices_then_the_last_pod_joins_for_real
 
     data, indexes = tmp_path / "data", tmp_path / "indexes"
     write_jsonl(data / "facts.jsonl", fact_rows())
-    base = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")},
-        **env,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "OPENBOOK_INDEX_ROOT": str(indexes),
-        "OPENBOOK_DATA_DIR": str(data),
-        "INDEX_NAME": "facts",
-        "PASSAGES": "facts.jsonl",
-        "PASSAGES_FORMAT": "jsonl",
-        "INDEX_TYPE": "flat",
-        "ENCODER": "all-MiniLM-L6-v2",
-        "QUERY_ENCODER": "",
-        "BATCH_SIZE": "8",
-        "SHARDS": "2",
-        "ENCODE_DEVICE": "cpu",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
+    base = _shell_env(
+        env,
+        OPENBOOK_INDEX_ROOT=str(indexes),
+        OPENBOOK_DATA_DIR=str(data),
+        INDEX_NAME="facts",
+        PASSAGES="facts.jsonl",
+        PASSAGES_FORMAT="jsonl",
+        INDEX_TYPE="flat",
+        ENCODER="all-MiniLM-L6-v2",
+        QUERY_ENCODER="",
+        BATCH_SIZE="8",
+        SHARDS="2",
+        ENCODE_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
 
     def start(index: int, **more: str) -> subprocess.Popen:
         return subprocess.Popen(
