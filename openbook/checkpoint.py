@@ -8,6 +8,9 @@ Layout of one checkpoint (``<root>/step-000120/``)::
                       + openbook_adapter.json naming the base model it applies to
                       (openbook.rag.adapters); a few MB instead of the whole model
     query_encoder/    Encoder.save output (safetensors + openbook_encoder.json), if trained
+    query_encoder_adapter/  instead of query_encoder/, when only a LoRA adapter of it was
+                      trained: peft's files + openbook_adapter.json naming the base encoder
+                      (loaded by openbook.index.load_encoder); hundreds of KB
     trainer_state.pt  optimizer / scheduler / RNG state for ``--resume`` (optional)
     manifest.json     written last: what this is, and the sha256 of every other file
 
@@ -57,6 +60,7 @@ LATEST = "latest"
 GENERATOR_DIR = "generator"
 GENERATOR_ADAPTER_DIR = "generator_adapter"
 QUERY_ENCODER_DIR = "query_encoder"
+QUERY_ENCODER_ADAPTER_DIR = "query_encoder_adapter"
 TRAINER_STATE = "trainer_state.pt"
 GENERATOR_VERSION_FILE = "openbook_manifest.json"  # read by openbook.rag.loading.model_version
 _PREFIX = "step-"
@@ -145,7 +149,17 @@ def generator_adapter_dir(ckpt: Path) -> Path | None:
 
 
 def query_encoder_dir(ckpt: Path) -> Path | None:
-    d = Path(ckpt) / QUERY_ENCODER_DIR
+    """Where a checkpoint's query encoder is: the whole encoder or its adapter, both of which
+    :func:`openbook.index.load_encoder` loads; None when it has none."""
+    for name in (QUERY_ENCODER_DIR, QUERY_ENCODER_ADAPTER_DIR):
+        d = Path(ckpt) / name
+        if d.is_dir():
+            return d
+    return None
+
+
+def query_encoder_adapter_dir(ckpt: Path) -> Path | None:
+    d = Path(ckpt) / QUERY_ENCODER_ADAPTER_DIR
     return d if d.is_dir() else None
 
 
@@ -164,7 +178,8 @@ def write_checkpoint(
     query_encoder: Any | None,
     generator: Any,
     base_generator: str,
-    generator_adapter: GeneratorAdapter | None = None,
+    generator_adapter: TrainedAdapter | None = None,
+    query_encoder_adapter: TrainedAdapter | None = None,
     base_query_encoder: str | None,
     index: Mapping[str, str],
     data_sha256: str,
@@ -190,6 +205,8 @@ def write_checkpoint(
     (the serving retriever then keeps the index's own query encoder).
     ``generator_adapter``, when given, is saved instead of the whole generator
     (``generator_adapter/``): the LoRA adapter and the identity of the base it applies to.
+    ``query_encoder_adapter`` likewise replaces ``query_encoder`` (``query_encoder_adapter/``,
+    its base named by ``base_query_encoder``).
     ``keep_last`` deletes all but the newest N checkpoints after ``latest`` moved.
     ``_before_rename`` is a test hook called with the complete temporary directory.
     """
@@ -212,7 +229,18 @@ def write_checkpoint(
             (tmp / GENERATOR_DIR / GENERATOR_VERSION_FILE).write_text(
                 json.dumps({"version": name}) + "\n", encoding="utf-8"
             )
-        if query_encoder is not None:
+        if query_encoder_adapter is not None:
+            from openbook.rag.adapters import save_adapter
+
+            if base_query_encoder is None:
+                raise ValueError("a query encoder adapter needs base_query_encoder")
+            save_adapter(
+                query_encoder_adapter.peft_model,
+                tmp / QUERY_ENCODER_ADAPTER_DIR,
+                query_encoder_adapter.base_id,
+                str(base_query_encoder),
+            )
+        elif query_encoder is not None:
             query_encoder.save(tmp / QUERY_ENCODER_DIR)
         if trainer_state is not None:
             import torch
@@ -246,7 +274,7 @@ def write_checkpoint(
 
 
 @dataclass(frozen=True)
-class GeneratorAdapter:
+class TrainedAdapter:
     """A trained LoRA adapter to checkpoint: its ``peft`` model and its base's identity."""
 
     peft_model: Any
@@ -446,7 +474,11 @@ def verify_checkpoint(path: Path) -> CheckpointManifest:
     adapter = (path / GENERATOR_ADAPTER_DIR).is_dir()
     if not adapter and not (path / GENERATOR_DIR).is_dir():
         raise CheckpointError(f"{label}: {GENERATOR_DIR}/ missing")
-    for sub in (GENERATOR_DIR, GENERATOR_ADAPTER_DIR, QUERY_ENCODER_DIR):
+    if (path / QUERY_ENCODER_DIR).is_dir() and (path / QUERY_ENCODER_ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"{label}: holds both {QUERY_ENCODER_DIR}/ and {QUERY_ENCODER_ADAPTER_DIR}/"
+        )
+    for sub in (GENERATOR_DIR, GENERATOR_ADAPTER_DIR, QUERY_ENCODER_DIR, QUERY_ENCODER_ADAPTER_DIR):
         d = path / sub
         if not d.is_dir():
             continue
@@ -455,7 +487,9 @@ def verify_checkpoint(path: Path) -> CheckpointManifest:
             if p.is_file() and rel not in manifest.files:
                 raise CheckpointError(f"{label}: {rel} is not listed in {MANIFEST}")
         required = (
-            _REQUIRED_ADAPTER_FILES if sub == GENERATOR_ADAPTER_DIR else _REQUIRED_MODEL_FILES
+            _REQUIRED_ADAPTER_FILES
+            if sub in (GENERATOR_ADAPTER_DIR, QUERY_ENCODER_ADAPTER_DIR)
+            else _REQUIRED_MODEL_FILES
         )
         for req in required:
             if f"{sub}/{req}" not in manifest.files:
@@ -536,8 +570,9 @@ def load_generator(
 def load_query_encoder(path: Path, *, device: str | None = None, verify: bool = True) -> Any | None:
     """The query encoder of a checkpoint (or of the latest one under a root), a private,
     uncached :class:`openbook.index.Encoder` on ``device`` (default: where it loads), or None
-    when the checkpoint has none. Verified first unless ``verify=False``; raises
-    :class:`CheckpointError`."""
+    when the checkpoint has none. An adapter (``query_encoder_adapter/``) is merged into the
+    base encoder it names, which must be the one it was trained on. Verified first unless
+    ``verify=False``; raises :class:`CheckpointError`."""
     from openbook.index import load_encoder
 
     ckpt, _ = _opened(path, verify)
@@ -547,7 +582,7 @@ def load_query_encoder(path: Path, *, device: str | None = None, verify: bool = 
     try:
         encoder = load_encoder(str(d), role="query", cached=False)
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {ckpt.name}: {QUERY_ENCODER_DIR}/: {e}") from None
+        raise CheckpointError(f"checkpoint {ckpt.name}: {d.name}/: {e}") from None
     if device is not None:
         encoder.model.to(device)
     return encoder

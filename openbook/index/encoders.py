@@ -365,9 +365,15 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
 
     ``role`` (``query``/``document``) picks the DPR class when the directory's config does not
     say. Pass ``cached=False`` to get a private copy, e.g. one the trainer will modify.
+
+    A LoRA adapter directory (``openbook.rag.adapters``: peft's files + ``openbook_adapter.json``)
+    loads as its base encoder with the adapter merged in, after checking that the base found
+    under the recorded name is the one it was trained on (``AdapterMismatch`` otherwise).
     """
     if role not in ("query", "document"):
         raise ValueError(f"role must be 'query' or 'document', got {role!r}")
+    if is_adapter_dir(name_or_path):
+        return load_adapted_encoder(name_or_path, role=role, cached=cached)
     path = resolve_encoder_path(name_or_path)
     # Only a DPR (or RAG) checkpoint can become a different model depending on the role.
     key = (str(path), role if _is_dpr(path) else "*")
@@ -378,6 +384,54 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
                 enc = _cache[key] = _load(name_or_path, path, role)
             return enc
     return _load(name_or_path, path, role)
+
+
+def is_adapter_dir(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a LoRA adapter directory rather than a model."""
+    from openbook.rag.adapters import ADAPTER_FILE, PEFT_CONFIG
+
+    path = Path(name_or_path).expanduser()
+    return (path / ADAPTER_FILE).is_file() and (path / PEFT_CONFIG).is_file()
+
+
+def encoder_weights_dir(name_or_path: str) -> Path:
+    """The directory holding an encoder's ``config.json`` and weights (a sentence-transformers
+    directory's Transformer module): what an adapter's base identity is computed over."""
+    path = resolve_encoder_path(name_or_path)
+    if (path / "modules.json").is_file() and not (path / ENCODER_CONFIG).is_file():
+        return _read_st_config(path)[3]
+    return path
+
+
+def load_adapted_encoder(
+    adapter_dir: str | Path, base: str | None = None, role: str = "query", *, cached: bool = True
+) -> Encoder:
+    """A LoRA adapter directory's base encoder with the adapter merged into a private copy (a
+    cached base stays as it is), named after the adapter directory. ``base`` (default: the
+    encoder ``openbook_adapter.json`` names) must be the encoder it was trained on:
+    :class:`openbook.rag.adapters.AdapterMismatch` otherwise."""
+    from openbook.rag.adapters import adapter_base, check_base, merged
+
+    path = Path(adapter_dir).expanduser().resolve()
+    base = base or adapter_base(path).get("base_model") or ""
+    key = (f"{path}+{encoder_id(base) if base else ''}", role)
+    if cached:
+        with _cache_lock:
+            if key in _cache:
+                return _cache[key]
+    try:
+        base_dir = encoder_weights_dir(base)
+    except ValueError as e:
+        raise ValueError(f"encoder adapter {str(path)!r}: its base encoder: {e}") from None
+    check_base(path, base_dir)
+    encoder = load_encoder(base, role, cached=False)
+    encoder.model = merged(encoder.model, path)
+    encoder.model.eval()
+    encoder.name = str(path)
+    if cached:
+        with _cache_lock:
+            encoder = _cache.setdefault(key, encoder)
+    return encoder
 
 
 def _is_dpr(path: Path) -> bool:

@@ -11,7 +11,8 @@ on the indexes it pairs with:
   directory's included) and the index's document encoder is a DPR context encoder.
 
 An override's lineage is its own encoder id plus the ``source`` recorded in its
-``openbook_encoder.json`` (what a fine-tuned save started from); a checkpoint's adds its
+``openbook_encoder.json`` (what a fine-tuned save started from) or, for a LoRA adapter, the
+base encoder its ``openbook_adapter.json`` names; a checkpoint's adds its
 ``base_query_encoder`` and the document and query encoders of the index it was trained against.
 Every other index keeps its own manifest's query encoder: a query is never encoded by an
 encoder of another lineage or dimension.
@@ -47,8 +48,16 @@ def _json(path: Path) -> dict:
 
 
 def saved_source(encoder: Encoder) -> str | None:
-    """The encoder a directory written by ``Encoder.save`` was saved from (its lineage)."""
-    return _json(Path(encoder.name) / ENCODER_CONFIG).get("source") or None
+    """The encoder a directory written by ``Encoder.save`` was saved from, or a LoRA adapter
+    directory's base encoder (its lineage)."""
+    from openbook.rag.adapters import ADAPTER_FILE
+
+    path = Path(encoder.name)
+    return (
+        _json(path / ENCODER_CONFIG).get("source")
+        or _json(path / ADAPTER_FILE).get("base_model")
+        or None
+    )
 
 
 def is_dpr_context_encoder(name: str | None) -> bool:

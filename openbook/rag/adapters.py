@@ -1,5 +1,5 @@
-"""LoRA adapters of a generator (Hu et al. 2021), through ``peft``: attach for training, save
-only what changed, load onto the base model they were trained from.
+"""LoRA adapters (Hu et al. 2021) of a generator or a query encoder, through ``peft``: attach
+for training, save only what changed, load onto the base model they were trained from.
 
 An adapter directory is ``peft``'s own format (``adapter_config.json`` +
 ``adapter_model.safetensors``, loadable by ``peft.PeftModel.from_pretrained`` anywhere), plus
@@ -10,7 +10,9 @@ which base it needs.
 
 Serving merges the adapter into the base weights once, at load (W + B·A·alpha/r): decoding then
 costs exactly what the base model costs. Training keeps the LoRA layers separate: the base
-weights are frozen, only A and B (and, jointly, the query encoder) learn.
+weights are frozen, only A and B learn. A query encoder's adapter is loaded through
+:func:`openbook.index.load_encoder` (an adapter directory names its base encoder), so the
+retriever serves it like any encoder.
 """
 
 from __future__ import annotations
@@ -60,13 +62,18 @@ class LoraSpec:
     def peft_config(self, model: Any) -> Any:
         from peft import LoraConfig, TaskType
 
-        seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+        if getattr(model.config, "is_encoder_decoder", False):
+            task = TaskType.SEQ_2_SEQ_LM
+        elif model.get_output_embeddings() is not None:
+            task = TaskType.CAUSAL_LM
+        else:  # an encoder without an LM head: a query encoder
+            task = TaskType.FEATURE_EXTRACTION
         return LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
             target_modules=list(self.targets) if self.targets else "all-linear",
-            task_type=TaskType.SEQ_2_SEQ_LM if seq2seq else TaskType.CAUSAL_LM,
+            task_type=task,
         )
 
 

@@ -1,5 +1,5 @@
-"""`openbook demo prepare` installs the shipped adapter next to the model it applies to, once,
-and never onto another model."""
+"""`openbook demo prepare` installs the shipped adapters (the generator's and the query
+encoder's) under the models directory, once, and never onto another model."""
 
 from __future__ import annotations
 
@@ -7,36 +7,53 @@ import shutil
 
 from openbook_testkit.rag import make_tiny_adapter, make_tiny_causal_lm
 from openbook_testkit.stack import REPO_ROOT
-from openbook_trainer.demo.models import DEFAULT_ADAPTER, install_default_adapter
+from openbook_trainer.demo.models import (
+    DEFAULT_ADAPTER,
+    DEFAULT_QUERY_ADAPTER,
+    install_shipped_adapter,
+)
 
 
 def _shipped_for(tmp_path, base):
-    """A data dir whose shipped adapter was trained on ``base`` (the tiny model stands in)."""
-    data = tmp_path / "data"
-    make_tiny_adapter(base, data / "adapters" / DEFAULT_ADAPTER)
-    return data
+    """A shipped adapter trained on ``base`` (the tiny model stands in)."""
+    source = tmp_path / "data" / "adapters" / DEFAULT_ADAPTER
+    make_tiny_adapter(base, source)
+    return source
 
 
 def test_the_adapter_is_installed_once_onto_its_base(tmp_path):
     base = make_tiny_causal_lm(tmp_path / "lm", arch="llama")
-    data = _shipped_for(tmp_path, base)
+    source = _shipped_for(tmp_path, base)
     out = tmp_path / "models" / "lm-lora"
-    assert install_default_adapter(data, base, out, progress=False)
+    assert install_shipped_adapter(source, base, out, progress=False)
     assert {p.name for p in out.iterdir()} == {
         "adapter_config.json",
         "adapter_model.safetensors",
         "openbook_adapter.json",
     }
-    assert not install_default_adapter(data, base, out, progress=False)  # already there
+    assert not install_shipped_adapter(source, base, out, progress=False)  # already there
 
     other = make_tiny_causal_lm(tmp_path / "other", arch="gemma3")
     shutil.rmtree(out)
-    assert not install_default_adapter(data, other, out, progress=False)
+    assert not install_shipped_adapter(source, other, out, progress=False)
     assert not out.exists()
-    assert not install_default_adapter(tmp_path / "empty", base, out, progress=False)
+    assert not install_shipped_adapter(tmp_path / "empty", base, out, progress=False)
 
 
-def test_the_repository_ships_the_default_adapter():
+def test_the_repository_ships_the_default_adapters():
     shipped = REPO_ROOT / "data" / "adapters" / DEFAULT_ADAPTER
     assert (shipped / "adapter_model.safetensors").stat().st_size < 20 * 2**20
     assert (shipped / "openbook_adapter.json").is_file()
+    query = REPO_ROOT / "data" / "adapters" / DEFAULT_QUERY_ADAPTER
+    assert (query / "adapter_model.safetensors").stat().st_size < 2 * 2**20
+
+
+def test_the_shipped_query_encoder_adapter_installs_onto_the_packaged_minilm(tmp_path):
+    from openbook.index import load_encoder
+    from openbook.index.encoders import DEFAULT_ENCODER, encoder_weights_dir
+
+    source = REPO_ROOT / "data" / "adapters" / DEFAULT_QUERY_ADAPTER
+    out = tmp_path / "models" / "q-lora"
+    assert install_shipped_adapter(source, encoder_weights_dir(DEFAULT_ENCODER), out)
+    encoder = load_encoder(str(out), cached=False)  # merged into the packaged MiniLM
+    assert encoder.dim == 384 and encoder.name == str(out.resolve())

@@ -296,8 +296,15 @@ class LocalStack:
             "OPENBOOK_RETRIEVER_DEFAULT_INDEX": default_index,
             "OPENBOOK_ADMIN_TOKEN": admin_token,
             "OPENBOOK_TRAINER_PREPARE": "none",
-            # the default generator's adapter (compose's default) applies to that model only
-            **({} if generator == DEFAULT_GENERATOR else {"OPENBOOK_GENERATOR_ADAPTER": ""}),
+            # the default's adapters (compose's defaults) belong to the default stack only
+            **(
+                {}
+                if generator == DEFAULT_GENERATOR
+                else {
+                    "OPENBOOK_GENERATOR_ADAPTER": "",
+                    "OPENBOOK_RETRIEVER_QUERY_ENCODER_ADAPTER": "",
+                }
+            ),
             **(extra_env or {}),
         }
         self.proc: subprocess.Popen | None = None

@@ -28,7 +28,7 @@ def tiny_adapter_checkpoint(root: Path, step: int, base: Path, trained_on: Path 
     """An adapter-only checkpoint (LoRA on the generator, random non-zero updates so that it
     changes answers) of base model ``base``, claiming to be trained on ``trained_on`` (default:
     ``base``; another model makes an adapter for the wrong base)."""
-    from openbook.checkpoint import GeneratorAdapter
+    from openbook.checkpoint import TrainedAdapter
     from openbook.rag.adapters import LoraSpec, attach_lora, base_identity
     from openbook_testkit.rag import randomize_lora
 
@@ -40,7 +40,7 @@ def tiny_adapter_checkpoint(root: Path, step: int, base: Path, trained_on: Path 
         step,
         query_encoder=load_encoder("all-MiniLM-L6-v2", cached=False),
         generator=None,
-        generator_adapter=GeneratorAdapter(peft_model, base_identity(trained_on or base)),
+        generator_adapter=TrainedAdapter(peft_model, base_identity(trained_on or base)),
         base_generator=str(trained_on or base),
         base_query_encoder="all-MiniLM-L6-v2",
         index={"name": "facts-a"},

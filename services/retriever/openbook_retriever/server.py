@@ -11,7 +11,9 @@ import logging
 import threading
 
 from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
-from openbook.index import load_encoder
+from openbook.index import Encoder, load_encoder
+from openbook.index.encoders import load_adapted_encoder
+from openbook.rag.adapters import AdapterMismatch
 from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     DeferredServicer,
@@ -40,6 +42,30 @@ def warm_up(servicer: RetrieverServicer) -> None:
         servicer._search(index, ["warm-up"], 1, False)
 
 
+def configured_query_encoder(settings: RetrieverSettings) -> Encoder | None:
+    """OPENBOOK_RETRIEVER_QUERY_ENCODER with OPENBOOK_RETRIEVER_QUERY_ENCODER_ADAPTER merged in
+    (None: every index searches with its own). An adapter that is missing or that was trained
+    on another encoder is skipped with a warning, as the generator's is: compose's default
+    adapter belongs to the default encoder, and another deployment must still start."""
+    base = settings.query_encoder or None
+    adapter = settings.query_encoder_adapter
+    if adapter is not None and not adapter.is_dir():
+        log.warning(
+            "query encoder adapter %s not found (run `openbook demo prepare`): serving %s",
+            adapter,
+            base or "the indexes' own query encoders",
+        )
+    elif adapter is not None:
+        try:
+            encoder = load_adapted_encoder(adapter, base)
+        except AdapterMismatch as exc:
+            log.warning("%s; serving %s", exc, base or "the indexes' own query encoders")
+        else:
+            log.info("query encoder adapter %s merged into %s", adapter, base or "its base")
+            return encoder
+    return load_encoder(base) if base else None
+
+
 def bind(settings: RetrieverSettings) -> tuple[GrpcService, DeferredServicer]:
     """The gRPC server on its port, answering UNAVAILABLE until a servicer is attached."""
     return bind_deferred(
@@ -57,7 +83,7 @@ def load(
     active index until ``stop`` is set."""
     registry = IndexRegistry(settings.index_root, max_loaded=settings.max_loaded_indexes)
     shared = ActiveIndexStore(redis_client(settings.redis_url, settings.redis_timeout_s))
-    encoder = load_encoder(settings.query_encoder) if settings.query_encoder else None
+    encoder = configured_query_encoder(settings)
     servicer = RetrieverServicer(
         registry,
         shared,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from openbook.settings import GrpcServiceSettings, shared
@@ -20,9 +20,22 @@ class RetrieverSettings(GrpcServiceSettings):
     # Where indexes live: the trainer's demo preparation writes there too.
     index_root: Path = shared(Path("var/indexes"), "OPENBOOK_INDEX_ROOT")
     default_index: str = ""
+    # A query encoder that replaces the indexes' own where it pairs with them
+    # (openbook/index/pairing.py): a name or directory; "": each index's own.
     query_encoder: str = ""
+    # A LoRA adapter of the query encoder (openbook/rag/adapters.py), merged at start into
+    # query_encoder, or, when that is "", into the base encoder the adapter names.
+    # docker-compose.yml names the default's (data/adapters/minilm-squad-query, trained jointly
+    # with the generator's, installed by `openbook demo prepare`); None or "": no adapter. One
+    # that is missing, or that was trained on another encoder, is skipped with a warning.
+    query_encoder_adapter: Path | None = None
     max_loaded_indexes: int = Field(4, ge=1)
     # Concurrent Retrieve calls share one encoder forward pass and one search.
     max_batch_size: int = Field(32, ge=1)
     max_batch_wait_ms: float = Field(2.0, ge=0)
     max_queue: int = Field(64, ge=1)
+
+    @field_validator("query_encoder_adapter", mode="before")
+    @classmethod
+    def _no_adapter(cls, value: object) -> object:
+        return None if value is None or str(value).strip() == "" else value

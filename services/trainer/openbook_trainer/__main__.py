@@ -18,7 +18,7 @@ from openbook_trainer.merge import app as merge_app
 # name -> (typer app, help); openbook_cli mounts these same apps under the same names.
 COMMANDS: dict[str, tuple[typer.Typer, str]] = {
     "train": (train_app, "Fine-tune the query encoder and generator jointly."),
-    "merge-adapter": (merge_app, "Merge a checkpoint's generator adapter into its base."),
+    "merge-adapter": (merge_app, "Merge a checkpoint's LoRA adapters into their bases."),
     "eval": (eval_app, "Score a running system or a checkpoint."),
     "demo": (demo_app, "Demo data, indexes and default models."),
     "experiments": (experiments_app, "The paper's experiments, in small."),

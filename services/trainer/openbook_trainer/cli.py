@@ -88,6 +88,11 @@ def train_command(
         "--generator-adapter",
         help="lora: train a LoRA adapter of the generator only (checkpoints hold the adapter)",
     ),
+    query_encoder_adapter: Adapter | None = typer.Option(
+        None,
+        "--query-encoder-adapter",
+        help="lora: train a LoRA adapter of the query encoder only (checkpoints hold the adapter)",
+    ),
     lora_rank: int | None = typer.Option(None, "--lora-rank", help="adapter rank r (16)"),
     lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="scale alpha (32)"),
     lora_dropout: float | None = typer.Option(None, "--lora-dropout", help="(0.05)"),

@@ -38,19 +38,20 @@ from tqdm.auto import tqdm
 from openbook.artifacts import clean_stale_partials, sha256_file
 from openbook.checkpoint import (
     CheckpointError,
-    GeneratorAdapter,
+    TrainedAdapter,
     generator_adapter_dir,
     latest_checkpoint,
     load_generator,
     load_query_encoder,
     load_trainer_state,
+    query_encoder_adapter_dir,
     read_manifest,
     trainer_state_path,
     verify_checkpoint,
     write_checkpoint,
 )
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
-from openbook.index.encoders import encoder_id
+from openbook.index.encoders import encoder_id, encoder_weights_dir
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.adapters import (
     adapter_base,
@@ -147,9 +148,11 @@ class Trainer:
         self.base_query_encoder = encoder_id(base_q)
         # float32 master weights; autocast provides the reduced precision on CUDA.
         dev = str(self.device)
-        lora = cfg.lora
+        lora, q_lora = cfg.lora, cfg.query_encoder_lora
         self.peft_model = None  # the LoRA-wrapped generator when only an adapter trains
         self.base_id = ""
+        self.q_peft_model = None  # the same for the query encoder
+        self.q_base_id = ""
         encoder = None
         if resume_from is not None:
             m = read_manifest(resume_from)
@@ -171,13 +174,35 @@ class Trainer:
                 check_base(adapter, Path(cfg.generator))
                 self.base_id = adapter_base(adapter)["base_identity"]
                 self.peft_model = load_trainable(self.generator.model, adapter)
-            encoder = load_query_encoder(resume_from, device=dev, verify=False)
+            q_adapter = query_encoder_adapter_dir(resume_from)
+            if (q_adapter is not None) != (q_lora is not None):
+                raise ConfigError(
+                    f"{resume_from} was trained {'with' if q_adapter else 'without'} a query "
+                    f"encoder adapter and this run is configured {'with' if q_lora else 'without'}"
+                    " one; use --no-resume or another --out"
+                )
+            if q_adapter is None:
+                encoder = load_query_encoder(resume_from, device=dev, verify=False)
+            else:
+                encoder = _load_query_encoder(self.base_query_encoder, self.device)
+                check_base(q_adapter, encoder_weights_dir(self.base_query_encoder))
+                self.q_base_id = adapter_base(q_adapter)["base_identity"]
+                self.q_peft_model = load_trainable(encoder.model, q_adapter)
         else:
             self.generator = RagGenerator.load(Path(cfg.generator), device=dev, dtype="float32")
             if lora is not None:
                 self.base_id = base_identity(Path(cfg.generator))
                 self.peft_model = attach_lora(self.generator.model, lora)
         self.encoder = encoder or _load_query_encoder(base_q, self.device)
+        if resume_from is None and q_lora is not None:
+            try:
+                self.q_base_id = base_identity(encoder_weights_dir(base_q))
+            except ValueError as e:
+                raise ConfigError(
+                    f"query-encoder-adapter lora: the base query encoder {base_q!r} must be a "
+                    f"model directory (or the MiniLM alias): {e}"
+                ) from None
+            self.q_peft_model = attach_lora(self.encoder.model, q_lora)
         self.retrieval = DenseRetrieval(self.index, self.encoder, cfg.k)
         self.trained = [
             name
@@ -232,7 +257,8 @@ class Trainer:
 
     def _set_trainable(self) -> None:
         cfg = self.cfg
-        self.encoder.model.requires_grad_(cfg.train_query_encoder)
+        if self.q_peft_model is None:  # as below: peft froze the base and not the adapter
+            self.encoder.model.requires_grad_(cfg.train_query_encoder)
         if self.peft_model is None:  # with an adapter, peft froze the base and not the adapter
             self.generator.model.requires_grad_(cfg.train_generator)
         self._train_mode()
@@ -460,9 +486,14 @@ class Trainer:
             cfg.out,
             self.step,
             query_encoder=self.encoder if save_q else None,
+            query_encoder_adapter=(
+                None
+                if self.q_peft_model is None
+                else TrainedAdapter(self.q_peft_model, self.q_base_id)
+            ),
             generator=self.generator,
             generator_adapter=(
-                None if self.peft_model is None else GeneratorAdapter(self.peft_model, self.base_id)
+                None if self.peft_model is None else TrainedAdapter(self.peft_model, self.base_id)
             ),
             base_generator=self.base_generator,
             base_query_encoder=self.base_query_encoder,

@@ -44,9 +44,12 @@ def prepare(
 
     from openbook_trainer.demo.indexes import prepare_demo_indexes
     from openbook_trainer.demo.models import (
+        DEFAULT_ADAPTER,
         DEFAULT_ADAPTER_DIRNAME,
         DEFAULT_MODEL_DIRNAME,
-        install_default_adapter,
+        DEFAULT_QUERY_ADAPTER,
+        DEFAULT_QUERY_ADAPTER_DIRNAME,
+        install_shipped_adapter,
         is_prepared,
         prepare_default_generator,
     )
@@ -76,8 +79,16 @@ def prepare(
             prepare_default_generator(model_dir, progress=True)
             did.append(f"generator {model_dir}")
         adapter_dir = models_dir / DEFAULT_ADAPTER_DIRNAME
-        if install_default_adapter(data_dir, model_dir, adapter_dir):
+        shipped = data_dir / "adapters"
+        if install_shipped_adapter(shipped / DEFAULT_ADAPTER, model_dir, adapter_dir):
             did.append(f"adapter {adapter_dir}")
+        # The query encoder's: its base is the packaged MiniLM the demo indexes are built with.
+        from openbook.index.encoders import DEFAULT_ENCODER, encoder_weights_dir
+
+        q_adapter_dir = models_dir / DEFAULT_QUERY_ADAPTER_DIRNAME
+        q_base = encoder_weights_dir(DEFAULT_ENCODER)
+        if install_shipped_adapter(shipped / DEFAULT_QUERY_ADAPTER, q_base, q_adapter_dir):
+            did.append(f"query encoder adapter {q_adapter_dir}")
 
     if did:
         typer.echo(f"prepared {', '.join(did)} in {time.monotonic() - start:.0f} s")

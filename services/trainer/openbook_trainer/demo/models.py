@@ -232,27 +232,31 @@ def _make_readable(root: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-# The default generator's LoRA adapter, shipped in the repository (data/adapters/<name>) and
-# installed next to the model it applies to (docs/results.md, "Fine-tuning the default").
+# The default's LoRA adapters, shipped in the repository (data/adapters/<name>) and installed
+# under the models directory (docs/results.md, "Fine-tuning the default"): the generator's, and
+# the query encoder's trained jointly with it.
 DEFAULT_ADAPTER = "gemma-3-270m-squad"
 DEFAULT_ADAPTER_DIRNAME = "gemma-3-270m-squad-lora"
+DEFAULT_QUERY_ADAPTER = "minilm-squad-query"
+DEFAULT_QUERY_ADAPTER_DIRNAME = "all-MiniLM-L6-v2-squad-query-lora"
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "openbook_adapter.json")
 
 
-def install_default_adapter(
-    data_dir: Path, model_dir: Path, out_dir: Path, *, progress: bool = True
+def install_shipped_adapter(
+    source: Path, base_dir: Path, out_dir: Path, *, progress: bool = True
 ) -> bool:
-    """Copy the shipped adapter to ``out_dir`` once its base is checked to be ``model_dir``;
-    True when it was (re)installed. An adapter whose base is not the prepared model (a
-    conversion that came out different) is not installed: the generator then serves the model
-    alone, with a warning, rather than refusing to start."""
+    """Copy the adapter shipped at ``source`` to ``out_dir`` once its base is checked to be
+    ``base_dir`` (the directory holding the base model's config and weights); True when it
+    was (re)installed. An adapter whose base is not the prepared model (a conversion that came
+    out different) is not installed: the service then serves the model alone, with a warning,
+    rather than refusing to start."""
     from openbook.artifacts import sha256_file
     from openbook.rag.adapters import AdapterMismatch, check_base
 
     log = _stderr if progress else _quiet
-    source = Path(data_dir) / "adapters" / DEFAULT_ADAPTER
+    source = Path(source)
     if not source.is_dir():
-        log(f"no adapter shipped at {source}: the generator serves the few-shot prompt")
+        log(f"no adapter shipped at {source}: the base model serves alone")
         return False
     out_dir = Path(out_dir)
     if out_dir.is_dir() and all(
@@ -262,7 +266,7 @@ def install_default_adapter(
         log(f"adapter already installed at {out_dir}")
         return False
     try:
-        check_base(source, model_dir)
+        check_base(source, base_dir)
     except AdapterMismatch as e:
         log(f"warning: adapter not installed: {e}")
         return False

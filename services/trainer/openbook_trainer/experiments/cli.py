@@ -155,7 +155,10 @@ def finetune(
     steps: int = typer.Option(60, min=1, help="optimizer steps per training run"),
     batch_size: int = typer.Option(4, min=1),
     lr_generator: float = typer.Option(1e-3, min=0, help="the adapter's learning rate"),
-    lr_query_encoder: float = typer.Option(3e-5, min=0),
+    lr_query_encoder: float = typer.Option(3e-4, min=0, help="(3e-5 with --full-query-encoder)"),
+    full_query_encoder: bool = typer.Option(
+        False, help="joint training tunes every query encoder weight, not a LoRA adapter"
+    ),
     k: int = typer.Option(5, min=1, max=100),
     lora_rank: int = typer.Option(16, min=1, max=256),
     seed: int = typer.Option(0),
@@ -177,6 +180,7 @@ def finetune(
         batch_size=batch_size,
         lr_generator=lr_generator,
         lr_query_encoder=lr_query_encoder,
+        query_encoder_adapter="none" if full_query_encoder else "lora",
         k=k,
         lora_rank=lora_rank,
         seed=seed,
