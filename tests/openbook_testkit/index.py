@@ -365,3 +365,21 @@ def write_vector_index(
         **checksum_fields(out_dir),
     ).to_file(out_dir / MANIFEST)
     return out_dir
+
+
+def reply_hits(reply) -> tuple[list[list[str]], list[list[float]]]:
+    """(ids, scores) per query of a RetrieveResponse."""
+    return (
+        [[p.id for p in r.passages] for r in reply.results],
+        [[p.score for p in r.passages] for r in reply.results],
+    )
+
+
+def assert_same_hits(reply, want: tuple[list[list[str]], list[list[float]]]) -> None:
+    """A RetrieveResponse holds ``want``'s ids, and its scores up to float32 rounding."""
+    import pytest
+
+    ids, scores = reply_hits(reply)
+    assert ids == want[0]
+    for s, w in zip(scores, want[1], strict=True):
+        assert s == pytest.approx(w, rel=1e-5, abs=1e-5)

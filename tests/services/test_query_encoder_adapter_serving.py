@@ -23,7 +23,7 @@ from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build, configured_query_encoder
 from openbook_retriever.settings import RetrieverSettings
-from openbook_testkit.index import QUESTIONS
+from openbook_testkit.index import QUESTIONS, assert_same_hits, reply_hits
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes
 
@@ -109,20 +109,6 @@ def _search(servicer, index: str, encoder):
     return [[p.id for p in ps] for ps in hits], [[p.score for p in ps] for ps in hits]
 
 
-def _got(reply):
-    return (
-        [[p.id for p in r.passages] for r in reply.results],
-        [[p.score for p in r.passages] for r in reply.results],
-    )
-
-
-def _assert_same(reply, want) -> None:
-    ids, scores = _got(reply)
-    assert ids == want[0]
-    for s, w in zip(scores, want[1], strict=True):
-        assert s == pytest.approx(w, rel=1e-5, abs=1e-5)
-
-
 def test_the_configured_adapter_searches_its_lineage(retriever, world):
     stub, servicer = retriever
     adapted = load_adapted_encoder(world["adapter"])
@@ -131,8 +117,8 @@ def test_the_configured_adapter_searches_its_lineage(retriever, world):
     for name in ("facts-a", "facts-b"):  # both MiniLM indexes: the adapter's base lineage
         reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=ASK, k=3, index=name))
         assert reply.model_version == str(world["adapter"].resolve())
-        _assert_same(reply, _search(servicer, name, adapted))
-    assert _got(reply)[1] != _search(servicer, "facts-b", plain)[1]
+        assert_same_hits(reply, _search(servicer, name, adapted))
+    assert reply_hits(reply)[1] != _search(servicer, "facts-b", plain)[1]
 
 
 def test_a_checkpoint_holding_a_query_encoder_adapter_reloads(retriever, world):
@@ -144,7 +130,7 @@ def test_a_checkpoint_holding_a_query_encoder_adapter_reloads(retriever, world):
     trained = load_query_encoder(world["ckpt"])
     reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=ASK, k=3))
     assert reply.model_version == "step-000001"
-    _assert_same(reply, _search(servicer, "facts-a", trained))
+    assert_same_hits(reply, _search(servicer, "facts-a", trained))
 
 
 def test_a_missing_or_foreign_adapter_is_skipped_with_a_warning(world, redis_url, caplog):

@@ -18,7 +18,13 @@ from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build
 from openbook_retriever.settings import RetrieverSettings
-from openbook_testkit.index import QUESTIONS, make_tiny_dpr_encoders, write_facts
+from openbook_testkit.index import (
+    QUESTIONS,
+    assert_same_hits,
+    make_tiny_dpr_encoders,
+    reply_hits,
+    write_facts,
+)
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes
 
@@ -105,19 +111,6 @@ def expected(servicer, index: str, encoder):
     return [[p.id for p in ps] for ps in hits], [[p.score for p in ps] for ps in hits]
 
 
-def got(reply):
-    ids = [[p.id for p in r.passages] for r in reply.results]
-    scores = [[p.score for p in r.passages] for r in reply.results]
-    return ids, scores
-
-
-def assert_same(reply, want):
-    ids, scores = got(reply)
-    assert ids == want[0]
-    for s, w in zip(scores, want[1], strict=True):
-        assert s == pytest.approx(w, rel=1e-5, abs=1e-5)
-
-
 def test_each_index_is_searched_by_its_paired_encoder(retriever, world):
     stub, servicer = retriever
     minilm = load_encoder("all-MiniLM-L6-v2")
@@ -126,12 +119,12 @@ def test_each_index_is_searched_by_its_paired_encoder(retriever, world):
 
     a = retrieve(stub)  # active facts-a: 384-d MiniLM, the 32-d override does not pair with it
     assert a.index == "facts-a" and a.model_version == "index-default"
-    assert_same(a, expected(servicer, "facts-a", minilm))
+    assert_same_hits(a, expected(servicer, "facts-a", minilm))
 
     d = retrieve(stub, "dpr-32")  # a DPR context-encoder index: the DPR override pairs with it
     assert d.index == "dpr-32" and d.model_version == override.name
-    assert_same(d, expected(servicer, "dpr-32", override))
-    assert got(d)[1] != expected(servicer, "dpr-32", own_dpr)[1]  # not its own encoder's
+    assert_same_hits(d, expected(servicer, "dpr-32", override))
+    assert reply_hits(d)[1] != expected(servicer, "dpr-32", own_dpr)[1]  # not its own encoder's
 
 
 def test_swap_to_an_index_the_override_pairs_with(retriever, world):
@@ -139,9 +132,11 @@ def test_swap_to_an_index_the_override_pairs_with(retriever, world):
     stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="dpr-32"), metadata=ADMIN)
     d = retrieve(stub)
     assert d.index == "dpr-32"
-    assert_same(d, expected(servicer, "dpr-32", load_encoder(str(world["q2"]))))
+    assert_same_hits(d, expected(servicer, "dpr-32", load_encoder(str(world["q2"]))))
     stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="facts-a"), metadata=ADMIN)
-    assert_same(retrieve(stub), expected(servicer, "facts-a", load_encoder("all-MiniLM-L6-v2")))
+    assert_same_hits(
+        retrieve(stub), expected(servicer, "facts-a", load_encoder("all-MiniLM-L6-v2"))
+    )
 
 
 def test_swap_refused_when_neither_override_nor_own_encoder_pairs(retriever, world):
@@ -157,7 +152,7 @@ def test_swap_refused_when_neither_override_nor_own_encoder_pairs(retriever, wor
     listed = stub.ListIndexes(retriever_pb2.ListIndexesRequest())
     assert listed.active == "facts-a"
     after = retrieve(stub)
-    assert after.index == "facts-a" and got(after) == got(before)
+    assert after.index == "facts-a" and reply_hits(after) == reply_hits(before)
     assert servicer.shared.get() == "facts-a"
 
 
@@ -172,7 +167,7 @@ def test_checkpoint_against_another_index_is_refused(retriever, world):
         assert part in details, details
     d = retrieve(stub)  # the configured override keeps serving dpr-32
     assert d.index == "dpr-32" and d.model_version == load_encoder(str(world["q2"])).name
-    assert_same(d, expected(servicer, "dpr-32", load_encoder(str(world["q2"]))))
+    assert_same_hits(d, expected(servicer, "dpr-32", load_encoder(str(world["q2"]))))
 
 
 def test_checkpoint_applies_to_its_lineage_only(retriever, world):
@@ -185,14 +180,15 @@ def test_checkpoint_applies_to_its_lineage_only(retriever, world):
     for name in ("facts-a", "facts-b"):  # both built with MiniLM: the checkpoint's lineage
         reply = retrieve(stub, name)
         assert reply.model_version == "step-000001"
-        assert_same(reply, expected(servicer, name, trained))
+        assert_same_hits(reply, expected(servicer, name, trained))
     assert (
-        got(retrieve(stub))[1] != expected(servicer, "facts-a", load_encoder("all-MiniLM-L6-v2"))[1]
+        reply_hits(retrieve(stub))[1]
+        != expected(servicer, "facts-a", load_encoder("all-MiniLM-L6-v2"))[1]
     )
     # dpr-32 (32-d DPR) goes back to its own query encoder: the checkpoint replaced the override
     d = retrieve(stub, "dpr-32")
     assert d.model_version == "index-default"
-    assert_same(d, expected(servicer, "dpr-32", load_encoder(str(world["q"]))))
+    assert_same_hits(d, expected(servicer, "dpr-32", load_encoder(str(world["q"]))))
     # and a swap to it is accepted, since its own encoder searches it
     stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="dpr-32"), metadata=ADMIN)
     assert retrieve(stub).index == "dpr-32"

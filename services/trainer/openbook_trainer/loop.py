@@ -158,12 +158,7 @@ class Trainer:
             m = read_manifest(resume_from)
             self.base_generator, self.base_query_encoder = m.base_generator, m.base_query_encoder
             adapter = generator_adapter_dir(resume_from)
-            if (adapter is not None) != (lora is not None):
-                raise ConfigError(
-                    f"{resume_from} was trained {'with' if adapter else 'without'} a generator "
-                    f"adapter and this run is configured {'with' if lora else 'without'} one; "
-                    "use --no-resume or another --out"
-                )
+            _same_adapter_use(resume_from, "generator", adapter, lora)
             if adapter is None:
                 # _resume_point verified the checkpoint
                 self.generator = load_generator(
@@ -175,12 +170,7 @@ class Trainer:
                 self.base_id = adapter_base(adapter)["base_identity"]
                 self.peft_model = load_trainable(self.generator.model, adapter)
             q_adapter = query_encoder_adapter_dir(resume_from)
-            if (q_adapter is not None) != (q_lora is not None):
-                raise ConfigError(
-                    f"{resume_from} was trained {'with' if q_adapter else 'without'} a query "
-                    f"encoder adapter and this run is configured {'with' if q_lora else 'without'}"
-                    " one; use --no-resume or another --out"
-                )
+            _same_adapter_use(resume_from, "query encoder", q_adapter, q_lora)
             if q_adapter is None:
                 encoder = load_query_encoder(resume_from, device=dev, verify=False)
             else:
@@ -631,6 +621,16 @@ def _open_dense_index(cfg: TrainConfig) -> LoadedIndex:
         index.close()
         raise ConfigError(f"k={cfg.k} exceeds the {index.manifest.count} passages of the index")
     return index
+
+
+def _same_adapter_use(ckpt: Path, part: str, saved: Path | None, configured: Any) -> None:
+    """A run resumes with an adapter of ``part`` exactly when its checkpoint holds one."""
+    if (saved is not None) != (configured is not None):
+        raise ConfigError(
+            f"{ckpt} was trained {'with' if saved else 'without'} a {part} adapter and this "
+            f"run is configured {'with' if configured else 'without'} one; use --no-resume or "
+            "another --out"
+        )
 
 
 def _load_query_encoder(name: str, device: torch.device) -> Encoder:
