@@ -45,7 +45,7 @@ def test_the_repository_ships_the_default_adapters():
     assert (shipped / "adapter_model.safetensors").stat().st_size < 20 * 2**20
     assert (shipped / "openbook_adapter.json").is_file()
     query = REPO_ROOT / "data" / "adapters" / DEFAULT_QUERY_ADAPTER
-    assert (query / "adapter_model.safetensors").stat().st_size < 2 * 2**20
+    assert (query / "adapter_model.safetensors").stat().st_size < 4 * 2**20  # 2.6 MiB
 
 
 def test_the_shipped_query_encoder_adapter_installs_onto_the_packaged_minilm(tmp_path):
