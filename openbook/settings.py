@@ -10,9 +10,18 @@ reads the same file.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr
+from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _none_if_blank(value: object) -> object:
+    return None if value is None or str(value).strip() == "" else value
+
+
+# An optional path setting: unset, or set to "" (compose's way to turn a default off), is None.
+OptionalPath = Annotated[Path | None, BeforeValidator(_none_if_blank)]
 
 
 def shared(default, env: str, **constraints):

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from openbook.settings import PRECISIONS, GrpcServiceSettings
+from openbook.settings import PRECISIONS, GrpcServiceSettings, OptionalPath
 
 
 class GeneratorSettings(GrpcServiceSettings):
@@ -22,7 +22,7 @@ class GeneratorSettings(GrpcServiceSettings):
     # model alone (the few-shot prompt). One that is missing, or that was trained on another
     # model (compose's default when OPENBOOK_GENERATOR_MODEL names another), is skipped with a
     # warning.
-    adapter: Path | None = None
+    adapter: OptionalPath = None
     device: str = ""  # "": CUDA when present, else CPU
     # The weights' precision: "auto" (CUDA: bf16, fp16 on a GPU without it; CPU: bf16 where the
     # processor has native bf16 arithmetic, AVX512-BF16 / AMX-BF16, else float32), or "float32",
@@ -43,11 +43,6 @@ class GeneratorSettings(GrpcServiceSettings):
     passage_cache_mb: int = Field(256, ge=0)
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
     max_request_s: float = Field(300.0, gt=0)
-
-    @field_validator("adapter", mode="before")
-    @classmethod
-    def _no_adapter(cls, value: object) -> object:
-        return None if value is None or str(value).strip() == "" else value
 
     @field_validator("dtype")
     @classmethod

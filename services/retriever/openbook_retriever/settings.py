@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from openbook.settings import GrpcServiceSettings, shared
+from openbook.settings import GrpcServiceSettings, OptionalPath, shared
 
 
 class RetrieverSettings(GrpcServiceSettings):
@@ -28,14 +28,9 @@ class RetrieverSettings(GrpcServiceSettings):
     # docker-compose.yml names the default's (data/adapters/minilm-squad-query, trained jointly
     # with the generator's, installed by `openbook demo prepare`); None or "": no adapter. One
     # that is missing, or that was trained on another encoder, is skipped with a warning.
-    query_encoder_adapter: Path | None = None
+    query_encoder_adapter: OptionalPath = None
     max_loaded_indexes: int = Field(4, ge=1)
     # Concurrent Retrieve calls share one encoder forward pass and one search.
     max_batch_size: int = Field(32, ge=1)
     max_batch_wait_ms: float = Field(2.0, ge=0)
     max_queue: int = Field(64, ge=1)
-
-    @field_validator("query_encoder_adapter", mode="before")
-    @classmethod
-    def _no_adapter(cls, value: object) -> object:
-        return None if value is None or str(value).strip() == "" else value
