@@ -13,7 +13,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
+
+# Spare slots a growing layer allocates beyond what it holds: one copy of the cache per this
+# many decoding steps instead of one per step (openbook/rag/memory.py counts them).
+GROWTH_SLOTS = 16
 
 
 def _layer_has_data(layer: object) -> bool:
@@ -82,15 +86,18 @@ def reorder_self_attention(cache: Cache, rows: torch.Tensor) -> None:
             layer.values = layer.values.index_select(0, idx)
 
 
-def join_rows(caches: Sequence[Cache]) -> Cache:
-    """One cache holding the rows of ``caches`` in order, each layer left-padded with zeros to
-    its longest length. Padding slots must be masked out by the caller (their keys are zeros,
-    not absent)."""
+def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cache:
+    """One cache holding the rows of ``caches``, each layer left-padded with zeros to its longest
+    length. Padding slots must be masked out by the caller (their keys are zeros, not absent).
+
+    Rows are in order, or, with ``dest`` (a permutation of the total row count), input row i
+    (counted through ``caches`` in order) becomes output row ``dest[i]``: joining and reordering
+    in one copy."""
     first = caches[0]
     if isinstance(first, EncoderDecoderCache):
         out = EncoderDecoderCache(
-            join_rows([c.self_attention_cache for c in caches]),
-            join_rows([c.cross_attention_cache for c in caches]),
+            join_rows([c.self_attention_cache for c in caches], dest),
+            join_rows([c.cross_attention_cache for c in caches], dest),
         )
         out.is_updated = dict(first.is_updated)
         return out
@@ -101,9 +108,28 @@ def join_rows(caches: Sequence[Cache]) -> Cache:
         if _layer_has_data(layer):
             parts = [c.layers[i] for c in caches]
             width = max(p.keys.shape[-2] for p in parts)
-            new.keys = torch.cat([_pad_left(p.keys, width) for p in parts])
-            new.values = torch.cat([_pad_left(p.values, width) for p in parts])
+            if dest is None:
+                new.keys = torch.cat([_pad_left(p.keys, width) for p in parts])
+                new.values = torch.cat([_pad_left(p.values, width) for p in parts])
+            else:
+                new.keys = _scatter_rows([p.keys for p in parts], width, dest)
+                new.values = _scatter_rows([p.values for p in parts], width, dest)
         out.layers.append(new)
+    return out
+
+
+def _scatter_rows(parts: Sequence[torch.Tensor], width: int, dest: torch.Tensor) -> torch.Tensor:
+    """(rows_i, heads, length_i, d) tensors -> (sum rows_i, heads, width, d): row j of the
+    concatenation at ``dest[j]``, right-aligned, zeros before."""
+    rows = sum(p.shape[0] for p in parts)
+    head = parts[0]
+    out = head.new_zeros((rows, head.shape[1], width, head.shape[3]))
+    dest = dest.to(head.device)
+    at = 0
+    for p in parts:
+        n, length = p.shape[0], p.shape[-2]
+        out[:, :, width - length :].index_copy_(0, dest[at : at + n], p)
+        at += n
     return out
 
 
@@ -120,3 +146,95 @@ def drop_leading(cache: Cache, count: int) -> None:
         if _layer_has_data(layer):
             layer.keys = layer.keys[:, :, count:]
             layer.values = layer.values[:, :, count:]
+
+
+class GrowingLayer(DynamicLayer):
+    """A :class:`DynamicLayer` that appends into spare capacity instead of concatenating.
+
+    transformers' dynamic layer copies its whole keys/values at every update (``torch.cat``), so a
+    decoding step copies the cache once more than it reads it. This layer keeps keys/values as
+    views of the first ``filled`` slots of a larger buffer (:class:`_Slots`) and writes new slots
+    after them; a full buffer, or keys that are not exactly that view (set by :func:`select_rows`,
+    :func:`join_rows`, :func:`drop_leading`, a beam reorder, or an expanded prefix), are copied
+    into a new buffer with :data:`GROWTH_SLOTS` to spare.
+
+    Copies of a layer (``copy.copy``: :func:`share_rows`, forks) share its buffer. Appending in
+    place is allowed only to a layer whose view ends at the buffer's ``filled`` mark, and moves
+    the mark: the first of two sharers to append writes slots nobody else sees; the second finds
+    the mark past its view and copies. So no view ever changes under its holder, as with
+    transformers' layer.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        slots: _Slots | None = getattr(self, "_slots", None)
+        if slots is None or not slots.appendable(self.keys, self.values, new):
+            slots = _Slots(self.keys, self.values, key_states, value_states, new + GROWTH_SLOTS)
+            self._slots = slots
+        self.keys, self.values = slots.append(key_states, value_states)
+        return self.keys, self.values
+
+
+class _Slots:
+    """Key/value buffers (rows, heads, capacity, d); the first ``filled`` slots hold data."""
+
+    __slots__ = ("filled", "keys", "values")
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        spare: int,
+    ) -> None:
+        held = keys.shape[-2] if keys.numel() else 0
+        self.keys = _buffer(keys, new_keys, held + spare)
+        self.values = _buffer(values, new_values, held + spare)
+        self.filled = held
+
+    def appendable(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> bool:
+        """Whether ``keys``/``values`` are exactly the filled slots and ``new`` more fit."""
+        return (
+            self.filled + new <= self.keys.shape[2]
+            and _is_prefix_view(keys, self.keys, self.filled)
+            and _is_prefix_view(values, self.values, self.filled)
+        )
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.filled + keys.shape[-2]
+        self.keys[:, :, self.filled : end] = keys
+        self.values[:, :, self.filled : end] = values
+        self.filled = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+def _buffer(held: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
+    """(rows, heads, capacity, d) shaped like ``new``, starting with ``held`` (may be empty)."""
+    rows, heads, _, dim = new.shape
+    out = new.new_empty((rows, heads, capacity, dim))
+    if held.numel():
+        out[:, :, : held.shape[-2]] = held
+    return out
+
+
+def _is_prefix_view(view: torch.Tensor, buffer: torch.Tensor, filled: int) -> bool:
+    return (
+        view.data_ptr() == buffer.data_ptr()
+        and view.stride() == buffer.stride()
+        and view.shape == (*buffer.shape[:2], filled, buffer.shape[3])
+    )
+
+
+def growing(cache: Cache) -> None:
+    """In place: make every plain dynamic layer of ``cache`` a :class:`GrowingLayer` (its
+    tensors unchanged; the first update copies them into a buffer with room)."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            grown = copy.copy(layer)
+            grown.__class__ = GrowingLayer
+            cache.layers[i] = grown

@@ -29,6 +29,7 @@ from transformers import (
     GenerationConfig,
 )
 
+from openbook.rag.attention import use_matmul_attention
 from openbook.rag.errors import ModelLoadError
 from openbook.rag.models import CausalBackend, GeneratorBackend, seq2seq_backend
 from openbook.rag.prompting import (
@@ -147,6 +148,7 @@ def load(path: str | Path, device: str | None, dtype: str | None) -> Loaded:
             f"used as a causal LM generator and needs a prompt file"
         )
     backend.model.eval()
+    use_matmul_attention(backend.model)  # CPU in bf16/fp16 only (openbook/rag/attention.py)
     default_k = rag_n_docs(config) or _saved_n_docs(root)
     return Loaded(backend, backend.kind, model_version(root), gen, default_k)
 

@@ -10,8 +10,9 @@ beyond the weights, by design of the code paths it describes:
   the per-token activations and attention scores; what stays is the encoded key/value cache
   (causal: the shared prefix forked per row + the prompt; BART: cross-attention keys/values) and
   one float32 vocabulary row per encoded row (log p(y_1 | x, z)).
-* **decode**: the cache forked per beam (``rows_dec = rows_enc x beams``) and grown by the answer,
-  plus a few float32 distributions over the vocabulary per decoding row and step
+* **decode**: the cache forked per beam (``rows_dec = rows_enc x beams``) and grown by the answer
+  (plus :data:`~openbook.rag.cache.GROWTH_SLOTS` spare slots per row: it grows in place), plus a
+  few float32 distributions over the vocabulary per decoding row and step
   (:data:`LOGIT_COPIES`: the model's logits, their log-softmax, the mixture / beam scores).
 * **score** (RAG-Sequence thorough, provenance): chunks of at most
   ``models.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their forked cache.
@@ -28,6 +29,8 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from openbook.rag import attention
+from openbook.rag.cache import GROWTH_SLOTS
 from openbook.rag.models import (
     SCORE_LOGIT_ELEMENTS,
     BartBackend,
@@ -67,8 +70,12 @@ class MemoryModel:
     kv_bytes_per_token: int  # decoder self-attention keys + values, all layers, one token
     cross_bytes_per_token: int  # BART: cross-attention keys + values per encoder token; causal: 0
     activation_bytes_per_token: int  # transient per prefilled token inside one layer
-    score_bytes_per_pair: int  # attention scores (+ masks) per (query, key) pair in prefill
+    score_bytes_per_pair: int  # attention scores, all heads, per (query, key) pair in prefill
     shared_cross: bool  # BART fast path: beams share the encoded row's cross keys/values
+    mask_bytes_per_pair: int = 0  # causal: the attention masks built for the prefill
+    # The most attention-score bytes alive at once when the attention works in bounded chunks
+    # (openbook/rag/attention.py); 0: all of them at once.
+    score_bytes_cap: int = 0
 
     def batch_bytes(self, shapes: Sequence[RequestShape]) -> int:
         """Estimated peak bytes of decoding ``shapes`` as one batch (prompts padded to the
@@ -80,10 +87,16 @@ class MemoryModel:
         prompt = max(s.prompt_tokens for s in shapes)
         new = max(s.new_tokens for s in shapes)
         context = self.prefix_tokens + prompt  # keys each prompt token attends to at most
+        pairs = rows_enc * prompt * context
+        scores = pairs * self.score_bytes_per_pair
+        if self.score_bytes_cap:  # a chunk holds one query position of every row at least
+            scores = min(
+                scores, max(self.score_bytes_cap, pairs // prompt * self.score_bytes_per_pair)
+            )
         prefill = (
-            rows_enc
-            * prompt
-            * (self.activation_bytes_per_token + context * self.score_bytes_per_pair)
+            rows_enc * prompt * self.activation_bytes_per_token
+            + pairs * self.mask_bytes_per_pair
+            + scores
         )
         encoded = rows_enc * (
             context * self.kv_bytes_per_token
@@ -92,7 +105,7 @@ class MemoryModel:
         )
         cross_rows = rows_enc if self.shared_cross else rows_dec
         decoded = (
-            rows_dec * (context + new) * self.kv_bytes_per_token
+            rows_dec * (context + new + GROWTH_SLOTS) * self.kv_bytes_per_token
             + cross_rows * prompt * self.cross_bytes_per_token
             + rows_dec * self.vocab * _F32 * LOGIT_COPIES
         )
@@ -127,9 +140,10 @@ def memory_model(backend: GeneratorBackend) -> MemoryModel:
             cross_bytes_per_token=0,
             # residual, normed input, q/k/v/attention output, MLP gate + up + activation
             activation_bytes_per_token=(4 * hidden + 2 * heads * head_dim + 3 * inter) * elt,
-            # per head one score (+ softmax copy), plus one mask value per attention layer type
-            score_bytes_per_pair=(2 * heads + layer_types) * elt,
+            score_bytes_per_pair=heads * _score_bytes(backend, elt),
             shared_cross=False,
+            mask_bytes_per_pair=layer_types * elt,  # one mask per attention layer type
+            score_bytes_cap=_score_bytes_cap(backend),
         )
     d = int(cfg.d_model)
     heads = max(int(cfg.encoder_attention_heads), int(cfg.decoder_attention_heads))
@@ -142,9 +156,27 @@ def memory_model(backend: GeneratorBackend) -> MemoryModel:
         # encoder output kept + every decoder layer's cross keys and values
         cross_bytes_per_token=(1 + decoder_layers * 2) * d * elt,
         activation_bytes_per_token=(6 * d + 2 * ffn) * elt,
-        score_bytes_per_pair=2 * heads * elt,
+        score_bytes_per_pair=heads * _score_bytes(backend, elt),
         shared_cross=isinstance(backend, BartBackend),
+        score_bytes_cap=_score_bytes_cap(backend),
     )
+
+
+def _matmul_attention(backend: GeneratorBackend) -> bool:
+    return getattr(backend.model.config, "_attn_implementation", None) == attention.NAME
+
+
+def _score_bytes(backend: GeneratorBackend, elt: int) -> int:
+    """Prefill attention bytes per (query, key) pair and head: a score and its softmax, or the
+    matmul attention's float32 passes (openbook/rag/attention.py)."""
+    return attention.MATMUL_SCORE_BYTES if _matmul_attention(backend) else 2 * elt
+
+
+def _score_bytes_cap(backend: GeneratorBackend) -> int:
+    """The matmul attention's scores of one query chunk (float32) and their other copies."""
+    if not _matmul_attention(backend):
+        return 0
+    return attention.MAX_SCORE_BYTES * attention.MATMUL_SCORE_BYTES // 4
 
 
 def measuring_twin(backend: GeneratorBackend) -> GeneratorBackend:

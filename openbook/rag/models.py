@@ -47,6 +47,7 @@ from openbook.rag import bart
 from openbook.rag.cache import (
     broadcast_rows,
     drop_leading,
+    growing,
     join_rows,
     reorder_self_attention,
     select_rows,
@@ -950,19 +951,18 @@ class CausalBackend(GeneratorBackend):
                 out = self.model(**inputs, logits_to_keep=1)
                 lasts.append(_log_softmax(out.logits[:, -1]))
             parts.append(CausalDecodeState(out.past_key_values, kv_pos))
-        joined = self.join(parts)
+        # Back to row order in the same copy that joins the groups: group-order row j is row
+        # order[j].
+        order = [r for group in groups for r in group]
+        dest = None if order == sorted(order) else torch.tensor(order, device=self.device)
+        joined = self.join(parts, dest)
         # One pass of the LM head for every group: on a CPU it is bound by reading its weights
         # (Gemma's 262k x 640), whatever the rows.
         first = torch.cat(lasts)
         if self._own_head:
             first = _log_softmax(self._head_logits(first))
-        order = [r for group in groups for r in group]
-        if order != sorted(order):  # back to row order
-            back = torch.empty(len(order), dtype=torch.long)
-            back[torch.tensor(order)] = torch.arange(len(order))
-            back = back.to(self.device)
-            joined = CausalDecodeState(select_rows(joined.cache, back), joined.kv_pos[back])
-            first = first[back]
+        if dest is not None:
+            first = torch.empty_like(first).index_copy_(0, dest, first)
         return CausalEncoded(len(items), k, first, joined.cache, joined.kv_pos)
 
     def _head_keys_values(self, heads: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], HeadKV]:
@@ -1028,6 +1028,7 @@ class CausalBackend(GeneratorBackend):
     def step(self, state: CausalDecodeState, tokens: Tensor) -> Tensor:
         q_pos = state.kv_pos[:, -1:] + 1  # (N, 1): right after the last cached token
         state.kv_pos = torch.cat([state.kv_pos, q_pos], dim=1)
+        growing(state.cache)  # append in place, not one copy of the cache per step
         out = self.model(
             input_ids=tokens[:, None],
             attention_mask=self._mask(state.kv_pos, q_pos),
@@ -1042,15 +1043,21 @@ class CausalBackend(GeneratorBackend):
         # beams stay within their passage, whose rows share kv_pos
         reorder_self_attention(state.cache, rows)
 
-    def join(self, states: Sequence[CausalDecodeState]) -> CausalDecodeState:
+    def join(
+        self, states: Sequence[CausalDecodeState], dest: Tensor | None = None
+    ) -> CausalDecodeState:
+        """The rows of ``states`` in one state; with ``dest``, row j (counted through ``states``)
+        becomes row ``dest[j]`` (:func:`~openbook.rag.cache.join_rows`)."""
         # Left padding is the prompts' own: slots at kv_pos -1 are masked, positions unchanged.
-        if len(states) == 1:
+        if len(states) == 1 and dest is None:
             return states[0]
         width = max(s.kv_pos.shape[1] for s in states)
         kv_pos = torch.cat(
             [F.pad(s.kv_pos, (width - s.kv_pos.shape[1], 0), value=-1) for s in states]
         )
-        return CausalDecodeState(join_rows([s.cache for s in states]), kv_pos)
+        if dest is not None:
+            kv_pos = torch.empty_like(kv_pos).index_copy_(0, dest, kv_pos)
+        return CausalDecodeState(join_rows([s.cache for s in states], dest), kv_pos)
 
     def keep(self, state: CausalDecodeState, rows: Tensor) -> CausalDecodeState:
         cache = select_rows(state.cache, rows)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions, RagGenerator
+from openbook.rag import cache as rows_module
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
 from openbook.types import Passage
 from openbook_testkit.rag import QUESTION, make_passages
@@ -99,7 +100,10 @@ def _brute_force_rag_token_greedy(gen, passages, max_new: int) -> list[int]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("k", (1, 3))
-def test_rag_token_greedy_equals_brute_force(dirs, load, arch, k):
+@pytest.mark.parametrize("growth_slots", (1, rows_module.GROWTH_SLOTS))
+def test_rag_token_greedy_equals_brute_force(dirs, load, arch, k, growth_slots, monkeypatch):
+    """Against uncached forwards; also with a cache that grows past its spare slots."""
+    monkeypatch.setattr(rows_module, "GROWTH_SLOTS", growth_slots)
     gen = load(dirs.causal(arch))
     passages = _uneven_passages(k)
     res = gen.generate(QUESTION, passages, DecodingOptions(max_new_tokens=8))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions
+from openbook.rag import cache as rows_module
 from openbook.rag.errors import Abandoned
 from openbook_testkit.rag import QUESTION, make_passages
 
@@ -51,7 +52,12 @@ def _assert_same(got, alone):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_requests_joining_mid_decode_decode_as_if_alone(dirs, load, kind):
+@pytest.mark.parametrize("growth_slots", (1, rows_module.GROWTH_SLOTS))
+def test_requests_joining_mid_decode_decode_as_if_alone(
+    dirs, load, kind, growth_slots, monkeypatch
+):
+    """Also with a cache that outgrows its spare slots every other step (growth_slots=1)."""
+    monkeypatch.setattr(rows_module, "GROWTH_SLOTS", growth_slots)
     gen = _generator(dirs, load, kind)
     requests = [(q, make_passages(k, seed), o) for seed, (_, q, k, o) in enumerate(ARRIVALS)]
     results = {}

@@ -1,0 +1,101 @@
+"""Key/value cache rows (openbook/rag/cache.py): growing in place without a view ever changing
+under its holder, and joining with a reorder in one copy."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from openbook.rag import cache as rows_module
+from openbook.rag.cache import GrowingLayer, growing, join_rows, select_rows
+
+
+def _kv(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, 2, length, 4)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _cache(rows: int, length: int, seed: int = 0, layers: int = 2) -> DynamicCache:
+    cache = DynamicCache()
+    for i in range(layers):
+        cache.update(*_kv(rows, length, seed + i), i)
+    return cache
+
+
+def _tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def test_growing_appends_what_concatenation_gives():
+    plain, grown = _cache(3, 5), _cache(3, 5)
+    growing(grown)
+    assert all(type(layer) is GrowingLayer for layer in grown.layers)
+    for step in range(2 * rows_module.GROWTH_SLOTS + 3):  # past the spare slots, twice
+        for i in range(2):
+            k, v = _kv(3, 1, 100 * step + i)
+            a = plain.update(k, v, i)
+            b = grown.update(k, v, i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert grown.get_seq_length() == plain.get_seq_length() == 5 + 2 * rows_module.GROWTH_SLOTS + 3
+
+
+def test_a_copy_that_appends_second_never_overwrites_the_first():
+    """Two forks of one grown cache (copy.copy, as share_rows and forks make) append different
+    tokens: each sees its own, and the views taken before stay unchanged."""
+    base = _cache(2, 4)
+    growing(base)
+    base.update(*_kv(2, 1, 7), 0)  # now a view of a buffer with room
+    a = copy.copy(base)
+    a.layers = [copy.copy(x) for x in base.layers]
+    b = copy.copy(base)
+    b.layers = [copy.copy(x) for x in base.layers]
+    before = _tensors(base)
+    ka, va = _kv(2, 1, 11)
+    kb, vb = _kv(2, 1, 12)
+    a.update(ka, va, 0)
+    b.update(kb, vb, 0)
+    assert torch.equal(a.layers[0].keys[:, :, -1:], ka)
+    assert torch.equal(b.layers[0].keys[:, :, -1:], kb)
+    assert torch.equal(a.layers[0].keys[:, :, :-1], before[0][0])
+    assert torch.equal(b.layers[0].values[:, :, :-1], before[0][1])
+    for layer, (k, v) in zip(base.layers, before, strict=True):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    # the first appended in place, the second (its view ended before the mark) copied
+    assert a.layers[0].keys.data_ptr() == base.layers[0].keys.data_ptr()
+    assert b.layers[0].keys.data_ptr() != base.layers[0].keys.data_ptr()
+
+
+def test_selected_rows_and_expanded_views_are_copied_before_growing():
+    base = _cache(3, 4)
+    growing(base)
+    picked = select_rows(base, torch.tensor([2, 0]))
+    expected = picked.layers[0].keys.clone()
+    k, v = _kv(2, 1, 5)
+    out_k, _ = picked.update(k, v, 0)
+    assert torch.equal(out_k, torch.cat([expected, k], dim=2))
+    # an expanded prefix (stride 0 over rows) becomes rows of their own
+    prefix = DynamicCache()
+    prefix.update(*_kv(1, 3, 9), 0)
+    layer = prefix.layers[0]
+    wide = copy.copy(layer)
+    wide.__class__ = GrowingLayer
+    wide.keys, wide.values = layer.keys.expand(4, -1, -1, -1), layer.values.expand(4, -1, -1, -1)
+    k, v = _kv(4, 1, 10)
+    out_k, out_v = wide.update(k, v)
+    assert torch.equal(out_k[:, :, :3], layer.keys.expand(4, -1, -1, -1))
+    assert torch.equal(out_k[:, :, 3:], k) and torch.equal(out_v[:, :, 3:], v)
+
+
+def test_join_with_a_destination_equals_join_then_select():
+    caches = [_cache(2, 5, seed=1), _cache(3, 3, seed=2), _cache(1, 4, seed=3)]
+    dest = torch.tensor([4, 0, 5, 1, 3, 2])
+    joined = join_rows(caches)
+    back = torch.empty_like(dest)
+    back[dest] = torch.arange(len(dest))
+    expected = select_rows(joined, back)
+    ours = join_rows(caches, dest)
+    for a, b in zip(ours.layers, expected.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
