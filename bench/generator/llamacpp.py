@@ -11,8 +11,9 @@ article (tail windows under ``--min-words`` skipped), split as the indexes are
 Each request is run, interleaved (the order rotates per request, so load from other processes hits
 every side alike; one untimed warm-up request first), by:
 
-* **ours**: ``RagGenerator.generate`` (``var/models/gemma-3-270m``: float32 weights dequantized
-  from the GGUF), RAG-Token, greedy, ``min_new_tokens == max_new_tokens`` and the stop strings
+* **ours**: ``RagGenerator.generate`` (``var/models/gemma-3-270m``: weights dequantized from the
+  GGUF, loaded in ``--dtype``, default ``auto`` as the generator service does: bf16 on a CPU with
+  native bf16 arithmetic, float32 elsewhere), RAG-Token, greedy, ``min_new_tokens == max_new_tokens`` and the stop strings
   switched off, so every request decodes exactly ``--new-tokens`` tokens. The shared prompt prefix
   is prefilled once, when the generator loads. Split: ``backend.encode`` (tokenising and prefilling
   the k passage prompts after the cached prefix; the tokenising share is shown apart) = prefill,
@@ -48,8 +49,8 @@ comes from the prefill's logits, as in ours). Both run with ``--threads`` thread
 llama.cpp's wall time excludes tokenising (it is handed the ids); ours includes it (shown apart).
 
 Precision: llama.cpp computes with the q4_K_M weights themselves (and an f16 KV cache); ours uses
-float32 weights dequantized from the same q4_K_M file, so both have the same weight values but
-llama.cpp reads ~4.5 bits per weight where we read 32.
+weights dequantized from the same q4_K_M file, so both start from the same weight values, but
+llama.cpp reads ~4.5 bits per weight where we read 16 (bf16) or 32 (float32).
 
 llama.cpp comes from llama-cpp-python, a benchmark-only dependency (not in any pyproject; pinned
 in constraints.txt, which pins everything .venv holds), built from source for this machine's CPU
@@ -98,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0, help="question sample")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="our weights' precision (default: auto, the generator service's policy)",
+    )
     ap.add_argument(
         "--sides",
         nargs="+",
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     load_before, busy_before = load_average(), busy_processes()
-    gen = RagGenerator.load(args.model_dir, device="cpu", dtype="float32")
+    gen = RagGenerator.load(args.model_dir, device="cpu", dtype=args.dtype)
     backend = gen.backend
     gen._stop_fn = lambda: None  # fixed decode count: no stop strings (EOS: min_new_tokens)
     opts = DecodingOptions(
@@ -528,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"cpu={platform.processor() or platform.machine()} cores={os.cpu_count()} "
         f"threads={args.threads} torch={torch.__version__} "
         f"llama-cpp-python={llama_cpp.__version__} numpy={np.__version__}",
-        f"model: ours {args.model_dir} (float32, dequantized from the q4_K_M GGUF); "
+        f"model: ours {args.model_dir} ({gen.dtype}, dequantized from the q4_K_M GGUF); "
         f"llama.cpp {gguf.name} (q4_K_M weights, f16 KV cache)",
         f"requests={len(requests)} x repeats={args.repeats} (SQuAD, seed {args.seed}) k={args.k} "
         f"new_tokens={args.new_tokens} (fixed) prefix={len(prefix)} tokens (cached once) "
@@ -546,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     ours = summ.get("ours")
     for side, s in summ.items():
-        weights = "float32 (from q4_K_M)" if side == "ours" else "q4_K_M"
+        weights = f"{gen.dtype} (from q4_K_M)" if side == "ours" else "q4_K_M"
         ratio = f"{ours['median_ms'] / s['median_ms']:.2f}x" if ours else "-"
         lines.append(
             f"| {side} | {weights} | {s['median_ms']:.0f} | {s['p90_ms']:.0f} "

@@ -19,6 +19,7 @@ from pydantic import SecretStr
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
 from openbook.serving.metrics import ServiceMetrics
+from openbook.serving.threads import in_passing_thread
 from openbook.settings import GrpcServiceSettings
 
 log = logging.getLogger(__name__)
@@ -343,8 +344,8 @@ class GrpcService:
     def run_until_signal(
         self, load: Callable[[], None] | None = None, stop: threading.Event | None = None
     ) -> None:
-        """Start (health: NOT_SERVING), run ``load``, then serve until SIGTERM/SIGINT (or
-        ``stop`` is set), then drain in-flight requests.
+        """Start (health: NOT_SERVING), run ``load`` (in a thread of its own), then serve until
+        SIGTERM/SIGINT (or ``stop`` is set), then drain in-flight requests.
 
         A signal while ``load`` runs ends the process at once: there is nothing to drain,
         and a large index can take minutes to load. Off the main thread (tests) no signal
@@ -364,7 +365,8 @@ class GrpcService:
         self.start()
         try:
             if load is not None:
-                load()
+                # never torch work on the main thread (openbook/serving/threads.py)
+                in_passing_thread(load)
             loaded.set()
             if not stop.is_set():
                 self.set_serving(True)

@@ -27,6 +27,7 @@ from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
 from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.metrics import ServiceMetrics
+from openbook.serving.threads import in_passing_thread
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_generator.scheduler import GenerateItem, Scheduler
@@ -279,11 +280,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             try:
                 # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.
                 path = checkpoint_in_root(self.checkpoint_root, requested)
-                self.generator = self._configured(
-                    load_generator(
+                # in a thread that ends with the load (openbook/serving/threads.py)
+                loaded = in_passing_thread(
+                    lambda: load_generator(
                         path, device=current.device, dtype=current.dtype, base=self.base_model
                     )
                 )
+                self.generator = self._configured(loaded)
             except OSError as exc:  # inside the root, but unreadable (permissions, ...)
                 detail = exc.strerror or exc
                 raise InvalidArgument(f"checkpoint {requested!r}: {detail}") from None
