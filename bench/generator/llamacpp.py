@@ -13,8 +13,9 @@ every side alike; one untimed warm-up request first), by:
 
 * **ours**: ``RagGenerator.generate`` (``var/models/gemma-3-270m``: weights dequantized from the
   GGUF, loaded in ``--dtype``, default ``auto`` as the generator service does: bf16 on a CPU with
-  native bf16 arithmetic, float32 elsewhere), RAG-Token, greedy, ``min_new_tokens == max_new_tokens`` and the stop strings
-  switched off, so every request decodes exactly ``--new-tokens`` tokens. The shared prompt prefix
+  native bf16 arithmetic, float32 elsewhere), RAG-Token, greedy,
+  ``min_new_tokens == max_new_tokens`` and the stop strings switched off, so every request decodes
+  exactly ``--new-tokens`` tokens. The shared prompt prefix
   is prefilled once, when the generator loads. Split: ``backend.encode`` (tokenising and prefilling
   the k passage prompts after the cached prefix; the tokenising share is shown apart) = prefill,
   the rest = decode.

@@ -50,7 +50,7 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def measure(model: str, index: str, shape: str, max_new_tokens: int) -> dict:
+def measure(model: str, index: str, shape: str, max_new_tokens: int, dtype: str) -> dict:
     """In this process: load, reset the peak mark, generate once (see the module docstring)."""
     import torch
 
@@ -65,7 +65,7 @@ def measure(model: str, index: str, shape: str, max_new_tokens: int) -> dict:
     passages = [
         Passage(id=str(i), title=t, text=x, score=-0.1 * j) for j, (i, t, x) in enumerate(rows)
     ]
-    generator = RagGenerator.load(model)
+    generator = RagGenerator.load(model, dtype=dtype)
     options = DecodingOptions(
         mode=mode, num_beams=beams, num_return_sequences=1, max_new_tokens=max_new_tokens
     )
@@ -82,6 +82,7 @@ def measure(model: str, index: str, shape: str, max_new_tokens: int) -> dict:
     used = _vm_hwm_bytes() - base
     return {
         "shape": shape,
+        "dtype": generator.dtype,
         "prompt_tokens": shape_.prompt_tokens,
         "loaded_mib": round(base / 2**20),
         "measured_mib": round(used / 2**20),
@@ -99,11 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", default="var/indexes/wiki-2018", help="passages from here")
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="k:beams:mode")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument(
+        "--dtype", default="auto", help="weights' precision (default: auto, the service's policy)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one shape
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.model, args.index, args.one, args.max_new_tokens)))
+        print(
+            json.dumps(measure(args.model, args.index, args.one, args.max_new_tokens, args.dtype))
+        )
         return 0
     if not (Path(args.model) / "config.json").exists():
         print(f"{args.model} is missing: run `openbook demo prepare` first")
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{shape} ...", flush=True)
         out = subprocess.run(
             [sys.executable, __file__, "--model", args.model, "--index", args.index]
-            + ["--max-new-tokens", str(args.max_new_tokens), "--one", shape],
+            + ["--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype]
+            + ["--one", shape],
             capture_output=True,
             text=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
@@ -123,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; model {args.model}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs; model {args.model} "
+        f"({results[0]['dtype']})"
+    )
     from openbook_generator.settings import GeneratorSettings
 
     print(
