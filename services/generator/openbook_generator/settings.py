@@ -27,8 +27,9 @@ class GeneratorSettings(GrpcServiceSettings):
     # The weights' precision: "auto" (CUDA: bf16, fp16 on a GPU without it; CPU: bf16 where the
     # processor has native bf16 arithmetic, AVX512-BF16 / AMX-BF16, else float32), or "float32",
     # "bfloat16", "float16" to force one. openbook/rag/loading.py, resolve_device_dtype. "auto" is
-    # the default because bf16 keeps the demo generator's answers: SQuAD EM 29.0 in both on 100
-    # gold-passage questions (check_prompt --dtype), F1 40.9 vs 43.2 (paired SE 2.1).
+    # the default because bf16 keeps the demo generator's answers within noise: on 100
+    # gold-passage SQuAD questions (check_prompt --dtype) EM 27.0 vs 29.0 (4 flips, paired SE
+    # 2.0), F1 40.1 vs 43.2, native bf16 with the matrix-product attention (docs/benchmarks.md).
     dtype: str = "auto"
     max_batch_size: int = Field(8, ge=1)
     max_batch_wait_ms: float = Field(5.0, ge=0)
