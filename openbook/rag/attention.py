@@ -76,9 +76,8 @@ def matmul_attention_forward(
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
-    mask = attention_mask
     # (B, Hkv, g, q, S) view of a mask over (B, 1 or H, q, S)
-    mask = mask.reshape(mask.shape[0], -1, 1, q_len, kv_len)
+    mask = attention_mask.reshape(attention_mask.shape[0], -1, 1, q_len, kv_len)
     if mask.shape[1] != 1:
         mask = mask.reshape(mask.shape[0], kv_heads, group, q_len, kv_len)
     keys_t = key.transpose(-1, -2)  # (B, Hkv, D, S)

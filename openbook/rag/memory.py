@@ -90,9 +90,8 @@ class MemoryModel:
         pairs = rows_enc * prompt * context
         scores = pairs * self.score_bytes_per_pair
         if self.score_bytes_cap:  # a chunk holds one query position of every row at least
-            scores = min(
-                scores, max(self.score_bytes_cap, pairs // prompt * self.score_bytes_per_pair)
-            )
+            one_query = rows_enc * context * self.score_bytes_per_pair
+            scores = min(scores, max(self.score_bytes_cap, one_query))
         prefill = (
             rows_enc * prompt * self.activation_bytes_per_token
             + pairs * self.mask_bytes_per_pair
