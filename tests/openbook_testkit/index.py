@@ -375,6 +375,16 @@ def reply_hits(reply) -> tuple[list[list[str]], list[list[float]]]:
     )
 
 
+def searched_hits(
+    servicer, index: str, queries: list[str], k: int, encoder
+) -> tuple[list[list[str]], list[list[float]]]:
+    """(ids, scores) per query of searching a retriever servicer's ``index`` directly with
+    ``encoder``: what a Retrieve served by that pairing must answer."""
+    with servicer.registry.lease(index) as idx:
+        hits = idx.search(queries, k, encoder=encoder)
+    return [[p.id for p in ps] for ps in hits], [[p.score for p in ps] for ps in hits]
+
+
 def assert_same_hits(reply, want: tuple[list[list[str]], list[list[float]]]) -> None:
     """A RetrieveResponse holds ``want``'s ids, and its scores up to float32 rounding."""
     import pytest

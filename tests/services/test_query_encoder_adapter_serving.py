@@ -23,7 +23,7 @@ from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.server import build, configured_query_encoder
 from openbook_retriever.settings import RetrieverSettings
-from openbook_testkit.index import QUESTIONS, assert_same_hits, reply_hits
+from openbook_testkit.index import QUESTIONS, assert_same_hits, reply_hits, searched_hits
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes
 
@@ -104,9 +104,7 @@ def retriever(world, redis_url):
 
 
 def _search(servicer, index: str, encoder):
-    with servicer.registry.lease(index) as idx:
-        hits = idx.search(ASK, 3, encoder=encoder)
-    return [[p.id for p in ps] for ps in hits], [[p.score for p in ps] for ps in hits]
+    return searched_hits(servicer, index, ASK, 3, encoder)
 
 
 def test_the_configured_adapter_searches_its_lineage(retriever, world):

@@ -23,6 +23,7 @@ from openbook_testkit.index import (
     assert_same_hits,
     make_tiny_dpr_encoders,
     reply_hits,
+    searched_hits,
     write_facts,
 )
 from openbook_testkit.rag import make_tiny_bart
@@ -106,9 +107,7 @@ def retrieve(stub, index: str = ""):
 
 def expected(servicer, index: str, encoder):
     """What searching ``index`` with ``encoder`` directly gives: (ids, scores) per query."""
-    with servicer.registry.lease(index) as idx:
-        hits = idx.search(ASK, 3, encoder=encoder)
-    return [[p.id for p in ps] for ps in hits], [[p.score for p in ps] for ps in hits]
+    return searched_hits(servicer, index, ASK, 3, encoder)
 
 
 def test_each_index_is_searched_by_its_paired_encoder(retriever, world):

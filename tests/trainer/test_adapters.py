@@ -23,16 +23,13 @@ from openbook.checkpoint import (
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.adapters import AdapterMismatch, LoraSpec, attach_lora
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
+from openbook_testkit.training import assert_same_tensors, crash_at
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.loop import train
 from openbook_trainer.merge import app as merge_app
 
 LORA = dict(generator_adapter="lora", lora_rank=4, lora_alpha=8.0, lr_generator=1e-2)
 OPTIONS = DecodingOptions(max_new_tokens=6)
-
-
-class Boom(Exception):
-    pass
 
 
 def _files(ckpt: Path) -> set[str]:
@@ -122,19 +119,15 @@ def test_a_killed_lora_run_resumes_to_the_same_adapter(make_cfg, tmp_path):
     common = dict(steps=4, save_every=2, batch_size=3, eval_every=0, dev=None, **LORA)
     full = train(make_cfg(out=tmp_path / "full", **common))
 
-    def crash_at_3(step: int, loss: float) -> None:
-        if step == 3:
-            raise Boom
-
     cfg = make_cfg(out=tmp_path / "resumed", **common)
-    with pytest.raises(Boom):
-        train(cfg, on_step=crash_at_3)
+    crash_at(cfg, 3)
     resumed = train(cfg)
     assert resumed.step == 4
-    for part in ("generator_adapter/adapter_model.safetensors", "query_encoder/model.safetensors"):
-        a, b = load_file(full.checkpoint / part), load_file(resumed.checkpoint / part)
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), part
+    assert_same_tensors(
+        full.checkpoint,
+        resumed.checkpoint,
+        ["generator_adapter/adapter_model.safetensors", "query_encoder/model.safetensors"],
+    )
     # the same out, now without an adapter: refused, not silently mixed
     with pytest.raises(ConfigError, match="adapter"):
         train(make_cfg(out=tmp_path / "resumed", steps=6, eval_every=0, dev=None))

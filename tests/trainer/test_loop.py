@@ -9,12 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from openbook.checkpoint import _machine_tag, latest_checkpoint, verify_checkpoint
+from openbook_testkit.training import crash_at
 from openbook_trainer.config import ConfigError
 from openbook_trainer.loop import train
-
-
-class Boom(Exception):
-    pass
 
 
 @pytest.mark.parametrize("mode", ["rag-token", "rag-sequence"])
@@ -47,13 +44,8 @@ def test_resume_matches_uninterrupted_run(make_cfg, tmp_path):
     full = train(make_cfg(out=tmp_path / "full", **common))
     assert full.step == 4
 
-    def crash_at_3(step: int, loss: float) -> None:
-        if step == 3:
-            raise Boom
-
     cfg = make_cfg(out=tmp_path / "resumed", **common)
-    with pytest.raises(Boom):
-        train(cfg, on_step=crash_at_3)
+    crash_at(cfg, 3)
     assert latest_checkpoint(cfg.out).name == "step-000002"
     resumed = train(cfg)
     assert resumed.step == 4 and resumed.checkpoint.name == "step-000004"

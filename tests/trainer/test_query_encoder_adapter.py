@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -24,6 +23,7 @@ from openbook.checkpoint import (
 from openbook.index import load_encoder
 from openbook.index.encoders import load_adapted_encoder
 from openbook.rag.adapters import ADAPTER_FILE, AdapterMismatch, load_trainable
+from openbook_testkit.training import assert_same_tensors, crash_at
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.loop import train
 from openbook_trainer.merge import app as merge_app
@@ -37,10 +37,6 @@ BOTH = dict(
     lr_query_encoder=1e-2,
 )
 QUESTIONS = ["who founded the first entity?", "where is the third one", "a question"]
-
-
-class Boom(Exception):
-    pass
 
 
 def _files(ckpt: Path) -> set[str]:
@@ -130,22 +126,18 @@ def test_a_killed_run_resumes_to_the_same_query_encoder_adapter(make_cfg, tmp_pa
     common = dict(steps=4, save_every=2, batch_size=3, eval_every=0, dev=None, **BOTH)
     full = train(make_cfg(out=tmp_path / "full", **common))
 
-    def crash_at_3(step: int, loss: float) -> None:
-        if step == 3:
-            raise Boom
-
     cfg = make_cfg(out=tmp_path / "resumed", **common)
-    with pytest.raises(Boom):
-        train(cfg, on_step=crash_at_3)
+    crash_at(cfg, 3)
     resumed = train(cfg)
     assert resumed.step == 4
-    for part in (
-        "generator_adapter/adapter_model.safetensors",
-        "query_encoder_adapter/adapter_model.safetensors",
-    ):
-        a, b = load_file(full.checkpoint / part), load_file(resumed.checkpoint / part)
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), part
+    assert_same_tensors(
+        full.checkpoint,
+        resumed.checkpoint,
+        [
+            "generator_adapter/adapter_model.safetensors",
+            "query_encoder_adapter/adapter_model.safetensors",
+        ],
+    )
     # the same out, now training the whole query encoder: refused, not silently mixed
     mixed = {**common, "steps": 6, "query_encoder_adapter": "none"}
     with pytest.raises(ConfigError, match="query encoder adapter"):
