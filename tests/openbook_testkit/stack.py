@@ -217,6 +217,27 @@ def generator_service(model: Path, workdir: Path, redis_url: str, **settings: An
         servicer.close()
 
 
+@contextmanager
+def retriever_service(settings: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """The retriever service as its server builds it from ``settings`` (port 0: a free one),
+    serving in this process; yields ``(stub, service, servicer)``, stopped on exit."""
+    import grpc
+
+    from openbook.v1 import retriever_pb2_grpc
+    from openbook_retriever.server import build as build_retriever
+
+    service, servicer, stop_following = build_retriever(settings)
+    service.set_serving(True)
+    service.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    try:
+        yield retriever_pb2_grpc.RetrieverStub(channel), service, servicer
+    finally:
+        channel.close()
+        stop_following.set()
+        service.stop(0)
+
+
 def _forget_desired_model(redis_url: str) -> None:
     """Drop a reload these backends were told about: replicas started later against the same
     Redis (another test module) would otherwise converge to it at start."""

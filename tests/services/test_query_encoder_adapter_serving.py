@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -20,12 +19,12 @@ from openbook.index.encoders import encoder_weights_dir, load_adapted_encoder
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import ADAPTER_FILE, LoraSpec, attach_lora, base_identity, save_adapter
 from openbook.serving.grpc_server import bearer_metadata
-from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
-from openbook_retriever.server import build, configured_query_encoder
+from openbook.v1 import common_pb2, retriever_pb2
+from openbook_retriever.server import configured_query_encoder
 from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.index import QUESTIONS, assert_same_hits, reply_hits, searched_hits
 from openbook_testkit.rag import make_tiny_bart
-from openbook_testkit.stack import build_fact_indexes
+from openbook_testkit.stack import build_fact_indexes, retriever_service
 
 TOKEN = "qe-adapter-admin-token"
 ADMIN = bearer_metadata(TOKEN)
@@ -91,16 +90,9 @@ def _settings(world, redis_url, **kw) -> RetrieverSettings:
 
 @pytest.fixture
 def retriever(world, redis_url):
-    service, servicer, stop = build(
-        _settings(world, redis_url, query_encoder_adapter=world["adapter"])
-    )
-    service.set_serving(True)
-    service.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    yield retriever_pb2_grpc.RetrieverStub(channel), servicer
-    channel.close()
-    stop.set()
-    service.stop(0)
+    settings = _settings(world, redis_url, query_encoder_adapter=world["adapter"])
+    with retriever_service(settings) as (stub, _, servicer):
+        yield stub, servicer
 
 
 def _search(servicer, index: str, encoder):

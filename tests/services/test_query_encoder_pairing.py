@@ -15,8 +15,7 @@ from openbook.index import Manifest, build_index, load_encoder
 from openbook.index.pairing import checkpoint_override, configured_override
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import bearer_metadata
-from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
-from openbook_retriever.server import build
+from openbook.v1 import common_pb2, retriever_pb2
 from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.index import (
     QUESTIONS,
@@ -27,7 +26,7 @@ from openbook_testkit.index import (
     write_facts,
 )
 from openbook_testkit.rag import make_tiny_bart
-from openbook_testkit.stack import build_fact_indexes
+from openbook_testkit.stack import build_fact_indexes, retriever_service
 
 TOKEN = "pairing-admin-token"
 ADMIN = bearer_metadata(TOKEN)
@@ -91,14 +90,8 @@ def retriever(world, redis_url):
         checkpoint_dir=world["tmp"] / "checkpoints",
         load_latest_checkpoint=False,
     )
-    service, servicer, stop = build(settings)
-    service.set_serving(True)
-    service.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    yield retriever_pb2_grpc.RetrieverStub(channel), servicer
-    channel.close()
-    stop.set()
-    service.stop(0)
+    with retriever_service(settings) as (stub, _, servicer):
+        yield stub, servicer
 
 
 def retrieve(stub, index: str = ""):

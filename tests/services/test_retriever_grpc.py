@@ -6,10 +6,9 @@ import grpc
 import pytest
 
 from openbook.serving.grpc_server import bearer_metadata, check_health
-from openbook.v1 import retriever_pb2, retriever_pb2_grpc
-from openbook_retriever.server import build
+from openbook.v1 import retriever_pb2
 from openbook_retriever.settings import RetrieverSettings
-from openbook_testkit.stack import build_fact_indexes
+from openbook_testkit.stack import build_fact_indexes, retriever_service
 
 TOKEN = "retriever-admin-token"
 ADMIN = bearer_metadata(TOKEN)  # index admin RPCs need it (tests/services/test_admin_auth.py)
@@ -32,14 +31,8 @@ def retriever(index_root, redis_url):
         redis_url=redis_url,
         admin_token=TOKEN,
     )
-    service, servicer, stop = build(settings)
-    service.set_serving(True)
-    service.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    yield retriever_pb2_grpc.RetrieverStub(channel), service, servicer
-    channel.close()
-    stop.set()
-    service.stop(0)
+    with retriever_service(settings) as running:
+        yield running
 
 
 def test_retrieve_returns_scored_passages_for_each_query(retriever):
