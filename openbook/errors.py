@@ -29,7 +29,14 @@ class FailedPrecondition(OpenbookError):
 
 
 class Overloaded(OpenbookError):
+    """Too much work to take this request now; ``retry_after_s``, when known, says when it
+    could be taken (sent as ``retry-after`` trailing metadata, the gateway's Retry-After)."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(OpenbookError):

@@ -13,6 +13,13 @@ live row in one forward pass, hands each search the log-probs of its own rows, a
 passage slots) and joins its rows to the running batch (``backend.join``, caches left-padded and
 masked), so it starts decoding at the next step instead of waiting for the batch to finish.
 
+Chunked prefill: given ``chunk_passages``, :meth:`~DecodingEngine.add` only registers the
+request, and each :meth:`~DecodingEngine.prefill` call encodes its next ``chunk_passages``
+passages (``backend.concat_encoded`` joins the chunks once all are encoded, then its rows join the
+batch). The caller interleaves those calls with :meth:`~DecodingEngine.step`, so one large
+prompt (k=100) never stops the running batch for the whole of its prefill: the generator's
+scheduler decides, between any two pieces of work, which runs next.
+
 Rows of a request: RAG-Token, one search over k * beams rows
 (:class:`openbook.rag.rag_token.RagTokenRows`); RAG-Sequence, one independent search of
 ``beams`` rows per passage (:class:`openbook.rag.rag_sequence.PassageRows`), each leaving when it
@@ -20,8 +27,9 @@ ends. Searches never see each other's rows, so every request decodes exactly as 
 (the tests compare token ids and scores against single-request decoding).
 
 Invariants: ``_groups`` lists the live searches in the order of their rows in ``_state``; a
-request is returned exactly once, by the :meth:`~DecodingEngine.step` after it finished; the
-engine is used by one thread at a time, under ``torch.inference_mode``.
+request still prefilling has no rows there (``enc`` is None); a request is returned exactly once,
+by the :meth:`~DecodingEngine.step` after it finished (or was abandoned); the engine is used by one
+thread at a time, under ``torch.inference_mode``.
 """
 
 from __future__ import annotations
@@ -70,23 +78,44 @@ class Rows(Protocol):
 
 @dataclass(eq=False)
 class Running:
-    """One admitted request: its encoded state (n = 1), prior and searches."""
+    """One admitted request: its passages, prior and, once prefilled, encoded state (n = 1) and
+    searches."""
 
     tag: Any
+    question: str
+    passages: Sequence[Passage]
     options: DecodingOptions
-    enc: Encoded
     log_prior: Tensor  # (k,)
     settings: SearchSettings
-    groups: list[Rows]
     gave_up: GaveUp | None
+    # passages encoded per prefill call (all of them: one call)
+    chunk_passages: int
+    # None while prefilling; then the request's encoded state
+    enc: Encoded | None = None
+    groups: list[Rows] = field(default_factory=list)
+    # the chunks encoded so far, while prefilling
+    parts: list[Encoded] = field(default_factory=list)
+    on_token: OnToken | None = None
     # the events of a streaming greedy request (None: nothing streamed)
     stream: RequestStream | None = None
     # seconds of engine time this request was charged (its prefill + its share of every step)
     cost_s: float = 0.0
+    # decoding steps its rows took part in
+    steps: int = 0
     done: bool = field(default=False)
 
+    @property
+    def prefilled(self) -> int:
+        """Passages encoded so far."""
+        return len(self.passages) if self.enc is not None else sum(p.k for p in self.parts)
+
+    @property
+    def rows(self) -> int:
+        """Decoder rows the request has (or will have, once prefilled)."""
+        return len(self.passages) * self.options.num_beams
+
     def finished(self) -> bool:
-        return not any(g.live for g in self.groups)
+        return self.enc is not None and not any(g.live for g in self.groups)
 
     def emit(self, groups: Sequence[Rows]) -> None:
         """Stream the tokens ``groups`` (of this request) decided at the latest step."""
@@ -102,6 +131,7 @@ class Running:
                 self.stream.token(token, passage=z)
 
     def result(self, backend: GeneratorBackend) -> GenerationResult:
+        assert self.enc is not None
         if self.options.mode == "rag-token":
             (group,) = self.groups
             assert isinstance(group, RagTokenRows)
@@ -153,6 +183,10 @@ class DecodingEngine:
         self._groups: list[tuple[Running, Rows]] = []
         self._requests: list[Running] = []
         self._done: list[Outcome] = []
+        # seconds of the latest step's forward pass and searches, and of finalising the requests
+        # that finished at it (the generator's scheduler measures its speed from these)
+        self.last_step_s = 0.0
+        self.last_finish_s = 0.0
 
     # ------------------------------------------------------------------ admission
 
@@ -160,6 +194,25 @@ class DecodingEngine:
     def rows(self) -> int:
         """Decoder rows in the running batch."""
         return sum(g.rows for _, g in self._groups)
+
+    @property
+    def prefilling(self) -> list[Running]:
+        """Requests added with chunks still to encode, first added first."""
+        return [r for r in self._requests if r.enc is None]
+
+    @property
+    def requests(self) -> list[Running]:
+        """Requests admitted and not finished: prefilling or decoding."""
+        return list(self._requests)
+
+    def pending(self) -> bool:
+        """Whether :meth:`step` has work: rows to decode, outcomes to return, or a request
+        whose caller gave up to drop."""
+        return bool(
+            self._groups
+            or self._done
+            or any(r.gave_up is not None and r.gave_up() for r in self._requests)
+        )
 
     def __len__(self) -> int:
         """Requests admitted and not yet returned by :meth:`step` (some may be finished: one
@@ -169,12 +222,14 @@ class DecodingEngine:
     def accepts(self, rows: int, joining: int = 0) -> bool:
         """Whether a request of ``rows`` decoder rows (passages x beams) may join now, when
         ``joining`` rows were admitted since the last step: the batch is empty and nothing else
-        joins, or the family joins running batches and the rows stay within ``max_rows``."""
+        joins, or the family joins running batches and the rows (those of requests still
+        prefilling included) stay within ``max_rows``."""
         if not self._requests and not joining:
             return True
         if not self.backend.joins_running:
             return False
-        return self.rows + joining + rows <= self.max_rows
+        pending = sum(r.rows for r in self.prefilling)
+        return self.rows + pending + joining + rows <= self.max_rows
 
     def add(
         self,
@@ -185,37 +240,78 @@ class DecodingEngine:
         tag: Any = None,
         gave_up: GaveUp | None = None,
         on_token: OnToken | None = None,
+        chunk_passages: int | None = None,
     ) -> Running:
-        """Encode one (validated) request and join its rows to the batch; it decodes from the
-        next :meth:`step` on, which also returns it once finished. ``on_token``, for a greedy
+        """Admit one (validated) request. Without ``chunk_passages`` (or when the family cannot
+        concatenate encoded passages) its whole prompt is encoded here and its rows join the
+        batch: it decodes from the next :meth:`step` on, which also returns it once finished.
+        With ``chunk_passages``, nothing is encoded yet: :meth:`prefill` encodes that many
+        passages per call (all of them where the family cannot concatenate encoded passages),
+        and the rows join once all are encoded. ``on_token``, for a greedy
         request, is called with every token as it is decided (:mod:`openbook.rag.streaming`),
         from the thread that runs the engine, before the request's outcome is returned."""
-        started = _now()
         k = len(passages)
+        chunk = k
+        if chunk_passages is not None and self.backend.concats_encoded():
+            chunk = max(1, min(k, chunk_passages))
         scores = torch.tensor([[float(p.score) for p in passages]])
-        log_prior = doc_log_prior(scores)[0]
-        enc = self.backend.encode([(question, list(passages))], k)
-        settings = self.settings_for(options)
+        request = Running(
+            tag,
+            question,
+            passages,
+            options,
+            doc_log_prior(scores)[0],
+            self.settings_for(options),
+            gave_up,
+            chunk,
+            on_token=on_token,
+        )
+        self._requests.append(request)
+        if chunk_passages is None:
+            self.prefill(request)
+        return request
+
+    def prefill(self, request: Running) -> bool:
+        """Encode the next chunk of ``request`` (one of :attr:`prefilling`); once the last one
+        is encoded, its rows join the batch. True when it has no chunk left."""
+        if request.enc is not None:
+            return True
+        started = _now()
+        at = request.prefilled
+        chunk = list(request.passages[at : at + request.chunk_passages])
+        request.parts.append(self.backend.encode([(request.question, chunk)], len(chunk)))
+        if request.prefilled == len(request.passages):
+            parts, request.parts = request.parts, []
+            request.enc = parts[0] if len(parts) == 1 else self.backend.concat_encoded(parts)
+            self._join(request)
+        request.cost_s += _now() - started
+        if request.enc is not None and not any(g.live for g in request.groups):
+            self._finish(request)
+        return request.enc is not None
+
+    def _join(self, request: Running) -> None:
+        """Start the searches of a request that was just encoded; its live rows join the batch."""
+        enc, options = request.enc, request.options
+        assert enc is not None
         groups: list[Rows]
         if options.mode == "rag-token":
-            groups = [RagTokenRows(enc, log_prior, settings, self.stop)]
+            groups = [RagTokenRows(enc, request.log_prior, request.settings, self.stop)]
         else:
             groups = [
-                rag_sequence.PassageRows(enc.first_logprobs[z], settings, self.stop)
-                for z in range(k)
+                rag_sequence.PassageRows(enc.first_logprobs[z], request.settings, self.stop)
+                for z in range(enc.k)
             ]
-        request = Running(tag, options, enc, log_prior, settings, groups, gave_up)
-        if on_token is not None and options.num_beams == 1:
+        request.groups = groups
+        if request.on_token is not None and options.num_beams == 1:
             request.stream = RequestStream(
-                on_token,
-                log_prior,
+                request.on_token,
+                request.log_prior,
                 lambda token: self.backend.token_strings([token])[0],
                 self.backend.decode,
                 self.stop_strings,
                 self.answer_prefix,
             )
             request.emit(groups)
-        self._requests.append(request)
         live = [g for g in groups if g.live]
         if live:
             state = self.backend.start(enc, options.num_beams)
@@ -224,10 +320,13 @@ class DecodingEngine:
                 state = self.backend.keep(state, rows)
             self._state = state if self._state is None else self.backend.join([self._state, state])
             self._groups.extend((request, g) for g in live)
-        request.cost_s += _now() - started
-        if not live:
-            self._finish(request)
-        return request
+
+    def abort_request(self, request: Running) -> None:
+        """Drop a request still prefilling (whose chunk failed); it is not returned by
+        :meth:`step`."""
+        if request.enc is None and request in self._requests:
+            self._requests.remove(request)
+            request.parts, request.done = [], True
 
     def abort(self) -> list[Any]:
         """Drop every request (after a failed step, whose state is unusable); their tags."""
@@ -241,13 +340,18 @@ class DecodingEngine:
         """One decoding step of every live row; returns the requests that finished (or were
         abandoned) since the last call."""
         self._drop_abandoned()
+        self.last_step_s = self.last_finish_s = 0.0
         if self._groups:
             started = _now()
             self._advance()
-            share = (_now() - started) / max(1, len({id(r) for r, _ in self._groups}))
-            for request in {id(r): r for r, _ in self._groups}.values():
-                request.cost_s += share
+            self.last_step_s = _now() - started
+            stepped = {id(r): r for r, _ in self._groups}.values()
+            for request in stepped:
+                request.cost_s += self.last_step_s / len(stepped)
+                request.steps += 1
+            started = _now()
             self._leave()
+            self.last_finish_s = _now() - started
         done, self._done = self._done, []
         return done
 

@@ -127,6 +127,17 @@ class GeneratorBackend(ABC):
     # decoding engine then admits new requests into a running batch between steps).
     joins_running: bool = True
 
+    def concats_encoded(self) -> bool:
+        """Whether :meth:`concat_encoded` joins separately encoded passages of one request, so
+        that a large request's prefill can be split into chunks (:mod:`openbook.rag.engine`)."""
+        return False
+
+    def concat_encoded(self, parts: Sequence[Encoded]) -> Encoded:
+        """One request's encoded state from ``parts``: the same request's passages encoded in
+        consecutive slices (each ``n == 1``), in order. Every row is exactly the row a single
+        :meth:`encode` of all the passages would have given (only padding differs, masked)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes a request's passages at once")
+
     @abstractmethod
     def join(self, states: Sequence[DecodeState]) -> DecodeState:
         """One state whose rows are the rows of ``states``, in order (caches left-padded to the
@@ -476,6 +487,46 @@ class BartBackend(Seq2SeqBackend):
         h, cache = self._decoding.step(start, zero, None, None, [segment])
         first = self._decoding.log_probs(h)
         return BartEncoded(len(items), k, first, mask, cross, cross_mask, cache)
+
+    def concats_encoded(self) -> bool:
+        return self._decodes_itself()
+
+    def concat_encoded(self, parts: Sequence[Encoded]) -> BartEncoded:
+        """Encoder rows are right-padded (:meth:`_tokenize_inputs`): each part's encoder length
+        S_i is padded to the longest, its cross keys/values with zeros that the mask hides."""
+        encoded = [p for p in parts if isinstance(p, BartEncoded)]
+        if len(encoded) != len(parts):
+            raise NotImplementedError("only BART's own decoding state concatenates")
+        if len(encoded) == 1:
+            return encoded[0]
+        width = max(p.mask.shape[1] for p in encoded)
+
+        def right(t: Tensor, dim: int) -> Tensor:  # pad dimension ``dim`` up to ``width``
+            missing = width - t.shape[dim]
+            if not missing:
+                return t
+            pad = [0, 0] * (t.dim() - 1 - dim) + [0, missing]
+            return F.pad(t, pad)
+
+        mask = torch.cat([right(p.mask, 1) for p in encoded])
+        cross = [
+            (
+                torch.cat([right(p.cross[i][0], 2) for p in encoded]),
+                torch.cat([right(p.cross[i][1], 2) for p in encoded]),
+            )
+            for i in range(len(encoded[0].cross))
+        ]
+        cache = [
+            (
+                torch.cat([p.cache[i][0] for p in encoded]),
+                torch.cat([p.cache[i][1] for p in encoded]),
+            )
+            for i in range(len(encoded[0].cache))
+        ]
+        first = torch.cat([p.first_logprobs for p in encoded])
+        cross_mask = None if bool(mask.all()) else mask.bool()
+        k = sum(p.k for p in encoded)
+        return BartEncoded(1, k, first, mask, cross, cross_mask, cache)
 
     def start(
         self, enc: BartEncoded | Seq2SeqEncoded, copies: int
@@ -964,6 +1015,21 @@ class CausalBackend(GeneratorBackend):
         if dest is not None:
             first = torch.empty_like(first).index_copy_(0, dest, first)
         return CausalEncoded(len(items), k, first, joined.cache, joined.kv_pos)
+
+    def concats_encoded(self) -> bool:
+        return True
+
+    def concat_encoded(self, parts: Sequence[Encoded]) -> CausalEncoded:
+        """The parts' rows joined as the length groups of one :meth:`encode` are (left-padded
+        after the prefix, padding masked by ``kv_pos``)."""
+        encoded = [p for p in parts if isinstance(p, CausalEncoded)]
+        if len(encoded) != len(parts):
+            raise TypeError("concat_encoded: parts of another model family")
+        if len(encoded) == 1:
+            return encoded[0]
+        joined = self.join([CausalDecodeState(p.cache, p.kv_pos) for p in encoded])
+        first = torch.cat([p.first_logprobs for p in encoded])
+        return CausalEncoded(1, sum(p.k for p in encoded), first, joined.cache, joined.kv_pos)
 
     def _head_keys_values(self, heads: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], HeadKV]:
         """Keys/values of every distinct non-empty passage head: from the passage cache, or

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import signal
 import threading
 import time
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 AUTHORIZATION_HEADER = "authorization"
+# Trailing metadata of a RESOURCE_EXHAUSTED answer: whole seconds until the request could be
+# taken (openbook.errors.Overloaded.retry_after_s), which the gateway sends as Retry-After.
+RETRY_AFTER_TRAILER = "retry-after"
 
 RETRIEVER_SERVICE = "openbook.v1.Retriever"
 GENERATOR_SERVICE = "openbook.v1.Generator"
@@ -244,6 +248,10 @@ class _ObservedCall:
             else:
                 log.info("%s: %s: %s", short_method, code.name, exc)
                 message = str(exc)
+            retry_after = getattr(exc, "retry_after_s", None)
+            if retry_after is not None:
+                seconds = str(max(1, math.ceil(retry_after)))
+                context.set_trailing_metadata(((RETRY_AFTER_TRAILER, seconds),))
             context.abort(code, message)
         finally:
             seconds = time.perf_counter() - started

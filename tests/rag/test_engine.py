@@ -166,3 +166,64 @@ def test_a_request_complete_at_admission_is_returned_by_the_next_step(dirs, load
         out = engine.step()
     assert [tag for tag, _ in out] == ["one"] and len(engine) == 0
     _assert_same(out[0][1], gen.generate(QUESTION, make_passages(2), options))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "options", (TOKEN_BEAM, THOROUGH, LONG_GREEDY), ids=("token", "seq", "greedy")
+)
+def test_a_prompt_prefilled_in_chunks_decodes_as_if_prefilled_at_once(dirs, load, kind, options):
+    """Chunked prefill: a request's passages are encoded a few at a time, with another
+    request decoding between the chunks, and joined once all are encoded; every row is the row
+    one prefill would have given (the families that cannot concatenate encoded passages
+    prefill the whole prompt in one call instead)."""
+    gen = _generator(dirs, load, kind)
+    big, small = make_passages(7, 5), make_passages(2, 6)
+    with torch.inference_mode():
+        engine = gen.engine()
+        engine.add(QUESTION, small, LONG_GREEDY, tag="small")
+        request = engine.add("Who wrote Hamlet?", big, options, tag="big", chunk_passages=3)
+        assert engine.prefilling == [request] and request.prefilled == 0
+        chunks = 0
+        out = {}
+        while engine.prefilling:
+            engine.prefill(request)
+            chunks += 1
+            out.update(engine.step())  # the other request decodes between the chunks
+        assert chunks == (3 if gen.backend.concats_encoded() else 1)
+        while len(engine):
+            out.update(engine.step())
+    _assert_same(out["big"], gen.generate("Who wrote Hamlet?", big, options))
+    _assert_same(out["small"], gen.generate(QUESTION, small, LONG_GREEDY))
+
+
+def test_rows_of_requests_still_prefilling_count_against_max_rows(dirs, load):
+    gen = _generator(dirs, load, "llama")
+    with torch.inference_mode():
+        engine = gen.engine(max_rows=8)
+        engine.add(QUESTION, make_passages(6), TOKEN_GREEDY, chunk_passages=2)
+        assert engine.rows == 0 and len(engine.prefilling) == 1
+        assert engine.accepts(2)
+        assert not engine.accepts(3)
+
+
+def test_a_prefilling_request_whose_caller_gave_up_is_dropped(dirs, load):
+    gen = _generator(dirs, load, "gemma3")
+    gave_up = {"now": False}
+    with torch.inference_mode():
+        engine = gen.engine()
+        request = engine.add(
+            QUESTION,
+            make_passages(4),
+            TOKEN_GREEDY,
+            tag="x",
+            gave_up=lambda: gave_up["now"],
+            chunk_passages=1,
+        )
+        engine.prefill(request)
+        assert not engine.pending()
+        gave_up["now"] = True
+        assert engine.pending()
+        out = engine.step()
+    assert [tag for tag, _ in out] == ["x"] and isinstance(out[0][1], Abandoned)
+    assert len(engine) == 0 and not engine.prefilling

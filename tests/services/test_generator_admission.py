@@ -159,9 +159,13 @@ def test_batches_are_packed_under_the_memory_budget(service, steps):
 
 def test_work_past_its_deadline_stops_between_decoding_steps(service, steps):
     _, servicer, stub = service
+    # admitted at the generator's measured speed, then slowed down (a neighbour took the CPU):
+    # it cannot finish in time any more
+    call = stub.Generate.future(_request(max_new_tokens=200, min_new_tokens=200), timeout=3)
+    assert steps["entered"].wait(30)
     steps["delay_s"] = 0.05
     with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(_request(max_new_tokens=512, min_new_tokens=512), timeout=0.5)
+        call.result()
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_until(lambda: servicer.scheduler.depth() == 0)
     done = steps["count"]

@@ -21,6 +21,7 @@ from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
     REQUEST_ID_HEADER,
     RETRIEVER_SERVICE,
+    RETRY_AFTER_TRAILER,
     bearer_metadata,
 )
 from openbook.v1 import (
@@ -72,8 +73,23 @@ def http_error(service: str, error: grpc.aio.AioRpcError) -> HTTPException:
         detail = f"internal error in the {service}"
     elif status >= 500:
         detail = f"{service} failed: {detail}"
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    headers = {"Retry-After": retry_after(error)} if status in (429, 503) else None
     return HTTPException(status_code=status, detail=detail, headers=headers)
+
+
+# The longest Retry-After the gateway passes on: a service's estimate beyond it is no promise.
+MAX_RETRY_AFTER_S = 600
+
+
+def retry_after(error: grpc.aio.AioRpcError) -> str:
+    """Seconds a client should wait before retrying: the service's own estimate (its
+    ``retry-after`` trailer: the generator's expected wait at the speed it measures), else 1."""
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_TRAILER:
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            if text.isdigit():
+                return str(min(MAX_RETRY_AFTER_S, max(1, int(text))))
+    return "1"
 
 
 class ServiceClient:

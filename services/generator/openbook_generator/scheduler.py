@@ -1,17 +1,41 @@
-"""The generator's continuous batching loop: requests join the running decode between steps.
+"""The generator's continuous batching loop: admission by measured speed, fair scheduling.
 
-A bounded waiting line feeds one decoding thread, which owns a
-:class:`openbook.rag.engine.DecodingEngine` per loaded model. Between two decoding steps the
-thread admits waiting requests (prefill, then their rows join the batch) while the batch holds
-fewer than ``max_batch_size`` requests, their estimated memory together stays within the budget
-(:mod:`openbook.rag.memory`) and the engine accepts their rows; then it runs one step, and
-answers every request that finished at that step. So a request waits for a free place, never for
-a whole batch to end, and a short answer leaves as soon as it is written.
+A bounded waiting line feeds one decoding thread, which owns the batches
+(:class:`openbook.rag.engine.DecodingEngine`) of every loaded model. Between any two pieces of
+work the thread admits waiting requests (while the running requests are fewer than
+``max_batch_size``, their estimated memory together stays within the budget
+(:mod:`openbook.rag.memory`) and a batch accepts their rows), then runs ONE piece of work:
+
+* a **prefill chunk** of one admitted request (``chunk_tokens`` prompt tokens at most, whole
+  passages): a k=100 prompt is prefilled in many chunks, not in one pause of everything else;
+* or one **decoding step** of one batch, which answers every request that finished at it.
+
+Requests of up to ``solo_rows`` decoder rows (passages x beams) share one batch per model, so
+that a short answer never waits for a whole batch to end; a larger request decodes in a batch
+of its own, so that its rows do not make every step of the small requests slow.
+
+Which piece runs next is decided by **least attained service**: the work of the request that
+has had the least engine time so far (a step counts for its batch's least-served request).
+A request that just arrived goes first, so a default question is answered in about the time it
+takes alone even while a k=100 request is running, and the large request runs in the gaps.
+So that the large request still finishes in time, a request whose deadline comes near (its
+estimated remaining work would take more than half of the time it has left) gets every other
+piece of work, and all of them once its remaining work fills the time left.
+
+**Admission by measured speed** (:mod:`openbook_generator.speed`): the engine's speed is
+measured on every piece of work, and every request's remaining work is estimated from it (its
+prefill tokens, its share of the steps of its batch for the tokens it is expected to decode).
+A request is refused at once (:class:`~openbook.errors.Overloaded`, the gateway's 429) when
+the work due before its deadline (that of every request with an earlier deadline, and its own)
+would not fit in the time it has, or when it would push an admitted request past its deadline;
+its ``Retry-After`` is how long that work takes to drain. One that could not finish in time
+even alone (at the worst case of its ``max_new_tokens``) is refused with
+:class:`~openbook.errors.TooLarge` (the gateway's 413), saying what to lower.
 
 Invariants:
 * the line never holds more than ``max_queue`` requests: ``submit`` fails at once (backpressure);
 * a request whose caller gave up (deadline passed, cancelled) leaves the line at once and is
-  never run; once running, its rows leave the batch before the next step;
+  never run; once running, it leaves its batch before the next piece of work;
 * no wait is unbounded: every caller waits at most its own timeout;
 * a model reload never disturbs running requests: they finish on the engine of the model they
   started on, while new requests start on the new model.
@@ -20,14 +44,16 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import queue
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from openbook.errors import DeadlineExceeded
+from openbook.errors import DeadlineExceeded, Overloaded, TooLarge
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.engine import DecodingEngine, Running
 from openbook.rag.errors import Abandoned
@@ -35,12 +61,19 @@ from openbook.rag.memory import RequestShape
 from openbook.rag.streaming import OnToken, TokenEvent
 from openbook.serving.batcher import Waiting, WaitingLine, bounded_timeout, resolve
 from openbook.types import Passage
+from openbook_generator.speed import EngineSpeed
 
 log = logging.getLogger(__name__)
 
 Generated = tuple[GenerationResult, str]  # the result and the model version that produced it
-# Weight of the newest finished request in the running estimate of seconds per request.
-_RATE_WEIGHT = 0.3
+
+# Admission plans with this fraction of a deadline: the estimate is an estimate, and the
+# gateway's own work (retrieval, HTTP) comes out of the same deadline.
+DEADLINE_SHARE = 0.85
+# Weight of a finished request in the running estimate of the share of ``max_new_tokens`` that
+# answers use (stop strings and EOS end most answers early), and where it starts.
+STEPS_WEIGHT = 0.1
+INITIAL_STEPS_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -55,60 +88,218 @@ class GenerateItem:
     on_token: OnToken | None = None
 
 
+@dataclass(frozen=True)
+class SchedulingOptions:
+    """How the decoding thread batches and orders work (the module docstring)."""
+
+    max_batch_size: int = 8  # requests admitted at once, over all batches
+    max_wait_ms: float = 5.0  # an idle engine waits this long for requests arriving together
+    max_queue: int = 32
+    solo_rows: int = 16  # requests with more decoder rows decode in a batch of their own
+    chunk_tokens: int = 1024  # prompt tokens per prefill chunk (whole passages; one at least)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One decoding batch: the engine of one model, shared by small requests or holding one
+    large request (``solo``)."""
+
+    generator: RagGenerator
+    engine: DecodingEngine
+    solo: bool
+
+
+@dataclass(eq=False)
+class _Admitted:
+    """A request taken from the line: its batch and engine entry once added."""
+
+    waiting: Waiting
+    seq: int  # arrival order, the tie-break of equal service
+    batch: _Batch | None = None
+    running: Running | None = None
+
+
 # Put in a stream's queue once its request is resolved (answered, failed or dropped).
 _RESOLVED = object()
 
 
 class Scheduler(WaitingLine[GenerateItem, Generated]):
-    """Continuous batching of generate requests (module docstring).
+    """Continuous batching of generate requests with measured-speed admission (module
+    docstring).
 
     ``current()`` is the model new requests start on. ``fits(shapes)`` says whether requests of
-    those shapes may decode together (the memory budget). ``on_step(requests, queued)`` is told
-    the batch size of every step, ``on_drop(where, n)`` of requests dropped because their caller
-    gave up (``where``: "queued" or "running"). ``submit`` (:class:`WaitingLine`) blocks for a
-    result, and a running request's rows leave the batch before the next step once its caller
-    gave up; :meth:`stream` yields tokens as they are decided, then the result.
+    those shapes may run together (the memory budget). ``on_step(requests, queued)`` is told the
+    requests of every decoding step, ``on_drop(where, n)`` of requests dropped because their
+    caller gave up (``where``: "queued" or "running"). ``submit`` (:class:`WaitingLine`) blocks
+    for a result; :meth:`stream` yields tokens as they are decided, then the result;
+    :meth:`admission` refuses what cannot finish in time.
     """
 
     def __init__(
         self,
         current: Callable[[], RagGenerator],
+        options: SchedulingOptions,
         *,
-        max_batch_size: int,
-        max_wait_ms: float,
-        max_queue: int,
         fits: Callable[[list[RequestShape]], bool],
         on_step: Callable[[int, int], None] | None = None,
         on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         super().__init__(
-            max_queue=max_queue,
+            max_queue=options.max_queue,
             name="generate-scheduler",
             on_drop=None if on_drop is None else (lambda n: on_drop("queued", n)),
         )
         self._current = current
-        self.max_batch_size = max_batch_size
-        self.max_wait_s = max_wait_ms / 1000.0
+        self.options = options
+        self.max_batch_size = options.max_batch_size
+        self.max_wait_s = options.max_wait_ms / 1000.0
         self._fits = fits
         self._on_step = on_step
         self._on_running_drop = on_drop
-        # one engine per model that has running requests, the current model's last
-        self._engines: dict[int, tuple[RagGenerator, DecodingEngine]] = {}
-        # id(waiting) -> the request and, once admitted, its engine entry
-        self._running: dict[int, tuple[Waiting, Running | None]] = {}
-        self.seconds_per_request = 0.0  # engine time per request, running estimate
+        self._batches: list[_Batch] = []
+        # id(waiting) -> the admitted request
+        self._running: dict[int, _Admitted] = {}
+        self._arrivals = 0
+        self._urgent_turn = False  # urgent requests get every other piece of work
+        self.speed = EngineSpeed()
+        self.steps_share = INITIAL_STEPS_SHARE
         self._start()
 
     def running(self) -> int:
         with self._cond:
             return len(self._running)
 
-    def wait_estimate_s(self) -> float:
-        """About how long a request submitted now waits for its place: none while the batch has
-        a free place for it, else one request's engine time per request ahead of it."""
+    # ------------------------------------------------------------------ admission
+
+    def admission(self, shape: RequestShape, options: DecodingOptions, time_left_s: float | None):
+        """Refuse a request of ``shape`` whose deadline is ``time_left_s`` from now if it cannot
+        finish in time (module docstring): :class:`TooLarge` if not even alone,
+        :class:`Overloaded` (with ``retry_after_s``) if not behind the work already here."""
+        if time_left_s is None:
+            return
         with self._cond:
-            ahead = len(self._waiting) + 1 - (self.max_batch_size - len(self._running))
-        return max(0, ahead) * self.seconds_per_request
+            if not self.speed.known:
+                return  # nothing measured yet: nothing to refuse on
+            now = time.monotonic()
+            allowed = time_left_s * DEADLINE_SHARE
+            shared = self._shared_rows()
+            joins_shared = shape.rows <= self.options.solo_rows
+            alone = self._work_s(shape, options, shape.rows, 0, worst=True)
+            if alone > allowed:
+                raise TooLarge(
+                    f"this request would take about {alone:.0f}s of generation at the speed "
+                    f"measured now ({self.speed.describe()}; {shape.passages} passages x "
+                    f"{shape.beams} beams, {shape.input_tokens} prompt tokens, up to "
+                    f"{shape.new_tokens} new tokens) and its deadline allows {time_left_s:.0f}s: "
+                    "use fewer passages (k), beams or new tokens"
+                )
+            # the shared batch as it would be with this request in it
+            shared += shape.rows if joins_shared else 0
+            mine = self._work_s(shape, options, shared if joins_shared else shape.rows, 0)
+            deadline = now + time_left_s
+            work = self._work_ahead(shared)
+            due = sum(w for d, w in work if d <= deadline) + mine
+            late = due - allowed
+            # and no admitted request with a later deadline may be pushed past it
+            for d, _ in work:
+                if d > deadline:
+                    due_d = sum(w for e, w in work if e <= d) + mine
+                    late = max(late, due_d - (d - now) * DEADLINE_SHARE)
+            if late > 0:
+                raise Overloaded(
+                    f"the generator has about {due - mine:.0f}s of work due before this "
+                    f"request's deadline and this request needs about {mine:.1f}s more, which "
+                    f"does not fit in the {time_left_s:.0f}s it allows ({self.speed.describe()}); "
+                    f"retry in {math.ceil(late)}s",
+                    retry_after_s=late,
+                )
+
+    def _work_ahead(self, shared: int) -> list[tuple[float, float]]:
+        """(deadline, estimated remaining seconds) of every request running or waiting, when
+        the current shared batch has ``shared`` rows; a request with no deadline counts as due
+        at the end of time. Under ``_cond``."""
+        out = []
+        for admitted in self._running.values():
+            out.append((_deadline(admitted.waiting), self._remaining_s(admitted, shared)))
+        for waiting in self._waiting:
+            item: GenerateItem = waiting.payload
+            rows = item.shape.rows
+            if rows <= self.options.solo_rows:
+                rows = shared + rows  # (each as if the next to join: an over-estimate)
+            out.append((_deadline(waiting), self._work_s(item.shape, item.options, rows, 0)))
+        return out
+
+    def retry_after_s(self) -> float:
+        """How long until a place in the line frees: the shortest remaining work of a running
+        request (when it ends, a waiting one moves in)."""
+        with self._cond:
+            shared = self._shared_rows()
+            left = [self._remaining_s(a, shared) for a in self._running.values()]
+        return min(left, default=1.0)
+
+    def _enqueue(self, payload, timeout_s, on_cancel):
+        try:
+            return super()._enqueue(payload, timeout_s, on_cancel)
+        except Overloaded as exc:
+            if exc.retry_after_s is None:
+                exc.retry_after_s = self.retry_after_s()
+            raise
+
+    # ------------------------------------------------------------------ estimates
+
+    def _shared_rows(self) -> int:
+        """Decoder rows of the current model's shared batch (those prefilling included)."""
+        return sum(
+            a.running.rows
+            for a in self._running.values()
+            if a.batch is not None and not a.batch.solo and a.running is not None
+        )
+
+    def _steps(self, options: DecodingOptions, worst: bool) -> int:
+        """Decoding steps a request is expected to take (at most ``max_new_tokens``)."""
+        if worst:
+            return options.max_new_tokens
+        expected = math.ceil(self.steps_share * options.max_new_tokens)
+        return max(options.min_new_tokens, min(options.max_new_tokens, max(1, expected)))
+
+    def _work_s(
+        self,
+        shape: RequestShape,
+        options: DecodingOptions,
+        batch_rows: int,
+        steps_done: int,
+        worst: bool = False,
+        prefilled_share: float = 0.0,
+    ) -> float:
+        """Estimated engine seconds of a request of ``shape`` that decodes in a batch of
+        ``batch_rows`` rows: its prefill (what is left of it), its share of the steps of its
+        batch (what is left of them), RAG-Sequence thorough's scoring."""
+        speed = self.speed
+        rows = shape.rows
+        tokens_left = shape.input_tokens * (1.0 - prefilled_share)
+        chunks = max(1, math.ceil(tokens_left / max(1, self.options.chunk_tokens)))
+        prefill = chunks * speed.prefill_s(tokens_left / chunks) if tokens_left > 0 else 0.0
+        batch_rows = max(rows, batch_rows)
+        steps = max(1, self._steps(options, worst) - steps_done)
+        decode = steps * speed.step_s(batch_rows) * rows / batch_rows
+        scoring = 0.0
+        if options.mode == "rag-sequence-thorough":  # every hypothesis under every passage
+            scoring = speed.prefill_s(rows * shape.passages * self._steps(options, worst))
+        return prefill + decode + scoring
+
+    def _remaining_s(self, admitted: _Admitted, shared_rows: int) -> float:
+        item: GenerateItem = admitted.waiting.payload
+        running = admitted.running
+        solo = admitted.batch is not None and admitted.batch.solo
+        rows = item.shape.rows if solo else max(shared_rows, item.shape.rows)
+        if running is None:
+            return self._work_s(item.shape, item.options, rows, 0)
+        prefilled = running.prefilled / max(1, len(running.passages))
+        return self._work_s(
+            item.shape, item.options, rows, running.steps, prefilled_share=prefilled
+        )
+
+    # ------------------------------------------------------------------ streaming
 
     def stream(
         self,
@@ -141,10 +332,44 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         finally:
             self._give_up(waiting)  # a no-op once it is resolved
 
+    # ------------------------------------------------------------------ calibration
+
+    def calibrate(self, generator: RagGenerator) -> None:
+        """Measure ``generator``'s speed before serving (:meth:`EngineSpeed.calibrate`): after a
+        warm-up request, prefills of 1, 4 and 8 passages and decoding steps of 1, 8 and 32 rows,
+        each twice, on an engine of its own (the median of each size: a busy machine's
+        outliers must not set the shape). Runs in the calling thread (the load's)."""
+        prefills: dict[float, list[float]] = {}
+        steps: dict[float, list[float]] = {}
+        question = "What is measured when the generator starts?"
+        sizes = [(2, 1, False)] + [(1, 1, True), (4, 2, True), (8, 4, True)] * 2
+        with torch.inference_mode():
+            for k, beams, measured in sizes:
+                passages = _calibration_passages(k)
+                options = DecodingOptions(num_beams=beams, max_new_tokens=5, min_new_tokens=5)
+                shape = generator.request_shape(question, passages, options)
+                engine = generator.engine()
+                started = time.perf_counter()
+                engine.add(question, passages, options)
+                prefill_s = time.perf_counter() - started
+                while len(engine):
+                    rows = engine.rows
+                    engine.step()
+                    if measured and engine.last_step_s > 0:
+                        steps.setdefault(rows, []).append(engine.last_step_s)
+                if measured:
+                    prefills.setdefault(shape.input_tokens, []).append(prefill_s)
+        cache = getattr(generator.backend, "passage_cache", None)
+        if cache is not None:
+            cache.clear()  # the calibration's passages are nobody's
+        with self._cond:
+            self.speed.calibrate(_medians(prefills), _medians(steps))
+        log.info("generator speed at start: %s", self.speed.describe())
+
     # ------------------------------------------------------------------ the decoding thread
 
-    def _take(self) -> list[Waiting] | None:
-        """Waiting requests that may join now (None once closed and drained). Blocks while
+    def _take(self) -> list[_Admitted] | None:
+        """Waiting requests that may start now (None once closed and drained). Blocks while
         nothing runs and nothing waits; when idle, waits ``max_wait_s`` after the first arrival
         so that requests arriving together start together."""
         with self._cond:
@@ -157,34 +382,45 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                         lambda: len(self._waiting) >= self.max_batch_size or self._closed,
                         timeout=self.max_wait_s,
                     )
-            taken: list[Waiting] = []
-            joining = 0  # decoder rows of the requests taken now
-            shapes = [w.payload.shape for w, _ in self._running.values()]
-            engine = self._engine(self._current())
+            taken: list[_Admitted] = []
+            joining: dict[int, int] = {}  # id(batch) -> rows taken into it now
+            shapes = [a.waiting.payload.shape for a in self._running.values()]
             while self._waiting and len(self._running) < self.max_batch_size:
                 if self._expired_head():
                     continue
                 head = self._waiting[0]
                 item: GenerateItem = head.payload
-                busy = bool(self._running or taken)
-                if busy and not self._fits([*shapes, item.shape]):
-                    break  # it joins when enough rows have left
-                rows = len(item.passages) * item.options.num_beams
-                if not engine.accepts(rows, joining):
-                    break
+                if (self._running or taken) and not self._fits([*shapes, item.shape]):
+                    break  # it starts when enough running requests have finished
+                batch = self._batch_for(item, joining)
+                if batch is None:
+                    break  # the shared batch is full of rows: it joins when some leave
+                joining[id(batch)] = joining.get(id(batch), 0) + item.shape.rows
                 self._waiting.popleft()
-                taken.append(head)
-                joining += rows
+                self._arrivals += 1
+                admitted = _Admitted(head, self._arrivals, batch)
+                taken.append(admitted)
                 shapes.append(item.shape)
-                self._running[id(head)] = (head, None)
+                self._running[id(head)] = admitted
             return taken
 
-    def _engine(self, generator: RagGenerator) -> DecodingEngine:
-        entry = self._engines.get(id(generator))
-        if entry is None:
-            entry = (generator, generator.engine())
-            self._engines[id(generator)] = entry
-        return entry[1]
+    def _batch_for(self, item: GenerateItem, joining: dict[int, int]) -> _Batch | None:
+        """The batch ``item`` decodes in: a new one of its own when it is large, or when the
+        model family joins no running batch; else the current model's shared batch, if its
+        rows leave room (``joining``: rows taken into batches since they last ran). Under
+        ``_cond``."""
+        generator = self._current()
+        rows = item.shape.rows
+        if rows <= self.options.solo_rows:
+            for batch in self._batches:
+                if batch.generator is generator and not batch.solo:
+                    fits = batch.engine.accepts(rows, joining.get(id(batch), 0))
+                    return batch if fits else None
+        batch = _Batch(generator, generator.engine(), solo=rows > self.options.solo_rows)
+        if not batch.solo and not generator.backend.joins_running:
+            batch.solo = True  # nothing can join it: it is this request's alone
+        self._batches.append(batch)
+        return batch
 
     def _run(self) -> None:
         while True:
@@ -192,44 +428,129 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             if taken is None:
                 return
             with torch.inference_mode():
-                generator = self._current()
-                for waiting in taken:
-                    self._admit(generator, waiting)
-                for generator, engine in list(self._engines.values()):
-                    if len(engine):
-                        if self._on_step is not None:
-                            self._on_step(len(engine), self.depth())
-                        self._step(generator, engine)
-                    elif generator is not self._current():
-                        del self._engines[id(generator)]  # a replaced model, nothing left on it
+                for admitted in taken:
+                    self._admit(admitted)
+                work = self._next()
+                if work is not None:
+                    self._do(*work)
+                self._forget_idle_batches()
 
-    def _admit(self, generator: RagGenerator, waiting: Waiting) -> None:
+    def _admit(self, admitted: _Admitted) -> None:
+        """Add a taken request to its batch's engine (nothing encoded yet)."""
+        waiting = admitted.waiting
         item: GenerateItem = waiting.payload
+        batch = admitted.batch
+        assert batch is not None
+        chunk = max(1, self.options.chunk_tokens // max(1, item.shape.prompt_tokens))
         try:
-            running = self._engine(generator).add(
+            running = batch.engine.add(
                 item.question,
                 item.passages,
                 item.options,
-                tag=(waiting, generator.model_version),
+                tag=(waiting, batch.generator.model_version),
                 gave_up=waiting.gave_up,
                 on_token=item.on_token,
+                chunk_passages=chunk,
             )
         except Exception as exc:  # noqa: BLE001 - fails this request only
             log.exception("admitting a request failed")
             self._finish(waiting, exc)
             return
         with self._cond:
-            self._running[id(waiting)] = (waiting, running)
+            admitted.running = running
 
-    def _step(self, generator: RagGenerator, engine: DecodingEngine) -> None:
+    def _next(self) -> tuple[_Batch, Running | None] | None:
+        """The next piece of work: (batch, request) for a prefill chunk of that request,
+        (batch, None) for a decoding step of that batch. Least attained service first; an
+        urgent request (module docstring) every other time, or always once it is critical."""
+        now = time.monotonic()
+        candidates: list[tuple[tuple, tuple[_Batch, Running | None]]] = []
+        with self._cond:
+            shared = self._shared_rows()
+            by_running = {id(a.running): a for a in self._running.values() if a.running is not None}
+            for batch in self._batches:
+                engine = batch.engine
+                for running in engine.prefilling:
+                    admitted = by_running.get(id(running))
+                    if admitted is not None:
+                        key = self._priority(admitted, running, now, shared)
+                        candidates.append((key, (batch, running)))
+                if engine.pending():
+                    keys = [
+                        self._priority(by_running[id(r)], r, now, shared)
+                        for r in engine.requests
+                        if r.enc is not None and id(r) in by_running
+                    ]
+                    candidates.append((min(keys, default=(0, 0.0, 0.0, 0)), (batch, None)))
+        if not candidates:
+            return None
+        candidates.sort(key=lambda c: c[0])
+        urgent = [c for c in candidates if c[0][0] < 2]
+        if urgent and (urgent[0][0][0] == 0 or self._urgent_turn):
+            self._urgent_turn = False
+            return urgent[0][1]
+        self._urgent_turn = bool(urgent)
+        # least attained service among all (urgent ones included, by their service)
+        return min(candidates, key=lambda c: (c[0][2], c[0][3]))[1]
+
+    def _priority(
+        self, admitted: _Admitted, running: Running, now: float, shared: int
+    ) -> tuple[int, float, float, int]:
+        """(urgency, deadline, attained service, arrival): urgency 0 when the remaining work
+        fills the time left (critical), 1 when it fills half of it, 2 otherwise."""
+        deadline = admitted.waiting.deadline
+        urgency = 2
+        if deadline is not None and self.speed.known:
+            left = (deadline - now) * DEADLINE_SHARE
+            remaining = self._remaining_s(admitted, shared)
+            if remaining >= left:
+                urgency = 0
+            elif 2 * remaining >= left:
+                urgency = 1
+        return (urgency, deadline or math.inf, running.cost_s, admitted.seq)
+
+    def _do(self, batch: _Batch, running: Running | None) -> None:
+        engine = batch.engine
+        if running is not None:
+            self._prefill(batch, running)
+            return
+        if self._on_step is not None:
+            self._on_step(len(engine), self.depth())
+        rows = engine.rows
         try:
             outcomes = engine.step()
         except Exception as exc:  # noqa: BLE001 - the batch's state is lost: fail its requests
             log.exception("decoding step failed; failing the %d requests of its batch", len(engine))
-            self._engines.pop(id(generator), None)
+            self._batches.remove(batch)
             for waiting, _version in engine.abort():
                 self._finish(waiting, exc)
             return
+        with self._cond:
+            if engine.last_step_s > 0:
+                self.speed.observe_step(rows, engine.last_step_s)
+        self._resolve(outcomes)
+
+    def _prefill(self, batch: _Batch, running: Running) -> None:
+        waiting, _version = running.tag
+        item: GenerateItem = waiting.payload
+        before = running.prefilled
+        started = time.perf_counter()
+        try:
+            batch.engine.prefill(running)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            log.exception("prefilling a request failed")
+            batch.engine.abort_request(running)
+            self._finish(waiting, exc)
+            return
+        seconds = time.perf_counter() - started
+        passages = max(1, len(item.passages))
+        tokens = item.shape.input_tokens * (running.prefilled - before) / passages
+        with self._cond:
+            self.speed.observe_prefill(tokens, seconds)
+        if running.done:  # every answer ended at its first token: the next step returns it
+            return
+
+    def _resolve(self, outcomes) -> None:
         for (waiting, version), outcome in outcomes:
             if isinstance(outcome, Abandoned):
                 if self._on_running_drop is not None:
@@ -238,14 +559,49 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             else:
                 self._finish(waiting, (outcome, version))
 
+    def _forget_idle_batches(self) -> None:
+        """Batches with nothing left go, except the current model's shared one."""
+        current = self._current()
+        with self._cond:
+            self._batches = [
+                b for b in self._batches if len(b.engine) or (b.generator is current and not b.solo)
+            ]
+
     def _finish(self, waiting: Waiting, result: object) -> None:
         with self._cond:
-            _, running = self._running.pop(id(waiting), (waiting, None))
-        if running is not None and not isinstance(result, Exception):
-            previous = self.seconds_per_request
-            self.seconds_per_request = (
-                running.cost_s
-                if not previous
-                else (1 - _RATE_WEIGHT) * previous + _RATE_WEIGHT * running.cost_s
-            )
+            admitted = self._running.pop(id(waiting), None)
+            running = None if admitted is None else admitted.running
+            if running is not None and not isinstance(result, Exception):
+                used = running.steps / max(1, running.options.max_new_tokens)
+                self.steps_share += STEPS_WEIGHT * (min(1.0, used) - self.steps_share)
         resolve(waiting.future, result)
+
+
+def _medians(samples: dict[float, list[float]]) -> list[tuple[float, float]]:
+    return [(size, statistics.median(times)) for size, times in samples.items()]
+
+
+def _deadline(waiting: Waiting) -> float:
+    return math.inf if waiting.deadline is None else waiting.deadline
+
+
+# Words of the calibration passages (any text of ordinary words would do).
+_CALIBRATION_TEXT = (
+    "the council met in the old hall to measure the river and the bridge that the city "
+    "had built after the long winter when the harbour froze and the ships waited for "
+    "spring while merchants counted grain and the library kept records of every"
+)
+
+
+def _calibration_passages(k: int) -> list[Passage]:
+    """``k`` passages of 100 words (the paper's passage length), each different."""
+    words = _CALIBRATION_TEXT.split()
+    return [
+        Passage(
+            id=f"calibration-{i}",
+            title=f"Record {i}",
+            text=" ".join(words[(i + j) % len(words)] for j in range(100)),
+            score=0.0,
+        )
+        for i in range(k)
+    ]

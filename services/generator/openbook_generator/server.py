@@ -26,6 +26,7 @@ from openbook.shared_state import (
     replica_metrics,
 )
 from openbook.v1 import generator_pb2_grpc
+from openbook_generator.scheduler import SchedulingOptions
 from openbook_generator.servicer import GeneratorServicer
 from openbook_generator.settings import GeneratorSettings
 
@@ -91,13 +92,19 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
         checkpoint_root=settings.checkpoint_dir,
         base_model=settings.model,
         on_model=lambda version: publish_model_version(redis, "generator", version),
-        max_batch_size=settings.max_batch_size,
-        max_batch_wait_ms=settings.max_batch_wait_ms,
-        max_queue=settings.max_queue,
+        scheduling=SchedulingOptions(
+            max_batch_size=settings.max_batch_size,
+            max_wait_ms=settings.max_batch_wait_ms,
+            max_queue=settings.max_queue,
+            solo_rows=settings.solo_rows,
+            chunk_tokens=settings.prefill_chunk_tokens,
+        ),
         memory_budget_bytes=settings.memory_mb * 2**20,
         passage_cache_bytes=settings.passage_cache_mb * 2**20,
         max_request_s=settings.max_request_s,
     )
+    # the speed admission plans with, measured before the first request (and warm kernels)
+    servicer.scheduler.calibrate(servicer.generator)
     follow_reloads(settings, servicer, redis, metrics)
     return servicer
 

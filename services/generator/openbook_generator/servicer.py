@@ -15,12 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, load_generator
-from openbook.errors import (
-    InvalidArgument,
-    Overloaded,
-    TooLarge,
-    client_errors,
-)
+from openbook.errors import InvalidArgument, TooLarge, client_errors
 from openbook.limits import MAX_K, check_decoding, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.memory import RequestShape, mib
@@ -30,7 +25,7 @@ from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
-from openbook_generator.scheduler import GenerateItem, Scheduler
+from openbook_generator.scheduler import GenerateItem, Scheduler, SchedulingOptions
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +135,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self,
         generator: RagGenerator,
         *,
-        max_batch_size: int = 8,
-        max_batch_wait_ms: float = 5.0,
-        max_queue: int = 64,
+        scheduling: SchedulingOptions | None = None,
         memory_budget_bytes: int | None = None,
         passage_cache_bytes: int | None = None,
         max_request_s: float | None = None,
@@ -168,9 +161,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self.follower = None  # openbook.shared_state.ModelFollower, once following reloads
         self.scheduler = Scheduler(
             lambda: self.generator,
-            max_batch_size=max_batch_size,
-            max_wait_ms=max_batch_wait_ms,
-            max_queue=max_queue,
+            scheduling or SchedulingOptions(),
             fits=self._fits,
             on_step=self._on_step,
             on_drop=self._on_drop,
@@ -201,8 +192,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         time_left_s: float | None,
     ) -> GenerateItem:
         """Refuse, before anything is allocated, what cannot run: a request whose estimated
-        memory alone exceeds the budget (:class:`TooLarge`), or one that the work already queued
-        would keep waiting past its deadline (:class:`Overloaded`)."""
+        memory alone exceeds the budget (:class:`TooLarge`), or one that could not finish before
+        its deadline at the speed the generator measures now, alone (:class:`TooLarge`) or
+        behind the work it already holds (:class:`Overloaded`, with a retry-after)."""
         generator = self.generator
         shape = generator.request_shape(question, passages, options)
         if self.memory_budget_bytes is not None:
@@ -215,12 +207,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     f"generator's budget is {mib(self.memory_budget_bytes)} "
                     "(OPENBOOK_GENERATOR_MEMORY_MB): use fewer passages (k), beams or new tokens"
                 )
-        ahead = self.scheduler.wait_estimate_s()
-        if time_left_s is not None and ahead > time_left_s:
-            raise Overloaded(
-                f"about {ahead:.1f}s of queued work is ahead of this request and its deadline "
-                f"leaves {time_left_s:.1f}s; retry later"
-            )
+        self.scheduler.admission(shape, options, time_left_s)
         return GenerateItem(question, passages, options, shape)
 
     def Generate(self, request, context):

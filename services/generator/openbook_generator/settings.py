@@ -34,6 +34,12 @@ class GeneratorSettings(GrpcServiceSettings):
     max_batch_size: int = Field(8, ge=1)
     max_batch_wait_ms: float = Field(5.0, ge=0)
     max_queue: int = Field(32, ge=1)
+    # A request with more decoder rows (passages x beams) than this decodes in a batch of its
+    # own, so that its rows do not slow every step of the small requests (scheduler.py).
+    solo_rows: int = Field(16, ge=1)
+    # Prompt tokens prefilled at once: a larger prompt (k=100) is prefilled in chunks, with the
+    # other requests' work running between them (scheduler.py).
+    prefill_chunk_tokens: int = Field(1024, ge=1)
     # Estimated working memory (beyond the weights) one batch may hold, openbook/rag/memory.py:
     # a request that needs more alone is refused (OUT_OF_RANGE, the gateway's 413) before
     # anything is allocated, and batches are packed under it.

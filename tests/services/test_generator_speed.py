@@ -1,0 +1,78 @@
+"""The generator's speed model (openbook_generator/speed.py): shapes fitted once, a level that
+follows the machine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from openbook_generator.speed import EngineSpeed, Line, fit_line
+
+
+def test_fit_line_recovers_a_fixed_cost_and_a_cost_per_unit():
+    line = fit_line([(1, 0.011), (8, 0.018), (128, 0.138)])
+    assert line.fixed == pytest.approx(0.010, abs=1e-3)
+    assert line.per_unit == pytest.approx(0.001, rel=0.05)
+
+
+def test_fit_line_never_predicts_negative_or_free_work():
+    line = fit_line([(10, 1.0), (20, 0.5)])  # noisy: more work measured faster
+    assert line.per_unit >= 0 and line.fixed >= 0
+    assert line.at(1) > 0
+    through_origin = fit_line([(10, 0.1), (100, 2.0)])
+    assert through_origin.fixed >= 0 and through_origin.at(50) > 0
+    assert fit_line([(4, 2.0)]).at(4) == pytest.approx(2.0)
+
+
+def _calibrated() -> EngineSpeed:
+    speed = EngineSpeed()
+    speed.calibrate([(100, 0.1), (1000, 1.0)], [(1, 0.02), (100, 0.12)])
+    return speed
+
+
+def test_a_machine_twice_as_slow_is_seen_within_a_few_steps_for_every_size_of_work():
+    speed = _calibrated()
+    step, prefill, large = speed.step_s(10), speed.prefill_s(500), speed.step_s(100)
+    assert step == pytest.approx(0.0291, rel=0.01) and large == pytest.approx(0.12)
+    for _ in range(12):  # a neighbour took a core: every step of 10 rows takes twice as long
+        speed.observe_step(10, 2 * step)
+    assert speed.step_s(10) == pytest.approx(2 * step, rel=0.1)
+    # other batch sizes are predicted slower too, though none was measured
+    assert speed.step_s(100) == pytest.approx(2 * large, rel=0.1)
+    for _ in range(12):  # and prefill, once it is seen slower
+        speed.observe_prefill(200, 2 * speed.prefill.at(200))
+    assert speed.prefill_s(500) == pytest.approx(2 * prefill, rel=0.1)
+
+
+def test_work_of_a_millisecond_barely_moves_the_estimate():
+    speed = EngineSpeed()
+    speed.calibrate([(10, 0.0001), (1000, 0.01)], [(1, 0.0005), (8, 0.001)])
+    before = speed.prefill_s(1000)
+    for _ in range(5):  # interpreter overhead: tiny work measured 4x slower than its shape
+        speed.observe_prefill(10, 4 * speed.prefill.at(10))
+    assert speed.prefill_s(1000) < 1.1 * before
+
+
+def test_one_outlier_moves_the_estimate_by_a_bounded_step():
+    speed = _calibrated()
+    before = speed.step_s(10)
+    speed.observe_step(10, 1000 * before)  # the process was paused once
+    assert speed.step_s(10) <= before * 4**0.2 * 1.0001
+
+
+def test_steady_measurements_keep_the_level_still():
+    speed = _calibrated()
+    for i in range(1000):
+        speed.observe_step(10, speed.step.at(10) * (1.1 if i % 2 else 1 / 1.1))
+    assert abs(speed.step_level) < 0.05
+    assert math.isfinite(speed.prefill_s(1000))
+
+
+def test_unmeasured_speed_predicts_nothing_and_first_measurements_set_a_shape():
+    speed = EngineSpeed()
+    assert not speed.known and speed.step_s(8) == 0 and speed.prefill_s(100) == 0
+    speed.observe_prefill(200, 0.4)
+    speed.observe_step(4, 0.04)
+    assert speed.known
+    assert speed.prefill == Line(0.0, 0.002) and speed.prefill_s(100) == pytest.approx(0.2)
