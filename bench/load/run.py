@@ -16,12 +16,17 @@ benchmark measures the serving system (HTTP, gRPC, batching, cache), not model q
 
 ``--real`` runs what users run instead: the default stack (Gemma 3 270M, the demo index
 wiki-2018, every other setting at its default) from a ``var/`` that ``openbook demo prepare``
-filled, at 1, 4, 8, 16 and 32 clients asking the demo questions with the default k=5. Per level
-it counts answers, 429s, 413s, 504s and other 5xx (which must be 0), latency percentiles of the
-answers, and the peak resident memory of each service process; then it sends one k=100 request
-and checks the generator still answers. Ratios are against the 1-client level of the same run.
+filled, at 1, 4, 8, 16 and 32 clients asking the demo questions with the default k=5 (a refused
+client waits as its Retry-After says). Per level it counts answers, 429s (and their
+Retry-After), 413s, 504s and other 5xx (which must be 0), latency percentiles of the answers,
+and the peak resident memory of each service process; then it measures a default request's
+latency beside a running k=100 request against its latency alone, sends a request too long for
+its deadline (refused at once, never a 504) and one k=100 request, and checks the generator
+still answers. Ratios are against the 1-client level of the same run. ``--hog 1`` runs all of it
+with a competing CPU load: a process spinning on one core, as a busy neighbour does.
 
     .venv/bin/python bench/load/run.py --real --var var --seconds 60 --json load-real.json
+    .venv/bin/python bench/load/run.py --real --var var --seconds 45 --hog 1
 
 Streaming (``"stream": true``) against plain answers, time to first token: bench/load/stream.py.
 """
@@ -70,6 +75,8 @@ class Level:
     generator_batch: float
     statuses: dict[str, int] = field(default_factory=dict)  # HTTP status (or "conn") -> count
     peak_rss_mb: dict[str, float] = field(default_factory=dict)  # service -> peak RSS
+    # the Retry-After of the 429s: min, median, max seconds
+    retry_after_s: dict[str, float] = field(default_factory=dict)
 
 
 def _batch_stats(stack: LocalStack) -> dict[str, tuple[float, float]]:
@@ -107,13 +114,18 @@ def run_clients(client, clients: int) -> float:
     return time.perf_counter() - started
 
 
-def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, Counter, float]:
+def _drive(
+    port: int, clients: int, seconds: float, body
+) -> tuple[list, list, Counter, float, list]:
     """``clients`` threads, each with one keep-alive connection (``http.client``: the leanest
-    client, so the load generator takes little CPU from the stack it measures). Returns the
-    answered requests' latencies (client and gateway), every reply's status, the wall time."""
+    client, so the load generator takes little CPU from the stack it measures). A refused client
+    waits as its 429's Retry-After says, as a well-behaved client does. Returns the answered
+    requests' latencies (client and gateway), every reply's status, the wall time and the
+    Retry-After of every 429."""
     latencies: list[float] = []
     server: list[float] = []
     statuses: Counter = Counter()
+    retry_after: list[float] = []
     lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
 
@@ -129,6 +141,7 @@ def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, C
                 reply = conn.getresponse()
                 data = reply.read()
                 status = str(reply.status)
+                wait = float(reply.getheader("retry-after") or 1)
             except (OSError, http.client.HTTPException):
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=180)
@@ -140,10 +153,12 @@ def _drive(port: int, clients: int, seconds: float, body) -> tuple[list, list, C
                     latencies.append(elapsed)
                     server.append(json.loads(data)["timings_ms"]["total_ms"] / 1000)
             if status == "429":
-                time.sleep(1.0)  # as Retry-After says
+                with lock:
+                    retry_after.append(wait)
+                time.sleep(max(0.0, min(wait, stop_at - time.perf_counter())))
         conn.close()
 
-    return latencies, server, statuses, run_clients(client, clients)
+    return latencies, server, statuses, run_clients(client, clients), retry_after
 
 
 class PeakRss:
@@ -182,7 +197,9 @@ class PeakRss:
 def run_level(stack: LocalStack, name: str, clients: int, seconds: float, body) -> Level:
     before = _batch_stats(stack)
     with PeakRss(stack) as rss:
-        latencies, server, statuses, wall = _drive(stack.ports["gateway"], clients, seconds, body)
+        latencies, server, statuses, wall, retry_after = _drive(
+            stack.ports["gateway"], clients, seconds, body
+        )
     after = _batch_stats(stack)
     ms = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
     return Level(
@@ -200,6 +217,15 @@ def run_level(stack: LocalStack, name: str, clients: int, seconds: float, body) 
         generator_batch=_mean_batch(before, after, "generator"),
         statuses=dict(statuses),
         peak_rss_mb={k: round(v) for k, v in rss.peak.items()},
+        retry_after_s=(
+            {
+                "min": min(retry_after),
+                "median": float(np.median(retry_after)),
+                "max": max(retry_after),
+            }
+            if retry_after
+            else {}
+        ),
     )
 
 
@@ -285,11 +311,64 @@ def k100_probe(stack: LocalStack) -> dict:
     }
 
 
+def _ask(stack: LocalStack, body: dict, timeout_s: float = 300) -> tuple[int, float, dict]:
+    started = time.perf_counter()
+    reply = httpx.post(f"{stack.url}/answer", json=body, timeout=timeout_s)
+    return reply.status_code, time.perf_counter() - started, reply.json()
+
+
+def fairness_probe(stack: LocalStack, questions: list[str], repeats: int = 3) -> dict:
+    """A default request's latency alone and while a k=100 request (64 new tokens) runs
+    (the issue's target: within 2x); the k=100 request's own outcome."""
+    alone = [_ask(stack, {"question": questions[i], "use_cache": False})[1] for i in range(repeats)]
+    big: dict = {}
+
+    def large() -> None:
+        body = {"question": "peru", "k": 100, "max_new_tokens": 64, "use_cache": False}
+        status, seconds, reply = _ask(stack, body)
+        big.update(status=status, seconds=round(seconds, 2), detail=reply.get("detail"))
+
+    thread = threading.Thread(target=large)
+    thread.start()
+    time.sleep(3.0)  # the large request is prefilling or decoding by now
+    beside = []
+    for i in range(repeats):
+        status, seconds, _ = _ask(stack, {"question": questions[repeats + i], "use_cache": False})
+        beside.append(seconds if status == 200 else float("nan"))
+    overlapped = thread.is_alive()
+    thread.join()
+    ratio = float(np.median(beside) / np.median(alone))
+    return {
+        "alone_s": [round(x, 3) for x in alone],
+        "beside_k100_s": [round(x, 3) for x in beside],
+        "ratio_median": round(ratio, 2),
+        "k100_still_running_after": overlapped,
+        "k100": big,
+    }
+
+
+def too_long_probe(stack: LocalStack) -> dict:
+    """A request that cannot finish within the deadline (16 beams, 512 tokens, thorough): it
+    must be refused at once (413 or 429), or answered; never a 504."""
+    body = {
+        "question": "Who is the President of Peru?",
+        "k": 5,
+        "num_beams": 16,
+        "max_new_tokens": 512,
+        "min_new_tokens": 512,
+        "decoding": "rag-sequence-thorough",
+        "use_cache": False,
+    }
+    status, seconds, reply = _ask(stack, body)
+    return {"status": status, "seconds": round(seconds, 2), "detail": reply.get("detail")}
+
+
 def real_table(levels: list[Level]) -> str:
     head = (
-        "| clients | answered | 429 | 413 | 504 | other 5xx | no reply | answers/s | vs 1 client "
-        "| p50 ms | p99 ms | peak RSS MB gateway / retriever / generator |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+        "| clients | answered | 429 | Retry-After s (min/med/max) | 413 | 504 | other 5xx "
+        "| no reply | answers/s | vs 1 client | p50 ms | p99 ms "
+        "| peak RSS MB gateway / retriever / generator |\n"
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
     )
     base = min(levels, key=lambda lv: lv.clients).rps
     rows = []
@@ -297,8 +376,10 @@ def real_table(levels: list[Level]) -> str:
         st = lv.statuses
         other_5xx = sum(n for code, n in st.items() if code.startswith("5") and code != "504")
         rss = lv.peak_rss_mb
+        ra = lv.retry_after_s
+        waits = f"{ra['min']:.0f} / {ra['median']:.0f} / {ra['max']:.0f}" if ra else "-"
         rows.append(
-            f"| {lv.clients} | {lv.requests} | {st.get('429', 0)} | {st.get('413', 0)} "
+            f"| {lv.clients} | {lv.requests} | {st.get('429', 0)} | {waits} | {st.get('413', 0)} "
             f"| {st.get('504', 0)} | {other_5xx} | {st.get('conn', 0)} | {lv.rps:.2f} "
             f"| {lv.rps / base if base else float('nan'):.2f}x | {lv.p50_ms:.0f} | {lv.p99_ms:.0f} "
             f"| {rss.get('gateway', 0):.0f} / {rss.get('retriever', 0):.0f} "
@@ -312,43 +393,68 @@ def main_real(args) -> int:
     if not (var / "models" / REAL_GENERATOR / "config.json").exists():
         print(f"{var}/models/{REAL_GENERATOR} is missing: run `openbook demo prepare` first")
         return 2
+    from openbook_testkit.hog import CpuHog
+
     env = {}
     if args.threads is not None:
         env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    body = real_body(demo_questions())
+    questions = demo_questions()
+    body = real_body(questions)
     levels: list[Level] = []
     stack = LocalStack(var, generator=REAL_GENERATOR, default_index=REAL_INDEX, extra_env=env)
     print("starting the default stack (openbook up, Gemma 3 270M) ...", flush=True)
     stack.start(timeout_s=600)
+    hog = CpuHog(args.hog)
     try:
         for i in range(2):  # warm-up: first requests pay for lazy loading
             httpx.post(f"{stack.url}/answer", json=body(i, 0), timeout=300)
-        for clients in args.clients:
-            print(f"{clients} client(s), uncached, {args.seconds:.0f} s ...", flush=True)
-            levels.append(run_level(stack, "real", clients, args.seconds, body))
-            print(real_table(levels[-1:]).splitlines()[-1], flush=True)
-        print("one k=100 request ...", flush=True)
-        probe = k100_probe(stack)
+        if args.hog:
+            print(f"competing load: {args.hog} process(es) spinning on CPU {hog.cpus()}")
+        with hog:
+            for clients in args.clients:
+                print(f"{clients} client(s), uncached, {args.seconds:.0f} s ...", flush=True)
+                levels.append(run_level(stack, "real", clients, args.seconds, body))
+                print(real_table(levels[-1:]).splitlines()[-1], flush=True)
+            print("a default request beside a k=100 request ...", flush=True)
+            fairness = fairness_probe(stack, questions[100:])
+            print(f"  {fairness}", flush=True)
+            print("a request too long for its deadline ...", flush=True)
+            too_long = too_long_probe(stack)
+            print("one k=100 request ...", flush=True)
+            probe = k100_probe(stack)
     finally:
+        hog.stop()
         stack.stop()
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    load = f"; competing load on CPU {hog.cpus()}" if args.hog else "; no competing load"
     print()
-    print(f"machine: {machine}; default stack ({REAL_GENERATOR}, {REAL_INDEX})")
+    print(f"machine: {machine}; default stack ({REAL_GENERATOR}, {REAL_INDEX}){load}")
     print(real_table(levels))
     print()
+    print(f"default request beside k=100: {fairness}")
+    print(f"too long for its deadline: {too_long}")
     print(f"k=100 request: {probe}")
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"machine": machine, "levels": [asdict(lv) for lv in levels], "k100": probe},
+                {
+                    "machine": machine,
+                    "hog_cpus": hog.cpus() if args.hog else [],
+                    "levels": [asdict(lv) for lv in levels],
+                    "fairness": fairness,
+                    "too_long": too_long,
+                    "k100": probe,
+                },
                 indent=2,
             )
         )
     server_errors = sum(
         n for lv in levels for code, n in lv.statuses.items() if code.startswith("5")
     )
-    clean_k100 = probe["status"] in (200, 413) and not probe["generator_restarted"]
-    return 0 if server_errors == 0 and clean_k100 and probe["next_request_status"] == 200 else 1
+    clean_k100 = probe["status"] in (200, 413, 429) and not probe["generator_restarted"]
+    clean = too_long["status"] in (200, 413, 429) and fairness["k100"].get("status") != 504
+    ok = server_errors == 0 and clean_k100 and clean and probe["next_request_status"] == 200
+    return 0 if ok else 1
 
 
 def table(levels: list[Level]) -> str:
@@ -389,6 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         "--real",
         action="store_true",
         help="the default stack (Gemma 3 270M, demo index) from --var (default ./var)",
+    )
+    ap.add_argument(
+        "--hog",
+        type=int,
+        default=0,
+        help="with --real: this many processes spinning, each pinned to one of the last CPUs\n"
+        "(a busy neighbour; 1 on a 2-core machine takes one core)",
     )
     ap.add_argument(
         "--threads",

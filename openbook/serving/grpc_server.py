@@ -19,6 +19,7 @@ from pydantic import SecretStr
 
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
+from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
 from openbook.settings import GrpcServiceSettings
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 AUTHORIZATION_HEADER = "authorization"
+# The caller's deadline as wall-clock seconds since the epoch. gRPC carries a deadline as a
+# duration that the server starts counting when it reads the call: a process starved of CPU (a
+# quota, a busy node) reads calls late and would plan with time its caller no longer has.
+DEADLINE_HEADER = "x-openbook-deadline"
+
 # Trailing metadata of a RESOURCE_EXHAUSTED answer: whole seconds until the request could be
 # taken (openbook.errors.Overloaded.retry_after_s), which the gateway sends as Retry-After.
 RETRY_AFTER_TRAILER = "retry-after"
@@ -395,3 +401,26 @@ def check_health(addr: str, timeout_s: float = 2.0, service: str = "") -> bool:
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def deadline_metadata(timeout_s: float) -> tuple[str, str]:
+    """The metadata entry that tells a service when its caller stops waiting."""
+    return (DEADLINE_HEADER, f"{time.time() + timeout_s:.3f}")
+
+
+def time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds the caller still waits: gRPC's deadline, or less when the caller's own
+    wall-clock deadline (:data:`DEADLINE_HEADER`) says so. None: no deadline."""
+    left = context.time_remaining()
+    if left is not None and left > NO_DEADLINE_S:
+        left = None
+    for key, value in context.invocation_metadata() or ():
+        if key != DEADLINE_HEADER:
+            continue
+        try:
+            theirs = float(value) - time.time()
+        except ValueError:
+            return left  # not a number: gRPC's deadline alone
+        if math.isfinite(theirs):
+            left = max(0.0, theirs) if left is None else max(0.0, min(left, theirs))
+    return left

@@ -63,6 +63,14 @@ class ServiceMetrics:
             ["service", "result"],
             registry=self.registry,
         )
+        self.slowdown = Gauge(
+            "openbook_generator_slowdown",
+            "How much slower the generator's work is now than when its speed was calibrated at "
+            "load (openbook_generator/speed.py), by kind ('prefill', 'step'): what admission "
+            "plans with",
+            ["service", "kind"],
+            registry=self.registry,
+        )
         self.service = service
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
@@ -86,6 +94,11 @@ class ServiceMetrics:
             self.passage_cache.labels(self.service, result).set_function(
                 lambda result=result: lookups(result)
             )
+
+    def track_slowdown(self, slowdown: Callable[[str], float]) -> None:
+        """Report ``slowdown("prefill")`` and ``slowdown("step")`` at every scrape."""
+        for kind in ("prefill", "step"):
+            self.slowdown.labels(self.service, kind).set_function(lambda kind=kind: slowdown(kind))
 
     def set_serving(self, kind: str, name: str) -> None:
         """Record the one ``kind`` ('index', 'model') being served: ``name``."""

@@ -5,6 +5,9 @@ Everything talks to real processes on 127.0.0.1 (a ``LocalStack`` started by ``o
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -95,10 +98,14 @@ class Load:
         clients: int,
         make_body: Callable[[int, int], dict],
         timeout_s: float = 60.0,
+        retry_after: bool = False,
     ) -> None:
+        """``retry_after``: a client refused with 429 waits as its Retry-After says (a
+        well-behaved client) before its next request."""
         self.url = url
         self.make_body = make_body
         self.timeout_s = timeout_s
+        self.retry_after = retry_after
         self.replies: list[Reply] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -122,6 +129,10 @@ class Load:
         for thread in self._threads:
             thread.join(self.timeout_s + 10)
 
+    def wait(self, seconds: float) -> None:
+        """Let the load run for ``seconds`` (then leave the ``with`` block to stop it)."""
+        self._stop.wait(seconds)
+
     def count(self, predicate: Callable[[Reply], bool] = lambda r: True) -> int:
         with self._lock:
             return sum(1 for r in self.replies if predicate(r))
@@ -140,6 +151,40 @@ class Load:
                 reply = post(http, f"{self.url}/answer", body)
                 with self._lock:
                     self.replies.append(reply)
+                if self.retry_after and reply.status == 429:
+                    wait = reply.headers.get("retry-after", "1")
+                    self._stop.wait(float(wait) if wait.isdigit() else 1.0)
+
+
+class Throttled:
+    """A process let run ``run_s`` of every ``period_s`` and stopped for the rest (SIGSTOP /
+    SIGCONT), as a CPU quota throttles it (cgroup ``cpu.max``: quota per period)."""
+
+    def __init__(self, pid: int, run_s: float, period_s: float) -> None:
+        self.pid, self.run_s, self.period_s = pid, run_s, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def __enter__(self) -> Throttled:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _cycle(self) -> None:
+        try:
+            while not self._stop.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._stop.wait(self.period_s - self.run_s)
+                os.kill(self.pid, signal.SIGCONT)
+                self._stop.wait(self.run_s)
+        except ProcessLookupError:
+            return
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
 
 
 def post(http: httpx.Client, url: str, body: dict, **kwargs) -> Reply:

@@ -6,6 +6,9 @@ so it runs only when ``OPENBOOK_TEST_DEFAULT_VAR`` names one, never in CI:
 
     OPENBOOK_TEST_DEFAULT_VAR=var .venv/bin/python -m pytest tests/faults/test_default_stack.py
 
+``OPENBOOK_TEST_CPU_HOG=1`` runs it all on a busy machine: one process spinning on one core
+(``openbook_testkit.hog``) for the whole module, as a neighbour on a shared node does.
+
 CI keeps the same guarantees on tiny models (tests/services/test_generator_admission.py, the
 other fault tests); results of this module are recorded in docs/benchmarks.md.
 """
@@ -16,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,11 +36,13 @@ from faultkit import (
 )
 
 from openbook_generator.settings import GeneratorSettings
+from openbook_testkit.hog import CpuHog
 from openbook_testkit.stack import LocalStack
 
 pytestmark = pytest.mark.e2e
 
 VAR = os.environ.get("OPENBOOK_TEST_DEFAULT_VAR", "")
+HOG = int(os.environ.get("OPENBOOK_TEST_CPU_HOG", "0") or 0)
 GENERATOR = "gemma-3-270m"
 QUESTIONS = [
     "Who is the President of Peru?",
@@ -59,7 +65,8 @@ def stack():
         extra_env={"OPENBOOK_GENERATOR_DTYPE": "auto"},
     )
     stack.start(timeout_s=600)
-    yield stack
+    with CpuHog(HOG):
+        yield stack
     stack.stop()
 
 
@@ -67,15 +74,46 @@ def _generator_metrics(stack) -> dict:
     return metrics(f"http://127.0.0.1:{stack.ports['gmetrics']}/metrics")
 
 
-def test_k100_is_refused_cleanly_and_the_generator_stays_up(stack):
+def test_k100_is_answered_or_refused_cleanly_and_the_generator_stays_up(stack):
     pid = service_pid(stack, "generator")
     reply = ask(stack.url, "peru", timeout_s=300, k=100, max_new_tokens=4, use_cache=False)
-    assert reply.status in (200, 413), reply.describe()
-    if reply.status == 413:
-        assert "OPENBOOK_GENERATOR_MEMORY_MB" in reply.detail
+    assert reply.status in (200, 413, 429), reply.describe()
     after = ask(stack.url, QUESTIONS[0], timeout_s=300, use_cache=False)
     assert after.status == 200, after.describe()
     assert service_pid(stack, "generator") == pid
+
+
+def test_a_default_question_is_not_held_hostage_by_a_k100_request(stack):
+    """Chunked prefill, a batch of its own and least attained service: the default question
+    asked while a k=100 request runs is answered before it (its latency against its latency
+    alone is measured by bench/load/run.py --real, docs/benchmarks.md)."""
+    with ThreadPoolExecutor(1) as pool:
+        large = pool.submit(ask, stack.url, "peru", 300, k=100, max_new_tokens=64, use_cache=False)
+        time.sleep(3)  # the k=100 request is being prefilled or decoded by now
+        small = ask(stack.url, QUESTIONS[0], timeout_s=300, use_cache=False)
+        assert small.status == 200, small.describe()
+        big = large.result()
+    assert big.status in (200, 413, 429), big.describe()
+    if big.status == 200:
+        assert small.ended < big.ended
+
+
+def test_a_request_too_long_for_its_deadline_is_refused_at_once(stack):
+    reply = ask(
+        stack.url,
+        QUESTIONS[0],
+        timeout_s=300,
+        k=5,
+        num_beams=16,
+        max_new_tokens=512,
+        min_new_tokens=512,
+        decoding="rag-sequence-thorough",
+        use_cache=False,
+    )
+    assert reply.status in (200, 413, 429), reply.describe()
+    if reply.status != 200:
+        assert "deadline" in reply.detail, reply.describe()
+        assert reply.seconds < 30, reply.describe()  # refused up front, not after the deadline
 
 
 @pytest.mark.parametrize(
@@ -129,7 +167,7 @@ def test_a_flood_gets_answers_and_429s_never_5xx(stack):
     assert set(counts) <= {200, 429}, f"{counts}\n{describe_all(replies)}"
     refused = [r for r in replies if r.status == 429]
     assert len(refused) >= burst - settings.max_queue - settings.max_batch_size, counts
-    assert all(r.headers.get("retry-after") for r in refused)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert counts.get(200, 0) >= settings.max_batch_size
 
 

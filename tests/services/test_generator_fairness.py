@@ -130,6 +130,7 @@ def test_refusals_tell_how_long_the_work_ahead_takes(service, slow):
     # ~3.6 s of work (40 steps of 4 rows), due within 6 s (planned within 5.1 s)
     first = stub.Generate.future(_request(4, 40), timeout=6)
     while not servicer.scheduler.running():
+        assert not first.done(), first.exception()
         time.sleep(0.01)
     # the same again: together they would take ~7 s, so the second has to wait ~2 s to fit
     with pytest.raises(grpc.RpcError) as err:

@@ -31,18 +31,38 @@ def _calibrated() -> EngineSpeed:
     return speed
 
 
-def test_a_machine_twice_as_slow_is_seen_within_a_few_steps_for_every_size_of_work():
+def test_a_machine_twice_as_slow_is_seen_within_seconds_for_every_size_of_work():
     speed = _calibrated()
     step, prefill, large = speed.step_s(10), speed.prefill_s(500), speed.step_s(100)
     assert step == pytest.approx(0.0291, rel=0.01) and large == pytest.approx(0.12)
-    for _ in range(12):  # a neighbour took a core: every step of 10 rows takes twice as long
-        speed.observe_step(10, 2 * step)
+    for _ in range(60):  # a neighbour took a core: every step of 10 rows takes twice as long
+        speed.observe_step(10, 2 * step)  # (3.5 s of work)
     assert speed.step_s(10) == pytest.approx(2 * step, rel=0.1)
     # other batch sizes are predicted slower too, though none was measured
     assert speed.step_s(100) == pytest.approx(2 * large, rel=0.1)
-    for _ in range(12):  # and prefill, once it is seen slower
+    for _ in range(20):  # and prefill, once it is seen slower
         speed.observe_prefill(200, 2 * speed.prefill.at(200))
     assert speed.prefill_s(500) == pytest.approx(2 * prefill, rel=0.1)
+
+
+def test_stalls_count_at_the_rate_work_gets_done():
+    """Under a CPU quota most steps run at full speed and some wait out the throttling period:
+    the estimate is the rate of work, not the typical step."""
+    speed = _calibrated()
+    step = speed.step_s(10)
+    for i in range(400):  # every tenth step stalls for 0.25 s: 0.54 s per 10 steps, not 0.29
+        speed.observe_step(10, step + (0.25 if i % 10 == 9 else 0.0))
+    assert speed.step_s(10) == pytest.approx(step + 0.025, rel=0.15)
+
+
+def test_a_pause_fades_within_seconds_of_work():
+    speed = _calibrated()
+    before = speed.step_s(10)
+    speed.observe_step(10, 10.0)  # the process was paused once
+    assert speed.step_s(10) > 5 * before
+    for _ in range(350):  # 10 s of normal steps
+        speed.observe_step(10, before)
+    assert speed.step_s(10) < 1.1 * before
 
 
 def test_work_of_a_millisecond_barely_moves_the_estimate():
@@ -51,21 +71,14 @@ def test_work_of_a_millisecond_barely_moves_the_estimate():
     before = speed.prefill_s(1000)
     for _ in range(5):  # interpreter overhead: tiny work measured 4x slower than its shape
         speed.observe_prefill(10, 4 * speed.prefill.at(10))
-    assert speed.prefill_s(1000) < 1.1 * before
+    assert speed.prefill_s(1000) < 1.01 * before
 
 
-def test_one_outlier_moves_the_estimate_by_a_bounded_step():
-    speed = _calibrated()
-    before = speed.step_s(10)
-    speed.observe_step(10, 1000 * before)  # the process was paused once
-    assert speed.step_s(10) <= before * 4**0.2 * 1.0001
-
-
-def test_steady_measurements_keep_the_level_still():
+def test_steady_measurements_keep_the_estimate_still():
     speed = _calibrated()
     for i in range(1000):
         speed.observe_step(10, speed.step.at(10) * (1.1 if i % 2 else 1 / 1.1))
-    assert abs(speed.step_level) < 0.05
+    assert speed.step_slowdown.factor == pytest.approx(1.0, abs=0.02)
     assert math.isfinite(speed.prefill_s(1000))
 
 
@@ -76,3 +89,15 @@ def test_unmeasured_speed_predicts_nothing_and_first_measurements_set_a_shape():
     speed.observe_step(4, 0.04)
     assert speed.known
     assert speed.prefill == Line(0.0, 0.002) and speed.prefill_s(100) == pytest.approx(0.2)
+
+
+def test_lateness_scales_plans_up_when_requests_take_longer_than_planned_never_down():
+    from openbook_generator.scheduler import Lateness
+
+    lateness = Lateness()
+    for _ in range(30):
+        lateness.observe(planned_s=1.0, taken_s=1.5)
+    assert lateness.factor == pytest.approx(1.5, rel=0.05)
+    for _ in range(60):
+        lateness.observe(planned_s=1.0, taken_s=0.5)  # faster than planned: no promise more
+    assert lateness.factor == 1.0

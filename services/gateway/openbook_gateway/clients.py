@@ -23,6 +23,7 @@ from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     RETRY_AFTER_TRAILER,
     bearer_metadata,
+    deadline_metadata,
 )
 from openbook.v1 import (
     common_pb2,
@@ -135,15 +136,14 @@ class ServiceClient:
         request_id: str = "",
         timeout_s: float | None = None,
     ) -> T:
-        metadata: tuple[tuple[str, str], ...] = ()
+        timeout_s = timeout_s or self.timeout_s
+        metadata: tuple[tuple[str, str], ...] = (deadline_metadata(timeout_s),)
         if request_id:
             metadata += ((REQUEST_ID_HEADER, request_id),)
         if id(method) in self._admin_calls:
             metadata += self._admin_metadata
         try:
-            return await method(
-                request, timeout=timeout_s or self.timeout_s, metadata=metadata or None
-            )
+            return await method(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             raise http_error(self.name, error) from None
 
@@ -181,10 +181,11 @@ class GeneratorClient(ServiceClient):
     ) -> AsyncIterator[generator_pb2.GenerateEvent]:
         """GenerateStream's events; leaving the iteration early cancels the call (the
         generator then drops the request from its batch)."""
+        metadata: tuple[tuple[str, str], ...] = (deadline_metadata(self.timeout_s),)
+        if request_id:
+            metadata += ((REQUEST_ID_HEADER, request_id),)
         call = self.stub.GenerateStream(
-            generate_request(body, passages),
-            timeout=self.timeout_s,
-            metadata=((REQUEST_ID_HEADER, request_id),) if request_id else None,
+            generate_request(body, passages), timeout=self.timeout_s, metadata=metadata
         )
         try:
             async for event in call:

@@ -49,6 +49,7 @@ import queue
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,11 +70,13 @@ Generated = tuple[GenerationResult, str]  # the result and the model version tha
 
 # Admission plans with this fraction of a deadline: the estimate is an estimate, and the
 # gateway's own work (retrieval, HTTP) comes out of the same deadline.
-DEADLINE_SHARE = 0.85
+DEADLINE_SHARE = 0.8
 # Weight of a finished request in the running estimate of the share of ``max_new_tokens`` that
 # answers use (stop strings and EOS end most answers early), and where it starts.
 STEPS_WEIGHT = 0.1
 INITIAL_STEPS_SHARE = 0.5
+# Weight of the past in Lateness at each finished request.
+LATENESS_FADE = 0.9
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ class GenerateItem:
     shape: RequestShape
     # called from the decoding thread with every token decided (a streaming request)
     on_token: OnToken | None = None
+    # admission's plan: when it was admitted (time.monotonic()) and the seconds it was expected
+    # to take to finish (the work due before it and its own), compared with what it took
+    admitted_at: float = 0.0
+    planned_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,10 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         self._running: dict[int, _Admitted] = {}
         self._arrivals = 0
         self._urgent_turn = False  # urgent requests get every other piece of work
+        # run by the decoding thread between two pieces of work (calibration)
+        self._jobs: list[Callable[[], None]] = []
         self.speed = EngineSpeed()
+        self.lateness = Lateness()
         self.steps_share = INITIAL_STEPS_SHARE
         self._start()
 
@@ -169,22 +179,31 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         with self._cond:
             return len(self._running)
 
+    def slowdown(self, kind: str) -> float:
+        """The measured slowdown of ``kind`` ("prefill", "step") of work (speed.py)."""
+        with self._cond:
+            speed = self.speed
+            return (speed.prefill_slowdown if kind == "prefill" else speed.step_slowdown).factor
+
     # ------------------------------------------------------------------ admission
 
-    def admission(self, shape: RequestShape, options: DecodingOptions, time_left_s: float | None):
+    def admission(
+        self, shape: RequestShape, options: DecodingOptions, time_left_s: float | None
+    ) -> float:
         """Refuse a request of ``shape`` whose deadline is ``time_left_s`` from now if it cannot
         finish in time (module docstring): :class:`TooLarge` if not even alone,
-        :class:`Overloaded` (with ``retry_after_s``) if not behind the work already here."""
+        :class:`Overloaded` (with ``retry_after_s``) if not behind the work already here.
+        Returns the seconds it is expected to take (0: not estimated)."""
         if time_left_s is None:
-            return
+            return 0.0
         with self._cond:
             if not self.speed.known:
-                return  # nothing measured yet: nothing to refuse on
+                return 0.0  # nothing measured yet: nothing to refuse on
             now = time.monotonic()
             allowed = time_left_s * DEADLINE_SHARE
-            shared = self._shared_rows()
+            lateness = self.lateness.factor
             joins_shared = shape.rows <= self.options.solo_rows
-            alone = self._work_s(shape, options, shape.rows, 0, worst=True)
+            alone = lateness * self._work_s(shape, options, shape.rows, 0, worst=True)
             if alone > allowed:
                 raise TooLarge(
                     f"this request would take about {alone:.0f}s of generation at the speed "
@@ -194,10 +213,11 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                     "use fewer passages (k), beams or new tokens"
                 )
             # the shared batch as it would be with this request in it
-            shared += shape.rows if joins_shared else 0
-            mine = self._work_s(shape, options, shared if joins_shared else shape.rows, 0)
+            shared = self._shared_batch_rows(shape if joins_shared else None)
+            rows = shared if joins_shared else shape.rows
+            mine = lateness * self._work_s(shape, options, rows, 0)
             deadline = now + time_left_s
-            work = self._work_ahead(shared)
+            work = [(d, lateness * w) for d, w in self._work_ahead(shared)]
             due = sum(w for d, w in work if d <= deadline) + mine
             late = due - allowed
             # and no admitted request with a later deadline may be pushed past it
@@ -213,19 +233,19 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                     f"retry in {math.ceil(late)}s",
                     retry_after_s=late,
                 )
+            return due
 
     def _work_ahead(self, shared: int) -> list[tuple[float, float]]:
         """(deadline, estimated remaining seconds) of every request running or waiting, when
-        the current shared batch has ``shared`` rows; a request with no deadline counts as due
-        at the end of time. Under ``_cond``."""
+        the shared batch decodes ``shared`` rows; a request with no deadline counts as due at
+        the end of time. Under ``_cond``."""
         out = []
         for admitted in self._running.values():
             out.append((_deadline(admitted.waiting), self._remaining_s(admitted, shared)))
         for waiting in self._waiting:
             item: GenerateItem = waiting.payload
-            rows = item.shape.rows
-            if rows <= self.options.solo_rows:
-                rows = shared + rows  # (each as if the next to join: an over-estimate)
+            solo = item.shape.rows > self.options.solo_rows
+            rows = item.shape.rows if solo else shared
             out.append((_deadline(waiting), self._work_s(item.shape, item.options, rows, 0)))
         return out
 
@@ -233,7 +253,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         """How long until a place in the line frees: the shortest remaining work of a running
         request (when it ends, a waiting one moves in)."""
         with self._cond:
-            shared = self._shared_rows()
+            shared = self._shared_batch_rows(None)
             left = [self._remaining_s(a, shared) for a in self._running.values()]
         return min(left, default=1.0)
 
@@ -247,13 +267,26 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
 
     # ------------------------------------------------------------------ estimates
 
-    def _shared_rows(self) -> int:
-        """Decoder rows of the current model's shared batch (those prefilling included)."""
-        return sum(
-            a.running.rows
+    def _shared_batch_rows(self, joining: RequestShape | None) -> int:
+        """Rows the shared batch is expected to decode while the work here (and ``joining``)
+        is done: as many of its requests at once as ``max_batch_size`` lets run, of their mean
+        rows. Under ``_cond``."""
+        rows = [
+            a.waiting.payload.shape.rows
             for a in self._running.values()
-            if a.batch is not None and not a.batch.solo and a.running is not None
-        )
+            if a.batch is not None and not a.batch.solo
+        ]
+        rows += [
+            w.payload.shape.rows
+            for w in self._waiting
+            if w.payload.shape.rows <= self.options.solo_rows
+        ]
+        if joining is not None:
+            rows.append(joining.rows)
+        if not rows:
+            return 1
+        together = min(len(rows), self.max_batch_size)
+        return max(1, round(sum(rows) / len(rows) * together))
 
     def _steps(self, options: DecodingOptions, worst: bool) -> int:
         """Decoding steps a request is expected to take (at most ``max_new_tokens``)."""
@@ -335,10 +368,29 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
     # ------------------------------------------------------------------ calibration
 
     def calibrate(self, generator: RagGenerator) -> None:
-        """Measure ``generator``'s speed before serving (:meth:`EngineSpeed.calibrate`): after a
-        warm-up request, prefills of 1, 4 and 8 passages and decoding steps of 1, 8 and 32 rows,
-        each twice, on an engine of its own (the median of each size: a busy machine's
-        outliers must not set the shape). Runs in the calling thread (the load's)."""
+        """Measure ``generator``'s speed (:meth:`EngineSpeed.calibrate`): after a warm-up
+        request, prefills of 1, 4 and 8 passages and decoding steps of 1, 8 and 32 rows, each
+        twice, on an engine of its own (the median of each size: a busy machine's outliers must
+        not set the shape). It runs on the decoding thread, between two pieces of work, so
+        that it measures the thread (and its compute threads) that will do the work; this
+        waits for it."""
+        done: Future[None] = Future()
+
+        def job() -> None:
+            try:
+                self._calibrate(generator)
+                done.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - raised in the caller
+                done.set_exception(exc)
+
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            self._jobs.append(job)
+            self._cond.notify_all()
+        done.result()
+
+    def _calibrate(self, generator: RagGenerator) -> None:
         prefills: dict[float, list[float]] = {}
         steps: dict[float, list[float]] = {}
         question = "What is measured when the generator starts?"
@@ -364,16 +416,19 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             cache.clear()  # the calibration's passages are nobody's
         with self._cond:
             self.speed.calibrate(_medians(prefills), _medians(steps))
+            self.lateness = Lateness()
         log.info("generator speed at start: %s", self.speed.describe())
 
     # ------------------------------------------------------------------ the decoding thread
 
-    def _take(self) -> list[_Admitted] | None:
-        """Waiting requests that may start now (None once closed and drained). Blocks while
-        nothing runs and nothing waits; when idle, waits ``max_wait_s`` after the first arrival
-        so that requests arriving together start together."""
+    def _take(self) -> tuple[list[_Admitted], float | None] | None:
+        """Waiting requests that may start now, and when the thread stopped idling if it had
+        nothing to do (None once closed and drained). Blocks while nothing runs and nothing
+        waits; when idle, waits ``max_wait_s`` after the first arrival so that requests
+        arriving together start together."""
+        woke = None
         with self._cond:
-            while not self._waiting and not self._running:
+            while not self._waiting and not self._running and not self._jobs:
                 if self._closed:
                     return None
                 self._cond.wait()
@@ -382,6 +437,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                         lambda: len(self._waiting) >= self.max_batch_size or self._closed,
                         timeout=self.max_wait_s,
                     )
+                woke = time.perf_counter()
             taken: list[_Admitted] = []
             joining: dict[int, int] = {}  # id(batch) -> rows taken into it now
             shapes = [a.waiting.payload.shape for a in self._running.values()]
@@ -402,7 +458,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 taken.append(admitted)
                 shapes.append(item.shape)
                 self._running[id(head)] = admitted
-            return taken
+            return taken, woke
 
     def _batch_for(self, item: GenerateItem, joining: dict[int, int]) -> _Batch | None:
         """The batch ``item`` decodes in: a new one of its own when it is large, or when the
@@ -423,17 +479,38 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         return batch
 
     def _run(self) -> None:
+        # The whole turn of the thread is timed, not only the model's forward pass: taking and
+        # admitting requests, choosing work, answering, and the request threads holding the
+        # interpreter meanwhile are work too, and a throttled process is slow at all of it
+        # (what admission must plan with). Only waiting idle for requests is not.
+        turn = time.perf_counter()
         while True:
-            taken = self._take()
-            if taken is None:
+            took = self._take()
+            if took is None:
                 return
+            taken, woke = took
+            if woke is not None:
+                turn = woke
+            with self._cond:
+                jobs, self._jobs = self._jobs, []
+            for job in jobs:
+                job()
+                turn = time.perf_counter()  # calibration measures itself
             with torch.inference_mode():
                 for admitted in taken:
                     self._admit(admitted)
                 work = self._next()
-                if work is not None:
-                    self._do(*work)
+                done = None if work is None else self._do(*work)
                 self._forget_idle_batches()
+            if done is not None:
+                kind, size = done
+                now = time.perf_counter()
+                with self._cond:
+                    if kind == "step":
+                        self.speed.observe_step(size, now - turn)
+                    else:
+                        self.speed.observe_prefill(size, now - turn)
+                turn = now
 
     def _admit(self, admitted: _Admitted) -> None:
         """Add a taken request to its batch's engine (nothing encoded yet)."""
@@ -466,7 +543,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         now = time.monotonic()
         candidates: list[tuple[tuple, tuple[_Batch, Running | None]]] = []
         with self._cond:
-            shared = self._shared_rows()
+            shared = self._shared_batch_rows(None)
             by_running = {id(a.running): a for a in self._running.values() if a.running is not None}
             for batch in self._batches:
                 engine = batch.engine
@@ -509,11 +586,12 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 urgency = 1
         return (urgency, deadline or math.inf, running.cost_s, admitted.seq)
 
-    def _do(self, batch: _Batch, running: Running | None) -> None:
+    def _do(self, batch: _Batch, running: Running | None) -> tuple[str, float] | None:
+        """Run one piece of work; what it was, for the speed model: ("step", rows) or
+        ("prefill", tokens); None if it failed or decoded nothing."""
         engine = batch.engine
         if running is not None:
-            self._prefill(batch, running)
-            return
+            return self._prefill(batch, running)
         if self._on_step is not None:
             self._on_step(len(engine), self.depth())
         rows = engine.rows
@@ -524,31 +602,25 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             self._batches.remove(batch)
             for waiting, _version in engine.abort():
                 self._finish(waiting, exc)
-            return
-        with self._cond:
-            if engine.last_step_s > 0:
-                self.speed.observe_step(rows, engine.last_step_s)
+            return None
         self._resolve(outcomes)
+        if engine.last_step_s <= 0:
+            return None  # nothing decoded: answers returned, abandoned requests dropped
+        return ("step", rows)
 
-    def _prefill(self, batch: _Batch, running: Running) -> None:
+    def _prefill(self, batch: _Batch, running: Running) -> tuple[str, float] | None:
         waiting, _version = running.tag
         item: GenerateItem = waiting.payload
         before = running.prefilled
-        started = time.perf_counter()
         try:
             batch.engine.prefill(running)
         except Exception as exc:  # noqa: BLE001 - fails this request only
             log.exception("prefilling a request failed")
             batch.engine.abort_request(running)
             self._finish(waiting, exc)
-            return
-        seconds = time.perf_counter() - started
+            return None
         passages = max(1, len(item.passages))
-        tokens = item.shape.input_tokens * (running.prefilled - before) / passages
-        with self._cond:
-            self.speed.observe_prefill(tokens, seconds)
-        if running.done:  # every answer ended at its first token: the next step returns it
-            return
+        return ("prefill", item.shape.input_tokens * (running.prefilled - before) / passages)
 
     def _resolve(self, outcomes) -> None:
         for (waiting, version), outcome in outcomes:
@@ -574,7 +646,31 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             if running is not None and not isinstance(result, Exception):
                 used = running.steps / max(1, running.options.max_new_tokens)
                 self.steps_share += STEPS_WEIGHT * (min(1.0, used) - self.steps_share)
+                item: GenerateItem = waiting.payload
+                if item.planned_s > 0:
+                    self.lateness.observe(item.planned_s, time.monotonic() - item.admitted_at)
         resolve(waiting.future, result)
+
+
+@dataclass
+class Lateness:
+    """How much longer admitted requests took to finish than admission planned: the ratio of
+    the sums over recently finished requests (each one fading the past by
+    :data:`LATENESS_FADE`). It covers what the speed model does not see (the request threads'
+    own work on a starved CPU, calls read late) and scales every plan admission makes. Never
+    below 1: requests finishing early (least attained service lets new ones pass) must not make
+    admission promise more."""
+
+    taken: float = 1.0
+    planned: float = 1.0
+
+    @property
+    def factor(self) -> float:
+        return max(1.0, self.taken / self.planned)
+
+    def observe(self, planned_s: float, taken_s: float) -> None:
+        self.taken = self.taken * LATENESS_FADE + taken_s
+        self.planned = self.planned * LATENESS_FADE + planned_s
 
 
 def _medians(samples: dict[float, list[float]]) -> list[tuple[float, float]]:

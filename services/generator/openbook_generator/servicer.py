@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from openbook.limits import MAX_K, check_decoding, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
-from openbook.serving.batcher import NO_DEADLINE_S
+from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
 from openbook.types import Passage
@@ -169,6 +170,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         if metrics is not None:
             metrics.track_queue(self.scheduler.depth)
             metrics.track_passage_cache(self._passage_lookups)
+            metrics.track_slowdown(self.scheduler.slowdown)
         self._announce()
 
     def _on_step(self, size: int, queued: int) -> None:
@@ -207,8 +209,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     f"generator's budget is {mib(self.memory_budget_bytes)} "
                     "(OPENBOOK_GENERATOR_MEMORY_MB): use fewer passages (k), beams or new tokens"
                 )
-        self.scheduler.admission(shape, options, time_left_s)
-        return GenerateItem(question, passages, options, shape)
+        planned = self.scheduler.admission(shape, options, time_left_s)
+        return GenerateItem(
+            question, passages, options, shape, admitted_at=time.monotonic(), planned_s=planned
+        )
 
     def Generate(self, request, context):
         item, time_left = self._admitted(request, context)
@@ -239,9 +243,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         """The request validated and admitted, and how long it may take (its deadline, bounded
         by ``max_request_s``)."""
         valid = validate_generate(request)
-        time_left = context.time_remaining()
-        if time_left is None or time_left > NO_DEADLINE_S:
-            time_left = None
+        time_left = time_remaining(context)
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
         return self.admit(valid.question, valid.passages, valid.options, time_left), time_left

@@ -35,6 +35,7 @@ from openbook.index.pairing import (
 )
 from openbook.limits import MAX_K, MAX_QUERIES, check_index_name, check_question, check_range
 from openbook.serving.batcher import Batcher
+from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import ActiveIndexStore, publish_model_version
 from openbook.types import Passage
@@ -241,7 +242,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                 )
             encoder, version = self._pairing(index)
             search = _Search(index, encoder, list(valid.queries), valid.k, valid.return_vectors)
-            results = self.batcher.submit(search, timeout_s=context.time_remaining())
+            results = self.batcher.submit(search, timeout_s=time_remaining(context))
             name = index.name
         return retriever_pb2.RetrieveResponse(
             results=[
