@@ -8,7 +8,9 @@ wait for the server's own timeout, with generous bounds on the client side.
 * slowloris connections (a head sent byte by byte, never finished) are closed after the
   timeout, with a 408; a connection that sends nothing is closed too;
 * a 1 MB header and 10,000 headers get a readable 431 (never reaching the app), limits that
-  are settings, and heads within them are still answered.
+  are settings, and heads within them are still answered;
+* every malformed body (not UTF-8, nested 10,000 deep, truncated, not sent as JSON) is one
+  422 naming ``body`` (under ``/v1`` OpenAI's 400), on every route that takes a body.
 """
 
 from __future__ import annotations
@@ -216,3 +218,70 @@ def test_a_head_sent_slowly_but_within_the_timeout_is_answered(gateway_url):
         while chunk := sock.recv(4096):
             answer += chunk
     assert _parse(answer)[0] == 200
+
+
+# ------------------------------------------------------------------ malformed bodies
+
+NOT_UTF8 = b'{"question": "Who wrote \xff\xfe Hamlet?"}'
+DEEP_ARRAY = b"[" * 10_000 + b"]" * 10_000
+# 60 KB: within the body limit (64 KiB)
+DEEP_FIELD = b'{"question": "q", "x": ' + b'{"a":' * 10_000 + b"1" + b"}" * 10_000 + b"}"
+TRUNCATED = b'{"question": "Who wrote Hamlet?"'
+MALFORMED = {
+    "not-utf8": (NOT_UTF8, "application/json", "not UTF-8"),
+    "deep-array": (DEEP_ARRAY, "application/json", "nested too deeply"),
+    "deep-field": (DEEP_FIELD, "application/json", "nested too deeply"),
+    "truncated": (TRUNCATED, "application/json", "JSON decode error"),
+    "text-plain": (b'{"question": "q"}', "text/plain", "content-type"),
+    "form": (b"question=q", "application/x-www-form-urlencoded", "content-type"),
+}
+BODY_ROUTES = ("/answer", "/admin/swap-index", "/admin/reload-model")
+
+
+@pytest.mark.parametrize("route", BODY_ROUTES)
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_bodies_are_one_422_naming_the_body(gateway_url, route, case):
+    body, content_type, says = MALFORMED[case]
+    reply = httpx.post(
+        f"{gateway_url}{route}",
+        content=body,
+        headers={"content-type": content_type, **AUTH},
+        timeout=30,
+    )
+    assert reply.status_code == 422, reply.text[:300]
+    [error] = reply.json()["detail"]
+    assert error["loc"][0] == "body"
+    assert says in error["msg"]
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_bodies_under_v1_are_openai_400s(gateway_url, case):
+    body, content_type, says = MALFORMED[case]
+    reply = httpx.post(
+        f"{gateway_url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": content_type},
+        timeout=30,
+    )
+    assert reply.status_code == 400, reply.text[:300]
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is None
+    assert error["message"].startswith("body: ")
+    assert says in error["message"]
+
+
+def test_json_in_other_unicode_encodings_is_still_read(gateway_url):
+    # RFC 8259 asks for UTF-8, but a UTF-8 BOM or UTF-16 is read as Python's json reads it.
+    question = {"question": "Who wrote Hamlet?", "k": 2}
+    for body in (
+        b"\xef\xbb\xbf" + json.dumps(question).encode(),
+        json.dumps(question).encode("utf-16"),
+    ):
+        reply = httpx.post(
+            f"{gateway_url}/answer",
+            content=body,
+            headers={"content-type": "application/json; charset=utf-8"},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text[:300]

@@ -32,6 +32,7 @@ from openbook.logs import request_id_var
 from openbook.v1 import generator_pb2
 from openbook_gateway import openai_api
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.bodies import JSONBodyRoute, readable
 from openbook_gateway.cache import AnswerCache
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.events import STREAMED, EventStream, sse
@@ -318,6 +319,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         description="Retrieval-Augmented Generation (Lewis et al., 2020) as a service.",
         lifespan=lifespan,
     )
+    # Every body is read as JSON, and every way it can fail to be JSON is a 422 (bodies.py).
+    app.router.route_class = JSONBodyRoute
     require_admin = _require_admin(settings)
     app.include_router(ui_router)
     app.include_router(openai_api.openai_router(settings, metrics))
@@ -325,7 +328,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        errors = readable(exc.errors())
         if is_openai_path(request.url.path):
             return openai_api.validation_error_response(errors)
         try:

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.events import STREAMED, EventStream, sse
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.openai_schemas import (
@@ -78,6 +79,8 @@ def error_response(
 def validation_error_response(errors: list[dict]) -> JSONResponse:
     """The first of a body's validation errors, as OpenAI reports bad input."""
     first = errors[0] if errors else {}
+    if first.get("type") in ("json_invalid", "content_type"):  # the body as a whole
+        return error_response(400, f"body: {first.get('msg')}", None, first.get("type"))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     for part in loc[1:]:
@@ -117,7 +120,11 @@ def _require_api_key(settings: GatewaySettings):
 
 
 def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRouter:
-    router = APIRouter(prefix=PREFIX, dependencies=[Depends(_require_api_key(settings))])
+    router = APIRouter(
+        prefix=PREFIX,
+        dependencies=[Depends(_require_api_key(settings))],
+        route_class=JSONBodyRoute,
+    )
     created = int(time.time())
 
     def model_card(model_id: str) -> dict:
