@@ -8,7 +8,6 @@ otherwise is a 500 naming the request id.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
@@ -28,6 +27,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from openbook.auth import bearer_matches
 from openbook.logs import request_id_var
 from openbook.v1 import generator_pb2
 from openbook_gateway import openai_api
@@ -272,8 +272,7 @@ def _require_admin(settings: GatewaySettings):
         expected = settings.admin_token.get_secret_value() if settings.admin_token else ""
         if not expected:
             raise HTTPException(401, "admin API disabled: set OPENBOOK_ADMIN_TOKEN")
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+        if not bearer_matches(authorization, [expected]):
             raise HTTPException(
                 401, "missing or wrong admin token", headers={"WWW-Authenticate": "Bearer"}
             )
