@@ -19,9 +19,9 @@ from openbook.limits import (
     MAX_RETURN_SEQUENCES,
     MIN_LENGTH_PENALTY,
     DecodingMode,
+    check_checkpoint_name,
     check_decoding,
     check_question,
-    refuse_controls,
 )
 
 # Passages per answer when neither the request nor the served generator names a number (a RAG
@@ -170,8 +170,7 @@ class ReloadModelRequest(BaseModel):
     @field_validator("checkpoint")
     @classmethod
     def checkpoint_is_a_path(cls, value: str | None) -> str | None:
-        # No path holds NUL or a control character that a client would mean to send.
-        return value if value is None else refuse_controls("checkpoint", value)
+        return value if value is None else check_checkpoint_name("checkpoint", value)
 
 
 class ReplicaOut(BaseModel):

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from openbook.errors import FailedPrecondition, InvalidArgument, NotFound
+from openbook.errors import FailedPrecondition, NotFound
 from openbook.index import LoadedIndex, Manifest, open_index
+from openbook.limits import check_index_name
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class IndexRegistry:
             return name in self._loaded
 
     def _path(self, name: str) -> Path:
-        if not name or "/" in name or name.startswith("."):
-            raise InvalidArgument(f"index: invalid index name {name!r}")
+        # Every name, an RPC's or the active index recorded in Redis, is checked here too.
+        check_index_name("index", name)
         path = self.root / name
         if not (path / MANIFEST).is_file():
             known = ", ".join(self.available()) or "none"
