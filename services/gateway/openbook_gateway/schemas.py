@@ -148,6 +148,20 @@ class IndexOut(BaseModel):
     index_type: str
     loaded: bool
     active: bool
+    loadable: bool = Field(
+        description="it is loaded, or its directory passes the retriever's checks (manifest, "
+        "files present at their recorded sizes) and its last load, if any since its files "
+        "changed, succeeded; listing loads nothing"
+    )
+    problem: str | None = Field(
+        None,
+        description="why it cannot be loaded: an unreadable manifest, a missing or resized "
+        "file, the error of its last load (a checksum mismatch); null when loadable",
+    )
+    verified: bool = Field(
+        description="every file's checksum was verified: it is loaded, or loaded since its "
+        "files last changed"
+    )
 
 
 class IndexesResponse(BaseModel):
