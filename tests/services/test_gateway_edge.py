@@ -143,6 +143,27 @@ def test_the_limits_do_not_count_the_body(gateway_url):
     assert "x" in {part for err in json.loads(content)["detail"] for part in err["loc"]}
 
 
+def _statuses(response: bytes) -> list[int]:
+    """The statuses of the responses in ``response``, in order."""
+    return [int(part[:3]) for part in response.split(b"HTTP/1.1 ")[1:]]
+
+
+def test_pipelined_requests_are_answered_in_order_up_to_a_refused_head(gateway_url):
+    get = b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n"
+    body = json.dumps({"question": "Who wrote Hamlet?", "x": "y" * 30_000}).encode()
+    post = (
+        b"POST /answer HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    closing = _get("/healthz", [])
+    assert _statuses(_exchange(gateway_url, get * 4 + post + closing)) == [200] * 4 + [422, 200]
+    # The refusal waits for the responses before it, then ends the connection.
+    oversized = _get("/healthz", [b"X-Big: " + b"a" * (2 * MAX_HEADER_BYTES)])
+    assert _statuses(_exchange(gateway_url, post + oversized + get)) == [422, 431]
+    stalled = b"GET /healthz HTTP/1.1\r\nHost: gate"  # and no more: times out
+    assert _statuses(_exchange(gateway_url, post + get + stalled)) == [422, 200, 408]
+
+
 # ------------------------------------------------------------------ the head's time
 
 

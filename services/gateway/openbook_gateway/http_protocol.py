@@ -19,8 +19,8 @@ bytes makes the kernel send a TCP reset, and a client still writing its headers 
 
 Invariants: a connection runs at most one timer of its own, the head timer while a head is
 awaited on a new connection or incomplete, then the drain timer once refused; the app never
-sees a request whose head broke a limit; a refusal is never written into the middle of a
-response (with a pipelined response in progress the connection is closed after it instead).
+sees a request whose head broke a limit; answers keep the order of requests: a refusal of a
+pipelined request waits for the responses to the requests before it.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self.heads_begun = 0  # in the chunk being parsed
         self.timer: asyncio.TimerHandle | None = None
         self.dropped: int | None = None  # bytes dropped since a refusal; None: not refused
+        # A refusal waiting for the responses before it: (path, status, message).
+        self.pending: tuple[str, int, str] | None = None
 
     # ---- connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -193,10 +195,6 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self.timer = None
         if self.transport.is_closing():
             return
-        if self._responding():
-            # A pipelined head stalled behind a response: let the response finish, then close.
-            self.cycle.keep_alive = False
-            return
         if self.head is _Head.READING:
             self._refuse(
                 408,
@@ -211,19 +209,30 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     # ---- refusal
     def _refuse(self, status: int, message: str) -> None:
-        """Answer ``status`` (unless a response is being written), half-close, and drop what
-        the client still sends until it closes, the drain limits are reached or it times out."""
+        """Stop reading requests, answer ``status`` once the requests before it (pipelined)
+        are answered, half-close, and drop what the client still sends until it closes, the
+        drain limits are reached or the drain times out."""
         self._stop_timer()
         self._unset_keepalive_if_required()
+        self.dropped = 0  # nothing more is parsed
+        path = self.url.decode("latin-1").partition("?")[0] if self.head is _Head.READING else ""
+        refusal = (path, status, message)
         if self._responding():
-            log.warning("request head refused behind a response in progress: %s", message)
-            self.cycle.keep_alive = False
-            self.transport.close()
-            return
+            self.pending = refusal  # on_response_complete answers it
+        else:
+            self._answer(*refusal)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts the next pipelined request, if any
+        if self.pending is not None and not self._responding() and not self.transport.is_closing():
+            refusal, self.pending = self.pending, None
+            self._unset_keepalive_if_required()
+            self._answer(*refusal)
+
+    def _answer(self, path: str, status: int, message: str) -> None:
         request_id = uuid.uuid4().hex
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
         log.info("%s from %s: %s (request %s)", status, client, message, request_id)
-        path = self.url.decode("latin-1").partition("?")[0] if self.head is _Head.READING else ""
         body = json.dumps(self.error_body(path, status, message), separators=(",", ":")).encode()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
@@ -235,7 +244,6 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             b"connection: close\r\n\r\n",
         ]
         self.transport.write(b"".join(head) + body)
-        self.dropped = 0
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.flow.resume_reading()
