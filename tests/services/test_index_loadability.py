@@ -10,7 +10,6 @@ that fails is remembered until the files change.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ from fastapi.testclient import TestClient
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.mapping import indexes_response
-from openbook_gateway.retrieval import Retrieval
+from openbook_gateway.retrieval import merge_listings
 from openbook_testkit.stack import build_fact_indexes, running_backends
 
 TOKEN = "loadability-token"
@@ -154,7 +153,7 @@ def test_a_retriever_that_reports_no_problems_lists_indexes_as_loadable():
     assert (wiki.loadable, wiki.problem, wiki.verified) == (True, None, False)
 
 
-def test_shards_merge_into_one_listing_with_every_shards_problem(monkeypatch):
+def test_shards_merge_into_one_listing_with_every_shards_problem():
     def info(name: str, count: int, problem: str = "", verified: bool = True):
         return retriever_pb2.IndexInfo(
             name=name, count=count, loaded=verified, problem=problem, verified=verified
@@ -169,15 +168,11 @@ def test_shards_merge_into_one_listing_with_every_shards_problem(monkeypatch):
             active="wiki",
         ),
     ]
-    retrieval = Retrieval("host-0:8051,host-1:8051", 1.0, 1.0)
-
-    async def all_shards(method, request, request_id, timeout_s=None):
-        return replies
-
-    monkeypatch.setattr(retrieval, "_all", all_shards)
-    listed = {i.name: i for i in asyncio.run(retrieval.list_indexes("r")).indexes}
+    merged = merge_listings(replies, ["shard 0", "shard 1"])
+    listed = {i.name: i for i in merged.indexes}
     assert (listed["wiki"].count, listed["wiki"].problem, listed["wiki"].verified) == (22, "", True)
-    assert listed["news"].problem == "retriever shard 1 (host-1:8051): vectors.npy missing"
+    assert listed["news"].problem == "shard 1: vectors.npy missing"
     assert (listed["news"].count, listed["news"].verified) == (7, False)
-    assert listed["solo"].problem == "retriever shard 1 (host-1:8051): no such index"
+    assert listed["solo"].problem == "shard 1: no such index"
     assert listed["solo"].loaded is False
+    assert merged.active == "wiki"
