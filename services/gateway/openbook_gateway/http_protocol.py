@@ -12,6 +12,12 @@ handed to the app. This protocol bounds the head of every request, before the ap
 * **size**: a head over :attr:`HeadLimits.max_bytes`, or with more than
   :attr:`HeadLimits.max_fields` header fields, is answered 431 as soon as it passes the limit.
 
+uvicorn's own settings do not cover this: ``timeout_keep_alive`` runs only between requests
+(armed after a response, cancelled by any byte, never on a new connection);
+``h11_max_incomplete_event_size`` bounds a head only under the h11 protocol, not httptools
+(what ``http="auto"`` picks), and answers 400, not 431; ``limit_concurrency`` answers 503 to
+requests beyond a count, but never frees a connection that a slow head holds.
+
 A refused head is answered, the connection half-closed, and what the client still sends is read
 and dropped (for at most ``timeout_s``, at most :data:`DRAIN_MAX_BYTES`): closing with unread
 bytes makes the kernel send a TCP reset, and a client still writing its headers would see
