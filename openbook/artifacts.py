@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-"
 PARTIAL_SUFFIX = ".partial"
 # ``.<name>.tmp-<machine>-<pid>-<8 hex>``; older versions wrote names without the machine.
-_TMP_OWNER = re.compile(r"\.tmp-(?P<machine>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+# \Z, not $: "$" also matches before a trailing newline.
+_TMP_OWNER = re.compile(r"\.tmp-(?P<machine>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{8}\Z")
 # A writer takes its lock right after creating its directory; younger entries are never
 # judged by their lock, so that instant cannot make a live writer's directory look abandoned.
 PARTIAL_GRACE_S = 30.0

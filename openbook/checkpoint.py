@@ -53,6 +53,8 @@ from openbook.artifacts import (
     verify_files,
 )
 from openbook.artifacts import machine_tag as _machine_tag  # noqa: F401
+from openbook.errors import InvalidArgument
+from openbook.limits import check_checkpoint_name
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -416,14 +418,18 @@ def checkpoint_in_root(root: Path | None, requested: str | os.PathLike[str] | No
     to ``root`` (``step-000120``), or an absolute path inside ``root``. Symlinks and ``..``
     are resolved before the check, and again for the checkpoint ``latest`` leads to, so no
     link leads outside. A path outside gets one fixed message, whatever is there; hidden
-    entries (partial ``.tmp-`` writes) are refused. Returns the resolved checkpoint
-    directory, not yet verified; raises :class:`CheckpointPathError` or
-    :class:`CheckpointError`.
+    entries (partial ``.tmp-`` writes) and names with control characters are refused.
+    Returns the resolved checkpoint directory, not yet verified; raises
+    :class:`CheckpointPathError` or :class:`CheckpointError`.
     """
+    text = os.fspath(requested) if requested else ""
+    try:  # the one gate of every name a reload brings: an RPC's, the desired model in Redis
+        check_checkpoint_name("checkpoint", text)
+    except InvalidArgument as exc:
+        raise CheckpointPathError(str(exc)) from None
     if root is None:
         raise CheckpointPathError("checkpoint: no checkpoint root configured")
     real_root = Path(os.path.realpath(root))
-    text = os.fspath(requested) if requested else ""
     try:
         # An absolute ``requested`` replaces the root in the join; a relative one is under it.
         target = Path(os.path.realpath(real_root / text)) if text else real_root

@@ -36,7 +36,9 @@ MAX_BEAMS = 16
 MAX_RETURN_SEQUENCES = MAX_BEAMS
 MAX_NEW_TOKENS = 512
 MIN_LENGTH_PENALTY, MAX_LENGTH_PENALTY = -10.0, 10.0
-# An index is named by its directory under the index root.
+# An index is named by its directory under the index root. Python checks it with fullmatch:
+# its "$" also matches before a trailing newline, so re.match would let "name\n" through
+# (pydantic's regex engine reads "$" as the end of the text).
 INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # A checkpoint named in a reload request (a version, or a path inside the checkpoint root).
 MAX_CHECKPOINT_CHARS = 4096
@@ -90,12 +92,25 @@ def check_range(field: str, value: int, lo: int, hi: int) -> int:
 
 
 def check_index_name(field: str, value: str) -> str:
-    if not _INDEX_NAME.match(value):
+    """An index name (:data:`INDEX_NAME_PATTERN`), control characters named as such."""
+    refuse_controls(field, value)
+    if not _INDEX_NAME.fullmatch(value):
         raise InvalidArgument(
             f"{field} must be an index name (letters, digits, '.', '_' and '-', at most 128, "
             f"starting with a letter or digit), got {value!r}"
         )
     return value
+
+
+def check_checkpoint_name(field: str, value: str) -> str:
+    """A checkpoint a reload names (a version or a path inside the checkpoint root): at most
+    :data:`MAX_CHECKPOINT_CHARS` characters, none of them a control character (no path a client
+    means to send holds NUL or a newline)."""
+    if len(value) > MAX_CHECKPOINT_CHARS:
+        raise InvalidArgument(
+            f"{field} must be at most {MAX_CHECKPOINT_CHARS} characters, got {len(value)}"
+        )
+    return refuse_controls(field, value)
 
 
 def check_decoding(

@@ -12,7 +12,13 @@ from openbook.index.build import INDEX_TYPES, build_index
 from openbook.index.encoders import DEFAULT_ENCODER, Encoder, clear_encoder_cache, load_encoder
 from openbook.index.importer import import_embeddings
 from openbook.index.join import install_shards, join_slices, merge_slices
-from openbook.index.loaded import LoadedIndex, open_index
+from openbook.index.loaded import (
+    LoadedIndex,
+    check_index,
+    check_index_files,
+    open_index,
+    read_index_manifest,
+)
 from openbook.index.manifest import IndexLoadError, Manifest
 from openbook.index.parallel import IndexSet, build_slice, read_index_set
 from openbook.index.passages import read_passages, split_passages
@@ -28,6 +34,8 @@ __all__ = [
     "Manifest",
     "build_index",
     "build_slice",
+    "check_index",
+    "check_index_files",
     "clear_encoder_cache",
     "import_embeddings",
     "install_shards",
@@ -35,6 +43,7 @@ __all__ = [
     "load_encoder",
     "merge_slices",
     "open_index",
+    "read_index_manifest",
     "read_index_set",
     "read_passages",
     "split_index",

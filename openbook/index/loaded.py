@@ -21,10 +21,10 @@ from openbook.types import Passage
 def open_index(path: Path, verify: bool = True, *, name: str | None = None) -> LoadedIndex:
     """Open an index directory written by ``build_index``.
 
-    Always checks that the manifest is readable, every listed file exists with its recorded
-    size, and that dim/count agree across the manifest, faiss index, vectors and passage
-    store. ``verify=True`` additionally re-hashes every file (minutes for a Wikipedia-sized
-    index; a serving process that trusts its disk may pass ``verify=False``).
+    Always checks what :func:`check_index` checks, and that dim/count agree across the
+    manifest, faiss index, vectors and passage store. ``verify=True`` additionally re-hashes
+    every file (minutes for a Wikipedia-sized index; a serving process that trusts its disk
+    may pass ``verify=False``).
 
     ``name`` is the index's identity in messages and as ``.name``; a server passes the name
     clients use (the retriever: the directory name under its index root), because a copied
@@ -32,19 +32,73 @@ def open_index(path: Path, verify: bool = True, *, name: str | None = None) -> L
     Default: the manifest's ``name``.
     """
     path = Path(path)
+    manifest = check_index(path, name=name)
+    if verify and (problem := verify_files(path, sha256=manifest.files)):
+        raise IndexLoadError(f"index {name or manifest.name!r}: {problem}")
+    return LoadedIndex(path, manifest, name=name)
+
+
+def check_index(path: Path, *, name: str | None = None) -> Manifest:
+    """The manifest of the index directory ``path``, checked without reading any data
+    (:func:`read_index_manifest`, then :func:`check_index_files`). Raises
+    :class:`IndexLoadError` naming the first problem (``name`` as in :func:`open_index`).
+
+    Cheap (stat calls, no hashing): what the retriever checks to list an index as loadable.
+    A file corrupted at its recorded size passes; :func:`open_index` with ``verify`` finds it.
+    """
+    manifest = read_index_manifest(path, name=name)
+    check_index_files(path, manifest, name=name)
+    return manifest
+
+
+def read_index_manifest(path: Path, *, name: str | None = None) -> Manifest:
+    """The manifest of the index directory ``path``: readable, with the fields read before
+    any data (counts, encoders, file tables) of the types they claim."""
+    path = Path(path)
     if not path.is_dir():
         raise IndexLoadError(f"{path}: index directory not found")
     manifest = Manifest.from_file(path / MANIFEST)
+    if problem := _field_types_problem(manifest):
+        raise IndexLoadError(f"index {name or manifest.name!r}: {MANIFEST}: {problem}")
+    return manifest
+
+
+def check_index_files(path: Path, manifest: Manifest, *, name: str | None = None) -> None:
+    """``manifest`` is of a known index type and lists the files its type needs, and each
+    listed file is under ``path`` at its recorded size, its checksum agreeing with its list."""
+    path = Path(path)
     label = f"index {name or manifest.name!r}"
     if manifest.index_type not in INDEX_TYPES:
         raise IndexLoadError(f"{label}: unknown index_type {manifest.index_type!r}")
+    needed = [PASSAGES_FILE, *((faiss_index.INDEX_FILE, VECTORS_FILE) if manifest.dense else ())]
+    for rel in needed:
+        if rel not in manifest.files:
+            raise IndexLoadError(f"{label}: {rel} missing from the manifest's files")
     if problem := verify_files(path, sizes=manifest.sizes):
         raise IndexLoadError(f"{label}: {problem}")
+    for rel in manifest.files:  # older manifests record no sizes
+        if rel not in manifest.sizes and not (path / rel).is_file():
+            raise IndexLoadError(f"{label}: {rel} missing")
     if combined_checksum(manifest.files) != manifest.checksum:
         raise IndexLoadError(f"{label}: manifest checksum does not match its file list")
-    if verify and (problem := verify_files(path, sha256=manifest.files)):
-        raise IndexLoadError(f"{label}: {problem}")
-    return LoadedIndex(path, manifest, name=name)
+
+
+def _field_types_problem(m: Manifest) -> str | None:
+    """Why the fields read before any data cannot be what they claim, or None."""
+    for field, value in (("count", m.count), ("dim", m.dim)):
+        if type(value) is not int or value < 0:
+            return f"{field} must be a whole number >= 0, got {value!r}"
+    for field, value in (("encoder", m.encoder), ("query_encoder", m.query_encoder)):
+        if value is not None and not isinstance(value, str):
+            return f"{field} must be a string, got {value!r}"
+    if not isinstance(m.checksum, str):
+        return f"checksum must be a string, got {m.checksum!r}"
+    for field, table, kind in (("files", m.files, str), ("sizes", m.sizes, int)):
+        if not isinstance(table, dict) or not all(
+            isinstance(rel, str) and type(value) is kind for rel, value in table.items()
+        ):
+            return f"{field} must map file paths to {kind.__name__} values"
+    return None
 
 
 class LoadedIndex:

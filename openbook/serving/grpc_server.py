@@ -3,7 +3,6 @@ stop, and a port that is bound before the (slow) model or index is loaded."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import signal
@@ -17,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
+from openbook.auth import bearer_token, token_matches
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
 from openbook.serving.batcher import NO_DEADLINE_S
@@ -100,25 +100,25 @@ class AdminAuthInterceptor(grpc.ServerInterceptor):
     Without a configured token admin RPCs are off, as the gateway's admin API is: an open
     SwapIndex on the network would let anyone change what the gateway serves. Refusals are
     UNAUTHENTICATED (raised as ``Unauthenticated`` so that ``ErrorInterceptor``, outside this
-    one, counts and logs them like any other status). The token is compared in constant time
-    and never logged.
+    one, counts and logs them like any other status). The token is checked as the gateway
+    checks it (``openbook.auth``: exact, in constant time) and never logged.
     """
 
     def __init__(self, methods: Collection[str], token: SecretStr | str | None) -> None:
         self.methods = frozenset(methods)
-        self._expected = _secret(token).encode()
+        self._expected = _secret(token)
 
     def _refusal(self, handler_call_details) -> str | None:
         if not self._expected:
             return "admin RPCs are disabled: OPENBOOK_ADMIN_TOKEN is not set on this service"
-        presented = ""
+        presented = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTHORIZATION_HEADER:
                 presented = value if isinstance(value, str) else value.decode("latin-1")
-        scheme, _, token = presented.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(presented)
+        if token is None:
             return "admin RPC: missing 'authorization: Bearer <OPENBOOK_ADMIN_TOKEN>' metadata"
-        if not hmac.compare_digest(token.strip().encode(), self._expected):
+        if not token_matches(token, [self._expected]):
             return "admin RPC: wrong admin token"
         return None
 

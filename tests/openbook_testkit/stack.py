@@ -128,6 +128,63 @@ class Backends:
             }
         )
 
+    def gateway_environment(self, redis_url: str) -> dict[str, str]:
+        """The environment of a gateway process (:func:`gateway_process`) that points at
+        these backends (with their admin token)."""
+        return {
+            "OPENBOOK_GATEWAY_RETRIEVER_ADDR": f"127.0.0.1:{self.retriever_port}",
+            "OPENBOOK_GATEWAY_GENERATOR_ADDR": f"127.0.0.1:{self.generator_port}",
+            "OPENBOOK_REDIS_URL": redis_url,
+            "OPENBOOK_ADMIN_TOKEN": self.admin_token or "",
+        }
+
+
+@contextmanager
+def gateway_process(workdir: Path, env: dict[str, str], timeout_s: float = 60) -> Iterator[str]:
+    """The gateway as compose and ``openbook up`` run it: the ``openbook-gateway`` command, in
+    a process of its own on a free loopback port, configured by ``env`` (``OPENBOOK_*``
+    variables; :meth:`Backends.gateway_environment` points it at in-process backends). Yields
+    its base URL once ``/healthz`` answers; its output goes to ``workdir/gateway.log``."""
+    import os
+    import sys
+
+    import httpx
+
+    port = free_port()
+    command = Path(sys.executable).parent / "openbook-gateway"
+    log_path = workdir / "gateway.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(command)],
+            env={
+                **os.environ,
+                **env,
+                "OPENBOOK_GATEWAY_HOST": "127.0.0.1",
+                "OPENBOOK_GATEWAY_PORT": str(port),
+            },
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"openbook-gateway did not start:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 
 @contextmanager
 def running_backends(
@@ -249,16 +306,15 @@ def _forget_desired_model(redis_url: str) -> None:
 
 @contextmanager
 def serving_gateway(settings, timeout_s: float = 60) -> Iterator[str]:
-    """The gateway app under uvicorn in a thread on a free port; yields its base URL."""
+    """The gateway app under uvicorn in a thread on a free port, served as ``openbook-gateway``
+    serves it (``openbook_gateway.server``); yields its base URL."""
     import uvicorn
 
-    from openbook_gateway.app import create_app
+    from openbook_gateway.server import uvicorn_config
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings), host="127.0.0.1", port=port, log_config=None, access_log=False
-        )
+        uvicorn_config(settings.model_copy(update={"host": "127.0.0.1", "port": port}))
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

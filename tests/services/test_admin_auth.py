@@ -103,8 +103,30 @@ def test_every_rpc_is_classified():
         (("authorization", f"Basic {TOKEN}"),),
         (("authorization", TOKEN),),
         (("x-admin-token", TOKEN),),
+        # Exact, as the gateway checks it (openbook.auth): no whitespace trimmed or tolerated.
+        (("authorization", f"Bearer {TOKEN} "),),
+        (("authorization", f"Bearer  {TOKEN}"),),
+        (("authorization", f" Bearer {TOKEN}"),),
+        (("authorization", "Bearer "),),
+        (("authorization", "Bearer"),),
+        (("authorization", f"Bearer {TOKEN}x"),),
+        (("authorization", f"Bearer {TOKEN.upper()}"),),
     ],
-    ids=["none", "wrong", "prefix", "basic", "no-scheme", "other-header"],
+    ids=[
+        "none",
+        "wrong",
+        "prefix",
+        "basic",
+        "no-scheme",
+        "other-header",
+        "trailing-space",
+        "two-spaces",
+        "leading-space",
+        "empty-token",
+        "scheme-only",
+        "suffix",
+        "token-case",
+    ],
 )
 def test_admin_rpcs_without_the_right_token_are_unauthenticated(retriever, generator, metadata):
     for name, call in _admin_calls(retriever, generator).items():
@@ -127,6 +149,38 @@ def test_admin_rpcs_with_the_token_work(retriever, generator):
     for name, call in _admin_calls(retriever, generator).items():
         if name.endswith("ReloadModel"):
             assert _code(call, admin) not in (grpc.StatusCode.OK, UNAUTHENTICATED), name
+
+
+def test_the_scheme_is_case_insensitive_on_both_sides(retriever, backends, redis_url):
+    # RFC 9110: authentication schemes are case-insensitive; the token is not.
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        metadata = (("authorization", f"{scheme} {TOKEN}"),)
+        reply = retriever.SwapIndex(
+            retriever_pb2.SwapIndexRequest(name="facts-a"), metadata=metadata
+        )
+        assert reply.active == "facts-a"
+    with TestClient(create_app(backends.gateway_settings(redis_url))) as client:
+        for scheme in ("bearer", "BEARER"):
+            reply = client.post(
+                "/admin/swap-index",
+                json={"index": "facts-a"},
+                headers={"Authorization": f"{scheme} {TOKEN}"},
+            )
+            assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [f"Bearer  {TOKEN}", f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", "Bearer", f"Basic {TOKEN}"],
+    ids=["two-spaces", "suffix", "prefix", "scheme-only", "basic"],
+)
+def test_the_gateway_refuses_what_the_services_refuse(backends, redis_url, authorization):
+    with TestClient(create_app(backends.gateway_settings(redis_url))) as client:
+        reply = client.post(
+            "/admin/swap-index", json={"index": "facts-a"}, headers={"Authorization": authorization}
+        )
+        assert reply.status_code == 401, reply.text
+        assert TOKEN not in reply.text
 
 
 def test_read_only_rpcs_need_no_token(retriever, generator):

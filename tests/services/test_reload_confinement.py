@@ -69,7 +69,14 @@ OUTSIDE = {
     "../ escape to nothing": lambda lay: "../../../nowhere",
     "symlink out of the root": lambda lay: "step-000007",
     "latest leading out of the root": lambda lay: "sub",
-    "NUL byte": lambda lay: "step-000001\x00",
+}
+# Names no client means to send: refused for what they hold, before any path is resolved.
+CONTROL_CHARACTERS = {
+    "step-000001\n": "control characters (U+000A at index 11)",
+    "step-000001\x00": "NUL characters (U+0000 at index 11)",
+    "\nstep-000001": "control characters (U+000A at index 0)",
+    "step\x1b[31m-000001": "control characters (U+001B at index 4)",
+    f"{LATEST}\r\n": "control characters (U+000D at index 6)",
 }
 
 
@@ -116,6 +123,18 @@ def test_paths_outside_the_root_are_refused_alike(servicers, layout, service):
     assert "checkpoint root" in message
     for leak in ("outside", "nowhere", "passwd", "step-000005", str(layout.tmp)):
         assert leak not in message
+
+
+@pytest.mark.parametrize("service", ["generator", "retriever"])
+def test_names_with_control_characters_are_refused_naming_them(servicers, service):
+    servicer = servicers[service]
+    before = _version(servicer)
+    for path, says in CONTROL_CHARACTERS.items():
+        with pytest.raises(CheckpointPathError) as err:
+            _reload(servicer, path)
+        assert status_for(err.value) == grpc.StatusCode.INVALID_ARGUMENT, path
+        assert str(err.value) == f"checkpoint must not contain {says}"
+        assert _version(servicer) == before, path
 
 
 @pytest.mark.parametrize("service", ["generator", "retriever"])

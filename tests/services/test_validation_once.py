@@ -142,6 +142,12 @@ def test_passages_are_checked_by_the_generator():
         (".hidden", False),
         ("a/b", False),
         ("x" * 129, False),
+        # re.match with "$" lets a trailing newline through: every check is a full match.
+        ("facts-a\n", False),
+        ("facts-a\r\n", False),
+        ("facts-a\x00", False),
+        ("fac\x1bts-a", False),
+        ("\nfacts-a", False),
     ],
 )
 def test_index_names_follow_one_rule(name, ok):

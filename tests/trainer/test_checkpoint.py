@@ -313,13 +313,15 @@ def test_checkpoint_in_root_refuses_the_outside_and_partials_alike(tmp_path):
         f"{root}/../outside/step-000005",
         "step-000007",
         "sub",
-        "step-000001\x00",
         "/",
     ):
         with pytest.raises(CheckpointPathError) as err:
             checkpoint_in_root(root, requested)
         messages.add(str(err.value))
     assert len(messages) == 1 and "outside" not in messages.pop()
+    # A name no path holds is refused for what it holds, before anything is resolved.
+    with pytest.raises(CheckpointPathError, match=r"NUL characters \(U\+0000 at index 11\)"):
+        checkpoint_in_root(root, "step-000001\x00")
 
     _fake_checkpoint(root / ".step-000002.tmp-abc-1-0123abcd")  # complete, never renamed
     with pytest.raises(CheckpointPathError, match="partial"):

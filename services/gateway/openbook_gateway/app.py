@@ -8,7 +8,6 @@ otherwise is a 500 naming the request id.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
@@ -28,10 +27,12 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from openbook.auth import bearer_matches
 from openbook.logs import request_id_var
 from openbook.v1 import generator_pb2
 from openbook_gateway import openai_api
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.bodies import JSONBodyRoute, readable
 from openbook_gateway.cache import AnswerCache
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.events import STREAMED, EventStream, sse
@@ -271,8 +272,7 @@ def _require_admin(settings: GatewaySettings):
         expected = settings.admin_token.get_secret_value() if settings.admin_token else ""
         if not expected:
             raise HTTPException(401, "admin API disabled: set OPENBOOK_ADMIN_TOKEN")
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+        if not bearer_matches(authorization, [expected]):
             raise HTTPException(
                 401, "missing or wrong admin token", headers={"WWW-Authenticate": "Bearer"}
             )
@@ -318,6 +318,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         description="Retrieval-Augmented Generation (Lewis et al., 2020) as a service.",
         lifespan=lifespan,
     )
+    # Every body is read as JSON, and every way it can fail to be JSON is a 422 (bodies.py).
+    app.router.route_class = JSONBodyRoute
     require_admin = _require_admin(settings)
     app.include_router(ui_router)
     app.include_router(openai_api.openai_router(settings, metrics))
@@ -325,7 +327,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        errors = readable(exc.errors())
         if is_openai_path(request.url.path):
             return openai_api.validation_error_response(errors)
         try:

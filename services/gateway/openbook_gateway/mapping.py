@@ -126,6 +126,10 @@ def indexes_response(listed: retriever_pb2.ListIndexesResponse) -> dict:
                 index_type=i.index_type,
                 loaded=i.loaded,
                 active=i.active,
+                # a retriever from before IndexInfo.problem existed reports none: loadable
+                loadable=not i.problem,
+                problem=i.problem or None,
+                verified=i.verified,
             )
             for i in listed.indexes
         ],

@@ -20,14 +20,15 @@ The answer itself comes from the same pipeline as ``POST /answer``
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
+from openbook.auth import bearer_matches
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.events import STREAMED, EventStream, sse
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.openai_schemas import (
@@ -78,6 +79,8 @@ def error_response(
 def validation_error_response(errors: list[dict]) -> JSONResponse:
     """The first of a body's validation errors, as OpenAI reports bad input."""
     first = errors[0] if errors else {}
+    if first.get("type") in ("json_invalid", "content_type"):  # the body as a whole
+        return error_response(400, f"body: {first.get('msg')}", None, first.get("type"))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     for part in loc[1:]:
@@ -91,20 +94,16 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
 
 
 def _require_api_key(settings: GatewaySettings):
+    # The list is comma-separated (a key has no spaces or commas): spaces around a comma are
+    # the list's formatting, not part of a key. A presented key must match exactly.
     keys = [
-        key.strip().encode()
+        key.strip()
         for key in (settings.api_keys.get_secret_value() if settings.api_keys else "").split(",")
         if key.strip()
     ]
 
     async def check(authorization: str | None = Header(default=None)) -> None:
-        if not keys:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        presented = token.strip().encode()
-        # every key compared, in constant time each: no early exit that times the match
-        matches = [hmac.compare_digest(presented, key) for key in keys]
-        if scheme.lower() != "bearer" or not any(matches):
+        if keys and not bearer_matches(authorization, keys):
             raise OpenAIRequestError(
                 "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
                 "OPENBOOK_GATEWAY_API_KEYS",
@@ -117,7 +116,11 @@ def _require_api_key(settings: GatewaySettings):
 
 
 def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRouter:
-    router = APIRouter(prefix=PREFIX, dependencies=[Depends(_require_api_key(settings))])
+    router = APIRouter(
+        prefix=PREFIX,
+        dependencies=[Depends(_require_api_key(settings))],
+        route_class=JSONBodyRoute,
+    )
     created = int(time.time())
 
     def model_card(model_id: str) -> dict:

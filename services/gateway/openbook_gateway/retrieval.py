@@ -56,6 +56,33 @@ def merge_results(per_shard: Sequence[Sequence[list[Passage]]], k: int) -> list[
     return merged
 
 
+def merge_listings(
+    replies: Sequence[retriever_pb2.ListIndexesResponse], shard_names: Sequence[str]
+) -> retriever_pb2.ListIndexesResponse:
+    """One listing from every shard's: an index is servable only where every shard has it
+    and can load it, so each shard's problem (or its lack of the index) is the index's, named
+    after the shard; counts add up."""
+    per_shard = [{i.name: i for i in reply.indexes} for reply in replies]
+    indexes = []
+    for name in sorted(set().union(*per_shard)):
+        infos = [shard.get(name) for shard in per_shard]
+        held = [i for i in infos if i is not None]
+        info = retriever_pb2.IndexInfo()
+        info.CopyFrom(held[0])
+        info.count = sum(i.count for i in held)
+        info.loaded = all(i is not None and i.loaded for i in infos)
+        info.verified = all(i is not None and i.verified for i in infos)
+        info.problem = "; ".join(
+            f"{shard}: {'no such index' if i is None else i.problem}"
+            for shard, i in zip(shard_names, infos, strict=True)
+            if i is None or i.problem
+        )
+        indexes.append(info)
+    return retriever_pb2.ListIndexesResponse(
+        indexes=indexes, active=replies[0].active, model_version=replies[0].model_version
+    )
+
+
 class Retrieval:
     def __init__(
         self,
@@ -112,19 +139,7 @@ class Retrieval:
         replies = await self._all("ListIndexes", retriever_pb2.ListIndexesRequest(), request_id)
         if len(replies) == 1:
             return replies[0]
-        # An index is servable only where every shard has it; counts add up.
-        per_shard = [{i.name: i for i in reply.indexes} for reply in replies]
-        common = set(per_shard[0]).intersection(*per_shard[1:])
-        indexes = []
-        for name in sorted(common):
-            info = retriever_pb2.IndexInfo()
-            info.CopyFrom(per_shard[0][name])
-            info.count = sum(shard[name].count for shard in per_shard)
-            info.loaded = all(shard[name].loaded for shard in per_shard)
-            indexes.append(info)
-        return retriever_pb2.ListIndexesResponse(
-            indexes=indexes, active=replies[0].active, model_version=replies[0].model_version
-        )
+        return merge_listings(replies, [shard.name for shard in self.shards])
 
     async def swap(self, name: str, request_id: str, timeout_s: float) -> tuple[str, str]:
         """Swap every shard; if one refuses, put the others back so all agree."""

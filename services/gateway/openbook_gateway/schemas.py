@@ -19,9 +19,9 @@ from openbook.limits import (
     MAX_RETURN_SEQUENCES,
     MIN_LENGTH_PENALTY,
     DecodingMode,
+    check_checkpoint_name,
     check_decoding,
     check_question,
-    refuse_controls,
 )
 
 # Passages per answer when neither the request nor the served generator names a number (a RAG
@@ -148,6 +148,20 @@ class IndexOut(BaseModel):
     index_type: str
     loaded: bool
     active: bool
+    loadable: bool = Field(
+        description="it is loaded, or its directory passes the retriever's checks (manifest, "
+        "files present at their recorded sizes) and its last load, if any since its files "
+        "changed, succeeded; listing loads nothing"
+    )
+    problem: str | None = Field(
+        None,
+        description="why it cannot be loaded: an unreadable manifest, a missing or resized "
+        "file, the error of its last load (a checksum mismatch); null when loadable",
+    )
+    verified: bool = Field(
+        description="every file's checksum was verified: it is loaded, or loaded since its "
+        "files last changed"
+    )
 
 
 class IndexesResponse(BaseModel):
@@ -170,8 +184,7 @@ class ReloadModelRequest(BaseModel):
     @field_validator("checkpoint")
     @classmethod
     def checkpoint_is_a_path(cls, value: str | None) -> str | None:
-        # No path holds NUL or a control character that a client would mean to send.
-        return value if value is None else refuse_controls("checkpoint", value)
+        return value if value is None else check_checkpoint_name("checkpoint", value)
 
 
 class ReplicaOut(BaseModel):

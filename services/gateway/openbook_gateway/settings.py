@@ -20,6 +20,13 @@ class GatewaySettings(CommonSettings):
     generate_timeout_s: float = Field(120.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
     max_body_bytes: int = Field(64 * 1024, gt=0)  # larger request bodies get 413
+    # Request heads (the request line and the header fields; openbook_gateway.http_protocol):
+    # a head not complete within header_timeout_s of its first byte closes the connection (408
+    # if part of it came), one over max_header_bytes or with more than max_header_count fields
+    # gets 431. Browsers send well under 8 KiB and 30 fields.
+    header_timeout_s: float = Field(10.0, gt=0)
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
+    max_header_count: int = Field(100, ge=16)
     cache_ttl_s: int = Field(24 * 3600, gt=0)
     # How long POST /admin/reload-model waits for every replica to report the desired model
     # (converged or refused) before answering 202 with the replicas still loading.

@@ -334,26 +334,27 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         )
 
     def _info(self, name: str) -> retriever_pb2.IndexInfo:
-        m = self.registry.manifest(name)
-        return retriever_pb2.IndexInfo(
+        status = self.registry.status(name)
+        info = retriever_pb2.IndexInfo(
             name=name,
-            encoder=m.encoder or "",
-            dim=int(m.dim or 0),
-            count=int(m.count),
-            index_type=m.index_type,
             loaded=self.registry.is_loaded(name),
             active=name == self.registry.active,
-            checksum=m.checksum or "",
-            score_scale=float(m.score_scale),
+            problem=status.problem,
+            verified=status.verified,
         )
+        m = status.manifest
+        if m is not None:
+            info.encoder = m.encoder or ""
+            info.dim = int(m.dim or 0)
+            info.count = int(m.count)
+            info.index_type = m.index_type
+            info.checksum = m.checksum or ""
+            info.score_scale = float(m.score_scale)
+        return info
 
     def ListIndexes(self, request, context):
-        infos = []
-        for name in self.registry.available():
-            try:
-                infos.append(self._info(name))
-            except Exception as exc:  # noqa: BLE001 - one unreadable manifest must not hide the rest
-                log.warning("index %s: unreadable manifest: %s", name, exc)
+        # Every index directory, an unloadable one too, saying why (registry.status).
+        infos = [self._info(name) for name in self.registry.available()]
         return retriever_pb2.ListIndexesResponse(
             indexes=infos, active=self.registry.active or "", model_version=self.model_version
         )

@@ -551,16 +551,21 @@
   async function openSwap() {
     showError(swapError, "");
     await refreshIndexes();
+    // An index the retriever cannot load is listed with the reason, and cannot be chosen.
+    const usable = (ix) => ix.loadable !== false;
     const options = knownIndexes.map((ix) =>
       el(
         "option",
-        { value: ix.name },
-        `${ix.name}${ix.active ? " (active)" : ""} — ${ix.index_type}, ${ix.count.toLocaleString()} passages`
+        { value: ix.name, disabled: !usable(ix) },
+        usable(ix)
+          ? `${ix.name}${ix.active ? " (active)" : ""} — ${ix.index_type}, ${ix.count.toLocaleString()} passages`
+          : `${ix.name} — cannot be loaded: ${ix.problem}`
       )
     );
     swapSelect.replaceChildren(...options);
-    // Preselect the first index that is not active: the likely target.
-    const target = knownIndexes.find((ix) => !ix.active) || knownIndexes[0];
+    // Preselect the first loadable index that is not active: the likely target.
+    const target =
+      knownIndexes.find((ix) => !ix.active && usable(ix)) || knownIndexes.find(usable);
     if (target) swapSelect.value = target.name;
     if (!knownIndexes.length) showError(swapError, "The retriever lists no indexes.");
     tokenInput.value = adminToken;
