@@ -8,6 +8,9 @@ shape, and whether a shape is admitted under the default budget is printed with 
 
     .venv/bin/python bench/memory/run.py                 # the default model from ./var
     .venv/bin/python bench/memory/run.py --model var/models/gemma-3-270m --shapes 5:1:rag-token
+
+The service as a whole (its allocator, passage cache, gRPC and tokenizers, requests joining a
+running batch, crowds of clients) is measured by ``bench/memory/service.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ DEFAULT_SHAPES = [
     "20:1:rag-token",
     "5:4:rag-token",
     "5:4:rag-sequence-thorough",
+    "5:16:rag-token",
+    "5:16:rag-sequence-thorough",
     "50:1:rag-token",
     "100:1:rag-token",
 ]

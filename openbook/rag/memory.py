@@ -16,8 +16,14 @@ beyond the weights, by design of the code paths it describes:
   (:data:`LOGIT_COPIES`: the model's logits, their log-softmax, the mixture / beam scores).
 * **score** (RAG-Sequence thorough, provenance): chunks of at most
   ``models.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their forked cache.
+* **copies**: what the code holds twice for a moment. Joining caches (prefill groups into one
+  encoded state, a new request into the running batch) and dropping rows (finished searches)
+  build the new cache while the old one is alive, so the encoded and the decoded caches are
+  each counted twice (:data:`CACHE_COPIES`); and in bf16/fp16 the model's own logits and the
+  final soft-capping's temporary exist beside the float32 copies, per decoding row and per
+  scored element (:data:`MODEL_LOGIT_COPIES`).
 
-The four are summed (see :meth:`MemoryModel.batch_bytes` for why not the larger of prefill and
+Everything is summed (see :meth:`MemoryModel.batch_bytes` for why not the larger of prefill and
 decode).
 
 Numbers for the default model are in docs/benchmarks.md; ``bench/load --real`` measures them.
@@ -42,6 +48,13 @@ from openbook.types import Passage
 
 # float32 distributions over the vocabulary alive per decoding row during one step.
 LOGIT_COPIES = 4
+# Reduced precision: distributions over the vocabulary in the model's dtype beside those (its
+# logits, and the temporary of Gemma's final logit soft-capping); float32 models count them in
+# LOGIT_COPIES already.
+MODEL_LOGIT_COPIES = 2
+# A cache is copied whole when rows join or leave it (cache.join_rows, cache.select_rows): the
+# old one is freed only once the new one is built.
+CACHE_COPIES = 2
 _F32 = 4
 
 
@@ -76,6 +89,8 @@ class MemoryModel:
     # The most attention-score bytes alive at once when the attention works in bounded chunks
     # (openbook/rag/attention.py); 0: all of them at once.
     score_bytes_cap: int = 0
+    # reduced precision: bytes of one logit in the model's dtype (0: float32, in LOGIT_COPIES)
+    model_logit_bytes: int = 0
 
     def batch_bytes(self, shapes: Sequence[RequestShape]) -> int:
         """Estimated peak bytes of decoding ``shapes`` as one batch (prompts padded to the
@@ -97,23 +112,27 @@ class MemoryModel:
             + pairs * self.mask_bytes_per_pair
             + scores
         )
+        logit_bytes = _F32 * LOGIT_COPIES + self.model_logit_bytes * MODEL_LOGIT_COPIES
         encoded = rows_enc * (
-            context * self.kv_bytes_per_token
+            CACHE_COPIES * context * self.kv_bytes_per_token
             + prompt * self.cross_bytes_per_token
             + self.vocab * _F32
         )
         cross_rows = rows_enc if self.shared_cross else rows_dec
         decoded = (
-            rows_dec * (context + new + GROWTH_SLOTS) * self.kv_bytes_per_token
+            CACHE_COPIES * rows_dec * (context + new + GROWTH_SLOTS) * self.kv_bytes_per_token
             + cross_rows * prompt * self.cross_bytes_per_token
-            + rows_dec * self.vocab * _F32 * LOGIT_COPIES
+            + rows_dec * self.vocab * logit_bytes
         )
         # Teacher-forced scoring: a chunk's logits and log-softmax, and its forked cache. At most
         # every decoded hypothesis is scored under every passage of its request.
         scored_rows = sum(s.rows * s.passages for s in shapes)
         chunk_elements = min(SCORE_LOGIT_ELEMENTS, scored_rows * new * self.vocab)
         chunk_rows = max(1, chunk_elements // max(1, new * self.vocab))
-        scoring = 2 * chunk_elements * _F32 + chunk_rows * (context + new) * self.kv_bytes_per_token
+        scoring = (
+            chunk_elements * (2 * _F32 + self.model_logit_bytes * MODEL_LOGIT_COPIES)
+            + chunk_rows * (context + new) * self.kv_bytes_per_token
+        )
         # Summed, not the larger of prefill and decode: the prefill's activations are freed
         # before decoding grows, but the allocator may keep those pages resident (glibc keeps
         # freed blocks below its mmap threshold), and a bound must not depend on the allocator.
@@ -143,6 +162,7 @@ def memory_model(backend: GeneratorBackend) -> MemoryModel:
             shared_cross=False,
             mask_bytes_per_pair=layer_types * elt,  # one mask per attention layer type
             score_bytes_cap=_score_bytes_cap(backend),
+            model_logit_bytes=_model_logit_bytes(elt),
         )
     d = int(cfg.d_model)
     heads = max(int(cfg.encoder_attention_heads), int(cfg.decoder_attention_heads))
@@ -158,7 +178,13 @@ def memory_model(backend: GeneratorBackend) -> MemoryModel:
         score_bytes_per_pair=heads * _score_bytes(backend, elt),
         shared_cross=isinstance(backend, BartBackend),
         score_bytes_cap=_score_bytes_cap(backend),
+        model_logit_bytes=_model_logit_bytes(elt),
     )
+
+
+def _model_logit_bytes(elt: int) -> int:
+    """Bytes of a logit in the model's dtype where it is not float32 (module docstring)."""
+    return 0 if elt >= _F32 else elt
 
 
 def _matmul_attention(backend: GeneratorBackend) -> bool:

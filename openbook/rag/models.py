@@ -1220,10 +1220,14 @@ class CausalBackend(GeneratorBackend):
 
 def _passage_head(template: str) -> str | None:
     """The part of a passage template before ``{question}``, when it holds the passage (its
-    title or text); None when nothing before the question depends on the passage."""
+    title or text); None when nothing before the question depends on the passage.
+
+    Without the whitespace that ends it: SentencePiece and byte-level BPE tokenizers join a
+    space to the word after it, so "Question: {question}" reads "Question:" then " peru", and
+    a head ending in the space would never be a prefix of the prompt's tokens (nothing reused)."""
     if "{question}" not in template:
         return None
-    head = template.split("{question}", 1)[0]
+    head = template.split("{question}", 1)[0].rstrip()
     return head if "{text}" in head or "{title}" in head else None
 
 

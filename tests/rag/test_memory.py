@@ -3,10 +3,12 @@ costs must be those of the caches the backends really build, and it must grow wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from openbook.rag import DecodingOptions
+from openbook.rag import DecodingOptions, RagGenerator, memory
 from openbook.rag.memory import RequestShape
 from openbook.rag.models import BartEncoded
 from openbook_testkit.rag import QUESTION, make_passages
@@ -107,3 +109,47 @@ def test_measuring_beside_batched_decoding_never_breaks_its_padding(dirs, load):
         for t in threads:
             t.join()
     assert not errors, errors[0]
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of a cache's tensors, each storage once (rows may be views of one buffer)."""
+    storages = {}
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None and t.numel():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@torch.inference_mode()
+def test_the_estimate_counts_the_copy_a_join_makes_of_the_running_cache(dirs, load):
+    """Joining a request to the running batch builds the joined cache while the old one is
+    alive: the estimate holds both (CACHE_COPIES) beside every request's encoded cache."""
+    gen = load(dirs.causal("gemma3"))
+    engine = gen.engine()
+    options = DecodingOptions(num_beams=2, max_new_tokens=6)
+    requests = [(QUESTION, make_passages(3, seed)) for seed in (1, 2)]
+    running = [engine.add(q, p, options) for q, p in requests[:1]]
+    engine.step()
+    running.append(engine.add(*requests[1], options))
+    shapes = [gen.request_shape(q, p, options) for q, p in requests]
+    joined = _cache_bytes(engine._state.cache)
+    encoded = sum(_cache_bytes(r.enc.cache) for r in running)
+    assert memory.CACHE_COPIES == 2
+    assert gen.memory.batch_bytes(shapes) >= memory.CACHE_COPIES * joined + encoded
+
+
+def test_reduced_precision_counts_the_models_own_logits_beside_the_float32_ones(dirs):
+    """In bf16 the model's logits (and Gemma's soft-capping temporary) are bf16 tensors beside
+    the float32 distributions: per decoding row, MODEL_LOGIT_COPIES x vocab x 2 bytes more."""
+    path = dirs.causal("gemma3")
+    full = RagGenerator.load(path, device="cpu", dtype="float32").memory
+    half = RagGenerator.load(path, device="cpu", dtype="bfloat16").memory
+    assert full.model_logit_bytes == 0
+    assert half.model_logit_bytes == 2
+    shape = RequestShape(passages=4, beams=2, prompt_tokens=50, new_tokens=8)
+    logits_only = dataclasses.replace(half, model_logit_bytes=0)
+    extra = half.batch_bytes([shape]) - logits_only.batch_bytes([shape])
+    per_element = memory.MODEL_LOGIT_COPIES * 2
+    scored = min(memory.SCORE_LOGIT_ELEMENTS, shape.rows * shape.passages * 8 * half.vocab)
+    assert extra == per_element * (shape.rows * half.vocab + scored)

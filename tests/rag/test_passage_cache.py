@@ -135,3 +135,11 @@ def test_new_weights_drop_the_cached_passages(fresh):
 def test_prompt_spec_default_template_puts_the_passage_before_the_question():
     template = PromptSpec().passage_template
     assert template.index("{text}") < template.index("{question}")
+
+
+def test_the_head_stops_before_the_space_the_question_takes():
+    """SentencePiece and byte-level BPE join a space to the word after it ("Question:" then
+    " peru"): a head ending in that space is never a prefix of the prompt's tokens, and the
+    default Gemma prompt reused nothing."""
+    template = "Title: {title}\nPassage: {text}\nQuestion: {question}\nAnswer:"
+    assert _passage_head(template) == "Title: {title}\nPassage: {text}\nQuestion:"

@@ -137,7 +137,9 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
     ``current()`` is the model new requests start on. ``fits(shapes)`` says whether requests of
     those shapes may run together (the memory budget). ``on_step(requests, queued)`` is told the
     requests of every decoding step, ``on_drop(where, n)`` of requests dropped because their
-    caller gave up (``where``: "queued" or "running"). ``submit`` (:class:`WaitingLine`) blocks
+    caller gave up (``where``: "queued" or "running"), ``on_finish(shape, idle)`` of every request
+    that ended (answered or failed) once its memory is dropped, with whether nothing runs or waits
+    now (called by the decoding thread). ``submit`` (:class:`WaitingLine`) blocks
     for a result; :meth:`stream` yields tokens as they are decided, then the result;
     :meth:`admission` refuses what cannot finish in time.
     """
@@ -150,6 +152,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         fits: Callable[[list[RequestShape]], bool],
         on_step: Callable[[int, int], None] | None = None,
         on_drop: Callable[[str, int], None] | None = None,
+        on_finish: Callable[[RequestShape, bool], None] | None = None,
     ) -> None:
         super().__init__(
             max_queue=options.max_queue,
@@ -163,6 +166,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         self._fits = fits
         self._on_step = on_step
         self._on_running_drop = on_drop
+        self._on_finish = on_finish
         self._batches: list[_Batch] = []
         # id(waiting) -> the admitted request
         self._running: dict[int, _Admitted] = {}
@@ -650,6 +654,11 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 if item.planned_s > 0:
                     self.lateness.observe(item.planned_s, time.monotonic() - item.admitted_at)
         resolve(waiting.future, result)
+        if self._on_finish is not None:
+            del admitted, running  # its caches: what on_finish may give back
+            with self._cond:
+                idle = not self._running and not self._waiting
+            self._on_finish(waiting.payload.shape, idle)
 
 
 @dataclass

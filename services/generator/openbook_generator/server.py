@@ -12,6 +12,7 @@ import threading
 from openbook.checkpoint import latest_checkpoint, load_generator, locate_in_root
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
+from openbook.serving import allocator
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
     DeferredServicer,
@@ -78,6 +79,7 @@ def bind(settings: GeneratorSettings) -> tuple[GrpcService, DeferredServicer]:
 def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> GeneratorServicer:
     """Load the model (the slow part) and the servicer around it."""
     generator = load_initial_generator(settings)
+    allocator.release()  # what loading freed (float32 copies, file buffers) leaves with it
     redis = redis_client(settings.redis_url, settings.redis_timeout_s)
     log.info(
         "generator %s (%s) on %s/%s",
@@ -138,6 +140,7 @@ def build(settings: GeneratorSettings) -> tuple[GrpcService, GeneratorServicer]:
 
 def serve(settings: GeneratorSettings, stop: threading.Event | None = None) -> None:
     """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
+    allocator.configure()  # before the model loads (openbook/serving/allocator.py)
     service, pending = bind(settings)
     service.metrics.serve_http(settings.metrics_port, settings.host)
     loaded: list[GeneratorServicer] = []

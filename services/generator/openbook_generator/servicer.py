@@ -21,6 +21,7 @@ from openbook.limits import MAX_K, check_decoding, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
+from openbook.serving.allocator import MemoryReleaser
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 client_errors(CheckpointError, ModelLoadError)
 
 DEFAULTS = DecodingOptions()
+# Under a load that never leaves the generator idle, memory is given back once the requests
+# ended since the last time were estimated at this much (openbook/serving/allocator.py).
+RELEASE_AFTER_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -160,12 +164,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self._reload_lock = threading.Lock()
         self.stop_following = threading.Event()
         self.follower = None  # openbook.shared_state.ModelFollower, once following reloads
+        # gives the C allocator's freed pages back when decoding goes idle / after large work
+        self.releaser = MemoryReleaser(RELEASE_AFTER_BYTES)
         self.scheduler = Scheduler(
             lambda: self.generator,
             scheduling or SchedulingOptions(),
             fits=self._fits,
             on_step=self._on_step,
             on_drop=self._on_drop,
+            on_finish=self._on_finish,
         )
         if metrics is not None:
             metrics.track_queue(self.scheduler.depth)
@@ -180,6 +187,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def _on_drop(self, where: str, count: int) -> None:
         if self.metrics is not None:
             self.metrics.observe_dropped(where, count)
+
+    def _on_finish(self, shape: RequestShape, idle: bool) -> None:
+        self.releaser.finished(self.generator.memory.batch_bytes([shape]), idle)
 
     def _fits(self, shapes: list[RequestShape]) -> bool:
         if self.memory_budget_bytes is None:
