@@ -83,13 +83,14 @@ def test_k100_is_answered_or_refused_cleanly_and_the_generator_stays_up(stack):
     assert service_pid(stack, "generator") == pid
 
 
-def test_a_default_question_is_not_held_hostage_by_a_k100_request(stack):
+def test_a_default_question_is_not_held_hostage_by_a_large_request(stack):
     """Chunked prefill, a batch of its own and least attained service: the default question
-    asked while a k=100 request runs is answered before it (its latency against its latency
-    alone is measured by bench/load/run.py --real, docs/benchmarks.md)."""
+    asked while a large request runs (k=60, 64 tokens: k=100 with 64 tokens needs more than the
+    default memory budget in bf16) is answered before it (its latency against its latency alone
+    is measured by bench/load/run.py --real, docs/benchmarks.md)."""
     with ThreadPoolExecutor(1) as pool:
-        large = pool.submit(ask, stack.url, "peru", 300, k=100, max_new_tokens=64, use_cache=False)
-        time.sleep(3)  # the k=100 request is being prefilled or decoded by now
+        large = pool.submit(ask, stack.url, "peru", 300, k=60, max_new_tokens=64, use_cache=False)
+        time.sleep(3)  # the large request is being prefilled or decoded by now
         small = ask(stack.url, QUESTIONS[0], timeout_s=300, use_cache=False)
         assert small.status == 200, small.describe()
         big = large.result()
