@@ -176,3 +176,35 @@ def test_a_small_request_runs_before_a_large_one_that_started_first(service, slo
     assert set(between) == {("encode", 3), ("step", 3)}, between
     encodes = [rows for kind, rows in throttle.events() if kind == "encode" and rows != 3]
     assert encodes == [1] * 40  # the large prompt went in chunks
+
+
+def test_waiting_requests_the_engine_can_no_longer_serve_in_time_are_refused_not_timed_out(
+    service, slow, monkeypatch
+):
+    """Admitted at the speed measured then; the engine slows down before they start (a
+    neighbour takes the CPU): each is refused at once with a retry-after (RESOURCE_EXHAUSTED,
+    the gateway's 429), not left in the line until its deadline passes (a 504)."""
+    servicer, stub = service
+    monkeypatch.setattr(servicer.scheduler, "max_batch_size", 1)  # one request at a time
+    throttle = slow(step_s=0.005, step_row_s=0.005)
+    first = stub.Generate.future(_request(2, 40), timeout=60)  # ~0.6 s, a long deadline
+    while not servicer.scheduler.running():
+        assert not first.done(), first.exception()
+        time.sleep(0.005)
+    deadline_s = 4.0
+    started = time.monotonic()
+    waiting = [stub.Generate.future(_request(2, 12), timeout=deadline_s) for _ in range(4)]
+    while servicer.scheduler.depth() < len(waiting) and not any(w.done() for w in waiting):
+        time.sleep(0.005)
+    throttle.step_s = 0.2  # 40 times slower: the first request alone now takes seconds
+    outcomes = [_outcome(w) for w in waiting]
+    elapsed = time.monotonic() - started
+    assert first.result().hypotheses
+    codes = [code for code, _, _ in outcomes]
+    assert grpc.StatusCode.DEADLINE_EXCEEDED not in codes, outcomes
+    refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert refused, outcomes
+    for _, details, trailers in refused:
+        assert "slowed down" in details and "retry in" in details
+        assert int(trailers[RETRY_AFTER_TRAILER]) >= 1
+    assert elapsed < deadline_s, "refused before their deadline, not at it"

@@ -30,7 +30,11 @@ the work due before its deadline (that of every request with an earlier deadline
 would not fit in the time it has, or when it would push an admitted request past its deadline;
 its ``Retry-After`` is how long that work takes to drain. One that could not finish in time
 even alone (at the worst case of its ``max_new_tokens``) is refused with
-:class:`~openbook.errors.TooLarge` (the gateway's 413), saying what to lower.
+:class:`~openbook.errors.TooLarge` (the gateway's 413), saying what to lower. The check and the
+entry into the line are one step under the lock (a crowd arriving together is checked one by
+one); every plan is scaled by :class:`Lateness` (the late tail of taken / planned); and a
+waiting request that can no longer make its deadline (the engine slowed down after it was
+admitted) is refused between two pieces of work instead of being started.
 
 Invariants:
 * the line never holds more than ``max_queue`` requests: ``submit`` fails at once (backpressure);
@@ -48,6 +52,7 @@ import math
 import queue
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -75,8 +80,11 @@ DEADLINE_SHARE = 0.8
 # answers use (stop strings and EOS end most answers early), and where it starts.
 STEPS_WEIGHT = 0.1
 INITIAL_STEPS_SHARE = 0.5
-# Weight of the past in Lateness at each finished request.
-LATENESS_FADE = 0.9
+# Lateness: the quantile of taken/planned it plans with, over how many recent requests, and
+# which requests count (those whose plan filled at least this share of their time left).
+LATENESS_QUANTILE = 0.9
+LATENESS_SAMPLES = 32
+LATENESS_TIGHT_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -89,8 +97,9 @@ class GenerateItem:
     shape: RequestShape
     # called from the decoding thread with every token decided (a streaming request)
     on_token: OnToken | None = None
-    # admission's plan: when it was admitted (time.monotonic()) and the seconds it was expected
-    # to take to finish (the work due before it and its own), compared with what it took
+    # admission's plan, set when it enters the line: when (time.monotonic()) and the seconds
+    # it was expected to take to finish (the work due before it and its own), compared with
+    # what it took
     admitted_at: float = 0.0
     planned_s: float = 0.0
 
@@ -197,7 +206,8 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         """Refuse a request of ``shape`` whose deadline is ``time_left_s`` from now if it cannot
         finish in time (module docstring): :class:`TooLarge` if not even alone,
         :class:`Overloaded` (with ``retry_after_s``) if not behind the work already here.
-        Returns the seconds it is expected to take (0: not estimated)."""
+        Returns the seconds it is expected to take before :class:`Lateness` scales them (what
+        the lateness of this request is measured against; 0: not estimated)."""
         if time_left_s is None:
             return 0.0
         with self._cond:
@@ -237,7 +247,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                     f"retry in {math.ceil(late)}s",
                     retry_after_s=late,
                 )
-            return due
+            return due / lateness
 
     def _work_ahead(self, shared: int) -> list[tuple[float, float]]:
         """(deadline, estimated remaining seconds) of every request running or waiting, when
@@ -262,8 +272,15 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         return min(left, default=1.0)
 
     def _enqueue(self, payload, timeout_s, on_cancel):
+        """Admit ``payload`` (:meth:`admission`, with ``timeout_s`` as its deadline) and put it
+        in the line, under one hold of the lock: requests arriving together are each checked
+        against the others, never all against the same state (which admitted a crowd that
+        could not finish in time)."""
         try:
-            return super()._enqueue(payload, timeout_s, on_cancel)
+            with self._cond:
+                planned = self.admission(payload.shape, payload.options, timeout_s)
+                admitted = replace(payload, admitted_at=time.monotonic(), planned_s=planned)
+                return super()._enqueue(admitted, timeout_s, on_cancel)
         except Overloaded as exc:
             if exc.retry_after_s is None:
                 exc.retry_after_s = self.retry_after_s()
@@ -442,6 +459,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                         timeout=self.max_wait_s,
                     )
                 woke = time.perf_counter()
+            self._shed_hopeless()
             taken: list[_Admitted] = []
             joining: dict[int, int] = {}  # id(batch) -> rows taken into it now
             shapes = [a.waiting.payload.shape for a in self._running.values()]
@@ -463,6 +481,40 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 shapes.append(item.shape)
                 self._running[id(head)] = admitted
             return taken, woke
+
+    def _shed_hopeless(self) -> None:
+        """Refuse (:class:`Overloaded`, the gateway's 429) every waiting request that can no
+        longer finish before its deadline at the speed measured now: the engine slowed down
+        after it was admitted (a neighbour took the CPU, a crowd arrived). It is told at once,
+        with the time the work ahead of it takes as its retry-after, instead of starting work
+        that runs into its deadline (a 504). Same model as :meth:`admission`: the work of the
+        running requests and of those ahead of it in the line, then its own, one after the
+        other, scaled by the lateness. Under ``_cond``."""
+        if not self._waiting or not self.speed.known:
+            return
+        now = time.monotonic()
+        lateness = self.lateness.factor
+        shared = self._shared_batch_rows(None)
+        ahead = lateness * sum(self._remaining_s(a, shared) for a in self._running.values())
+        for waiting in list(self._waiting):
+            item: GenerateItem = waiting.payload
+            rows = item.shape.rows if item.shape.rows > self.options.solo_rows else shared
+            mine = lateness * self._work_s(item.shape, item.options, rows, 0)
+            if waiting.deadline is None or now + ahead + mine <= waiting.deadline:
+                ahead += mine
+                continue
+            self._waiting.remove(waiting)
+            resolve(
+                waiting.future,
+                Overloaded(
+                    f"the generator slowed down after this request was admitted "
+                    f"({self.speed.describe()}): the work ahead of it would take about "
+                    f"{ahead:.1f}s and it needs {mine:.1f}s more, past its deadline; "
+                    f"retry in {math.ceil(ahead)}s",
+                    retry_after_s=ahead,
+                ),
+            )
+            self._dropped()
 
     def _batch_for(self, item: GenerateItem, joining: dict[int, int]) -> _Batch | None:
         """The batch ``item`` decodes in: a new one of its own when it is large, or when the
@@ -583,7 +635,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         urgency = 2
         if deadline is not None and self.speed.known:
             left = (deadline - now) * DEADLINE_SHARE
-            remaining = self._remaining_s(admitted, shared)
+            remaining = self.lateness.factor * self._remaining_s(admitted, shared)
             if remaining >= left:
                 urgency = 0
             elif 2 * remaining >= left:
@@ -651,8 +703,12 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 used = running.steps / max(1, running.options.max_new_tokens)
                 self.steps_share += STEPS_WEIGHT * (min(1.0, used) - self.steps_share)
                 item: GenerateItem = waiting.payload
-                if item.planned_s > 0:
-                    self.lateness.observe(item.planned_s, time.monotonic() - item.admitted_at)
+                if waiting.deadline is not None:
+                    self.lateness.observe(
+                        item.planned_s,
+                        time.monotonic() - item.admitted_at,
+                        waiting.deadline - item.admitted_at,
+                    )
         resolve(waiting.future, result)
         if self._on_finish is not None:
             del admitted, running  # its caches: what on_finish may give back
@@ -661,25 +717,36 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             self._on_finish(waiting.payload.shape, idle)
 
 
-@dataclass
 class Lateness:
-    """How much longer admitted requests took to finish than admission planned: the ratio of
-    the sums over recently finished requests (each one fading the past by
-    :data:`LATENESS_FADE`). It covers what the speed model does not see (the request threads'
-    own work on a starved CPU, calls read late) and scales every plan admission makes. Never
-    below 1: requests finishing early (least attained service lets new ones pass) must not make
-    admission promise more."""
+    """How much longer than planned admitted requests take to finish: a high quantile
+    (:data:`LATENESS_QUANTILE`) of taken / planned over the last :data:`LATENESS_SAMPLES`
+    requests whose plan was tight (it filled :data:`LATENESS_TIGHT_SHARE` of their time left or
+    more). Admission scales every plan by it.
 
-    taken: float = 1.0
-    planned: float = 1.0
+    It covers what the speed model does not see: the request threads' own work on a starved
+    CPU, a stopped process's quantum, the spread of answer lengths. A quantile, not a mean: a
+    crowd admitted up to its deadlines fails on the requests that run late, not on the average
+    one. Only tight plans count: a plan far inside its deadline cannot miss it, and its ratio is
+    mostly quantization (one scheduler period added to a plan of a few milliseconds). Never below
+    1: requests finishing early must not make admission promise more. With fewer than ten
+    samples the quantile is their maximum."""
+
+    def __init__(self) -> None:
+        self.ratios: deque[float] = deque(maxlen=LATENESS_SAMPLES)
 
     @property
     def factor(self) -> float:
-        return max(1.0, self.taken / self.planned)
+        if not self.ratios:
+            return 1.0
+        ordered = sorted(self.ratios)
+        at = min(len(ordered) - 1, math.ceil(LATENESS_QUANTILE * len(ordered)) - 1)
+        return max(1.0, ordered[at])
 
-    def observe(self, planned_s: float, taken_s: float) -> None:
-        self.taken = self.taken * LATENESS_FADE + taken_s
-        self.planned = self.planned * LATENESS_FADE + planned_s
+    def observe(self, planned_s: float, taken_s: float, time_left_s: float) -> None:
+        """A request planned to take ``planned_s`` (before scaling) of the ``time_left_s`` it
+        had took ``taken_s``."""
+        if planned_s > 0 and planned_s >= LATENESS_TIGHT_SHARE * time_left_s:
+            self.ratios.append(taken_s / planned_s)
 
 
 def _medians(samples: dict[float, list[float]]) -> list[tuple[float, float]]:

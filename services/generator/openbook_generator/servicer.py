@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,17 +195,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             return True
         return self.generator.memory.batch_bytes(shapes) <= self.memory_budget_bytes
 
-    def admit(
-        self,
-        question: str,
-        passages: Sequence[Passage],
-        options: DecodingOptions,
-        time_left_s: float | None,
+    def item(
+        self, question: str, passages: Sequence[Passage], options: DecodingOptions
     ) -> GenerateItem:
-        """Refuse, before anything is allocated, what cannot run: a request whose estimated
-        memory alone exceeds the budget (:class:`TooLarge`), or one that could not finish before
-        its deadline at the speed the generator measures now, alone (:class:`TooLarge`) or
-        behind the work it already holds (:class:`Overloaded`, with a retry-after)."""
+        """The request with its shape; refused, before anything is allocated, if its estimated
+        memory alone exceeds the budget (:class:`TooLarge`). Whether it can finish before its
+        deadline is checked as it enters the scheduler's line (:meth:`Scheduler.admission`)."""
         generator = self.generator
         shape = generator.request_shape(question, passages, options)
         if self.memory_budget_bytes is not None:
@@ -219,13 +213,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     f"generator's budget is {mib(self.memory_budget_bytes)} "
                     "(OPENBOOK_GENERATOR_MEMORY_MB): use fewer passages (k), beams or new tokens"
                 )
-        planned = self.scheduler.admission(shape, options, time_left_s)
-        return GenerateItem(
-            question, passages, options, shape, admitted_at=time.monotonic(), planned_s=planned
-        )
+        return GenerateItem(question, passages, options, shape)
 
     def Generate(self, request, context):
-        item, time_left = self._admitted(request, context)
+        item, time_left = self._validated(request, context)
         result, version = self.scheduler.submit(
             item, timeout_s=time_left, on_cancel=context.add_callback
         )
@@ -235,7 +226,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         """Validated and admitted before the first event, as Generate; then token events, and
         the reply as the last event. The client going away closes this iterator, which takes
         the request out of the batch."""
-        item, time_left = self._admitted(request, context)
+        item, time_left = self._validated(request, context)
         events = self.scheduler.stream(item, timeout_s=time_left, on_cancel=context.add_callback)
         return self._stream_events(events, item.shape.input_tokens)
 
@@ -249,14 +240,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 done = result_to_proto(result, version, prompt_tokens)
                 yield generator_pb2.GenerateEvent(done=done)
 
-    def _admitted(self, request, context) -> tuple[GenerateItem, float | None]:
-        """The request validated and admitted, and how long it may take (its deadline, bounded
-        by ``max_request_s``)."""
+    def _validated(self, request, context) -> tuple[GenerateItem, float | None]:
+        """The request validated and within the memory budget, and how long it may take (its
+        deadline, bounded by ``max_request_s``); the scheduler admits it by speed."""
         valid = validate_generate(request)
         time_left = time_remaining(context)
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
-        return self.admit(valid.question, valid.passages, valid.options, time_left), time_left
+        return self.item(valid.question, valid.passages, valid.options), time_left
 
     def Info(self, request, context):
         return _model_info(self.generator)
