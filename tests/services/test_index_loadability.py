@@ -176,3 +176,15 @@ def test_shards_merge_into_one_listing_with_every_shards_problem():
     assert listed["solo"].problem == "shard 1: no such index"
     assert listed["solo"].loaded is False
     assert merged.active == "wiki"
+
+
+def test_the_openai_model_list_offers_only_loadable_indexes(system):
+    client, _, _, problems = system
+    reply = client.get("/v1/models")
+    assert reply.status_code == 200, reply.text
+    offered = {model["id"] for model in reply.json()["data"]}
+    assert {"openbook", "openbook/facts-a", "openbook/facts-b"} <= offered
+    for name in problems:
+        assert f"openbook/{name}" not in offered, name
+        asked = client.get(f"/v1/models/openbook/{name}")
+        assert asked.status_code == 404, asked.text

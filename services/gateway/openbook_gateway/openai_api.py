@@ -127,12 +127,15 @@ def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRout
         return {"id": model_id, "object": "model", "created": created, "owned_by": "openbook"}
 
     async def model_ids(request: Request) -> list[str]:
+        """``openbook`` and ``openbook/<index>`` for every index that can be loaded: a model
+        that names an index the retriever says is broken (``problem``) is not offered."""
         listed = await request.app.state.retrieval.list_indexes(request.state.request_id)
-        return [MODEL, *(f"{MODEL}/{index.name}" for index in listed.indexes)]
+        usable = [index.name for index in listed.indexes if not index.problem]
+        return [MODEL, *(f"{MODEL}/{name}" for name in usable)]
 
     @router.get("/models")
     async def models(request: Request) -> dict:
-        """``openbook`` (the active index) and ``openbook/<index>`` for every index."""
+        """``openbook`` (the active index) and ``openbook/<index>`` for every loadable index."""
         return {"object": "list", "data": [model_card(m) for m in await model_ids(request)]}
 
     @router.get("/models/{model_id:path}")
