@@ -306,3 +306,29 @@ def test_json_in_other_unicode_encodings_is_still_read(gateway_url):
             timeout=60,
         )
         assert reply.status_code == 200, reply.text[:300]
+
+
+def _refusals(url: str) -> dict[str, float]:
+    """The gateway's count of requests refused while their head was read, by status."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith('openbook_gateway_requests_total{route="(request head)"'):
+            status = line.split('status="')[1].split('"')[0]
+            counts[status] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_refused_heads_are_counted_in_the_metrics(gateway_url):
+    """A 431 or 408 never reaches the app, so the app's request counter cannot see it: the
+    server counts it under the route "(request head)", so a flood of them shows on a
+    dashboard."""
+    before = _refusals(gateway_url)
+    _exchange(gateway_url, _get("/healthz", _many_fields(10_000)))
+    with socket.create_connection(_address(gateway_url), timeout=CLIENT_PATIENCE_S) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gate")  # never finished: a 408
+        while sock.recv(4096):
+            pass
+    after = _refusals(gateway_url)
+    assert after.get("431", 0) == before.get("431", 0) + 1, after
+    assert after.get("408", 0) == before.get("408", 0) + 1, after

@@ -318,6 +318,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         description="Retrieval-Augmented Generation (Lewis et al., 2020) as a service.",
         lifespan=lifespan,
     )
+    app.state.metrics = metrics  # the server counts the refusals of request heads in it
     # Every body is read as JSON, and every way it can fail to be JSON is a 422 (bodies.py).
     app.router.route_class = JSONBodyRoute
     require_admin = _require_admin(settings)

@@ -65,6 +65,12 @@ class HeadLimits:
 
 # The body of a refusal: (request path as far as known, status, message) -> JSON object.
 ErrorBody = Callable[[str, int, str], dict]
+# Told the status of every refusal (408, 431): the app's request counter never sees them.
+OnRefusal = Callable[[int], None]
+
+
+def _ignore(status: int) -> None:
+    return None
 
 
 def _detail(path: str, status: int, message: str) -> dict:
@@ -90,6 +96,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     limits: ClassVar[HeadLimits]
     error_body: ClassVar[ErrorBody] = staticmethod(_detail)
+    on_refusal: ClassVar[OnRefusal] = staticmethod(_ignore)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -239,6 +246,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         request_id = uuid.uuid4().hex
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
         log.info("%s from %s: %s (request %s)", status, client, message, request_id)
+        self.on_refusal(status)
         body = json.dumps(self.error_body(path, status, message), separators=(",", ":")).encode()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
@@ -273,12 +281,16 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
 
 def head_limited_protocol(
-    limits: HeadLimits, error_body: ErrorBody = _detail
+    limits: HeadLimits, error_body: ErrorBody = _detail, on_refusal: OnRefusal = _ignore
 ) -> type[HeadLimitedProtocol]:
     """The protocol class to give uvicorn (``uvicorn.Config(http=...)``) for ``limits``;
-    ``error_body`` shapes the JSON body of a 408 or 431."""
+    ``error_body`` shapes the JSON body of a 408 or 431, ``on_refusal`` counts them."""
     return type(
         "HeadLimitedProtocol",
         (HeadLimitedProtocol,),
-        {"limits": limits, "error_body": staticmethod(error_body)},
+        {
+            "limits": limits,
+            "error_body": staticmethod(error_body),
+            "on_refusal": staticmethod(on_refusal),
+        },
     )

@@ -12,10 +12,13 @@ from starlette.types import ASGIApp
 from openbook_gateway import openai_api
 from openbook_gateway.app import create_app
 from openbook_gateway.http_protocol import HeadLimits, head_limited_protocol
+from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.settings import GatewaySettings
 
 # uvicorn's exit status when the server could not start (the port taken, ...).
 STARTUP_FAILURE = 3
+# The route label of requests refused while their head was read (408, 431).
+HEAD_ROUTE = "(request head)"
 
 
 def error_body(path: str, status: int, message: str) -> dict:
@@ -33,11 +36,19 @@ def uvicorn_config(settings: GatewaySettings, app: ASGIApp | None = None) -> uvi
         max_bytes=settings.max_header_bytes,
         max_fields=settings.max_header_count,
     )
+    app = app if app is not None else create_app(settings)
+    metrics: GatewayMetrics | None = getattr(getattr(app, "state", None), "metrics", None)
+
+    def count_refusal(status: int) -> None:
+        # refused before a route was read: counted under the route "(request head)"
+        if metrics is not None:
+            metrics.requests.labels(HEAD_ROUTE, status).inc()
+
     return uvicorn.Config(
-        app if app is not None else create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
-        http=head_limited_protocol(limits, error_body),
+        http=head_limited_protocol(limits, error_body, count_refusal),
         log_config=None,
         timeout_graceful_shutdown=10,
     )
