@@ -30,9 +30,16 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server of our own on a free port, so tests never touch a shared instance."""
+    """A redis-server of our own on a free port, so tests never touch a shared instance.
+
+    Started as compose starts Redis: with the ACL file ``openbook-secrets init`` makes (the
+    default user off, ``openbook`` with its password), so every test client authenticates
+    exactly as the services do. ``url`` carries the credentials; ``secrets`` are the files.
+    """
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
+        from openbook.secrets import SecretFiles
+
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError(
@@ -42,12 +49,28 @@ class RedisServer:
         self.workdir = workdir
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.secrets = SecretFiles(workdir / "secrets")
+
+    @property
+    def password(self) -> str:
+        return self.secrets.password.read_text().strip()
 
     @property
     def url(self) -> str:
+        """The URL of user ``openbook`` (its password in it: redis-py authenticates with it)."""
+        from openbook.secrets import REDIS_USER
+
+        return f"redis://{REDIS_USER}:{self.password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def anonymous_url(self) -> str:
+        """The same server without credentials: what a process without the password gets."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        from openbook.secrets import init
+
+        init(self.secrets.dir)
         self.proc = subprocess.Popen(
             [
                 self.exe,
@@ -61,11 +84,13 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                "--aclfile",
+                str(self.secrets.acl),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
+        client = self.client()
         for _ in range(200):
             try:
                 if client.ping():
@@ -80,7 +105,16 @@ class RedisServer:
             self.proc.wait(10)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, decode_responses=True)
+        """A client of user ``openbook``: what a service (or an insider with the password) has."""
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def flush(self) -> None:
+        """Delete every key. FLUSHALL is @dangerous, which ``openbook`` may not run: its keys
+        (all of them are ``openbook:*``) go one by one."""
+        client = self.client()
+        keys = list(client.scan_iter(match="*", count=1000))
+        if keys:
+            client.unlink(*keys)
 
 
 def build_fact_indexes(root: Path) -> tuple[str, str]:
