@@ -39,7 +39,9 @@ REDIS_USER = "openbook"
 # nothing @dangerous (FLUSHALL, KEYS, CONFIG, DEBUG, CLIENT, ACL, MODULE, ...) or scripting.
 ACL_RULES = (
     "~openbook:* resetchannels &openbook:* -@all "
-    "+@read +@write +@keyspace +@pubsub +@transaction +@connection -@dangerous"
+    "+@read +@write +@keyspace +@pubsub +@transaction +@connection -@dangerous "
+    # Health checks ask who they are: only a client that authenticated as openbook is healthy.
+    "+acl|whoami"
 )
 
 
@@ -120,7 +122,9 @@ def init(directory: Path, acl_owner: int | None = None) -> SecretFiles:
     if not files.acl.exists() or files.acl.read_text() != wanted:
         files.acl.unlink(missing_ok=True)
         _create_once(files.acl, wanted)
-    if acl_owner is not None:
+    if acl_owner is not None and os.geteuid() == 0:
+        # In a container (root): Redis's image drops to its own user, which must read it.
+        # Run as a user, Redis runs as that user too: nothing to give away.
         os.chown(files.acl, acl_owner, -1)
     return files
 
@@ -131,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p_init = sub.add_parser("init", help="create the secrets that are missing (never rotates)")
     p_init.add_argument("--dir", type=Path, default=Path("var/secrets"))
     p_init.add_argument(
-        "--acl-owner", type=int, default=None, help="uid that gets the ACL file (Redis's user)"
+        "--acl-owner",
+        type=int,
+        default=None,
+        help="uid that gets the ACL file when run as root (the Redis container's user)",
     )
     args = parser.parse_args(argv)
     try:
