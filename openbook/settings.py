@@ -80,6 +80,21 @@ class CommonSettings(BaseSettings):
             tls_ca_file=self.redis_tls_ca_file,
         )
 
+    def check_secrets(self, program: str) -> None:
+        """Exit with a message naming the file if the Redis password or the server key is
+        configured but cannot be read: a service must not start without them."""
+        import sys
+
+        from openbook.sealing import load_sealer
+
+        try:
+            self.redis_options()
+            if self.server_key_file is not None:
+                load_sealer(self.server_key_file)
+        except ValueError as exc:
+            print(f"{program}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
 
 @dataclass(frozen=True)
 class RedisOptions:

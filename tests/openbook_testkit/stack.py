@@ -147,6 +147,7 @@ class Backends:
     generator_servicer: Any  # openbook_generator.servicer.GeneratorServicer
     admin_token: str | None = BACKENDS_ADMIN_TOKEN
     retriever_metrics: Any = None  # openbook.serving.metrics.ServiceMetrics
+    retriever_servicer: Any = None  # openbook_retriever.servicer.RetrieverServicer
 
     def gateway_settings(self, redis_url: str, **overrides: Any):
         """Gateway settings that point at these backends (with their admin token)."""
@@ -260,14 +261,21 @@ def backends_serving(retriever_settings: Any, generator_settings: Any) -> Iterat
     from openbook_retriever.server import build as build_retriever
 
     settings = retriever_settings
-    retriever, _, stop_following = build_retriever(retriever_settings)
+    retriever, retriever_servicer, stop_following = build_retriever(retriever_settings)
     generator, generator_servicer = build_generator(generator_settings)
     for service in (retriever, generator):
         service.set_serving(True)
         service.start()
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
     try:
-        yield Backends(retriever.port, generator.port, generator_servicer, token, retriever.metrics)
+        yield Backends(
+            retriever.port,
+            generator.port,
+            generator_servicer,
+            token,
+            retriever.metrics,
+            retriever_servicer,
+        )
     finally:
         stop_following.set()
         retriever.stop(0)
