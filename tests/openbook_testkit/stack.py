@@ -437,6 +437,25 @@ class LocalStack:
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
 
+    @property
+    def secrets(self):
+        """The secrets ``openbook up`` made on first start (openbook.secrets.SecretFiles)."""
+        from openbook.secrets import SecretFiles
+
+        return SecretFiles(self.var / "secrets")
+
+    def redis(self, password: bool = True) -> redis.Redis:
+        """A client of the stack's Redis: user ``openbook`` with the password from ``var``
+        (an insider), or (``password=False``) any local process without it."""
+        if not password:
+            return redis.Redis(port=self.ports["redis"], decode_responses=True)
+        return redis.Redis(
+            port=self.ports["redis"],
+            username="openbook",
+            password=self.secrets.password.read_text().strip(),
+            decode_responses=True,
+        )
+
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
