@@ -10,8 +10,9 @@
 Invariants: existing secrets are never rotated (running it on every start is safe, and every
 service keeps reading the same values); each file appears whole or not at all (written under a
 temporary name, then hard-linked in place, so two concurrent starts agree on one value);
-nothing is ever printed. For Kubernetes, ``init --dir deploy/k8s/base/secrets`` writes the files
-kustomize's ``secretGenerator`` turns into the ``openbook-secrets`` Secret (deploy/k8s).
+``init`` prints no secret. For Kubernetes, ``openbook-secrets k8s`` prints the Secret
+``openbook-redis`` holding the same three files (made under ``--dir`` if missing, so running it
+again prints the same values): ``openbook-secrets k8s | kubectl apply -f -`` (docs/security.md).
 
 compose runs ``init`` as a one-shot service before Redis starts, ``openbook up`` runs the same
 (docker-compose.yml), the test kit starts its Redis from the same files.
@@ -129,6 +130,28 @@ def init(directory: Path, acl_owner: int | None = None) -> SecretFiles:
     return files
 
 
+K8S_SECRET = "openbook-redis"
+
+
+def k8s_secret(directory: Path, namespace: str = "openbook") -> dict:
+    """The Kubernetes Secret ``openbook-redis`` (deploy/k8s mounts it) of the secrets under
+    ``directory``, made there first if missing: its keys are the file names."""
+    files = init(directory)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": K8S_SECRET,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/part-of": "openbook"},
+        },
+        "type": "Opaque",
+        "stringData": {
+            path.name: path.read_text() for path in (files.password, files.acl, files.server_key)
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="openbook-secrets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,8 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="uid that gets the ACL file when run as root (the Redis container's user)",
     )
+    p_k8s = sub.add_parser("k8s", help="print the Secret openbook-redis for kubectl apply -f -")
+    p_k8s.add_argument("--dir", type=Path, default=Path("var/secrets"))
+    p_k8s.add_argument("--namespace", default="openbook")
     args = parser.parse_args(argv)
     try:
+        if args.command == "k8s":
+            import json
+
+            # JSON is YAML: kubectl apply -f - reads it as it is.
+            print(json.dumps(k8s_secret(args.dir, args.namespace), indent=2))
+            return 0
         files = init(args.dir, args.acl_owner)
         print(f"openbook-secrets: secrets ready in {files.dir}")
     except (OSError, ValueError) as exc:
