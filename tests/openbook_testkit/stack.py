@@ -58,9 +58,13 @@ class RedisServer:
     @property
     def url(self) -> str:
         """The URL of user ``openbook`` (its password in it: redis-py authenticates with it)."""
+        return self.url_for(0)
+
+    def url_for(self, db: int) -> str:
+        """The URL of database ``db`` (tests that keep setups apart use several)."""
         from openbook.secrets import REDIS_USER
 
-        return f"redis://{REDIS_USER}:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://{REDIS_USER}:{self.password}@127.0.0.1:{self.port}/{db}"
 
     @property
     def anonymous_url(self) -> str:
@@ -108,10 +112,10 @@ class RedisServer:
         """A client of user ``openbook``: what a service (or an insider with the password) has."""
         return redis.Redis.from_url(self.url, decode_responses=True)
 
-    def flush(self) -> None:
-        """Delete every key. FLUSHALL is @dangerous, which ``openbook`` may not run: its keys
-        (all of them are ``openbook:*``) go one by one."""
-        client = self.client()
+    def flush(self, db: int = 0) -> None:
+        """Delete every key of ``db``. FLUSHALL/FLUSHDB are @dangerous, which ``openbook`` may
+        not run: its keys (all of them are ``openbook:*``) go one by one."""
+        client = redis.Redis.from_url(self.url_for(db), decode_responses=True)
         keys = list(client.scan_iter(match="*", count=1000))
         if keys:
             client.unlink(*keys)
