@@ -9,6 +9,7 @@ reads the same file.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -50,8 +51,74 @@ class CommonSettings(BaseSettings):
     admin_token: SecretStr | None = shared(None, "OPENBOOK_ADMIN_TOKEN")
     redis_url: str = shared("redis://127.0.0.1:6379/0", "OPENBOOK_REDIS_URL")
     redis_timeout_s: float = shared(0.5, "OPENBOOK_REDIS_TIMEOUT_S", gt=0)
+    # Redis's ACL user and the file holding its password (openbook-secrets makes both; compose,
+    # `openbook up` and k8s set the file). Unset file: the URL's own credentials, if any.
+    redis_username: str = shared("openbook", "OPENBOOK_REDIS_USERNAME", min_length=1)
+    redis_password_file: OptionalPath = shared(None, "OPENBOOK_REDIS_PASSWORD_FILE")
+    # TLS is one setting away: a rediss:// URL turns it on; this CA file verifies the server.
+    redis_tls_ca_file: OptionalPath = shared(None, "OPENBOOK_REDIS_TLS_CA_FILE")
+    # Key of the MACs sealing cached answers and the shared active index (openbook.sealing).
+    server_key_file: OptionalPath = shared(None, "OPENBOOK_SERVER_KEY_FILE")
     access_log: bool = shared(True, "OPENBOOK_ACCESS_LOG")  # one log line per request / RPC
     log_level: str = shared("INFO", "OPENBOOK_LOG_LEVEL")
+
+    def redis_options(self) -> RedisOptions:
+        """How to reach Redis; ``ValueError`` naming the file if the password cannot be read
+        (a service refuses to start rather than run unauthenticated by mistake)."""
+        password = None
+        if self.redis_password_file is not None:
+            from openbook.secrets import read_secret
+
+            password = read_secret(
+                self.redis_password_file, "redis password (OPENBOOK_REDIS_PASSWORD_FILE)"
+            )
+        return RedisOptions(
+            url=self.redis_url,
+            timeout_s=self.redis_timeout_s,
+            username=self.redis_username if password is not None else None,
+            password=password,
+            tls_ca_file=self.redis_tls_ca_file,
+        )
+
+    def check_secrets(self, program: str) -> None:
+        """Exit with a message naming the file if the Redis password or the server key is
+        configured but cannot be read: a service must not start without them."""
+        import sys
+
+        from openbook.sealing import load_sealer
+
+        try:
+            self.redis_options()
+            if self.server_key_file is not None:
+                load_sealer(self.server_key_file)
+        except ValueError as exc:
+            print(f"{program}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    """Everything a Redis client of openbook needs. ``username``/``password`` None: the URL's
+    (``redis://user:password@host``), or none. ``tls_ca_file`` applies to ``rediss://`` URLs."""
+
+    url: str
+    timeout_s: float = 0.5
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls_ca_file: Path | None = None
+
+    def client_kwargs(self) -> dict:
+        """Keyword arguments of redis-py's ``from_url`` (sync and asyncio alike)."""
+        kwargs: dict = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "decode_responses": True,
+        }
+        if self.password is not None:
+            kwargs.update(username=self.username, password=self.password)
+        if self.tls_ca_file is not None and self.url.startswith("rediss://"):
+            kwargs["ssl_ca_certs"] = str(self.tls_ca_file)
+        return kwargs
 
 
 class GrpcServiceSettings(CommonSettings):

@@ -16,6 +16,9 @@ from collections.abc import Callable
 
 import redis
 
+from openbook.sealing import Sealer, default_sealer
+from openbook.settings import RedisOptions
+
 log = logging.getLogger(__name__)
 
 ACTIVE_INDEX_KEY = "openbook:active-index"
@@ -32,33 +35,37 @@ def publish_model_version(client: redis.Redis, service: str, version: str) -> No
         log.warning("redis unavailable, %s version %r not shared: %s", service, version, exc)
 
 
-def redis_client(url: str, timeout_s: float = 0.5) -> redis.Redis:
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        decode_responses=True,
-    )
+def redis_client(target: str | RedisOptions, timeout_s: float = 0.5) -> redis.Redis:
+    """A client of ``target``: a URL (its own credentials, if any) or a service's
+    :class:`~openbook.settings.RedisOptions` (``settings.redis_options()``: user, password
+    file, TLS)."""
+    options = target if isinstance(target, RedisOptions) else RedisOptions(target, timeout_s)
+    return redis.Redis.from_url(options.url, **options.client_kwargs())
 
 
 class ActiveIndexStore:
-    """The active index name in Redis, and a channel announcing swaps."""
+    """The active index name in Redis, sealed (openbook.sealing), and a channel announcing
+    swaps. A value that is not sealed with the server key reads as no active index: whoever
+    can write to Redis cannot choose what replicas serve. Announcements carry nothing to trust:
+    they only make a replica re-read the key."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, sealer: Sealer | None = None) -> None:
         self.client = client
+        self.sealer = sealer or default_sealer()
 
     def get(self) -> str | None:
         try:
-            return self.client.get(ACTIVE_INDEX_KEY)
+            raw = self.client.get(ACTIVE_INDEX_KEY)
         except redis.RedisError as exc:
             log.warning("redis unavailable, active index unknown: %s", exc)
             return None
+        return self.sealer.open(ACTIVE_INDEX_KEY, raw)
 
     def set(self, name: str) -> bool:
         """Record and announce ``name`` as active; False if Redis could not be reached."""
         try:
             pipe = self.client.pipeline()
-            pipe.set(ACTIVE_INDEX_KEY, name)
+            pipe.set(ACTIVE_INDEX_KEY, self.sealer.seal(ACTIVE_INDEX_KEY, name))
             pipe.publish(INDEX_SWAP_CHANNEL, name)
             pipe.execute()
             return True
@@ -67,8 +74,22 @@ class ActiveIndexStore:
             return False
 
     def restore(self, name: str) -> None:
-        """Write ``name`` back if the key is gone (Redis restarted: it keeps nothing on disk)."""
-        self.client.set(ACTIVE_INDEX_KEY, name, nx=True)
+        """Write ``name`` back if the key is gone (Redis restarted: it keeps nothing on disk)
+        or holds something not genuine (forged: replaced by what this replica serves)."""
+        sealed = self.sealer.seal(ACTIVE_INDEX_KEY, name)
+        if not self.client.set(ACTIVE_INDEX_KEY, sealed, nx=True):
+            raw = self.client.get(ACTIVE_INDEX_KEY)
+            if raw is not None and self.sealer.open(ACTIVE_INDEX_KEY, raw) is None:
+                # Compare-and-set: a genuine swap written meanwhile is never overwritten.
+                with self.client.pipeline() as pipe:
+                    try:
+                        pipe.watch(ACTIVE_INDEX_KEY)
+                        if pipe.get(ACTIVE_INDEX_KEY) == raw:
+                            pipe.multi()
+                            pipe.set(ACTIVE_INDEX_KEY, sealed)
+                            pipe.execute()
+                    except redis.WatchError:
+                        pass
 
     def watch(
         self, on_change: Callable[[], None], stop: threading.Event, check_every_s: float = 2.0

@@ -23,11 +23,14 @@ os.environ.setdefault("OPENBOOK_GENERATOR_DTYPE", "float32")
 def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
+    # Every service the suite builds (in process, or a process inheriting this environment)
+    # seals and verifies with the same server key, as one deployment's services do.
+    os.environ["OPENBOOK_SERVER_KEY_FILE"] = str(server.secrets.server_key)
     yield server
     server.stop()
 
 
 @pytest.fixture
 def redis_url(redis_server) -> str:
-    redis_server.client().flushall()
+    redis_server.flush()
     return redis_server.url

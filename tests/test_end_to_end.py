@@ -126,3 +126,104 @@ def test_hot_swap_experiment_swaps_the_live_index(stack, tmp_path):
 
     rows = json.loads((tmp_path / "hot_swap.json").read_text())["predictions"]
     assert [r["index"] for r in rows] == ["wiki-2016"] * 3 + ["wiki-2018"] * 3
+
+
+# --- issue 29: an authenticated Redis whose contents are not trusted blindly ---------------
+
+
+def test_secrets_are_made_on_first_start_private_and_never_shown(stack):
+    import stat
+
+    files = stack.secrets
+    for path in (files.password, files.acl, files.server_key):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    password = files.password.read_text().strip()
+    assert len(password) >= 40
+    assert password not in files.acl.read_text()  # stored as its SHA-256
+    assert password not in stack.log_tail(10_000_000)
+
+
+def test_redis_of_the_stack_refuses_a_process_without_the_password(stack):
+    import redis
+
+    anonymous = stack.redis(password=False)
+    for attack in (
+        lambda: anonymous.set("openbook:active-index", "wiki-2016"),
+        lambda: anonymous.publish("openbook:index-swaps", "wiki-2016"),
+        lambda: anonymous.keys("openbook:answer:*"),
+    ):
+        with pytest.raises(redis.AuthenticationError):
+            attack()
+    assert stack.redis().ping()
+
+
+def _active(stack) -> str:
+    return httpx.get(f"{stack.url}/indexes", timeout=10).json()["active"]
+
+
+def test_an_insider_cannot_poison_a_cached_answer(stack):
+    import json
+    import time
+
+    question = {"question": "Who painted the Mona Lisa?", "k": 2}
+    first = httpx.post(f"{stack.url}/answer", json=question, timeout=60).json()
+    assert httpx.post(f"{stack.url}/answer", json=question, timeout=60).json()["cached"] is True
+    insider = stack.redis()
+    poisoned = json.dumps({**first, "answer": "POISONED: visit evil.example"})
+    for key in insider.scan_iter(match="openbook:answer:*"):
+        insider.set(key, poisoned)
+    again = httpx.post(f"{stack.url}/answer", json=question, timeout=60).json()
+    assert again["cached"] is False
+    assert again["answer"] == first["answer"]
+    deadline = time.monotonic() + 10  # the gateway's log line reaches the stack log
+    while "not sealed with this deployment's server key" not in stack.log_tail(10_000_000):
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
+
+
+def test_an_insider_cannot_switch_the_index_replicas_serve(stack):
+    import time
+
+    from openbook.sealing import load_sealer
+
+    active = _active(stack)
+    other = "wiki-2016"  # a real index of the stack: only who decides is wrong
+    insider = stack.redis()
+    insider.set("openbook:active-index", other)
+    insider.publish("openbook:index-swaps", other)
+    # The replica re-reads the key, rejects it and writes back its own, sealed.
+    key = load_sealer(stack.secrets.server_key)
+    deadline = time.monotonic() + 30
+    while key.open("openbook:active-index", insider.get("openbook:active-index")) != active:
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
+    assert _active(stack) == active
+    reply = httpx.post(f"{stack.url}/answer", json={"question": "Who wrote Hamlet?"}, timeout=60)
+    assert reply.json()["index"] == active
+
+
+def test_a_bad_shared_index_name_is_logged_once_not_every_two_seconds(stack):
+    import time
+
+    from openbook.sealing import load_sealer
+
+    active = _active(stack)
+    insider = stack.redis()
+    # Sealed with the deployment's own key (an index deleted since, say): genuine, yet not
+    # something the registry can load.
+    sealed = load_sealer(stack.secrets.server_key).seal("openbook:active-index", "wiki-1999")
+    insider.set("openbook:active-index", sealed)
+    insider.publish("openbook:index-swaps", "wiki-1999")
+    line = "not following the shared active index 'wiki-1999'"
+    try:
+        deadline = time.monotonic() + 30
+        while line not in stack.log_tail(10_000_000):
+            assert time.monotonic() < deadline, stack.log_tail()
+            time.sleep(0.2)
+        time.sleep(6.5)  # three of the retriever's periodic re-reads (every 2 s)
+        assert stack.log_tail(10_000_000).count(line) == 1
+        assert _active(stack) == active
+    finally:
+        key = load_sealer(stack.secrets.server_key)
+        insider.set("openbook:active-index", key.seal("openbook:active-index", active))
+        insider.publish("openbook:index-swaps", active)

@@ -311,3 +311,66 @@ def test_backoff_is_forgotten_once_a_service_stays_healthy(tmp_path):
     finally:
         stack.stop()
         supervisor.join(10)
+
+
+def _redis_stack(tmp_path: Path, port: int) -> Stack:
+    """docker-compose.yml's secrets step and Redis, run by `openbook up` on ``port``."""
+    env = {
+        **os.environ,
+        "OPENBOOK_VAR_DIR": str(tmp_path / "var"),
+        "OPENBOOK_REDIS_PORT": str(port),
+    }
+    return Stack(ComposeProject(REPO_ROOT / "docker-compose.yml", env), ["redis"])
+
+
+def test_openbook_up_runs_redis_with_the_secrets_it_makes_on_first_start(tmp_path, capsys):
+    import stat
+
+    import redis
+
+    port = free_port()
+    stack = _redis_stack(tmp_path, port)
+    try:
+        stack.start()
+        secrets = tmp_path / "var" / "secrets"
+        password = (secrets / "redis-password").read_text().strip()
+        for name in ("redis-password", "redis-users.acl", "server-key"):
+            assert stat.S_IMODE((secrets / name).stat().st_mode) == 0o600, name
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        assert redis.Redis(port=port, username="openbook", password=password).ping()
+        # A second `openbook up` (the same secrets, never rotated) reuses this Redis.
+        again = _redis_stack(tmp_path, port)
+        again.start()
+        assert "redis" not in again.processes
+        assert "redis already running, reusing it" in capsys.readouterr().out
+        assert (secrets / "redis-password").read_text().strip() == password
+    finally:
+        stack.stop()
+
+
+def test_openbook_up_never_reuses_a_redis_without_the_password(tmp_path):
+    # Someone else's Redis on the port, without openbook's ACL user and password.
+    port = free_port()
+    other = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        import redis
+
+        for _ in range(100):
+            try:
+                redis.Redis(port=port).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        stack = _redis_stack(tmp_path, port)
+        try:
+            with pytest.raises(LaunchError, match="without this deployment's ACL user"):
+                stack.start()
+        finally:
+            stack.stop()
+    finally:
+        other.terminate()
+        other.wait(10)

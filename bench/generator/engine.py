@@ -740,7 +740,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"starting {name} server on {server.addr} (log {server.log_path})", file=sys.stderr
             )
-            redis_url = f"redis://127.0.0.1:{redis.port}/{db}" if redis else None
+            redis_url = f"{redis.url.rsplit('/', 1)[0]}/{db}" if redis else None
             server.start(args, redis_url, workdir)
             server.wait_ready(args.startup_timeout)  # one model load at a time
             print(f"{name} ready: {server.info}", file=sys.stderr)

@@ -8,7 +8,8 @@ them without Docker. Three translations make container settings work on the host
 - the wildcard bind address ``0.0.0.0`` becomes ``127.0.0.1``: inside a container it is the
   container's own network, which ``ports:`` decides what to publish from; on the host it
   would be every interface, so local processes (Redis, the gRPC services) bind loopback;
-- container paths of bind mounts (``/var/openbook/indexes``) become the host paths.
+- container paths of bind mounts (``/var/openbook/indexes``) become the host paths, in a
+  shell health check (``CMD-SHELL``) too.
 
 A service that dies is restarted per its ``restart`` policy after an exponential, capped
 delay (``Backoff``), forgotten once it has been healthy for a while, never in a tight loop.
@@ -191,6 +192,18 @@ class ComposeProject:
             )
         return value
 
+    @staticmethod
+    def translate_shell(command: str, mounts: list[tuple[str, str]]) -> str:
+        """``command`` (a ``sh -c`` string) with every container mount path in it, as a whole
+        path component, replaced by its host path (quoted for the shell where needed)."""
+        for target, host in mounts:
+            command = re.sub(
+                rf"(?<![\w./-]){re.escape(target)}(?=/|\s|$|[;|&<>)])",
+                lambda _m, host=host: shlex.quote(host),
+                command,
+            )
+        return command
+
     def _spec(self, name: str, svc: dict) -> ServiceSpec:
         mounts = self._mounts(svc)
         command = svc.get("command")
@@ -217,7 +230,9 @@ class ComposeProject:
             test = test[1:] if test[0] == "CMD" else ["sh", "-c", test[1]]
         elif isinstance(test, str):
             test = ["sh", "-c", test]
-        if test:
+        if test and test[:2] == ["sh", "-c"]:
+            test = ["sh", "-c", self.translate_shell(test[2], mounts)]
+        elif test:
             test = [self.translate(arg, mounts) for arg in test]
         return ServiceSpec(
             name=name,
@@ -378,7 +393,17 @@ class Stack:
         deadline = time.monotonic() + max(spec.health_interval_s * spec.health_retries, 30)
         while not self._stop.is_set():
             if proc.popen is not None and proc.popen.poll() is not None:
-                raise LaunchError(f"{spec.name} exited with status {proc.popen.returncode}")
+                hint = ""
+                if spec.external and spec.healthcheck:
+                    # Its health check failed before we started it, and now it cannot start:
+                    # usually one already running on its port that the check refuses (a Redis
+                    # without this deployment's password is not reused).
+                    hint = (
+                        f" (is another {spec.name} already running on its port? one that fails"
+                        " its health check, e.g. a Redis without this deployment's ACL user"
+                        " and password, is never reused: stop it)"
+                    )
+                raise LaunchError(f"{spec.name} exited with status {proc.popen.returncode}{hint}")
             if proc.healthy():
                 print(f"openbook up: {spec.name} is healthy", flush=True)
                 return

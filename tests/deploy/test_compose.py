@@ -159,3 +159,42 @@ def test_default_ports_are_outside_the_ephemeral_range():
     gateway_env = services["gateway"]["environment"]
     assert gateway_env["OPENBOOK_GATEWAY_RETRIEVER_ADDR"] == "retriever:8051"
     assert gateway_env["OPENBOOK_GATEWAY_GENERATOR_ADDR"] == "generator:8052"
+
+
+def test_redis_is_authenticated_and_every_client_has_the_secrets():
+    """compose runs Redis with the ACL file the one-shot `secrets` step makes on first start,
+    healthy only when openbook's password gets in; every service that talks to Redis mounts
+    the secrets and is told where the password and server key are (issue 29)."""
+    doc = interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), {})
+    services = doc["services"]
+    secrets = services["secrets"]
+    assert secrets["command"].startswith("openbook-secrets init --dir /var/openbook/secrets")
+    assert secrets["restart"] == "no"
+    assert any(v.endswith(":/var/openbook/secrets") for v in secrets["volumes"])  # writable
+
+    redis = services["redis"]
+    assert redis["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
+    command = redis["command"].split()
+    assert command[command.index("--aclfile") + 1] == "/var/openbook/secrets/redis-users.acl"
+    assert "./var/secrets:/var/openbook/secrets:ro" in redis["volumes"]
+    health = redis["healthcheck"]["test"]
+    assert health[0] == "CMD-SHELL"
+    assert "--user openbook --askpass" in health[1] and "grep -qx openbook" in health[1]
+    assert "< /var/openbook/secrets/redis-password" in health[1]
+
+    for name, service in services.items():
+        env = service.get("environment") or {}
+        if "OPENBOOK_REDIS_URL" not in env:
+            continue
+        assert env["OPENBOOK_REDIS_USERNAME"] == "openbook", name
+        assert env["OPENBOOK_REDIS_PASSWORD_FILE"] == "/var/openbook/secrets/redis-password"
+        assert env["OPENBOOK_SERVER_KEY_FILE"] == "/var/openbook/secrets/server-key", name
+        assert "./var/secrets:/var/openbook/secrets:ro" in service["volumes"], name
+        # The secrets exist before the service starts: it waits (directly or through another)
+        # for the secrets step.
+        waits, seen = set(service.get("depends_on") or {}), set()
+        while waits - seen:
+            dep = (waits - seen).pop()
+            seen.add(dep)
+            waits |= set(services[dep].get("depends_on") or {})
+        assert "secrets" in seen or name == "trainer", name

@@ -752,3 +752,66 @@ def test_every_job_is_in_the_deploy_docs_listing():
     listing = listing.split("```")[1]
     for job in JOBS:
         assert f"    {job.name} " in listing, job.name
+
+
+# ------------------------------------------------------------ redis: authenticated (issue 29)
+
+
+def _secret_files(obj: dict, container: dict) -> dict[str, str]:
+    """Container path -> key of Secret openbook-redis, for every file the pod mounts of it."""
+    spec = obj["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        if secret and secret["secretName"] == "openbook-redis":
+            assert mount.get("readOnly") is True
+            for item in secret["items"]:
+                files[f"{mount['mountPath']}/{item['path']}"] = item["key"]
+    return files
+
+
+def test_redis_lets_in_only_the_acl_user_of_the_secret(overlay, tmp_path):
+    from openbook.secrets import k8s_secret
+
+    _, objs = overlay
+    redis = by_kind(objs, "Deployment")["redis"]
+    (c,) = containers(redis)
+    args = c["args"]
+    acl = args[args.index("--aclfile") + 1]
+    files = _secret_files(redis, c)
+    assert files[acl] == "redis-users.acl"
+    # Ready only when openbook's password gets in, as compose's health check.
+    probe = " ".join(c["readinessProbe"]["exec"]["command"])
+    assert "--user openbook" in probe and "acl whoami" in probe
+    password = next(path for path, key in files.items() if key == "redis-password")
+    assert password in probe
+    # Redis runs as 999: the Secret's files are readable by its group, nobody else.
+    spec = redis["spec"]["template"]["spec"]
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"] == 999
+    volume = next(v for v in spec["volumes"] if "secret" in v)
+    assert volume["secret"]["defaultMode"] == 0o440
+    # The keys the manifests use are the ones `openbook-secrets k8s` writes.
+    written = set(k8s_secret(tmp_path / "s")["stringData"])
+    assert set(files.values()) <= written
+
+
+def test_every_service_reads_the_password_and_key_the_secret_mounts(overlay, tmp_path):
+    from openbook.secrets import k8s_secret
+
+    _, objs = overlay
+    written = set(k8s_secret(tmp_path / "s")["stringData"])
+    workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
+    for name in ("gateway", "retriever", "generator"):
+        c = containers(workloads[name])[0]
+        env = env_of(c, objs)
+        files = _secret_files(workloads[name], c)
+        assert files[env["OPENBOOK_REDIS_PASSWORD_FILE"]] == "redis-password", name
+        assert files[env["OPENBOOK_SERVER_KEY_FILE"]] == "server-key", name
+        assert "redis-users.acl" not in files.values(), name  # only Redis needs it
+        assert env["OPENBOOK_REDIS_USERNAME"] == "openbook", name
+        assert set(files.values()) <= written
+    # The Secret is the operator's, never a committed placeholder (an empty ACL file would
+    # let anyone in), and the docs say how to make it.
+    assert "openbook-redis" not in by_kind(objs, "Secret")
+    assert "openbook-secrets k8s" in (ROOT / "docs" / "security.md").read_text()

@@ -30,9 +30,16 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server of our own on a free port, so tests never touch a shared instance."""
+    """A redis-server of our own on a free port, so tests never touch a shared instance.
+
+    Started as compose starts Redis: with the ACL file ``openbook-secrets init`` makes (the
+    default user off, ``openbook`` with its password), so every test client authenticates
+    exactly as the services do. ``url`` carries the credentials; ``secrets`` are the files.
+    """
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
+        from openbook.secrets import SecretFiles
+
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError(
@@ -42,12 +49,32 @@ class RedisServer:
         self.workdir = workdir
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.secrets = SecretFiles(workdir / "secrets")
+
+    @property
+    def password(self) -> str:
+        return self.secrets.password.read_text().strip()
 
     @property
     def url(self) -> str:
+        """The URL of user ``openbook`` (its password in it: redis-py authenticates with it)."""
+        return self.url_for(0)
+
+    def url_for(self, db: int) -> str:
+        """The URL of database ``db`` (tests that keep setups apart use several)."""
+        from openbook.secrets import REDIS_USER
+
+        return f"redis://{REDIS_USER}:{self.password}@127.0.0.1:{self.port}/{db}"
+
+    @property
+    def anonymous_url(self) -> str:
+        """The same server without credentials: what a process without the password gets."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        from openbook.secrets import init
+
+        init(self.secrets.dir)
         self.proc = subprocess.Popen(
             [
                 self.exe,
@@ -61,11 +88,13 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                "--aclfile",
+                str(self.secrets.acl),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
+        client = self.client()
         for _ in range(200):
             try:
                 if client.ping():
@@ -80,7 +109,16 @@ class RedisServer:
             self.proc.wait(10)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, decode_responses=True)
+        """A client of user ``openbook``: what a service (or an insider with the password) has."""
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def flush(self, db: int = 0) -> None:
+        """Delete every key of ``db``. FLUSHALL/FLUSHDB are @dangerous, which ``openbook`` may
+        not run: its keys (all of them are ``openbook:*``) go one by one."""
+        client = redis.Redis.from_url(self.url_for(db), decode_responses=True)
+        keys = list(client.scan_iter(match="*", count=1000))
+        if keys:
+            client.unlink(*keys)
 
 
 def build_fact_indexes(root: Path) -> tuple[str, str]:
@@ -113,6 +151,7 @@ class Backends:
     generator_servicer: Any  # openbook_generator.servicer.GeneratorServicer
     admin_token: str | None = BACKENDS_ADMIN_TOKEN
     retriever_metrics: Any = None  # openbook.serving.metrics.ServiceMetrics
+    retriever_servicer: Any = None  # openbook_retriever.servicer.RetrieverServicer
 
     def gateway_settings(self, redis_url: str, **overrides: Any):
         """Gateway settings that point at these backends (with their admin token)."""
@@ -226,14 +265,21 @@ def backends_serving(retriever_settings: Any, generator_settings: Any) -> Iterat
     from openbook_retriever.server import build as build_retriever
 
     settings = retriever_settings
-    retriever, _, stop_following = build_retriever(retriever_settings)
+    retriever, retriever_servicer, stop_following = build_retriever(retriever_settings)
     generator, generator_servicer = build_generator(generator_settings)
     for service in (retriever, generator):
         service.set_serving(True)
         service.start()
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
     try:
-        yield Backends(retriever.port, generator.port, generator_servicer, token, retriever.metrics)
+        yield Backends(
+            retriever.port,
+            generator.port,
+            generator_servicer,
+            token,
+            retriever.metrics,
+            retriever_servicer,
+        )
     finally:
         stop_following.set()
         retriever.stop(0)
@@ -394,6 +440,25 @@ class LocalStack:
     @property
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
+
+    @property
+    def secrets(self):
+        """The secrets ``openbook up`` made on first start (openbook.secrets.SecretFiles)."""
+        from openbook.secrets import SecretFiles
+
+        return SecretFiles(self.var / "secrets")
+
+    def redis(self, password: bool = True) -> redis.Redis:
+        """A client of the stack's Redis: user ``openbook`` with the password from ``var``
+        (an insider), or (``password=False``) any local process without it."""
+        if not password:
+            return redis.Redis(port=self.ports["redis"], decode_responses=True)
+        return redis.Redis(
+            port=self.ports["redis"],
+            username="openbook",
+            password=self.secrets.password.read_text().strip(),
+            decode_responses=True,
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

@@ -38,7 +38,7 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory, redis_server):
-    redis_server.client().flushall()  # no active index left behind by another module
+    redis_server.flush()  # no active index left behind by another module
     with running_backends(
         tmp_path_factory.mktemp("auth"), redis_server.url, admin_token=TOKEN
     ) as running:

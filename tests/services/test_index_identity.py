@@ -15,7 +15,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
@@ -180,8 +179,8 @@ def test_shards_of_a_copy_merge_under_its_directory_name(system, tmp_path, redis
     try:
         for i in range(2):
             # Each shard follows its own Redis database, so one can lag behind the other.
-            url = f"redis://127.0.0.1:{redis_server.port}/{i + 1}"
-            redis.Redis.from_url(url).flushdb()
+            url = redis_server.url_for(i + 1)
+            redis_server.flush(i + 1)
             settings = _retriever_settings(tmp_path, shards / f"shard-{i}", url, COPY)
             service, _, stop = build_retriever(settings)
             service.set_serving(True)

@@ -63,7 +63,7 @@ def _broken(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, redis_server):
-    redis_server.client().flushall()  # no active index left behind by another module
+    redis_server.flush()  # no active index left behind by another module
     work = tmp_path_factory.mktemp("loadability")
     build_fact_indexes(work / "indexes")
     problems = _broken(work / "indexes")

@@ -29,7 +29,7 @@ BAD_NAMES = ["facts-b\n", "facts-b\r\n", "facts-b\r", "\nfacts-b", "facts\x00-b"
 
 @pytest.fixture(scope="module")
 def stubs(tmp_path_factory, redis_server):
-    redis_server.client().flushall()  # no active index left behind by another module
+    redis_server.flush()  # no active index left behind by another module
     with (
         running_backends(
             tmp_path_factory.mktemp("names"), redis_server.url, admin_token=TOKEN

@@ -29,7 +29,7 @@ REFUSED = "step-000002"
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, redis_server):
-    redis_server.client().flushall()
+    redis_server.flush()
     tmp = tmp_path_factory.mktemp("rollback")
     build_fact_indexes(tmp / "indexes")
     bart = make_tiny_bart(tmp / "bart")

@@ -95,7 +95,7 @@ def served_versions(replicas: Replicas) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, redis_server):
-    redis_server.client().flushall()
+    redis_server.flush()
     tmp = tmp_path_factory.mktemp("replicas")
     build_fact_indexes(tmp / "indexes")
     bart = make_tiny_bart(tmp / "bart")

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from openbook.serving.grpc_server import bearer_metadata, check_health
+from openbook.shared_state import ActiveIndexStore
 from openbook.v1 import retriever_pb2
 from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.stack import build_fact_indexes, retriever_service
@@ -77,7 +78,7 @@ def test_swap_changes_active_index_and_is_shared_through_redis(retriever, redis_
     reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=["Who wrote Hamlet?"], k=1))
     assert reply.index == "facts-b"
     assert reply.results[0].passages[0].id == "b-p21"
-    assert redis_server.client().get("openbook:active-index") == "facts-b"
+    assert ActiveIndexStore(redis_server.client()).get() == "facts-b"
     # An explicit index is served even when it is not the active one.
     reply = stub.Retrieve(
         retriever_pb2.RetrieveRequest(queries=["Who wrote Hamlet?"], k=1, index="facts-a")

@@ -19,7 +19,6 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-import redis
 from typer.testing import CliRunner
 
 from openbook.index.cli import app as index_cli
@@ -121,10 +120,9 @@ def system(tmp_path_factory, redis_server) -> Iterator[System]:
 
     # The shards share one Redis database (the active index they follow), the unsharded
     # retriever another, so neither setup's state reaches the other.
-    shards_redis = f"redis://127.0.0.1:{redis_server.port}/5"
-    unsharded_redis = f"redis://127.0.0.1:{redis_server.port}/6"
-    for url in (shards_redis, unsharded_redis):
-        redis.Redis.from_url(url).flushdb()
+    shards_redis, unsharded_redis = redis_server.url_for(5), redis_server.url_for(6)
+    for db in (5, 6):
+        redis_server.flush(db)
 
     started: list[Retriever] = []
     generator = generator_servicer = None
@@ -151,7 +149,7 @@ def system(tmp_path_factory, redis_server) -> Iterator[System]:
             return GatewaySettings(
                 retriever_addr=retriever_addr,
                 generator_addr=f"127.0.0.1:{generator.port}",
-                redis_url=f"redis://127.0.0.1:{redis_server.port}/{redis_db}",
+                redis_url=redis_server.url_for(redis_db),
                 retrieve_timeout_s=RETRIEVE_TIMEOUT_S,
                 health_timeout_s=HEALTH_TIMEOUT_S,
             )

@@ -167,13 +167,13 @@ def driver():
 
 @pytest.fixture(scope="module")
 def gateway_url(tmp_path_factory, redis_server):
-    redis_server.client().flushall()
+    redis_server.flush()
     workdir = tmp_path_factory.mktemp("ui")
     with running_backends(workdir, redis_server.url, admin_token=TOKEN) as backends:
         settings = backends.gateway_settings(redis_server.url, admin_token=TOKEN)
         with serving_gateway(settings, timeout_s=WAIT_S) as url:
             yield url
-    redis_server.client().flushall()  # leave no active index behind for other modules
+    redis_server.flush()  # leave no active index behind for other modules
 
 
 def _screenshot(driver, name: str, width: int = 1280) -> Path:

@@ -10,6 +10,7 @@ from openbook_gateway.settings import GatewaySettings
 def main() -> None:
     settings = GatewaySettings()
     setup_logging(settings.log_level)
+    settings.check_secrets("openbook-gateway")
     serve(settings)
 
 

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openbook.auth import bearer_matches
 from openbook.logs import request_id_var
+from openbook.sealing import load_sealer
 from openbook.v1 import generator_pb2
 from openbook_gateway import openai_api
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
@@ -283,6 +284,10 @@ def _require_admin(settings: GatewaySettings):
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     metrics = GatewayMetrics()
+    # Read before serving: a password or key file that cannot be read stops the start with
+    # an error naming it, never a gateway running without them.
+    redis_options = settings.redis_options()
+    sealer = load_sealer(settings.server_key_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -303,9 +308,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             settings.health_timeout_s,
             admin_token=settings.admin_token,
         )
-        app.state.cache = AnswerCache(
-            settings.redis_url, settings.cache_ttl_s, settings.redis_timeout_s
-        )
+        app.state.cache = AnswerCache(redis_options, settings.cache_ttl_s, sealer)
         app.state.default_k = DefaultK(app.state.generator, settings.health_timeout_s)
         yield
         await app.state.retrieval.close()

@@ -4,6 +4,10 @@ The key includes the index that computed the answer, so after a swap a lookup (k
 newly active index) can never return an answer computed on the other one; and the model
 versions that computed it, so a reloaded model never serves the old one's answers. When
 Redis is unreachable the cache is skipped, never an error.
+
+Entries are sealed with the server key (openbook.sealing), bound to their key: one written or
+altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
+computed afresh; the active index read from Redis is trusted the same way only.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from openbook.sealing import Sealer
+from openbook.settings import RedisOptions
 from openbook.shared_state import ACTIVE_INDEX_KEY, MODEL_VERSIONS_KEY
 from openbook_gateway.schemas import AnswerRequest
 
@@ -47,11 +53,10 @@ def cache_key(index: str, params: dict) -> str:
 
 
 class AnswerCache:
-    def __init__(self, url: str, ttl_s: int, timeout_s: float) -> None:
+    def __init__(self, redis: RedisOptions, ttl_s: int, sealer: Sealer) -> None:
         self.ttl_s = ttl_s
-        self.client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
-        )
+        self.sealer = sealer
+        self.client = aioredis.Redis.from_url(redis.url, **redis.client_kwargs())
         # What this gateway saw serve last: covers a Redis that lost its keys.
         self.last_index: str | None = None
         self.last_versions: dict[str, str] = {}
@@ -89,22 +94,25 @@ class AnswerCache:
                 index, versions = (
                     await pipe.get(ACTIVE_INDEX_KEY).hgetall(MODEL_VERSIONS_KEY).execute()
                 )
-            return index, versions
+            return self.sealer.open(ACTIVE_INDEX_KEY, index), versions
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable: %s", exc)
             return None, {}
 
     async def get(self, index: str, params: dict) -> dict | None:
+        key = cache_key(index, params)
         try:
-            raw = await self.client.get(cache_key(index, params))
+            raw = await self.client.get(key)
         except (RedisError, OSError) as exc:
             log.warning("cache read skipped, redis unavailable: %s", exc)
             return None
-        return json.loads(raw) if raw else None
+        payload = self.sealer.open(key, raw)
+        return json.loads(payload) if payload else None
 
     async def put(self, index: str, params: dict, answer: dict) -> None:
+        key = cache_key(index, params)
         try:
-            await self.client.set(cache_key(index, params), json.dumps(answer), ex=self.ttl_s)
+            await self.client.set(key, self.sealer.seal(key, json.dumps(answer)), ex=self.ttl_s)
         except (RedisError, OSError) as exc:
             log.warning("cache write skipped, redis unavailable: %s", exc)
 

@@ -10,6 +10,7 @@ from openbook_generator.settings import GeneratorSettings
 def main() -> None:
     settings = GeneratorSettings()
     setup_logging(settings.log_level)
+    settings.check_secrets("openbook-generator")
     serve(settings)
 
 

@@ -80,7 +80,7 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
     """Load the model (the slow part) and the servicer around it."""
     generator = load_initial_generator(settings)
     allocator.release()  # what loading freed (float32 copies, file buffers) leaves with it
-    redis = redis_client(settings.redis_url, settings.redis_timeout_s)
+    redis = redis_client(settings.redis_options())
     log.info(
         "generator %s (%s) on %s/%s",
         generator.model_version,

@@ -10,6 +10,7 @@ from openbook_retriever.settings import RetrieverSettings
 def main() -> None:
     settings = RetrieverSettings()
     setup_logging(settings.log_level)
+    settings.check_secrets("openbook-retriever")
     serve(settings)
 
 

@@ -14,6 +14,7 @@ from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in
 from openbook.index import Encoder, load_encoder
 from openbook.index.encoders import load_adapted_encoder
 from openbook.rag.adapters import AdapterMismatch
+from openbook.sealing import load_sealer
 from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     DeferredServicer,
@@ -82,7 +83,9 @@ def load(
     """Load the initial index, encoder and checkpoint (the slow part); follow the shared
     active index until ``stop`` is set."""
     registry = IndexRegistry(settings.index_root, max_loaded=settings.max_loaded_indexes)
-    shared = ActiveIndexStore(redis_client(settings.redis_url, settings.redis_timeout_s))
+    shared = ActiveIndexStore(
+        redis_client(settings.redis_options()), load_sealer(settings.server_key_file)
+    )
     encoder = configured_query_encoder(settings)
     servicer = RetrieverServicer(
         registry,

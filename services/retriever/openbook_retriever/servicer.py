@@ -174,6 +174,8 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         # Local swaps and following the shared key are serialised, so a stale read of the
         # key can never undo a swap that has just been made here.
         self._swap_lock = threading.Lock()
+        # The last shared active index this replica refused: logged once, then left alone.
+        self._refused_shared: str | None = None
         self.batcher: Batcher[_Search, list[list[Passage]]] = Batcher(
             search_batch,
             max_batch_size=max_batch_size,
@@ -382,11 +384,24 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                     self.shared.restore(mine)
                 return
             if shared == mine:
+                self._refused_shared = None
                 return
+            if shared == self._refused_shared:
+                return  # refused already and said so: once per distinct value, not every 2 s
             try:
+                # The registry validates the name (a loadable index under its root) and loads
+                # it; a name it refuses is never served, whatever Redis says.
                 self.registry.swap(shared)
+                self._refused_shared = None
             except Exception as exc:  # noqa: BLE001 - keep serving the current index
-                log.error("cannot follow swap to %r: %s", shared, exc)
+                self._refused_shared = shared
+                log.error(
+                    "not following the shared active index %r, serving %r: %s "
+                    "(said once per value)",
+                    shared,
+                    mine,
+                    exc,
+                )
             self._record_active()
 
     def _record_active(self) -> None:
