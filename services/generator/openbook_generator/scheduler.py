@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from openbook.compute_threads import ComputeThreads
 from openbook.errors import DeadlineExceeded, Overloaded, TooLarge
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.engine import DecodingEngine, Running
@@ -153,6 +154,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         on_step: Callable[[int, int], None] | None = None,
         on_drop: Callable[[str, int], None] | None = None,
         on_finish: Callable[[RequestShape, bool], None] | None = None,
+        compute: ComputeThreads | None = None,
     ) -> None:
         super().__init__(
             max_queue=options.max_queue,
@@ -167,6 +169,9 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         self._on_step = on_step
         self._on_running_drop = on_drop
         self._on_finish = on_finish
+        # sized on the decoding thread (torch's OpenMP size is per thread), between two pieces
+        # of work; None: the thread keeps torch's default
+        self._compute = compute
         self._batches: list[_Batch] = []
         # id(waiting) -> the admitted request
         self._running: dict[int, _Admitted] = {}
@@ -487,6 +492,8 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         # admitting requests, choosing work, answering, and the request threads holding the
         # interpreter meanwhile are work too, and a throttled process is slow at all of it
         # (what admission must plan with). Only waiting idle for requests is not.
+        if self._compute is not None:
+            self._compute.apply()  # before calibration: it measures the size work runs at
         turn = time.perf_counter()
         while True:
             took = self._take()
@@ -495,6 +502,10 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             taken, woke = took
             if woke is not None:
                 turn = woke
+            if self._compute is not None:
+                # a neighbour may have taken a core (or given it back) since the last reading;
+                # the speed model sees the change in the next pieces' times (speed.py)
+                self._compute.maybe_resize()
             with self._cond:
                 jobs, self._jobs = self._jobs, []
             for job in jobs:
