@@ -1,8 +1,8 @@
-"""The generator service sizes its compute threads to the CPU it gets (openbook/compute_threads.py),
-seen on its own /metrics (``openbook_compute_threads``): pinned to one CPU it computes with one
-thread; OPENBOOK_COMPUTE_THREADS wins; a neighbour spinning on one of two cores takes a thread
-away while the service is answering (issue 29: a team of two waiting on a core it does not get
-answered nothing)."""
+"""The services size their compute threads to the CPU they get (openbook/compute_threads.py),
+seen on their own /metrics (``openbook_compute_threads``): pinned to one CPU the generator and
+the retriever's encoder compute with one thread; OPENBOOK_COMPUTE_THREADS wins; a neighbour
+spinning on one of two cores takes the generator's second thread away while it is answering
+(issue 29: a team of two waiting on a core it does not get answered nothing)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import pytest
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_testkit.hog import CpuHog
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
-from openbook_testkit.stack import free_port
+from openbook_testkit.stack import build_fact_indexes, free_port
 
 CPUS = sorted(os.sched_getaffinity(0))
-GAUGE = re.compile(r'^openbook_compute_threads\{service="generator"\} (\S+)$', re.M)
+GAUGE = re.compile(r'^openbook_compute_threads\{service="(\w+)"\} (\S+)$', re.M)
 
 
 @pytest.fixture(scope="module")
@@ -34,28 +34,35 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_causal_lm(tmp_path_factory.mktemp("threads") / "gemma", arch="gemma3")
 
 
+@pytest.fixture(scope="module")
+def indexes(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("threads-indexes")
+    build_fact_indexes(root)
+    return root
+
+
 @contextmanager
-def generator_process(
-    model: Path, workdir: Path, redis_url: str, cpus: set[int] | None = None, **env: str
+def service_process(
+    service: str, workdir: Path, redis_url: str, cpus: set[int] | None = None, **env: str
 ) -> Iterator[tuple[subprocess.Popen, str, int]]:
-    """``python -m openbook_generator`` as compose runs it (its environment only), optionally
-    pinned to ``cpus``; yields (process, gRPC address, metrics port) once it serves."""
+    """``python -m openbook_<service>`` as compose runs it (its environment only, plus
+    ``env``), optionally pinned to ``cpus``; yields (process, gRPC address, metrics port) once
+    its metrics report its compute threads."""
     port, metrics_port = free_port(), free_port()
+    prefix = f"OPENBOOK_{service.upper()}_"
     environment = {k: v for k, v in os.environ.items() if not k.startswith("OPENBOOK_")}
     environment.pop("OMP_NUM_THREADS", None)
     environment.update(
-        OPENBOOK_GENERATOR_MODEL=str(model),
-        OPENBOOK_GENERATOR_PORT=str(port),
-        OPENBOOK_GENERATOR_METRICS_PORT=str(metrics_port),
-        OPENBOOK_GENERATOR_DTYPE="float32",
+        {prefix + "PORT": str(port), prefix + "METRICS_PORT": str(metrics_port)},
         OPENBOOK_CHECKPOINT_DIR=str(workdir / "checkpoints"),
         OPENBOOK_REDIS_URL=redis_url,
         OPENBOOK_ACCESS_LOG="false",
         **env,
     )
-    log = (workdir / f"generator-{port}.log").open("w")
+    log_path = workdir / f"{service}-{port}.log"
+    log = log_path.open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openbook_generator"],
+        [sys.executable, "-m", f"openbook_{service}"],
         env=environment,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -64,8 +71,8 @@ def generator_process(
     try:
         deadline = time.monotonic() + 180
         while _gauge(metrics_port) is None:
-            assert proc.poll() is None, (workdir / f"generator-{port}.log").read_text()
-            assert time.monotonic() < deadline, "the generator never reported its threads"
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, f"the {service} never reported its threads"
             time.sleep(0.5)
         yield proc, f"127.0.0.1:{port}", metrics_port
     finally:
@@ -84,7 +91,21 @@ def _gauge(metrics_port: int) -> float | None:
     except httpx.HTTPError:
         return None
     found = GAUGE.search(text)
-    return float(found.group(1)) if found else None
+    return float(found.group(2)) if found else None
+
+
+def generator_process(
+    model: Path, workdir: Path, redis_url: str, cpus: set[int] | None = None, **env: str
+):
+    return service_process(
+        "generator",
+        workdir,
+        redis_url,
+        cpus,
+        OPENBOOK_GENERATOR_MODEL=str(model),
+        OPENBOOK_GENERATOR_DTYPE="float32",
+        **env,
+    )
 
 
 def _request() -> generator_pb2.GenerateRequest:
@@ -101,6 +122,20 @@ def _request() -> generator_pb2.GenerateRequest:
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to pin to fewer")
 def test_pinned_to_one_cpu_the_generator_computes_with_one_thread(model, tmp_path, redis_url):
     with generator_process(model, tmp_path, redis_url, cpus={CPUS[0]}) as (_, _, metrics):
+        assert _gauge(metrics) == 1
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to pin to fewer")
+def test_pinned_to_one_cpu_the_retriever_encodes_with_one_thread(indexes, tmp_path, redis_url):
+    with service_process(
+        "retriever",
+        tmp_path,
+        redis_url,
+        {CPUS[0]},
+        OPENBOOK_INDEX_ROOT=str(indexes),
+        OPENBOOK_RETRIEVER_DEFAULT_INDEX="facts-a",
+    ) as (_, _, metrics):
+        # reported once the warm-up search ran on the batch thread, before serving
         assert _gauge(metrics) == 1
 
 
