@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +121,16 @@ def _gauge(metrics_port: int) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def _retry_after(exc) -> float:
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after":
+            try:
+                return max(0.1, float(value))
+            except ValueError:
+                break
+    return 1.0
+
+
 def _phase(stub, args: argparse.Namespace, metrics_port: int, hog: bool) -> dict:
     """``args.clients`` clients for ``args.seconds``; what they got."""
     import grpc
@@ -142,6 +153,10 @@ def _phase(stub, args: argparse.Namespace, metrics_port: int, hog: bool) -> dict
             except grpc.RpcError as exc:
                 with lock:
                     errors[exc.code().name] += 1
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # as a client should: wait what the refusal says (a loop of refusals would
+                    # be a CPU load of its own on the machine measured)
+                    stop.wait(min(5.0, _retry_after(exc)))
                 continue
             if not stop.is_set():
                 with lock:
@@ -297,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    # a stopped benchmark stops its service, redis and hog too (the finally blocks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = run(args)
     print(table(results))
     if args.json is not None:
