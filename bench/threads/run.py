@@ -153,10 +153,12 @@ def _phase(stub, args: argparse.Namespace, metrics_port: int, hog: bool) -> dict
             except grpc.RpcError as exc:
                 with lock:
                     errors[exc.code().name] += 1
+                # as a client should: wait what a 429 says, a second after anything else (a
+                # loop of refusals would be a CPU load of its own on the machine measured)
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    # as a client should: wait what the refusal says (a loop of refusals would
-                    # be a CPU load of its own on the machine measured)
                     stop.wait(min(5.0, _retry_after(exc)))
+                else:
+                    stop.wait(1.0)
                 continue
             if not stop.is_set():
                 with lock:
