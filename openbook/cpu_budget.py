@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # A core is lost once others use more than this share of it, regained once below REGAIN_AT.
-LOSE_AT = 0.3
-REGAIN_AT = 0.15
-# Weight of a new reading of others' use in the smoothed one (the rest: the previous value).
-SMOOTHING = 0.6
-# Readings over a longer window than this (an idle process read nothing for a while) only start
-# a new window: an average over a minute says little about the neighbour of now.
-MAX_WINDOW_S = 5.0
+LOSE_AT = 0.25
+REGAIN_AT = 0.1
+# Seconds over which readings of others' use fade (e-fold): a reading over a window of w
+# seconds weighs 1 - exp(-w / SMOOTHING_S) against the past. A long window weighs at once: a
+# piece of work that took seconds because a neighbour stalled the team must not be discounted,
+# which is exactly when the reading matters.
+SMOOTHING_S = 1.0
 # /proc/stat columns that are busy time: user nice system (idle iowait) irq softirq steal.
 # guest and guest_nice are already counted in user and nice.
 _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
@@ -198,9 +198,9 @@ class CpuBudget:
     def allowed(self) -> int:
         return allowed_cpus(self.files)
 
-    def read_others(self) -> float | None:
-        """Take a reading: CPUs' worth of the affinity CPUs others used since the last one
-        (None for the first reading, or after a long gap, which only start a window)."""
+    def read_others(self) -> tuple[float, float] | None:
+        """Take a reading: (CPUs' worth of the affinity CPUs others used since the last one,
+        the seconds since it); None for the first reading, which only starts a window."""
         cpus = affinity_cpus()
         now, busy, own = self.clock(), read_busy(cpus, self.files), self.own_cpu()
         if busy is None:
@@ -209,10 +209,10 @@ class CpuBudget:
         if last is None:
             return None
         wall = now - last[0]
-        if wall <= 0 or wall > MAX_WINDOW_S:
+        if wall <= 0:
             return None
         used = max(0.0, (busy - last[1]) - (own - last[2])) / wall
-        return min(used, float(len(cpus)))
+        return min(used, float(len(cpus))), wall
 
     def usable(self) -> int:
         """The compute threads to run now: min(allowed, affinity CPUs − others' use), with
@@ -220,7 +220,8 @@ class CpuBudget:
         allowed = self.allowed()
         reading = self.read_others()
         if reading is not None:
-            self.others += SMOOTHING * (reading - self.others)
+            used, wall = reading
+            self.others += (1.0 - math.exp(-wall / SMOOTHING_S)) * (used - self.others)
         free = len(affinity_cpus()) - self.others
         # a core others use more than LOSE_AT of is lost; one they use less than REGAIN_AT of
         # is regained (REGAIN_AT < LOSE_AT: between the two, the size stays)

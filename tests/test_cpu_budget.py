@@ -146,14 +146,19 @@ def test_contention_takes_a_core_away_and_gives_it_back_with_hysteresis(tmp_path
     assert budget.usable() == n
 
 
-def test_a_long_gap_only_starts_a_new_window(tmp_path):
+@pytest.mark.skipif(not TWO_CPUS, reason="needs two CPUs")
+def test_a_long_window_counts_at_once(tmp_path):
+    """A piece of work that took seconds because a neighbour stalled the team is the reading
+    that matters most: it weighs fully, not as one more second."""
     machine = _FakeMachine(tmp_path)
     budget = machine.budget()
+    n = len(machine.cpus)
     budget.usable()
-    machine.run(60.0, own_cpus=0.0, others_cpus=0.1)  # idle for a minute
-    assert budget.read_others() is None
-    machine.run(1.0, own_cpus=0.0, others_cpus=1.0)
-    assert budget.read_others() == pytest.approx(1.0, abs=0.05)
+    machine.run(60.0, own_cpus=0.0, others_cpus=0.05)  # idle for a minute
+    assert budget.usable() == n
+    machine.run(6.0, own_cpus=n - 0.5, others_cpus=0.5)  # one long stalled step
+    assert budget.usable() == n - 1
+    assert budget.others == pytest.approx(0.5, abs=0.05)
 
 
 def test_explicit_setting_then_omp_num_threads_then_automatic(monkeypatch):
