@@ -154,7 +154,11 @@ def test_a_neighbour_on_one_core_takes_a_thread_away_while_answering(model, tmp_
             with grpc.insecure_channel(addr) as channel:
                 stub = generator_pb2_grpc.GeneratorStub(channel)
                 while not stop.is_set():
-                    stub.Generate(_request(), timeout=60)
+                    try:
+                        stub.Generate(_request(), timeout=60)
+                    except grpc.RpcError:  # still starting (UNAVAILABLE), or refused
+                        time.sleep(0.2)
+                        continue
                     answered.append(1)
 
         clients = [threading.Thread(target=client, daemon=True) for _ in range(2)]
