@@ -71,6 +71,14 @@ class ServiceMetrics:
             ["service", "kind"],
             registry=self.registry,
         )
+        self.compute_threads = Gauge(
+            "openbook_compute_threads",
+            "torch/OpenMP threads the service computes with now: sized to the CPU it gets "
+            "(affinity, cgroup quota, what neighbours take) unless set "
+            "(openbook/compute_threads.py)",
+            ["service"],
+            registry=self.registry,
+        )
         self.service = service
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
@@ -99,6 +107,9 @@ class ServiceMetrics:
         """Report ``slowdown("prefill")`` and ``slowdown("step")`` at every scrape."""
         for kind in ("prefill", "step"):
             self.slowdown.labels(self.service, kind).set_function(lambda kind=kind: slowdown(kind))
+
+    def set_compute_threads(self, n: int) -> None:
+        self.compute_threads.labels(self.service).set(n)
 
     def set_serving(self, kind: str, name: str) -> None:
         """Record the one ``kind`` ('index', 'model') being served: ``name``."""

@@ -78,3 +78,35 @@ def test_a_generator_reload_loads_in_a_passing_thread(tmp_path, monkeypatch):
         servicer.close()
     assert loaders and loaders[0] is not threading.current_thread()
     assert not loaders[0].is_alive()
+
+
+def test_the_decoding_thread_resizes_between_layers_not_only_between_pieces(tmp_path, monkeypatch):
+    """A piece of work a neighbour stalls may take seconds: the decoding thread re-reads the
+    CPU budget from a hook on every layer of its forward passes (openbook/compute_threads.py),
+    and only the decoding thread does."""
+    from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
+    from openbook.cpu_budget import CpuBudget
+    from openbook_generator.scheduler import Scheduler, SchedulingOptions
+    from openbook_testkit.rag import make_tiny_causal_lm
+
+    class OneCpu(CpuBudget):
+        def usable(self) -> int:
+            return 1
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    generator = RagGenerator.load(make_tiny_causal_lm(tmp_path / "gemma"), dtype="float32")
+    applied_on: list[str] = []
+    compute = ComputeThreads(
+        ComputeThreadsOptions(interval_s=0.0),  # every call re-reads the budget
+        budget=OneCpu(),
+        set_threads=lambda n: applied_on.append(threading.current_thread().name),
+    )
+    scheduler = Scheduler(
+        lambda: generator, SchedulingOptions(), fits=lambda shapes: True, compute=compute
+    )
+    try:
+        scheduler.calibrate(generator)  # one job of ~40 pieces of work, 2 layers each
+    finally:
+        scheduler.close()
+    assert set(applied_on) == {"generate-scheduler"}
+    assert len(applied_on) > 40  # more than once per turn of the thread

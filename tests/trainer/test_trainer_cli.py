@@ -213,3 +213,35 @@ def test_train_a_lora_adapter_from_the_command_line(task, tmp_path):
         train_app, _args(task, tmp_path / "ck2", "--generator-adapter", "lora", "--lora-rank", "0")
     )
     assert res.exit_code == 2 and "lora-rank" in res.output
+
+
+def test_train_sizes_its_compute_threads_and_the_setting_wins(task, tmp_path, monkeypatch, caplog):
+    """The CLI sizes torch's threads of the thread that trains (openbook/compute_threads.py);
+    OPENBOOK_COMPUTE_THREADS overrides the CPU budget; a bad value is an error naming it."""
+    import logging
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OPENBOOK_COMPUTE_THREADS", "1")
+    with caplog.at_level(logging.INFO, logger="openbook.compute_threads"):
+        res = runner.invoke(train_app, _args(task, tmp_path / "ck", "--steps", "1"))
+    assert res.exit_code == 0, res.output
+    assert "compute threads: 1 (OPENBOOK_COMPUTE_THREADS" in caplog.text
+
+    monkeypatch.setenv("OPENBOOK_COMPUTE_THREADS", "many")
+    res = runner.invoke(train_app, _args(task, tmp_path / "ck2", "--steps", "1"))
+    assert res.exit_code == 2
+    assert "OPENBOOK_COMPUTE_THREADS" in res.output
+
+
+def test_torchrun_processes_on_a_node_share_its_cpus(monkeypatch):
+    import torch
+
+    from openbook_trainer.loop import training_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OPENBOOK_COMPUTE_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1024")  # more processes than CPUs: one each
+    assert training_threads().target() == 1
+    monkeypatch.setenv("OPENBOOK_COMPUTE_THREADS", "3")
+    assert training_threads().target() == 3
+    assert torch.get_num_threads() >= 1

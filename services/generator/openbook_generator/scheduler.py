@@ -51,7 +51,9 @@ import logging
 import math
 import queue
 import statistics
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -59,6 +61,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from openbook.compute_threads import ComputeThreads
 from openbook.errors import DeadlineExceeded, Overloaded, TooLarge
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.engine import DecodingEngine, Running
@@ -162,6 +165,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         on_step: Callable[[int, int], None] | None = None,
         on_drop: Callable[[str, int], None] | None = None,
         on_finish: Callable[[RequestShape, bool], None] | None = None,
+        compute: ComputeThreads | None = None,
     ) -> None:
         super().__init__(
             max_queue=options.max_queue,
@@ -176,6 +180,10 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         self._on_step = on_step
         self._on_running_drop = on_drop
         self._on_finish = on_finish
+        # sized on the decoding thread (torch's OpenMP size is per thread), between two pieces
+        # of work; None: the thread keeps torch's default
+        self._compute = compute
+        self._resizing: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models hooked
         self._batches: list[_Batch] = []
         # id(waiting) -> the admitted request
         self._running: dict[int, _Admitted] = {}
@@ -412,6 +420,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         done.result()
 
     def _calibrate(self, generator: RagGenerator) -> None:
+        self._resize_within(generator)
         prefills: dict[float, list[float]] = {}
         steps: dict[float, list[float]] = {}
         question = "What is measured when the generator starts?"
@@ -528,17 +537,42 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 if batch.generator is generator and not batch.solo:
                     fits = batch.engine.accepts(rows, joining.get(id(batch), 0))
                     return batch if fits else None
+        self._resize_within(generator)
         batch = _Batch(generator, generator.engine(), solo=rows > self.options.solo_rows)
         if not batch.solo and not generator.backend.joins_running:
             batch.solo = True  # nothing can join it: it is this request's alone
         self._batches.append(batch)
         return batch
 
+    def _resize_within(self, generator: RagGenerator) -> None:
+        """Let the compute threads be resized between the layers of ``generator``'s forward
+        passes too, not only between pieces of work: a piece that a neighbour stalls may take
+        many seconds (a team of two on one core), and the first chance to give up the lost
+        core must not wait for its end. A forward pre-hook on every layer of the model's layer
+        lists calls ``maybe_resize`` (a clock read unless a second has passed) when it runs on
+        the decoding thread. Called by the decoding thread for each model it runs."""
+        model = generator.model
+        if self._compute is None or model in self._resizing:
+            return
+        compute, thread = self._compute, self._thread
+
+        def between_layers(module: torch.nn.Module, args: object) -> None:
+            if threading.current_thread() is thread:
+                compute.maybe_resize()
+
+        for module in model.modules():
+            if isinstance(module, torch.nn.ModuleList):
+                for layer in module:
+                    layer.register_forward_pre_hook(between_layers)
+        self._resizing.add(model)
+
     def _run(self) -> None:
         # The whole turn of the thread is timed, not only the model's forward pass: taking and
         # admitting requests, choosing work, answering, and the request threads holding the
         # interpreter meanwhile are work too, and a throttled process is slow at all of it
         # (what admission must plan with). Only waiting idle for requests is not.
+        if self._compute is not None:
+            self._compute.apply()  # before calibration: it measures the size work runs at
         turn = time.perf_counter()
         while True:
             took = self._take()
@@ -547,6 +581,10 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             taken, woke = took
             if woke is not None:
                 turn = woke
+            if self._compute is not None:
+                # a neighbour may have taken a core (or given it back) since the last reading;
+                # the speed model sees the change in the next pieces' times (speed.py)
+                self._compute.maybe_resize()
             with self._cond:
                 jobs, self._jobs = self._jobs, []
             for job in jobs:

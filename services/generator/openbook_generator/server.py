@@ -10,6 +10,7 @@ import logging
 import threading
 
 from openbook.checkpoint import latest_checkpoint, load_generator, locate_in_root
+from openbook.compute_threads import ComputeThreadsOptions
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
 from openbook.serving import allocator
@@ -104,6 +105,7 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
         memory_budget_bytes=settings.memory_mb * 2**20,
         passage_cache_bytes=settings.passage_cache_mb * 2**20,
         max_request_s=settings.max_request_s,
+        compute_threads=ComputeThreadsOptions(setting=settings.compute_threads),
     )
     # the speed admission plans with, measured before the first request (and warm kernels)
     servicer.scheduler.calibrate(servicer.generator)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, load_generator
+from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import InvalidArgument, TooLarge, client_errors
 from openbook.limits import MAX_K, check_decoding, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
@@ -147,11 +148,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         checkpoint_root: Path | None = None,
         base_model: Path | None = None,
         on_model: Callable[[str], None] | None = None,
+        compute_threads: ComputeThreadsOptions | None = None,
     ) -> None:
         """``memory_budget_bytes``: estimated working memory (beyond the weights) one batch may
         hold (:mod:`openbook.rag.memory`); None: unbounded. ``max_request_s``: the longest any
         request is worked on or waited for, whatever deadline its caller sets. ``base_model``:
-        the configured model, onto which a checkpoint that holds only an adapter is loaded."""
+        the configured model, onto which a checkpoint that holds only an adapter is loaded.
+        ``compute_threads``: how the decoding thread sizes its torch threads
+        (:mod:`openbook.compute_threads`); None: torch's default, untouched."""
         self.passage_cache_bytes = passage_cache_bytes
         self.generator = self._configured(generator)
         self.on_model = on_model
@@ -165,6 +169,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self.follower = None  # openbook.shared_state.ModelFollower, once following reloads
         # gives the C allocator's freed pages back when decoding goes idle / after large work
         self.releaser = MemoryReleaser(RELEASE_AFTER_BYTES)
+        self.compute: ComputeThreads | None = None
+        if compute_threads is not None:
+            self.compute = ComputeThreads(
+                compute_threads,
+                on_change=None if metrics is None else metrics.set_compute_threads,
+            )
         self.scheduler = Scheduler(
             lambda: self.generator,
             scheduling or SchedulingOptions(),
@@ -172,6 +182,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             on_step=self._on_step,
             on_drop=self._on_drop,
             on_finish=self._on_finish,
+            compute=self.compute,
         )
         if metrics is not None:
             metrics.track_queue(self.scheduler.depth)

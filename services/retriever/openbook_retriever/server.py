@@ -11,6 +11,7 @@ import logging
 import threading
 
 from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
+from openbook.compute_threads import ComputeThreadsOptions
 from openbook.index import Encoder, load_encoder
 from openbook.index.encoders import load_adapted_encoder
 from openbook.rag.adapters import AdapterMismatch
@@ -96,6 +97,7 @@ def load(
         max_batch_size=settings.max_batch_size,
         max_batch_wait_ms=settings.max_batch_wait_ms,
         max_queue=settings.max_queue,
+        compute_threads=ComputeThreadsOptions(setting=settings.compute_threads),
     )
 
     # The active index survives restarts and is agreed between replicas through Redis;

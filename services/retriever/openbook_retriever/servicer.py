@@ -26,6 +26,7 @@ from openbook.checkpoint import (
     load_query_encoder,
     open_checkpoint,
 )
+from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, client_errors
 from openbook.index import Encoder, IndexLoadError, LoadedIndex
 from openbook.index.pairing import (
@@ -158,7 +159,10 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         max_batch_size: int = 32,
         max_batch_wait_ms: float = 2.0,
         max_queue: int = 256,
+        compute_threads: ComputeThreadsOptions | None = None,
     ) -> None:
+        """``compute_threads``: how the batch thread sizes its torch (and faiss) threads
+        (:mod:`openbook.compute_threads`); None: torch's default, untouched."""
         self.checkpoint_root = checkpoint_root
         self.registry = registry
         self.metrics = metrics
@@ -176,8 +180,14 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         self._swap_lock = threading.Lock()
         # The last shared active index this replica refused: logged once, then left alone.
         self._refused_shared: str | None = None
+        self.compute: ComputeThreads | None = None
+        if compute_threads is not None:
+            self.compute = ComputeThreads(
+                compute_threads,
+                on_change=None if metrics is None else metrics.set_compute_threads,
+            )
         self.batcher: Batcher[_Search, list[list[Passage]]] = Batcher(
-            search_batch,
+            self._search_batch,
             max_batch_size=max_batch_size,
             max_wait_ms=max_batch_wait_ms,
             max_queue=max_queue,
@@ -186,6 +196,13 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         )
         if metrics is not None:
             metrics.track_queue(self.batcher.depth)
+
+    def _search_batch(self, items: list[_Search]) -> list[list[list[Passage]] | Exception]:
+        """:func:`search_batch` on the batch thread, its compute threads sized first: torch's
+        OpenMP size is per thread, so it is set on the thread that encodes (and searches)."""
+        if self.compute is not None:
+            self.compute.maybe_resize()
+        return search_batch(items)
 
     def _on_batch(self, size: int) -> None:
         if self.metrics is not None:
@@ -258,9 +275,10 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         )
 
     def _search(self, index: LoadedIndex, queries: list[str], k: int, vectors: bool):
-        """Search ``index`` directly, outside the batcher (warm-up, tools)."""
+        """Search ``index`` through the batch thread, as a request would (the warm-up: so that
+        the thread that will encode has its kernels warm and its compute threads sized)."""
         encoder, _ = self._pairing(index)
-        return index.search(queries, k, encoder=encoder, return_vectors=vectors)
+        return self.batcher.submit(_Search(index, encoder, list(queries), k, vectors))
 
     def use_checkpoint(self, path: Path) -> None:
         """Serve the query encoder of a trainer checkpoint (or the latest under a root).

@@ -117,9 +117,14 @@ def train_command(
         _fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from openbook_trainer.loop import train as run_training
+    from openbook_trainer.loop import training_threads
 
     try:
-        result = run_training(cfg)
+        compute = training_threads()
+    except ValueError as e:  # pydantic's ValidationError: OPENBOOK_COMPUTE_THREADS is no count
+        _fail(f"OPENBOOK_COMPUTE_THREADS: {e}")
+    try:
+        result = run_training(cfg, compute=compute)
     except (
         ConfigError,
         CheckpointError,

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from openbook.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
+from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
 from openbook.index.encoders import encoder_id, encoder_weights_dir
 from openbook.rag import DecodingOptions, RagGenerator
@@ -87,23 +89,49 @@ class TrainResult:
     checkpoint: Path | None = None
 
 
-def train(cfg: TrainConfig, *, on_step: StepHook | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig, *, on_step: StepHook | None = None, compute: ComputeThreads | None = None
+) -> TrainResult:
     """Train to ``cfg.steps`` (or ``cfg.epochs``), resuming from ``cfg.out/latest`` if allowed.
 
     ``on_step(step, loss)`` runs after every optimizer step, before evaluation and saving.
+    ``compute`` (the CLI's :func:`training_threads`) sizes the torch threads of this thread,
+    which runs every step, at start and between steps; None leaves the caller's setting.
     """
     world = world_from_env(cfg.device, cfg.dist_timeout)
+    previous = torch.get_num_threads()
     try:
+        if compute is not None:
+            compute.apply()
         trainer = Trainer(cfg, world)
+        trainer.compute = compute
         try:
             return trainer.run(on_step)
         finally:
             trainer.index.close()
     finally:
+        if compute is not None:
+            torch.set_num_threads(previous)
         world.close()
 
 
+def training_threads() -> ComputeThreads:
+    """The training process's compute threads: OPENBOOK_COMPUTE_THREADS (or OMP_NUM_THREADS),
+    else the CPU budget divided among torchrun's processes on this node (LOCAL_WORLD_SIZE),
+    re-read between steps. An automatic size may change during a run (a neighbour took a
+    core), and with it the order of some floating-point sums: a run that must resume
+    bit-identically fixes the size with the setting."""
+    from openbook_trainer.settings import TrainerSettings
+
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    setting = TrainerSettings().compute_threads
+    return ComputeThreads(ComputeThreadsOptions(setting=setting, share=local))
+
+
 class Trainer:
+    # sized by train() on the thread that runs the steps; None: torch's default, untouched
+    compute: ComputeThreads | None = None
+
     def __init__(self, cfg: TrainConfig, world: World | None = None) -> None:
         self.cfg = cfg
         self.world = world or World()
@@ -325,6 +353,8 @@ class Trainer:
         ema: float | None = None
         try:
             while self.step < self.total_steps:
+                if self.compute is not None:
+                    self.compute.maybe_resize()  # a neighbour took (or gave back) a core
                 loss = self.optimizer_step()
                 self.step += 1
                 ema = loss if ema is None else 0.9 * ema + 0.1 * loss

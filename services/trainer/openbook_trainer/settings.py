@@ -24,6 +24,11 @@ class TrainerSettings(CommonSettings):
     # What `demo prepare` (the init step) prepares: "indexes,models", "indexes", "models" or
     # "none".
     prepare: str = "indexes,models"
+    # torch/OpenMP threads of training (openbook/compute_threads.py). 0: sized to the CPU the
+    # process gets, shared by torchrun's processes on the node; an explicit OMP_NUM_THREADS
+    # also fixes it (torchrun sets OMP_NUM_THREADS=1 itself when it starts several processes
+    # and the environment has none).
+    compute_threads: int = shared(0, "OPENBOOK_COMPUTE_THREADS", ge=0)
 
     @field_validator("prepare")
     @classmethod
