@@ -32,8 +32,8 @@ def main() -> None:
         if rank == args.kill_rank and step == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGSTOP if args.stall else signal.SIGKILL)
 
-    def train(cfg, *, on_step=None):  # type: ignore[no-untyped-def]
-        return real_train(cfg, on_step=killed_at)
+    def train(cfg, *, on_step=None, **options):  # type: ignore[no-untyped-def]
+        return real_train(cfg, on_step=killed_at, **options)
 
     loop.train = train
     sys.exit(command_group().main(args=argv, prog_name="openbook-trainer"))
