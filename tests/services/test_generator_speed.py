@@ -123,3 +123,35 @@ def test_lateness_ignores_plans_far_inside_their_deadline():
     for _ in range(30):
         lateness.observe(planned_s=0.01, taken_s=0.1, time_left_s=4.0)
     assert lateness.factor == 1.0
+
+
+def test_an_idle_engine_relaxes_back_to_its_calibrated_speed():
+    """One stalled step (a paused VM, a stopped process) must not make the generator refuse
+    everything for good: with nothing admitted, nothing would ever measure it fast again."""
+    from openbook_generator.speed import IDLE_WINDOW_S, Slowdown
+
+    now = [1000.0]
+    speed = _calibrated()
+    speed.step_slowdown = Slowdown(clock=lambda: now[0])
+    before = speed.step_s(10)
+    now[0] += 60.0
+    speed.observe_step(10, 60.0)  # one step took a minute
+    assert speed.step_s(10) > 100 * before
+    now[0] += 0.5 * IDLE_WINDOW_S  # idle: still cautious a little while after
+    assert speed.step_s(10) > 10 * before
+    now[0] += 10 * IDLE_WINDOW_S  # and back at the calibrated speed once idle a while
+    assert speed.step_s(10) == pytest.approx(before, rel=0.05)
+
+
+def test_busy_engines_do_not_relax():
+    """Relaxing is for an engine with nothing measured: back-to-back work keeps its measure."""
+    from openbook_generator.speed import Slowdown
+
+    now = [0.0]
+    speed = _calibrated()
+    speed.step_slowdown = Slowdown(clock=lambda: now[0])
+    step = speed.step_s(10)
+    for _ in range(200):  # every step twice as slow, one after the other
+        now[0] += 2 * step
+        speed.observe_step(10, 2 * step)
+    assert speed.step_s(10) == pytest.approx(2 * step, rel=0.05)

@@ -36,13 +36,17 @@ hold the scheduler's lock around both.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # Seconds of wall time over which measurements fade (e-fold), and the calibrated speed's weight
 # in seconds before any work was measured.
 WINDOW_S = 2.0
 PRIOR_S = 0.5
+# Seconds (e-fold) over which an engine that measures no work relaxes back to its calibrated
+# speed: a slowdown seen once must not outlive the slowness when nothing runs to correct it.
+IDLE_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -77,21 +81,42 @@ def fit_line(points: Sequence[tuple[float, float]]) -> Line:
 
 @dataclass
 class Slowdown:
-    """Recent measured seconds over shape-predicted seconds (module docstring)."""
+    """Recent measured seconds over shape-predicted seconds (module docstring).
+
+    While no work is measured, the sums relax towards the prior (the calibrated speed) over
+    :data:`IDLE_WINDOW_S` of wall time. Without that, one stalled step (a paused VM, a process
+    stopped for a minute) made every request look too slow to admit, so none ran, nothing was
+    measured, and the generator refused everything for good. Relaxing costs at most one request
+    admitted on an old speed: its first piece of work measures the machine again."""
 
     measured: float = PRIOR_S
     predicted: float = PRIOR_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    last: float | None = None  # clock() at the last observation
 
     @property
     def factor(self) -> float:
-        return self.measured / self.predicted
+        measured, predicted = self._relaxed_at(self.clock())
+        return measured / predicted
 
     def observe(self, predicted: float, seconds: float) -> None:
         if not (seconds > 0 and predicted > 0 and math.isfinite(seconds)):
             return
+        now = self.clock()
+        # the idle time before this work relaxes the sums; the work's own seconds are measured
+        measured_sum, predicted_sum = self._relaxed_at(now - seconds)
         fade = math.exp(-seconds / WINDOW_S)
-        self.measured = self.measured * fade + seconds
-        self.predicted = self.predicted * fade + predicted
+        self.measured = measured_sum * fade + seconds
+        self.predicted = predicted_sum * fade + predicted
+        self.last = now
+
+    def _relaxed_at(self, when: float) -> tuple[float, float]:
+        """The sums as the idle time from the last observation to ``when`` left them."""
+        if self.last is None:
+            return self.measured, self.predicted
+        keep = math.exp(-max(0.0, when - self.last) / IDLE_WINDOW_S)
+        prior = PRIOR_S * (1 - keep)
+        return self.measured * keep + prior, self.predicted * keep + prior
 
 
 @dataclass
