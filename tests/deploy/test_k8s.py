@@ -179,6 +179,10 @@ def test_layout_has_every_piece_the_system_needs():
         ("Job", "trainer"),
         ("Job", "index-build"),
         ("Secret", "openbook-admin"),
+        ("Job", "openbook-secrets"),
+        ("ServiceAccount", "openbook-secrets"),
+        ("Role", "openbook-secrets"),
+        ("RoleBinding", "openbook-secrets"),
         ("NetworkPolicy", "default-deny-ingress"),
         ("PersistentVolumeClaim", "openbook-indexes"),
         ("PersistentVolumeClaim", "openbook-checkpoints"),
@@ -811,7 +815,66 @@ def test_every_service_reads_the_password_and_key_the_secret_mounts(overlay, tmp
         assert "redis-users.acl" not in files.values(), name  # only Redis needs it
         assert env["OPENBOOK_REDIS_USERNAME"] == "openbook", name
         assert set(files.values()) <= written
-    # The Secret is the operator's, never a committed placeholder (an empty ACL file would
-    # let anyone in), and the docs say how to make it.
+    # The Secret is made in the cluster (the openbook-secrets Job) or by the operator, never a
+    # committed placeholder (an empty ACL file would let anyone in); the docs say how.
     assert "openbook-redis" not in by_kind(objs, "Secret")
     assert "openbook-secrets k8s" in (ROOT / "docs" / "security.md").read_text()
+
+
+def test_the_secrets_job_makes_the_secret_as_its_own_service_account(overlay):
+    """First start in Kubernetes: a Job runs ``openbook-secrets k8s-ensure`` (which creates
+    Secret openbook-redis, tests/test_secrets_k8s.py) as a service account allowed exactly
+    that: create secrets, read openbook-redis, in the namespace."""
+    _, objs = overlay
+    job = by_kind(objs, "Job")["openbook-secrets"]
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["openbook-secrets", "k8s-ensure"]
+    assert "args" not in c  # the API server and namespace come from the pod itself
+    # The image compose's one-shot `secrets` service runs the same command family in.
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    assert c["image"] == compose["secrets"]["image"]
+    assert compose["secrets"]["command"].startswith("openbook-secrets init")
+    assert pod["restartPolicy"] in ("OnFailure", "Never") and job["spec"]["backoffLimit"] >= 1
+    assert pod["serviceAccountName"] == "openbook-secrets"
+    assert pod.get("automountServiceAccountToken", True) is True
+    assert ("ServiceAccount", "openbook-secrets") in {_key(o) for o in objs}
+    # Secrets never touch the image's disk: its temporary folder is in memory.
+    tmp = next(v for v in pod["volumes"] if v["name"] == "tmp")
+    assert tmp["emptyDir"]["medium"] == "Memory"
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+    role = by_kind(objs, "Role")["openbook-secrets"]
+    rules = [
+        (
+            tuple(r["apiGroups"]),
+            tuple(r["resources"]),
+            tuple(sorted(r["verbs"])),
+            tuple(r.get("resourceNames", ())),
+        )
+        for r in role["rules"]
+    ]
+    assert sorted(rules) == sorted(
+        [
+            (("",), ("secrets",), ("create",), ()),
+            (("",), ("secrets",), ("get",), ("openbook-redis",)),
+        ]
+    ), "least privilege: no list, update, patch or delete"
+    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+
+    binding = by_kind(objs, "RoleBinding")["openbook-secrets"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "openbook-secrets",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "openbook-secrets", "namespace": NAMESPACE}
+    ]
+    # It must reach the API server: no NetworkPolicy limits its pod's egress.
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    for policy in by_kind(objs, "NetworkPolicy").values():
+        selector = policy["spec"]["podSelector"].get("matchLabels", {})
+        if selector.items() <= labels.items():
+            assert "Egress" not in policy["spec"]["policyTypes"], policy["metadata"]["name"]
