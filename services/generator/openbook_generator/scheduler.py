@@ -83,6 +83,10 @@ DEADLINE_SHARE = 0.8
 # answers use (stop strings and EOS end most answers early), and where it starts.
 STEPS_WEIGHT = 0.1
 INITIAL_STEPS_SHARE = 0.5
+# A waiting request is shed unless it is expected to finish this share of its whole time
+# (admission to deadline) before its deadline: a result that is ready just in time is still
+# late once the reply has crossed a starved process and the network (a 504, not an answer).
+SHED_MARGIN_SHARE = 0.1
 # Lateness: the quantile of taken/planned it plans with, over how many recent requests, and
 # which requests count (those whose plan filled at least this share of their time left).
 LATENESS_QUANTILE = 0.9
@@ -498,7 +502,8 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         with the time the work ahead of it takes as its retry-after, instead of starting work
         that runs into its deadline (a 504). Same model as :meth:`admission`: the work of the
         running requests and of those ahead of it in the line, then its own, one after the
-        other, scaled by the lateness. Under ``_cond``."""
+        other, scaled by the lateness, with a margin of :data:`SHED_MARGIN_SHARE` of its time.
+        Under ``_cond``."""
         if not self._waiting or not self.speed.known:
             return
         now = time.monotonic()
@@ -509,7 +514,11 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             item: GenerateItem = waiting.payload
             rows = item.shape.rows if item.shape.rows > self.options.solo_rows else shared
             mine = lateness * self._work_s(item.shape, item.options, rows, 0)
-            if waiting.deadline is None or now + ahead + mine <= waiting.deadline:
+            if waiting.deadline is None:
+                ahead += mine
+                continue
+            margin = SHED_MARGIN_SHARE * (waiting.deadline - item.admitted_at)
+            if now + ahead + mine <= waiting.deadline - margin:
                 ahead += mine
                 continue
             self._waiting.remove(waiting)
