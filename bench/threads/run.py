@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     import grpc
 
     from openbook.v1 import generator_pb2, generator_pb2_grpc
+    from openbook_testkit.stack import stop_process
 
     model = args.model if args.model.is_dir() else shaped_model(args.shaped_model)
     if not args.words:
@@ -284,12 +285,7 @@ def run(args: argparse.Namespace) -> dict:
                         time.sleep(2)  # the hog's core settles back
                 finally:
                     channel.close()
-                    service.terminate()
-                    try:
-                        service.wait(30)
-                    except subprocess.TimeoutExpired:
-                        service.kill()
-                        service.wait()
+                    stop_process(service)
     finally:
         redis.terminate()
         redis.wait(10)

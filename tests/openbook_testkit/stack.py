@@ -178,6 +178,16 @@ class Backends:
         }
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM ``proc`` and wait ``grace_s`` for it to exit, then SIGKILL it."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextmanager
 def gateway_process(workdir: Path, env: dict[str, str], timeout_s: float = 60) -> Iterator[str]:
     """The gateway as compose and ``openbook up`` run it: the ``openbook-gateway`` command, in
@@ -217,12 +227,7 @@ def gateway_process(workdir: Path, env: dict[str, str], timeout_s: float = 60) -
                 time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @contextmanager

@@ -23,7 +23,7 @@ import pytest
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_testkit.hog import CpuHog
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
-from openbook_testkit.stack import build_fact_indexes, free_port
+from openbook_testkit.stack import build_fact_indexes, free_port, stop_process
 
 CPUS = sorted(os.sched_getaffinity(0))
 GAUGE = re.compile(r'^openbook_compute_threads\{service="(\w+)"\} (\S+)$', re.M)
@@ -76,12 +76,7 @@ def service_process(
             time.sleep(0.5)
         yield proc, f"127.0.0.1:{port}", metrics_port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 
