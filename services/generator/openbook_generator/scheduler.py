@@ -269,11 +269,14 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         for admitted in self._running.values():
             out.append((_deadline(admitted.waiting), self._remaining_s(admitted, shared)))
         for waiting in self._waiting:
-            item: GenerateItem = waiting.payload
-            solo = item.shape.rows > self.options.solo_rows
-            rows = item.shape.rows if solo else shared
-            out.append((_deadline(waiting), self._work_s(item.shape, item.options, rows, 0)))
+            out.append((_deadline(waiting), self._waiting_work_s(waiting.payload, shared)))
         return out
+
+    def _waiting_work_s(self, item: GenerateItem, shared: int) -> float:
+        """Estimated engine seconds of waiting ``item`` once started: in a batch of its own if
+        it is large, else in the shared batch of ``shared`` rows."""
+        rows = item.shape.rows if item.shape.rows > self.options.solo_rows else shared
+        return self._work_s(item.shape, item.options, rows, 0)
 
     def retry_after_s(self) -> float:
         """How long until a place in the line frees: the shortest remaining work of a running
@@ -512,8 +515,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         ahead = lateness * sum(self._remaining_s(a, shared) for a in self._running.values())
         for waiting in list(self._waiting):
             item: GenerateItem = waiting.payload
-            rows = item.shape.rows if item.shape.rows > self.options.solo_rows else shared
-            mine = lateness * self._work_s(item.shape, item.options, rows, 0)
+            mine = lateness * self._waiting_work_s(item, shared)
             if waiting.deadline is None:
                 ahead += mine
                 continue
