@@ -86,6 +86,14 @@ async def unless_disconnected(request: Request, call: Awaitable[T]) -> T:
         task.cancel()  # a no-op once done
 
 
+def confidence_threshold(requested: float | None, request: Request) -> float | None:
+    """The threshold an answer is held to: the request's, else the server's default
+    (``OPENBOOK_GATEWAY_MIN_CONFIDENCE``); None: none."""
+    if requested is not None:
+        return requested
+    return getattr(request.app.state, "min_confidence", None)
+
+
 async def answer_events(
     body: AnswerRequest, request: Request, metrics: GatewayMetrics, *, stream: bool
 ) -> AsyncIterator[TokenOut | AnswerOut]:
@@ -98,9 +106,7 @@ async def answer_events(
     k = body.k if body.k is not None else await state.default_k.get(request_id)
     params = answer_params(body, k)
     # not part of the cache key: applied to the answer, cached or not, on its way out
-    threshold = body.min_confidence
-    if threshold is None:
-        threshold = getattr(state, "min_confidence", None)
+    threshold = confidence_threshold(body.min_confidence, request)
 
     if body.use_cache:
         with timer.stage("cache"):

@@ -33,7 +33,13 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from openbook.auth import bearer_matches
-from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.answering import (
+    AnswerOut,
+    TokenOut,
+    answer_events,
+    confidence_threshold,
+    unless_disconnected,
+)
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.events import STREAMED, EventStream, sse
 from openbook_gateway.metrics import GatewayMetrics
@@ -170,9 +176,7 @@ def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRout
         body.check_supported()
         question = to_answer_request(body, await index_of(body, request))
         request_id = request.state.request_id
-        threshold = body.min_confidence
-        if threshold is None:
-            threshold = getattr(request.app.state, "min_confidence", None)
+        threshold = confidence_threshold(body.min_confidence, request)
         reply = Completion(body, request_id, holds_text=threshold is not None)
         events = answer_events(question, request, metrics, stream=body.stream)
         if not body.stream:
