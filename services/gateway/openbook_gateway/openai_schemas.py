@@ -2,8 +2,8 @@
 
 It accepts OpenAI's fields, refusing those whose meaning openbook cannot honour (sampling,
 tools, log-probs, images, ...) with a 400 that names the field, and openbook's own options as
-extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ...; the official clients send
-them with ``extra_body``). :func:`to_answer_request` turns it into the
+extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ``min_confidence``, ...; the
+official clients send them with ``extra_body``). :func:`to_answer_request` turns it into the
 :class:`~openbook_gateway.schemas.AnswerRequest` the answer pipeline runs; every limit is the
 one ``/answer`` enforces (``openbook.limits``).
 """
@@ -121,6 +121,8 @@ class ChatCompletionRequest(BaseModel):
     )
     index: str | None = Field(None, pattern=INDEX_NAME_PATTERN)
     use_cache: bool = True
+    # Abstain below this confidence (as /answer's min_confidence; default: the server's)
+    min_confidence: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     # Append [1], [2], ... (1-based positions in ``citations``) to each answer: the passages the
     # answer was drawn from (see docs/api.md).
     citation_markers: bool = True
@@ -263,6 +265,7 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "length_penalty": body.length_penalty,
         "index": index,
         "use_cache": body.use_cache,
+        "min_confidence": body.min_confidence,
         "stream": body.stream,
     }
     try:

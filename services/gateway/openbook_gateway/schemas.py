@@ -63,6 +63,14 @@ class AnswerRequest(BaseModel):
         None, pattern=INDEX_NAME_PATTERN, description="default: the active index"
     )
     use_cache: bool = True
+    min_confidence: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="abstain (empty answer, abstained true) when the answer's confidence is "
+        "below this; default: the server's OPENBOOK_GATEWAY_MIN_CONFIDENCE (unset: never)",
+    )
     stream: bool = Field(
         False,
         description="answer as Server-Sent Events: token events as the answer is written, then "
@@ -111,10 +119,28 @@ class HypothesisOut(BaseModel):
     finish_reason: str | None = Field(
         None, description="'stop' (the model ended it) or 'length' (max_new_tokens ran out)"
     )
+    confidence: float = Field(
+        0.0,
+        description="in [0, 1]: the model's calibration of raw_confidence, or raw_confidence "
+        "when it has none (openbook/rag/confidence.py)",
+    )
+    raw_confidence: float = Field(
+        0.0,
+        description="exp(log_prob / n) over the n answer tokens scored: the geometric-mean "
+        "per-token probability under the passage marginal; 0 for an empty answer",
+    )
 
 
 class AnswerResponse(BaseModel):
-    answer: str
+    answer: str = Field(description="the best hypothesis' text; empty when abstained")
+    confidence: float = Field(description="the best hypothesis' confidence, in [0, 1]")
+    abstained: bool = Field(
+        description="the confidence is below the request's min_confidence (or the server's "
+        "default): the answer is empty; passages and hypotheses are still returned"
+    )
+    min_confidence: float | None = Field(
+        None, description="the threshold this answer was held to (null: none)"
+    )
     index: str
     model_version: str
     retriever_version: str
