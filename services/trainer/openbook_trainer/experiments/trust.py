@@ -69,6 +69,7 @@ def default_systems(adapters: Path) -> list[ReaderSystem]:
     return [
         ReaderSystem("few-shot prompt, dense", None, None, "dense"),
         ReaderSystem("both adapters, tuned dense (shipped until now)", gen, qenc, "dense"),
+        ReaderSystem("both adapters, hybrid (tuned dense + BM25)", gen, qenc, "hybrid"),
         ReaderSystem("few-shot prompt, hybrid (tuned dense + BM25)", None, qenc, "hybrid"),
     ]
 
@@ -160,10 +161,22 @@ def measure_retrieval(config: TrustConfig, index, dev: list[dict], result: Trust
         result.recall[label] = recall_table(hits, dev, config.recall_ks)
 
 
+def hybrid_hits(index, questions: list[str], fusion, k: int, encoder) -> list[list[Passage]]:
+    """The fused top k under ``fusion`` (not necessarily the manifest's): what hybrid search
+    returns, for a fusion fitted on other articles."""
+    from openbook.index.fusion import top_k
+
+    cands = index.hybrid_candidates(questions, max(k, fusion.candidates), encoder=encoder)
+    _, rows = top_k(fusion, cands, k)
+    flat = sorted({int(r) for r in rows.ravel() if r >= 0})
+    by_row = dict(zip(flat, index.get_passages(flat), strict=True))
+    return [[by_row[int(r)] for r in row if r >= 0] for row in rows]
+
+
 def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> None:
     """Hybrid recall on every question of every article, each fold's fusion fitted on the
     other folds' articles (dense and BM25 alone need no fit: measured on the same questions)."""
-    from openbook.index.fusion import fit_fusion
+    from openbook.index.fusion import Question, fit_fusion
 
     if config.folds < 2 or len(index.views) < 2:
         return
@@ -173,20 +186,35 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
     fold_of = {t: i % config.folds for i, t in enumerate(titles)}
     qenc = _encoder(next((s.query_encoder_adapter for s in config.systems), None))
     depth = max(config.recall_ks)
-    hits: dict[str, list] = {"dense (tuned query encoder)": [], "bm25": [], "hybrid": []}
+    hits: dict[str, list] = {
+        "dense (tuned query encoder)": [],
+        "bm25": [],
+        "hybrid (fusion fitted on the other folds)": [],
+    }
     ordered: list[dict] = []
     for fold in tqdm(range(config.folds), desc="fusion k-fold", unit="fold"):
-        train = [r for r in rows if fold_of[r["title"]] != fold]
+        train = [
+            Question(r["question"], tuple(r["answers"]))
+            for r in rows
+            if fold_of[r["title"]] != fold
+        ]
         test = [r for r in rows if fold_of[r["title"]] == fold]
-        fusion = fit_fusion(index, train, encoder=qenc)
-        result.fusion_folds.append({"fold": fold, "questions": len(test), **fusion.as_dict()})
+        fusion = fit_fusion(index, train, encoder=qenc, source=f"fold {fold}")
+        result.fusion_folds.append(
+            {
+                "fold": fold,
+                "questions": len(test),
+                "dense_weight": fusion.dense_weight,
+                "bm25_weight": fusion.bm25_weight,
+            }
+        )
         questions = [q["question"] for q in test]
         hits["dense (tuned query encoder)"] += index.search(
             questions, depth, encoder=qenc, retrieval="dense"
         )
         hits["bm25"] += index.search(questions, depth, retrieval="bm25")
-        hits["hybrid"] += index.search(
-            questions, depth, encoder=qenc, retrieval="hybrid", fusion=fusion
+        hits["hybrid (fusion fitted on the other folds)"] += hybrid_hits(
+            index, questions, fusion, depth, qenc
         )
         ordered += test
     for label, found in hits.items():
