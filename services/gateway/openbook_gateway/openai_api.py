@@ -308,6 +308,7 @@ class Completion:
 _CITED = ("id", "title", "text", "score", "prior", "posterior")
 _PROVENANCE = (
     "index",
+    "retrieval",
     "model_version",
     "retriever_version",
     "decoding",

@@ -23,6 +23,7 @@ from openbook.limits import (
     MAX_RETURN_SEQUENCES,
     MIN_LENGTH_PENALTY,
     DecodingMode,
+    RetrievalMode,
 )
 from openbook_gateway.schemas import AnswerRequest
 
@@ -120,6 +121,7 @@ class ChatCompletionRequest(BaseModel):
         1.0, ge=MIN_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False
     )
     index: str | None = Field(None, pattern=INDEX_NAME_PATTERN)
+    retrieval: RetrievalMode | None = None  # None: the index's default_retrieval
     use_cache: bool = True
     # Append [1], [2], ... (1-based positions in ``citations``) to each answer: the passages the
     # answer was drawn from (see docs/api.md).
@@ -262,6 +264,7 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "num_return_sequences": body.n,
         "length_penalty": body.length_penalty,
         "index": index,
+        "retrieval": body.retrieval,
         "use_cache": body.use_cache,
         "stream": body.stream,
     }
