@@ -268,6 +268,9 @@ def test_indexes_and_readyz_of_the_sharded_gateway(system):
     for name in listed:  # counts add up over the shards
         assert listed[name]["count"] == reference[name]["count"] == 30
         assert listed[name]["dim"] == reference[name]["dim"]
+        # every shard keeps both views of the parent index, and so its default
+        assert listed[name]["views"] == reference[name]["views"] == ["dense", "bm25"]
+        assert listed[name]["default_retrieval"] == "hybrid"
     ready = httpx.get(f"{system.sharded_url}/readyz", timeout=10)
     assert ready.status_code == 200, ready.text
     assert ready.json()["ready"] is True
