@@ -350,3 +350,26 @@ def test_hot_swap_to_a_bm25_index_keeps_serving_and_the_default_follows(client):
     # and the two-view index is still served where a request names it
     named = {"question": QUESTION, "index": "facts-a", "retrieval": "hybrid", **SHORT}
     assert client.post("/answer", json=named).json()["retrieval"] == "hybrid"
+
+
+def test_openbook_ask_chooses_the_mode(backends, redis_url):
+    import json
+
+    from typer.testing import CliRunner
+
+    from openbook_cli.app import app
+    from openbook_testkit.stack import serving_gateway
+
+    settings = backends.gateway_settings(redis_url, admin_token=TOKEN)
+    with serving_gateway(settings) as url:
+        runner = CliRunner()
+        asked = ["ask", QUESTION, "--url", url, "--k", "2", "--json"]
+        reply = runner.invoke(app, [*asked, "--retrieval", "bm25"])
+        assert reply.exit_code == 0, reply.output
+        assert json.loads(reply.stdout)["retrieval"] == "bm25"
+        shown = runner.invoke(app, asked[:-1], env={"COLUMNS": "160"})
+        assert shown.exit_code == 0, shown.output
+        assert "index facts-a (hybrid)" in shown.stdout
+        refused = runner.invoke(app, [*asked, "--retrieval", "sparse"])
+        assert refused.exit_code == 1
+        assert "HTTP 422" in refused.output and "retrieval" in refused.output
