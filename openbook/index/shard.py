@@ -19,6 +19,12 @@ Exactness of merged results vs. the unsharded index, per type:
 * ``bm25``: each shard is re-indexed over its own passages, so IDF and average length are
   per shard and scores differ somewhat from the unsharded index's (as in any sharded Lucene
   setup). Merged rankings are close, not identical.
+* The bm25 view of a dense index (hybrid retrieval) is re-indexed per shard the same way, and
+  the parent's fitted ``fusion`` is copied into every shard's manifest: each shard scores its
+  own candidates (its dense and BM25 top N, both features exact within the shard, BM25 with
+  the shard's statistics) with the parent's weights, and the gateway merges by fused score.
+  Dense features are identical to the parent's; BM25 ones differ as above, so merged hybrid
+  results are close to the unsharded index's, not identical.
 """
 
 from __future__ import annotations
@@ -148,14 +154,15 @@ def _write_shard(
                 index, params = faiss_index.build_faiss(vecs, m.index_type, params, bar.update)
             del vecs
             faiss_index.write(index, out / faiss_index.INDEX_FILE)
-        else:
+        if "bm25" in m.views:  # a bm25 index, or the bm25 view of a dense one
             reader = PassageStore(out / PASSAGES_FILE)
             try:
                 texts = [f"{t} {x}" for b in reader.iter_batches(0, count) for t, x in b]
             finally:
                 reader.close()
             build_bm25(texts, out / BM25_DIR)
-            bar.update(count)
+            if not m.dense:
+                bar.update(count)
 
     return dataclasses.replace(
         m,
