@@ -217,8 +217,10 @@ class CountingEncoder:
         self.name = encoder.name
         self.dim = encoder.dim
         self.encoded = 0
+        self.calls = 0
 
     def encode(self, texts, *args, **kwargs):
+        self.calls += 1
         self.encoded += len(texts)
         return self.inner.encode(texts, *args, **kwargs)
 
@@ -240,8 +242,9 @@ def test_batch_groups_by_mode_and_hybrid_uses_the_callers_encoder(backends):
             assert not isinstance(result, Exception), result
             want = index.search(item.queries, item.k, retrieval=item.retrieval)
             assert ids_and_scores(result) == ids_and_scores(want)
-    # the override encoded hybrid's queries (both of them); bm25 and dense(None) did not use it
-    assert encoder.encoded == 2
+    # the override encoded hybrid's two queries (k 2 and 3) in one forward pass; bm25 and
+    # dense (with the index's own encoder) did not use it
+    assert (encoder.calls, encoder.encoded) == (1, 2)
 
 
 # --- gateway ------------------------------------------------------------------------------

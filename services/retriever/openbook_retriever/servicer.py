@@ -132,10 +132,11 @@ class _Search:
 
 
 def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
-    """Results (or an error) per item; queries on one index, encoder and retrieval mode share a
-    search (dense: one forward pass of the query encoder, then one FAISS search per ``(k,
-    return_vectors)``; bm25 and hybrid: one ``LoadedIndex.search`` per ``(k, return_vectors)``,
-    hybrid encoding with the item's encoder, the override where it pairs with the index)."""
+    """Results (or an error) per item. Queries on one index, encoder and retrieval mode are
+    searched together: dense and hybrid share one forward pass of the query encoder (the
+    item's: the override where it pairs with the index, else the index's own), then each
+    distinct ``(k, return_vectors)`` is one search (hybrid: ``LoadedIndex.search`` with those
+    query vectors and the texts, for its BM25 part); bm25 reads the texts only."""
     results: list[list[list[Passage]] | Exception | None] = [None] * len(items)
     groups: dict[tuple[int, int, str], list[int]] = {}
     for i, item in enumerate(items):
@@ -145,7 +146,7 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
         index, encoder, retrieval = first.index, first.encoder, first.retrieval
         try:
             vectors = None
-            if retrieval == "dense":
+            if retrieval in ("dense", "hybrid"):
                 encoder = encoder if encoder is not None else index.query_encoder
                 index.check_encoder(encoder)
                 vectors = encoder.encode([q for i in members for q in items[i].queries])
@@ -162,21 +163,23 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
             searches.setdefault((items[i].k, items[i].vectors), []).append(i)
         for (k, with_vectors), same in searches.items():
             try:
-                if vectors is None:
-                    texts = [q for i in same for q in items[i].queries]
-                    hits = index.search(
-                        texts,
-                        k,
-                        # bm25 takes no encoder; hybrid's dense part uses the override too
-                        encoder=encoder if retrieval == "hybrid" else None,
-                        return_vectors=with_vectors,
-                        retrieval=retrieval,
-                    )
+                texts = [q for i in same for q in items[i].queries]
+                if vectors is None:  # bm25
+                    hits = index.search(texts, k, retrieval=retrieval)
                 else:
                     rows = np.concatenate(
                         [vectors[offsets[i] : offsets[i] + len(items[i].queries)] for i in same]
                     )
-                    hits = index.search_vectors(rows, k, with_vectors)
+                    if retrieval == "dense":
+                        hits = index.search_vectors(rows, k, with_vectors)
+                    else:
+                        hits = index.search(
+                            texts,
+                            k,
+                            return_vectors=with_vectors,
+                            retrieval=retrieval,
+                            query_vectors=rows,
+                        )
             except Exception as exc:  # noqa: BLE001 - fails these calls only
                 for i in same:
                     results[i] = exc
