@@ -286,6 +286,20 @@ def test_answer_on_an_index_lacking_the_view_is_422_naming_retrieval(client, ind
     assert repr(index) in detail
 
 
+def test_a_streamed_answer_says_its_mode_and_a_missing_view_fails_before_the_stream(client):
+    from openbook_testkit.sse import read_events
+
+    body = {"question": QUESTION, "k": 2, "retrieval": "bm25", "stream": True, **SHORT}
+    with client.stream("POST", "/answer", json=body) as reply:
+        assert reply.status_code == 200
+        events = list(read_events(reply.iter_lines()))
+    answer = [e.json() for e in events if e.event == "answer"]
+    assert [a["retrieval"] for a in answer] == ["bm25"]
+    refused = client.post("/answer", json={**body, "index": "facts-bm25", "retrieval": "hybrid"})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["detail"].startswith("retrieval: ")
+
+
 def test_cache_keys_differ_by_mode(client):
     params = {
         mode: answer_params(AnswerRequest(question=QUESTION, retrieval=mode), 3)
