@@ -138,7 +138,9 @@ def default_retrieval(views: tuple[str, ...] | list[str]) -> str:
     """The mode of a request naming none on an index holding ``views``: "hybrid" where both
     views exist, else the one view's (``LoadedIndex.default_retrieval``, for an index listed
     without loading it)."""
-    return "hybrid" if set(views) >= set(RETRIEVAL_VIEWS["hybrid"]) else views[0]
+    if set(views) >= set(RETRIEVAL_VIEWS["hybrid"]):
+        return "hybrid"
+    return views[0] if views else ""  # no views: nothing to retrieve with (never a manifest's)
 
 
 def check_retrieval_views(field: str, mode: str, index: str, views: tuple[str, ...]) -> str:

@@ -89,6 +89,24 @@ def test_limits_name_the_index_layers_modes():
     assert RETRIEVAL_MODES == INDEX_MODES == ("dense", "bm25", "hybrid")
 
 
+def test_the_shared_rule_for_modes_views_and_defaults():
+    from openbook.errors import InvalidArgument
+    from openbook.limits import check_retrieval, check_retrieval_views, default_retrieval
+
+    assert [check_retrieval("retrieval", m) for m in RETRIEVAL_MODES] == list(RETRIEVAL_MODES)
+    with pytest.raises(InvalidArgument, match="^retrieval: must be one of dense, bm25, hybrid"):
+        check_retrieval("retrieval", "rrf")
+    assert default_retrieval(("dense", "bm25")) == "hybrid"
+    assert (default_retrieval(("dense",)), default_retrieval(("bm25",))) == ("dense", "bm25")
+    for mode in RETRIEVAL_MODES:
+        assert check_retrieval_views("retrieval", mode, "x", ("dense", "bm25")) == mode
+    with pytest.raises(InvalidArgument) as err:
+        check_retrieval_views("retrieval", "hybrid", "wiki", ("dense",))
+    assert str(err.value) == (
+        "retrieval: 'hybrid' needs the bm25 view; index 'wiki' has only the dense view"
+    )
+
+
 @pytest.mark.parametrize("mode", RETRIEVAL_MODES)
 def test_each_mode_over_grpc_is_the_index_search(backends, stub, mode):
     queries = [QUESTION, QUESTIONS["p18"]]
