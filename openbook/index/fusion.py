@@ -148,11 +148,18 @@ def union_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def top_k_columns(fusion: Fusion, cands: Candidates, k: int) -> np.ndarray:
+    """Which candidates make the fused top k: ``(Q, min(k, M))`` column indices into
+    ``cands``, best first (padding columns, if any, last)."""
+    s = np.where(cands.valid, fusion.score(cands.dense, cands.bm25), -np.inf)
+    return np.argsort(-s, axis=1, kind="stable")[:, :k]
+
+
 def top_k(fusion: Fusion, cands: Candidates, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows), ``(Q, k)`` best first by the fused score; -1 rows pad (score -inf)."""
     s = fusion.score(cands.dense, cands.bm25)
     s = np.where(cands.valid, s, -np.inf).astype(np.float32)
-    order = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    order = top_k_columns(fusion, cands, k)
     scores = np.take_along_axis(s, order, axis=1)
     rows = np.take_along_axis(cands.rows, order, axis=1)
     rows = np.where(np.isfinite(scores), rows, -1)
