@@ -317,6 +317,7 @@ def fit_fusion(
     source: str = "",
     sha256: str | None = None,
     batch_size: int = 256,
+    fitted_on: dict[str, Any] | None = None,
 ) -> Fusion:
     """Fit the fusion of ``index`` (both views) on ``questions`` (module docstring).
 
@@ -324,6 +325,7 @@ def fit_fusion(
     candidate is positive when an answer string occurs in its title + text
     (:func:`openbook.answers.has_answer`, DPR's test on SQuAD-normalised tokens). Starts from
     the unfitted default, so the fit never scores worse than it on these questions.
+    ``fitted_on``: more to record about the questions (e.g. the titles held out).
     """
     if not {"dense", "bm25"} <= set(index.views):
         raise ValueError(
@@ -367,7 +369,12 @@ def fit_fusion(
         dense_weight=res.dense_weight,
         bm25_weight=res.bm25_weight,
         candidates=candidates,
-        fitted_on={"questions": res.questions, "source": source, "sha256": sha256},
+        fitted_on={
+            **(fitted_on or {}),
+            "questions": res.questions,
+            "source": source,
+            "sha256": sha256,
+        },
         log_likelihood=res.log_likelihood,
     )
 
