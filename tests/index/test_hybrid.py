@@ -263,3 +263,58 @@ def test_shards_keep_both_views_and_the_fusion(hybrid_dir: Path, tmp_path: Path)
     finally:
         for s in shards:
             s.close()
+
+
+def test_cli_fit_fusion_info_and_search(hybrid_dir: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from openbook.index.cli import app
+
+    runner = CliRunner()
+    rows = [
+        {"question": q, "answers": [TITLES[pid]], "title": TITLES[pid]}
+        for pid, q in QUESTIONS.items()
+    ]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    args = ["fit-fusion", str(hybrid_dir), "--questions", str(path), "--candidates", "10"]
+    r = runner.invoke(
+        app, [*args, "--exclude-titles", TITLES["p21"], "--exclude-titles", TITLES["p18"]]
+    )
+    assert r.exit_code == 0, r.output
+    assert "fitted on 6 of 6 questions: s = " in r.output
+    m = Manifest.from_file(hybrid_dir / "manifest.json")
+    assert m.fusion is not None and m.fusion["fitted_on"]["questions"] == 6
+    assert m.fusion["fitted_on"]["source"] == str(path) and m.fusion["candidates"] == 10
+
+    r = runner.invoke(app, ["info", str(hybrid_dir), "--verify"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["views"] == ["dense", "bm25"]
+    assert "views: dense, bm25; default retrieval hybrid: s = " in r.stderr
+    assert "fitted on 6 questions" in r.stderr
+
+    r = runner.invoke(app, ["search", str(hybrid_dir), "Who wrote Hamlet?", "-k", "1"])
+    assert r.exit_code == 0 and "p21" in r.stdout
+    r = runner.invoke(
+        app, ["search", str(hybrid_dir), "Who wrote Hamlet?", "-k", "1", "--retrieval", "bm25"]
+    )
+    assert r.exit_code == 0 and "p21" in r.stdout
+
+    out = tmp_path / "dense-only"
+    r = runner.invoke(
+        app,
+        ["build", "-p", str(tmp_path / "facts.jsonl"), "--name", "d", "--out", str(out)]
+        + ["--no-bm25", "--no-progress"],
+    )
+    assert r.exit_code == 2  # no such passages file: a clear error, not a crash
+    write_jsonl(tmp_path / "facts.jsonl", [{"id": p, "title": t, "text": x} for p, t, x in FACTS])
+    r = runner.invoke(
+        app,
+        ["build", "-p", str(tmp_path / "facts.jsonl"), "--name", "d", "--out", str(out)]
+        + ["--no-bm25", "--no-progress"],
+    )
+    assert r.exit_code == 0, r.output
+    assert Manifest.from_file(out / "manifest.json").views == ["dense"]
+    r = runner.invoke(app, ["search", str(out), "x", "--retrieval", "hybrid"])
+    assert r.exit_code == 2 and "retrieval: index 'd' has no hybrid" in r.output
+    r = runner.invoke(app, ["fit-fusion", str(out), "--questions", str(path)])
+    assert r.exit_code == 2 and "needs dense and bm25" in r.output
