@@ -2,9 +2,9 @@
 
 Concurrent ``Retrieve`` calls are batched (``openbook.serving.batcher``): each call leases its
 index, then queues its queries; the batch worker serves the calls on the same index, encoder and
-retrieval mode together (dense: one query-encoder forward pass) with one search per distinct
-``(k, return_vectors)``. Each call still gets its own result or its own error, and holds its
-lease until its result is back, so a swap never closes an index under a queued call.
+retrieval mode together (dense and hybrid: one query-encoder forward pass) with one search per
+distinct ``(k, return_vectors)``. Each call still gets its own result or its own error, and
+holds its lease until its result is back, so a swap never closes an index under a queued call.
 
 Each RPC checks its proto request once, at the top, against ``openbook.limits`` (the limits
 the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest` that
