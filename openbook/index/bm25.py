@@ -25,6 +25,30 @@ def build_bm25(texts: Sequence[str], out_dir: Path, progress: bool = False) -> N
     retriever.save(str(out_dir), show_progress=False)
 
 
+def slice_bm25(src: Path, out_dir: Path, start: int, stop: int) -> None:
+    """Save to ``out_dir`` the BM25 index of documents ``[start, stop)`` of the one at ``src``
+    (renumbered from 0), scoring exactly as the parent does.
+
+    bm25s stores each (term, document) pair's finished score, IDF and length normalisation
+    included, in a sparse term x document matrix; a shard keeps its documents' entries, so its
+    scores are the parent's, computed with the whole corpus's statistics (not the shard's:
+    sharded BM25 merges exactly). Memory: the parent's matrix plus a mask over its entries.
+    """
+    logging.getLogger("bm25s").setLevel(logging.ERROR)
+    retriever = bm25s.BM25.load(str(src), mmap=True, show_progress=False)
+    scores = retriever.scores
+    data, indices, indptr = scores["data"], scores["indices"], scores["indptr"]
+    keep = (indices >= start) & (indices < stop)
+    kept_before = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+    retriever.scores = {
+        "data": np.asarray(data[keep]),
+        "indices": np.asarray(indices[keep] - start).astype(indices.dtype),
+        "indptr": kept_before[np.asarray(indptr)].astype(indptr.dtype),
+        "num_docs": stop - start,
+    }
+    retriever.save(str(out_dir), show_progress=False)
+
+
 class BM25Searcher:
     def __init__(self, path: Path) -> None:
         # bm25s logs at INFO/WARNING when loading without a corpus; that is intended here.

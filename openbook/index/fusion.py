@@ -88,7 +88,8 @@ class Fusion:
 
     def score(self, dense: np.ndarray, bm25: np.ndarray) -> np.ndarray:
         """``s = w_d·d + w_b·b`` elementwise (float32)."""
-        return (self.dense_weight * dense + self.bm25_weight * bm25).astype(np.float32)
+        d, b = np.asarray(dense, np.float64), np.asarray(bm25, np.float64)
+        return (self.dense_weight * d + self.bm25_weight * b).astype(np.float32)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

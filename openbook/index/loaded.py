@@ -350,7 +350,11 @@ class LoadedIndex:
         # Exact features for every candidate, whichever view found it (the faiss score of an
         # approximate type, and no score at all from the view that missed it, would not do).
         vecs = np.asarray(self._vectors[np.where(valid, rows, 0).ravel()], dtype=np.float32)
-        dense = np.einsum("qmd,qd->qm", vecs.reshape(*rows.shape, m.dim), q)
+        # In float64, rounded once to float32: a float32 dot product's last bit depends on
+        # the SIMD path numpy takes (array alignment), and the same query must score the same
+        # on every call (a gateway compares and caches them).
+        vecs64 = vecs.reshape(*rows.shape, m.dim).astype(np.float64)
+        dense = np.einsum("qmd,qd->qm", vecs64, q.astype(np.float64))
         dense = np.where(valid, dense, 0.0).astype(np.float32)
         bm25 = self._bm25.score_rows(queries, rows)
         return Candidates(rows, dense, bm25)

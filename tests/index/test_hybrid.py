@@ -253,13 +253,15 @@ def test_shards_keep_both_views_and_the_fusion(hybrid_dir: Path, tmp_path: Path)
         for s in shards:
             assert s.views == ("dense", "bm25") and s.default_retrieval == "hybrid"
             assert s.fusion == fusion
+        # Both features of every candidate are the parent's (BM25 keeps the parent's
+        # statistics): merged hybrid results are the unsharded index's.
         merged = merge_results([s.search(questions, 3) for s in shards], 3)
-        assert [h[0].id for h in merged] == list(QUESTIONS)
-        # Dense features are the parent's exactly; BM25 ones use each shard's statistics.
-        dense = merge_results([s.search(questions, 3, retrieval="dense") for s in shards], 3)
         with open_index(hybrid_dir) as parent:
-            want = parent.search(questions, 3, retrieval="dense")
-        assert [[p.id for p in h] for h in dense] == [[p.id for p in h] for h in want]
+            want = parent.search(questions, 3)
+        assert [[p.id for p in h] for h in merged] == [[p.id for p in h] for h in want]
+        for got_hits, want_hits in zip(merged, want, strict=True):
+            assert [p.score for p in got_hits] == pytest.approx([p.score for p in want_hits])
+        assert [h[0].id for h in merged] == list(QUESTIONS)
     finally:
         for s in shards:
             s.close()
