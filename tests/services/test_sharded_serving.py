@@ -49,9 +49,9 @@ QUESTIONS = [
 ]
 KS = (1, 3, 5, 8)
 # Short answers: the passages are what is compared, the tiny random BART only has to run.
-# Dense retrieval: its scores do not depend on the split, so shards must give the unsharded
-# index's exactly (BM25, and so hybrid, scores with each shard's own term statistics; see
-# test_sharded_hybrid_merges_each_shards_fused_scores).
+# Dense retrieval: shards must give the unsharded index's passages and scores exactly. (Hybrid
+# merges may beat the unsharded top k, each shard fusing a candidate set of its own: see
+# test_sharded_hybrid_merges_each_shards_fused_scores.)
 ANSWER = {"use_cache": False, "max_new_tokens": 4, "decoding": "rag-token", "retrieval": "dense"}
 
 
@@ -241,6 +241,13 @@ def test_sharded_hybrid_merges_each_shards_fused_scores(system, k):
             want = merge_results(per_shard, k)[0]
             assert got_ids == [p.id for p in want], question
             assert got_scores == pytest.approx([p.score for p in want], abs=1e-4), question
+            # 30 passages, 50 candidates per view: every shard's candidates are all its
+            # passages, so the merge is the unsharded index's hybrid top k exactly
+            whole = httpx.post(f"{system.unsharded_url}/answer", json=body, timeout=60)
+            assert whole.json()["retrieval"] == "hybrid"
+            want_ids, want_scores = _passages(whole)
+            assert got_ids == want_ids, question
+            assert got_scores == pytest.approx(want_scores, abs=1e-4), question
             # the default of a two-view index is hybrid on the shards too
             default = {key: value for key, value in body.items() if key != "retrieval"}
             again = httpx.post(f"{system.sharded_url}/answer", json=default, timeout=60)
