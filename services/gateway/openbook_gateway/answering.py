@@ -126,7 +126,9 @@ async def answer_events(
         metrics.cache_skipped()
 
     with timer.stage("retrieve"):
-        retrieved = await state.retrieval.retrieve(body.question, k, body.index, request_id)
+        retrieved = await state.retrieval.retrieve(
+            body.question, k, body.index, request_id, retrieval=body.retrieval
+        )
     passages = list(retrieved.results[0].passages)
     if not passages:
         raise HTTPException(409, f"index {retrieved.index!r} returned no passages")

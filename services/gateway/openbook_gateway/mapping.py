@@ -52,6 +52,8 @@ def answer_response(
         confidence=_unit(best.confidence) if best is not None else 0.0,
         abstained=False,
         index=retrieved.index,
+        # a retriever from before RetrieveResponse.retrieval existed says nothing: null
+        retrieval=retrieved.retrieval or None,
         model_version=generated.model_version,
         retriever_version=retrieved.model_version,
         decoding=body.decoding,
@@ -160,6 +162,8 @@ def indexes_response(listed: retriever_pb2.ListIndexesResponse) -> dict:
                 loadable=not i.problem,
                 problem=i.problem or None,
                 verified=i.verified,
+                views=list(i.views),
+                default_retrieval=i.default_retrieval or None,
             )
             for i in listed.indexes
         ],

@@ -26,6 +26,7 @@ The answer itself comes from the same pipeline as ``POST /answer``
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncGenerator
 
@@ -84,8 +85,20 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     # Input the services refused (422 there) is a 400 here, as OpenAI answers bad input.
+    if status == 422 and param is None:
+        param = _field_of(message)
     status = 400 if status == 422 else status
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+# The services' own refusals name the field first ("retrieval: 'hybrid' needs ...").
+_FIELD_PREFIX = re.compile(r"([a-z_]+): ")
+
+
+def _field_of(message: object) -> str | None:
+    """The field a service's refusal names at its start, if it names one that way."""
+    match = _FIELD_PREFIX.match(message) if isinstance(message, str) else None
+    return match.group(1) if match else None
 
 
 def validation_error_response(errors: list[dict]) -> JSONResponse:
@@ -332,6 +345,7 @@ class Completion:
 _CITED = ("id", "title", "text", "score", "prior", "posterior")
 _PROVENANCE = (
     "index",
+    "retrieval",
     "model_version",
     "retriever_version",
     "decoding",

@@ -23,6 +23,7 @@ from openbook.limits import (
     MAX_RETURN_SEQUENCES,
     MIN_LENGTH_PENALTY,
     DecodingMode,
+    RetrievalMode,
 )
 from openbook_gateway.schemas import AnswerRequest
 
@@ -120,6 +121,7 @@ class ChatCompletionRequest(BaseModel):
         1.0, ge=MIN_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False
     )
     index: str | None = Field(None, pattern=INDEX_NAME_PATTERN)
+    retrieval: RetrievalMode | None = None  # None: the index's default_retrieval
     use_cache: bool = True
     # Abstain below this confidence (as /answer's min_confidence; default: the server's)
     min_confidence: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
@@ -264,6 +266,7 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "num_return_sequences": body.n,
         "length_penalty": body.length_penalty,
         "index": index,
+        "retrieval": body.retrieval,
         "use_cache": body.use_cache,
         "min_confidence": body.min_confidence,
         "stream": body.stream,

@@ -19,6 +19,7 @@ from openbook.limits import (
     MAX_RETURN_SEQUENCES,
     MIN_LENGTH_PENALTY,
     DecodingMode,
+    RetrievalMode,
     check_checkpoint_name,
     check_decoding,
     check_question,
@@ -61,6 +62,12 @@ class AnswerRequest(BaseModel):
     )
     index: str | None = Field(
         None, pattern=INDEX_NAME_PATTERN, description="default: the active index"
+    )
+    retrieval: RetrievalMode | None = Field(
+        None,
+        description="how passages are retrieved: 'dense' (query encoder), 'bm25', or 'hybrid' "
+        "(both, fused into one fitted score); default: the index's default_retrieval ('hybrid' "
+        "where it holds both views). A mode the index has no view for is a 422 naming retrieval",
     )
     use_cache: bool = True
     min_confidence: float | None = Field(
@@ -142,6 +149,11 @@ class AnswerResponse(BaseModel):
         None, description="the threshold this answer was held to (null: none)"
     )
     index: str
+    retrieval: str | None = Field(
+        None,
+        description="the retrieval mode that found the passages: the request's, or the index's "
+        "default ('dense', 'bm25' or 'hybrid')",
+    )
     model_version: str
     retriever_version: str
     decoding: DecodingMode
@@ -187,6 +199,16 @@ class IndexOut(BaseModel):
     verified: bool = Field(
         description="every file's checksum was verified: it is loaded, or loaded since its "
         "files last changed"
+    )
+    views: list[str] = Field(
+        default_factory=list,
+        description="the retrieval views it holds: 'dense', 'bm25' or both (empty when its "
+        "manifest is unreadable)",
+    )
+    default_retrieval: str | None = Field(
+        None,
+        description="the retrieval mode of a request that names none: 'hybrid' where it holds "
+        "both views, else its one view's (null when its manifest is unreadable)",
     )
 
 

@@ -192,6 +192,7 @@
       body = {
         question: text,
         decoding: $("decoding").value,
+        retrieval: $("retrieval").value || undefined, // empty: the index's default
         k: intField("k", true), // empty: the model's n_docs (5 without one)
         num_beams: intField("num-beams"),
         max_new_tokens: intField("max-new-tokens"),
@@ -462,6 +463,7 @@
     const meta = $("answer-meta");
     const items = [
       ["Index", data.index],
+      ["Retrieval", data.retrieval],
       ["Decoding", data.decoding],
       ["Generator", data.model_version],
       ["Retriever", data.retriever_version],
