@@ -1,7 +1,8 @@
 """Passage indexes for the RAG retriever: reading corpora, encoders, building and searching.
 
 Dense indexes (flat / hnsw / hnsw-sq8 / ivfpq on faiss) score by inner product, as DPR/RAG do;
-"bm25" is the paper's sparse ablation. See ``build_index``, ``import_embeddings`` (precomputed
+"bm25" is the paper's sparse ablation; a dense index also carries a BM25 view of its passages for
+hybrid retrieval (``fusion.py``). See ``build_index``, ``import_embeddings`` (precomputed
 vectors), ``open_index``, ``split_index``, and ``build_slice`` / ``join_slices`` (one index built
 as N slices in parallel). Needs ``openbook[index]`` (torch, faiss, bm25s).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from openbook.index.build import INDEX_TYPES, build_index
 from openbook.index.encoders import DEFAULT_ENCODER, Encoder, clear_encoder_cache, load_encoder
+from openbook.index.fusion import RETRIEVAL_MODES, Fusion, fit_fusion, store_fusion
 from openbook.index.importer import import_embeddings
 from openbook.index.join import install_shards, join_slices, merge_slices
 from openbook.index.loaded import (
@@ -27,7 +29,9 @@ from openbook.index.shard import split_index
 __all__ = [
     "DEFAULT_ENCODER",
     "INDEX_TYPES",
+    "RETRIEVAL_MODES",
     "Encoder",
+    "Fusion",
     "IndexLoadError",
     "IndexSet",
     "LoadedIndex",
@@ -37,6 +41,7 @@ __all__ = [
     "check_index",
     "check_index_files",
     "clear_encoder_cache",
+    "fit_fusion",
     "import_embeddings",
     "install_shards",
     "join_slices",
@@ -48,4 +53,5 @@ __all__ = [
     "read_passages",
     "split_index",
     "split_passages",
+    "store_fusion",
 ]

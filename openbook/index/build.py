@@ -92,8 +92,13 @@ def build_index(
     device: str | None = None,
     score_scale: float | None = None,
     precision: str = "auto",
+    bm25: bool = True,
 ) -> Manifest:
     """Build an index directory at ``out_dir`` and return its manifest. See module docstring.
+
+    A dense index also gets a BM25 view of the same passages (``bm25/``, manifest ``views``
+    ``["dense", "bm25"]``: hybrid retrieval, :mod:`openbook.index.fusion`) unless ``bm25`` is
+    False; ``index_type="bm25"`` builds only that view.
 
     ``device`` (e.g. ``cuda``) runs the document encoder there; the default is the CPU.
     ``precision`` is the dtype it runs in (:func:`openbook.index.encoders.resolve_precision`:
@@ -137,6 +142,7 @@ def build_index(
             rerank=rerank,
             score_scale=score_scale,
             t0=t0,
+            bm25=bm25,
         )
 
 
@@ -244,11 +250,15 @@ def _build_locked(
     passages: Callable[[], Iterator[Passage]] | None = None,
     shard: dict | None = None,
     fingerprint_extra: dict | None = None,
+    bm25: bool = True,
+    fusion: dict | None = None,
 ) -> Manifest:
     """``passages``: where the passages come from if not ``read_passages(inputs, ...)``.
     ``shard``: the manifest's ``shard`` field (a slice of a parallel build). Anything else the
     passages or vectors depend on goes in ``fingerprint_extra``, so that a partial build of
-    something else is never resumed."""
+    something else is never resumed. ``bm25``: a dense index gets a BM25 view too (a bm25 index
+    is nothing else); ``fusion``: the manifest's ``fusion`` (e.g. a merge keeps its slices').
+    """
     work = partial_dir(out_dir)
     state = work / _STATE
     fingerprint = _fingerprint(
@@ -284,9 +294,15 @@ def _build_locked(
             nprobe=nprobe,
             rerank=rerank,
         )
+        if bm25:
+            _stage_bm25(work, count, progress)
+        views = ["dense", "bm25"] if bm25 else ["dense"]
     else:
         _stage_bm25(work, count, progress)
         params = {"k1": 1.5, "b": 0.75, "method": "lucene", "stopwords": "en"}
+        views = ["bm25"]
+    if fusion is not None and views != ["dense", "bm25"]:
+        fusion = None  # a fusion belongs to an index with both views
 
     shutil.rmtree(state)
     manifest = Manifest(
@@ -305,6 +321,8 @@ def _build_locked(
         input_format=input_format,
         max_words=max_words,
         shard=shard,
+        views=views,
+        fusion=fusion,
     )
     # An old version moved aside by a publish that was interrupted: nothing else removes it.
     clean_stale_partials(out_dir.parent, name=out_dir.name)

@@ -40,6 +40,12 @@ class InputFormat(StrEnum):
     articles = "articles"
 
 
+class Retrieval(StrEnum):
+    dense = "dense"
+    bm25 = "bm25"
+    hybrid = "hybrid"
+
+
 def _fail(msg: str) -> typer.Exit:
     typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
     return typer.Exit(code=2)
@@ -106,6 +112,12 @@ def build(
     shard_id: Annotated[
         int | None, typer.Option(help="Which slice (0..N-1): e.g. $JOB_COMPLETION_INDEX")
     ] = None,
+    bm25: Annotated[
+        bool,
+        typer.Option(
+            help="Give a dense index a BM25 view of the same passages too (hybrid retrieval)"
+        ),
+    ] = True,
 ) -> None:
     """Build an index from passage files (resumes an interrupted build of the same inputs).
 
@@ -143,6 +155,7 @@ def build(
             score_scale=score_scale,
             overwrite=overwrite,
             progress=progress,
+            bm25=bm25,
         )
         return
     try:
@@ -170,6 +183,7 @@ def build(
             device=device,
             score_scale=score_scale,
             precision=precision.value,
+            bm25=bm25,
         )
     except (ValueError, OSError, RuntimeError) as e:
         raise _fail(str(e)) from None
@@ -253,6 +267,9 @@ def import_(
     ] = 1.0,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing index at --out")] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
+    bm25: Annotated[
+        bool, typer.Option(help="Also index the passages with BM25 (hybrid retrieval)")
+    ] = True,
 ) -> None:
     """Build an index from DPR passages + precomputed embeddings, without encoding
     (resumes an interrupted import of the same files)."""
@@ -283,6 +300,7 @@ def import_(
             score_scale=score_scale,
             overwrite=overwrite,
             progress=progress,
+            bm25=bm25,
         )
     except (ValueError, OSError) as e:  # EmbeddingsError is a ValueError
         raise _fail(str(e)) from None
@@ -370,8 +388,28 @@ def info(
     except (IndexLoadError, OSError) as e:
         raise _fail(str(e)) from None
     typer.echo(json.dumps(asdict(manifest), indent=2, sort_keys=True))
+    typer.echo(_views_line(manifest), err=True)
     if verify:
         typer.echo("verified: ok", err=True)
+
+
+def _views_line(m) -> str:  # type: ignore[no-untyped-def]
+    """One line on what ``retrieval`` can be for this index and how hybrid fuses."""
+    line = f"views: {', '.join(m.views)}"
+    if m.views == ["dense", "bm25"]:
+        from openbook.index.fusion import Fusion
+
+        f = Fusion.from_dict(m.fusion) if m.fusion else Fusion.default(m.score_scale)
+        how = (
+            f"fitted on {f.fitted_on.get('questions')} questions ({f.fitted_on.get('source')})"
+            if f.fitted_on
+            else "default, not fitted"
+        )
+        line += (
+            f"; default retrieval hybrid: s = {f.dense_weight:.4g}*dense + "
+            f"{f.bm25_weight:.4g}*bm25 over {f.candidates} candidates per view, {how}"
+        )
+    return line
 
 
 @app.command()
@@ -379,6 +417,10 @@ def search(
     path: Annotated[Path, typer.Argument(help="Index directory")],
     queries: Annotated[list[str], typer.Argument(help="Query text(s)")],
     k: Annotated[int, typer.Option("-k", min=1)] = 5,
+    retrieval: Annotated[
+        Retrieval | None,
+        typer.Option(help="dense, bm25 or hybrid (default: hybrid where both views exist)"),
+    ] = None,
 ) -> None:
     """Search an index from the command line (for eyeballing results)."""
     from openbook.index.loaded import open_index
@@ -386,7 +428,7 @@ def search(
 
     try:
         with open_index(path, verify=False) as idx:
-            results = idx.search(queries, k)
+            results = idx.search(queries, k, retrieval=retrieval.value if retrieval else None)
     except (IndexLoadError, ValueError, OSError) as e:
         raise _fail(str(e)) from None
     for q, hits in zip(queries, results, strict=True):
@@ -394,6 +436,45 @@ def search(
         for rank, p in enumerate(hits, 1):
             snippet = p.text if len(p.text) <= 100 else p.text[:97] + "..."
             typer.echo(f"{rank:>3} {p.score:9.4f}  {p.id}  [{p.title}] {snippet}")
+
+
+@app.command("fit-fusion")
+def fit_fusion_(
+    path: Annotated[Path, typer.Argument(help="Index directory (dense with a bm25 view)")],
+    questions: Annotated[
+        Path,
+        typer.Option(help='Training questions, jsonl: {"question", "answers"[, "title"]}'),
+    ],
+    exclude_titles: Annotated[
+        list[str] | None,
+        typer.Option(help="Leave out questions with this title, e.g. dev articles (repeatable)"),
+    ] = None,
+    candidates: Annotated[
+        int, typer.Option(min=1, help="Candidates per view (the fused top-k comes from these)")
+    ] = 50,
+) -> None:
+    """Fit the hybrid fusion's weights on training questions and record it in the manifest.
+
+    Maximises the likelihood the fused prior gives the candidates that contain an answer
+    (openbook/index/README.md, "Hybrid retrieval"); only manifest.json is rewritten.
+    """
+    from openbook.index.fusion import fit_fusion, read_questions, store_fusion
+    from openbook.index.loaded import open_index
+    from openbook.index.manifest import IndexLoadError
+
+    try:
+        qs, sha = read_questions(questions, exclude_titles or ())
+        with open_index(path, verify=False) as idx:
+            fusion = fit_fusion(idx, qs, candidates=candidates, source=str(questions), sha256=sha)
+        store_fusion(path, fusion)
+    except (IndexLoadError, ValueError, OSError) as e:
+        raise _fail(str(e)) from None
+    assert fusion.fitted_on is not None
+    typer.echo(
+        f"fitted on {fusion.fitted_on['questions']} of {len(qs)} questions: "
+        f"s = {fusion.dense_weight:.4g}*dense + {fusion.bm25_weight:.4g}*bm25, "
+        f"log-likelihood {fusion.log_likelihood:.4f} per question -> {path}"
+    )
 
 
 @app.command()

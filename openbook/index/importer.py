@@ -75,13 +75,15 @@ def import_embeddings(
     score_scale: float = 1.0,
     overwrite: bool = False,
     progress: bool = True,
+    bm25: bool = True,
 ) -> Manifest:
     """Build the index at ``out_dir`` from ``passages`` (DPR tsv) and ``embeddings`` (files of
     one format; see ``embedding_files``). ``passages=None`` takes the passages from the
     embedding files' ``title``/``text`` columns (wiki_dpr parquet/arrow). ``doc_encoder`` is
     recorded as what computed the vectors; ``query_encoder`` is what the retriever will load
     to encode questions (checked against the vectors' dimension when it is available here).
-    ``score_scale`` defaults to 1, DPR's raw inner products."""
+    ``score_scale`` defaults to 1, DPR's raw inner products. ``bm25``: also index the passages
+    with BM25, a second view for hybrid retrieval (as ``build_index`` does)."""
     t0 = time.monotonic()
     out_dir = Path(out_dir)
     passages = Path(passages) if passages is not None else None
@@ -150,6 +152,7 @@ def import_embeddings(
                 rerank=rerank,
                 score_scale=float(score_scale),
                 t0=t0,
+                bm25=bm25,
                 passages=None
                 if passages
                 else lambda: iter_table_passages(files, embeddings_format, batch_size),

@@ -409,6 +409,10 @@ def merge_slices(
             t0=t0,
             passages=passages,
             fingerprint_extra={"merge_of": index_set.parent_checksum},
+            # One bm25 view rebuilt over all passages (the slices' are per slice), and the
+            # slices' fusion if one was fitted on them.
+            bm25="bm25" in m0.views,
+            fusion=m0.fusion,
         )
 
 

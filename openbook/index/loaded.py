@@ -13,6 +13,7 @@ from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
 from openbook.index.build import INDEX_TYPES, PASSAGES_FILE, VECTORS_FILE
 from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion, top_k, union_rows
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
 from openbook.index.store import PassageStore
 from openbook.types import Passage
@@ -74,6 +75,8 @@ def check_index_files(path: Path, manifest: Manifest, *, name: str | None = None
     for rel in needed:
         if rel not in manifest.files:
             raise IndexLoadError(f"{label}: {rel} missing from the manifest's files")
+    if "bm25" in manifest.views and not any(r.startswith(f"{BM25_DIR}/") for r in manifest.files):
+        raise IndexLoadError(f"{label}: its bm25 view has no {BM25_DIR}/ files in the manifest")
     if problem := verify_files(path, sizes=manifest.sizes):
         raise IndexLoadError(f"{label}: {problem}")
     for rel in manifest.files:  # older manifests record no sizes
@@ -123,7 +126,7 @@ class LoadedIndex:
                 raise IndexLoadError(f"{label}: count {manifest.count} != {n_store} passages")
             if manifest.dense:
                 self._open_dense(label)
-            else:
+            if "bm25" in manifest.views:
                 self._bm25 = BM25Searcher(self.path / BM25_DIR)
                 if self._bm25.count != manifest.count:
                     raise IndexLoadError(
@@ -171,6 +174,44 @@ class LoadedIndex:
     @property
     def dense(self) -> bool:
         return self.manifest.dense
+
+    @property
+    def views(self) -> tuple[str, ...]:
+        """The retrieval views held: ("dense",), ("bm25",) or ("dense", "bm25")."""
+        return tuple(self.manifest.views)
+
+    @property
+    def default_retrieval(self) -> str:
+        """What ``search`` does without ``retrieval``: "hybrid" where both views exist (with
+        the fitted fusion, else ``Fusion.default``), else the one view."""
+        return "hybrid" if len(self.views) > 1 else self.views[0]
+
+    @property
+    def fusion(self) -> Fusion:
+        """The fusion hybrid search uses: the manifest's fitted one, else the default."""
+        if "dense" not in self.views or "bm25" not in self.views:
+            raise ValueError(f"index {self.name!r} has views {self.views}: no hybrid fusion")
+        if self.manifest.fusion is not None:
+            return Fusion.from_dict(self.manifest.fusion)
+        return Fusion.default(self.manifest.score_scale)
+
+    def retrieval_mode(self, retrieval: str | None) -> str:
+        """``retrieval`` checked against this index (None: ``default_retrieval``).
+        ValueError starting "retrieval: " naming the index and its views otherwise."""
+        if retrieval is None or retrieval == "":
+            return self.default_retrieval
+        if retrieval not in RETRIEVAL_MODES:
+            raise ValueError(
+                f"retrieval: unknown mode {retrieval!r} for index {self.name!r}; expected one "
+                f"of {', '.join(RETRIEVAL_MODES)}"
+            )
+        needs = ("dense", "bm25") if retrieval == "hybrid" else (retrieval,)
+        if not set(needs) <= set(self.views):
+            raise ValueError(
+                f"retrieval: index {self.name!r} has no {retrieval} retrieval (its views: "
+                f"{', '.join(self.views)})"
+            )
+        return retrieval
 
     def set_search_params(
         self,
@@ -223,34 +264,107 @@ class LoadedIndex:
         k: int,
         encoder: Encoder | None = None,
         return_vectors: bool = False,
+        retrieval: str | None = None,
+        *,
+        query_vectors: np.ndarray | None = None,
     ) -> list[list[Passage]]:
-        """Top-k passages per query, best first, with ``.score``: the manifest's
-        ``score_scale`` x the inner product (or the BM25 score)."""
+        """Top-k passages per query, best first.
+
+        ``retrieval`` (None: :attr:`default_retrieval`) is one of ``fusion.RETRIEVAL_MODES``
+        the index has views for; ``.score`` is then ``dense``: the manifest's ``score_scale``
+        x the inner product, ``bm25``: the BM25 score, ``hybrid``: the fused score
+        (:mod:`openbook.index.fusion`). ``encoder`` (default: the manifest's query encoder)
+        encodes the queries for the dense view, unless ``query_vectors`` ``(n, dim)`` are
+        given already encoded (a server batching the encoder across requests); both are
+        ignored by ``bm25`` retrieval on an index that also has a dense view.
+        """
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings, not a string")
+        mode = self.retrieval_mode(retrieval)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if not queries:
             return []
         if not self.dense:
-            if encoder is not None:
+            if encoder is not None or query_vectors is not None:
                 raise ValueError(f"index {self.name!r} is bm25; it takes no encoder")
             if return_vectors:
                 raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+        if mode == "bm25":
             assert self._bm25 is not None
             scores, rows = self._bm25.search(list(queries), k)
-            return self._results(scores, rows, return_vectors=False)
+            # A bm25 index's scores as they always were (its score_scale, 1 unless set); the
+            # bm25 view of a dense index serves raw BM25 scores (score_scale is the dense one).
+            scale = 1.0 if self.dense else self.manifest.score_scale
+            return self._results(scores, rows, return_vectors=return_vectors, scale=scale)
+        q = self._query_vectors(queries, encoder, query_vectors)
+        if mode == "dense":
+            return self.search_vectors(q, k, return_vectors)
+        fusion = self.fusion
+        cands = self._candidates(list(queries), q, max(k, fusion.candidates))
+        scores, rows = top_k(fusion, cands, k)
+        return self._results(scores, rows, return_vectors, scale=1.0)
+
+    def _query_vectors(
+        self, queries: Sequence[str], encoder: Encoder | None, vectors: np.ndarray | None
+    ) -> np.ndarray:
+        if vectors is not None:
+            q = np.asarray(vectors, dtype=np.float32)
+            if q.ndim != 2 or q.shape != (len(queries), self.manifest.dim):
+                raise ValueError(
+                    f"index {self.name!r}: query vectors of shape {q.shape}, expected "
+                    f"({len(queries)}, {self.manifest.dim})"
+                )
+            return q
         if encoder is None:
             encoder = self.query_encoder
         else:
             self.check_encoder(encoder)
-        return self.search_vectors(encoder.encode(list(queries)), k, return_vectors)
+        return encoder.encode(list(queries))
+
+    def hybrid_candidates(
+        self,
+        queries: Sequence[str],
+        n: int,
+        encoder: Encoder | None = None,
+        *,
+        query_vectors: np.ndarray | None = None,
+    ) -> Candidates:
+        """The union of the dense and the BM25 top ``n`` per query, with both exact features
+        (:class:`openbook.index.fusion.Candidates`): what hybrid search and the fusion fit
+        score."""
+        self.retrieval_mode("hybrid")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        q = self._query_vectors(queries, encoder, query_vectors)
+        return self._candidates(list(queries), q, n)
+
+    def _candidates(self, queries: list[str], q: np.ndarray, n: int) -> Candidates:
+        assert self._bm25 is not None and self._vectors is not None
+        m = self.manifest
+        n = min(n, m.count)
+        _, dense_rows = faiss_index.search(self._faiss, m.index_type, m.index_params, q, n)
+        _, bm25_rows = self._bm25.search(queries, n)
+        rows = union_rows(dense_rows, bm25_rows)
+        valid = rows >= 0
+        # Exact features for every candidate, whichever view found it (the faiss score of an
+        # approximate type, and no score at all from the view that missed it, would not do).
+        vecs = np.asarray(self._vectors[np.where(valid, rows, 0).ravel()], dtype=np.float32)
+        # In float64, rounded once to float32: a float32 dot product's last bit depends on
+        # the SIMD path numpy takes (array alignment), and the same query must score the same
+        # on every call (a gateway compares and caches them).
+        vecs64 = vecs.reshape(*rows.shape, m.dim).astype(np.float64)
+        dense = np.einsum("qmd,qd->qm", vecs64, q.astype(np.float64))
+        dense = np.where(valid, dense, 0.0).astype(np.float32)
+        bm25 = self._bm25.score_rows(queries, rows)
+        return Candidates(rows, dense, bm25)
 
     def search_vectors(
         self, query_vectors: np.ndarray, k: int, return_vectors: bool = False
     ) -> list[list[Passage]]:
         if not self.dense:
             raise ValueError(f"index {self.name!r} is bm25; search it by text")
+        # Dense retrieval only: hybrid needs the query text too (``search(query_vectors=)``).
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         q = np.asarray(query_vectors, dtype=np.float32)
@@ -273,9 +387,15 @@ class LoadedIndex:
         return self._results(scores, rows, return_vectors)
 
     def _results(
-        self, scores: np.ndarray, rows: np.ndarray, return_vectors: bool
+        self,
+        scores: np.ndarray,
+        rows: np.ndarray,
+        return_vectors: bool,
+        scale: float | None = None,
     ) -> list[list[Passage]]:
-        scale = self.manifest.score_scale  # applied to real hits only: padding is -FLT_MAX
+        # ``scale`` (default: score_scale, for dense scores) is applied to real hits only:
+        # padding is -FLT_MAX.
+        scale = self.manifest.score_scale if scale is None else scale
         flat = sorted({int(r) for r in rows.ravel() if r >= 0})
         by_row = dict(zip(flat, self._store.get(flat), strict=True))
         vecs = dict(zip(flat, self.get_vectors(flat), strict=True)) if return_vectors else {}

@@ -48,6 +48,18 @@ class Manifest:
     # build (``parallel.build_slice``) has no parent index: its ``parent_checksum`` is the
     # sha256 of ``build``, the identity of the whole logical index, which it carries too.
     shard: dict[str, Any] | None = None
+    # The retrieval views the directory holds (``VIEWS`` order): ("dense",), ("bm25",) or
+    # ("dense", "bm25") for a dense index that carries a BM25 view of the same passages in
+    # ``bm25/`` (hybrid retrieval, ``fusion.py``). Absent in older manifests: derived from
+    # ``index_type`` (see ``default_views``), so they load unchanged.
+    views: list[str] = field(default_factory=list)
+    # The fitted hybrid fusion (``fusion.Fusion.to_dict``): weights, candidates, what it was
+    # fitted on. None: not fitted (an index with both views then uses ``Fusion.default``).
+    fusion: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.views:
+            self.views = default_views(self.index_type)
 
     @property
     def dense(self) -> bool:
@@ -57,6 +69,8 @@ class Manifest:
         data = dataclasses.asdict(self)
         if data["shard"] is None:
             del data["shard"]  # unsharded manifests stay as they were before sharding existed
+        if data["fusion"] is None:
+            del data["fusion"]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def to_file(self, path: Path) -> None:
@@ -92,7 +106,35 @@ class Manifest:
         _check_shard(path, data.get("shard"), data["count"])
         if problem := score_scale_problem(data.get("score_scale", 1.0)):
             raise IndexLoadError(f"{path}: {problem}")
+        if problem := views_problem(data.get("views"), data["index_type"]):
+            raise IndexLoadError(f"{path}: {problem}")
+        if data.get("fusion") is not None:
+            from openbook.index.fusion import Fusion
+
+            try:
+                Fusion.from_dict(data["fusion"])
+            except ValueError as e:
+                raise IndexLoadError(f"{path}: fusion: {e}") from None
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+VIEWS = ("dense", "bm25")
+
+
+def default_views(index_type: str) -> list[str]:
+    """The views of a manifest that records none (written before hybrid indexes existed)."""
+    return ["bm25"] if index_type == "bm25" else ["dense"]
+
+
+def views_problem(views: Any, index_type: Any) -> str | None:
+    """Why ``views`` cannot be the views of an ``index_type`` index, or None (absent: ok)."""
+    if views is None:
+        return None
+    dense = index_type != "bm25"
+    allowed = ([["dense"], ["dense", "bm25"]]) if dense else [["bm25"]]
+    if views not in allowed:
+        return f"views {views!r} do not fit index_type {index_type!r}; expected one of {allowed}"
+    return None
 
 
 def score_scale_problem(value: Any) -> str | None:

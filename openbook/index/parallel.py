@@ -88,6 +88,7 @@ _IDENTITY_ORDER = (
     "index_type",
     "index_params",
     "score_scale",
+    "views",
     "input_format",
     "max_words",
     "inputs",
@@ -168,9 +169,10 @@ def build_identity(
     encoder_weights: str | None,
     query_encoder: str | None,
     precision: str | None,
+    views: list[str] | None = None,
 ) -> dict[str, Any]:
     """What the whole logical build is, as every slice computes it alone (module docstring)."""
-    return {
+    identity = {
         "name": name,
         "inputs": inputs,
         "input_format": input_format,
@@ -187,6 +189,11 @@ def build_identity(
         "normalize": bool(encoder.normalize) if encoder else False,
         "precision": precision,
     }
+    if views is not None and views != ["dense"] and views != ["bm25"]:
+        # Only where there is more than the type implies, so that the identity (and with it
+        # the checksum) of a build without a second view is what it was before views existed.
+        identity["views"] = views
+    return identity
 
 
 def identity_checksum(identity: dict[str, Any]) -> str:
@@ -254,6 +261,7 @@ def build_slice(
     score_scale: float | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    bm25: bool = True,
 ) -> SliceResult:
     """Build slice ``shard_id`` of ``num_shards`` of the index over ``inputs`` (module doc).
 
@@ -323,6 +331,7 @@ def build_slice(
         encoder_weights=weights,
         query_encoder=q_name,
         precision=resolved,
+        views=["bm25"] if index_type == "bm25" else ["dense", "bm25"] if bm25 else ["dense"],
     )
     checksum = identity_checksum(identity)
     start, stop = shard_spans(total, num_shards)[shard_id]
@@ -386,6 +395,7 @@ def build_slice(
             passages=passages,
             shard=shard,
             fingerprint_extra={"parent_checksum": checksum, "rows": [start, stop]},
+            bm25=bm25,
         )
     return result(manifest, out, "built")
 

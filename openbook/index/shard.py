@@ -16,9 +16,16 @@ Exactness of merged results vs. the unsharded index, per type:
   of its own: at least as good). HNSW graphs are rebuilt per shard, so hnsw / hnsw-sq8 results
   are as approximate as any HNSW search (merged recall is usually a bit higher: every shard
   is searched with the full efSearch).
-* ``bm25``: each shard is re-indexed over its own passages, so IDF and average length are
-  per shard and scores differ somewhat from the unsharded index's (as in any sharded Lucene
-  setup). Merged rankings are close, not identical.
+* ``bm25`` (and the bm25 view of a dense index): a shard keeps its documents' entries of the
+  parent's BM25 matrix (:func:`openbook.index.bm25.slice_bm25`), whose scores already hold
+  the whole corpus's IDF and average length: every shard scores as the parent does, and
+  merged results equal the unsharded index's. (Slices of a parallel build are indexed apart
+  and use per-slice statistics instead; see ``parallel.py``.)
+* hybrid: the parent's ``fusion`` (fitted or not) goes into every shard's manifest. A shard
+  scores its own candidates (its dense and BM25 top N) with exact features and the parent's
+  weights, and the gateway merges by fused score. Any passage in the parent's candidate set is
+  in its shard's (a global top N member is in its shard's top N), so merged results equal the
+  unsharded index's, or beat it where a shard's extra candidates score higher.
 """
 
 from __future__ import annotations
@@ -115,7 +122,7 @@ def _write_shard(
     from tqdm.auto import tqdm
 
     from openbook.index import faiss_index
-    from openbook.index.bm25 import BM25_DIR, build_bm25
+    from openbook.index.bm25 import BM25_DIR, slice_bm25
     from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
     from openbook.index.store import PassageStore, PassageWriter
 
@@ -148,14 +155,10 @@ def _write_shard(
                 index, params = faiss_index.build_faiss(vecs, m.index_type, params, bar.update)
             del vecs
             faiss_index.write(index, out / faiss_index.INDEX_FILE)
-        else:
-            reader = PassageStore(out / PASSAGES_FILE)
-            try:
-                texts = [f"{t} {x}" for b in reader.iter_batches(0, count) for t, x in b]
-            finally:
-                reader.close()
-            build_bm25(texts, out / BM25_DIR)
-            bar.update(count)
+        if "bm25" in m.views:  # a bm25 index, or the bm25 view of a dense one
+            slice_bm25(src / BM25_DIR, out / BM25_DIR, start, stop)
+            if not m.dense:
+                bar.update(count)
 
     return dataclasses.replace(
         m,

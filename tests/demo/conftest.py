@@ -29,12 +29,36 @@ def _head(src: Path, dst: Path, n: int) -> None:
         dst.write_text("".join(itertools.islice(fin, n)), encoding="utf-8")
 
 
+def _squad(src: Path, dst: Path, n_paragraphs: int, n_questions: int, more: int) -> None:
+    """The first paragraphs and questions, plus the first question (and its paragraph) of
+    ``more`` further articles: enough articles for the fine-tuning split (10 dev articles)
+    that the demo's hybrid fusion is fitted with."""
+    import json
+
+    paragraphs = (src / SQUAD_PARAGRAPHS).read_text(encoding="utf-8").splitlines(keepends=True)
+    questions = (src / SQUAD_QUESTIONS).read_text(encoding="utf-8").splitlines(keepends=True)
+    keep_p, keep_q = paragraphs[:n_paragraphs], questions[:n_questions]
+    titles = {json.loads(line)["title"] for line in keep_q}
+    by_id = {json.loads(line)["id"]: line for line in paragraphs}
+    for line in questions[n_questions:]:
+        q = json.loads(line)
+        if len(titles) == len({json.loads(x)["title"] for x in questions[:n_questions]}) + more:
+            break
+        if q["title"] not in titles:
+            titles.add(q["title"])
+            keep_q.append(line)
+            if by_id[q["paragraph"]] not in keep_p:
+                keep_p.append(by_id[q["paragraph"]])
+    for rel, lines in ((SQUAD_PARAGRAPHS, keep_p), (SQUAD_QUESTIONS, keep_q)):
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dst / rel).write_text("".join(lines), encoding="utf-8")
+
+
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo data cut down to ~25 passages per snapshot (12 paragraphs + 8 leaders rows)."""
+    """The demo data cut down to ~40 passages per snapshot (23 paragraphs + 8 leaders rows)."""
     root = tmp_path_factory.mktemp("tiny-data")
-    _head(REPO_DATA_DIR / SQUAD_PARAGRAPHS, root / SQUAD_PARAGRAPHS, 12)
-    _head(REPO_DATA_DIR / SQUAD_QUESTIONS, root / SQUAD_QUESTIONS, 20)
+    _squad(REPO_DATA_DIR, root, n_paragraphs=12, n_questions=20, more=11)
     _head(REPO_DATA_DIR / LEADERS_2016, root / LEADERS_2016, 8)
     _head(REPO_DATA_DIR / LEADERS_2018, root / LEADERS_2018, 8)
     shutil.copy(REPO_DATA_DIR / LEADERS_QUESTIONS, root / LEADERS_QUESTIONS)

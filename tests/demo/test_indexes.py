@@ -25,6 +25,36 @@ def test_builds_all_then_skips(tiny_index_root: Path, tiny_data_dir: Path) -> No
     assert prepare_demo_indexes(tiny_index_root, tiny_data_dir, progress=False) == []
 
 
+def test_dense_indexes_are_hybrid_with_a_fusion_fitted_on_training_articles(
+    tiny_index_root: Path, tiny_data_dir: Path
+) -> None:
+    import hashlib
+
+    from openbook.index import open_index
+    from openbook.index.fusion import read_questions
+    from openbook_trainer.demo.data import SQUAD_QUESTIONS
+    from openbook_trainer.experiments.finetune import split_by_article
+
+    questions = tiny_data_dir / SQUAD_QUESTIONS
+    train_titles, dev_titles = split_by_article(questions, 10, 0)
+    train_qs, _ = read_questions(questions, exclude_titles=dev_titles)
+    for name in ("wiki-2016", "wiki-2018"):
+        with open_index(tiny_index_root / name) as idx:
+            assert idx.views == ("dense", "bm25") and idx.default_retrieval == "hybrid"
+            fusion = idx.fusion
+            assert fusion.fitted_on is not None
+            assert fusion.fitted_on["excluded_titles"] == dev_titles  # dev articles held out
+            assert 0 < fusion.fitted_on["questions"] <= len(train_qs)
+            sha = hashlib.sha256(questions.read_bytes()).hexdigest()
+            assert fusion.fitted_on["sha256"] == sha
+            assert "split_by_article(10, seed 0)" in fusion.fitted_on["source"]
+            hits = idx.search(["When did the 1973 oil crisis begin?"], 3)
+            assert hits[0] and hits[0][0].score == max(p.score for p in hits[0])
+    for name in ("wiki-2016-bm25", "wiki-2018-bm25"):
+        with open_index(tiny_index_root / name) as idx:
+            assert idx.views == ("bm25",) and idx.manifest.fusion is None
+
+
 def test_snapshots_differ_in_leaders_passages(tiny_index_root: Path) -> None:
     from openbook.index import open_index
 

@@ -46,7 +46,13 @@ def test_manifest_contents(facts_index: LoadedIndex) -> None:
         "all-MiniLM-L6-v2",
         "flat",
     )
-    assert set(m.files) == {"index.faiss", "passages.sqlite", "vectors.npy"}
+    # ... and the bm25 view of the same passages (hybrid retrieval, test_hybrid.py)
+    assert {f for f in m.files if not f.startswith("bm25/")} == {
+        "index.faiss",
+        "passages.sqlite",
+        "vectors.npy",
+    }
+    assert "bm25/params.index.json" in m.files and m.views == ["dense", "bm25"]
     assert m.normalize and m.created_at and len(m.checksum) == 64
     raw = json.loads((facts_index.path / "manifest.json").read_text())
     assert raw["format_version"] == 1 and raw["count"] == len(FACTS)
@@ -107,7 +113,8 @@ def test_dpr_build_all_dense_types(
     with open_index(out) as idx:
         q_enc = load_encoder(str(q))
         qv = q_enc.encode(["w1 w2 w3", "w4"])
-        hits = idx.search(["w1 w2 w3", "w4"], k=5, return_vectors=True)
+        # The dense view's scores (the default would be hybrid: test_hybrid.py)
+        hits = idx.search(["w1 w2 w3", "w4"], k=5, return_vectors=True, retrieval="dense")
         exact = qv @ idx.get_vectors(range(60)).T
         for i, row in enumerate(hits):
             assert len(row) == 5

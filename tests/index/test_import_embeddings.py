@@ -111,6 +111,13 @@ def test_import_dpr_pickle_shards(tsv: Path, tmp_path: Path, dpr_dirs: tuple[Pat
     _assert_searchable(out, vecs)
     with open_index(out) as idx:
         assert idx.query_encoder.dim == DIM  # the retriever can load what was recorded
+        # The passages get a bm25 view too, as a build's do: hybrid retrieval by default.
+        assert m.views == ["dense", "bm25"] and idx.default_retrieval == "hybrid"
+        (bm25,) = idx.search(["python moon planet hamlet"], 3, retrieval="bm25")
+        assert bm25[0].text == "python moon planet hamlet"
+        (hybrid,) = idx.search(["python moon planet hamlet"], 3)
+        scores = [p.score for p in hybrid]  # random vectors: the dense part decides the order
+        assert len(hybrid) == 3 and scores == sorted(scores, reverse=True)
     assert not (tmp_path / ".idx.partial").exists()
 
 
@@ -218,6 +225,7 @@ def test_resume_after_interruption(
     monkeypatch.setattr(importer_mod, "iter_embeddings", real_iter)
     monkeypatch.setattr(build_mod.np, "save", save)
     import_embeddings(tsv, files, out, **_kw("/models/q"))
+    written = [w for w in written if w.startswith("shard-")]  # not the bm25 view's files
     assert written == ["shard-00001.tmp.npy", "shard-00002.tmp.npy"]  # shard 0 reused
     assert not partial.exists()
     _assert_searchable(out, vecs)

@@ -200,10 +200,15 @@ def test_two_processes_build_slices_at_once_and_the_set_serves_the_unsharded_top
             want = full.search_vectors(q, k)
             _same_topk(merge_results([s.search_vectors(q, k) for s in shards], k), want)
             _same_topk(merged.search_vectors(q, k), want)
-            want = full.search(texts, k)
-            _same_topk(merge_results([s.search(texts, k) for s in shards], k), want)
-            _same_topk(merged.search(texts, k), want)
+            want = full.search(texts, k, retrieval="dense")
+            dense = [s.search(texts, k, retrieval="dense") for s in shards]
+            _same_topk(merge_results(dense, k), want)
+            _same_topk(merged.search(texts, k, retrieval="dense"), want)
+            # The merge rebuilds one bm25 view over all passages: hybrid as unsharded too.
+            _same_topk(merged.search(texts, k), full.search(texts, k), atol=1e-4)
         assert merged.manifest.shard is None and len(merged) == N_PASSAGES
+        assert merged.views == full.views == ("dense", "bm25")
+        assert all(s.views == ("dense", "bm25") for s in shards)
     _close(shards)
 
 
@@ -227,8 +232,12 @@ def test_minilm_slices_serve_the_facts_index_and_rejoin_as_no_ops(
     for root in (out, serve):
         shards = _open_set(root, "facts", 3)
         assert all(s.manifest.score_scale == facts_index.manifest.score_scale for s in shards)
+        dense = [s.search(questions, 5, retrieval="dense") for s in shards]
+        merged = merge_results(dense, 5)
+        _same_topk(merged, facts_index.search(questions, 5, retrieval="dense"))
+        assert [hits[0].id for hits in merged] == list(QUESTIONS)
+        # Hybrid (the default): BM25 with per-slice statistics, close to the unsharded.
         merged = merge_results([s.search(questions, 5) for s in shards], 5)
-        _same_topk(merged, facts_index.search(questions, 5))
         assert [hits[0].id for hits in merged] == list(QUESTIONS)
         _close(shards)
 

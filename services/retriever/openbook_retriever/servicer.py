@@ -134,7 +134,10 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
                     rows = np.concatenate(
                         [vectors[offsets[i] : offsets[i] + len(items[i].queries)] for i in same]
                     )
-                    hits = index.search_vectors(rows, k, with_vectors)
+                    # The index's default retrieval (hybrid where it has a bm25 view too),
+                    # with the queries encoded once above.
+                    texts = [q for i in same for q in items[i].queries]
+                    hits = index.search(texts, k, return_vectors=with_vectors, query_vectors=rows)
             except Exception as exc:  # noqa: BLE001 - fails these calls only
                 for i in same:
                     results[i] = exc

@@ -38,6 +38,11 @@ class TrainConfig(BaseModel):
     # --- the RAG objective (paper §2)
     mode: Mode = "rag-token"
     k: int = Field(5, ge=1, le=100)
+    retrieval: Literal["dense", "hybrid"] | None = Field(
+        None,
+        description="dense, or hybrid (dense + BM25, the fused prior); default: the index's "
+        "(hybrid where it has a bm25 view)",
+    )
     train_query_encoder: bool = True
     train_generator: bool = True
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)

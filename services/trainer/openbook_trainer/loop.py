@@ -73,7 +73,7 @@ from openbook_trainer.data import (
 )
 from openbook_trainer.distributed import World, rank_device, world_from_env
 from openbook_trainer.evaluation.runner import predict_local, score_predictions
-from openbook_trainer.retrieval import DenseRetrieval
+from openbook_trainer.retrieval import make_retrieval
 
 log = logging.getLogger("openbook.trainer")
 TRAIN_LOG = "train_log.jsonl"
@@ -221,7 +221,10 @@ class Trainer:
                     f"model directory (or the MiniLM alias): {e}"
                 ) from None
             self.q_peft_model = attach_lora(self.encoder.model, q_lora)
-        self.retrieval = DenseRetrieval(self.index, self.encoder, cfg.k)
+        try:
+            self.retrieval = make_retrieval(self.index, self.encoder, cfg.k, cfg.retrieval)
+        except ValueError as e:  # "retrieval: ..." naming the index and its views
+            raise ConfigError(str(e)) from None
         self.trained = [
             name
             for name, on in (

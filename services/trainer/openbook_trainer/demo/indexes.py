@@ -2,7 +2,12 @@
 
 ``wiki-<year>`` = the SQuAD paragraphs + the leaders passages of that snapshot, split into
 100-word passages by ``openbook.index.build_index``; dense ones use the default encoder
-(all-MiniLM-L6-v2) with a flat inner-product index.
+(all-MiniLM-L6-v2) with a flat inner-product index and carry a BM25 view of the same passages
+too, for hybrid retrieval (the default retrieval of such an index). Their fusion is fitted on
+the SQuAD questions of the *training* articles only: the split of the fine-tuning experiment
+(``experiments.finetune.split_by_article(questions, 10, seed 0)``), so the dev articles that
+experiment and the demo evaluate on never inform the fused prior. ``wiki-<year>-bm25`` stay:
+the RAG paper's BM25 ablation as an index of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from openbook_trainer.demo.data import DEMO_SNAPSHOTS, Snapshot, missing_files
+from openbook_trainer.demo.data import DEMO_SNAPSHOTS, SQUAD_QUESTIONS, Snapshot, missing_files
+
+# The fine-tuning experiment's split (experiments/finetune.py, FinetuneConfig's defaults).
+FUSION_DEV_ARTICLES = 10
+FUSION_SEED = 0
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -31,7 +40,47 @@ def index_is_complete(path: Path, snapshot: Snapshot) -> bool:
     except Exception:  # any failure to open means: rebuild it
         return False
     manifest = loaded.manifest
-    return manifest.name == snapshot.name and manifest.index_type == snapshot.index_type
+    loaded.close()
+    # A dense demo index built before hybrid retrieval has no bm25 view: rebuild it.
+    views = ["bm25"] if snapshot.index_type == "bm25" else ["dense", "bm25"]
+    return (
+        manifest.name == snapshot.name
+        and manifest.index_type == snapshot.index_type
+        and manifest.views == views
+    )
+
+
+def fit_demo_fusion(path: Path, data_dir: Path) -> bool:
+    """Fit the hybrid fusion of the dense demo index at ``path`` on the SQuAD questions of
+    the training articles (module docstring) and record it in its manifest. False (nothing
+    done) where the questions have too few articles to hold out the dev ones."""
+    from openbook.index import fit_fusion, open_index, store_fusion
+    from openbook.index.fusion import read_questions
+    from openbook_trainer.experiments.finetune import split_by_article
+
+    questions = Path(data_dir) / SQUAD_QUESTIONS
+    try:
+        _, dev_titles = split_by_article(questions, FUSION_DEV_ARTICLES, FUSION_SEED)
+    except ValueError:  # too few articles (a cut-down copy of the data)
+        return False
+    qs, sha = read_questions(questions, exclude_titles=dev_titles)
+    with open_index(path, verify=False) as index:
+        fusion = fit_fusion(
+            index,
+            qs,
+            source=f"{SQUAD_QUESTIONS} (training articles: split_by_article("
+            f"{FUSION_DEV_ARTICLES}, seed {FUSION_SEED}))",
+            sha256=sha,
+            fitted_on={"excluded_titles": dev_titles},
+        )
+    store_fusion(path, fusion)
+    return True
+
+
+def _fusion_missing(path: Path, snapshot: Snapshot) -> bool:
+    from openbook.index import read_index_manifest
+
+    return snapshot.index_type != "bm25" and read_index_manifest(path).fusion is None
 
 
 def prepare_demo_indexes(
@@ -60,6 +109,8 @@ def prepare_demo_indexes(
         out_dir = index_root / snap.name
         if index_is_complete(out_dir, snap):
             _log(progress, f"index {snap.name}: already built at {out_dir}")
+            if _fusion_missing(out_dir, snap):  # e.g. interrupted between build and fit
+                _fit(out_dir, data_dir, snap, progress)
             continue
         if missing := missing_files(data_dir, snap.inputs):
             raise FileNotFoundError(f"demo data missing: {', '.join(map(str, missing))}")
@@ -81,5 +132,17 @@ def prepare_demo_indexes(
             progress,
             f"index {snap.name}: {manifest.count} passages in {time.monotonic() - start:.0f} s",
         )
+        if snap.index_type != "bm25":
+            _fit(out_dir, data_dir, snap, progress)
         built.append(snap.name)
     return built
+
+
+def _fit(out_dir: Path, data_dir: Path, snap: Snapshot, progress: bool) -> None:
+    if missing_files(data_dir, (SQUAD_QUESTIONS,)):
+        _log(progress, f"index {snap.name}: no {SQUAD_QUESTIONS}; hybrid uses the default fusion")
+        return
+    if fit_demo_fusion(out_dir, data_dir):
+        _log(progress, f"index {snap.name}: hybrid fusion fitted on the training articles")
+    else:
+        _log(progress, f"index {snap.name}: too few articles to fit; default fusion")

@@ -10,21 +10,12 @@
 
 from __future__ import annotations
 
-import re
-import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = frozenset(string.punctuation)
-
-
-def normalize_answer(text: str) -> str:
-    """Lowercase, strip punctuation and the articles a/an/the, collapse whitespace."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCT)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
+# SQuAD normalisation and the answer-in-passage test live in the core (the index fits its
+# hybrid fusion with them); re-exported here with the metrics built on them.
+from openbook.answers import has_answer, normalize_answer
 
 
 def _f1_one(prediction: str, gold: str) -> float:
@@ -125,16 +116,6 @@ def recall_at_k(
         return 0.0
     hits = sum(bool(set(r[:k]) & set(g)) for r, g in zip(retrieved_ids, gold_ids, strict=True))
     return 100.0 * hits / len(retrieved_ids)
-
-
-def has_answer(text: str, answers: Iterable[str]) -> bool:
-    """DPR's "answer string in passage" test, on SQuAD-normalised token sequences."""
-    tokens = normalize_answer(text).split()
-    for ans in answers:
-        a = normalize_answer(ans).split()
-        if a and any(tokens[i : i + len(a)] == a for i in range(len(tokens) - len(a) + 1)):
-            return True
-    return False
 
 
 def answer_recall_at_k(

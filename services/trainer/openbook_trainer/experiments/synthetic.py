@@ -94,6 +94,10 @@ def make_task(
             encoder=str(ctx_dir),
             query_encoder=str(q_dir),
             progress=False,
+            # Dense only: the task is for the retriever to learn which passage holds each
+            # answer from the answers alone, which a lexical view of the passages would
+            # short-cut. (Hybrid training is tested on an index over the same passages.)
+            bm25=False,
         )
     generator = root / "bart"
     if not (generator / "config.json").is_file():
