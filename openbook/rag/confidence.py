@@ -427,7 +427,9 @@ def answer_features(
         "mean_log_prob": min(0.0, max(LOG_PROB_FLOOR, mlp)),
         "max_prior": prior[top] if top is not None else 0.0,
         "answer_in_top_passage": 1.0 if top is not None and holds[top] else 0.0,
-        "prior_with_answer": min(1.0, sum(p for p, h in zip(prior, holds, strict=True) if h)),
+        "prior_with_answer": min(
+            1.0, sum((p for p, h in zip(prior, holds, strict=True) if h), 0.0)
+        ),
         "cut_by_length": 1.0 if finish_reason == "length" else 0.0,
     }
 
