@@ -22,26 +22,26 @@ token (empty) or an impossible one (``log_prob`` -inf or NaN) gets 0, never a di
 
 Calibration
 -----------
-Geometric-mean probabilities are not probabilities of being right. A :class:`Calibration` is a
-monotone piecewise-linear map from raw confidence to the probability that the answer is
-correct, fitted on training questions with :func:`fit_calibration` (isotonic regression by
-pooled adjacent violators) and stored beside the model as ``confidence_calibration.json``
-(:data:`CALIBRATION_FILE`) in the generator directory or in a generator adapter's directory
-(the adapter's wins: it is the model that was fitted). It is read and validated when the model
-loads (:func:`load_calibration`); a bad file stops the load with an error naming it.
+Geometric-mean probabilities are not probabilities of being right. A calibration maps an
+answer to the probability that it is correct, fitted on training questions, and is stored
+beside the model as ``confidence_calibration.json`` (:data:`CALIBRATION_FILE`) in the
+generator directory or in a generator adapter's directory (the adapter's wins: it is the model
+that was fitted). It is read and validated when the model loads (:func:`load_calibration`); a
+bad file stops the load with an error naming it. Two kinds exist, told apart by the file's
+``"kind"`` (:data:`AnyCalibration` is either):
 
-Two kinds of calibration exist, told apart by the file's ``"kind"``:
-
-* ``"piecewise-linear"`` (:class:`Calibration`): the map above. Monotone in raw confidence, so
-  it makes confidences probabilities but cannot rank right answers above wrong ones any better
-  than raw confidence does (same AUROC).
+* ``"piecewise-linear"`` (:class:`Calibration`): a monotone piecewise-linear map of raw
+  confidence, fitted with :func:`fit_calibration` (isotonic regression by pooled adjacent
+  violators). Being monotone, it makes confidences probabilities but cannot rank right answers
+  above wrong ones any better than raw confidence does (same AUROC).
 * ``"logistic"`` (:class:`LogisticCalibration`): ``sigmoid(bias + sum_i w_i * f_i)`` over
   named features of the answer (:func:`confidence_features`), fitted with
   :func:`fit_logistic_calibration` (L2-penalised logistic regression by Newton's method). It
   uses what the generator knows beyond the answer's probability: how peaked the passage prior
   is, whether the answer is written in the passages and how much prior mass those carry, and
-  whether the answer was cut by ``max_new_tokens``; so it can separate right from wrong answers
-  better than any map of raw confidence.
+  whether ``max_new_tokens`` cut the answer; so it can separate right from wrong answers
+  better than any map of raw confidence. The engine computes the features only for a model
+  whose calibration reads them (``needs_features``).
 
 Features
 --------
