@@ -22,13 +22,48 @@ token (empty) or an impossible one (``log_prob`` -inf or NaN) gets 0, never a di
 
 Calibration
 -----------
-Geometric-mean probabilities are not probabilities of being right. A :class:`Calibration` is a
-monotone piecewise-linear map from raw confidence to the probability that the answer is
-correct, fitted on training questions with :func:`fit_calibration` (isotonic regression by
-pooled adjacent violators) and stored beside the model as ``confidence_calibration.json``
-(:data:`CALIBRATION_FILE`) in the generator directory or in a generator adapter's directory
-(the adapter's wins: it is the model that was fitted). It is read and validated when the model
-loads (:func:`load_calibration`); a bad file stops the load with an error naming it.
+Geometric-mean probabilities are not probabilities of being right. A calibration maps an
+answer to the probability that it is correct, fitted on training questions, and is stored
+beside the model as ``confidence_calibration.json`` (:data:`CALIBRATION_FILE`) in the
+generator directory or in a generator adapter's directory (the adapter's wins: it is the model
+that was fitted). It is read and validated when the model loads (:func:`load_calibration`); a
+bad file stops the load with an error naming it. Two kinds exist, told apart by the file's
+``"kind"`` (:data:`AnyCalibration` is either):
+
+* ``"piecewise-linear"`` (:class:`Calibration`): a monotone piecewise-linear map of raw
+  confidence, fitted with :func:`fit_calibration` (isotonic regression by pooled adjacent
+  violators). Being monotone, it makes confidences probabilities but cannot rank right answers
+  above wrong ones any better than raw confidence does (same AUROC).
+* ``"logistic"`` (:class:`LogisticCalibration`): ``sigmoid(bias + sum_i w_i * f_i)`` over
+  named features of the answer (:func:`confidence_features`), fitted with
+  :func:`fit_logistic_calibration` (L2-penalised logistic regression by Newton's method). It
+  uses what the generator knows beyond the answer's probability: how peaked the passage prior
+  is, whether the answer is written in the passages and how much prior mass those carry, and
+  whether ``max_new_tokens`` cut the answer; so it can separate right from wrong answers
+  better than any map of raw confidence. The engine computes the features only for a model
+  whose calibration reads them (``needs_features``).
+
+Features
+--------
+:func:`confidence_features` computes every feature from one hypothesis, the request's passages
+(in the order the generator read them) and the document prior p(z|x) over them:
+
+* ``log_prob``: log p(y|x), clipped to [-50, 0] (-inf or NaN: -50);
+* ``mean_log_prob``: ``log_prob / scored_tokens`` clipped to [-50, 0], -50 for an answer with
+  no scored token (or a non-finite ``log_prob``): ``exp(mean_log_prob) == raw_confidence``
+  wherever ``raw_confidence >= exp(-50)``, so a client that sees only ``raw_confidence``
+  recovers it (:func:`answer_features`);
+* ``max_prior``: max_z p(z|x), the prior of the top passage (0 with no passage);
+* ``answer_in_top_passage``: 1.0 when the SQuAD-normalised answer
+  (:func:`openbook.answers.normalize_answer`) is non-empty and a substring of the normalised
+  text of the passage with the highest prior (the first one on ties), else 0.0;
+* ``prior_with_answer``: the sum of p(z|x) over the passages whose normalised text contains
+  the normalised (non-empty) answer, in [0, 1];
+* ``cut_by_length``: 1.0 when the answer's ``finish_reason`` is ``"length"``, else 0.0.
+
+A passage's text is its ``text`` (not its title). :func:`calibrate_row` applies any calibration
+to a row of these features (a piecewise-linear one reads ``exp(mean_log_prob)``), so a fitted
+calibration can be scored on logged rows without a model.
 
 Every hypothesis carries both: ``raw_confidence`` (always the definition above) and
 ``confidence`` (the calibrated value when the model has a calibration, else the raw one).
@@ -39,16 +74,40 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from openbook.answers import normalize_answer
 from openbook.rag.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from openbook.rag.options import Hypothesis
+    from openbook.types import Passage
 
 CALIBRATION_FILE = "confidence_calibration.json"
 CALIBRATION_KIND = "piecewise-linear"
+LOGISTIC_KIND = "logistic"
+CALIBRATION_KINDS = (LOGISTIC_KIND, CALIBRATION_KIND)
+
+# The floor of the log-probability features: an impossible or empty answer sits here, and a
+# few extreme answers cannot dominate a fitted weight.
+LOG_PROB_FLOOR = -50.0
+
+# Every feature confidence_features computes, in the order a default logistic fit uses them
+# (module docstring says what each is).
+FEATURES = (
+    "log_prob",
+    "mean_log_prob",
+    "max_prior",
+    "answer_in_top_passage",
+    "prior_with_answer",
+    "cut_by_length",
+)
+DEFAULT_FEATURES = FEATURES
 
 
 def raw_confidence(log_prob: float, scored_tokens: int) -> float:
@@ -91,6 +150,9 @@ class Calibration:
                     f"y must be non-decreasing: y[{i}] = {self.y[i]} follows {self.y[i - 1]}"
                 )
 
+    # a piecewise-linear map reads raw confidence only
+    needs_features = False
+
     def __call__(self, raw: float) -> float:
         """The calibrated confidence of a raw one."""
         return float(np.interp(raw, self.x, self.y))
@@ -122,13 +184,130 @@ class Calibration:
 
     def save(self, directory: str | Path) -> Path:
         """Write :data:`CALIBRATION_FILE` into ``directory``; returns its path."""
-        path = Path(directory) / CALIBRATION_FILE
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        return path
+        return _save(self.to_json(), directory)
 
 
-def load_calibration(directory: str | Path) -> Calibration | None:
-    """The calibration stored in ``directory``, or None when it has none.
+@dataclass(frozen=True)
+class LogisticCalibration:
+    """``confidence = sigmoid(bias + sum_i weights[i] * f[features[i]])`` over an answer's
+    named features (:func:`confidence_features`).
+
+    Invariants (checked by :meth:`validate`): ``features`` are distinct names of
+    :data:`FEATURES`; ``weights`` has one finite number per feature; ``bias`` is finite.
+    ``fitted_on`` is free-form provenance (questions, data, model), stored as it is.
+    """
+
+    features: tuple[str, ...]
+    weights: tuple[float, ...]
+    bias: float
+    fitted_on: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    # the engine computes an answer's features only for a calibration that reads them
+    needs_features = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first broken invariant."""
+        for i, name in enumerate(self.features):
+            if not isinstance(name, str) or name not in FEATURES:
+                raise ValueError(
+                    f"features[{i}] must be one of {', '.join(FEATURES)}, got {name!r}"
+                )
+        if len(set(self.features)) != len(self.features):
+            raise ValueError(f"features must be distinct, got {list(self.features)}")
+        if len(self.weights) != len(self.features):
+            raise ValueError(
+                f"features and weights differ in length ({len(self.features)} vs "
+                f"{len(self.weights)})"
+            )
+        for i, w in enumerate(self.weights):
+            if not _finite_number(w):
+                raise ValueError(f"weights[{i}] must be a finite number, got {w!r}")
+        if not _finite_number(self.bias):
+            raise ValueError(f"bias must be a finite number, got {self.bias!r}")
+
+    def __call__(self, features: Mapping[str, float]) -> float:
+        """The calibrated confidence of an answer with these features (a row of
+        :func:`confidence_features`; extra names are ignored, a missing one is a KeyError)."""
+        z = self.bias + sum(
+            w * float(features[n]) for n, w in zip(self.features, self.weights, strict=True)
+        )
+        return _sigmoid(z)
+
+    def to_json(self) -> dict:
+        return {
+            "kind": LOGISTIC_KIND,
+            "features": list(self.features),
+            "weights": list(self.weights),
+            "bias": self.bias,
+            "fitted_on": self.fitted_on,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> LogisticCalibration:
+        """Raise ``ValueError`` for anything but a valid logistic calibration object."""
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        if data.get("kind") != LOGISTIC_KIND:
+            raise ValueError(f"kind must be {LOGISTIC_KIND!r}, got {data.get('kind')!r}")
+        features, weights = data.get("features"), data.get("weights")
+        if not isinstance(features, list) or not isinstance(weights, list):
+            raise ValueError("features and weights must be lists")
+        if "bias" not in data:
+            raise ValueError("bias is missing")
+        fitted_on = data.get("fitted_on", {})
+        if not isinstance(fitted_on, dict):
+            raise ValueError(f"fitted_on must be a JSON object, got {fitted_on!r}")
+        calibration = cls(tuple(features), tuple(weights), data["bias"], fitted_on)
+        calibration.validate()
+        return cls(
+            calibration.features,
+            tuple(float(w) for w in calibration.weights),
+            float(calibration.bias),
+            fitted_on,
+        )
+
+    def save(self, directory: str | Path) -> Path:
+        """Write :data:`CALIBRATION_FILE` into ``directory``; returns its path."""
+        return _save(self.to_json(), directory)
+
+
+# Either kind: what a model carries and the engine applies.
+AnyCalibration = Calibration | LogisticCalibration
+
+
+def calibration_from_json(data: object) -> AnyCalibration:
+    """The calibration of either kind in ``data`` (by its ``"kind"``); ``ValueError`` when it
+    is not a valid one."""
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    kind = data.get("kind")
+    if kind == LOGISTIC_KIND:
+        return LogisticCalibration.from_json(data)
+    if kind == CALIBRATION_KIND:
+        return Calibration.from_json(data)
+    raise ValueError(f"kind must be one of {', '.join(map(repr, CALIBRATION_KINDS))}, got {kind!r}")
+
+
+def _save(data: dict, directory: str | Path) -> Path:
+    path = Path(directory) / CALIBRATION_FILE
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def _finite_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _sigmoid(z: float) -> float:
+    # the two branches keep exp from overflowing for large |z|
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
+
+
+def load_calibration(directory: str | Path) -> AnyCalibration | None:
+    """The calibration (either kind) stored in ``directory``, or None when it has none.
 
     Raises :class:`ModelLoadError` naming the file when it is unreadable or invalid: a model
     whose calibration is broken must not serve uncalibrated confidences silently."""
@@ -137,7 +316,7 @@ def load_calibration(directory: str | Path) -> Calibration | None:
         return None
     try:
         data = json.loads(path.read_text(), parse_constant=_no_constant)
-        return Calibration.from_json(data)
+        return calibration_from_json(data)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"invalid confidence calibration {path}: {e}") from None
 
@@ -182,9 +361,175 @@ def fit_calibration(raw: Sequence[float], correct: Sequence[bool | float]) -> Ca
     return calibration
 
 
+def mean_log_prob(log_prob: float, scored_tokens: int) -> float:
+    """``log_prob / scored_tokens`` clipped to [:data:`LOG_PROB_FLOOR`, 0]; the floor for an
+    answer with no scored token or a non-finite ``log_prob``. Its exp is
+    :func:`raw_confidence` (above the floor)."""
+    if scored_tokens <= 0 or not math.isfinite(log_prob):
+        return LOG_PROB_FLOOR
+    return min(0.0, max(LOG_PROB_FLOOR, log_prob / scored_tokens))
+
+
+def normalized_texts(passages: Sequence[Passage | str]) -> list[str]:
+    """The SQuAD-normalised text of each passage (a :class:`Passage`'s ``text``, or a string):
+    what :func:`confidence_features` looks for the answer in. Compute it once per request
+    and pass it to every hypothesis' features."""
+    return [normalize_answer(p if isinstance(p, str) else p.text) for p in passages]
+
+
+def confidence_features(
+    hypothesis: Hypothesis,
+    passages: Sequence[Passage | str],
+    doc_prior: Sequence[float],
+    *,
+    normalized: Sequence[str] | None = None,
+) -> dict[str, float]:
+    """The features (:data:`FEATURES`, module docstring) of one hypothesis of a request whose
+    passages, in the generator's order, had the prior ``doc_prior`` (p(z|x), one per passage).
+
+    ``passages``: the request's passages (or their texts); ``normalized``: their
+    :func:`normalized_texts` when already computed (then ``passages`` is not read again)."""
+    return answer_features(
+        text=hypothesis.text,
+        log_prob=hypothesis.log_prob,
+        mean_log_prob=mean_log_prob(hypothesis.log_prob, hypothesis.scored_tokens),
+        finish_reason=hypothesis.finish_reason,
+        normalized=normalized if normalized is not None else normalized_texts(passages),
+        doc_prior=doc_prior,
+    )
+
+
+def answer_features(
+    *,
+    text: str,
+    log_prob: float,
+    mean_log_prob: float,
+    finish_reason: str,
+    normalized: Sequence[str],
+    doc_prior: Sequence[float],
+) -> dict[str, float]:
+    """:func:`confidence_features` from plain values: what a client of ``/answer`` has (its
+    ``mean_log_prob`` is ``log(raw_confidence)``, or :data:`LOG_PROB_FLOOR` for 0).
+    ``normalized``: the passages' :func:`normalized_texts`. Raises ``ValueError`` when
+    ``normalized`` and ``doc_prior`` differ in length."""
+    if len(normalized) != len(doc_prior):
+        raise ValueError(
+            f"passages and doc_prior differ in length ({len(normalized)} vs {len(doc_prior)})"
+        )
+    prior = [float(p) for p in doc_prior]
+    answer = normalize_answer(text)
+    holds = [bool(answer) and answer in t for t in normalized]
+    top = max(range(len(prior)), key=prior.__getitem__) if prior else None
+    lp = min(0.0, max(LOG_PROB_FLOOR, log_prob)) if math.isfinite(log_prob) else LOG_PROB_FLOOR
+    mlp = mean_log_prob if math.isfinite(mean_log_prob) else LOG_PROB_FLOOR
+    return {
+        "log_prob": lp,
+        "mean_log_prob": min(0.0, max(LOG_PROB_FLOOR, mlp)),
+        "max_prior": prior[top] if top is not None else 0.0,
+        "answer_in_top_passage": 1.0 if top is not None and holds[top] else 0.0,
+        "prior_with_answer": min(
+            1.0, sum((p for p, h in zip(prior, holds, strict=True) if h), 0.0)
+        ),
+        "cut_by_length": 1.0 if finish_reason == "length" else 0.0,
+    }
+
+
+def calibrate_row(calibration: AnyCalibration, features: Mapping[str, float]) -> float:
+    """The confidence ``calibration`` gives an answer with these features (a row of
+    :func:`confidence_features`, e.g. logged by ``openbook eval``): a logistic calibration
+    reads its features, a piecewise-linear one ``exp(mean_log_prob)`` (raw confidence)."""
+    if isinstance(calibration, LogisticCalibration):
+        return calibration(features)
+    mlp = float(features["mean_log_prob"])
+    return calibration(math.exp(mlp) if mlp > LOG_PROB_FLOOR else 0.0)
+
+
+def fit_logistic_calibration(
+    feature_rows: Sequence[Mapping[str, float]],
+    correct: Sequence[bool | float],
+    features: Sequence[str] = DEFAULT_FEATURES,
+    l2: float = 1.0,
+    fitted_on: Mapping[str, Any] | None = None,
+) -> LogisticCalibration:
+    """L2-penalised logistic regression of ``correct`` (1/0, or a score in [0, 1]) on the named
+    ``features`` of each row, by Newton's method (IRLS). Minimises
+    ``sum_i logloss_i + l2/2 * |w|^2`` (the bias is not penalised): scikit-learn's
+    ``LogisticRegression(C=1/l2)``. ``fitted_on``: provenance stored with it (default: the
+    number of rows).
+
+    Raises ``ValueError`` for empty or mismatched inputs, an unknown feature, a row without a
+    feature, values out of range, or outcomes that are all right or all wrong (the bias would
+    be infinite)."""
+    names = tuple(features)
+    for name in names:
+        if name not in FEATURES:
+            raise ValueError(f"unknown feature {name!r}: one of {', '.join(FEATURES)}")
+    if not l2 > 0 or not math.isfinite(l2):
+        raise ValueError(f"l2 must be a positive number, got {l2!r}")
+    y = np.asarray(correct, dtype=np.float64)
+    if y.ndim != 1 or y.size == 0 or y.size != len(feature_rows):
+        raise ValueError("feature_rows and correct must be non-empty and of the same length")
+    if not np.all(np.isfinite(y)) or y.min() < 0 or y.max() > 1:
+        raise ValueError("correct must hold numbers in [0, 1]")
+    if not 0 < y.mean() < 1:
+        raise ValueError("correct must hold both right and wrong answers")
+    try:
+        x = np.array([[float(row[n]) for n in names] for row in feature_rows], dtype=np.float64)
+    except KeyError as e:
+        raise ValueError(f"a feature row has no {e.args[0]!r}") from None
+    x = x.reshape(y.size, len(names))
+    if not np.all(np.isfinite(x)):
+        raise ValueError("feature values must be finite")
+    # [bias | weights]: column 0 of the design is the constant 1, unpenalised
+    design = np.hstack([np.ones((y.size, 1)), x])
+    penalty = np.full(design.shape[1], float(l2))
+    penalty[0] = 0.0
+
+    def loss(b: np.ndarray) -> float:
+        z = design @ b
+        # log(1 + e^z) - y z, stable for either sign of z
+        return float(np.sum(np.logaddexp(0.0, z) - y * z) + 0.5 * penalty @ (b * b))
+
+    beta = np.zeros(design.shape[1])
+    beta[0] = math.log(y.mean() / (1 - y.mean()))  # the intercept-only optimum
+    current = loss(beta)
+    for _ in range(100):
+        p = 0.5 * (1.0 + np.tanh(0.5 * (design @ beta)))  # sigmoid, without overflow
+        gradient = design.T @ (p - y) + penalty * beta
+        hessian = (design * (p * (1 - p))[:, None]).T @ design + np.diag(penalty)
+        # a tiny ridge keeps a constant feature column (singular Hessian) solvable
+        step = np.linalg.solve(hessian + 1e-12 * np.eye(beta.size), gradient)
+        # halve a step that would not lower the (convex) loss: Newton can overshoot far out
+        t = 1.0
+        while t > 1e-6 and loss(beta - t * step) > current:
+            t /= 2
+        beta = beta - t * step
+        current = loss(beta)
+        if np.max(np.abs(t * step)) < 1e-10:
+            break
+    if not np.all(np.isfinite(beta)):
+        raise ValueError("the logistic fit did not converge")
+    provenance = dict(fitted_on) if fitted_on is not None else {"questions": int(y.size)}
+    calibration = LogisticCalibration(
+        names, tuple(float(b) for b in beta[1:]), float(beta[0]), provenance
+    )
+    calibration.validate()
+    return calibration
+
+
 def confidences(
-    log_prob: float, scored_tokens: int, calibration: Calibration | None
+    log_prob: float,
+    scored_tokens: int,
+    calibration: AnyCalibration | None,
+    features: Mapping[str, float] | None = None,
 ) -> tuple[float, float]:
-    """(raw_confidence, confidence) of one hypothesis under ``calibration`` (None: raw)."""
+    """(raw_confidence, confidence) of one hypothesis under ``calibration`` (None: raw).
+    A logistic calibration needs the hypothesis' ``features`` (:func:`confidence_features`)."""
     raw = raw_confidence(log_prob, scored_tokens)
-    return raw, (raw if calibration is None else calibration(raw))
+    if calibration is None:
+        return raw, raw
+    if isinstance(calibration, LogisticCalibration):
+        if features is None:
+            raise ValueError("a logistic calibration needs the answer's features")
+        return raw, calibration(features)
+    return raw, calibration(raw)

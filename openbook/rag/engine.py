@@ -44,7 +44,12 @@ from torch import Tensor
 
 from openbook.rag import rag_sequence
 from openbook.rag.beam import Finished, SearchSettings, StopFn
-from openbook.rag.confidence import Calibration, confidences
+from openbook.rag.confidence import (
+    AnyCalibration,
+    confidence_features,
+    confidences,
+    normalized_texts,
+)
 from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import doc_log_prior
 from openbook.rag.models import DecodeState, Encoded, GeneratorBackend
@@ -163,7 +168,8 @@ class DecodingEngine:
     request larger than that alone still runs, alone. ``stop_strings``: where the model
     family's decoding cuts an answer, ``answer_prefix``: what it removes from an answer's start
     (both held back while streaming, :mod:`openbook.rag.streaming`). ``calibration``: the
-    model's map of raw to calibrated confidence (:mod:`openbook.rag.confidence`), or None.
+    model's map of an answer's raw confidence, or of its features (the request's passages and
+    prior), to its calibrated confidence (:mod:`openbook.rag.confidence`), or None.
     """
 
     def __init__(
@@ -174,7 +180,7 @@ class DecodingEngine:
         max_rows: int,
         stop_strings: Sequence[str] = (),
         answer_prefix: str = "",
-        calibration: Calibration | None = None,
+        calibration: AnyCalibration | None = None,
     ) -> None:
         self.backend = backend
         self.calibration = calibration
@@ -427,10 +433,23 @@ class DecodingEngine:
     def _finish(self, request: Running) -> None:
         started = _now()
         result = request.result(self.backend)
+        calibration = self.calibration
+        # the passages' normalised texts, once per request and only for a calibration that
+        # reads features (normalising k passages is not free on the decoding thread)
+        normalized = (
+            normalized_texts(request.passages)
+            if calibration is not None and calibration.needs_features
+            else None
+        )
         for hyp in result.hypotheses:
             hyp.finish_reason = self._finish_reason(hyp.token_ids, request.options)
+            features = (
+                confidence_features(hyp, request.passages, result.doc_prior, normalized=normalized)
+                if normalized is not None
+                else None
+            )
             hyp.raw_confidence, hyp.confidence = confidences(
-                hyp.log_prob, hyp.scored_tokens, self.calibration
+                hyp.log_prob, hyp.scored_tokens, calibration, features
             )
         request.cost_s += _now() - started
         request.done = True

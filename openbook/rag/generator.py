@@ -11,7 +11,7 @@ import torch
 
 from openbook.rag.adapters import check_base, merged
 from openbook.rag.beam import SearchSettings, StopFn
-from openbook.rag.confidence import Calibration, load_calibration
+from openbook.rag.confidence import AnyCalibration, load_calibration
 from openbook.rag.engine import DecodingEngine, GaveUp
 from openbook.rag.errors import Abandoned, InvalidRequest
 from openbook.rag.loading import dtype_name, load
@@ -61,10 +61,11 @@ class RagGenerator:
         model_version: str,
         generation: dict[str, Any] | None = None,
         default_k: int = 0,
-        calibration: Calibration | None = None,
+        calibration: AnyCalibration | None = None,
     ) -> None:
         self.backend = backend
-        # raw -> calibrated confidence of its answers (openbook/rag/confidence.py); None: raw
+        # an answer's raw confidence (and features) -> its calibrated confidence
+        # (openbook/rag/confidence.py); None: raw
         self.calibration = calibration
         self.model_version = model_version
         # Passages to retrieve when a request names none (a RAG checkpoint's n_docs); 0: none

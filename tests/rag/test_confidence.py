@@ -1,8 +1,11 @@
 """openbook.rag.confidence: the definition (exp(log_prob / n) over the tokens each decoding mode
-scores), the isotonic (PAV) fit, and calibration files read and checked when a model loads."""
+scores), the isotonic (PAV) fit, the logistic calibration over an answer's features (the
+features, the Newton fit against scikit-learn's), and calibration files of both kinds read and
+checked when a model loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -14,11 +17,22 @@ import pytest
 from openbook.rag import DecodingOptions, ModelLoadError, RagGenerator
 from openbook.rag.confidence import (
     CALIBRATION_FILE,
+    FEATURES,
+    LOG_PROB_FLOOR,
     Calibration,
+    LogisticCalibration,
+    answer_features,
+    calibrate_row,
+    confidence_features,
+    confidences,
     fit_calibration,
+    fit_logistic_calibration,
     load_calibration,
+    normalized_texts,
     raw_confidence,
 )
+from openbook.rag.options import Hypothesis
+from openbook.types import Passage
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_adapter
 
 MODES = ("rag-token", "rag-sequence-thorough", "rag-sequence-fast")
@@ -105,6 +119,32 @@ BAD_FILES = [
     ('{"kind": "piecewise-linear", "x": [0.1], "y": ["0.2"]}', "y[0]"),
     ('{"kind": "piecewise-linear", "x": [NaN], "y": [0.2]}', "NaN"),
     ('{"kind": "piecewise-linear", "x": [0.1], "y": [0.2], "fitted_on": -1}', "fitted_on"),
+    ('{"kind": "logistic", "features": ["log_prob"], "weights": [1.0]}', "bias is missing"),
+    (
+        '{"kind": "logistic", "features": ["log_prob", "entropy"], "weights": [1, 2], "bias": 0}',
+        "features[1] must be one of",
+    ),
+    (
+        '{"kind": "logistic", "features": ["log_prob", "max_prior"], "weights": [1], "bias": 0}',
+        "differ in length (2 vs 1)",
+    ),
+    (
+        '{"kind": "logistic", "features": ["max_prior", "max_prior"], "weights": [1, 1], '
+        '"bias": 0}',
+        "distinct",
+    ),
+    ('{"kind": "logistic", "features": ["max_prior"], "weights": [NaN], "bias": 0}', "NaN"),
+    (
+        '{"kind": "logistic", "features": ["max_prior"], "weights": [1e999], "bias": 0}',
+        "weights[0]",
+    ),
+    ('{"kind": "logistic", "features": ["max_prior"], "weights": ["1"], "bias": 0}', "weights[0]"),
+    ('{"kind": "logistic", "features": ["max_prior"], "weights": [1], "bias": true}', "bias"),
+    ('{"kind": "logistic", "features": "max_prior", "weights": [1], "bias": 0}', "must be lists"),
+    (
+        '{"kind": "logistic", "features": [], "weights": [], "bias": 0, "fitted_on": 3}',
+        "fitted_on must be a JSON object",
+    ),
 ]
 
 
@@ -141,3 +181,240 @@ def test_a_models_calibration_is_applied_and_an_adapters_replaces_it(dirs, tmp_p
     fresh = RagGenerator.load(dirs.bart(0), device="cpu")
     with pytest.raises(ModelLoadError, match="x and y must be lists"):
         fresh.apply_adapter(adapter, dirs.bart(0))
+
+
+# ---------------------------------------------------------------- the logistic calibration
+
+PASSAGES = [
+    Passage("a", "Hamlet", "Hamlet is a tragedy by William Shakespeare.", score=0.0),
+    Passage("b", "Macbeth", "Macbeth, too, was written by Shakespeare!", score=0.0),
+    Passage("c", "Faust", "Faust is a play by Goethe.", score=0.0),
+]
+
+
+def _hypothesis(text: str, log_prob: float, scored_tokens: int, finish: str = "stop"):
+    return Hypothesis(
+        text=text,
+        token_ids=list(range(scored_tokens)),
+        log_prob=log_prob,
+        scored_tokens=scored_tokens,
+        finish_reason=finish,
+    )
+
+
+def test_the_features_of_a_hand_made_hypothesis():
+    prior = [0.2, 0.5, 0.3]  # the second passage is the top one
+    hyp = _hypothesis("The  SHAKESPEARE.", -3.0, 4)  # normalised: "shakespeare"
+    assert confidence_features(hyp, PASSAGES, prior) == {
+        "log_prob": -3.0,
+        "mean_log_prob": -0.75,
+        "max_prior": 0.5,
+        "answer_in_top_passage": 1.0,
+        "prior_with_answer": pytest.approx(0.7),  # passages a and b hold it
+        "cut_by_length": 0.0,
+    }
+    # an answer only the third passage holds; cut by max_new_tokens
+    goethe = confidence_features(_hypothesis("Goethe", -1.0, 2, "length"), PASSAGES, prior)
+    assert goethe["answer_in_top_passage"] == 0.0 and goethe["prior_with_answer"] == 0.3
+    assert goethe["cut_by_length"] == 1.0 and goethe["mean_log_prob"] == -0.5
+    # a substring of the normalised text, as specified (not only whole words)
+    assert confidence_features(_hypothesis("speare", -1.0, 1), PASSAGES, prior)[
+        "prior_with_answer"
+    ] == pytest.approx(0.7)
+    # ties: the first passage of the highest prior is the top one
+    tied = confidence_features(_hypothesis("Goethe", -1.0, 1), PASSAGES, [0.4, 0.2, 0.4])
+    assert tied["answer_in_top_passage"] == 0.0 and tied["max_prior"] == 0.4
+
+
+def test_features_of_empty_impossible_and_extreme_answers():
+    prior = [0.2, 0.5, 0.3]
+    empty = confidence_features(_hypothesis(" the . ", -2.0, 0), PASSAGES, prior)
+    assert empty["mean_log_prob"] == LOG_PROB_FLOOR  # no token scored
+    assert empty["answer_in_top_passage"] == 0.0 and empty["prior_with_answer"] == 0.0
+    impossible = confidence_features(_hypothesis("Goethe", -math.inf, 3), PASSAGES, prior)
+    assert impossible["log_prob"] == impossible["mean_log_prob"] == LOG_PROB_FLOOR
+    nan = confidence_features(_hypothesis("Goethe", math.nan, 3), PASSAGES, prior)
+    assert nan["log_prob"] == nan["mean_log_prob"] == LOG_PROB_FLOOR
+    far = confidence_features(_hypothesis("Goethe", -400.0, 4), PASSAGES, prior)
+    assert far["log_prob"] == LOG_PROB_FLOOR and far["mean_log_prob"] == -50.0
+    above = confidence_features(_hypothesis("Goethe", 0.3, 2), PASSAGES, prior)
+    assert above["log_prob"] == above["mean_log_prob"] == 0.0
+    # exp(mean_log_prob) is raw confidence: what a client recovers it from
+    hyp = _hypothesis("Goethe", -2.2, 3)
+    assert math.exp(confidence_features(hyp, PASSAGES, prior)["mean_log_prob"]) == pytest.approx(
+        raw_confidence(-2.2, 3)
+    )
+    no_passages = confidence_features(hyp, [], [])
+    assert no_passages["max_prior"] == no_passages["answer_in_top_passage"] == 0.0
+    with pytest.raises(ValueError, match="differ in length"):
+        confidence_features(hyp, PASSAGES, [1.0])
+    # plain texts work as passages; precomputed normalised texts give the same row
+    texts = [p.text for p in PASSAGES]
+    assert confidence_features(hyp, texts, prior) == confidence_features(
+        hyp, [], prior, normalized=normalized_texts(PASSAGES)
+    )
+    assert answer_features(
+        text="Goethe",
+        log_prob=-2.2,
+        mean_log_prob=math.log(raw_confidence(-2.2, 3)),
+        finish_reason="stop",
+        normalized=normalized_texts(texts),
+        doc_prior=prior,
+    ) == pytest.approx(confidence_features(hyp, PASSAGES, prior))
+
+
+LOGISTIC = LogisticCalibration(
+    ("mean_log_prob", "max_prior", "answer_in_top_passage", "cut_by_length"),
+    (1.5, 2.0, 1.0, -3.0),
+    -0.5,
+    {"questions": 40, "data": "train.jsonl"},
+)
+
+
+def test_a_logistic_calibration_is_the_sigmoid_of_its_weighted_features():
+    row = {"mean_log_prob": -0.75, "max_prior": 0.5, "answer_in_top_passage": 1.0}
+    row |= {"cut_by_length": 0.0, "log_prob": -3.0, "prior_with_answer": 0.7}
+    z = -0.5 + 1.5 * -0.75 + 2.0 * 0.5 + 1.0
+    assert LOGISTIC(row) == pytest.approx(1 / (1 + math.exp(-z)), abs=1e-15)
+    assert calibrate_row(LOGISTIC, row) == LOGISTIC(row)
+    assert confidences(-3.0, 4, LOGISTIC, row) == (pytest.approx(math.exp(-0.75)), LOGISTIC(row))
+    with pytest.raises(ValueError, match="needs the answer's features"):
+        confidences(-3.0, 4, LOGISTIC)
+    with pytest.raises(KeyError):
+        LOGISTIC({"mean_log_prob": -1.0})
+    # numerically safe far out on either side
+    huge = LogisticCalibration(("log_prob",), (100.0,), 0.0)
+    assert huge({"log_prob": -50.0}) == pytest.approx(0.0, abs=1e-300)
+    assert LogisticCalibration(("log_prob",), (-100.0,), 0.0)({"log_prob": -50.0}) == 1.0
+    # a piecewise-linear calibration applied to a row reads exp(mean_log_prob)
+    pwl = Calibration((0.0, 1.0), (0.2, 0.6))
+    assert calibrate_row(pwl, row) == pytest.approx(0.2 + 0.4 * math.exp(-0.75))
+    assert calibrate_row(pwl, {**row, "mean_log_prob": LOG_PROB_FLOOR}) == 0.2
+
+
+def test_a_logistic_calibration_round_trips_through_its_file(tmp_path):
+    path = LOGISTIC.save(tmp_path)
+    data = json.loads(path.read_text())
+    assert data == {
+        "kind": "logistic",
+        "features": list(LOGISTIC.features),
+        "weights": list(LOGISTIC.weights),
+        "bias": -0.5,
+        "fitted_on": {"questions": 40, "data": "train.jsonl"},
+    }
+    loaded = load_calibration(tmp_path)
+    assert isinstance(loaded, LogisticCalibration)
+    assert loaded == LOGISTIC and loaded.fitted_on == LOGISTIC.fitted_on
+    # integers in the file are read as floats; fitted_on may be left out
+    (tmp_path / CALIBRATION_FILE).write_text(
+        '{"kind": "logistic", "features": ["max_prior"], "weights": [2], "bias": 1}'
+    )
+    plain = load_calibration(tmp_path)
+    assert plain == LogisticCalibration(("max_prior",), (2.0,), 1.0)
+    assert isinstance(plain.weights[0], float) and plain.fitted_on == {}
+
+
+def _synthetic(n: int, seed: int) -> tuple[list[dict[str, float]], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    rows = [
+        {
+            "log_prob": float(-rng.exponential(6)),
+            "mean_log_prob": float(-rng.exponential(1)),
+            "max_prior": float(rng.uniform()),
+            "answer_in_top_passage": float(rng.uniform() < 0.5),
+            "prior_with_answer": float(rng.uniform()),
+            "cut_by_length": float(rng.uniform() < 0.1),
+        }
+        for _ in range(n)
+    ]
+    x = np.array([[r[f] for f in FEATURES] for r in rows])
+    z = x @ np.array([0.05, 1.0, 1.5, 1.2, 2.0, -1.5]) - 1.0
+    return rows, (rng.uniform(size=n) < 1 / (1 + np.exp(-z))).astype(float)
+
+
+@pytest.mark.parametrize("l2", [1.0, 0.01, 30.0])
+def test_the_logistic_fit_matches_scikit_learn(l2):
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    rows, correct = _synthetic(600, seed=int(l2 * 100))
+    cal = fit_logistic_calibration(rows, correct.tolist(), l2=l2)
+    assert cal.features == FEATURES and cal.fitted_on == {"questions": 600}
+    x = np.array([[r[f] for f in FEATURES] for r in rows])
+    reference = linear_model.LogisticRegression(C=1 / l2, tol=1e-12, max_iter=100_000)
+    reference.fit(x, correct)
+    assert cal.weights == pytest.approx(reference.coef_[0].tolist(), abs=1e-3)
+    assert cal.bias == pytest.approx(float(reference.intercept_[0]), abs=1e-3)
+    probabilities = reference.predict_proba(x)[:, 1]
+    assert [calibrate_row(cal, r) for r in rows] == pytest.approx(probabilities.tolist(), abs=1e-4)
+
+    # a subset of the features, in the caller's order
+    names = ("max_prior", "mean_log_prob")
+    sub = fit_logistic_calibration(rows, correct.tolist(), features=names, l2=l2)
+    reference.fit(x[:, [FEATURES.index(n) for n in names]], correct)
+    assert sub.features == names
+    assert sub.weights == pytest.approx(reference.coef_[0].tolist(), abs=1e-3)
+
+
+def test_the_logistic_fit_survives_separable_and_constant_features_and_refuses_bad_input():
+    rows, correct = _synthetic(80, seed=3)
+    # a feature that separates the outcomes exactly: the penalty keeps its weight finite
+    separated = [{**r, "answer_in_top_passage": c} for r, c in zip(rows, correct, strict=True)]
+    cal = fit_logistic_calibration(separated, correct.tolist())
+    assert all(math.isfinite(w) for w in cal.weights)
+    assert cal.weights[FEATURES.index("answer_in_top_passage")] > 1
+    # a feature constant over the rows (never cut by length) gets weight 0
+    never_cut = [{**r, "cut_by_length": 0.0} for r in rows]
+    cal = fit_logistic_calibration(never_cut, correct.tolist())
+    assert cal.weights[FEATURES.index("cut_by_length")] == pytest.approx(0.0, abs=1e-9)
+    assert fit_logistic_calibration(rows, correct.tolist(), fitted_on={"data": "x"}).fitted_on == {
+        "data": "x"
+    }
+    bad = [
+        ((rows, []), {}, "same length"),
+        (([], []), {}, "same length"),
+        ((rows, [1.0] * 80), {}, "both right and wrong"),
+        ((rows, [2.0] * 80), {}, "in [0, 1]"),
+        ((rows, correct.tolist()), {"features": ("entropy",)}, "unknown feature 'entropy'"),
+        ((rows, correct.tolist()), {"l2": 0.0}, "l2"),
+        (([{"max_prior": 1.0}] * 2, [0.0, 1.0]), {}, "no 'log_prob'"),
+        (
+            ([{**rows[0], "max_prior": math.nan}, rows[1]], [0.0, 1.0]),
+            {},
+            "finite",
+        ),
+    ]
+    for args, kw, says in bad:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            fit_logistic_calibration(*args, **kw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_models_logistic_calibration_gives_every_hypothesis_its_sigmoid(dirs, tmp_path, mode):
+    model = tmp_path / "bart"
+    shutil.copytree(dirs.bart(0), model)
+    cal = LogisticCalibration(FEATURES, (0.02, 0.8, 1.5, 2.0, 1.0, -1.0), 0.3)
+    cal.save(model)
+    gen = RagGenerator.load(model, device="cpu")
+    assert gen.calibration == cal
+    options = DecodingOptions(mode=mode, num_beams=2, num_return_sequences=2, max_new_tokens=3)
+    # Write the best answer into the top passage until the model answers with what that
+    # passage says (the tiny random model settles in a few rounds), so that the
+    # answer-in-passage features the engine computes are not all 0.
+    passages = make_passages(3)
+    for _ in range(6):
+        result = gen.generate(QUESTION, passages, options)
+        best = result.hypotheses[0]
+        if confidence_features(best, passages, result.doc_prior)["answer_in_top_passage"]:
+            break
+        top = int(np.argmax(result.doc_prior))
+        passages[top] = dataclasses.replace(passages[top], text=f"{passages[top].text} {best.text}")
+    else:
+        pytest.fail("the model never answered with its top passage's words")
+    assert len(result.hypotheses) == 2
+    for hyp in result.hypotheses:
+        features = confidence_features(hyp, passages, result.doc_prior)
+        assert features["max_prior"] == pytest.approx(max(result.doc_prior))
+        assert features["cut_by_length"] == (1.0 if hyp.finish_reason == "length" else 0.0)
+        assert hyp.confidence == pytest.approx(cal(features), abs=1e-12)
+        assert hyp.raw_confidence == pytest.approx(math.exp(features["mean_log_prob"]))
+    best_features = confidence_features(result.hypotheses[0], passages, result.doc_prior)
+    assert best_features["prior_with_answer"] >= best_features["max_prior"] > 0

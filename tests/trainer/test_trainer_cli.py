@@ -1,11 +1,19 @@
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
 from typer.testing import CliRunner
 
 from openbook.checkpoint import latest_checkpoint
-from openbook.rag.confidence import CALIBRATION_FILE, load_calibration
+from openbook.rag.confidence import (
+    CALIBRATION_FILE,
+    FEATURES,
+    LogisticCalibration,
+    calibrate_row,
+    load_calibration,
+)
 from openbook_trainer.cli import app as train_app
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.evaluation.cli import app as eval_app
@@ -79,6 +87,12 @@ def test_train_then_eval_checkpoint(task, tmp_path):
     assert report["metrics"]["n"] == 8 and len(report["predictions"]) == 8
     assert report["predictions"][0]["passage_ids"]
     assert all(0 <= row["raw_confidence"] <= 1 for row in report["predictions"])
+    # every answer's confidence features are logged (what a logistic calibration reads)
+    for row in report["predictions"]:
+        features = row["confidence_features"]
+        assert set(features) == set(FEATURES)
+        assert math.exp(features["mean_log_prob"]) == pytest.approx(row["raw_confidence"])
+        assert 0 < features["max_prior"] <= 1 and features["cut_by_length"] in (0.0, 1.0)
 
 
 def test_train_bad_arguments_exit_cleanly(task, tmp_path):
@@ -133,64 +147,74 @@ def test_yaml_config_with_flag_overrides(task, tmp_path):
         raise AssertionError("unknown option accepted")
 
 
+class _FakeGateway:
+    """A stand-in ``POST /answer``: right answers (sure, written in their passage) for every
+    entity but e0, which gets a wrong, unsure answer cut by max_new_tokens. ``old``: a reply
+    without log_prob, finish_reason or priors (a gateway before confidence features)."""
+
+    def __init__(self, old: bool = False) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Gateway(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert self.path == "/answer" and body["use_cache"] is False and body["k"] == 2
+                entity = body["question"].split()[-2]  # "what is the code of e3 ?" -> e3
+                answer = f"c{entity[1:]}" if entity != "e0" else "wrong"
+                raw = 0.2 if entity == "e0" else 0.9  # sure of the right answers only
+                # e1: withheld by the server's threshold; the model's answer is still scored
+                abstained = entity == "e1"
+                hypothesis = {"text": answer, "raw_confidence": raw, "confidence": raw}
+                passages = [
+                    {"id": f"p{entity[1:]}", "title": entity, "text": "t", "score": 1.0},
+                    {"id": "q", "title": "q", "text": f"The code of {entity} is c{entity[1:]}."},
+                ]
+                if not old:
+                    hypothesis["log_prob"] = -3.0 if entity == "e0" else -0.5
+                    hypothesis["finish_reason"] = "length" if entity == "e0" else "stop"
+                    passages[0]["prior"], passages[1]["prior"] = 0.75, 0.25
+                data = json.dumps(
+                    {
+                        "answer": "" if abstained else answer,
+                        "abstained": abstained,
+                        "confidence": raw,
+                        "hypotheses": [hypothesis],
+                        "model_version": "step-000042",
+                        "passages": passages,
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def __enter__(self) -> _FakeGateway:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+
+
+def _eval_http(task, url: str, out, model, *extra: str):
+    args = ["--data", str(task.dev), "--url", url, "--k", "2", "--out", str(out)]
+    return runner.invoke(eval_app, [*args, "--fit-calibration", str(model), *extra])
+
+
 def test_eval_against_http_answer(task, tmp_path):
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Gateway(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server naming)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert self.path == "/answer" and body["use_cache"] is False and body["k"] == 2
-            entity = body["question"].split()[-2]  # "what is the code of e3 ?" -> e3
-            answer = f"c{entity[1:]}" if entity != "e0" else "wrong"
-            raw = 0.2 if entity == "e0" else 0.9  # sure of the right answers only
-            # e1: withheld by the server's threshold; the model's answer is still scored
-            abstained = entity == "e1"
-            data = json.dumps(
-                {
-                    "answer": "" if abstained else answer,
-                    "abstained": abstained,
-                    "confidence": raw,
-                    "hypotheses": [{"text": answer, "raw_confidence": raw, "confidence": raw}],
-                    "model_version": "step-000042",
-                    "passages": [
-                        {"id": f"p{entity[1:]}", "title": entity, "text": "t", "score": 1.0}
-                    ],
-                }
-            ).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     model = tmp_path / "model"
     model.mkdir()
-    try:
-        out = tmp_path / "http.json"
-        res = runner.invoke(
-            eval_app,
-            [
-                "--data",
-                str(task.dev),
-                "--url",
-                f"http://127.0.0.1:{server.server_port}",
-                "--k",
-                "2",
-                "--out",
-                str(out),
-                "--fit-calibration",
-                str(model),
-            ],
-        )
-    finally:
-        server.shutdown()
+    out = tmp_path / "http.json"
+    with _FakeGateway() as gateway:
+        res = _eval_http(task, gateway.url, out, model, "--calibration-kind", "piecewise-linear")
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     metrics = report["metrics"]
@@ -201,6 +225,47 @@ def test_eval_against_http_answer(task, tmp_path):
     calibration = load_calibration(model)
     assert (calibration.x, calibration.y, calibration.fitted_on) == ((0.2, 0.9), (0.0, 1.0), 8)
     assert f"wrote {model / CALIBRATION_FILE}" in res.output
+
+
+def test_eval_fits_a_logistic_calibration_on_the_answers_features(task, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    out = tmp_path / "http.json"
+    with _FakeGateway() as gateway:
+        res = _eval_http(task, gateway.url, out, model)  # logistic: the default
+    assert res.exit_code == 0, res.output
+    assert f"wrote {model / CALIBRATION_FILE}" in res.output
+    rows = {r["id"]: r for r in json.loads(out.read_text())["predictions"]}
+    features = [r["confidence_features"] for r in rows.values()]
+    wrong = next(f for f in features if f["cut_by_length"] == 1.0)
+    assert wrong == {
+        "log_prob": -3.0,
+        "mean_log_prob": pytest.approx(math.log(0.2)),
+        "max_prior": 0.75,
+        "answer_in_top_passage": 0.0,
+        "prior_with_answer": 0.0,
+        "cut_by_length": 1.0,
+    }
+    right = [f for f in features if f is not wrong]
+    assert len(right) == 7
+    for f in right:  # written in the second passage only ("The code of e3 is c3.")
+        assert (f["answer_in_top_passage"], f["prior_with_answer"]) == (0.0, 0.25)
+        assert f["log_prob"] == -0.5 and f["mean_log_prob"] == pytest.approx(math.log(0.9))
+
+    calibration = load_calibration(model)
+    assert isinstance(calibration, LogisticCalibration)
+    assert calibration.features == FEATURES
+    provenance = calibration.fitted_on
+    assert provenance["questions"] == 8 and provenance["target"] == gateway.url
+    assert provenance["data"] == str(task.dev) and provenance["model_versions"] == ["step-000042"]
+    # the logged rows are what the calibration reads: the wrong answer is the least sure
+    assert calibrate_row(calibration, wrong) < min(calibrate_row(calibration, f) for f in right)
+
+    # a gateway that reports no features cannot be fitted a logistic calibration
+    with _FakeGateway(old=True) as old:
+        res = _eval_http(task, old.url, out, model)
+    assert res.exit_code == 2 and "no confidence features" in res.output
+    assert "--calibration-kind piecewise-linear" in res.output
 
 
 def test_train_a_lora_adapter_from_the_command_line(task, tmp_path):

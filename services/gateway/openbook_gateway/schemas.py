@@ -128,7 +128,8 @@ class HypothesisOut(BaseModel):
     )
     confidence: float = Field(
         0.0,
-        description="in [0, 1]: the model's calibration of raw_confidence, or raw_confidence "
+        description="in [0, 1]: the model's calibration of the answer (a map of "
+        "raw_confidence, or a logistic model of the answer's features), or raw_confidence "
         "when it has none (openbook/rag/confidence.py)",
     )
     raw_confidence: float = Field(

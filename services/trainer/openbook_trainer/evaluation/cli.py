@@ -31,6 +31,11 @@ class Task(StrEnum):
     classification = "classification"
 
 
+class CalibrationKind(StrEnum):
+    logistic = "logistic"
+    piecewise_linear = "piecewise-linear"
+
+
 class Decoding(StrEnum):
     rag_token = "rag-token"
     rag_sequence_fast = "rag-sequence-fast"
@@ -62,9 +67,17 @@ def eval_command(
     fit_calibration: Path | None = typer.Option(
         None,
         "--fit-calibration",
-        help="fit a confidence calibration on these questions (raw confidence vs exact match) "
-        "and write it as confidence_calibration.json into this directory: the generator's "
-        "model or adapter directory (openbook/rag/confidence.py)",
+        help="fit a confidence calibration on these questions (the answers' confidence "
+        "features or raw confidence vs exact match) and write it as "
+        "confidence_calibration.json into this directory: the generator's model or adapter "
+        "directory (openbook/rag/confidence.py)",
+    ),
+    calibration_kind: CalibrationKind = typer.Option(
+        CalibrationKind.logistic,
+        "--calibration-kind",
+        help="with --fit-calibration: logistic (over the answers' features: log-probabilities, "
+        "passage prior, answer in the passages, cut by length) or piecewise-linear (a "
+        "monotone map of raw confidence)",
     ),
 ) -> None:
     """Score a system on a JSONL file; print a table and optionally write JSON."""
@@ -92,7 +105,19 @@ def eval_command(
             )
         metrics = score(task.value, examples, preds, k)
         if fit_calibration is not None:
-            written = _fit_calibration(task, examples, preds, fit_calibration)
+            provenance = {
+                "questions": len(preds),
+                "data": str(data),
+                "target": target,
+                "task": task.value,
+                "k": k,
+                "decoding": decoding.value,
+                "model_versions": sorted({p.model_version for p in preds if p.model_version}),
+                "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+            written = _fit_calibration(
+                task, examples, preds, fit_calibration, calibration_kind, provenance
+            )
     except (DataError, EvalError, ValueError, OSError) as e:
         _fail(str(e))
     versions = sorted({p.model_version for p in preds if p.model_version})
@@ -154,10 +179,18 @@ def _predict_checkpoint(
     return preds, str(loaded.path)
 
 
-def _fit_calibration(task: Task, examples: list, preds: list[Prediction], directory: Path) -> Path:
-    """Fit the raw confidences of ``preds`` to whether each is right; write it into
-    ``directory``. Raises ValueError when it cannot be fitted."""
-    from openbook.rag.confidence import fit_calibration
+def _fit_calibration(
+    task: Task,
+    examples: list,
+    preds: list[Prediction],
+    directory: Path,
+    kind: CalibrationKind,
+    provenance: dict[str, Any],
+) -> Path:
+    """Fit the answers of ``preds`` (their features, or their raw confidence) to whether each
+    is right; write the calibration into ``directory``. Raises ValueError when it cannot be
+    fitted."""
+    from openbook.rag.confidence import fit_calibration, fit_logistic_calibration
 
     if task is Task.generation:
         raise ValueError(
@@ -166,10 +199,23 @@ def _fit_calibration(task: Task, examples: list, preds: list[Prediction], direct
         )
     if not directory.is_dir():
         raise ValueError(f"--fit-calibration: {directory} is not a directory")
+    correct = per_example_correct(examples, preds)
+    if kind is CalibrationKind.logistic:
+        rows = [p.features for p in preds]
+        if any(r is None for r in rows):
+            raise ValueError(
+                "--fit-calibration: the system reported no confidence features (a hypothesis' "
+                "log_prob, raw_confidence, finish_reason and the passages' prior); "
+                "--calibration-kind piecewise-linear needs raw_confidence only"
+            )
+        logistic = fit_logistic_calibration(
+            [r for r in rows if r is not None], correct, fitted_on=provenance
+        )
+        return logistic.save(directory)
     raw = [p.raw_confidence for p in preds]
     if any(r is None for r in raw):
         raise ValueError("--fit-calibration: the system reported no raw_confidence")
-    calibration = fit_calibration(raw, per_example_correct(examples, preds))
+    calibration = fit_calibration(raw, correct)
     return calibration.save(directory)
 
 
@@ -182,6 +228,8 @@ def _prediction_row(example: Any, pred: Prediction) -> dict[str, Any]:
         "passage_ids": pred.passage_ids,
         "confidence": pred.confidence,
         "raw_confidence": pred.raw_confidence,
+        # what a logistic calibration reads (openbook.rag.confidence.calibrate_row applies one)
+        "confidence_features": pred.features,
     }
 
 

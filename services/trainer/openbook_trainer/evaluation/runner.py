@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class Prediction:
     # system that does not report them
     confidence: float | None = None
     raw_confidence: float | None = None
+    # the answer's confidence features (openbook.rag.confidence.confidence_features), what a
+    # logistic calibration is fitted on; None: a system that does not report what they need
+    features: dict[str, float] | None = None
 
 
 def score_predictions(
@@ -77,6 +81,31 @@ def per_example_correct(
     return [exact_match(p.answer, e.answers) for e, p in zip(examples, predictions, strict=True)]
 
 
+def features_of_answer(
+    hypothesis: dict[str, Any], passages: Sequence[dict[str, Any]]
+) -> dict[str, float] | None:
+    """The confidence features (:func:`openbook.rag.confidence.confidence_features`) of a
+    ``/answer`` reply's hypothesis, from what the reply carries: its ``text``, ``log_prob``,
+    ``raw_confidence`` (``mean_log_prob`` is its log) and ``finish_reason``, and the passages'
+    ``text`` and ``prior``. None when the reply lacks any of them (an older gateway)."""
+    # openbook.rag imports torch: only when evaluating, not when the CLI starts
+    from openbook.rag.confidence import LOG_PROB_FLOOR, answer_features, normalized_texts
+
+    log_prob, raw = hypothesis.get("log_prob"), hypothesis.get("raw_confidence")
+    priors = [p.get("prior") for p in passages]
+    if log_prob is None or raw is None or any(v is None for v in priors):
+        return None
+    mean = math.log(raw) if raw > 0 else LOG_PROB_FLOOR
+    return answer_features(
+        text=hypothesis.get("text", ""),
+        log_prob=float(log_prob),
+        mean_log_prob=mean,
+        finish_reason=hypothesis.get("finish_reason") or "stop",
+        normalized=normalized_texts([p.get("text", "") for p in passages]),
+        doc_prior=[float(v) for v in priors],
+    )
+
+
 def predict_local(
     examples: Sequence[Example],
     *,
@@ -88,6 +117,8 @@ def predict_local(
 ) -> list[Prediction]:
     """Retrieve + generate in-process. ``retrieve`` maps questions to top-k passages with scores;
     ``generator`` is a :class:`openbook.rag.RagGenerator`, ``options`` its DecodingOptions."""
+    from openbook.rag.confidence import confidence_features
+
     out: list[Prediction] = []
     version = getattr(generator, "model_version", "")
     for lo in range(0, len(examples), batch_size):
@@ -107,6 +138,9 @@ def predict_local(
                     version,
                     confidence=best.confidence if best is not None else 0.0,
                     raw_confidence=best.raw_confidence if best is not None else 0.0,
+                    features=(
+                        confidence_features(best, h, r.doc_prior) if best is not None else None
+                    ),
                 )
             )
         if progress is not None:
@@ -170,6 +204,7 @@ def predict_http(
                 data.get("model_version", ""),
                 confidence=data.get("confidence"),
                 raw_confidence=best.get("raw_confidence"),
+                features=features_of_answer(best, passages),
             )
 
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
