@@ -238,6 +238,7 @@ def test_a_value_error_inside_the_retriever_is_internal_not_invalid_argument(bac
         raise ValueError("a bug deep inside")
 
     monkeypatch.setattr(LoadedIndex, "search_vectors", broken)
+    monkeypatch.setattr(LoadedIndex, "search", broken)  # what serves a two-view index
     with grpc.insecure_channel(f"127.0.0.1:{backends.retriever_port}") as channel:
         stub = retriever_pb2_grpc.RetrieverStub(channel)
         with pytest.raises(grpc.RpcError) as err:
