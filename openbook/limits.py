@@ -24,6 +24,18 @@ from openbook.errors import InvalidArgument
 DecodingMode = Literal["rag-token", "rag-sequence-thorough", "rag-sequence-fast"]
 DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
 
+# How passages are retrieved (openbook.index.fusion): the dense view (query encoder + FAISS),
+# the BM25 view, or both fused into one score. A request that names none gets its index's
+# default (LoadedIndex.default_retrieval: "hybrid" where both views exist).
+RetrievalMode = Literal["dense", "bm25", "hybrid"]
+RETRIEVAL_MODES: tuple[str, ...] = get_args(RetrievalMode)
+# The views of an index each mode reads.
+RETRIEVAL_VIEWS: dict[str, tuple[str, ...]] = {
+    "dense": ("dense",),
+    "bm25": ("bm25",),
+    "hybrid": ("dense", "bm25"),
+}
+
 # Characters in a question (code points): the gateway's question, each retriever query and
 # the generator's question.
 MAX_QUESTION_CHARS = 2000
@@ -111,6 +123,37 @@ def check_checkpoint_name(field: str, value: str) -> str:
             f"{field} must be at most {MAX_CHECKPOINT_CHARS} characters, got {len(value)}"
         )
     return refuse_controls(field, value)
+
+
+def check_retrieval(field: str, value: str) -> str:
+    """A retrieval mode: one of :data:`RETRIEVAL_MODES`."""
+    if value not in RETRIEVAL_MODES:
+        raise InvalidArgument(
+            f"{field}: must be one of {', '.join(RETRIEVAL_MODES)}, got {value!r}"
+        )
+    return value
+
+
+def default_retrieval(views: tuple[str, ...] | list[str]) -> str:
+    """The mode of a request naming none on an index holding ``views``: "hybrid" where both
+    views exist, else the one view's (``LoadedIndex.default_retrieval``, for an index listed
+    without loading it)."""
+    if set(views) >= set(RETRIEVAL_VIEWS["hybrid"]):
+        return "hybrid"
+    return views[0] if views else ""  # no views: nothing to retrieve with (never a manifest's)
+
+
+def check_retrieval_views(field: str, mode: str, index: str, views: tuple[str, ...]) -> str:
+    """``mode`` (a valid retrieval mode) if index ``index``, holding ``views``, can serve it;
+    else an error naming ``field``, the index and the views it has."""
+    missing = [view for view in RETRIEVAL_VIEWS[mode] if view not in views]
+    if missing:
+        have = " and ".join(views) or "no"
+        raise InvalidArgument(
+            f"{field}: {mode!r} needs the {' and '.join(missing)} view; index {index!r} has "
+            f"only the {have} view{'s' if len(views) > 1 else ''}"
+        )
+    return mode
 
 
 def check_decoding(

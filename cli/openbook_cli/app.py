@@ -62,6 +62,9 @@ def ask_command(
     k: int = typer.Option(5, min=1, max=100),
     decoding: str = typer.Option("rag-token", help="rag-token | rag-sequence-thorough | -fast"),
     num_beams: int = typer.Option(1, min=1, max=16),
+    retrieval: str | None = typer.Option(
+        None, help="dense | bm25 | hybrid (default: the index's default_retrieval)"
+    ),
     timeout_s: float = typer.Option(120.0, "--timeout"),
     as_json: bool = typer.Option(False, "--json", help="print the raw JSON reply"),
 ) -> None:
@@ -74,7 +77,7 @@ def ask_command(
     from openbook_cli.ask import ask, render
 
     try:
-        answer = ask(url, question, k, decoding, num_beams, timeout_s)
+        answer = ask(url, question, k, decoding, num_beams, timeout_s, retrieval)
     except (RuntimeError, httpx.HTTPError) as exc:
         typer.echo(f"openbook ask: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -7,12 +7,20 @@ from rich.console import Console
 from rich.table import Table
 
 
-def ask(url: str, question: str, k: int, decoding: str, num_beams: int, timeout_s: float) -> dict:
-    reply = httpx.post(
-        f"{url.rstrip('/')}/answer",
-        json={"question": question, "k": k, "decoding": decoding, "num_beams": num_beams},
-        timeout=timeout_s,
-    )
+def ask(
+    url: str,
+    question: str,
+    k: int,
+    decoding: str,
+    num_beams: int,
+    timeout_s: float,
+    retrieval: str | None = None,
+) -> dict:
+    """``POST /answer``; ``retrieval`` None: the index's default mode."""
+    body = {"question": question, "k": k, "decoding": decoding, "num_beams": num_beams}
+    if retrieval is not None:
+        body["retrieval"] = retrieval
+    reply = httpx.post(f"{url.rstrip('/')}/answer", json=body, timeout=timeout_s)
     if reply.status_code != 200:
         try:
             detail = reply.json().get("detail")
@@ -34,7 +42,9 @@ def render(answer: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"[bold]{answer['answer'] or '(empty answer)'}[/bold]")
     console.print(
-        f"index {answer['index']} · generator {answer['model_version']} · "
+        f"index {answer['index']}"
+        + (f" ({answer['retrieval']})" if answer.get("retrieval") else "")
+        + f" · generator {answer['model_version']} · "
         f"retriever {answer['retriever_version']} · {answer['decoding']}"
         + (" · cached" if answer.get("cached") else "")
     )

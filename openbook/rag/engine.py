@@ -44,6 +44,7 @@ from torch import Tensor
 
 from openbook.rag import rag_sequence
 from openbook.rag.beam import Finished, SearchSettings, StopFn
+from openbook.rag.confidence import Calibration, confidences
 from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import doc_log_prior
 from openbook.rag.models import DecodeState, Encoded, GeneratorBackend
@@ -161,7 +162,8 @@ class DecodingEngine:
     of the model family (or None). ``max_rows`` bounds the decoder rows decoded together; a
     request larger than that alone still runs, alone. ``stop_strings``: where the model
     family's decoding cuts an answer, ``answer_prefix``: what it removes from an answer's start
-    (both held back while streaming, :mod:`openbook.rag.streaming`).
+    (both held back while streaming, :mod:`openbook.rag.streaming`). ``calibration``: the
+    model's map of raw to calibrated confidence (:mod:`openbook.rag.confidence`), or None.
     """
 
     def __init__(
@@ -172,8 +174,10 @@ class DecodingEngine:
         max_rows: int,
         stop_strings: Sequence[str] = (),
         answer_prefix: str = "",
+        calibration: Calibration | None = None,
     ) -> None:
         self.backend = backend
+        self.calibration = calibration
         self.settings_for = settings_for
         self.stop = stop
         self.max_rows = max_rows
@@ -425,6 +429,9 @@ class DecodingEngine:
         result = request.result(self.backend)
         for hyp in result.hypotheses:
             hyp.finish_reason = self._finish_reason(hyp.token_ids, request.options)
+            hyp.raw_confidence, hyp.confidence = confidences(
+                hyp.log_prob, hyp.scored_tokens, self.calibration
+            )
         request.cost_s += _now() - started
         request.done = True
         self._requests.remove(request)

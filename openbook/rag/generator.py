@@ -11,6 +11,7 @@ import torch
 
 from openbook.rag.adapters import check_base, merged
 from openbook.rag.beam import SearchSettings, StopFn
+from openbook.rag.confidence import Calibration, load_calibration
 from openbook.rag.engine import DecodingEngine, GaveUp
 from openbook.rag.errors import Abandoned, InvalidRequest
 from openbook.rag.loading import dtype_name, load
@@ -60,8 +61,11 @@ class RagGenerator:
         model_version: str,
         generation: dict[str, Any] | None = None,
         default_k: int = 0,
+        calibration: Calibration | None = None,
     ) -> None:
         self.backend = backend
+        # raw -> calibrated confidence of its answers (openbook/rag/confidence.py); None: raw
+        self.calibration = calibration
         self.model_version = model_version
         # Passages to retrieve when a request names none (a RAG checkpoint's n_docs); 0: none
         self.default_k = default_k
@@ -83,14 +87,17 @@ class RagGenerator:
         """Load a local generator directory (BART, RAG checkpoint or causal LM + prompt file).
 
         Raises :class:`openbook.rag.ModelLoadError` (a ``ValueError``) naming a missing/corrupt
-        file.
+        file; the directory's confidence calibration, if any (``confidence_calibration.json``,
+        :mod:`openbook.rag.confidence`), is read and checked first.
         """
+        calibration = load_calibration(path)
         loaded = load(path, device, dtype)
         return cls(
             loaded.backend,
             model_version=loaded.version,
             generation=loaded.generation,
             default_k=loaded.default_k,
+            calibration=calibration,
         )
 
     @property
@@ -108,10 +115,14 @@ class RagGenerator:
     def apply_adapter(self, adapter_dir: Path, base_dir: Path) -> None:
         """Merge a LoRA adapter (:mod:`openbook.rag.adapters`) into this generator, loaded from
         ``base_dir``; raises :class:`~openbook.rag.adapters.AdapterMismatch` if the adapter was
-        trained on another base model."""
+        trained on another base model. A confidence calibration stored with the adapter replaces
+        the base model's (it was fitted on the adapted model's answers)."""
         check_base(adapter_dir, base_dir)
+        calibration = load_calibration(adapter_dir)
         self.backend.model = merged(self.backend.model, adapter_dir)
         self.refresh()
+        if calibration is not None:
+            self.calibration = calibration
 
     # ------------------------------------------------------------------ generation
 
@@ -152,6 +163,7 @@ class RagGenerator:
             max_rows,
             self.stop_strings(),
             answer_prefix=self.backend.spec.answer_prefix if causal else "",
+            calibration=self.calibration,
         )
 
     def stop_strings(self) -> list[str]:

@@ -72,11 +72,17 @@ class Hypothesis:
     text: str
     token_ids: list[int]
     log_prob: float
+    # The tokens whose log-probs ``log_prob`` sums (openbook/rag/confidence.py says which)
+    scored_tokens: int = 0
     doc_posterior: list[float] | None = None
     tokens: list[str] | None = None
     token_doc_posteriors: list[list[float]] | None = None
     # "stop": the model ended it (EOS or a stop string); "length": max_new_tokens ran out
     finish_reason: str = "stop"
+    # exp(log_prob / scored_tokens), and the model's calibration of it (the raw value when it
+    # has none); both in [0, 1], set when the request finishes (openbook/rag/confidence.py)
+    raw_confidence: float = 0.0
+    confidence: float = 0.0
 
 
 @dataclass

@@ -95,12 +95,22 @@ def rank(
             text=backend.decode(cands[c]),
             token_ids=list(cands[c]),
             log_prob=float(log_p[c]),
+            scored_tokens=_scored(cands[c], skip_first, backend.pad_token_id if thorough else None),
             doc_posterior=post[c].tolist(),
             tokens=None,
             token_doc_posteriors=None,
         )
         for c in order.tolist()
     ]
+
+
+def _scored(tokens: list[int], skip_first: bool, pad_token_id: int | None) -> int:
+    """The tokens of a candidate its score sums: all, less the first when BOS is not scored,
+    less padding ids where thorough scoring masks them (``sequence_doc_logliks``)."""
+    counted = tokens[1:] if skip_first else tokens
+    if pad_token_id is None:
+        return len(counted)
+    return sum(1 for t in counted if t != pad_token_id)
 
 
 def _skip_bos(backend: GeneratorBackend, cands: list[list[int]]) -> bool:

@@ -105,6 +105,7 @@ def _with_provenance(
                     text=backend.decode(h.tokens),
                     token_ids=list(h.tokens),
                     log_prob=float(marginal.sum()),
+                    scored_tokens=length,  # every token, BOS and EOS included
                     doc_posterior=None,
                     tokens=backend.token_strings(h.tokens),
                     token_doc_posteriors=token_posteriors(chosen, lp).tolist(),

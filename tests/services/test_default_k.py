@@ -80,6 +80,7 @@ def test_the_cache_key_holds_the_resolved_k(rag_client, redis_server):
         "min_new_tokens": 0,
         "num_return_sequences": 1,
         "length_penalty": 1.0,
+        "retrieval": None,  # the index's default
     }
     assert set(params) == set(ANSWER_PARAMS)
     models = {"generator": first["model_version"], "retriever": first["retriever_version"]}

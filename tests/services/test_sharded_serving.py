@@ -49,7 +49,10 @@ QUESTIONS = [
 ]
 KS = (1, 3, 5, 8)
 # Short answers: the passages are what is compared, the tiny random BART only has to run.
-ANSWER = {"use_cache": False, "max_new_tokens": 4, "decoding": "rag-token"}
+# Dense retrieval: shards must give the unsharded index's passages and scores exactly. (Hybrid
+# merges may beat the unsharded top k, each shard fusing a candidate set of its own: see
+# test_sharded_hybrid_merges_each_shards_fused_scores.)
+ANSWER = {"use_cache": False, "max_new_tokens": 4, "decoding": "rag-token", "retrieval": "dense"}
 
 
 class Retriever:
@@ -214,6 +217,47 @@ def test_sharded_answers_retrieve_what_the_unsharded_index_does(system, k):
         assert sharded.json()["retriever_version"] == unsharded.json()["retriever_version"]
 
 
+@pytest.mark.parametrize("k", KS)
+def test_sharded_hybrid_merges_each_shards_fused_scores(system, k):
+    """Hybrid over two shards: each shard fuses its own candidates with the parent's fitted
+    weights, the gateway merges by fused score; the answer is that merge, and says hybrid."""
+    from openbook.index import open_index
+    from openbook_gateway.retrieval import merge_results
+
+    shards = [
+        open_index(system.shard_root / f"shard-{i}" / "facts-a", verify=False)
+        for i in range(N_SHARDS)
+    ]
+    try:
+        for shard in shards:
+            assert shard.views == ("dense", "bm25")
+            assert shard.default_retrieval == "hybrid"
+        for question in QUESTIONS:
+            body = {"question": question, "k": k, **ANSWER, "retrieval": "hybrid"}
+            reply = httpx.post(f"{system.sharded_url}/answer", json=body, timeout=60)
+            got_ids, got_scores = _passages(reply)
+            assert reply.json()["retrieval"] == "hybrid"
+            per_shard = [s.search([question], k, retrieval="hybrid") for s in shards]
+            want = merge_results(per_shard, k)[0]
+            assert got_ids == [p.id for p in want], question
+            assert got_scores == pytest.approx([p.score for p in want], abs=1e-4), question
+            # 30 passages, 50 candidates per view: every shard's candidates are all its
+            # passages, so the merge is the unsharded index's hybrid top k exactly
+            whole = httpx.post(f"{system.unsharded_url}/answer", json=body, timeout=60)
+            assert whole.json()["retrieval"] == "hybrid"
+            want_ids, want_scores = _passages(whole)
+            assert got_ids == want_ids, question
+            assert got_scores == pytest.approx(want_scores, abs=1e-4), question
+            # the default of a two-view index is hybrid on the shards too
+            default = {key: value for key, value in body.items() if key != "retrieval"}
+            again = httpx.post(f"{system.sharded_url}/answer", json=default, timeout=60)
+            assert again.json()["retrieval"] == "hybrid"
+            assert _passages(again) == (got_ids, got_scores)
+    finally:
+        for shard in shards:
+            shard.close()
+
+
 def test_top_hits_come_from_both_shards(system):
     # Shard 0 holds p00-p14, shard 1 p15-p29: the merge really takes from both.
     tops = {_passages(_answer(system.sharded_url, q, 1))[0][0] for q in QUESTIONS}
@@ -231,6 +275,9 @@ def test_indexes_and_readyz_of_the_sharded_gateway(system):
     for name in listed:  # counts add up over the shards
         assert listed[name]["count"] == reference[name]["count"] == 30
         assert listed[name]["dim"] == reference[name]["dim"]
+        # every shard keeps both views of the parent index, and so its default
+        assert listed[name]["views"] == reference[name]["views"] == ["dense", "bm25"]
+        assert listed[name]["default_retrieval"] == "hybrid"
     ready = httpx.get(f"{system.sharded_url}/readyz", timeout=10)
     assert ready.status_code == 200, ready.text
     assert ready.json()["ready"] is True

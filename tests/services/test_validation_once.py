@@ -169,7 +169,25 @@ def test_the_http_schema_and_the_web_page_state_the_shared_limits():
     assert re.search(rf'id="k"[^>]*max="{limits.MAX_K}"', page)
     assert re.search(rf'id="num-beams"[^>]*max="{limits.MAX_BEAMS}"', page)
     assert re.search(rf'id="max-new-tokens"[^>]*max="{limits.MAX_NEW_TOKENS}"', page)
-    assert set(re.findall(r'<option value="([^"]+)"', page)) == set(limits.DECODING_MODES)
+    assert props["retrieval"]["anyOf"][0]["enum"] == list(limits.RETRIEVAL_MODES)
+
+    def options(select: str) -> list[str]:
+        block = re.search(rf'<select id="{select}".*?</select>', page, re.S)
+        assert block, select
+        return re.findall(r'<option value="([^"]*)"', block.group(0))
+
+    assert set(options("decoding")) == set(limits.DECODING_MODES)
+    # "": the index's default
+    assert options("retrieval") == ["", *limits.RETRIEVAL_MODES]
+
+
+@pytest.mark.parametrize(
+    ("mode", "ok"),
+    [("dense", True), ("bm25", True), ("hybrid", True), ("sparse", False), ("Dense", False)],
+)
+def test_retrieval_modes_follow_one_rule(mode, ok):
+    assert _gateway_accepts(question="q", retrieval=mode) == ok
+    assert _retriever_accepts(queries=["q"], k=1, retrieval=mode) == ok
 
 
 def test_only_client_mistakes_map_to_a_client_status():
@@ -237,8 +255,9 @@ def test_a_value_error_inside_the_retriever_is_internal_not_invalid_argument(bac
     def broken(self, *args, **kwargs):
         raise ValueError("a bug deep inside")
 
+    # dense searches by vectors, hybrid (the default of a two-view index) through search
     monkeypatch.setattr(LoadedIndex, "search_vectors", broken)
-    monkeypatch.setattr(LoadedIndex, "search", broken)  # what serves a two-view index
+    monkeypatch.setattr(LoadedIndex, "search", broken)
     with grpc.insecure_channel(f"127.0.0.1:{backends.retriever_port}") as channel:
         stub = retriever_pb2_grpc.RetrieverStub(channel)
         with pytest.raises(grpc.RpcError) as err:

@@ -5,6 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from openbook.checkpoint import latest_checkpoint
+from openbook.rag.confidence import CALIBRATION_FILE, load_calibration
 from openbook_trainer.cli import app as train_app
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.evaluation.cli import app as eval_app
@@ -77,6 +78,7 @@ def test_train_then_eval_checkpoint(task, tmp_path):
     assert set(report["metrics"]) == {"em", "f1", "recall@1", "recall@2", "n"}
     assert report["metrics"]["n"] == 8 and len(report["predictions"]) == 8
     assert report["predictions"][0]["passage_ids"]
+    assert all(0 <= row["raw_confidence"] <= 1 for row in report["predictions"])
 
 
 def test_train_bad_arguments_exit_cleanly(task, tmp_path):
@@ -141,9 +143,15 @@ def test_eval_against_http_answer(task, tmp_path):
             assert self.path == "/answer" and body["use_cache"] is False and body["k"] == 2
             entity = body["question"].split()[-2]  # "what is the code of e3 ?" -> e3
             answer = f"c{entity[1:]}" if entity != "e0" else "wrong"
+            raw = 0.2 if entity == "e0" else 0.9  # sure of the right answers only
+            # e1: withheld by the server's threshold; the model's answer is still scored
+            abstained = entity == "e1"
             data = json.dumps(
                 {
-                    "answer": answer,
+                    "answer": "" if abstained else answer,
+                    "abstained": abstained,
+                    "confidence": raw,
+                    "hypotheses": [{"text": answer, "raw_confidence": raw, "confidence": raw}],
                     "model_version": "step-000042",
                     "passages": [
                         {"id": f"p{entity[1:]}", "title": entity, "text": "t", "score": 1.0}
@@ -162,6 +170,8 @@ def test_eval_against_http_answer(task, tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    model = tmp_path / "model"
+    model.mkdir()
     try:
         out = tmp_path / "http.json"
         res = runner.invoke(
@@ -175,14 +185,22 @@ def test_eval_against_http_answer(task, tmp_path):
                 "2",
                 "--out",
                 str(out),
+                "--fit-calibration",
+                str(model),
             ],
         )
     finally:
         server.shutdown()
     assert res.exit_code == 0, res.output
-    metrics = json.loads(out.read_text())["metrics"]
+    report = json.loads(out.read_text())
+    metrics = report["metrics"]
     assert metrics["em"] == 87.5 and metrics["recall@1"] == 100.0  # 7 of 8 right
     assert "model version: step-000042" in res.output
+    assert sorted({row["raw_confidence"] for row in report["predictions"]}) == [0.2, 0.9]
+    # the one wrong answer was the unsure one: the fitted map says so
+    calibration = load_calibration(model)
+    assert (calibration.x, calibration.y, calibration.fitted_on) == ((0.2, 0.9), (0.0, 1.0), 8)
+    assert f"wrote {model / CALIBRATION_FILE}" in res.output
 
 
 def test_train_a_lora_adapter_from_the_command_line(task, tmp_path):

@@ -469,3 +469,47 @@ def test_errors_before_and_during_the_stream_are_shown(driver, gateway_url):
     )
     _screenshot(driver, "ui-stream-error.png")
     driver.execute_script("window.fetch = window.__realFetch")
+
+
+def test_the_confidence_and_an_abstention_are_shown(driver, gateway_url):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, WAIT_S)
+    driver.set_window_size(1280, 1000)
+    driver.get(gateway_url + "/")
+    driver.find_element(By.ID, "question").send_keys("Who wrote Hamlet?")
+    threshold = driver.find_element(By.ID, "min-confidence")
+    ask = driver.find_element(By.ID, "ask-button")
+    answer = driver.find_element(By.ID, "answer")
+    note = driver.find_element(By.ID, "abstained")
+
+    # a threshold no answer of the tiny random model clears: the page says so plainly
+    threshold.send_keys("1")
+    ask.click()
+    wait.until(_answered)
+    assert answer.text == "Not confident enough to answer"
+    assert note.is_displayed() and "below the threshold of 100%" in note.text, note.text
+    bar = driver.find_element(By.CSS_SELECTOR, "#confidence .bar-confidence")
+    assert bar.get_attribute("aria-label").startswith("Confidence: ")
+    assert driver.find_element(By.ID, "hypotheses-title").text == "Hypotheses (withheld)"
+    withheld = driver.find_elements(By.CSS_SELECTOR, "#hypotheses > li")
+    assert len(withheld) == 1 and "confidence" in withheld[0].text
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#passages > li.passage")) >= 1
+    _screenshot(driver, "ui-abstained.png")
+    driver.set_window_size(1280, 1000)
+
+    # no threshold: the answer, with its confidence
+    threshold.clear()
+    ask.click()
+    wait.until(_answered)
+    wait.until(lambda d: not note.is_displayed())
+    assert answer.text.strip() and answer.text != "Not confident enough to answer"
+    assert driver.find_element(By.ID, "confidence").is_displayed()
+
+    # a threshold outside [0, 1] is refused before asking
+    threshold.send_keys("2")
+    ask.click()
+    error = driver.find_element(By.ID, "form-error")
+    wait.until(lambda d: error.is_displayed())
+    assert error.text == "Min. confidence must be a number from 0 to 1"

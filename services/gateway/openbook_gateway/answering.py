@@ -8,6 +8,13 @@ whatever the answer adds to them (a tail the generator held back; for RAG-Sequen
 search, which decide only at the end, the whole answer). A cached answer streams the same way:
 its tokens (RAG-Token: with their posteriors), then its text.
 
+Abstention: the answer is computed (and cached) as the model gives it; the request's
+``min_confidence`` (or the server's default) is applied to it on the way out
+(:func:`~openbook_gateway.mapping.with_threshold`), so one cached answer serves every
+threshold. A stream's token events cannot wait for the confidence, known only at the end: they
+are those of the answer as written, and only the final event says it abstained (its answer
+empty). A streaming client must take the final event's answer.
+
 Errors before the first event are the caller's to turn into an HTTP status; an error after it
 is raised from the iterator (an ``HTTPException``), for the caller to send as an error event.
 """
@@ -23,7 +30,12 @@ from fastapi import HTTPException, Request
 
 from openbook.v1 import generator_pb2
 from openbook_gateway.cache import answer_params
-from openbook_gateway.mapping import answer_response, cached_answer, stored_answer
+from openbook_gateway.mapping import (
+    answer_response,
+    cached_answer,
+    stored_answer,
+    with_threshold,
+)
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.schemas import AnswerRequest
 
@@ -74,6 +86,14 @@ async def unless_disconnected(request: Request, call: Awaitable[T]) -> T:
         task.cancel()  # a no-op once done
 
 
+def confidence_threshold(requested: float | None, request: Request) -> float | None:
+    """The threshold an answer is held to: the request's, else the server's default
+    (``OPENBOOK_GATEWAY_MIN_CONFIDENCE``); None: none."""
+    if requested is not None:
+        return requested
+    return getattr(request.app.state, "min_confidence", None)
+
+
 async def answer_events(
     body: AnswerRequest, request: Request, metrics: GatewayMetrics, *, stream: bool
 ) -> AsyncIterator[TokenOut | AnswerOut]:
@@ -85,10 +105,14 @@ async def answer_events(
     # model's default share the key.
     k = body.k if body.k is not None else await state.default_k.get(request_id)
     params = answer_params(body, k)
+    # not part of the cache key: applied to the answer, cached or not, on its way out
+    threshold = confidence_threshold(body.min_confidence, request)
 
     if body.use_cache:
         with timer.stage("cache"):
             cached = await state.cache.lookup(body.index, params)
+            if cached is not None and "confidence" not in cached:
+                cached = None  # stored before answers had a confidence: computed afresh
         metrics.cache_lookup(hit=cached is not None)
         if cached is not None:
             # Validated when it was stored: sent as it is, not validated again.
@@ -96,13 +120,15 @@ async def answer_events(
             if stream:
                 for event in _replayed(answer):
                     yield event
-            yield AnswerOut(answer)
+            yield AnswerOut(with_threshold(answer, threshold))
             return
     else:
         metrics.cache_skipped()
 
     with timer.stage("retrieve"):
-        retrieved = await state.retrieval.retrieve(body.question, k, body.index, request_id)
+        retrieved = await state.retrieval.retrieve(
+            body.question, k, body.index, request_id, retrieval=body.retrieval
+        )
     passages = list(retrieved.results[0].passages)
     if not passages:
         raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
@@ -137,7 +163,7 @@ async def answer_events(
         rest = _rest(answer["answer"], sent)
         if rest:
             yield TokenOut(rest, None)
-    yield AnswerOut(answer)
+    yield AnswerOut(with_threshold(answer, threshold))
 
 
 def _replayed(answer: dict) -> list[TokenOut]:

@@ -322,6 +322,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.metrics = metrics  # the server counts the refusals of request heads in it
+    # the abstention threshold of requests that name none (openbook_gateway.answering)
+    app.state.min_confidence = settings.min_confidence
     # Every body is read as JSON, and every way it can fail to be JSON is a 422 (bodies.py).
     app.router.route_class = JSONBodyRoute
     require_admin = _require_admin(settings)

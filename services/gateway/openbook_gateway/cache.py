@@ -38,6 +38,9 @@ ANSWER_PARAMS = (
     "min_new_tokens",
     "num_return_sequences",
     "length_penalty",
+    # None (the index's default) keys apart from the mode it names: the default can change with
+    # the index's views, and the key holds the index's name, not its views.
+    "retrieval",
 )
 
 

@@ -44,10 +44,16 @@ def answer_response(
     request_id: str,
     timings: dict[str, float],
 ) -> dict:
-    """The body of a computed answer (``cached`` false)."""
+    """The body of a computed answer (``cached`` false), as the model gave it: not abstained
+    (:func:`with_threshold` applies a request's threshold, after the cache)."""
+    best = generated.hypotheses[0] if generated.hypotheses else None
     return AnswerResponse(
-        answer=generated.hypotheses[0].text if generated.hypotheses else "",
+        answer=best.text if best is not None else "",
+        confidence=_unit(best.confidence) if best is not None else 0.0,
+        abstained=False,
         index=retrieved.index,
+        # a retriever from before RetrieveResponse.retrieval existed says nothing: null
+        retrieval=retrieved.retrieval or None,
         model_version=generated.model_version,
         retriever_version=retrieved.model_version,
         decoding=body.decoding,
@@ -60,8 +66,9 @@ def answer_response(
     ).model_dump()
 
 
-# What a stored answer leaves out: they belong to the request that computed it.
-PER_REQUEST_FIELDS = ("request_id", "timings_ms")
+# What a stored answer leaves out: they belong to the request that computed it (the
+# threshold too: a stored answer is the model's, never abstained; see with_threshold).
+PER_REQUEST_FIELDS = ("request_id", "timings_ms", "min_confidence", "abstained")
 
 
 def stored_answer(answer: dict) -> dict:
@@ -70,8 +77,31 @@ def stored_answer(answer: dict) -> dict:
 
 
 def cached_answer(stored: dict, request_id: str, timings: dict[str, float]) -> dict:
-    """A stored answer served to this request (validated when it was stored)."""
-    return {**stored, "cached": True, "request_id": request_id, "timings_ms": timings}
+    """A stored answer served to this request (validated when it was stored), not abstained
+    until :func:`with_threshold` says so."""
+    return {
+        **stored,
+        "abstained": False,
+        "min_confidence": None,
+        "cached": True,
+        "request_id": request_id,
+        "timings_ms": timings,
+    }
+
+
+def with_threshold(answer: dict, min_confidence: float | None) -> dict:
+    """``answer`` (computed or cached, never abstained itself) as a request with threshold
+    ``min_confidence`` gets it: abstained, with an empty answer, when its confidence is below
+    the threshold; passages and hypotheses stay. None: no threshold."""
+    answer = {**answer, "min_confidence": min_confidence}
+    if min_confidence is None or answer["confidence"] >= min_confidence:
+        return answer
+    return {**answer, "answer": "", "abstained": True}
+
+
+def _unit(value: float) -> float:
+    """A confidence from the wire, kept in [0, 1] (a NaN from a broken generator is 0)."""
+    return min(1.0, max(0.0, value)) if math.isfinite(value) else 0.0
 
 
 def passages_out(
@@ -109,6 +139,8 @@ def hypotheses_out(generated: generator_pb2.GenerateResponse) -> list[Hypothesis
             or None,
             num_tokens=h.num_tokens,
             finish_reason=h.finish_reason or None,
+            confidence=_unit(h.confidence),
+            raw_confidence=_unit(h.raw_confidence),
         )
         for h in generated.hypotheses
     ]
@@ -130,6 +162,8 @@ def indexes_response(listed: retriever_pb2.ListIndexesResponse) -> dict:
                 loadable=not i.problem,
                 problem=i.problem or None,
                 verified=i.verified,
+                views=list(i.views),
+                default_retrieval=i.default_retrieval or None,
             )
             for i in listed.indexes
         ],

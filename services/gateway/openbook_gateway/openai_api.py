@@ -8,7 +8,13 @@
   sampling parameters other than those meaning "no sampling" are refused (400).
 * ``stop`` cuts each answer at its first stop sequence (the answer is still computed whole).
 * The reply carries the passages used as ``citations`` (1-based, as the ``[i]`` markers appended
-  to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``.
+  to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``,
+  the answer's ``confidence`` and whether it ``abstained`` included.
+* ``min_confidence`` (extra body field; default: ``OPENBOOK_GATEWAY_MIN_CONFIDENCE``): a choice
+  whose answer's confidence is below it says so in its message instead of answering
+  (:func:`abstention`). A stream under a threshold holds the text back until the confidence
+  is known at the end (a chat client cannot take back text it was sent): it comes whole, or
+  the abstention does, in the last content chunk.
 * Errors are OpenAI's error objects (``{"error": {"message", "type", "param", "code"}}``); a
   stream that fails after it began ends with such an object as its last event.
 * With ``OPENBOOK_GATEWAY_API_KEYS`` set, every ``/v1`` call needs ``Authorization: Bearer
@@ -20,6 +26,7 @@ The answer itself comes from the same pipeline as ``POST /answer``
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncGenerator
 
@@ -27,7 +34,13 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from openbook.auth import bearer_matches
-from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
+from openbook_gateway.answering import (
+    AnswerOut,
+    TokenOut,
+    answer_events,
+    confidence_threshold,
+    unless_disconnected,
+)
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.events import STREAMED, EventStream, sse
 from openbook_gateway.metrics import GatewayMetrics
@@ -72,8 +85,20 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     # Input the services refused (422 there) is a 400 here, as OpenAI answers bad input.
+    if status == 422 and param is None:
+        param = _field_of(message)
     status = 400 if status == 422 else status
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+# The services' own refusals name the field first ("retrieval: 'hybrid' needs ...").
+_FIELD_PREFIX = re.compile(r"([a-z_]+): ")
+
+
+def _field_of(message: object) -> str | None:
+    """The field a service's refusal names at its start, if it names one that way."""
+    match = _FIELD_PREFIX.match(message) if isinstance(message, str) else None
+    return match.group(1) if match else None
 
 
 def validation_error_response(errors: list[dict]) -> JSONResponse:
@@ -164,7 +189,8 @@ def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRout
         body.check_supported()
         question = to_answer_request(body, await index_of(body, request))
         request_id = request.state.request_id
-        reply = Completion(body, request_id)
+        threshold = confidence_threshold(body.min_confidence, request)
+        reply = Completion(body, request_id, holds_text=threshold is not None)
         events = answer_events(question, request, metrics, stream=body.stream)
         if not body.stream:
             async for event in events:
@@ -193,8 +219,13 @@ def _unknown_model(model_id: str) -> OpenAIRequestError:
 class Completion:
     """The reply to one chat completion, whole or as chunks (module docstring)."""
 
-    def __init__(self, body: ChatCompletionRequest, request_id: str) -> None:
+    def __init__(
+        self, body: ChatCompletionRequest, request_id: str, holds_text: bool = False
+    ) -> None:
+        """``holds_text``: a confidence threshold applies, so a stream sends no text before
+        the end (module docstring)."""
         self.body = body
+        self.holds_text = holds_text
         self.stops = body.stop_sequences()
         self.id = f"chatcmpl-{request_id}"
         self.created = int(time.time())
@@ -231,7 +262,7 @@ class Completion:
             written, sent = "", ""  # the first answer's text so far, and what was sent of it
             event = first
             while isinstance(event, TokenOut):
-                if event.passage is None and self.body.n == 1:
+                if event.passage is None and self.body.n == 1 and not self.holds_text:
                     written += event.text
                     visible = _before_stop(written, self.stops)
                     if len(visible) > len(sent):
@@ -275,9 +306,15 @@ class Completion:
         return sse(body)
 
     def _choices(self, answer: dict) -> list[tuple[str, str]]:
-        """(content, finish_reason) of each answer: cut at a stop sequence, markers added."""
+        """(content, finish_reason) of each answer: cut at a stop sequence, markers added; or
+        the abstention, for an answer below the request's confidence threshold."""
         out = []
+        threshold = answer.get("min_confidence")
         for hyp in answer["hypotheses"][: self.body.n]:
+            confidence = hyp.get("confidence", 0.0)
+            if threshold is not None and confidence < threshold:
+                out.append((abstention(confidence, threshold), "stop"))
+                continue
             content = _before_stop(hyp["text"], self.stops, hold=False)
             finish = "stop" if len(content) < len(hyp["text"]) else hyp.get("finish_reason")
             if self.body.citation_markers and content:
@@ -308,6 +345,7 @@ class Completion:
 _CITED = ("id", "title", "text", "score", "prior", "posterior")
 _PROVENANCE = (
     "index",
+    "retrieval",
     "model_version",
     "retriever_version",
     "decoding",
@@ -315,7 +353,19 @@ _PROVENANCE = (
     "cached",
     "request_id",
     "timings_ms",
+    "confidence",
+    "abstained",
+    "min_confidence",
 )
+
+
+def abstention(confidence: float, threshold: float) -> str:
+    """The message of an answer withheld for its low confidence."""
+    digits = 2
+    while digits < 6 and f"{confidence:.{digits}f}" == f"{threshold:.{digits}f}":
+        digits += 1  # 0.499 < 0.5 must not read "0.50 < 0.50"
+    shown, limit = f"{confidence:.{digits}f}", f"{threshold:.{digits}f}"
+    return f"I am not confident enough to answer (confidence {shown} < {limit})."
 
 
 def _delta(index: int, delta: dict, finish: str | None = None) -> dict:

@@ -2,8 +2,8 @@
 
 It accepts OpenAI's fields, refusing those whose meaning openbook cannot honour (sampling,
 tools, log-probs, images, ...) with a 400 that names the field, and openbook's own options as
-extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ...; the official clients send
-them with ``extra_body``). :func:`to_answer_request` turns it into the
+extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ``min_confidence``, ...; the
+official clients send them with ``extra_body``). :func:`to_answer_request` turns it into the
 :class:`~openbook_gateway.schemas.AnswerRequest` the answer pipeline runs; every limit is the
 one ``/answer`` enforces (``openbook.limits``).
 """
@@ -23,6 +23,7 @@ from openbook.limits import (
     MAX_RETURN_SEQUENCES,
     MIN_LENGTH_PENALTY,
     DecodingMode,
+    RetrievalMode,
 )
 from openbook_gateway.schemas import AnswerRequest
 
@@ -120,7 +121,10 @@ class ChatCompletionRequest(BaseModel):
         1.0, ge=MIN_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False
     )
     index: str | None = Field(None, pattern=INDEX_NAME_PATTERN)
+    retrieval: RetrievalMode | None = None  # None: the index's default_retrieval
     use_cache: bool = True
+    # Abstain below this confidence (as /answer's min_confidence; default: the server's)
+    min_confidence: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     # Append [1], [2], ... (1-based positions in ``citations``) to each answer: the passages the
     # answer was drawn from (see docs/api.md).
     citation_markers: bool = True
@@ -262,7 +266,9 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "num_return_sequences": body.n,
         "length_penalty": body.length_penalty,
         "index": index,
+        "retrieval": body.retrieval,
         "use_cache": body.use_cache,
+        "min_confidence": body.min_confidence,
         "stream": body.stream,
     }
     try:

@@ -112,9 +112,22 @@ class Retrieval:
         )
 
     async def retrieve(
-        self, question: str, k: int, index: str | None, request_id: str
+        self,
+        question: str,
+        k: int,
+        index: str | None,
+        request_id: str,
+        retrieval: str | None = None,
     ) -> retriever_pb2.RetrieveResponse:
-        request = retriever_pb2.RetrieveRequest(queries=[question], k=k, index=index or "")
+        """The top-k for ``question`` on ``index`` (None: the active one), by ``retrieval``
+        (None: the index's default), merged over the shards.
+
+        Hybrid scores merge like dense ones: every shard fuses with the same fitted weights
+        (copied from the parent index's manifest), so its fused scores are on one scale."""
+        mode = retrieval or ""
+        request = retriever_pb2.RetrieveRequest(
+            queries=[question], k=k, index=index or "", retrieval=mode
+        )
         replies = await self._all("Retrieve", request, request_id)
         if len(replies) == 1:
             return replies[0]
@@ -124,7 +137,9 @@ class Retrieval:
         for i, reply in enumerate(replies):
             if reply.index != label:
                 shard = self.shards[i]
-                retry = retriever_pb2.RetrieveRequest(queries=[question], k=k, index=label)
+                retry = retriever_pb2.RetrieveRequest(
+                    queries=[question], k=k, index=label, retrieval=mode
+                )
                 replies[i] = await shard.call(shard.stub.Retrieve, retry, request_id)
         merged = merge_results(
             [[[_to_passage(p) for p in reply.results[0].passages]] for reply in replies], k
@@ -133,6 +148,7 @@ class Retrieval:
             results=[retriever_pb2.QueryResult(passages=[_to_proto(p) for p in merged])],
             index=label,
             model_version=replies[0].model_version,
+            retrieval=replies[0].retrieval,
         )
 
     async def list_indexes(self, request_id: str) -> retriever_pb2.ListIndexesResponse:

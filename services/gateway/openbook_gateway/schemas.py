@@ -19,6 +19,7 @@ from openbook.limits import (
     MAX_RETURN_SEQUENCES,
     MIN_LENGTH_PENALTY,
     DecodingMode,
+    RetrievalMode,
     check_checkpoint_name,
     check_decoding,
     check_question,
@@ -62,7 +63,21 @@ class AnswerRequest(BaseModel):
     index: str | None = Field(
         None, pattern=INDEX_NAME_PATTERN, description="default: the active index"
     )
+    retrieval: RetrievalMode | None = Field(
+        None,
+        description="how passages are retrieved: 'dense' (query encoder), 'bm25', or 'hybrid' "
+        "(both, fused into one fitted score); default: the index's default_retrieval ('hybrid' "
+        "where it holds both views). A mode the index has no view for is a 422 naming retrieval",
+    )
     use_cache: bool = True
+    min_confidence: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="abstain (empty answer, abstained true) when the answer's confidence is "
+        "below this; default: the server's OPENBOOK_GATEWAY_MIN_CONFIDENCE (unset: never)",
+    )
     stream: bool = Field(
         False,
         description="answer as Server-Sent Events: token events as the answer is written, then "
@@ -111,11 +126,34 @@ class HypothesisOut(BaseModel):
     finish_reason: str | None = Field(
         None, description="'stop' (the model ended it) or 'length' (max_new_tokens ran out)"
     )
+    confidence: float = Field(
+        0.0,
+        description="in [0, 1]: the model's calibration of raw_confidence, or raw_confidence "
+        "when it has none (openbook/rag/confidence.py)",
+    )
+    raw_confidence: float = Field(
+        0.0,
+        description="exp(log_prob / n) over the n answer tokens scored: the geometric-mean "
+        "per-token probability under the passage marginal; 0 for an empty answer",
+    )
 
 
 class AnswerResponse(BaseModel):
-    answer: str
+    answer: str = Field(description="the best hypothesis' text; empty when abstained")
+    confidence: float = Field(description="the best hypothesis' confidence, in [0, 1]")
+    abstained: bool = Field(
+        description="the confidence is below the request's min_confidence (or the server's "
+        "default): the answer is empty; passages and hypotheses are still returned"
+    )
+    min_confidence: float | None = Field(
+        None, description="the threshold this answer was held to (null: none)"
+    )
     index: str
+    retrieval: str | None = Field(
+        None,
+        description="the retrieval mode that found the passages: the request's, or the index's "
+        "default ('dense', 'bm25' or 'hybrid')",
+    )
     model_version: str
     retriever_version: str
     decoding: DecodingMode
@@ -161,6 +199,16 @@ class IndexOut(BaseModel):
     verified: bool = Field(
         description="every file's checksum was verified: it is loaded, or loaded since its "
         "files last changed"
+    )
+    views: list[str] = Field(
+        default_factory=list,
+        description="the retrieval views it holds: 'dense', 'bm25' or both (empty when its "
+        "manifest is unreadable)",
+    )
+    default_retrieval: str | None = Field(
+        None,
+        description="the retrieval mode of a request that names none: 'hybrid' where it holds "
+        "both views, else its one view's (null when its manifest is unreadable)",
     )
 
 

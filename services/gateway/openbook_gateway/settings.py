@@ -35,3 +35,6 @@ class GatewaySettings(CommonSettings):
     # "Authorization: Bearer <one of them>". Unset: /v1 is open, as /answer is. Not the admin
     # token, which only opens /admin.
     api_keys: SecretStr | None = None
+    # Answers whose confidence (openbook/rag/confidence.py) is below this abstain: an empty
+    # answer with "abstained": true. A request's min_confidence overrides it. Unset: never.
+    min_confidence: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)

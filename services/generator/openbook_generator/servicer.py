@@ -97,6 +97,8 @@ def result_to_proto(
             log_prob=float(hyp.log_prob),
             num_tokens=len(hyp.token_ids),
             finish_reason=hyp.finish_reason,
+            confidence=hyp.confidence,
+            raw_confidence=hyp.raw_confidence,
         )
         if hyp.doc_posterior is not None:
             msg.doc_posterior.extend(hyp.doc_posterior)

@@ -1,10 +1,10 @@
 """gRPC handlers of the retriever: validation, batching, translation to and from protobuf.
 
 Concurrent ``Retrieve`` calls are batched (``openbook.serving.batcher``): each call leases its
-index, then queues its queries; the batch worker runs one query-encoder forward pass over the
-queries of every waiting call on the same index and encoder, and one search per distinct
-``(k, return_vectors)``. Each call still gets its own result or its own error, and holds its
-lease until its result is back, so a swap never closes an index under a queued call.
+index, then queues its queries; the batch worker serves the calls on the same index, encoder and
+retrieval mode together (dense and hybrid: one query-encoder forward pass) with one search per
+distinct ``(k, return_vectors)``. Each call still gets its own result or its own error, and
+holds its lease until its result is back, so a swap never closes an index under a queued call.
 
 Each RPC checks its proto request once, at the top, against ``openbook.limits`` (the limits
 the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest` that
@@ -34,7 +34,16 @@ from openbook.index.pairing import (
     checkpoint_override,
     configured_override,
 )
-from openbook.limits import MAX_K, MAX_QUERIES, check_index_name, check_question, check_range
+from openbook.limits import (
+    MAX_K,
+    MAX_QUERIES,
+    check_index_name,
+    check_question,
+    check_range,
+    check_retrieval,
+    check_retrieval_views,
+    default_retrieval,
+)
 from openbook.serving.batcher import Batcher
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
@@ -65,6 +74,7 @@ class ValidRetrieveRequest:
     k: int
     index: str | None  # None: the active index
     return_vectors: bool
+    retrieval: str | None  # one of openbook.limits.RETRIEVAL_MODES; None: the index's default
 
 
 def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRequest:
@@ -81,7 +91,26 @@ def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRe
         k=check_range("k", request.k, 1, MAX_K),
         index=check_index_name("index", request.index) if request.index else None,
         return_vectors=request.return_vectors,
+        retrieval=check_retrieval("retrieval", request.retrieval) if request.retrieval else None,
     )
+
+
+def retrieval_for(valid: ValidRetrieveRequest, index: LoadedIndex) -> str:
+    """The retrieval mode that serves ``valid`` on ``index``: the request's, else the index's
+    default; :class:`InvalidArgument` naming ``retrieval`` (or ``return_vectors``) when the index
+    cannot serve it as asked. Checked here, before the batch: the index's own ValueError for a
+    missing view would otherwise come back as INTERNAL."""
+    mode = check_retrieval_views(
+        "retrieval", valid.retrieval or index.default_retrieval, index.name, index.views
+    )
+    if valid.return_vectors and mode == "bm25":
+        why = (
+            f"index {index.name!r} is bm25 and stores no vectors"
+            if "dense" not in index.views
+            else "retrieval 'bm25' returns no vectors (ask for 'dense' or 'hybrid')"
+        )
+        raise InvalidArgument(f"return_vectors: {why}")
+    return mode
 
 
 class PairingError(FailedPrecondition, ValueError):
@@ -94,23 +123,30 @@ class _Search:
     """One Retrieve call waiting to be batched."""
 
     index: LoadedIndex
-    encoder: Encoder | None  # None: the index's own query encoder (or bm25)
+    encoder: Encoder | None  # None: the index's own query encoder (or none: bm25)
     queries: list[str]
     k: int
     vectors: bool
+    # A mode the index holds the views for (retrieval_for): calls are batched per mode only.
+    retrieval: str = "dense"
 
 
 def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
-    """Results (or an error) per item; queries on one index and encoder share a forward pass."""
+    """Results (or an error) per item. Queries on one index, encoder and retrieval mode are
+    searched together: dense and hybrid share one forward pass of the query encoder (the
+    item's: the override where it pairs with the index, else the index's own), then each
+    distinct ``(k, return_vectors)`` is one search (hybrid: ``LoadedIndex.search`` with those
+    query vectors and the texts, for its BM25 part); bm25 reads the texts only."""
     results: list[list[list[Passage]] | Exception | None] = [None] * len(items)
-    groups: dict[tuple[int, int], list[int]] = {}
+    groups: dict[tuple[int, int, str], list[int]] = {}
     for i, item in enumerate(items):
-        groups.setdefault((id(item.index), id(item.encoder)), []).append(i)
+        groups.setdefault((id(item.index), id(item.encoder), item.retrieval), []).append(i)
     for members in groups.values():
-        index, encoder = items[members[0]].index, items[members[0]].encoder
+        first = items[members[0]]
+        index, encoder, retrieval = first.index, first.encoder, first.retrieval
         try:
             vectors = None
-            if index.dense:
+            if retrieval in ("dense", "hybrid"):
                 encoder = encoder if encoder is not None else index.query_encoder
                 index.check_encoder(encoder)
                 vectors = encoder.encode([q for i in members for q in items[i].queries])
@@ -127,17 +163,23 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
             searches.setdefault((items[i].k, items[i].vectors), []).append(i)
         for (k, with_vectors), same in searches.items():
             try:
-                if vectors is None:
-                    texts = [q for i in same for q in items[i].queries]
-                    hits = index.search(texts, k, return_vectors=with_vectors)
+                texts = [q for i in same for q in items[i].queries]
+                if vectors is None:  # bm25
+                    hits = index.search(texts, k, retrieval=retrieval)
                 else:
                     rows = np.concatenate(
                         [vectors[offsets[i] : offsets[i] + len(items[i].queries)] for i in same]
                     )
-                    # The index's default retrieval (hybrid where it has a bm25 view too),
-                    # with the queries encoded once above.
-                    texts = [q for i in same for q in items[i].queries]
-                    hits = index.search(texts, k, return_vectors=with_vectors, query_vectors=rows)
+                    if retrieval == "dense":
+                        hits = index.search_vectors(rows, k, with_vectors)
+                    else:
+                        hits = index.search(
+                            texts,
+                            k,
+                            return_vectors=with_vectors,
+                            retrieval=retrieval,
+                            query_vectors=rows,
+                        )
             except Exception as exc:  # noqa: BLE001 - fails these calls only
                 for i in same:
                     results[i] = exc
@@ -258,12 +300,11 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def Retrieve(self, request, context):
         valid = validate_retrieve(request)
         with self.registry.lease(valid.index) as index:
-            if valid.return_vectors and not index.dense:
-                raise InvalidArgument(
-                    f"return_vectors: index {index.name!r} is bm25 and stores no vectors"
-                )
+            retrieval = retrieval_for(valid, index)
             encoder, version = self._pairing(index)
-            search = _Search(index, encoder, list(valid.queries), valid.k, valid.return_vectors)
+            search = _Search(
+                index, encoder, list(valid.queries), valid.k, valid.return_vectors, retrieval
+            )
             results = self.batcher.submit(search, timeout_s=time_remaining(context))
             name = index.name
         return retriever_pb2.RetrieveResponse(
@@ -275,13 +316,15 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             ],
             index=name,
             model_version=version,
+            retrieval=retrieval,
         )
 
     def _search(self, index: LoadedIndex, queries: list[str], k: int, vectors: bool):
         """Search ``index`` through the batch thread, as a request would (the warm-up: so that
         the thread that will encode has its kernels warm and its compute threads sized)."""
         encoder, _ = self._pairing(index)
-        return self.batcher.submit(_Search(index, encoder, list(queries), k, vectors))
+        search = _Search(index, encoder, list(queries), k, vectors, index.default_retrieval)
+        return self.batcher.submit(search)
 
     def use_checkpoint(self, path: Path) -> None:
         """Serve the query encoder of a trainer checkpoint (or the latest under a root).
@@ -373,6 +416,8 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             info.index_type = m.index_type
             info.checksum = m.checksum or ""
             info.score_scale = float(m.score_scale)
+            info.views.extend(m.views)
+            info.default_retrieval = default_retrieval(tuple(m.views))
         return info
 
     def ListIndexes(self, request, context):

@@ -165,6 +165,19 @@
     return value;
   }
 
+  // A number in [min, max] (the input's bounds), or undefined when empty: the server's default.
+  function optionalFraction(id) {
+    const input = $(id);
+    if (input.value.trim() === "") return undefined;
+    const value = Number(input.value);
+    if (!Number.isFinite(value) || value < Number(input.min) || value > Number(input.max)) {
+      const label = document.querySelector(`label[for="${id}"]`).textContent;
+      input.focus();
+      throw new Error(`${label} must be a number from ${input.min} to ${input.max}`);
+    }
+    return value;
+  }
+
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     if (busy) return; // Enter while an answer is still being written
@@ -179,10 +192,12 @@
       body = {
         question: text,
         decoding: $("decoding").value,
+        retrieval: $("retrieval").value || undefined, // empty: the index's default
         k: intField("k", true), // empty: the model's n_docs (5 without one)
         num_beams: intField("num-beams"),
         max_new_tokens: intField("max-new-tokens"),
         use_cache: $("use-cache").checked,
+        min_confidence: optionalFraction("min-confidence"), // empty: the server's default
       };
     } catch (err) {
       showError(formError, err.message);
@@ -305,6 +320,9 @@
     answerNode.classList.add("is-writing");
     answerNode.setAttribute("aria-busy", "true"); // screen readers read it once it is done
     $("answer-meta").replaceChildren();
+    // the confidence is known only at the end: an answer being written may still abstain
+    $("abstained").hidden = true;
+    $("confidence").hidden = true;
     $("other-hypotheses").hidden = true;
     $("hypotheses").replaceChildren();
     $("passages").replaceChildren();
@@ -410,19 +428,42 @@
     answerStatus.hidden = true;
     answerStatus.textContent = "";
     $("passages-pending").hidden = true;
-    answer.textContent = data.answer && data.answer.trim() ? data.answer : "(empty answer)";
-    answer.classList.toggle("is-empty", !(data.answer && data.answer.trim()));
+    answer.classList.toggle("is-abstained", Boolean(data.abstained));
+    if (data.abstained) {
+      answer.textContent = "Not confident enough to answer";
+      answer.classList.remove("is-empty");
+    } else {
+      answer.textContent = data.answer && data.answer.trim() ? data.answer : "(empty answer)";
+      answer.classList.toggle("is-empty", !(data.answer && data.answer.trim()));
+    }
+    renderConfidence(data);
 
     renderMeta(data);
-    renderHypotheses(data.hypotheses || []);
+    // abstained: the withheld answer is listed with the others, marked as such
+    renderHypotheses(data.hypotheses || [], Boolean(data.abstained));
     renderPassages(data.passages || []);
     renderHeatmap(data);
+  }
+
+  // The answer's confidence as a bar; an abstention says why plainly.
+  function renderConfidence(data) {
+    const box = $("confidence");
+    const known = typeof data.confidence === "number" && Number.isFinite(data.confidence);
+    box.hidden = !known;
+    box.replaceChildren(...(known ? [bar("confidence", "Confidence", data.confidence)] : []));
+    const note = $("abstained");
+    note.hidden = !data.abstained;
+    note.textContent = data.abstained
+      ? `The model's confidence, ${pct(data.confidence)}, is below the threshold of ` +
+        `${pct(data.min_confidence)}: its answer is withheld (listed below as a hypothesis).`
+      : "";
   }
 
   function renderMeta(data) {
     const meta = $("answer-meta");
     const items = [
       ["Index", data.index],
+      ["Retrieval", data.retrieval],
       ["Decoding", data.decoding],
       ["Generator", data.model_version],
       ["Retriever", data.retriever_version],
@@ -439,14 +480,17 @@
     );
   }
 
-  function renderHypotheses(hypotheses) {
+  function renderHypotheses(hypotheses, withBest = false) {
     const box = $("other-hypotheses");
-    const rest = hypotheses.slice(1);
-    box.hidden = rest.length === 0;
+    const shown = withBest ? hypotheses : hypotheses.slice(1);
+    box.hidden = shown.length === 0;
+    $("hypotheses-title").textContent = withBest ? "Hypotheses (withheld)" : "Other hypotheses";
     $("hypotheses").replaceChildren(
-      ...rest.map((h) =>
-        el("li", {}, el("span", { text: h.text || "(empty)" }), el("span", { class: "logp", text: `log p = ${fmt(h.log_prob, 2)}` }))
-      )
+      ...shown.map((h) => {
+        let score = `log p = ${fmt(h.log_prob, 2)}`;
+        if (typeof h.confidence === "number") score += ` · confidence ${pct(h.confidence)}`;
+        return el("li", {}, el("span", { text: h.text || "(empty)" }), el("span", { class: "logp", text: score }));
+      })
     );
   }
 

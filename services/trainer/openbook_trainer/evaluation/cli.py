@@ -15,7 +15,13 @@ from typing import Any, NoReturn
 import typer
 
 from openbook_trainer.evaluation.data import DataError, read_examples
-from openbook_trainer.evaluation.runner import EvalError, Prediction, predict_http, predict_local
+from openbook_trainer.evaluation.runner import (
+    EvalError,
+    Prediction,
+    per_example_correct,
+    predict_http,
+    predict_local,
+)
 from openbook_trainer.evaluation.runner import score_predictions as score
 
 
@@ -53,6 +59,13 @@ def eval_command(
     concurrency: int = typer.Option(
         4, "--concurrency", min=1, help="with --url: parallel requests"
     ),
+    fit_calibration: Path | None = typer.Option(
+        None,
+        "--fit-calibration",
+        help="fit a confidence calibration on these questions (raw confidence vs exact match) "
+        "and write it as confidence_calibration.json into this directory: the generator's "
+        "model or adapter directory (openbook/rag/confidence.py)",
+    ),
 ) -> None:
     """Score a system on a JSONL file; print a table and optionally write JSON."""
     if (url is None) == (checkpoint is None):
@@ -78,12 +91,16 @@ def eval_command(
                 examples, checkpoint, index, k, decoding.value, num_beams, max_new_tokens, device
             )
         metrics = score(task.value, examples, preds, k)
+        if fit_calibration is not None:
+            written = _fit_calibration(task, examples, preds, fit_calibration)
     except (DataError, EvalError, ValueError, OSError) as e:
         _fail(str(e))
     versions = sorted({p.model_version for p in preds if p.model_version})
     typer.echo(format_table(metrics, title=f"{data.name} ({task.value}) on {target}"))
     if versions:
         typer.echo(f"model version: {', '.join(versions)}")
+    if fit_calibration is not None:
+        typer.echo(f"wrote {written}")
     if out is not None:
         report = {
             "data": str(data),
@@ -137,6 +154,25 @@ def _predict_checkpoint(
     return preds, str(loaded.path)
 
 
+def _fit_calibration(task: Task, examples: list, preds: list[Prediction], directory: Path) -> Path:
+    """Fit the raw confidences of ``preds`` to whether each is right; write it into
+    ``directory``. Raises ValueError when it cannot be fitted."""
+    from openbook.rag.confidence import fit_calibration
+
+    if task is Task.generation:
+        raise ValueError(
+            "--fit-calibration needs a task with right and wrong answers (qa, "
+            "classification), not generation"
+        )
+    if not directory.is_dir():
+        raise ValueError(f"--fit-calibration: {directory} is not a directory")
+    raw = [p.raw_confidence for p in preds]
+    if any(r is None for r in raw):
+        raise ValueError("--fit-calibration: the system reported no raw_confidence")
+    calibration = fit_calibration(raw, per_example_correct(examples, preds))
+    return calibration.save(directory)
+
+
 def _prediction_row(example: Any, pred: Prediction) -> dict[str, Any]:
     return {
         "id": example.id,
@@ -144,6 +180,8 @@ def _prediction_row(example: Any, pred: Prediction) -> dict[str, Any]:
         "answers": example.answers,
         "prediction": pred.answer,
         "passage_ids": pred.passage_ids,
+        "confidence": pred.confidence,
+        "raw_confidence": pred.raw_confidence,
     }
 
 

@@ -12,6 +12,7 @@ from openbook_trainer.evaluation.data import Example
 from openbook_trainer.evaluation.metrics import (
     accuracy,
     answer_recall_at_k,
+    exact_match,
     generation_scores,
     qa_scores,
     recall_at_k,
@@ -30,6 +31,10 @@ class Prediction:
     passage_ids: list[str] = field(default_factory=list)
     passage_texts: list[str] = field(default_factory=list)
     model_version: str = ""
+    # the answer's confidence and the uncalibrated value (openbook/rag/confidence.py); None: a
+    # system that does not report them
+    confidence: float | None = None
+    raw_confidence: float | None = None
 
 
 def score_predictions(
@@ -64,6 +69,14 @@ def score_predictions(
     return out
 
 
+def per_example_correct(
+    examples: Sequence[Example], predictions: Sequence[Prediction]
+) -> list[float]:
+    """1.0 where a prediction matches (normalised exact match) one of its example's answers:
+    the outcome a confidence calibration is fitted to."""
+    return [exact_match(p.answer, e.answers) for e, p in zip(examples, predictions, strict=True)]
+
+
 def predict_local(
     examples: Sequence[Example],
     *,
@@ -85,8 +98,17 @@ def predict_local(
             [(q, h, options) for q, h in zip(questions, hits, strict=True)]
         )
         for h, r in zip(hits, results, strict=True):
-            text = r.hypotheses[0].text if r.hypotheses else ""
-            out.append(Prediction(text, [p.id for p in h], [p.text for p in h], version))
+            best = r.hypotheses[0] if r.hypotheses else None
+            out.append(
+                Prediction(
+                    best.text if best is not None else "",
+                    [p.id for p in h],
+                    [p.text for p in h],
+                    version,
+                    confidence=best.confidence if best is not None else 0.0,
+                    raw_confidence=best.raw_confidence if best is not None else 0.0,
+                )
+            )
         if progress is not None:
             progress(len(chunk))
     return out
@@ -138,11 +160,16 @@ def predict_http(
             if progress is not None:
                 progress(1)
             passages = data.get("passages", [])
+            best = (data.get("hypotheses") or [{}])[0]
+            # the model's answer even where the server's default threshold withheld it
+            answer = best.get("text", "") if data.get("abstained") else data.get("answer", "")
             return Prediction(
-                data.get("answer", ""),
+                answer,
                 [p["id"] for p in passages],
                 [p.get("text", "") for p in passages],
                 data.get("model_version", ""),
+                confidence=data.get("confidence"),
+                raw_confidence=best.get("raw_confidence"),
             )
 
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:

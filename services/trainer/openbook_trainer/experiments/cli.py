@@ -201,3 +201,78 @@ def finetune(
         _command_line(ctx),
     )
     typer.echo(table)
+
+
+@app.command("trust")
+def trust(
+    ctx: typer.Context,
+    index_root: Path = typer.Option(
+        None, help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)"
+    ),
+    index: str = typer.Option("wiki-2018", help="an index with a dense and a BM25 view"),
+    generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="base generator"),
+    adapters: Path = typer.Option(
+        None, help="the shipped adapters' folder (default: the demo data's adapters)"
+    ),
+    questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
+    out: Path = typer.Option(Path("var/experiments/trust"), help="predictions, result.json"),
+    dev_examples: int = typer.Option(0, min=0, help="development questions (0: all)"),
+    folds: int = typer.Option(10, min=0, help="k-fold over articles for the fusion (0: skip)"),
+    readers: bool = typer.Option(True, help="also answer with every system (slow)"),
+    only: str = typer.Option("", help="comma-separated system numbers to run (1-based)"),
+    batch_size: int = typer.Option(8, min=1),
+    seed: int = typer.Option(0),
+    results: Path = typer.Option(Path("docs/results")),
+    report: Path = typer.Option(Path("docs/results.md")),
+) -> None:
+    """Recall of dense / BM25 / hybrid retrieval, the reader's EM with intervals, and the
+    confidence's calibration, on the development articles (experiments/trust.py)."""
+    from openbook_trainer.experiments.trust import (
+        TrustConfig,
+        default_systems,
+        markdown,
+        plot_confidence,
+        plot_coverage,
+        run_trust,
+    )
+
+    systems = default_systems(adapters or default_data_dir() / "adapters")
+    if only:
+        try:
+            systems = [systems[int(i) - 1] for i in only.split(",")]
+        except (ValueError, IndexError):
+            raise typer.BadParameter(
+                f"systems are 1..{len(systems)}", param_hint="--only"
+            ) from None
+    config = TrustConfig(
+        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
+        index_root=index_root or TrainerSettings().index_root,
+        generator=generator,
+        out=out,
+        systems=systems,
+        index=index,
+        dev_examples=dev_examples,
+        folds=folds,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    try:
+        result, rows = run_trust(config, readers=readers)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"trust: {exc}", err=True)
+        raise typer.Exit(1) from None
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "trust.json").write_text((out / "result.json").read_text())
+    pictures = plot_confidence(result, results)
+    coverage = plot_coverage(result, rows.__getitem__, results)
+    if coverage is not None:
+        pictures["coverage"] = coverage
+    table = markdown(result, {t: str(p.relative_to(report.parent)) for t, p in pictures.items()})
+    write_section(
+        report,
+        "trust",
+        "Answers you can trust: hybrid retrieval, held-out EM and confidence",
+        table,
+        _command_line(ctx),
+    )
+    typer.echo(table)

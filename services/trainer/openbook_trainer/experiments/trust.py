@@ -1,0 +1,441 @@
+"""Answers you can trust, measured on articles never tuned on: retrieval recall of dense, BM25
+and hybrid retrieval, the reader's exact match with 95% intervals, and how well the answer's
+confidence separates right from wrong answers.
+
+Protocol (nothing here is tuned on what it measures):
+
+* The demo's SQuAD questions are split by article exactly as the fine-tuning experiment split
+  them (``finetune.split_by_article``, 10 development articles, seed 0): the shipped adapters
+  and the hybrid fusion were fitted on the 30 training articles only, so every development
+  question is from an article none of them saw.
+* Retrieval: recall@k (the answer string in the top k) of each retrieval mode on every
+  development question, and, because retrieval is cheap, a k-fold over **all 40 articles**
+  for the fusion: the fusion is refitted on the other folds' articles and measured on the
+  held-out fold's questions, so hybrid's gain is measured on every question, never on the
+  questions its two weights were fitted on.
+* Reader: every system answers the same development questions (a seeded shuffle, so a run cut
+  short is a random sample), in the generator's serving precision (``dtype auto``: bf16 on a
+  CPU with native bf16), greedy RAG-Token, at most 16 new tokens. EM/F1 with a 95% interval
+  from a bootstrap over *articles* (questions of one article are not independent), and each
+  system's paired difference to the few-shot prompt with dense retrieval, the baseline the
+  shipped adapters replaced.
+* Confidence (:mod:`openbook.rag.confidence`): expected calibration error, a reliability
+  diagram, AUROC of right vs wrong and EM at 100/80/60/50% coverage.
+
+Every prediction is logged as it is made (``ResultLog``), so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from openbook.types import Passage
+from openbook_trainer.evaluation.metrics import has_answer
+from openbook_trainer.evaluation.statistics import (
+    Interval,
+    auroc,
+    bootstrap_ci,
+    expected_calibration_error,
+    paired_difference_ci,
+    precision_at_coverage,
+    reliability_bins,
+    threshold_for_coverage,
+)
+from openbook_trainer.experiments.finetune import split_by_article
+from openbook_trainer.experiments.records import ResultLog, qa_row
+
+COVERAGES = (1.0, 0.8, 0.6, 0.5)
+
+
+@dataclass(frozen=True)
+class ReaderSystem:
+    """One configuration of the stack, as the services would serve it."""
+
+    name: str
+    generator_adapter: str | None  # a LoRA adapter dir merged into the generator; None: few-shot
+    query_encoder_adapter: str | None  # merged into the index's query encoder; None: its own
+    retrieval: str  # "dense" | "bm25" | "hybrid"
+
+
+def default_systems(adapters: Path) -> list[ReaderSystem]:
+    gen = str(adapters / "gemma-3-270m-squad")
+    qenc = str(adapters / "minilm-squad-query")
+    return [
+        ReaderSystem("few-shot prompt, dense", None, None, "dense"),
+        ReaderSystem("both adapters, tuned dense (shipped until now)", gen, qenc, "dense"),
+        ReaderSystem("both adapters, hybrid (tuned dense + BM25)", gen, qenc, "hybrid"),
+        ReaderSystem("few-shot prompt, hybrid (tuned dense + BM25)", None, qenc, "hybrid"),
+    ]
+
+
+@dataclass
+class TrustConfig:
+    questions: Path
+    index_root: Path
+    generator: Path
+    out: Path
+    systems: list[ReaderSystem]
+    index: str = "wiki-2018"  # an index with both views
+    dev_articles: int = 10
+    seed: int = 0
+    dev_examples: int = 0  # 0: every development question
+    k: int = 5
+    recall_ks: tuple[int, ...] = (1, 5, 20)
+    folds: int = 10  # for the fusion's k-fold over all articles; 0 skips it
+    max_new_tokens: int = 16
+    batch_size: int = 8
+    dtype: str = "auto"
+
+
+@dataclass
+class TrustResult:
+    config: dict
+    dev_articles: list[str]
+    questions: int = 0
+    recall: dict[str, dict[str, dict]] = field(default_factory=dict)  # mode -> k -> interval
+    recall_kfold: dict[str, dict[str, dict]] = field(default_factory=dict)
+    fusion_folds: list[dict] = field(default_factory=list)
+    readers: dict[str, dict] = field(default_factory=dict)  # system -> metrics
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def development_questions(config: TrustConfig) -> tuple[list[str], list[dict], list[dict]]:
+    """(development titles, training questions, development questions in a seeded order)."""
+    rows = sorted(_rows(config.questions), key=lambda r: r["id"])
+    _, dev_titles = split_by_article(config.questions, config.dev_articles, config.seed)
+    dev_set = set(dev_titles)
+    train = [r for r in rows if r["title"] not in dev_set]
+    dev = [r for r in rows if r["title"] in dev_set]
+    random.Random(config.seed).shuffle(dev)
+    if config.dev_examples:
+        dev = dev[: config.dev_examples]
+    return dev_titles, train, dev
+
+
+def _found(hits: Sequence[Passage], answers: Sequence[str], k: int) -> float:
+    return float(any(has_answer(f"{p.title} {p.text}", answers) for p in hits[:k]))
+
+
+def recall_table(
+    hits: list[list[Passage]], questions: list[dict], ks: Sequence[int]
+) -> dict[str, dict]:
+    groups = [q["title"] for q in questions]
+    return {
+        str(k): bootstrap_ci(
+            [_found(h, q["answers"], k) for h, q in zip(hits, questions, strict=True)], groups
+        ).as_dict()
+        for k in ks
+    }
+
+
+def _encoder(adapter: str | None):
+    from openbook.index.encoders import load_adapted_encoder
+
+    return load_adapted_encoder(adapter) if adapter else None
+
+
+def measure_retrieval(config: TrustConfig, index, dev: list[dict], result: TrustResult) -> None:
+    """Recall of each mode on the development questions (the shipped fusion, fitted on the
+    training articles), with the tuned query encoder for the dense part."""
+    qenc = _encoder(next((s.query_encoder_adapter for s in config.systems), None))
+    questions = [q["question"] for q in dev]
+    depth = max(config.recall_ks)
+    for label, encoder, mode in (
+        ("dense (index's query encoder)", None, "dense"),
+        ("dense (tuned query encoder)", qenc, "dense"),
+        ("bm25", None, "bm25"),
+        ("hybrid (tuned query encoder + bm25)", qenc, "hybrid"),
+    ):
+        if mode not in index.views and not (mode == "hybrid" and len(index.views) == 2):
+            continue
+        hits = index.search(questions, depth, encoder=encoder, retrieval=mode)
+        result.recall[label] = recall_table(hits, dev, config.recall_ks)
+
+
+def hybrid_hits(index, questions: list[str], fusion, k: int, encoder) -> list[list[Passage]]:
+    """The fused top k under ``fusion`` (not necessarily the manifest's): what hybrid search
+    returns, for a fusion fitted on other articles."""
+    from openbook.index.fusion import top_k
+
+    cands = index.hybrid_candidates(questions, max(k, fusion.candidates), encoder=encoder)
+    _, rows = top_k(fusion, cands, k)
+    flat = sorted({int(r) for r in rows.ravel() if r >= 0})
+    by_row = dict(zip(flat, index.get_passages(flat), strict=True))
+    return [[by_row[int(r)] for r in row if r >= 0] for row in rows]
+
+
+def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> None:
+    """Hybrid recall on every question of every article, each fold's fusion fitted on the
+    other folds' articles (dense and BM25 alone need no fit: measured on the same questions)."""
+    from openbook.index.fusion import Question, fit_fusion
+
+    if config.folds < 2 or len(index.views) < 2:
+        return
+    rows = sorted(_rows(config.questions), key=lambda r: r["id"])
+    titles = sorted({r["title"] for r in rows})
+    random.Random(config.seed).shuffle(titles)
+    fold_of = {t: i % config.folds for i, t in enumerate(titles)}
+    qenc = _encoder(next((s.query_encoder_adapter for s in config.systems), None))
+    depth = max(config.recall_ks)
+    hits: dict[str, list] = {
+        "dense (tuned query encoder)": [],
+        "bm25": [],
+        "hybrid (fusion fitted on the other folds)": [],
+    }
+    ordered: list[dict] = []
+    for fold in tqdm(range(config.folds), desc="fusion k-fold", unit="fold"):
+        train = [
+            Question(r["question"], tuple(r["answers"]))
+            for r in rows
+            if fold_of[r["title"]] != fold
+        ]
+        test = [r for r in rows if fold_of[r["title"]] == fold]
+        fusion = fit_fusion(index, train, encoder=qenc, source=f"fold {fold}")
+        result.fusion_folds.append(
+            {
+                "fold": fold,
+                "questions": len(test),
+                "dense_weight": fusion.dense_weight,
+                "bm25_weight": fusion.bm25_weight,
+            }
+        )
+        questions = [q["question"] for q in test]
+        hits["dense (tuned query encoder)"] += index.search(
+            questions, depth, encoder=qenc, retrieval="dense"
+        )
+        hits["bm25"] += index.search(questions, depth, retrieval="bm25")
+        hits["hybrid (fusion fitted on the other folds)"] += hybrid_hits(
+            index, questions, fusion, depth, qenc
+        )
+        ordered += test
+    for label, found in hits.items():
+        result.recall_kfold[label] = recall_table(found, ordered, config.recall_ks)
+
+
+def confidence_of(row: dict) -> float:
+    from openbook.rag.confidence import raw_confidence
+
+    return raw_confidence(row["log_prob"], row["num_tokens"])
+
+
+def _answer_rows(
+    system: ReaderSystem,
+    config: TrustConfig,
+    index,
+    dev: list[dict],
+    log: ResultLog,
+) -> list[dict]:
+    """Every development question answered by ``system`` (logged; a rerun resumes)."""
+    from openbook.rag import DecodingOptions, RagGenerator
+
+    generator: RagGenerator | None = None
+    options = DecodingOptions(mode="rag-token", max_new_tokens=config.max_new_tokens)
+    version = f"{Path(config.generator).name}+{Path(system.generator_adapter or 'none').name}"
+    keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
+    todo = [i for i, key in enumerate(keys) if log.get(key) is None]
+    if todo:
+        generator = RagGenerator.load(config.generator, dtype=config.dtype)
+        if system.generator_adapter:
+            generator.apply_adapter(Path(system.generator_adapter), Path(config.generator))
+        encoder = _encoder(system.query_encoder_adapter)
+        with tqdm(total=len(keys), initial=len(keys) - len(todo), desc=system.name) as bar:
+            for start in range(0, len(todo), config.batch_size):
+                batch = [dev[i] for i in todo[start : start + config.batch_size]]
+                passages = index.search(
+                    [q["question"] for q in batch],
+                    config.k,
+                    encoder=encoder,
+                    retrieval=system.retrieval,
+                )
+                results = generator.generate_batch(
+                    [(q["question"], p, options) for q, p in zip(batch, passages, strict=True)]
+                )
+                for q, res in zip(batch, results, strict=True):
+                    best = res.hypotheses[0]
+                    row = qa_row(q, best.text)
+                    row.update(
+                        title=q["title"],
+                        log_prob=best.log_prob,
+                        num_tokens=len(best.token_ids),
+                        finish_reason=best.finish_reason,
+                    )
+                    log.add(f"{system.name}|{version}|{q['id']}", row)
+                bar.update(len(batch))
+    return [log.get(key) for key in keys]  # type: ignore[misc]
+
+
+def reader_metrics(rows: list[dict], baseline: list[dict] | None) -> dict:
+    groups = [r["title"] for r in rows]
+    em = [r["em"] for r in rows]
+    conf = [confidence_of(r) for r in rows]
+    out: dict = {
+        "questions": len(rows),
+        "em": bootstrap_ci(em, groups).as_dict(),
+        "f1": bootstrap_ci([r["f1"] for r in rows], groups).as_dict(),
+        "ece": expected_calibration_error(conf, em),
+        "auroc": auroc(conf, em),
+        "em_at_coverage": {str(c): precision_at_coverage(conf, em, c) for c in COVERAGES},
+        "threshold_at_coverage": {str(c): threshold_for_coverage(conf, c) for c in COVERAGES},
+        "reliability": [asdict(b) for b in reliability_bins(conf, em)],
+    }
+    if baseline is not None:
+        out["em_vs_baseline"] = paired_difference_ci(
+            em, [r["em"] for r in baseline], groups
+        ).as_dict()
+    return out
+
+
+def run_trust(
+    config: TrustConfig, *, readers: bool = True
+) -> tuple[TrustResult, dict[str, list[dict]]]:
+    """The measurements, and each system's prediction rows (for the pictures)."""
+    from openbook.index import open_index
+
+    dev_titles, _, dev = development_questions(config)
+    result = TrustResult(
+        config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        dev_articles=dev_titles,
+        questions=len(dev),
+    )
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    by_system: dict[str, list[dict]] = {}
+    with open_index(Path(config.index_root) / config.index, verify=False) as index:
+        measure_retrieval(config, index, dev, result)
+        measure_fusion_kfold(config, index, result)
+        if readers:
+            log = ResultLog(out / "predictions.jsonl")
+            baseline: list[dict] | None = None
+            for system in config.systems:
+                rows = _answer_rows(system, config, index, dev, log)
+                by_system[system.name] = rows
+                result.readers[system.name] = reader_metrics(rows, baseline)
+                baseline = baseline or rows
+    (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return result, by_system
+
+
+def _interval(d: dict, scale: float = 100.0) -> str:
+    return Interval(d["mean"], d["low"], d["high"]).text(scale)
+
+
+def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str:
+    c = result.config
+    ks = [str(k) for k in c["recall_ks"]]
+    lines = [
+        f"{result.questions} questions of the {len(result.dev_articles)} development articles "
+        f"(never trained or fitted on): {', '.join(result.dev_articles)}. Index "
+        f"`{c['index']}`; 95% intervals from a bootstrap over articles.",
+        "",
+        "Answer found in the top k passages (%):",
+        "",
+        "| retrieval | " + " | ".join(f"k={k}" for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+    ]
+    for label, by_k in result.recall.items():
+        lines.append(f"| {label} | " + " | ".join(_interval(by_k[k]) for k in ks) + " |")
+    if result.recall_kfold:
+        n = sum(f["questions"] for f in result.fusion_folds)
+        lines += [
+            "",
+            f"{c['folds']}-fold over all articles ({n} questions; each fold's fusion fitted on "
+            "the other folds' articles):",
+            "",
+            "| retrieval | " + " | ".join(f"k={k}" for k in ks) + " |",
+            "|---|" + "---|" * len(ks),
+        ]
+        for label, by_k in result.recall_kfold.items():
+            lines.append(f"| {label} | " + " | ".join(_interval(by_k[k]) for k in ks) + " |")
+    if result.readers:
+        lines += [
+            "",
+            "| system | questions | EM | F1 | EM − few-shot dense | AUROC | ECE | "
+            + " | ".join(f"EM at {int(float(cv) * 100)}%" for cv in map(str, COVERAGES))
+            + " |",
+            "|---|---|---|---|---|---|---|" + "---|" * len(COVERAGES),
+        ]
+        for name, m in result.readers.items():
+            diff = _interval(m["em_vs_baseline"]) if "em_vs_baseline" in m else "—"
+            cov = " | ".join(f"{100 * m['em_at_coverage'][str(cv)]:.1f}" for cv in COVERAGES)
+            lines.append(
+                f"| {name} | {m['questions']} | {_interval(m['em'])} | {_interval(m['f1'])} | "
+                f"{diff} | {m['auroc']:.3f} | {m['ece']:.3f} | {cov} |"
+            )
+    for title, path in (pictures or {}).items():
+        lines += ["", f"![{title}]({path})"]
+    return "\n".join(lines)
+
+
+def plot_confidence(result: TrustResult, out_dir: Path) -> dict[str, Path]:
+    """A reliability diagram and an EM-vs-coverage curve per system (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: dict[str, Path] = {}
+    if not result.readers:
+        return paths
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="perfectly calibrated")
+    for name, m in result.readers.items():
+        bins = [b for b in m["reliability"] if b["count"]]
+        ax.plot(
+            [b["confidence"] for b in bins],
+            [b["accuracy"] for b in bins],
+            marker="o",
+            label=f"{name} (ECE {m['ece']:.3f})",
+        )
+    ax.set_xlabel("confidence (bin mean)")
+    ax.set_ylabel("exact match (bin share)")
+    ax.set_title("Reliability on the development articles")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths["reliability"] = out_dir / "trust_reliability.png"
+    fig.savefig(paths["reliability"], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def plot_coverage(
+    result: TrustResult, rows_of: Callable[[str], list[dict]], out_dir: Path
+) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not result.readers:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 4))
+    grid = [i / 20 for i in range(2, 21)]
+    for name in result.readers:
+        rows = rows_of(name)
+        conf = [confidence_of(r) for r in rows]
+        em = [r["em"] for r in rows]
+        ax.plot(
+            [100 * g for g in grid],
+            [100 * precision_at_coverage(conf, em, g) for g in grid],
+            marker=".",
+            label=name,
+        )
+    ax.set_xlabel("coverage: answers kept (%)")
+    ax.set_ylabel("EM of the answers kept (%)")
+    ax.set_title("Abstaining on the least confident answers")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "trust_coverage.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
