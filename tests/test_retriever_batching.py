@@ -101,8 +101,6 @@ def test_an_error_in_one_group_fails_only_its_calls(registry):
         def search_vectors(self, *args, **kwargs):
             raise ValueError("broken index")
 
-        search = search_vectors  # whichever the servicer calls with the encoded queries
-
     with registry.lease("facts-a") as index:
         encoder = index.query_encoder
         items = [
