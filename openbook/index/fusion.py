@@ -296,9 +296,9 @@ def read_questions(path: Path, exclude_titles: Iterable[str] = ()) -> tuple[list
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        q, answers = row.get("question") if isinstance(row, dict) else None, None
-        if isinstance(row, dict):
-            answers = row.get("answers")
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object")
+        q, answers = row.get("question"), row.get("answers")
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f"{path}:{n}: question must be a non-empty string")
         if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):

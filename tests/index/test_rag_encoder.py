@@ -125,7 +125,7 @@ def test_index_manifest_names_rag_dir_as_query_encoder(rag_dir: Path, tmp_path: 
     try:
         enc = idx.query_encoder
         assert enc.kind == "dpr-question" and enc.name == str(rag_dir.resolve())
-        hits = idx.search(QUESTIONS[:1], k=3)[0]
+        hits = idx.search(QUESTIONS[:1], k=3, retrieval="dense")[0]
         vec = enc.encode(QUESTIONS[:1])[0]
         docs = np.load(out / VECTORS_FILE)
         best = np.sort(docs @ vec)[::-1][:3]
@@ -183,7 +183,7 @@ def test_dpr_index_stores_recipe_vectors(dpr_dirs: tuple[Path, Path], tmp_path: 
     build_index([src], out, name="dpr", encoder=str(ctx), query_encoder=str(q), progress=False)
     idx = open_index(out)
     try:
-        hits = idx.search(["capital of france"], k=2)[0]
+        hits = idx.search(["capital of france"], k=2, retrieval="dense")[0]
         qv = load_encoder(str(q)).encode(["capital of france"])[0]
         ref = _recipe_vectors(ctx, [r["title"] for r in rows], [r["text"] for r in rows])
         expected = {r["id"]: float(v @ qv) for r, v in zip(rows, ref, strict=True)}

@@ -95,3 +95,18 @@ def test_training_loop_uses_the_hybrid_prior(make_cfg, hybrid_index: Path) -> No
         dense.index.close()
     with pytest.raises(ConfigError, match="retrieval: index 'synthetic' has no hybrid"):
         Trainer(make_cfg(retrieval="hybrid", out=hybrid_index.parent / "c3"))
+
+
+def test_train_cli_retrieval_flag(task: SyntheticTask, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from openbook_trainer.cli import app
+
+    args = ["--train", str(task.train), "--index", str(task.index)]
+    args += ["--generator", str(task.generator), "--out", str(tmp_path / "ck"), "--steps", "1"]
+    res = CliRunner().invoke(app, [*args, "--retrieval", "hybrid"])
+    assert res.exit_code == 1, res.output  # a setup error: found on opening the index
+    assert "retrieval: index 'synthetic' has no hybrid retrieval" in res.output
+    assert "Traceback" not in res.output
+    res = CliRunner().invoke(app, [*args, "--retrieval", "sparse"])
+    assert res.exit_code == 2 and "sparse" in res.output

@@ -20,6 +20,11 @@ class Mode(StrEnum):
     rag_token = "rag-token"
 
 
+class Retrieval(StrEnum):
+    dense = "dense"
+    hybrid = "hybrid"
+
+
 class Task(StrEnum):
     qa = "qa"
     generation = "generation"
@@ -53,6 +58,11 @@ def train_command(
     ),
     mode: Mode | None = typer.Option(None, "--mode", help="rag-token (default) or rag-sequence"),
     k: int | None = typer.Option(None, "--k", help="passages per question (default 5)"),
+    retrieval: Retrieval | None = typer.Option(
+        None,
+        "--retrieval",
+        help="dense, or hybrid (the fused dense + BM25 prior); default: the index's",
+    ),
     train_query_encoder: bool | None = typer.Option(
         None, "--train-query-encoder/--freeze-query-encoder"
     ),

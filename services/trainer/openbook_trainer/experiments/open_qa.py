@@ -84,7 +84,7 @@ def run_open_qa(config: OpenQAConfig, out_dir: Path) -> OpenQAResult:
     for kind, name in (("dense", config.dense_index), ("bm25", config.bm25_index)):
         with open_index(Path(config.index_root) / name, verify=False) as index:
             texts = [q["question"] for q in questions]
-            retrieved[kind] = index.search(texts, depth)
+            retrieved[kind] = index.search(texts, depth, retrieval=kind)
             score_scales[kind] = index.manifest.score_scale
 
     result = OpenQAResult(
