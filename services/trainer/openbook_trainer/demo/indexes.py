@@ -56,6 +56,7 @@ def fit_demo_fusion(path: Path, data_dir: Path) -> bool:
     done) where the questions have too few articles to hold out the dev ones."""
     from openbook.index import fit_fusion, open_index, store_fusion
     from openbook.index.fusion import read_questions
+    from openbook_trainer.demo.models import DEFAULT_QUERY_ADAPTER
     from openbook_trainer.experiments.finetune import split_by_article
 
     questions = Path(data_dir) / SQUAD_QUESTIONS
@@ -65,16 +66,45 @@ def fit_demo_fusion(path: Path, data_dir: Path) -> bool:
         return False
     qs, sha = read_questions(questions, exclude_titles=dev_titles)
     with open_index(path, verify=False) as index:
+        encoder = _served_query_encoder(index, Path(data_dir))
         fusion = fit_fusion(
             index,
             qs,
+            encoder=encoder,
             source=f"{SQUAD_QUESTIONS} (training articles: split_by_article("
             f"{FUSION_DEV_ARTICLES}, seed {FUSION_SEED}))",
             sha256=sha,
-            fitted_on={"excluded_titles": dev_titles},
+            fitted_on={
+                "excluded_titles": dev_titles,
+                "query_encoder": (
+                    f"adapters/{DEFAULT_QUERY_ADAPTER}"
+                    if encoder is not None
+                    else "the index's own"
+                ),
+            },
         )
     store_fusion(path, fusion)
     return True
+
+
+def _served_query_encoder(index, data_dir: Path):
+    """The query encoder the default stack searches this index with: the shipped query encoder
+    adapter (compose's OPENBOOK_RETRIEVER_QUERY_ENCODER_ADAPTER default) where it is in the
+    data and fits the index, else None (the index's own). The fusion's dense weight is fitted
+    on the inner products of the encoder that will serve them."""
+    from openbook.index.encoders import load_adapted_encoder
+    from openbook.rag.adapters import AdapterMismatch
+    from openbook_trainer.demo.models import DEFAULT_QUERY_ADAPTER
+
+    adapter = data_dir / "adapters" / DEFAULT_QUERY_ADAPTER
+    if not adapter.is_dir():
+        return None
+    try:
+        encoder = load_adapted_encoder(adapter)
+        index.check_encoder(encoder)
+    except (AdapterMismatch, ValueError):
+        return None
+    return encoder
 
 
 def _fusion_missing(path: Path, snapshot: Snapshot) -> bool:

@@ -101,6 +101,8 @@ class TrustResult:
     recall: dict[str, dict[str, dict]] = field(default_factory=dict)  # mode -> k -> interval
     recall_kfold: dict[str, dict[str, dict]] = field(default_factory=dict)
     fusion_folds: list[dict] = field(default_factory=list)
+    recall_gain: dict[str, dict] = field(default_factory=dict)  # k -> hybrid - best single
+    recall_gain_kfold: dict[str, dict] = field(default_factory=dict)
     readers: dict[str, dict] = field(default_factory=dict)  # system -> metrics
 
 
@@ -143,12 +145,40 @@ def _encoder(adapter: str | None):
     return load_adapted_encoder(adapter) if adapter else None
 
 
+def _tuned_query_encoder(config: TrustConfig) -> str | None:
+    """The query encoder adapter the systems serve (the first one named)."""
+    return next((s.query_encoder_adapter for s in config.systems if s.query_encoder_adapter), None)
+
+
+def hybrid_gain(
+    hits: dict[str, list[list[Passage]]], questions: list[dict], ks: Sequence[int]
+) -> dict[str, dict]:
+    """Per k, recall of hybrid minus that of the better single view (chosen per k on these
+    questions, which favours the single view), paired over the questions."""
+    groups = [q["title"] for q in questions]
+    hybrid = next(label for label in hits if label.startswith("hybrid"))
+    singles = [label for label in hits if label != hybrid and "index's" not in label]
+    out = {}
+    for k in ks:
+        found = {
+            label: [_found(h, q["answers"], k) for h, q in zip(hits[label], questions, strict=True)]
+            for label in (hybrid, *singles)
+        }
+        best = max(singles, key=lambda label: sum(found[label]))
+        out[str(k)] = {
+            "versus": best,
+            **paired_difference_ci(found[hybrid], found[best], groups).as_dict(),
+        }
+    return out
+
+
 def measure_retrieval(config: TrustConfig, index, dev: list[dict], result: TrustResult) -> None:
     """Recall of each mode on the development questions (the shipped fusion, fitted on the
     training articles), with the tuned query encoder for the dense part."""
-    qenc = _encoder(next((s.query_encoder_adapter for s in config.systems), None))
+    qenc = _encoder(_tuned_query_encoder(config))
     questions = [q["question"] for q in dev]
     depth = max(config.recall_ks)
+    hits: dict[str, list[list[Passage]]] = {}
     for label, encoder, mode in (
         ("dense (index's query encoder)", None, "dense"),
         ("dense (tuned query encoder)", qenc, "dense"),
@@ -157,26 +187,38 @@ def measure_retrieval(config: TrustConfig, index, dev: list[dict], result: Trust
     ):
         if mode not in index.views and not (mode == "hybrid" and len(index.views) == 2):
             continue
-        hits = index.search(questions, depth, encoder=encoder, retrieval=mode)
-        result.recall[label] = recall_table(hits, dev, config.recall_ks)
+        hits[label] = index.search(questions, depth, encoder=encoder, retrieval=mode)
+        result.recall[label] = recall_table(hits[label], dev, config.recall_ks)
+    if any(label.startswith("hybrid") for label in hits):
+        result.recall_gain = hybrid_gain(hits, dev, config.recall_ks)
 
 
-def hybrid_hits(index, questions: list[str], fusion, k: int, encoder) -> list[list[Passage]]:
-    """The fused top k under ``fusion`` (not necessarily the manifest's): what hybrid search
-    returns, for a fusion fitted on other articles."""
-    from openbook.index.fusion import top_k
+def _positives(index, cands, rows: list[dict]):
+    """(Q, M) bool: which candidates contain one of their question's answers."""
+    import numpy as np
 
-    cands = index.hybrid_candidates(questions, max(k, fusion.candidates), encoder=encoder)
-    _, rows = top_k(fusion, cands, k)
-    flat = sorted({int(r) for r in rows.ravel() if r >= 0})
+    positive = np.zeros(cands.rows.shape, dtype=bool)
+    flat = sorted({int(r) for r in cands.rows.ravel() if r >= 0})
     by_row = dict(zip(flat, index.get_passages(flat), strict=True))
-    return [[by_row[int(r)] for r in row if r >= 0] for row in rows]
+    for i, q in enumerate(rows):
+        for j, r in enumerate(cands.rows[i]):
+            if r >= 0:
+                p = by_row[int(r)]
+                positive[i, j] = has_answer(f"{p.title} {p.text}", q["answers"])
+    return positive
 
 
 def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> None:
     """Hybrid recall on every question of every article, each fold's fusion fitted on the
-    other folds' articles (dense and BM25 alone need no fit: measured on the same questions)."""
-    from openbook.index.fusion import Question, fit_fusion
+    other folds' articles (dense and BM25 alone need no fit: measured on the same questions).
+
+    The candidates (both views' top N, both features) do not depend on the fusion, so they
+    are computed once for every question; each fold fits its two weights
+    (``fusion.fit_weights``, what ``fit_fusion`` runs) on the other folds' candidates and
+    ranks its own with them (``fusion.top_k``, what hybrid search runs)."""
+    import numpy as np
+
+    from openbook.index.fusion import DEFAULT_CANDIDATES, Candidates, Fusion, fit_weights, top_k
 
     if config.folds < 2 or len(index.views) < 2:
         return
@@ -184,41 +226,50 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
     titles = sorted({r["title"] for r in rows})
     random.Random(config.seed).shuffle(titles)
     fold_of = {t: i % config.folds for i, t in enumerate(titles)}
-    qenc = _encoder(next((s.query_encoder_adapter for s in config.systems), None))
+    folds = np.array([fold_of[r["title"]] for r in rows])
+    qenc = _encoder(_tuned_query_encoder(config))
     depth = max(config.recall_ks)
-    hits: dict[str, list] = {
-        "dense (tuned query encoder)": [],
-        "bm25": [],
-        "hybrid (fusion fitted on the other folds)": [],
-    }
-    ordered: list[dict] = []
+    cands = index.hybrid_candidates(
+        [r["question"] for r in rows], max(depth, DEFAULT_CANDIDATES), encoder=qenc
+    )
+    positive = _positives(index, cands, rows)
+    start = Fusion.default(index.manifest.score_scale)
+    ranked = np.full((len(rows), depth), -1, dtype=np.int64)
     for fold in tqdm(range(config.folds), desc="fusion k-fold", unit="fold"):
-        train = [
-            Question(r["question"], tuple(r["answers"]))
-            for r in rows
-            if fold_of[r["title"]] != fold
-        ]
-        test = [r for r in rows if fold_of[r["title"]] == fold]
-        fusion = fit_fusion(index, train, encoder=qenc, source=f"fold {fold}")
+        train, test = folds != fold, folds == fold
+        fit = fit_weights(
+            cands.dense[train],
+            cands.bm25[train],
+            positive[train],
+            cands.valid[train],
+            init=(start.dense_weight, start.bm25_weight),
+        )
+        fusion = Fusion(fit.dense_weight, fit.bm25_weight)
         result.fusion_folds.append(
             {
                 "fold": fold,
-                "questions": len(test),
-                "dense_weight": fusion.dense_weight,
-                "bm25_weight": fusion.bm25_weight,
+                "questions": int(test.sum()),
+                "dense_weight": fit.dense_weight,
+                "bm25_weight": fit.bm25_weight,
             }
         )
-        questions = [q["question"] for q in test]
-        hits["dense (tuned query encoder)"] += index.search(
+        sub = Candidates(cands.rows[test], cands.dense[test], cands.bm25[test])
+        ranked[test] = top_k(fusion, sub, depth)[1]
+    flat = sorted({int(r) for r in ranked.ravel() if r >= 0})
+    by_row = dict(zip(flat, index.get_passages(flat), strict=True))
+    questions = [r["question"] for r in rows]
+    hits = {
+        "dense (tuned query encoder)": index.search(
             questions, depth, encoder=qenc, retrieval="dense"
-        )
-        hits["bm25"] += index.search(questions, depth, retrieval="bm25")
-        hits["hybrid (fusion fitted on the other folds)"] += hybrid_hits(
-            index, questions, fusion, depth, qenc
-        )
-        ordered += test
+        ),
+        "bm25": index.search(questions, depth, retrieval="bm25"),
+        "hybrid (fusion fitted on the other folds)": [
+            [by_row[int(r)] for r in row if r >= 0] for row in ranked
+        ],
+    }
     for label, found in hits.items():
-        result.recall_kfold[label] = recall_table(found, ordered, config.recall_ks)
+        result.recall_kfold[label] = recall_table(found, rows, config.recall_ks)
+    result.recall_gain_kfold = hybrid_gain(hits, rows, config.recall_ks)
 
 
 def confidence_of(row: dict) -> float:
@@ -328,6 +379,13 @@ def _interval(d: dict, scale: float = 100.0) -> str:
     return Interval(d["mean"], d["low"], d["high"]).text(scale)
 
 
+def _gain_row(gain: dict[str, dict], ks: list[str]) -> list[str]:
+    if not gain:
+        return []
+    cells = " | ".join(f"{_interval(gain[k])} (vs {gain[k]['versus'].split(' ')[0]})" for k in ks)
+    return [f"| hybrid − the better single view (paired) | {cells} |"]
+
+
 def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str:
     c = result.config
     ks = [str(k) for k in c["recall_ks"]]
@@ -343,6 +401,7 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
     ]
     for label, by_k in result.recall.items():
         lines.append(f"| {label} | " + " | ".join(_interval(by_k[k]) for k in ks) + " |")
+    lines += _gain_row(result.recall_gain, ks)
     if result.recall_kfold:
         n = sum(f["questions"] for f in result.fusion_folds)
         lines += [
@@ -355,6 +414,7 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
         ]
         for label, by_k in result.recall_kfold.items():
             lines.append(f"| {label} | " + " | ".join(_interval(by_k[k]) for k in ks) + " |")
+        lines += _gain_row(result.recall_gain_kfold, ks)
     if result.readers:
         lines += [
             "",

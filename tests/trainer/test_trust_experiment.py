@@ -1,0 +1,97 @@
+"""The trust experiment (openbook_trainer/experiments/trust.py) end to end on tiny models: the
+split by article, recall of every retrieval mode with intervals, the fusion's k-fold over
+articles, readers with EM intervals and confidence measures, pictures, and resuming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from openbook.index import build_index
+from openbook_testkit.index import FACTS, QUESTIONS, write_facts
+from openbook_testkit.rag import make_tiny_causal_lm
+from openbook_trainer.experiments import trust
+from openbook_trainer.experiments.records import ResultLog
+
+
+def _questions(path: Path) -> Path:
+    """The facts' questions, each its own 'article' (the passage title), answered by a word of
+    its passage; enough articles for 2 development ones and 2 folds."""
+    by_id = {pid: (title, text) for pid, title, text in FACTS}
+    rows = []
+    for n, (pid, question) in enumerate(sorted(QUESTIONS.items())):
+        title, text = by_id[pid]
+        rows.append(
+            {
+                "id": f"q{n:03d}",
+                "question": question,
+                "answers": [title.split()[0]],
+                "title": title,
+            }
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
+    facts = write_facts(tmp_path / "facts.jsonl")
+    build_index([facts], tmp_path / "indexes" / "facts", name="facts", progress=False)
+    generator = make_tiny_causal_lm(tmp_path / "gen")
+    config = trust.TrustConfig(
+        questions=_questions(tmp_path / "questions.jsonl"),
+        index_root=tmp_path / "indexes",
+        generator=generator,
+        out=tmp_path / "out",
+        systems=[
+            trust.ReaderSystem("few-shot, dense", None, None, "dense"),
+            trust.ReaderSystem("few-shot, hybrid", None, None, "hybrid"),
+        ],
+        index="facts",
+        dev_articles=2,
+        folds=2,
+        k=2,
+        recall_ks=(1, 2),
+        max_new_tokens=3,
+        batch_size=2,
+        dtype="float32",
+    )
+    result, rows = trust.run_trust(config)
+
+    dev_titles = set(result.dev_articles)
+    assert len(dev_titles) == 2
+    assert result.questions == len(rows["few-shot, dense"]) > 0
+    assert {r["title"] for r in rows["few-shot, dense"]} <= dev_titles
+    for table in (result.recall, result.recall_kfold):
+        for by_k in table.values():
+            for iv in by_k.values():
+                assert 0 <= iv["low"] <= iv["mean"] <= iv["high"] <= 1
+    assert "bm25" in result.recall and any(k.startswith("hybrid") for k in result.recall)
+    assert set(result.recall_gain) == {"1", "2"}
+    # k-fold: every question of every article measured once, each fold fitted without it
+    assert sum(f["questions"] for f in result.fusion_folds) == len(QUESTIONS)
+    assert len(result.fusion_folds) == 2
+    dense, hybrid = (result.readers[s.name] for s in config.systems)
+    assert "em_vs_baseline" not in dense and "em_vs_baseline" in hybrid
+    for m in (dense, hybrid):
+        assert 0 <= m["ece"] <= 1
+        assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
+        assert sum(b["count"] for b in m["reliability"]) == m["questions"]
+    for r in rows["few-shot, hybrid"]:
+        assert 0 <= trust.confidence_of(r) <= 1
+
+    pictures = trust.plot_confidence(result, tmp_path)
+    coverage = trust.plot_coverage(result, rows.__getitem__, tmp_path)
+    assert pictures["reliability"].read_bytes()[:4] == b"\x89PNG"
+    assert coverage is not None and coverage.read_bytes()[:4] == b"\x89PNG"
+    text = trust.markdown(result, {"reliability": "x.png"})
+    assert "hybrid − the better single view" in text and "| few-shot, hybrid |" in text
+
+    # A rerun answers nothing again: every prediction is in the log.
+    logged = len(ResultLog(config.out / "predictions.jsonl").done)
+    monkeypatch.setattr(
+        "openbook.rag.RagGenerator.load",
+        lambda *a, **k: (_ for _ in ()).throw(AssertionError("generated again")),
+    )
+    again, _ = trust.run_trust(config)
+    assert json.dumps(again.readers, sort_keys=True) == json.dumps(result.readers, sort_keys=True)
+    assert len(ResultLog(config.out / "predictions.jsonl").done) == logged
