@@ -40,6 +40,24 @@ def test_the_adapter_is_installed_once_onto_its_base(tmp_path):
     assert not install_shipped_adapter(tmp_path / "empty", base, out, progress=False)
 
 
+def test_a_shipped_calibration_is_installed_with_its_adapter(tmp_path):
+    from openbook.rag.confidence import CALIBRATION_FILE, LogisticCalibration, load_calibration
+
+    base = make_tiny_causal_lm(tmp_path / "lm", arch="llama")
+    source = _shipped_for(tmp_path, base)
+    out = tmp_path / "models" / "lm-lora"
+    assert install_shipped_adapter(source, base, out, progress=False)
+    assert not (out / CALIBRATION_FILE).exists()
+    calibration = LogisticCalibration(("log_prob",), (0.5,), -1.0)
+    calibration.save(source)
+    assert install_shipped_adapter(source, base, out, progress=False)  # a new file: again
+    assert load_calibration(out) == calibration
+    assert not install_shipped_adapter(source, base, out, progress=False)
+    (source / CALIBRATION_FILE).unlink()  # withdrawn: the installed one goes too
+    assert install_shipped_adapter(source, base, out, progress=False)
+    assert not (out / CALIBRATION_FILE).exists()
+
+
 def test_the_repository_ships_the_default_adapters():
     shipped = REPO_ROOT / "data" / "adapters" / DEFAULT_ADAPTER
     assert (shipped / "adapter_model.safetensors").stat().st_size < 20 * 2**20

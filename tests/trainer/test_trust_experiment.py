@@ -72,12 +72,13 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     assert len(result.fusion_folds) == 2
     dense, hybrid = (result.readers[s.name] for s in config.systems)
     assert "em_vs_baseline" not in dense and "em_vs_baseline" in hybrid
-    for m in (dense, hybrid):
+    for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
-        assert sum(b["count"] for b in m["reliability"]) == m["questions"]
+        assert sum(b["count"] for b in m["reliability"]) == result.questions
     for r in rows["few-shot, hybrid"]:
         assert 0 <= trust.confidence_of(r) <= 1
+        assert 0 <= r["calibrated_confidence"] <= 1
 
     pictures = trust.plot_confidence(result, tmp_path)
     coverage = trust.plot_coverage(result, rows.__getitem__, tmp_path)
@@ -85,6 +86,7 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     assert coverage is not None and coverage.read_bytes()[:4] == b"\x89PNG"
     text = trust.markdown(result, {"reliability": "x.png"})
     assert "hybrid − the better single view" in text and "| few-shot, hybrid |" in text
+    assert "| few-shot, hybrid | calibrated |" in text
 
     # A rerun answers nothing again: every prediction is in the log.
     logged = len(ResultLog(config.out / "predictions.jsonl").done)
@@ -95,3 +97,37 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     again, _ = trust.run_trust(config)
     assert json.dumps(again.readers, sort_keys=True) == json.dumps(result.readers, sort_keys=True)
     assert len(ResultLog(config.out / "predictions.jsonl").done) == logged
+
+
+def test_the_calibration_is_cross_fitted_by_article_and_saved(tmp_path: Path) -> None:
+    """Each article's answers are scored by a calibration fitted on the other articles; the one
+    fitted on all is saved to ship. Synthetic answers: right ones have a higher log_prob."""
+    from openbook.rag.confidence import LogisticCalibration, load_calibration
+
+    rows, features = [], []
+    for n in range(120):
+        right = n % 3 == 0
+        rows.append({"title": f"article {n % 4}", "em": float(right)})
+        lp = -0.5 - (n % 7) * 0.1 if right else -3.0 - (n % 5) * 0.4
+        features.append(
+            {
+                "log_prob": lp,
+                "mean_log_prob": lp / 3,
+                "max_prior": 0.5,
+                "answer_in_top_passage": float(right),
+                "prior_with_answer": 0.5 * right,
+                "cut_by_length": 0.0,
+            }
+        )
+    conf = trust.cross_fitted_confidence(features, rows)
+    assert trust.auroc(conf, [r["em"] for r in rows]) > 0.95
+    system = trust.ReaderSystem("Few-shot, hybrid", None, None, "hybrid")
+    path = trust.save_calibration(system, features, rows, tmp_path)
+    assert path == tmp_path / "calibration" / "few-shot--hybrid" / "confidence_calibration.json"
+    shipped = load_calibration(path.parent)
+    assert isinstance(shipped, LogisticCalibration)
+    assert shipped.fitted_on["questions"] == 120
+    # all wrong: nothing to fit, the base rate, nothing saved
+    wrong = [{**r, "em": 0.0} for r in rows]
+    assert set(trust.cross_fitted_confidence(features, wrong)) == {0.0}
+    assert trust.save_calibration(system, features, wrong, tmp_path / "none") is None

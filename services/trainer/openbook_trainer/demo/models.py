@@ -240,6 +240,13 @@ DEFAULT_ADAPTER_DIRNAME = "gemma-3-270m-squad-lora"
 DEFAULT_QUERY_ADAPTER = "minilm-squad-query"
 DEFAULT_QUERY_ADAPTER_DIRNAME = "all-MiniLM-L6-v2-squad-query-lora"
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "openbook_adapter.json")
+# Shipped beside a generator adapter when its confidence was calibrated (openbook/rag/
+# confidence.py; docs/results.md says on what): installed with it, when present.
+_OPTIONAL_ADAPTER_FILES = ("confidence_calibration.json",)
+
+
+def _shipped_files(source: Path) -> list[str]:
+    return [*_ADAPTER_FILES, *(n for n in _OPTIONAL_ADAPTER_FILES if (source / n).is_file())]
 
 
 def install_shipped_adapter(
@@ -259,9 +266,15 @@ def install_shipped_adapter(
         log(f"no adapter shipped at {source}: the base model serves alone")
         return False
     out_dir = Path(out_dir)
-    if out_dir.is_dir() and all(
-        (out_dir / name).is_file() and sha256_file(out_dir / name) == sha256_file(source / name)
-        for name in _ADAPTER_FILES
+    files = _shipped_files(source)
+    stale = [n for n in _OPTIONAL_ADAPTER_FILES if n not in files and (out_dir / n).exists()]
+    if (
+        out_dir.is_dir()
+        and not stale
+        and all(
+            (out_dir / name).is_file() and sha256_file(out_dir / name) == sha256_file(source / name)
+            for name in files
+        )
     ):
         log(f"adapter already installed at {out_dir}")
         return False
@@ -271,7 +284,7 @@ def install_shipped_adapter(
         log(f"warning: adapter not installed: {e}")
         return False
     with staging_dir(out_dir) as tmp:
-        for name in _ADAPTER_FILES:
+        for name in files:
             shutil.copyfile(source / name, tmp / name)
         publish(tmp, out_dir, replace=True, before_rename=_make_readable)
     log(f"adapter installed at {out_dir}")

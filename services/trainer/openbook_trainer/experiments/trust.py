@@ -28,6 +28,7 @@ Every prediction is logged as it is made (``ResultLog``), so an interrupted run 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -324,6 +325,100 @@ def _answer_rows(
     return [log.get(key) for key in keys]  # type: ignore[misc]
 
 
+def answer_feature_rows(
+    system: ReaderSystem, config: TrustConfig, index, rows: list[dict]
+) -> list[dict[str, float]]:
+    """Each answer's calibration features (:func:`openbook.rag.confidence.answer_features`),
+    from its logged values and its passages retrieved again (retrieval is deterministic) with
+    the prior the generator computes from them, p(z|x) = softmax of the passage scores."""
+    import numpy as np
+
+    from openbook.rag.confidence import LOG_PROB_FLOOR, answer_features, normalized_texts
+
+    encoder = _encoder(system.query_encoder_adapter)
+    passages = index.search(
+        [r["question"] for r in rows], config.k, encoder=encoder, retrieval=system.retrieval
+    )
+    out = []
+    for row, hits in zip(rows, passages, strict=True):
+        scores = np.array([p.score for p in hits], dtype=np.float64)
+        prior = np.exp(scores - scores.max())
+        prior /= prior.sum()
+        raw = confidence_of(row)
+        out.append(
+            answer_features(
+                text=row["answer"],
+                log_prob=row["log_prob"],
+                mean_log_prob=math.log(raw) if raw > 0 else LOG_PROB_FLOOR,
+                finish_reason=row["finish_reason"],
+                normalized=normalized_texts(hits),
+                doc_prior=prior.tolist(),
+            )
+        )
+    return out
+
+
+def cross_fitted_confidence(features: list[dict[str, float]], rows: list[dict]) -> list[float]:
+    """Each answer's confidence under a logistic calibration fitted on the *other* articles'
+    answers (leave one article out): how the calibration does on an article it never saw."""
+    from openbook.rag.confidence import calibrate_row, fit_logistic_calibration
+
+    titles = [r["title"] for r in rows]
+    out = [0.0] * len(rows)
+    for held in sorted(set(titles)):
+        train = [i for i, t in enumerate(titles) if t != held]
+        correct = [rows[i]["em"] for i in train]
+        if len(set(correct)) < 2:  # nothing to separate: the base rate is the best guess
+            calibration = None
+        else:
+            calibration = fit_logistic_calibration([features[i] for i in train], correct)
+        for i, t in enumerate(titles):
+            if t == held:
+                out[i] = (
+                    calibrate_row(calibration, features[i])
+                    if calibration is not None
+                    else (sum(correct) / len(correct) if correct else 0.0)
+                )
+    return out
+
+
+def confidence_metrics(conf: list[float], rows: list[dict]) -> dict:
+    em = [r["em"] for r in rows]
+    return {
+        "ece": expected_calibration_error(conf, em),
+        "auroc": auroc(conf, em),
+        "em_at_coverage": {str(c): precision_at_coverage(conf, em, c) for c in COVERAGES},
+        "threshold_at_coverage": {str(c): threshold_for_coverage(conf, c) for c in COVERAGES},
+        "reliability": [asdict(b) for b in reliability_bins(conf, em)],
+    }
+
+
+def save_calibration(
+    system: ReaderSystem, features: list[dict[str, float]], rows: list[dict], out: Path
+) -> Path | None:
+    """The logistic calibration of ``system`` fitted on all its development answers, written to
+    ``out/calibration/<system>/`` (to ship beside its generator: docs/results.md); None when
+    its answers are all right or all wrong (nothing to fit)."""
+    from openbook.rag.confidence import fit_logistic_calibration
+
+    if len({r["em"] for r in rows}) < 2:
+        return None
+    calibration = fit_logistic_calibration(
+        features,
+        [r["em"] for r in rows],
+        fitted_on={
+            "system": system.name,
+            "questions": len(rows),
+            "articles": sorted({r["title"] for r in rows}),
+            "protocol": "openbook experiments trust: the development articles' answers",
+        },
+    )
+    slug = "".join(c if c.isalnum() else "-" for c in system.name.lower()).strip("-")
+    directory = out / "calibration" / slug
+    directory.mkdir(parents=True, exist_ok=True)
+    return calibration.save(directory)
+
+
 def reader_metrics(rows: list[dict], baseline: list[dict] | None) -> dict:
     groups = [r["title"] for r in rows]
     em = [r["em"] for r in rows]
@@ -332,11 +427,7 @@ def reader_metrics(rows: list[dict], baseline: list[dict] | None) -> dict:
         "questions": len(rows),
         "em": bootstrap_ci(em, groups).as_dict(),
         "f1": bootstrap_ci([r["f1"] for r in rows], groups).as_dict(),
-        "ece": expected_calibration_error(conf, em),
-        "auroc": auroc(conf, em),
-        "em_at_coverage": {str(c): precision_at_coverage(conf, em, c) for c in COVERAGES},
-        "threshold_at_coverage": {str(c): threshold_for_coverage(conf, c) for c in COVERAGES},
-        "reliability": [asdict(b) for b in reliability_bins(conf, em)],
+        **confidence_metrics(conf, rows),
     }
     if baseline is not None:
         out["em_vs_baseline"] = paired_difference_ci(
@@ -369,8 +460,14 @@ def run_trust(
             for system in config.systems:
                 rows = _answer_rows(system, config, index, dev, log)
                 by_system[system.name] = rows
-                result.readers[system.name] = reader_metrics(rows, baseline)
+                result.readers[system.name] = metrics = reader_metrics(rows, baseline)
                 baseline = baseline or rows
+                features = answer_feature_rows(system, config, index, rows)
+                calibrated = cross_fitted_confidence(features, rows)
+                metrics["calibrated"] = confidence_metrics(calibrated, rows)
+                for row, c in zip(rows, calibrated, strict=True):
+                    row["calibrated_confidence"] = c  # for the pictures; not logged
+                save_calibration(system, features, rows, out)
     (out / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result, by_system
 
@@ -418,18 +515,37 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
     if result.readers:
         lines += [
             "",
-            "| system | questions | EM | F1 | EM − few-shot dense | AUROC | ECE | "
-            + " | ".join(f"EM at {int(float(cv) * 100)}%" for cv in map(str, COVERAGES))
-            + " |",
-            "|---|---|---|---|---|---|---|" + "---|" * len(COVERAGES),
+            f"| system | questions | EM | F1 | EM − {next(iter(result.readers))} (paired) |",
+            "|---|---|---|---|---|",
         ]
         for name, m in result.readers.items():
             diff = _interval(m["em_vs_baseline"]) if "em_vs_baseline" in m else "—"
-            cov = " | ".join(f"{100 * m['em_at_coverage'][str(cv)]:.1f}" for cv in COVERAGES)
             lines.append(
                 f"| {name} | {m['questions']} | {_interval(m['em'])} | {_interval(m['f1'])} | "
-                f"{diff} | {m['auroc']:.3f} | {m['ece']:.3f} | {cov} |"
+                f"{diff} |"
             )
+    if result.readers:
+        lines += [
+            "",
+            "Confidence: raw (exp of the mean token log-probability under the RAG marginal) "
+            "and calibrated (the logistic calibration over the answer's features, each "
+            "article's answers scored by a calibration fitted on the other articles' — "
+            "leave one article out):",
+            "",
+            "| system | confidence | AUROC | ECE | "
+            + " | ".join(f"EM at {int(cv * 100)}%" for cv in COVERAGES)
+            + " | threshold for 50% |",
+            "|---|---|---|---|" + "---|" * len(COVERAGES) + "---|",
+        ]
+        for name, m in result.readers.items():
+            for kind, cm in (("raw", m), ("calibrated", m.get("calibrated"))):
+                if cm is None:
+                    continue
+                cov = " | ".join(f"{100 * cm['em_at_coverage'][str(cv)]:.1f}" for cv in COVERAGES)
+                lines.append(
+                    f"| {name} | {kind} | {cm['auroc']:.3f} | {cm['ece']:.3f} | {cov} | "
+                    f"{cm['threshold_at_coverage']['0.5']:.3f} |"
+                )
     for title, path in (pictures or {}).items():
         lines += ["", f"![{title}]({path})"]
     return "\n".join(lines)
@@ -448,13 +564,17 @@ def plot_confidence(result: TrustResult, out_dir: Path) -> dict[str, Path]:
     fig, ax = plt.subplots(figsize=(5, 4.5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="perfectly calibrated")
     for name, m in result.readers.items():
-        bins = [b for b in m["reliability"] if b["count"]]
-        ax.plot(
-            [b["confidence"] for b in bins],
-            [b["accuracy"] for b in bins],
-            marker="o",
-            label=f"{name} (ECE {m['ece']:.3f})",
-        )
+        for kind, cm, style in (("raw", m, "--"), ("calibrated", m.get("calibrated"), "-")):
+            if cm is None:
+                continue
+            bins = [b for b in cm["reliability"] if b["count"]]
+            ax.plot(
+                [b["confidence"] for b in bins],
+                [b["accuracy"] for b in bins],
+                marker="o",
+                linestyle=style,
+                label=f"{name}, {kind} (ECE {cm['ece']:.3f})",
+            )
     ax.set_xlabel("confidence (bin mean)")
     ax.set_ylabel("exact match (bin share)")
     ax.set_title("Reliability on the development articles")
@@ -481,14 +601,18 @@ def plot_coverage(
     grid = [i / 20 for i in range(2, 21)]
     for name in result.readers:
         rows = rows_of(name)
-        conf = [confidence_of(r) for r in rows]
         em = [r["em"] for r in rows]
-        ax.plot(
-            [100 * g for g in grid],
-            [100 * precision_at_coverage(conf, em, g) for g in grid],
-            marker=".",
-            label=name,
-        )
+        kinds = [("raw", [confidence_of(r) for r in rows], "--")]
+        if all("calibrated_confidence" in r for r in rows):
+            kinds.append(("calibrated", [r["calibrated_confidence"] for r in rows], "-"))
+        for kind, conf, style in kinds:
+            ax.plot(
+                [100 * g for g in grid],
+                [100 * precision_at_coverage(conf, em, g) for g in grid],
+                marker=".",
+                linestyle=style,
+                label=f"{name}, {kind}",
+            )
     ax.set_xlabel("coverage: answers kept (%)")
     ax.set_ylabel("EM of the answers kept (%)")
     ax.set_title("Abstaining on the least confident answers")
