@@ -90,6 +90,12 @@ def test_openbook_ask_shows_answer_and_provenance(stack):
     assert result.exit_code == 0, result.output
     assert "Passages" in result.output and "Shakespeare" in result.output
     assert "RAG-Token" in result.output  # the per-token posterior table
+    assert "confidence" in result.output
+    withheld = CliRunner().invoke(
+        app, ["ask", "Who wrote Hamlet?", "--url", stack.url, "--min-confidence", "1"]
+    )
+    assert withheld.exit_code == 0, withheld.output
+    assert "Not confident enough to answer" in withheld.output
     bad = CliRunner().invoke(app, ["ask", "   ", "--url", stack.url])
     assert bad.exit_code == 1
     assert "HTTP 422" in bad.output

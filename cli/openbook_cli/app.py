@@ -65,19 +65,23 @@ def ask_command(
     retrieval: str | None = typer.Option(
         None, help="dense | bm25 | hybrid (default: the index's default_retrieval)"
     ),
+    min_confidence: float | None = typer.Option(
+        None, min=0.0, max=1.0, help="abstain below this confidence (default: the server's)"
+    ),
     timeout_s: float = typer.Option(120.0, "--timeout"),
     as_json: bool = typer.Option(False, "--json", help="print the raw JSON reply"),
 ) -> None:
-    """Ask a running system; show the answer, the passages' prior and posterior, and for
-    RAG-Token the per-token posterior over passages."""
+    """Ask a running system; show the answer and its confidence, the passages' prior and
+    posterior, and for RAG-Token the per-token posterior over passages."""
     import json
 
     import httpx
 
-    from openbook_cli.ask import ask, render
+    from openbook_cli.ask import AskOptions, ask, render
 
+    options = AskOptions(k, decoding, num_beams, retrieval, min_confidence)
     try:
-        answer = ask(url, question, k, decoding, num_beams, timeout_s, retrieval)
+        answer = ask(url, question, options, timeout_s)
     except (RuntimeError, httpx.HTTPError) as exc:
         typer.echo(f"openbook ask: {exc}", err=True)
         raise typer.Exit(1) from None

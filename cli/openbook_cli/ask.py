@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import httpx
 from rich.console import Console
 from rich.table import Table
 
 
-def ask(
-    url: str,
-    question: str,
-    k: int,
-    decoding: str,
-    num_beams: int,
-    timeout_s: float,
-    retrieval: str | None = None,
-) -> dict:
-    """``POST /answer``; ``retrieval`` None: the index's default mode."""
-    body = {"question": question, "k": k, "decoding": decoding, "num_beams": num_beams}
-    if retrieval is not None:
-        body["retrieval"] = retrieval
-    reply = httpx.post(f"{url.rstrip('/')}/answer", json=body, timeout=timeout_s)
+@dataclass(frozen=True)
+class AskOptions:
+    """What ``openbook ask`` sends besides the question (the gateway checks each field)."""
+
+    k: int = 5
+    decoding: str = "rag-token"
+    num_beams: int = 1
+    retrieval: str | None = None  # None: the index's default mode
+    min_confidence: float | None = None  # None: the server's default (off unless set)
+
+    def body(self, question: str) -> dict:
+        body: dict = {
+            "question": question,
+            "k": self.k,
+            "decoding": self.decoding,
+            "num_beams": self.num_beams,
+        }
+        if self.retrieval is not None:
+            body["retrieval"] = self.retrieval
+        if self.min_confidence is not None:
+            body["min_confidence"] = self.min_confidence
+        return body
+
+
+def ask(url: str, question: str, options: AskOptions, timeout_s: float) -> dict:
+    """``POST /answer`` with ``options``; the reply's body, or RuntimeError naming the status."""
+    reply = httpx.post(f"{url.rstrip('/')}/answer", json=options.body(question), timeout=timeout_s)
     if reply.status_code != 200:
         try:
             detail = reply.json().get("detail")
@@ -40,7 +55,16 @@ def _bar(p: float | None, width: int = 20) -> str:
 def render(answer: dict, console: Console | None = None) -> None:
     """Answer, passages with prior p(z|x) and posterior p(z|x,y), per-token posterior."""
     console = console or Console()
-    console.print(f"[bold]{answer['answer'] or '(empty answer)'}[/bold]")
+    if answer.get("abstained"):
+        console.print(
+            f"[bold]Not confident enough to answer[/bold] (confidence "
+            f"{answer['confidence']:.2f} < {answer['min_confidence']:.2f}); the passages "
+            "and the withheld answer follow"
+        )
+    else:
+        console.print(f"[bold]{answer['answer'] or '(empty answer)'}[/bold]")
+    if answer.get("confidence") is not None:
+        console.print(f"confidence {_bar(answer['confidence'])}")
     console.print(
         f"index {answer['index']}"
         + (f" ({answer['retrieval']})" if answer.get("retrieval") else "")
