@@ -309,6 +309,22 @@ def read_questions(path: Path, exclude_titles: Iterable[str] = ()) -> tuple[list
     return out, hashlib.sha256(raw).hexdigest()
 
 
+def answer_positives(
+    index: LoadedIndex, cands: Candidates, answers: Sequence[Sequence[str]]
+) -> np.ndarray:
+    """``(Q, M)`` bool: which candidates of query i contain one of ``answers[i]`` in their
+    title + text (:func:`openbook.answers.has_answer`); padding is never positive."""
+    positive = np.zeros(cands.rows.shape, dtype=bool)
+    flat = sorted({int(r) for r in cands.rows.ravel() if r >= 0})
+    by_row = dict(zip(flat, index.get_passages(flat), strict=True))
+    for i, golds in enumerate(answers):
+        for j, r in enumerate(cands.rows[i]):
+            if r >= 0:
+                p = by_row[int(r)]
+                positive[i, j] = has_answer(f"{p.title} {p.text}", golds)
+    return positive
+
+
 def fit_fusion(
     index: LoadedIndex,
     questions: Sequence[Question],
@@ -339,14 +355,7 @@ def fit_fusion(
         batch = questions[start : start + batch_size]
         texts = [q.question for q in batch]
         cands = index.hybrid_candidates(texts, candidates, encoder=encoder)
-        positive = np.zeros(cands.rows.shape, dtype=bool)
-        flat = sorted({int(r) for r in cands.rows.ravel() if r >= 0})
-        by_row = dict(zip(flat, index.get_passages(flat), strict=True))
-        for i, q in enumerate(batch):
-            for j, r in enumerate(cands.rows[i]):
-                if r >= 0:
-                    p = by_row[int(r)]
-                    positive[i, j] = has_answer(f"{p.title} {p.text}", q.answers)
+        positive = answer_positives(index, cands, [q.answers for q in batch])
         feats.append((cands.dense, cands.bm25, positive, cands.valid))
     width = max(f[0].shape[1] for f in feats)
 

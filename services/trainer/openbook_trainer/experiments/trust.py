@@ -194,21 +194,6 @@ def measure_retrieval(config: TrustConfig, index, dev: list[dict], result: Trust
         result.recall_gain = hybrid_gain(hits, dev, config.recall_ks)
 
 
-def _positives(index, cands, rows: list[dict]):
-    """(Q, M) bool: which candidates contain one of their question's answers."""
-    import numpy as np
-
-    positive = np.zeros(cands.rows.shape, dtype=bool)
-    flat = sorted({int(r) for r in cands.rows.ravel() if r >= 0})
-    by_row = dict(zip(flat, index.get_passages(flat), strict=True))
-    for i, q in enumerate(rows):
-        for j, r in enumerate(cands.rows[i]):
-            if r >= 0:
-                p = by_row[int(r)]
-                positive[i, j] = has_answer(f"{p.title} {p.text}", q["answers"])
-    return positive
-
-
 def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> None:
     """Hybrid recall on every question of every article, each fold's fusion fitted on the
     other folds' articles (dense and BM25 alone need no fit: measured on the same questions).
@@ -219,7 +204,14 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
     ranks its own with them (``fusion.top_k``, what hybrid search runs)."""
     import numpy as np
 
-    from openbook.index.fusion import DEFAULT_CANDIDATES, Candidates, Fusion, fit_weights, top_k
+    from openbook.index.fusion import (
+        DEFAULT_CANDIDATES,
+        Candidates,
+        Fusion,
+        answer_positives,
+        fit_weights,
+        top_k,
+    )
 
     if config.folds < 2 or len(index.views) < 2:
         return
@@ -233,7 +225,7 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
     cands = index.hybrid_candidates(
         [r["question"] for r in rows], max(depth, DEFAULT_CANDIDATES), encoder=qenc
     )
-    positive = _positives(index, cands, rows)
+    positive = answer_positives(index, cands, [r["answers"] for r in rows])
     start = Fusion.default(index.manifest.score_scale)
     ranked = np.full((len(rows), depth), -1, dtype=np.int64)
     for fold in tqdm(range(config.folds), desc="fusion k-fold", unit="fold"):
@@ -575,15 +567,13 @@ def plot_confidence(result: TrustResult, out_dir: Path) -> dict[str, Path]:
                 linestyle=style,
                 label=f"{name}, {kind} (ECE {cm['ece']:.3f})",
             )
-    ax.set_xlabel("confidence (bin mean)")
-    ax.set_ylabel("exact match (bin share)")
-    ax.set_title("Reliability on the development articles")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths["reliability"] = out_dir / "trust_reliability.png"
-    fig.savefig(paths["reliability"], dpi=120)
-    plt.close(fig)
+    paths["reliability"] = _save_plot(
+        fig,
+        ax,
+        "Reliability on the development articles",
+        ("confidence (bin mean)", "exact match (bin share)"),
+        out_dir / "trust_reliability.png",
+    )
     return paths
 
 
@@ -613,13 +603,25 @@ def plot_coverage(
                 linestyle=style,
                 label=f"{name}, {kind}",
             )
-    ax.set_xlabel("coverage: answers kept (%)")
-    ax.set_ylabel("EM of the answers kept (%)")
-    ax.set_title("Abstaining on the least confident answers")
+    return _save_plot(
+        fig,
+        ax,
+        "Abstaining on the least confident answers",
+        ("coverage: answers kept (%)", "EM of the answers kept (%)"),
+        out_dir / "trust_coverage.png",
+    )
+
+
+def _save_plot(fig, ax, title: str, labels: tuple[str, str], path: Path) -> Path:
+    """Title, axis labels, legend and grid as both pictures have them; saved and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(title)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = out_dir / "trust_coverage.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
