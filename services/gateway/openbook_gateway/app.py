@@ -79,7 +79,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     # Outermost (added last): every response, a 413 from BodySizeLimit too, gets a request id.
     app.add_middleware(RequestContext, metrics=metrics, access_log=settings.access_log)
 
-    app.add_exception_handler(RequestValidationError, errors.invalid_request)
-    app.add_exception_handler(OpenAIRequestError, errors.openai_request_error)
-    app.add_exception_handler(StarletteHTTPException, errors.http_error)
+    # Registered as the decorator would: Starlette types add_exception_handler's handler as
+    # taking any Exception, and each of these takes only the one it is registered for.
+    app.exception_handler(RequestValidationError)(errors.invalid_request)
+    app.exception_handler(OpenAIRequestError)(errors.openai_request_error)
+    app.exception_handler(StarletteHTTPException)(errors.http_error)
     return app
