@@ -4,7 +4,8 @@ Invariants:
 
 * One :class:`Services` per app, opened in the app's lifespan (:func:`running_services`) and
   closed when it ends; a handler receives it as a FastAPI dependency (:data:`ServicesDep`),
-  never by reading ``app.state``. :func:`get_services` is the only reader of ``app.state``.
+  never by reading ``app.state``: :func:`get_services` is the only reader of
+  ``request.app.state``.
 * The clients in it are shared by every request: they hold channels and a connection pool,
   not per-request state.
 * The admin token is forwarded on the admin RPCs, which the services refuse without it.
