@@ -153,7 +153,7 @@ def test_a_failure_after_the_stream_began_ends_it_with_an_error_event(stack, red
         "use_cache": False,
     }
     with TestClient(create_app(backends.gateway_settings(redis_server.url))) as client:
-        client.app.state.generator.generate_stream = failing_stream
+        client.app.state.services.generator.generate_stream = failing_stream
         with client.stream("POST", "/answer", json=body) as reply:
             events = list(read_events(reply.iter_lines()))
         assert [e.event for e in events] == ["token", "error"]

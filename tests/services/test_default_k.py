@@ -11,8 +11,9 @@ from fastapi.testclient import TestClient
 
 from openbook.rag.loading import rag_n_docs
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
-from openbook_gateway.app import DefaultK, create_app
+from openbook_gateway.app import create_app
 from openbook_gateway.cache import ANSWER_PARAMS, cache_key
+from openbook_gateway.default_k import DefaultK
 from openbook_testkit.rag import make_tiny_rag_checkpoint
 from openbook_testkit.stack import running_backends
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-import openbook_gateway.app as gateway_app
+import openbook_gateway.routes.health as health_routes
 from openbook_gateway.app import create_app
 from openbook_testkit.stack import Backends, free_port, running_backends
 
@@ -129,7 +129,7 @@ def test_readiness_reports_both_services(client, monkeypatch):
     async def no_replicas(redis_client) -> list[dict]:
         return []
 
-    monkeypatch.setattr(gateway_app, "list_replicas", no_replicas)
+    monkeypatch.setattr(health_routes, "list_replicas", no_replicas)
     reply = client.get("/readyz")
     assert reply.status_code == 200
     assert reply.json() == {

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from starlette.exceptions import HTTPException
 
-from openbook_gateway.app import BodySizeLimit
+from openbook_gateway.middleware import BodySizeLimit
 from openbook_testkit.stack import running_backends, serving_gateway
 
 TOKEN = "input-admin-token"

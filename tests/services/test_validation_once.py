@@ -25,9 +25,9 @@ from openbook.v1 import (
 )
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import Retrieval
+from openbook_gateway.routes.pages import STATIC_DIR
 from openbook_gateway.schemas import AnswerRequest
 from openbook_gateway.settings import GatewaySettings
-from openbook_gateway.ui import STATIC_DIR
 from openbook_generator.servicer import validate_generate
 from openbook_retriever.servicer import validate_retrieve
 from openbook_testkit.stack import running_backends

@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from openbook_gateway.app import create_app
+from openbook_gateway.routes.pages import STATIC_DIR
 from openbook_gateway.settings import GatewaySettings
-from openbook_gateway.ui import STATIC_DIR
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ is raised from the iterator (an ``HTTPException``), for the caller to send as an
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -36,8 +36,8 @@ from openbook_gateway.mapping import (
     stored_answer,
     with_threshold,
 )
-from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.schemas import AnswerRequest
+from openbook_gateway.services import Services
 
 T = TypeVar("T")
 # How often a request waiting on the generator checks that its HTTP client is still there.
@@ -86,31 +86,34 @@ async def unless_disconnected(request: Request, call: Awaitable[T]) -> T:
         task.cancel()  # a no-op once done
 
 
-def confidence_threshold(requested: float | None, request: Request) -> float | None:
+def confidence_threshold(requested: float | None, services: Services) -> float | None:
     """The threshold an answer is held to: the request's, else the server's default
     (``OPENBOOK_GATEWAY_MIN_CONFIDENCE``); None: none."""
     if requested is not None:
         return requested
-    return getattr(request.app.state, "min_confidence", None)
+    return services.settings.min_confidence
 
 
 async def answer_events(
-    body: AnswerRequest, request: Request, metrics: GatewayMetrics, *, stream: bool
-) -> AsyncIterator[TokenOut | AnswerOut]:
-    """The answer to ``body`` (module docstring); without ``stream`` only its AnswerOut."""
-    state = request.app.state
+    body: AnswerRequest, services: Services, request: Request, *, stream: bool
+) -> AsyncGenerator[TokenOut | AnswerOut, None]:
+    """The answer to ``body`` (module docstring); without ``stream`` only its AnswerOut.
+
+    ``request`` is the HTTP request being answered: its id, and whether its client is still
+    there (a gone client cancels the generation)."""
+    metrics = services.metrics
     request_id = request.state.request_id
     timer = metrics.stages()
     # Resolved before the cache key is built: a request without k and one naming the
     # model's default share the key.
-    k = body.k if body.k is not None else await state.default_k.get(request_id)
+    k = body.k if body.k is not None else await services.default_k.get(request_id)
     params = answer_params(body, k)
     # not part of the cache key: applied to the answer, cached or not, on its way out
-    threshold = confidence_threshold(body.min_confidence, request)
+    threshold = confidence_threshold(body.min_confidence, services)
 
     if body.use_cache:
         with timer.stage("cache"):
-            cached = await state.cache.lookup(body.index, params)
+            cached = await services.cache.lookup(body.index, params)
             if cached is not None and "confidence" not in cached:
                 cached = None  # stored before answers had a confidence: computed afresh
         metrics.cache_lookup(hit=cached is not None)
@@ -126,7 +129,7 @@ async def answer_events(
         metrics.cache_skipped()
 
     with timer.stage("retrieve"):
-        retrieved = await state.retrieval.retrieve(
+        retrieved = await services.retrieval.retrieve(
             body.question, k, body.index, request_id, retrieval=body.retrieval
         )
     passages = list(retrieved.results[0].passages)
@@ -137,10 +140,10 @@ async def answer_events(
     with timer.stage("generate"):
         if not stream:
             generated = await unless_disconnected(
-                request, state.generator.generate(body, passages, request_id)
+                request, services.generator.generate(body, passages, request_id)
             )
         else:
-            async for event in state.generator.generate_stream(body, passages, request_id):
+            async for event in services.generator.generate_stream(body, passages, request_id):
                 if event.WhichOneof("event") == "done":
                     generated = event.done
                     break
@@ -154,11 +157,11 @@ async def answer_events(
 
     versions = {"generator": generated.model_version, "retriever": retrieved.model_version}
     metrics.answered(retrieved.index, versions)
-    state.cache.answered(retrieved.index, versions, active=not body.index)
-    state.default_k.seen(generated.model_version)
+    services.cache.answered(retrieved.index, versions, active=not body.index)
+    services.default_k.seen(generated.model_version)
     answer = answer_response(body, retrieved, generated, request_id, timer.done())
     if body.use_cache:
-        await state.cache.store(retrieved.index, params, versions, stored_answer(answer))
+        await services.cache.store(retrieved.index, params, versions, stored_answer(answer))
     if stream:
         rest = _rest(answer["answer"], sent)
         if rest:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import email.message
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from fastapi import Request, Response
@@ -88,7 +88,7 @@ class JSONBodyRoute(APIRoute):
         return read_json_body
 
 
-def readable(errors: list[dict]) -> list[dict]:
+def readable(errors: Sequence[dict]) -> list[dict]:
     """``errors`` with FastAPI's "JSON decode error" saying what the decoder found (its
     ``ctx.error``): that a body is truncated, not UTF-8 or nested too deeply, and where."""
     out = []

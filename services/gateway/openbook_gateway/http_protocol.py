@@ -246,8 +246,11 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         request_id = uuid.uuid4().hex
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
         log.info("%s from %s: %s (request %s)", status, client, message, request_id)
-        self.on_refusal(status)
-        body = json.dumps(self.error_body(path, status, message), separators=(",", ":")).encode()
+        # Through the class: these are plain functions kept as class attributes, not methods.
+        protocol = type(self)
+        protocol.on_refusal(status)
+        refusal = protocol.error_body(path, status, message)
+        body = json.dumps(refusal, separators=(",", ":")).encode()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]

@@ -272,7 +272,7 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "stream": body.stream,
     }
     try:
-        return AnswerRequest(**fields)
+        return AnswerRequest.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else ""

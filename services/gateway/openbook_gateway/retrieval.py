@@ -177,7 +177,9 @@ class Retrieval:
             if isinstance(error, HTTPException):
                 raise error
             raise HTTPException(503, f"retriever swap failed: {error}")
-        return results[0].previous, results[0].active
+        first = results[0]
+        assert not isinstance(first, BaseException)  # every failure raised above
+        return first.previous, first.active
 
     async def model_versions(self, request_id: str) -> list[str]:
         """The query-encoder version each shard serves."""
@@ -212,7 +214,9 @@ class Retrieval:
             if isinstance(error, HTTPException):
                 raise error
             raise HTTPException(503, f"retriever reload failed: {error}")
-        return previous, results[0].model_version
+        first = results[0]
+        assert not isinstance(first, BaseException)  # every failure raised above
+        return previous, first.model_version
 
     async def restore_model(self, versions: list[str], request_id: str, timeout_s: float) -> None:
         """Put every shard back on its version in ``versions`` (from ``reload_model``)."""

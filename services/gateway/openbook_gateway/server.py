@@ -9,7 +9,7 @@ import sys
 import uvicorn
 from starlette.types import ASGIApp
 
-from openbook_gateway import openai_api
+from openbook_gateway import openai_format
 from openbook_gateway.app import create_app
 from openbook_gateway.http_protocol import HeadLimits, head_limited_protocol
 from openbook_gateway.metrics import GatewayMetrics
@@ -24,8 +24,8 @@ HEAD_ROUTE = "(request head)"
 def error_body(path: str, status: int, message: str) -> dict:
     """A refusal's body as the route asked for would have written it: OpenAI's error object
     under ``/v1``, ``{"detail": ...}`` elsewhere."""
-    if openai_api.is_openai_path(path):
-        return openai_api.error_body(status, message)
+    if openai_format.is_openai_path(path):
+        return openai_format.error_body(status, message)
     return {"detail": message}
 
 

@@ -12,29 +12,29 @@ class GatewaySettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="OPENBOOK_GATEWAY_")
 
     host: str = "127.0.0.1"  # loopback unless the deployment says otherwise
-    port: int = Field(8000, ge=0)
+    port: int = Field(default=8000, ge=0)
     # host:port of the retriever; "a:1,b:2" (comma-separated) fans out over index shards.
     retriever_addr: str = "127.0.0.1:8051"
     generator_addr: str = "127.0.0.1:8052"
-    retrieve_timeout_s: float = Field(10.0, gt=0)
-    generate_timeout_s: float = Field(120.0, gt=0)
-    health_timeout_s: float = Field(2.0, gt=0)
-    max_body_bytes: int = Field(64 * 1024, gt=0)  # larger request bodies get 413
+    retrieve_timeout_s: float = Field(default=10.0, gt=0)
+    generate_timeout_s: float = Field(default=120.0, gt=0)
+    health_timeout_s: float = Field(default=2.0, gt=0)
+    max_body_bytes: int = Field(default=64 * 1024, gt=0)  # larger request bodies get 413
     # Request heads (the request line and the header fields; openbook_gateway.http_protocol):
     # a head not complete within header_timeout_s of its first byte closes the connection (408
     # if part of it came), one over max_header_bytes or with more than max_header_count fields
     # gets 431. Browsers send well under 8 KiB and 30 fields.
-    header_timeout_s: float = Field(10.0, gt=0)
-    max_header_bytes: int = Field(16 * 1024, ge=1024)
-    max_header_count: int = Field(100, ge=16)
-    cache_ttl_s: int = Field(24 * 3600, gt=0)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024)
+    max_header_count: int = Field(default=100, ge=16)
+    cache_ttl_s: int = Field(default=24 * 3600, gt=0)
     # How long POST /admin/reload-model waits for every replica to report the desired model
     # (converged or refused) before answering 202 with the replicas still loading.
-    reload_wait_s: float = Field(600.0, gt=0)
+    reload_wait_s: float = Field(default=600.0, gt=0)
     # Keys of the OpenAI-compatible API (/v1/*), comma-separated: each call then needs
     # "Authorization: Bearer <one of them>". Unset: /v1 is open, as /answer is. Not the admin
     # token, which only opens /admin.
     api_keys: SecretStr | None = None
     # Answers whose confidence (openbook/rag/confidence.py) is below this abstain: an empty
     # answer with "abstained": true. A request's min_confidence overrides it. Unset: never.
-    min_confidence: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    min_confidence: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)

@@ -1,6 +1,6 @@
 """The web page for people, served by the gateway at ``/`` (plain HTML/JS from the package).
 
-Everything the page needs lives in ``static/`` next to this module and ships as package data:
+Everything the page needs lives in the package's ``static/`` folder and ships as package data:
 no build step, no CDN, no web fonts. Only the files present there at import time are served
 (a fixed allow-list, so no path from a URL ever reaches the file system).
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import FileResponse
 
-STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"  # openbook_gateway/static
 
 MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",

@@ -1,27 +1,14 @@
-"""The OpenAI-compatible API: ``POST /v1/chat/completions`` (whole or streamed) and
-``GET /v1/models``, so that OpenAI's SDKs and chat front-ends work unchanged.
+"""OpenAI's wire format, as the OpenAI-compatible API (:mod:`openbook_gateway.routes.openai`)
+writes it: error objects, and a chat completion's reply, whole or as stream chunks.
 
-* The last user message is the question; earlier turns are not read (openbook answers one
-  question from the passages it retrieves).
-* Models: ``openbook`` answers from the active index, ``openbook/<index>`` from that index.
-* Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams):
-  sampling parameters other than those meaning "no sampling" are refused (400).
-* ``stop`` cuts each answer at its first stop sequence (the answer is still computed whole).
-* The reply carries the passages used as ``citations`` (1-based, as the ``[i]`` markers appended
-  to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``,
-  the answer's ``confidence`` and whether it ``abstained`` included.
-* ``min_confidence`` (extra body field; default: ``OPENBOOK_GATEWAY_MIN_CONFIDENCE``): a choice
-  whose answer's confidence is below it says so in its message instead of answering
-  (:func:`abstention`). A stream under a threshold holds the text back until the confidence
-  is known at the end (a chat client cannot take back text it was sent): it comes whole, or
-  the abstention does, in the last content chunk.
-* Errors are OpenAI's error objects (``{"error": {"message", "type", "param", "code"}}``); a
-  stream that fails after it began ends with such an object as its last event.
-* With ``OPENBOOK_GATEWAY_API_KEYS`` set, every ``/v1`` call needs ``Authorization: Bearer
-  <one of them>`` (not the admin token, which is for ``/admin``).
-
-The answer itself comes from the same pipeline as ``POST /answer``
-(:mod:`openbook_gateway.answering`): the same cache, limits and errors.
+* Errors are ``{"error": {"message", "type", "param", "code"}}``; input the services refused
+  (their 422) is a 400, as OpenAI answers bad input. Every error under :data:`PREFIX` takes
+  this shape, from a handler, the middlewares or the server's request-head limits.
+* A reply carries the passages used as ``citations`` (1-based, as the ``[i]`` markers appended
+  to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``.
+* A stream under a confidence threshold holds the text back until the confidence is known at
+  the end (a chat client cannot take back text it was sent): it comes whole, or the
+  abstention does, in the last content chunk.
 """
 
 from __future__ import annotations
@@ -30,27 +17,12 @@ import re
 import time
 from collections.abc import AsyncGenerator
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
+from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
-from openbook.auth import bearer_matches
-from openbook_gateway.answering import (
-    AnswerOut,
-    TokenOut,
-    answer_events,
-    confidence_threshold,
-    unless_disconnected,
-)
-from openbook_gateway.bodies import JSONBodyRoute
-from openbook_gateway.events import STREAMED, EventStream, sse
-from openbook_gateway.metrics import GatewayMetrics
-from openbook_gateway.openai_schemas import (
-    MODEL,
-    ChatCompletionRequest,
-    OpenAIRequestError,
-    to_answer_request,
-)
-from openbook_gateway.settings import GatewaySettings
+from openbook_gateway.answering import AnswerOut, TokenOut
+from openbook_gateway.events import sse
+from openbook_gateway.openai_schemas import ChatCompletionRequest
 
 PREFIX = "/v1"
 
@@ -116,104 +88,6 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
     elif param:
         message = f"{param}: {message}"
     return error_response(400, message, param, first.get("type"))
-
-
-def _require_api_key(settings: GatewaySettings):
-    # The list is comma-separated (a key has no spaces or commas): spaces around a comma are
-    # the list's formatting, not part of a key. A presented key must match exactly.
-    keys = [
-        key.strip()
-        for key in (settings.api_keys.get_secret_value() if settings.api_keys else "").split(",")
-        if key.strip()
-    ]
-
-    async def check(authorization: str | None = Header(default=None)) -> None:
-        if keys and not bearer_matches(authorization, keys):
-            raise OpenAIRequestError(
-                "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
-                "OPENBOOK_GATEWAY_API_KEYS",
-                None,
-                "invalid_api_key",
-                status=401,
-            )
-
-    return check
-
-
-def openai_router(settings: GatewaySettings, metrics: GatewayMetrics) -> APIRouter:
-    router = APIRouter(
-        prefix=PREFIX,
-        dependencies=[Depends(_require_api_key(settings))],
-        route_class=JSONBodyRoute,
-    )
-    created = int(time.time())
-
-    def model_card(model_id: str) -> dict:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "openbook"}
-
-    async def model_ids(request: Request) -> list[str]:
-        """``openbook`` and ``openbook/<index>`` for every index that can be loaded: a model
-        that names an index the retriever says is broken (``problem``) is not offered."""
-        listed = await request.app.state.retrieval.list_indexes(request.state.request_id)
-        usable = [index.name for index in listed.indexes if not index.problem]
-        return [MODEL, *(f"{MODEL}/{name}" for name in usable)]
-
-    @router.get("/models")
-    async def models(request: Request) -> dict:
-        """``openbook`` (the active index) and ``openbook/<index>`` for every loadable index."""
-        return {"object": "list", "data": [model_card(m) for m in await model_ids(request)]}
-
-    @router.get("/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> dict:
-        if model_id not in await model_ids(request):
-            raise _unknown_model(model_id)
-        return model_card(model_id)
-
-    async def index_of(body: ChatCompletionRequest, request: Request) -> str | None:
-        """The index the model (and the ``index`` extra field) name; None: the active one."""
-        index: str | None = None
-        if body.model != MODEL:
-            if body.model not in await model_ids(request):
-                raise _unknown_model(body.model)
-            index = body.model.removeprefix(MODEL + "/")
-        if body.index is not None:
-            if index is not None and body.index != index:
-                raise OpenAIRequestError(
-                    f"index {body.index!r} contradicts model {body.model!r}", "index"
-                )
-            index = body.index
-        return index
-
-    @router.post("/chat/completions", responses=STREAMED)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        body.check_supported()
-        question = to_answer_request(body, await index_of(body, request))
-        request_id = request.state.request_id
-        threshold = confidence_threshold(body.min_confidence, request)
-        reply = Completion(body, request_id, holds_text=threshold is not None)
-        events = answer_events(question, request, metrics, stream=body.stream)
-        if not body.stream:
-            async for event in events:
-                if isinstance(event, AnswerOut):
-                    return JSONResponse(reply.whole(event.body))
-            raise HTTPException(502, "no answer")  # answer_events always ends with one
-        first = await unless_disconnected(request, anext(events))
-        return EventStream(
-            reply.chunks(first, events),
-            on_end=lambda outcome: metrics.stream_ended("openai", outcome),
-        )
-
-    return router
-
-
-def _unknown_model(model_id: str) -> OpenAIRequestError:
-    return OpenAIRequestError(
-        f"The model {model_id!r} does not exist: GET /v1/models lists '{MODEL}' (the active "
-        f"index) and '{MODEL}/<index>' for each index",
-        "model",
-        "model_not_found",
-        status=404,
-    )
 
 
 class Completion:

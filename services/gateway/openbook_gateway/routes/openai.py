@@ -1,0 +1,159 @@
+"""The OpenAI-compatible API: ``POST /v1/chat/completions`` (whole or streamed) and
+``GET /v1/models``, so that OpenAI's SDKs and chat front-ends work unchanged.
+
+* The last user message is the question; earlier turns are not read (openbook answers one
+  question from the passages it retrieves).
+* Models: ``openbook`` answers from the active index, ``openbook/<index>`` from that index.
+* Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams):
+  sampling parameters other than those meaning "no sampling" are refused (400).
+* ``stop`` cuts each answer at its first stop sequence (the answer is still computed whole).
+* The reply carries the passages used as ``citations`` (1-based, as the ``[i]`` markers appended
+  to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``,
+  the answer's ``confidence`` and whether it ``abstained`` included.
+* ``min_confidence`` (extra body field; default: ``OPENBOOK_GATEWAY_MIN_CONFIDENCE``): a choice
+  whose answer's confidence is below it says so in its message instead of answering
+  (:func:`~openbook_gateway.openai_format.abstention`). A stream under a threshold holds the
+  text back until the confidence is known at the end (a chat client cannot take back text it
+  was sent): it comes whole, or the abstention does, in the last content chunk.
+* Errors are OpenAI's error objects (``{"error": {"message", "type", "param", "code"}}``); a
+  stream that fails after it began ends with such an object as its last event.
+* With ``OPENBOOK_GATEWAY_API_KEYS`` set, every ``/v1`` call needs ``Authorization: Bearer
+  <one of them>`` (not the admin token, which is for ``/admin``).
+
+The answer itself comes from the same pipeline as ``POST /answer``
+(:mod:`openbook_gateway.answering`): the same cache, limits and errors. The reply's wire
+format is :mod:`openbook_gateway.openai_format`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from openbook.auth import bearer_matches
+from openbook_gateway.answering import (
+    AnswerOut,
+    answer_events,
+    confidence_threshold,
+    unless_disconnected,
+)
+from openbook_gateway.bodies import JSONBodyRoute
+from openbook_gateway.events import STREAMED, EventStream
+from openbook_gateway.openai_format import PREFIX, Completion
+from openbook_gateway.openai_schemas import (
+    MODEL,
+    ChatCompletionRequest,
+    OpenAIRequestError,
+    to_answer_request,
+)
+from openbook_gateway.services import Services, ServicesDep
+from openbook_gateway.settings import GatewaySettings
+
+
+def api_keys(settings: GatewaySettings) -> list[str]:
+    """The keys ``/v1`` accepts; none: ``/v1`` is open.
+
+    The list is comma-separated (a key has no spaces or commas): spaces around a comma are
+    the list's formatting, not part of a key."""
+    listed = settings.api_keys.get_secret_value() if settings.api_keys else ""
+    return [key.strip() for key in listed.split(",") if key.strip()]
+
+
+async def require_api_key(
+    services: ServicesDep, authorization: str | None = Header(default=None)
+) -> None:
+    """Every ``/v1`` call's check: a presented key must match one exactly."""
+    keys = api_keys(services.settings)
+    if keys and not bearer_matches(authorization, keys):
+        raise OpenAIRequestError(
+            "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
+            "OPENBOOK_GATEWAY_API_KEYS",
+            None,
+            "invalid_api_key",
+            status=401,
+        )
+
+
+router = APIRouter(
+    prefix=PREFIX, dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute
+)
+
+
+def model_card(model_id: str, services: Services) -> dict:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": services.created,
+        "owned_by": "openbook",
+    }
+
+
+async def model_ids(services: Services, request_id: str) -> list[str]:
+    """``openbook`` and ``openbook/<index>`` for every index that can be loaded: a model
+    that names an index the retriever says is broken (``problem``) is not offered."""
+    listed = await services.retrieval.list_indexes(request_id)
+    usable = [index.name for index in listed.indexes if not index.problem]
+    return [MODEL, *(f"{MODEL}/{name}" for name in usable)]
+
+
+@router.get("/models")
+async def models(request: Request, services: ServicesDep) -> dict:
+    """``openbook`` (the active index) and ``openbook/<index>`` for every loadable index."""
+    ids = await model_ids(services, request.state.request_id)
+    return {"object": "list", "data": [model_card(m, services) for m in ids]}
+
+
+@router.get("/models/{model_id:path}")
+async def model(model_id: str, request: Request, services: ServicesDep) -> dict:
+    if model_id not in await model_ids(services, request.state.request_id):
+        raise _unknown_model(model_id)
+    return model_card(model_id, services)
+
+
+async def index_of(body: ChatCompletionRequest, services: Services, request_id: str) -> str | None:
+    """The index the model (and the ``index`` extra field) name; None: the active one."""
+    index: str | None = None
+    if body.model != MODEL:
+        if body.model not in await model_ids(services, request_id):
+            raise _unknown_model(body.model)
+        index = body.model.removeprefix(MODEL + "/")
+    if body.index is not None:
+        if index is not None and body.index != index:
+            raise OpenAIRequestError(
+                f"index {body.index!r} contradicts model {body.model!r}", "index"
+            )
+        index = body.index
+    return index
+
+
+@router.post("/chat/completions", responses=STREAMED)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, services: ServicesDep
+) -> Response:
+    body.check_supported()
+    request_id = request.state.request_id
+    question = to_answer_request(body, await index_of(body, services, request_id))
+    threshold = confidence_threshold(body.min_confidence, services)
+    reply = Completion(body, request_id, holds_text=threshold is not None)
+    events = answer_events(question, services, request, stream=body.stream)
+    if not body.stream:
+        async for event in events:
+            if isinstance(event, AnswerOut):
+                return JSONResponse(reply.whole(event.body))
+        raise HTTPException(502, "no answer")  # answer_events always ends with one
+    first = await unless_disconnected(request, anext(events))
+    return EventStream(
+        reply.chunks(first, events), on_end=partial(services.metrics.stream_ended, "openai")
+    )
+
+
+def _unknown_model(model_id: str) -> OpenAIRequestError:
+    return OpenAIRequestError(
+        f"The model {model_id!r} does not exist: GET /v1/models lists '{MODEL}' (the active "
+        f"index) and '{MODEL}/<index>' for each index",
+        "model",
+        "model_not_found",
+        status=404,
+    )
