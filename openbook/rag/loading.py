@@ -30,8 +30,8 @@ from transformers import (
 )
 
 from openbook.rag.attention import use_matmul_attention
+from openbook.rag.backends import CausalBackend, GeneratorBackend, seq2seq_backend
 from openbook.rag.errors import ModelLoadError
-from openbook.rag.models import CausalBackend, GeneratorBackend, seq2seq_backend
 from openbook.rag.prompting import (
     PROMPT_FILE,
     SEQ2SEQ_FILE,

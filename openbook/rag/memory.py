@@ -15,7 +15,8 @@ beyond the weights, by design of the code paths it describes:
   few float32 distributions over the vocabulary per decoding row and step
   (:data:`LOGIT_COPIES`: the model's logits, their log-softmax, the mixture / beam scores).
 * **score** (RAG-Sequence thorough, provenance): chunks of at most
-  ``models.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their forked cache.
+  ``backends.base.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their
+  forked cache.
 * **copies**: what the code holds twice for a moment. Joining caches (prefill groups into one
   encoded state, a new request into the running batch) and dropping rows (finished searches)
   build the new cache while the old one is alive, so the encoded and the decoded caches are
@@ -36,13 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from openbook.rag import attention
+from openbook.rag.backends import BartBackend, CausalBackend, GeneratorBackend
+from openbook.rag.backends.base import SCORE_LOGIT_ELEMENTS
 from openbook.rag.cache import GROWTH_SLOTS
-from openbook.rag.models import (
-    SCORE_LOGIT_ELEMENTS,
-    BartBackend,
-    CausalBackend,
-    GeneratorBackend,
-)
 from openbook.rag.options import DecodingOptions
 from openbook.types import Passage
 

@@ -15,9 +15,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from openbook.rag.backends import Encoded, GeneratorBackend
 from openbook.rag.beam import Finished, SearchSettings, StopFn, new_search
 from openbook.rag.marginalize import sequence_doc_logliks, sequence_log_marginal
-from openbook.rag.models import Encoded, GeneratorBackend
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
 

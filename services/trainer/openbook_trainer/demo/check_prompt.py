@@ -99,7 +99,7 @@ class GreedyAnswerer:
         """The causal LM in ``model_dir`` on the CPU in ``dtype`` (float32 unless asked),
         prompted with ``prompt`` (default: the prompt file in ``model_dir``)."""
         from openbook.rag import RagGenerator
-        from openbook.rag.models import CausalBackend
+        from openbook.rag.backends import CausalBackend
 
         generator = RagGenerator.load(model_dir, device="cpu", dtype=dtype)
         spec = getattr(generator.backend, "spec", None)

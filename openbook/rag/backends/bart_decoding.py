@@ -17,8 +17,8 @@ directly on the model's own modules (same weights, same operations, no copies of
   faster for the few rows of a decoding step; costs one extra copy of that weight).
 
 Only ``BartForConditionalGeneration`` in eval mode without autograd takes this path
-(:class:`openbook.rag.models.BartBackend`); anything else (T5, mBART, training) uses transformers'
-forward (:class:`openbook.rag.models.Seq2SeqBackend`).
+(:class:`openbook.rag.backends.bart.BartBackend`); anything else (T5, mBART, training) uses
+transformers' forward (:class:`openbook.rag.backends.seq2seq.Seq2SeqBackend`).
 """
 
 from __future__ import annotations
