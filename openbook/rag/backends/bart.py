@@ -14,14 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from openbook.rag.backends import bart_decoding
 from openbook.rag.backends.base import DecodeState, Encoded, Items, copy_rows
 from openbook.rag.backends.seq2seq import Seq2SeqBackend, Seq2SeqDecodeState, Seq2SeqEncoded
+
+if TYPE_CHECKING:  # importing it loads transformers' BART modeling code (bart_decoding.supports)
+    from transformers import BartForConditionalGeneration
 
 # Sequences scored together as one prefix tree (bounds the cache size).
 _TREE_CHUNK_SEQS = 1024
@@ -63,6 +68,12 @@ class BartDecodeState(DecodeState):
     positions: Tensor
 
 
+# What BartBackend's methods take and give: BART's own states at inference, the generic ones
+# otherwise (training mode, autograd on).
+AnyEncoded = BartEncoded | Seq2SeqEncoded
+AnyDecodeState = BartDecodeState | Seq2SeqDecodeState
+
+
 class BartBackend(Seq2SeqBackend):
     """``BartForConditionalGeneration``, decoded by :mod:`~openbook.rag.backends.bart_decoding`
     at inference.
@@ -71,20 +82,32 @@ class BartBackend(Seq2SeqBackend):
     autograd; in training mode (dropout) or with autograd on, :meth:`encode` returns the generic
     :class:`Seq2SeqEncoded` and every method continues as :class:`Seq2SeqBackend` does. Training
     logits (:meth:`target_logits`) always come from transformers' forward.
+
+    Typing: :class:`Seq2SeqBackend`'s methods promise its generic states, these return either
+    kind (:data:`AnyEncoded`, :data:`AnyDecodeState`); the ``type: ignore[override]`` below mark
+    exactly those returns. Every method dispatches on the state it is given, so a state only
+    ever goes back to the path that made it.
     """
+
+    model: BartForConditionalGeneration
 
     @classmethod
     def supports(cls, model: torch.nn.Module) -> bool:
         return bart_decoding.supports(model)
 
-    def __init__(self, model: torch.nn.Module, tokenizer, **kwargs) -> None:
+    def __init__(
+        self,
+        model: BartForConditionalGeneration,
+        tokenizer: PreTrainedTokenizerBase,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(model, tokenizer, **kwargs)
         self._decoding = bart_decoding.BartDecoding(model)
 
     def _decodes_itself(self) -> bool:
         return not (self.model.training or torch.is_grad_enabled())
 
-    def encode(self, items: Items, k: int) -> BartEncoded | Seq2SeqEncoded:
+    def encode(self, items: Items, k: int) -> AnyEncoded:  # type: ignore[override]
         if not self._decodes_itself():
             return super().encode(items, k)
         hidden, mask = self._encoder_output(items, k)
@@ -138,9 +161,7 @@ class BartBackend(Seq2SeqBackend):
         k = sum(p.k for p in encoded)
         return BartEncoded(1, k, first, mask, cross, cross_mask, cache)
 
-    def start(
-        self, enc: BartEncoded | Seq2SeqEncoded, copies: int
-    ) -> BartDecodeState | Seq2SeqDecodeState:
+    def start(self, enc: AnyEncoded, copies: int) -> AnyDecodeState:  # type: ignore[override]
         if not isinstance(enc, BartEncoded):
             return super().start(enc, copies)
         rows = copy_rows(enc, copies)
@@ -149,7 +170,7 @@ class BartBackend(Seq2SeqBackend):
         positions = torch.ones(rows.shape[0], dtype=torch.long, device=rows.device)
         return BartDecodeState([segment], cache, None, positions)
 
-    def step(self, state: BartDecodeState | Seq2SeqDecodeState, tokens: Tensor) -> Tensor:
+    def step(self, state: AnyDecodeState, tokens: Tensor) -> Tensor:
         if not isinstance(state, BartDecodeState):
             return super().step(state, tokens)
         h, state.cache = self._decoding.step(
@@ -161,7 +182,7 @@ class BartBackend(Seq2SeqBackend):
             state.self_mask = torch.cat([state.self_mask, own], dim=1)
         return self._decoding.log_probs(h)
 
-    def reorder(self, state: BartDecodeState | Seq2SeqDecodeState, rows: Tensor) -> None:
+    def reorder(self, state: AnyDecodeState, rows: Tensor) -> None:
         if not isinstance(state, BartDecodeState):
             return super().reorder(state, rows)
         # beams stay within their passage: segments, mask and positions are unchanged
@@ -169,13 +190,20 @@ class BartBackend(Seq2SeqBackend):
 
     joins_running = True
 
-    def join(
-        self, states: Sequence[BartDecodeState | Seq2SeqDecodeState]
-    ) -> BartDecodeState | Seq2SeqDecodeState:
+    def join(self, states: Sequence[AnyDecodeState]) -> AnyDecodeState:  # type: ignore[override]
         if len(states) == 1:
             return states[0]
-        if not all(isinstance(s, BartDecodeState) for s in states):
-            return super().join(states)
+        own = [s for s in states if isinstance(s, BartDecodeState)]
+        generic = [s for s in states if isinstance(s, Seq2SeqDecodeState)]
+        if len(generic) == len(states):
+            return super().join(generic)
+        if len(own) != len(states):
+            raise TypeError("BartBackend.join: states of both decoding paths")
+        return self._join_own(own)
+
+    def _join_own(self, states: Sequence[BartDecodeState]) -> BartDecodeState:
+        """BART's own states joined: self-attention caches left-padded to the longest (padding
+        masked by ``self_mask``), cross-attention segments concatenated."""
         widths = [s.cache[0][0].shape[2] for s in states]
         width = max(widths)
         cache = [
@@ -210,9 +238,7 @@ class BartBackend(Seq2SeqBackend):
         positions = torch.cat([s.positions for s in states])
         return BartDecodeState(segments, cache, self_mask, positions)
 
-    def keep(
-        self, state: BartDecodeState | Seq2SeqDecodeState, rows: Tensor
-    ) -> BartDecodeState | Seq2SeqDecodeState:
+    def keep(self, state: AnyDecodeState, rows: Tensor) -> AnyDecodeState:  # type: ignore[override]
         if not isinstance(state, BartDecodeState):
             return super().keep(state, rows)
         kept = rows.tolist()
@@ -243,7 +269,7 @@ class BartBackend(Seq2SeqBackend):
 
     def score(
         self,
-        enc: BartEncoded | Seq2SeqEncoded,
+        enc: AnyEncoded,
         rows: Tensor,
         seqs: Tensor,
         lengths: Sequence[int] | None = None,

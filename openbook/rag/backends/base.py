@@ -27,9 +27,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar, cast
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from openbook.types import Passage
 
@@ -59,11 +61,21 @@ class DecodeState:
     """Base of the families' live decoding rows (request, slot, copy); :meth:`step` grows them."""
 
 
-class GeneratorBackend(ABC):
-    """p(y_i | x, z, y_<i) from one model family (see the module docstring)."""
+# The family's own states: what its encode returns is what its start / score take, what its start
+# returns is what its step / reorder / join / keep take (the engine never mixes families).
+EncodedT = TypeVar("EncodedT", bound=Encoded)
+StateT = TypeVar("StateT", bound=DecodeState)
 
-    model: torch.nn.Module
-    tokenizer: object
+
+class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
+    """p(y_i | x, z, y_<i) from one model family (see the module docstring).
+
+    Generic in the family's encoded state and decoding state; code that drives any family (the
+    engine, the searches) holds a ``GeneratorBackend`` and hands back only the states it got.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     kind: str
     eos_token_id: int | None
     pad_token_id: int
@@ -80,19 +92,19 @@ class GeneratorBackend(ABC):
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @abstractmethod
-    def encode(self, items: Items, k: int) -> Encoded:
+    def encode(self, items: Items, k: int) -> EncodedT:
         """Encode ``k`` passage slots of every request (short requests repeat their last one)."""
 
     @abstractmethod
-    def start(self, enc: Encoded, copies: int) -> DecodeState:
+    def start(self, enc: EncodedT, copies: int) -> StateT:
         """``copies`` decoding rows per encoded row: row ``r * copies + c`` reads encoded row r."""
 
     @abstractmethod
-    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
+    def step(self, state: StateT, tokens: Tensor) -> Tensor:
         """Feed ``tokens`` (N,), one per row -> next-token log-probs (N, V) float32."""
 
     @abstractmethod
-    def reorder(self, state: DecodeState, rows: Tensor) -> None:
+    def reorder(self, state: StateT, rows: Tensor) -> None:
         """Row i of ``state`` becomes its row ``rows[i]`` (N,) (beams move within their passage)."""
 
     # Whether :meth:`join` accepts states that have decoded different numbers of tokens (the
@@ -111,18 +123,18 @@ class GeneratorBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} encodes a request's passages at once")
 
     @abstractmethod
-    def join(self, states: Sequence[DecodeState]) -> DecodeState:
+    def join(self, states: Sequence[StateT]) -> StateT:
         """One state whose rows are the rows of ``states``, in order (caches left-padded to the
         longest; padding is masked). Every row decodes exactly as it would in its own state."""
 
     @abstractmethod
-    def keep(self, state: DecodeState, rows: Tensor) -> DecodeState:
+    def keep(self, state: StateT, rows: Tensor) -> StateT:
         """The state of rows ``rows`` (ascending) only: the rows of finished searches leave.
         Whole passage groups (all copies of an encoded row) leave together."""
 
     @abstractmethod
     def score(
-        self, enc: Encoded, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
+        self, enc: EncodedT, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
     ) -> Tensor:
         """Token log-probs (M, T) float32 of ``seqs`` (M, T) under encoded rows ``rows`` (M,).
 
@@ -152,10 +164,10 @@ class GeneratorBackend(ABC):
         return None
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return decode_text(self.tokenizer, token_ids, skip_special_tokens=True)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in token_ids]
+        return [decode_text(self.tokenizer, [t]) for t in token_ids]
 
 
 # ------------------------------------------------------------------ helpers the families share
@@ -164,6 +176,14 @@ class GeneratorBackend(ABC):
 def log_softmax(logits: Tensor) -> Tensor:
     """float32 log-probabilities over the last axis (logits may be bf16/fp16)."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def decode_text(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], skip_special_tokens: bool = False
+) -> str:
+    """The text of one token sequence. transformers annotates ``decode`` as ``str | list[str]``
+    (it decodes a batch of sequences too); a flat list of ids always gives a ``str``."""
+    return cast(str, tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
 
 def pad_slots(items: Items, k: int) -> list[tuple[str, Passage]]:
@@ -181,7 +201,7 @@ def copy_rows(enc: Encoded, copies: int) -> Tensor:
     return torch.arange(n_rows, device=enc.first_logprobs.device).repeat_interleave(copies)
 
 
-def first_id(*candidates) -> int | None:
+def first_id(*candidates: int | list[int] | tuple[int, ...] | None) -> int | None:
     """The first given token id among ``candidates`` (a list or tuple gives its first entry):
     configs and tokenizers disagree on which of them sets an id, and how."""
     for c in candidates:

@@ -11,13 +11,13 @@ steps join one batch.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicCache
 
 from openbook.rag.backends import base
@@ -27,12 +27,14 @@ from openbook.rag.backends.base import (
     GeneratorBackend,
     Items,
     copy_rows,
+    decode_text,
     first_id,
     log_softmax,
     pad_slots,
     right_pad,
 )
 from openbook.rag.cache import (
+    append_slots,
     broadcast_rows,
     drop_leading,
     growing,
@@ -72,7 +74,7 @@ class CausalDecodeState(DecodeState):
     kv_pos: Tensor
 
 
-class CausalBackend(GeneratorBackend):
+class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
     """Decoder-only LM prompted with ``prefix + passage_template`` per passage.
 
     The shared prefix is prefilled once (at construction / :meth:`refresh`) and its cache forked for
@@ -91,8 +93,8 @@ class CausalBackend(GeneratorBackend):
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        tokenizer,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         spec: PromptSpec,
         passage_cache_bytes: int = DEFAULT_PASSAGE_CACHE_BYTES,
     ) -> None:
@@ -102,8 +104,8 @@ class CausalBackend(GeneratorBackend):
         cfg = model.config
         self.eos_token_id = first_id(tokenizer.eos_token_id, cfg.eos_token_id)
         self.bos_token_id = first_id(tokenizer.bos_token_id, cfg.bos_token_id)
-        pad = first_id(tokenizer.pad_token_id, cfg.pad_token_id, self.eos_token_id, 0)
-        self.pad_token_id = int(pad)
+        pad = first_id(tokenizer.pad_token_id, cfg.pad_token_id, self.eos_token_id)
+        self.pad_token_id = 0 if pad is None else pad
         self.target_start_id = self.pad_token_id
         layer_types = set(getattr(cfg, "layer_types", None) or [])
         window = getattr(cfg, "sliding_window", None)
@@ -384,13 +386,7 @@ class CausalBackend(GeneratorBackend):
             if head is None:
                 states.append(CausalDecodeState(self._forked_prefix(1), self._prefix_pos(1)))
                 continue
-            cache = copy.copy(self.prefix_cache)
-            cache.layers = []
-            for layer, (k, v) in zip(self.prefix_cache.layers, head, strict=True):
-                new = copy.copy(layer)
-                new.keys = torch.cat([layer.keys, k], dim=2)
-                new.values = torch.cat([layer.values, v], dim=2)
-                cache.layers.append(new)
+            cache = append_slots(self.prefix_cache, head)
             width = self.prefix_len + head[0][0].shape[2]
             pos = torch.arange(width, device=self.device)[None, :]
             states.append(CausalDecodeState(cache, pos))
@@ -523,7 +519,7 @@ class CausalBackend(GeneratorBackend):
         return right_pad(seqs, self.pad_token_id).to(self.device)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        text = decode_text(self.tokenizer, token_ids, skip_special_tokens=True)
         cut = [text.find(s) for s in self.spec.stop if s in text]
         if cut:
             text = text[: min(cut)]

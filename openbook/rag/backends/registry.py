@@ -11,7 +11,9 @@ built by :mod:`openbook.rag.loading` when a checkpoint carries a prompt spec.
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from openbook.rag.backends.bart import BartBackend
 from openbook.rag.backends.seq2seq import Seq2SeqBackend
@@ -21,7 +23,9 @@ from openbook.rag.backends.seq2seq import Seq2SeqBackend
 SEQ2SEQ_FAMILIES: list[type[Seq2SeqBackend]] = [BartBackend]
 
 
-def seq2seq_backend(model: torch.nn.Module, tokenizer, **options) -> Seq2SeqBackend:
+def seq2seq_backend(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options: Any
+) -> Seq2SeqBackend:
     """The backend of the most specific registered family that runs ``model`` (``options``:
     :class:`Seq2SeqBackend`'s keyword arguments)."""
     family = next((f for f in SEQ2SEQ_FAMILIES if f.supports(model)), Seq2SeqBackend)

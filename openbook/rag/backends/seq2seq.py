@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutput
 
@@ -25,6 +26,7 @@ from openbook.rag.backends.base import (
     GeneratorBackend,
     Items,
     copy_rows,
+    decode_text,
     first_id,
     log_softmax,
     pad_slots,
@@ -57,7 +59,7 @@ class Seq2SeqDecodeState(DecodeState):
     cache: Cache
 
 
-class Seq2SeqBackend(GeneratorBackend):
+class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
     """Encoder-decoder generator; input formatted like transformers' ``RagRetriever``.
 
     This class runs any transformers encoder-decoder through its own forward; a family with a
@@ -74,14 +76,14 @@ class Seq2SeqBackend(GeneratorBackend):
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        tokenizer,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         prefix: str | None = None,
         title_sep: str = " / ",
         doc_sep: str = " // ",
         max_combined_length: int = 300,
-        question_tokenizer=None,
+        question_tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -97,7 +99,8 @@ class Seq2SeqBackend(GeneratorBackend):
         self.target_start_id = self.decoder_start_token_id
         self.eos_token_id = first_id(cfg.eos_token_id, tokenizer.eos_token_id)
         self.bos_token_id = first_id(cfg.bos_token_id, tokenizer.bos_token_id)
-        self.pad_token_id = int(first_id(cfg.pad_token_id, tokenizer.pad_token_id, 0))
+        pad = first_id(cfg.pad_token_id, tokenizer.pad_token_id)
+        self.pad_token_id = 0 if pad is None else pad
 
     # ---------------------------------------------------------------- input
 
@@ -114,7 +117,7 @@ class Seq2SeqBackend(GeneratorBackend):
             return question
         limit = min(int(getattr(tok, "model_max_length", 512) or 512), 512)
         ids = tok(question, truncation=True, max_length=limit)["input_ids"]
-        return tok.decode(ids, skip_special_tokens=True)
+        return decode_text(tok, ids, skip_special_tokens=True)
 
     def input_strings(self, rows: Sequence[tuple[str, Passage]]) -> list[str]:
         decoded: dict[str, str] = {}
