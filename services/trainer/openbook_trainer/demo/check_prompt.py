@@ -106,7 +106,7 @@ class GreedyAnswerer:
         if spec is None:
             raise ValueError(f"{model_dir}: not a causal LM with a prompt file")
         if prompt is not None and prompt != spec:
-            backend = CausalBackend(generator.model, generator.tokenizer, prompt)
+            backend = CausalBackend(generator.backend.model, generator.backend.tokenizer, prompt)
             generator = RagGenerator(
                 backend, model_version=generator.model_version, generation=generator.generation
             )
