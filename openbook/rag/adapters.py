@@ -21,7 +21,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from openbook.rag.errors import ModelLoadError
 
@@ -70,7 +70,8 @@ class LoraSpec:
             task = TaskType.FEATURE_EXTRACTION
         return LoraConfig(
             r=self.rank,
-            lora_alpha=self.alpha,
+            # peft annotates lora_alpha as int but only divides by it: a float scale is exact
+            lora_alpha=cast(int, self.alpha),
             lora_dropout=self.dropout,
             target_modules=list(self.targets) if self.targets else "all-linear",
             task_type=task,

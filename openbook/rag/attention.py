@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -36,7 +36,7 @@ MAX_SCORE_BYTES = 16 * 2**20  # float32 scores of one query chunk, all rows and 
 MATMUL_SCORE_BYTES = 4 + 4 + 4 + 4
 
 
-def use_matmul_attention(model: torch.nn.Module) -> bool:
+def use_matmul_attention(model: PreTrainedModel) -> bool:
     """Switch ``model`` to this attention where it pays (CPU, bf16/fp16, currently ``sdpa``);
     returns whether it did."""
     params = next(model.parameters())

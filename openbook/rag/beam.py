@@ -308,6 +308,7 @@ class BeamSearch(Search):
         self.fin_seq = torch.cat([self.fin_seq, cand_seq], dim=1)[batch_idx, best]
         self.fin_lp = torch.cat([self.fin_lp, cand_lp], dim=1)[batch_idx, best]
         if cand_pay is not None:
+            assert self.fin_pay is not None  # created with run_pay, at the first payload
             self.fin_pay = torch.cat([self.fin_pay, cand_pay], dim=1)[batch_idx, best]
         new_len = torch.full((batch, keep), g + 1, dtype=torch.long, device=device)
         self.fin_len = torch.cat([self.fin_len, new_len], dim=1)[batch_idx, best]

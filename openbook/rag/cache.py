@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,16 @@ from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 GROWTH_SLOTS = 16
 
 
-def _layer_has_data(layer: object) -> bool:
+class _FilledLayer(Protocol):
+    """A cache layer holding keys/values (rows, heads, length, d): what this module edits."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _layer_has_data(layer: object) -> TypeGuard[_FilledLayer]:
+    """Whether ``layer`` holds keys/values; layers of other kinds (transformers' linear-attention
+    and dummy layers, uninitialized ones) are left as they are."""
     keys = getattr(layer, "keys", None)
     return bool(getattr(layer, "is_initialized", False)) and keys is not None and keys.numel() > 0
 
@@ -28,20 +38,20 @@ def _layer_has_data(layer: object) -> bool:
 def select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
     """A new cache whose row ``r`` is row ``rows[r]`` of ``cache`` (which is left untouched)."""
     if isinstance(cache, EncoderDecoderCache):
-        out = EncoderDecoderCache(
+        both = EncoderDecoderCache(
             select_rows(cache.self_attention_cache, rows),
             select_rows(cache.cross_attention_cache, rows),
         )
-        out.is_updated = dict(cache.is_updated)
-        return out
+        both.is_updated = dict(cache.is_updated)
+        return both
     out = copy.copy(cache)
     out.layers = []
     for layer in cache.layers:
-        new = copy.copy(layer)
-        if _layer_has_data(layer):
-            idx = rows.to(layer.keys.device)
-            new.keys = layer.keys.index_select(0, idx)
-            new.values = layer.values.index_select(0, idx)
+        new = copy.copy(layer)  # shares ``layer``'s tensors until they are replaced below
+        if _layer_has_data(new):
+            idx = rows.to(new.keys.device)
+            new.keys = new.keys.index_select(0, idx)
+            new.values = new.values.index_select(0, idx)
         out.layers.append(new)
     return out
 
@@ -56,10 +66,10 @@ def broadcast_rows(cache: Cache, rows: int) -> Cache:
     out = copy.copy(cache)
     out.layers = []
     for layer in cache.layers:
-        new = copy.copy(layer)
-        if _layer_has_data(layer):
-            new.keys = layer.keys.expand(rows, -1, -1, -1)
-            new.values = layer.values.expand(rows, -1, -1, -1)
+        new = copy.copy(layer)  # shares ``layer``'s tensors until they are replaced below
+        if _layer_has_data(new):
+            new.keys = new.keys.expand(rows, -1, -1, -1)
+            new.values = new.values.expand(rows, -1, -1, -1)
         out.layers.append(new)
     return out
 
@@ -95,18 +105,23 @@ def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cach
     in one copy."""
     first = caches[0]
     if isinstance(first, EncoderDecoderCache):
-        out = EncoderDecoderCache(
-            join_rows([c.self_attention_cache for c in caches], dest),
-            join_rows([c.cross_attention_cache for c in caches], dest),
+        pairs = [c for c in caches if isinstance(c, EncoderDecoderCache)]
+        if len(pairs) != len(caches):
+            raise TypeError("join_rows: an encoder-decoder cache joins only caches of its kind")
+        both = EncoderDecoderCache(
+            join_rows([c.self_attention_cache for c in pairs], dest),
+            join_rows([c.cross_attention_cache for c in pairs], dest),
         )
-        out.is_updated = dict(first.is_updated)
-        return out
+        both.is_updated = dict(first.is_updated)
+        return both
     out = copy.copy(first)
     out.layers = []
     for i, layer in enumerate(first.layers):
-        new = copy.copy(layer)
-        if _layer_has_data(layer):
-            parts = [c.layers[i] for c in caches]
+        new = copy.copy(layer)  # shares ``layer``'s tensors until they are replaced below
+        if _layer_has_data(new):
+            parts = [p for p in (c.layers[i] for c in caches) if _layer_has_data(p)]
+            if len(parts) != len(caches):
+                raise ValueError(f"join_rows: layer {i} holds keys/values in only some caches")
             width = max(p.keys.shape[-2] for p in parts)
             if dest is None:
                 new.keys = torch.cat([_pad_left(p.keys, width) for p in parts])
@@ -136,6 +151,22 @@ def _scatter_rows(parts: Sequence[torch.Tensor], width: int, dest: torch.Tensor)
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
     """(rows, heads, length, d) -> (rows, heads, width, d), zeros first."""
     return F.pad(t, (0, 0, width - t.shape[-2], 0))
+
+
+def append_slots(cache: Cache, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
+    """A new cache whose layer i is ``cache``'s followed by the slots ``kv[i]`` (keys, values,
+    each (rows, heads, n, d)); ``cache`` is left untouched (a causal LM's shared prefix
+    followed by a passage head's cached keys/values)."""
+    out = copy.copy(cache)
+    out.layers = []
+    for layer, (keys, values) in zip(cache.layers, kv, strict=True):
+        new = copy.copy(layer)  # shares ``layer``'s tensors until they are replaced below
+        out.layers.append(new)
+        if not _layer_has_data(new):
+            raise ValueError("append_slots: a layer without keys/values")
+        new.keys = torch.cat([new.keys, keys], dim=2)
+        new.values = torch.cat([new.values, values], dim=2)
+    return out
 
 
 def drop_leading(cache: Cache, count: int) -> None:
@@ -170,10 +201,13 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        keys, values = self.keys, self.values
+        if keys is None or values is None:  # lazy_initialization sets both
+            raise RuntimeError("GrowingLayer: keys/values missing after initialization")
         new = key_states.shape[-2]
         slots: _Slots | None = getattr(self, "_slots", None)
-        if slots is None or not slots.appendable(self.keys, self.values, new):
-            slots = _Slots(self.keys, self.values, key_states, value_states, new + GROWTH_SLOTS)
+        if slots is None or not slots.appendable(keys, values, new):
+            slots = _Slots(keys, values, key_states, value_states, new + GROWTH_SLOTS)
             self._slots = slots
         self.keys, self.values = slots.append(key_states, value_states)
         return self.keys, self.values

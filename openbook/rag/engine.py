@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from openbook.rag import rag_sequence
+from openbook.rag.backends import DecodeState, Encoded, GeneratorBackend
 from openbook.rag.beam import Finished, SearchSettings, StopFn
 from openbook.rag.confidence import (
     AnyCalibration,
@@ -52,7 +53,6 @@ from openbook.rag.confidence import (
 )
 from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import doc_log_prior
-from openbook.rag.models import DecodeState, Encoded, GeneratorBackend
 from openbook.rag.options import DecodingOptions, GenerationResult, Hypothesis
 from openbook.rag.rag_token import RagTokenRows
 from openbook.rag.streaming import OnToken, RequestStream

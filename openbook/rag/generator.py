@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from openbook.rag.adapters import check_base, merged
+from openbook.rag.backends import CausalBackend, GeneratorBackend
 from openbook.rag.beam import SearchSettings, StopFn
 from openbook.rag.confidence import AnyCalibration, load_calibration
 from openbook.rag.engine import DecodingEngine, GaveUp
@@ -23,7 +24,6 @@ from openbook.rag.memory import (
     memory_model,
     request_shape,
 )
-from openbook.rag.models import CausalBackend, GeneratorBackend
 from openbook.rag.options import DecodingOptions, GenerationResult
 from openbook.rag.streaming import OnToken
 from openbook.types import Passage

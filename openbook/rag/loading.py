@@ -30,8 +30,8 @@ from transformers import (
 )
 
 from openbook.rag.attention import use_matmul_attention
+from openbook.rag.backends import CausalBackend, GeneratorBackend, seq2seq_backend
 from openbook.rag.errors import ModelLoadError
-from openbook.rag.models import CausalBackend, GeneratorBackend, seq2seq_backend
 from openbook.rag.prompting import (
     PROMPT_FILE,
     SEQ2SEQ_FILE,
@@ -369,7 +369,8 @@ def _load_causal(root: Path, device: str, dtype: torch.dtype) -> tuple[Generator
         model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load causal LM from {root}: {e}") from e
-    model.to(device)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     try:
         backend = CausalBackend(model, tokenizer, spec)

@@ -15,7 +15,8 @@ beyond the weights, by design of the code paths it describes:
   few float32 distributions over the vocabulary per decoding row and step
   (:data:`LOGIT_COPIES`: the model's logits, their log-softmax, the mixture / beam scores).
 * **score** (RAG-Sequence thorough, provenance): chunks of at most
-  ``models.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their forked cache.
+  ``backends.base.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their
+  forked cache.
 * **copies**: what the code holds twice for a moment. Joining caches (prefill groups into one
   encoded state, a new request into the running batch) and dropping rows (finished searches)
   build the new cache while the old one is alive, so the encoded and the decoded caches are
@@ -36,13 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from openbook.rag import attention
+from openbook.rag.backends import BartBackend, CausalBackend, GeneratorBackend, Seq2SeqBackend
+from openbook.rag.backends.base import SCORE_LOGIT_ELEMENTS
 from openbook.rag.cache import GROWTH_SLOTS
-from openbook.rag.models import (
-    SCORE_LOGIT_ELEMENTS,
-    BartBackend,
-    CausalBackend,
-    GeneratorBackend,
-)
 from openbook.rag.options import DecodingOptions
 from openbook.types import Passage
 
@@ -215,9 +212,8 @@ def measuring_twin(backend: GeneratorBackend) -> GeneratorBackend:
     """
     twin = copy.copy(backend)
     twin.tokenizer = copy.deepcopy(backend.tokenizer)
-    question_tokenizer = getattr(backend, "question_tokenizer", None)
-    if question_tokenizer is not None:
-        twin.question_tokenizer = copy.deepcopy(question_tokenizer)
+    if isinstance(twin, Seq2SeqBackend) and twin.question_tokenizer is not None:
+        twin.question_tokenizer = copy.deepcopy(twin.question_tokenizer)
     return twin
 
 
@@ -232,10 +228,12 @@ def request_shape(
     ``backend`` is a :func:`measuring_twin` when this runs beside decoding in another thread."""
     if isinstance(backend, CausalBackend):
         lengths = [len(backend.prompt_ids(question, p)) for p in passages]
-    else:
+    elif isinstance(backend, Seq2SeqBackend):
         texts = backend.input_strings([(question, p) for p in passages])
         enc = backend.tokenizer(texts, max_length=backend.max_combined_length, truncation=True)
         lengths = [len(ids) for ids in enc["input_ids"]]
+    else:  # a new family describes its inputs here (openbook/rag/README.md)
+        raise TypeError(f"request_shape: no input shape for {type(backend).__name__}")
     return RequestShape(
         passages=len(passages),
         beams=options.num_beams,

@@ -10,14 +10,15 @@ is in it and treated as 0 otherwise.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
+from openbook.rag.backends import Encoded, GeneratorBackend
 from openbook.rag.beam import Finished, SearchSettings, StopFn, new_search
 from openbook.rag.marginalize import sequence_doc_logliks, sequence_log_marginal
-from openbook.rag.models import Encoded, GeneratorBackend
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
 
@@ -83,7 +84,9 @@ def rank(
     skip_first = _skip_bos(backend, cands)
     if thorough:
         # a candidate's log-probs under the passage whose search found it are known already
-        known = [[{z: h.token_logprobs for z, h in org.items()} for org in origin]]
+        known: list[list[dict[int, Sequence[float]]]] = [
+            [{z: h.token_logprobs for z, h in org.items()} for org in origin]
+        ]
         scored = score_candidates(backend, enc, [cands], [k], known)[0]
         log_p, post = _thorough(backend, scored, cands, prior, skip_first)
     else:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from openbook.rag.backends import Encoded, GeneratorBackend
 from openbook.rag.beam import Finished, SearchSettings, StopFn, new_search
 from openbook.rag.marginalize import token_marginal, token_posteriors
-from openbook.rag.models import Encoded, GeneratorBackend
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
 

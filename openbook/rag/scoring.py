@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from openbook.rag.models import Encoded, GeneratorBackend
+from openbook.rag.backends import Encoded, GeneratorBackend
 
 
 def score_candidates(

@@ -63,9 +63,9 @@ def test_prefix_cached_scoring_equals_full_prompt(dirs, load, arch):
 def test_scoring_within_a_logit_budget_equals_full_prompt(dirs, load, monkeypatch, budget):
     """Rows chunked and, below one row's logits, positions segmented over the growing cache: the
     log-probs stay those of one uncached forward (budget 1: one row, one position at a time)."""
-    from openbook.rag import models
+    from openbook.rag.backends import base
 
-    monkeypatch.setattr(models, "SCORE_LOGIT_ELEMENTS", budget)
+    monkeypatch.setattr(base, "SCORE_LOGIT_ELEMENTS", budget)
     gen = load(dirs.causal("gemma3"))
     b = gen.backend
     passages = _uneven_passages(3)
@@ -294,12 +294,12 @@ def test_a_request_whose_caller_gave_up_leaves_the_batch_between_steps(dirs, loa
 
 @torch.no_grad()
 def test_scoring_keeps_every_lm_head_call_within_the_logit_budget(dirs, load, monkeypatch):
-    from openbook.rag import models
+    from openbook.rag.backends import base
 
     gen = load(dirs.causal("gemma3"))
     vocab = gen.backend.vocab_size
     budget = 2 * vocab  # two positions' logits: forces row chunks and position segments
-    monkeypatch.setattr(models, "SCORE_LOGIT_ELEMENTS", budget)
+    monkeypatch.setattr(base, "SCORE_LOGIT_ELEMENTS", budget)
     enc = gen.backend.encode([(QUESTION, _uneven_passages(3))], 3)
     seen: list[int] = []
     head = gen.model.get_output_embeddings()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions, RagGenerator, memory
+from openbook.rag.backends import BartEncoded
 from openbook.rag.memory import RequestShape
-from openbook.rag.models import BartEncoded
 from openbook_testkit.rag import QUESTION, make_passages
 
 

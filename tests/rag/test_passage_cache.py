@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions
-from openbook.rag.models import _passage_head
+from openbook.rag.backends.causal import _passage_head
 from openbook.rag.passage_cache import PassageCache
 from openbook.rag.prompting import PromptSpec
 from openbook_testkit.rag import QUESTION, make_passages

@@ -99,14 +99,14 @@ class GreedyAnswerer:
         """The causal LM in ``model_dir`` on the CPU in ``dtype`` (float32 unless asked),
         prompted with ``prompt`` (default: the prompt file in ``model_dir``)."""
         from openbook.rag import RagGenerator
-        from openbook.rag.models import CausalBackend
+        from openbook.rag.backends import CausalBackend
 
         generator = RagGenerator.load(model_dir, device="cpu", dtype=dtype)
         spec = getattr(generator.backend, "spec", None)
         if spec is None:
             raise ValueError(f"{model_dir}: not a causal LM with a prompt file")
         if prompt is not None and prompt != spec:
-            backend = CausalBackend(generator.model, generator.tokenizer, prompt)
+            backend = CausalBackend(generator.backend.model, generator.backend.tokenizer, prompt)
             generator = RagGenerator(
                 backend, model_version=generator.model_version, generation=generator.generation
             )

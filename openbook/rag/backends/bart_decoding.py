@@ -17,17 +17,21 @@ directly on the model's own modules (same weights, same operations, no copies of
   faster for the few rows of a decoding step; costs one extra copy of that weight).
 
 Only ``BartForConditionalGeneration`` in eval mode without autograd takes this path
-(:class:`openbook.rag.models.BartBackend`); anything else (T5, mBART, training) uses transformers'
-forward (:class:`openbook.rag.models.Seq2SeqBackend`).
+(:class:`openbook.rag.backends.bart.BartBackend`); anything else (T5, mBART, training) uses
+transformers' forward (:class:`openbook.rag.backends.seq2seq.Seq2SeqBackend`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:  # importing it loads transformers' BART modeling code, needed only with BART
+    from transformers import BartForConditionalGeneration
 
 # Rows x vocabulary logits materialised at once by the LM head.
 _LM_HEAD_ROWS = 1024
@@ -62,11 +66,14 @@ def supports(model: torch.nn.Module) -> bool:
 class BartDecoding:
     """BART decoder + LM head for cached incremental decoding (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: BartForConditionalGeneration) -> None:
         self.model = model
         cfg = model.config
-        self.heads = int(cfg.decoder_attention_heads)
-        self.head_dim = int(cfg.d_model) // self.heads
+        heads, d_model = cfg.decoder_attention_heads, cfg.d_model
+        if heads is None or d_model is None:
+            raise ValueError("BART config without decoder_attention_heads or d_model")
+        self.heads = int(heads)
+        self.head_dim = int(d_model) // self.heads
         self._head_t: Tensor | None = None
         self._head_key: tuple | None = None
 

@@ -1,0 +1,221 @@
+"""The generator back-end interface every model family implements, and what families share.
+
+Every family gives p(y_i | x, z, y_<i) for a batch of (request, passage) rows through the small
+interface of :class:`GeneratorBackend`:
+
+* :meth:`~GeneratorBackend.encode` runs the expensive per-passage part ONCE (the encoder plus the
+  decoder-start step, or the prompt prefill on top of the shared prefix cache) and returns the
+  family's :class:`Encoded` state: its key/value caches and log p(y_1 | x, z);
+* :meth:`~GeneratorBackend.start` forks that into ``copies`` decoding rows per passage (beams), the
+  family's :class:`DecodeState`; :meth:`~GeneratorBackend.step` feeds one token per row;
+  :meth:`~GeneratorBackend.reorder` follows beam search's row permutation;
+* :meth:`~GeneratorBackend.score` teacher-forces whole candidate sequences, again reusing the
+  encoded state; :meth:`~GeneratorBackend.target_logits` gives differentiable training logits.
+
+Invariants every family keeps: rows are always ordered (request, passage slot[, copy]); requests
+with fewer passages than the batch's slot count are padded by repeating a passage (callers give
+such slots a log prior of -inf); a state is only ever handed back to the backend that made it.
+Shapes: n requests, k passage slots, R = n*k encoded rows, N = R*copies decoding rows, V vocabulary.
+
+The families live beside this module, one each (``seq2seq.py``, ``bart.py``, ``causal.py``);
+``registry.py`` picks the encoder-decoder family for a model. Adding a model family: see
+``README.md`` in ``openbook/rag``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar, cast
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from openbook.types import Passage
+
+# Upper bound on logit elements (rows x positions x vocabulary) one teacher-forcing forward pass
+# materialises: 2**24 float32 = 64 MiB, plus its log-softmax. With Gemma's 262k vocabulary a
+# whole-sequence forward of a few rows would otherwise hold gigabytes (see openbook/rag/memory.py).
+# The families read it through this module at call time, so one setting bounds them all.
+SCORE_LOGIT_ELEMENTS = 1 << 24
+
+Items = Sequence[tuple[str, Sequence[Passage]]]  # (question, passages) per request
+
+
+@dataclass
+class Encoded:
+    """What every family's encoded state holds: ``n`` requests x ``k`` passage slots.
+
+    first_logprobs: (R, V) float32, log p(y_1 | x, z), rows ordered request-major.
+    """
+
+    n: int
+    k: int
+    first_logprobs: Tensor
+
+
+@dataclass
+class DecodeState:
+    """Base of the families' live decoding rows (request, slot, copy); :meth:`step` grows them."""
+
+
+# The family's own states: what its encode returns is what its start / score take, what its start
+# returns is what its step / reorder / join / keep take (the engine never mixes families).
+EncodedT = TypeVar("EncodedT", bound=Encoded)
+StateT = TypeVar("StateT", bound=DecodeState)
+
+
+class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
+    """p(y_i | x, z, y_<i) from one model family (see the module docstring).
+
+    Generic in the family's encoded state and decoding state; code that drives any family (the
+    engine, the searches) holds a ``GeneratorBackend`` and hands back only the states it got.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    kind: str
+    eos_token_id: int | None
+    pad_token_id: int
+    bos_token_id: int | None
+    # Token placed before the answer in loss targets (BART: decoder_start_token_id); losses drop it.
+    target_start_id: int
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @abstractmethod
+    def encode(self, items: Items, k: int) -> EncodedT:
+        """Encode ``k`` passage slots of every request (short requests repeat their last one)."""
+
+    @abstractmethod
+    def start(self, enc: EncodedT, copies: int) -> StateT:
+        """``copies`` decoding rows per encoded row: row ``r * copies + c`` reads encoded row r."""
+
+    @abstractmethod
+    def step(self, state: StateT, tokens: Tensor) -> Tensor:
+        """Feed ``tokens`` (N,), one per row -> next-token log-probs (N, V) float32."""
+
+    @abstractmethod
+    def reorder(self, state: StateT, rows: Tensor) -> None:
+        """Row i of ``state`` becomes its row ``rows[i]`` (N,) (beams move within their passage)."""
+
+    # Whether :meth:`join` accepts states that have decoded different numbers of tokens (the
+    # decoding engine then admits new requests into a running batch between steps).
+    joins_running: bool = True
+
+    def concats_encoded(self) -> bool:
+        """Whether :meth:`concat_encoded` joins separately encoded passages of one request, so
+        that a large request's prefill can be split into chunks (:mod:`openbook.rag.engine`)."""
+        return False
+
+    def concat_encoded(self, parts: Sequence[Encoded]) -> Encoded:
+        """One request's encoded state from ``parts``: the same request's passages encoded in
+        consecutive slices (each ``n == 1``), in order. Every row is exactly the row a single
+        :meth:`encode` of all the passages would have given (only padding differs, masked)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes a request's passages at once")
+
+    @abstractmethod
+    def join(self, states: Sequence[StateT]) -> StateT:
+        """One state whose rows are the rows of ``states``, in order (caches left-padded to the
+        longest; padding is masked). Every row decodes exactly as it would in its own state."""
+
+    @abstractmethod
+    def keep(self, state: StateT, rows: Tensor) -> StateT:
+        """The state of rows ``rows`` (ascending) only: the rows of finished searches leave.
+        Whole passage groups (all copies of an encoded row) leave together."""
+
+    @abstractmethod
+    def score(
+        self, enc: EncodedT, rows: Tensor, seqs: Tensor, lengths: Sequence[int] | None = None
+    ) -> Tensor:
+        """Token log-probs (M, T) float32 of ``seqs`` (M, T) under encoded rows ``rows`` (M,).
+
+        Entry t is log p(seqs[m, t] | x, z, seqs[m, :t]); padding positions (t >= lengths[m] when
+        ``lengths`` is given) hold garbage the caller masks.
+        """
+
+    @abstractmethod
+    def target_logits(self, items: Items, targets: Tensor) -> Tensor:
+        """Generator logits for teacher forcing, differentiable, in transformers' RAG layout.
+
+        items: n requests with exactly k passages each; targets: (n, T) starting with
+        ``target_start_id``. Returns (n*k, T, V) where [r, t] predicts targets[r // k, t + 1].
+        """
+
+    @abstractmethod
+    def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
+        """(n, T) loss targets: ``target_start_id``, answer tokens, EOS; right-padded."""
+
+    def refresh(self) -> None:
+        """Rebuild state derived from the weights (call after they change); none by default."""
+        return None
+
+    def set_passage_cache(self, max_bytes: int) -> None:
+        """Bound the keys/values of passage prompts kept across requests (0: keep none). A
+        family that reuses nothing across requests ignores it."""
+        return None
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return decode_text(self.tokenizer, token_ids, skip_special_tokens=True)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [decode_text(self.tokenizer, [t]) for t in token_ids]
+
+
+# ------------------------------------------------------------------ helpers the families share
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    """float32 log-probabilities over the last axis (logits may be bf16/fp16)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def decode_text(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], skip_special_tokens: bool = False
+) -> str:
+    """The text of one token sequence. transformers annotates ``decode`` as ``str | list[str]``
+    (it decodes a batch of sequences too); a flat list of ids always gives a ``str``."""
+    return cast(str, tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def pad_slots(items: Items, k: int) -> list[tuple[str, Passage]]:
+    """(question, passage) rows, k per request; short requests repeat their last passage."""
+    rows: list[tuple[str, Passage]] = []
+    for question, passages in items:
+        ps = list(passages)
+        rows.extend((question, ps[min(j, len(ps) - 1)]) for j in range(k))
+    return rows
+
+
+def copy_rows(enc: Encoded, copies: int) -> Tensor:
+    """(R * copies,) the encoded row of every decoding row: 0,0,..,1,1,.. (``copies`` each)."""
+    n_rows = enc.n * enc.k
+    return torch.arange(n_rows, device=enc.first_logprobs.device).repeat_interleave(copies)
+
+
+def first_id(*candidates: int | list[int] | tuple[int, ...] | None) -> int | None:
+    """The first given token id among ``candidates`` (a list or tuple gives its first entry):
+    configs and tokenizers disagree on which of them sets an id, and how."""
+    for c in candidates:
+        if isinstance(c, list | tuple):
+            c = c[0] if c else None
+        if c is not None:
+            return int(c)
+    return None
+
+
+def right_pad(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
+    """(len(seqs), longest) long tensor of ``seqs``, right-padded with ``pad``."""
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+    return out
