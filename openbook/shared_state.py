@@ -1,31 +1,51 @@
-"""State that every replica must agree on, kept in Redis: which index is active.
+"""The sync half of the Redis protocol (:mod:`openbook.redis_protocol`), as the retriever and
+the generator speak it over ``redis.Redis``: the active index, the model version each serves,
+and following the desired model.
 
 Redis is an optimisation and a coordination channel, never a single point of failure: when
 it cannot be reached, reads return ``None`` and writes are skipped with a warning, and each
-process keeps serving with what it knows.
+process keeps serving with what it knows. Key names and encodings are the protocol module's
+only; this module only executes them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import os
+import socket
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Protocol, cast
 
 import redis
 
+from openbook.redis_protocol import (
+    ACTIVE_INDEX_KEY,
+    CHECKPOINT_FIELD,
+    CONVERGED,
+    DESIRED_MODEL_KEY,
+    FAILED,
+    INDEX_SWAP_CHANNEL,
+    LOADING,
+    MODEL_RELOAD_CHANNEL,
+    MODEL_VERSIONS_KEY,
+    REPLICA_TTL_S,
+    REQUEST_FIELD,
+    RESOLVED_FIELD,
+    ReplicaState,
+    desired_checkpoint,
+    encode_replica_state,
+    open_active_index,
+    replica_key,
+    seal_active_index,
+)
 from openbook.sealing import Sealer, default_sealer
 from openbook.settings import RedisOptions
 
 log = logging.getLogger(__name__)
-
-ACTIVE_INDEX_KEY = "openbook:active-index"
-INDEX_SWAP_CHANNEL = "openbook:index-swaps"
-# Hash: service name ("retriever", "generator") -> model version it serves. Part of the
-# answer-cache key, so a reloaded model never serves answers computed by the old one.
-MODEL_VERSIONS_KEY = "openbook:model-versions"
 
 
 def publish_model_version(client: redis.Redis, service: str, version: str) -> None:
@@ -59,13 +79,13 @@ class ActiveIndexStore:
         except redis.RedisError as exc:
             log.warning("redis unavailable, active index unknown: %s", exc)
             return None
-        return self.sealer.open(ACTIVE_INDEX_KEY, raw)
+        return open_active_index(self.sealer, raw)
 
     def set(self, name: str) -> bool:
         """Record and announce ``name`` as active; False if Redis could not be reached."""
         try:
             pipe = self.client.pipeline()
-            pipe.set(ACTIVE_INDEX_KEY, self.sealer.seal(ACTIVE_INDEX_KEY, name))
+            pipe.set(ACTIVE_INDEX_KEY, seal_active_index(self.sealer, name))
             pipe.publish(INDEX_SWAP_CHANNEL, name)
             pipe.execute()
             return True
@@ -76,10 +96,10 @@ class ActiveIndexStore:
     def restore(self, name: str) -> None:
         """Write ``name`` back if the key is gone (Redis restarted: it keeps nothing on disk)
         or holds something not genuine (forged: replaced by what this replica serves)."""
-        sealed = self.sealer.seal(ACTIVE_INDEX_KEY, name)
+        sealed = seal_active_index(self.sealer, name)
         if not self.client.set(ACTIVE_INDEX_KEY, sealed, nx=True):
             raw = self.client.get(ACTIVE_INDEX_KEY)
-            if raw is not None and self.sealer.open(ACTIVE_INDEX_KEY, raw) is None:
+            if raw is not None and open_active_index(self.sealer, raw) is None:
                 # Compare-and-set: a genuine swap written meanwhile is never overwritten.
                 with self.client.pipeline() as pipe:
                     try:
@@ -125,27 +145,7 @@ class ActiveIndexStore:
         return thread
 
 
-# --- model reloads that reach every replica -------------------------------------------------
-#
-# ``POST /admin/reload-model`` records the *desired* checkpoint in Redis (a hash: a fresh
-# request ``id``, the ``checkpoint`` as the client named it, ``at``) and announces it; every
-# retriever and generator replica runs a :class:`ModelFollower` that loads it with its own
-# verified-load path and switches atomically, or records why it could not. Each replica
-# publishes its own state under ``openbook:replica:<service>:<replica id>`` with a TTL, so a
-# replica that is gone drops out of the listing by itself.
-
-DESIRED_MODEL_KEY = "openbook:desired-model"
-MODEL_RELOAD_CHANNEL = "openbook:model-reloads"
-REPLICA_KEY_PREFIX = "openbook:replica:"
-# The checkpoint the first replica resolved the request to (relative to the checkpoint root):
-# the others load that one, so a checkpoint written meanwhile ("latest" moving) cannot split
-# the replicas across two versions.
-RESOLVED_FIELD = "resolved"
-REPLICA_TTL_S = 15
-
-# States a replica reports about the latest desired model.
-CONVERGED, FAILED, LOADING = "converged", "failed", "loading"
-
+# --- following the desired model (openbook.redis_protocol says what it is) ------------------
 
 # One checkpoint load at a time in a process: loading with transformers (meta-device init)
 # is not thread-safe, and replicas running in one process (tests, benchmarks) would otherwise
@@ -153,16 +153,8 @@ CONVERGED, FAILED, LOADING = "converged", "failed", "loading"
 _LOADS = threading.Lock()
 
 
-def replica_key(service: str, replica: str) -> str:
-    return f"{REPLICA_KEY_PREFIX}{service}:{replica}"
-
-
 def new_replica_id() -> str:
     """Host, pid and a random suffix: unique even for two replicas in one process (tests)."""
-    import os
-    import socket
-    import uuid
-
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
@@ -187,7 +179,7 @@ class ModelFollower:
         replica: str | None = None,
         poll_s: float = 0.5,
         ttl_s: int = REPLICA_TTL_S,
-        on_state: Callable[[dict], None] | None = None,
+        on_state: Callable[[ReplicaState], None] | None = None,
     ) -> None:
         self.client = client
         self.service = service
@@ -204,7 +196,7 @@ class ModelFollower:
         self._warned = False
 
     # -- state --------------------------------------------------------------------------
-    def snapshot(self) -> dict:
+    def snapshot(self) -> ReplicaState:
         return {
             "service": self.service,
             "replica": self.replica,
@@ -220,7 +212,9 @@ class ModelFollower:
         state = self.snapshot()
         if self.on_state is not None:
             self.on_state(state)
-        self.client.set(replica_key(self.service, self.replica), json.dumps(state), ex=self.ttl_s)
+        self.client.set(
+            replica_key(self.service, self.replica), encode_replica_state(state), ex=self.ttl_s
+        )
 
     # -- following ----------------------------------------------------------------------
     def sync(self) -> bool:
@@ -228,11 +222,13 @@ class ModelFollower:
         state. False when Redis could not be reached (nothing changed here)."""
         with self._lock:
             try:
-                desired = self.client.hgetall(DESIRED_MODEL_KEY)
-                request = desired.get("id") if desired else None
+                # decode_responses=True (RedisOptions): replies are str, which redis-py's
+                # annotations cannot tell from the client's type.
+                desired = cast(dict[str, str], self.client.hgetall(DESIRED_MODEL_KEY))
+                request = desired.get(REQUEST_FIELD) if desired else None
                 if request and request != self.handled:
                     self.handled, self.state, self.error = request, LOADING, ""
-                    self.checkpoint = desired.get("checkpoint", "")
+                    self.checkpoint = desired.get(CHECKPOINT_FIELD, "")
                     self.publish()
                     self._follow(desired)
                 self.publish()
@@ -246,14 +242,14 @@ class ModelFollower:
                     self._warned = True
                 return False
 
-    def _follow(self, desired: dict) -> None:
-        requested = desired.get(RESOLVED_FIELD) or desired.get("checkpoint", "")
+    def _follow(self, desired: Mapping[str, str]) -> None:
+        requested = desired_checkpoint(desired)
         try:
             relative, version = self._resolve(requested)
             if not desired.get(RESOLVED_FIELD):
                 # The first replica pins what "latest" meant; take whatever was pinned first.
                 self.client.hsetnx(DESIRED_MODEL_KEY, RESOLVED_FIELD, relative)
-                pinned = self.client.hget(DESIRED_MODEL_KEY, RESOLVED_FIELD)
+                pinned = cast(str | None, self.client.hget(DESIRED_MODEL_KEY, RESOLVED_FIELD))
                 if pinned and pinned != relative:
                     relative, version = self._resolve(pinned)
             self.checkpoint = relative
@@ -310,13 +306,19 @@ class ModelFollower:
         return thread
 
 
-def replica_metrics(metrics) -> Callable[[dict], None] | None:
+class ServingInfo(Protocol):
+    """What :func:`replica_metrics` needs of a service's metrics (``ServiceMetrics``)."""
+
+    def set_serving(self, kind: str, name: str) -> None: ...
+
+
+def replica_metrics(metrics: ServingInfo | None) -> Callable[[ReplicaState], None] | None:
     """An ``on_state`` for :class:`ModelFollower` that shows the replica's id and the state of
     the latest reload on a service's ``openbook_serving_info`` (beside its model version)."""
     if metrics is None:
         return None
 
-    def record(state: dict) -> None:
+    def record(state: ReplicaState) -> None:
         metrics.set_serving("replica", state["replica"])
         metrics.set_serving("reload", state["state"])
 

@@ -10,8 +10,8 @@ import pytest
 
 from openbook.codegen import proto_files, stubs_are_stale
 from openbook.logs import JsonFormatter, request_id_var
+from openbook.redis_protocol import answer_key
 from openbook.shared_state import ActiveIndexStore, publish_model_version, redis_client
-from openbook_gateway.cache import cache_key
 from openbook_gateway.settings import GatewaySettings
 from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.stack import free_port
@@ -33,11 +33,11 @@ def test_json_log_lines_carry_the_request_id_and_fields():
 
 def test_cache_key_depends_on_every_part():
     params = {"question": "q", "k": 5, "models": {"generator": "g1", "retriever": "r1"}}
-    base = cache_key("wiki-2018", params)
-    assert base == cache_key("wiki-2018", dict(reversed(params.items())))
-    assert base != cache_key("wiki-2016", params)
-    assert base != cache_key("wiki-2018", {**params, "k": 6})
-    assert base != cache_key(
+    base = answer_key("wiki-2018", params)
+    assert base == answer_key("wiki-2018", dict(reversed(params.items())))
+    assert base != answer_key("wiki-2016", params)
+    assert base != answer_key("wiki-2018", {**params, "k": 6})
+    assert base != answer_key(
         "wiki-2018", {**params, "models": {"generator": "g2", "retriever": "r1"}}
     )
 

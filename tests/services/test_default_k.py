@@ -10,9 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from openbook.rag.loading import rag_n_docs
+from openbook.redis_protocol import answer_key
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_gateway.app import create_app
-from openbook_gateway.cache import ANSWER_PARAMS, cache_key
+from openbook_gateway.cache import ANSWER_PARAMS
 from openbook_gateway.default_k import DefaultK
 from openbook_testkit.rag import make_tiny_rag_checkpoint
 from openbook_testkit.stack import running_backends
@@ -85,7 +86,7 @@ def test_the_cache_key_holds_the_resolved_k(rag_client, redis_server):
     }
     assert set(params) == set(ANSWER_PARAMS)
     models = {"generator": first["model_version"], "retriever": first["retriever_version"]}
-    assert redis_server.client().exists(cache_key(first["index"], {**params, "models": models}))
+    assert redis_server.client().exists(answer_key(first["index"], {**params, "models": models}))
 
 
 def test_a_bart_generator_defaults_to_5(tmp_path_factory, redis_server, redis_url):

@@ -18,9 +18,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from openbook.limits import RETRIEVAL_MODES
+from openbook.redis_protocol import answer_key
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
-from openbook_gateway.cache import answer_params, cache_key
+from openbook_gateway.cache import answer_params
 from openbook_gateway.schemas import AnswerRequest
 from openbook_retriever.servicer import _Search, search_batch
 from openbook_testkit.index import QUESTIONS, fact_rows, write_jsonl
@@ -323,7 +324,7 @@ def test_cache_keys_differ_by_mode(client):
         mode: answer_params(AnswerRequest(question=QUESTION, retrieval=mode), 3)
         for mode in (None, *RETRIEVAL_MODES)
     }
-    assert len({cache_key("facts-a", p) for p in params.values()}) == 4
+    assert len({answer_key("facts-a", p) for p in params.values()}) == 4
 
     question = {"question": QUESTIONS["p18"], "k": 2, "max_new_tokens": 2}
     first = client.post("/answer", json={**question, "retrieval": "dense"}).json()

@@ -14,10 +14,10 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
+from openbook.redis_protocol import ACTIVE_INDEX_KEY, ANSWER_KEY_PREFIX, INDEX_SWAP_CHANNEL
 from openbook.sealing import load_sealer
-from openbook.shared_state import ACTIVE_INDEX_KEY, INDEX_SWAP_CHANNEL, ActiveIndexStore
+from openbook.shared_state import ActiveIndexStore
 from openbook_gateway.app import create_app
-from openbook_gateway.cache import KEY_PREFIX
 from openbook_testkit.stack import running_backends
 
 TOKEN = "trust-admin-token"
@@ -79,7 +79,7 @@ def test_the_openbook_user_gets_only_what_openbook_uses(redis_server):
 
 
 def _answer_keys(redis_server) -> list[str]:
-    return list(redis_server.client().scan_iter(match=KEY_PREFIX + "*"))
+    return list(redis_server.client().scan_iter(match=ANSWER_KEY_PREFIX + "*"))
 
 
 @pytest.mark.parametrize("forgery", ["plain", "altered", "moved"])

@@ -14,10 +14,10 @@ from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
-from openbook.shared_state import DESIRED_MODEL_KEY, MODEL_VERSIONS_KEY
+from openbook.redis_protocol import DESIRED_MODEL_KEY, MODEL_VERSIONS_KEY, answer_key
 from openbook.v1 import generator_pb2, generator_pb2_grpc, retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
-from openbook_gateway.cache import ANSWER_PARAMS, cache_key
+from openbook_gateway.cache import ANSWER_PARAMS
 from openbook_gateway.schemas import AnswerRequest
 from openbook_gateway.settings import GatewaySettings
 from openbook_generator.server import build as build_generator
@@ -223,8 +223,10 @@ def test_cache_never_files_an_answer_under_a_version_that_did_not_compute_it(sys
     assert first["cached"] is False
     params = AnswerRequest(**question).model_dump(include=set(ANSWER_PARAMS))
     models = {"retriever": first["retriever_version"]}
-    stored = cache_key(first["index"], {**params, "models": {**models, "generator": "step-000001"}})
-    wrong = cache_key(first["index"], {**params, "models": {**models, "generator": "step-000003"}})
+    stored = answer_key(
+        first["index"], {**params, "models": {**models, "generator": "step-000001"}}
+    )
+    wrong = answer_key(first["index"], {**params, "models": {**models, "generator": "step-000003"}})
     assert redis.exists(stored) and not redis.exists(wrong)
     # Looked up under the announced (newer) version: never the old model's answer.
     again = client.post("/answer", json=question).json()

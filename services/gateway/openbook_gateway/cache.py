@@ -7,26 +7,25 @@ Redis is unreachable the cache is skipped, never an error.
 
 Entries are sealed with the server key (openbook.sealing), bound to their key: one written or
 altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
-computed afresh; the active index read from Redis is trusted the same way only.
+computed afresh; the active index read from Redis is trusted the same way only. Key names
+and encodings are ``openbook.redis_protocol``'s, the Redis calls ``openbook.shared_state_aio``'s:
+this module holds the gateway's policy (what keys an answer, what to do without Redis).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
+from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from openbook.redis_protocol import answer_key
 from openbook.sealing import Sealer
 from openbook.settings import RedisOptions
-from openbook.shared_state import ACTIVE_INDEX_KEY, MODEL_VERSIONS_KEY
+from openbook.shared_state_aio import async_redis_client, read_answer, read_serving, write_answer
 from openbook_gateway.schemas import AnswerRequest
 
 log = logging.getLogger(__name__)
-
-KEY_PREFIX = "openbook:answer:"
 
 # Fields of AnswerRequest that change the answer (and so belong in the cache key).
 ANSWER_PARAMS = (
@@ -44,27 +43,25 @@ ANSWER_PARAMS = (
 )
 
 
-def answer_params(body: AnswerRequest, k: int) -> dict:
+def answer_params(body: AnswerRequest, k: int) -> dict[str, Any]:
     """What decides an answer, with ``k`` resolved (a request naming no k and one naming the
     model's default share their key)."""
     return {**body.model_dump(include=set(ANSWER_PARAMS)), "k": k}
 
 
-def cache_key(index: str, params: dict) -> str:
-    blob = json.dumps({"index": index, **params}, sort_keys=True, ensure_ascii=False)
-    return KEY_PREFIX + hashlib.sha256(blob.encode()).hexdigest()
-
-
 class AnswerCache:
+    """The gateway's answer cache, and what it saw serve last (Redis is the shared truth;
+    this gateway's memory covers a Redis that lost its keys)."""
+
     def __init__(self, redis: RedisOptions, ttl_s: int, sealer: Sealer) -> None:
         self.ttl_s = ttl_s
         self.sealer = sealer
-        self.client = aioredis.Redis.from_url(redis.url, **redis.client_kwargs())
+        self.client = async_redis_client(redis)
         # What this gateway saw serve last: covers a Redis that lost its keys.
         self.last_index: str | None = None
         self.last_versions: dict[str, str] = {}
 
-    async def lookup(self, index: str | None, params: dict) -> dict | None:
+    async def lookup(self, index: str | None, params: dict[str, Any]) -> dict[str, Any] | None:
         """The stored answer for ``params`` on ``index`` (None: the active index), if any.
 
         Keyed by the index and model versions that would answer now: Redis is the shared
@@ -86,36 +83,31 @@ class AnswerCache:
     def swapped(self, active: str) -> None:
         self.last_index = active
 
-    async def store(self, index: str, params: dict, versions: dict[str, str], answer: dict) -> None:
+    async def store(
+        self, index: str, params: dict[str, Any], versions: dict[str, str], answer: dict[str, Any]
+    ) -> None:
         """File ``answer`` under the index and the model versions that computed it."""
         await self.put(index, {**params, "models": versions}, answer)
 
     async def serving(self) -> tuple[str | None, dict[str, str]]:
         """The active index and the model versions the services announced."""
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                index, versions = (
-                    await pipe.get(ACTIVE_INDEX_KEY).hgetall(MODEL_VERSIONS_KEY).execute()
-                )
-            return self.sealer.open(ACTIVE_INDEX_KEY, index), versions
+            return await read_serving(self.client, self.sealer)
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable: %s", exc)
             return None, {}
 
-    async def get(self, index: str, params: dict) -> dict | None:
-        key = cache_key(index, params)
+    async def get(self, index: str, params: dict[str, Any]) -> dict[str, Any] | None:
         try:
-            raw = await self.client.get(key)
+            return await read_answer(self.client, self.sealer, answer_key(index, params))
         except (RedisError, OSError) as exc:
             log.warning("cache read skipped, redis unavailable: %s", exc)
             return None
-        payload = self.sealer.open(key, raw)
-        return json.loads(payload) if payload else None
 
-    async def put(self, index: str, params: dict, answer: dict) -> None:
-        key = cache_key(index, params)
+    async def put(self, index: str, params: dict[str, Any], answer: dict[str, Any]) -> None:
+        key = answer_key(index, params)
         try:
-            await self.client.set(key, self.sealer.seal(key, json.dumps(answer)), ex=self.ttl_s)
+            await write_answer(self.client, self.sealer, key, answer, self.ttl_s)
         except (RedisError, OSError) as exc:
             log.warning("cache write skipped, redis unavailable: %s", exc)
 

@@ -14,65 +14,28 @@ replica (per shard) each of the gateway's channels reaches.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
+from typing import Any
 
+import redis.asyncio as aioredis
 from fastapi import HTTPException
 from redis.exceptions import RedisError
 
-from openbook.shared_state import (
-    CONVERGED,
-    DESIRED_MODEL_KEY,
-    FAILED,
-    LOADING,
-    MODEL_RELOAD_CHANNEL,
-    REPLICA_KEY_PREFIX,
-)
+from openbook.redis_protocol import CONVERGED, FAILED, LOADING, REQUEST_FIELD, RESOLVED_FIELD
+from openbook.shared_state_aio import desired_model, list_replicas, set_desired
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.retrieval import Retrieval
 
+# desired_model and list_replicas reach the admin routes through this module.
 log = logging.getLogger(__name__)
 
 SERVICES = ("retriever", "generator")
 POLL_S = 0.2
 
 
-async def list_replicas(client) -> list[dict]:
-    """Every live replica's own state, by service then replica id."""
-    keys = [key async for key in client.scan_iter(match=REPLICA_KEY_PREFIX + "*", count=500)]
-    if not keys:
-        return []
-    replicas = []
-    for raw in await client.mget(keys):
-        if raw:  # expired between SCAN and MGET
-            try:
-                replicas.append(json.loads(raw))
-            except ValueError:
-                continue
-    return sorted(replicas, key=lambda r: (r.get("service", ""), r.get("replica", "")))
-
-
-async def desired_model(client) -> dict:
-    return await client.hgetall(DESIRED_MODEL_KEY)
-
-
-async def set_desired(client, checkpoint: str) -> str:
-    request = uuid.uuid4().hex
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.delete(DESIRED_MODEL_KEY)
-        pipe.hset(
-            DESIRED_MODEL_KEY,
-            mapping={"id": request, "checkpoint": checkpoint, "at": str(time.time())},
-        )
-        pipe.publish(MODEL_RELOAD_CHANNEL, request)
-        await pipe.execute()
-    return request
-
-
-def outcome(replica: dict, request: str) -> dict:
+def outcome(replica: dict[str, Any], request: str) -> dict[str, Any]:
     """One replica's result for ``request``: converged, failed (with the reason) or loading."""
     mine = replica.get("request") == request
     state = replica.get("state") if mine else LOADING
@@ -90,12 +53,14 @@ class SharedReload:
     """A reload told to every replica through Redis, and where it got."""
 
     request: str  # its id
-    desired: dict  # the desired record (with the checkpoint the replicas resolved)
-    outcomes: list[dict]  # each replica's (``outcome``)
-    before: list[dict]  # each replica's state before the request
+    desired: dict[str, str]  # the desired record (with the checkpoint the replicas resolved)
+    outcomes: list[dict[str, Any]]  # each replica's (``outcome``)
+    before: list[dict[str, Any]]  # each replica's state before the request
 
 
-async def reload_everywhere(client, checkpoint: str, wait_s: float) -> SharedReload | None:
+async def reload_everywhere(
+    client: aioredis.Redis, checkpoint: str, wait_s: float
+) -> SharedReload | None:
     """Set the desired model and wait (at most ``wait_s``) until every live replica reports on
     it. None when Redis cannot be reached or no replica follows shared reloads (the caller
     falls back to RPCs)."""
@@ -109,8 +74,8 @@ async def reload_everywhere(client, checkpoint: str, wait_s: float) -> SharedRel
         log.warning("redis unavailable, reload reaches one replica per channel only: %s", exc)
         return None
     deadline = time.monotonic() + wait_s
-    outcomes: list[dict] = []
-    desired: dict = {}
+    outcomes: list[dict[str, Any]] = []
+    desired: dict[str, str] = {}
     while True:
         try:
             replicas = await list_replicas(client)
@@ -120,7 +85,7 @@ async def reload_everywhere(client, checkpoint: str, wait_s: float) -> SharedRel
             replicas = []
         if replicas:
             outcomes = [outcome(r, request) for r in replicas]
-        if desired.get("id") not in (None, request):
+        if desired.get(REQUEST_FIELD) not in (None, request):
             break  # a newer reload superseded this one: report where this one got
         if outcomes and all(o["state"] != LOADING for o in outcomes):
             break
@@ -137,7 +102,7 @@ async def reload_everywhere(client, checkpoint: str, wait_s: float) -> SharedRel
     return SharedReload(request, desired, outcomes, before)
 
 
-def _served(outcomes: list[dict]) -> dict[str, str]:
+def _served(outcomes: list[dict[str, Any]]) -> dict[str, str]:
     """The version each service's replicas serve ('' where they differ)."""
     versions = {}
     for service in SERVICES:
@@ -148,7 +113,7 @@ def _served(outcomes: list[dict]) -> dict[str, str]:
     return versions
 
 
-def _moved(reload: SharedReload) -> list[dict]:
+def _moved(reload: SharedReload) -> list[dict[str, Any]]:
     """The replicas that switched (or are still switching) to the requested model."""
     before = {(r.get("service"), r.get("replica")): r.get("version") for r in reload.before}
     return [
@@ -162,12 +127,12 @@ def _moved(reload: SharedReload) -> list[dict]:
 async def reload_models(
     retrieval: Retrieval,
     generator: GeneratorClient,
-    client,
+    client: aioredis.Redis,
     checkpoint: str,
     request_id: str,
     timeout_s: float,
     wait_s: float,
-) -> tuple[int, dict]:
+) -> tuple[int, dict[str, Any]]:
     """Reload the retriever (query encoder) and the generator from ``checkpoint`` ('' : the
     latest), both or neither. Returns the HTTP status and the body (``ReloadModelResponse``,
     with ``detail`` when a replica refused): 200 when every replica switched, 202 when some
@@ -192,7 +157,7 @@ async def reload_models(
     )
     body = {
         **_served(outcomes),
-        "checkpoint": shared.desired.get("resolved") or checkpoint or None,
+        "checkpoint": shared.desired.get(RESOLVED_FIELD) or checkpoint or None,
         "request": shared.request,
         "replicas": outcomes,
         "rolled_back": None,

@@ -1,0 +1,92 @@
+"""The async half of the Redis protocol (:mod:`openbook.redis_protocol`), as the gateway speaks
+it over ``redis.asyncio.Redis``: what is served now, cached answers, the desired model and the
+replicas' states.
+
+Invariants: key names and encodings are the protocol module's only; this module only executes
+them. Every function raises ``RedisError`` / ``OSError`` when Redis cannot be reached: what to
+do then (skip the cache, fall back to RPCs, answer 503) is the caller's decision.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.typing import EncodableT
+
+from openbook.redis_protocol import (
+    ACTIVE_INDEX_KEY,
+    DESIRED_MODEL_KEY,
+    MODEL_RELOAD_CHANNEL,
+    MODEL_VERSIONS_KEY,
+    REPLICA_KEY_PATTERN,
+    decode_replica_state,
+    desired_model_record,
+    open_active_index,
+    open_answer,
+    seal_answer,
+)
+from openbook.sealing import Sealer
+from openbook.settings import RedisOptions
+
+
+def async_redis_client(options: RedisOptions) -> aioredis.Redis:
+    """An asyncio client with ``options``' credentials, TLS and timeouts (as
+    :func:`openbook.shared_state.redis_client` for the sync half)."""
+    return aioredis.Redis.from_url(options.url, **options.client_kwargs())
+
+
+async def read_serving(client: aioredis.Redis, sealer: Sealer) -> tuple[str | None, dict[str, str]]:
+    """The active index (None: unknown, or not genuine) and the model versions the services
+    announced, read together."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.get(ACTIVE_INDEX_KEY)
+        pipe.hgetall(MODEL_VERSIONS_KEY)
+        index, versions = await pipe.execute()
+    return open_active_index(sealer, index), versions
+
+
+async def read_answer(client: aioredis.Redis, sealer: Sealer, key: str) -> dict[str, Any] | None:
+    """The answer cached under ``key``; None if absent or not genuine."""
+    return open_answer(sealer, key, await client.get(key))
+
+
+async def write_answer(
+    client: aioredis.Redis, sealer: Sealer, key: str, answer: dict[str, Any], ttl_s: int
+) -> None:
+    await client.set(key, seal_answer(sealer, key, answer), ex=ttl_s)
+
+
+async def list_replicas(client: aioredis.Redis) -> list[dict[str, Any]]:
+    """Every live replica's own state, by service then replica id."""
+    keys = [key async for key in client.scan_iter(match=REPLICA_KEY_PATTERN, count=500)]
+    if not keys:
+        return []
+    # An entry that expired between SCAN and MGET, or is not a state, is left out.
+    replicas = [
+        state for raw in await client.mget(keys) if (state := decode_replica_state(raw)) is not None
+    ]
+    return sorted(replicas, key=lambda r: (r.get("service", ""), r.get("replica", "")))
+
+
+async def desired_model(client: aioredis.Redis) -> dict[str, str]:
+    """The desired-model record (empty: no reload was asked for)."""
+    # decode_responses=True (RedisOptions): replies are str, which redis-py's annotations
+    # cannot tell from the client's type.
+    return cast(dict[str, str], await client.hgetall(DESIRED_MODEL_KEY))
+
+
+async def set_desired(client: aioredis.Redis, checkpoint: str) -> str:
+    """Ask every replica for ``checkpoint``; returns the request's id."""
+    request = uuid.uuid4().hex
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.delete(DESIRED_MODEL_KEY)
+        fields = desired_model_record(request, checkpoint, time.time())
+        # Typed as redis-py's own mapping (its keys' type is invariant): the same str pairs.
+        record: dict[EncodableT, EncodableT] = {field: value for field, value in fields.items()}
+        pipe.hset(DESIRED_MODEL_KEY, mapping=record)
+        pipe.publish(MODEL_RELOAD_CHANNEL, request)
+        await pipe.execute()
+    return request
