@@ -3,7 +3,10 @@
 Each boundary checks a request once, against these, and turns it into a typed request that
 the code behind it trusts: the gateway's HTTP schemas (``openbook_gateway.schemas``), the
 retriever's ``Retrieve`` and index RPCs and the generator's ``Generate``. A request the gateway
-accepts is therefore one the services accept.
+accepts is therefore one the services accept. Decoding options have one rule,
+:func:`check_decoding`, at all three of their boundaries: the gateway's schema, the generator's
+``Generate`` and the library's entry (``DecodingOptions.validate``, for ``RagGenerator``'s
+direct callers).
 
 Torch-free and framework-free (the gateway imports it). The ``check_*`` functions raise
 :class:`openbook.errors.InvalidArgument` (a ``ValueError``, so a pydantic validator reports it
@@ -15,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from typing import Literal, get_args
+from typing import Literal, TypeGuard, get_args
 
 from openbook.errors import InvalidArgument
 
@@ -97,10 +100,25 @@ def check_question(field: str, value: str) -> str:
     return refuse_controls(field, value, QUESTION_CONTROLS)
 
 
-def check_range(field: str, value: int, lo: int, hi: int) -> int:
+def check_range(field: str, value: object, lo: int, hi: int) -> int:
+    """``value``, an integer (not a bool) in ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{field} must be an integer in [{lo}, {hi}], got {value!r}")
     if not lo <= value <= hi:
         raise InvalidArgument(f"{field} must be in [{lo}, {hi}], got {value}")
     return value
+
+
+def is_finite_number(value: object) -> TypeGuard[float]:
+    """An int or float (not a bool), neither infinite nor NaN."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_finite(field: str, value: object) -> float:
+    """``value``, a finite number (a passage's score)."""
+    if not is_finite_number(value):
+        raise InvalidArgument(f"{field} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def check_index_name(field: str, value: str) -> str:
@@ -164,15 +182,18 @@ def check_decoding(
     num_return_sequences: int,
     length_penalty: float,
 ) -> None:
-    """Decoding options: each in its range, and consistent with each other."""
+    """Decoding options: each of its type and in its range, and consistent with each other.
+    The one definition of the rules (see the module's docstring for who calls it); the error
+    names the first bad field."""
     if mode not in DECODING_MODES:
         raise InvalidArgument(f"mode must be one of {list(DECODING_MODES)}, got {mode!r}")
-    check_range("num_beams", num_beams, 1, MAX_BEAMS)
-    check_range("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
+    num_beams = check_range("num_beams", num_beams, 1, MAX_BEAMS)
+    max_new_tokens = check_range("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
     check_range("min_new_tokens", min_new_tokens, 0, max_new_tokens)
     check_range("num_return_sequences", num_return_sequences, 1, num_beams)
     if not (
-        math.isfinite(length_penalty) and MIN_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY
+        is_finite_number(length_penalty)
+        and MIN_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY
     ):
         raise InvalidArgument(
             f"length_penalty must be in [{MIN_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "

@@ -3,7 +3,7 @@
 Lewis et al., "Retrieval-Augmented Generation for Knowledge-Intensive NLP Tasks", NeurIPS 2020.
 """
 
-from openbook.rag.errors import InvalidRequest, ModelLoadError
+from openbook.rag.errors import ModelLoadError
 from openbook.rag.generator import RagGenerator, validate_request
 from openbook.rag.options import DecodingOptions, GenerationResult, Hypothesis
 
@@ -11,7 +11,6 @@ __all__ = [
     "DecodingOptions",
     "GenerationResult",
     "Hypothesis",
-    "InvalidRequest",
     "ModelLoadError",
     "RagGenerator",
     "validate_request",

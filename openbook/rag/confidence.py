@@ -353,8 +353,8 @@ def fit_calibration(raw: Sequence[float], correct: Sequence[bool | float]) -> Ca
     kx: list[float] = []
     ky: list[float] = []
     for mean, _, first, last in blocks:
-        for i in (first, last) if last != first else (first,):
-            kx.append(float(ux[int(i)]))
+        for point in (first, last) if last != first else (first,):
+            kx.append(float(ux[int(point)]))
             ky.append(min(1.0, max(0.0, float(mean))))
     calibration = Calibration(tuple(kx), tuple(ky), int(xs.size))
     calibration.validate()

@@ -1,10 +1,9 @@
-"""Exceptions raised by the RAG generation library."""
+"""Exceptions raised by the RAG generation library.
+
+A caller's mistake (a malformed request, bad decoding options) is
+:class:`openbook.errors.InvalidArgument`, the one error type for it everywhere."""
 
 from __future__ import annotations
-
-
-class InvalidRequest(ValueError):
-    """A generation request is malformed; the message names the offending field."""
 
 
 class ModelLoadError(ValueError):

@@ -5,16 +5,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
+from openbook.errors import InvalidArgument
+from openbook.limits import check_finite
 from openbook.rag.adapters import check_base, merged
 from openbook.rag.backends import CausalBackend, GeneratorBackend
 from openbook.rag.beam import SearchSettings, StopFn
 from openbook.rag.confidence import AnyCalibration, load_calibration
 from openbook.rag.engine import DecodingEngine, GaveUp
-from openbook.rag.errors import Abandoned, InvalidRequest
+from openbook.rag.errors import Abandoned
 from openbook.rag.loading import dtype_name, load
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
 from openbook.rag.memory import (
@@ -34,20 +36,26 @@ Request = tuple[str, Sequence[Passage], DecodingOptions]
 MAX_BATCH_ROWS = 256
 
 
+class _Detokenizer(Protocol):
+    """What a stop-string check needs of a tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
 def validate_request(question: str, passages: Sequence[Passage], options: DecodingOptions) -> None:
-    """Raise :class:`InvalidRequest` for an unusable request (the message names the field)."""
+    """The library's entry check, for :class:`RagGenerator`'s direct callers (the generator
+    service validates at its own boundary, with the same decoding rules, and calls the engine).
+    Raises :class:`~openbook.errors.InvalidArgument` naming the first bad field."""
     if not isinstance(question, str) or not question.strip():
-        raise InvalidRequest("question must be a non-empty string")
+        raise InvalidArgument("question must be a non-empty string")
     if passages is None or len(passages) == 0:
-        raise InvalidRequest("passages must contain at least one passage, got 0")
+        raise InvalidArgument("passages must contain at least one passage, got 0")
     for j, p in enumerate(passages):
         if not isinstance(p, Passage):
-            raise InvalidRequest(f"passages[{j}] must be a Passage, got {type(p).__name__}")
-        score = p.score
-        if not isinstance(score, int | float) or score != score or abs(score) == float("inf"):
-            raise InvalidRequest(f"passages[{j}].score must be a finite number, got {score!r}")
+            raise InvalidArgument(f"passages[{j}] must be a Passage, got {type(p).__name__}")
+        check_finite(f"passages[{j}].score", p.score)
     if not isinstance(options, DecodingOptions):
-        raise InvalidRequest(f"options must be DecodingOptions, got {type(options).__name__}")
+        raise InvalidArgument(f"options must be DecodingOptions, got {type(options).__name__}")
     options.validate()
 
 
@@ -156,14 +164,14 @@ class RagGenerator:
         """A continuous-batching engine over this generator (:mod:`openbook.rag.engine`); use it
         from one thread, under ``torch.inference_mode()``, with requests that passed
         :func:`validate_request`."""
-        causal = isinstance(self.backend, CausalBackend)
+        backend = self.backend
         return DecodingEngine(
-            self.backend,
+            backend,
             self._settings,
             self._stop_fn(),
             max_rows,
             self.stop_strings(),
-            answer_prefix=self.backend.spec.answer_prefix if causal else "",
+            answer_prefix=backend.spec.answer_prefix if isinstance(backend, CausalBackend) else "",
             calibration=self.calibration,
         )
 
@@ -176,7 +184,8 @@ class RagGenerator:
     ) -> list[GenerationResult | Abandoned]:
         """Generate for several requests, decoded together by one :meth:`engine`.
 
-        Every request is validated first; the first invalid one raises :class:`InvalidRequest`
+        Every request is validated first; the first invalid one raises
+        :class:`~openbook.errors.InvalidArgument`
         (callers that must isolate bad requests validate each with :func:`validate_request`).
         ``gave_up[i]``, when given, says whether request i's caller stopped waiting: its rows
         leave the batch before the next decoding step (or it never starts) and it gets an
@@ -230,7 +239,8 @@ class RagGenerator:
             return None
         stops = self.stop_strings()
         extra = {t for t in self.generation.get("extra_eos_token_ids", []) if t != b.eos_token_id}
-        tok = b.tokenizer
+        # GeneratorBackend types its tokenizer as any object: a transformers tokenizer here.
+        tok = cast(_Detokenizer, b.tokenizer)
 
         def stop(tokens: list[int]) -> bool:
             if tokens[-1] in extra:
@@ -264,16 +274,16 @@ class RagGenerator:
         """
         n = len(questions)
         if n == 0 or len(passages_per_question) != n or len(targets) != n:
-            raise InvalidRequest(
+            raise InvalidArgument(
                 "questions, passages_per_question and targets must have equal length"
             )
         if doc_scores.dim() != 2 or doc_scores.shape[0] != n:
-            raise InvalidRequest(
+            raise InvalidArgument(
                 f"doc_scores must have shape ({n}, k), got {tuple(doc_scores.shape)}"
             )
         k = doc_scores.shape[1]
         if any(len(p) != k for p in passages_per_question):
-            raise InvalidRequest(
+            raise InvalidArgument(
                 f"every question needs exactly k={k} passages (doc_scores columns)"
             )
         if mode == "rag-token":
@@ -281,7 +291,7 @@ class RagGenerator:
         elif mode.startswith("rag-sequence"):
             nll = rag_sequence_nll
         else:
-            raise InvalidRequest(f"mode must be 'rag-token' or 'rag-sequence', got {mode!r}")
+            raise InvalidArgument(f"mode must be 'rag-token' or 'rag-sequence', got {mode!r}")
         b = self.backend
         target = b.tokenize_targets(list(targets))
         logits = b.target_logits(list(zip(questions, passages_per_question, strict=True)), target)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openbook.limits import DECODING_MODES, MAX_BEAMS, MAX_NEW_TOKENS
-from openbook.rag.errors import InvalidRequest
+from openbook.limits import check_decoding
 
 
 @dataclass
@@ -23,26 +22,19 @@ class DecodingOptions:
     num_return_sequences: int = 1
 
     def validate(self) -> None:
-        """Raise :class:`InvalidRequest` naming the first out-of-range field.
+        """Raise :class:`~openbook.errors.InvalidArgument` naming the first bad field: the
+        rules of :func:`openbook.limits.check_decoding`, the same the gateway and the generator
+        service apply at their boundaries."""
+        check_decoding(
+            self.mode,
+            self.num_beams,
+            self.max_new_tokens,
+            self.min_new_tokens,
+            self.num_return_sequences,
+            self.length_penalty,
+        )
 
-        The library's own invariants, for its Python callers (types included); the services
-        check requests against ``openbook.limits`` at their boundary before they get here."""
-        if self.mode not in DECODING_MODES:
-            raise InvalidRequest(f"mode must be one of {list(DECODING_MODES)}, got {self.mode!r}")
-        _check_int("num_beams", self.num_beams, 1, MAX_BEAMS)
-        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
-        _check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
-        _check_int("num_return_sequences", self.num_return_sequences, 1, self.num_beams)
-        lp = self.length_penalty
-        if (
-            isinstance(lp, bool)
-            or not isinstance(lp, int | float)
-            or lp != lp
-            or abs(lp) == float("inf")
-        ):
-            raise InvalidRequest(f"length_penalty must be a finite number, got {lp!r}")
-
-    def key(self) -> tuple:
+    def key(self) -> tuple[str, int, int, int, float, int]:
         """Hashable identity, used to group requests that can share a forward pass."""
         return (
             self.mode,
@@ -52,13 +44,6 @@ class DecodingOptions:
             float(self.length_penalty),
             self.num_return_sequences,
         )
-
-
-def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
-    if not lo <= value <= hi:
-        raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}")
 
 
 @dataclass

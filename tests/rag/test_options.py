@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from openbook.rag import DecodingOptions, InvalidRequest
+from openbook.errors import InvalidArgument
+from openbook.rag import DecodingOptions
 from openbook_testkit.rag import QUESTION, make_passages
 
 
@@ -22,18 +23,19 @@ from openbook_testkit.rag import QUESTION, make_passages
         ({"num_return_sequences": 0, "num_beams": 4}, "num_return_sequences"),
         ({"mode": "rag-magic"}, "mode"),
         ({"length_penalty": float("nan")}, "length_penalty"),
+        ({"length_penalty": 10.5}, "length_penalty"),
     ],
 )
 def test_invalid_options(dirs, load, changes, field):
     opts = DecodingOptions(**changes)
-    with pytest.raises(InvalidRequest, match=field):
+    with pytest.raises(InvalidArgument, match=field):
         opts.validate()
-    with pytest.raises(InvalidRequest, match=field):
+    with pytest.raises(InvalidArgument, match=field):
         load(dirs.bart(0)).generate(QUESTION, make_passages(2), opts)
 
 
-def test_invalid_request_is_value_error():
-    assert issubclass(InvalidRequest, ValueError)
+def test_invalid_argument_is_value_error():
+    assert issubclass(InvalidArgument, ValueError)
 
 
 def test_valid_edges():
@@ -46,11 +48,11 @@ def test_valid_edges():
 
 def test_empty_passages_and_question(dirs, load):
     gen = load(dirs.bart(0))
-    with pytest.raises(InvalidRequest, match="passages"):
+    with pytest.raises(InvalidArgument, match="passages"):
         gen.generate(QUESTION, [], DecodingOptions())
-    with pytest.raises(InvalidRequest, match="question"):
+    with pytest.raises(InvalidArgument, match="question"):
         gen.generate("  ", make_passages(1), DecodingOptions())
     bad = make_passages(2)
     bad[1].score = float("inf")
-    with pytest.raises(InvalidRequest, match=r"passages\[1\].score"):
+    with pytest.raises(InvalidArgument, match=r"passages\[1\].score"):
         gen.generate(QUESTION, bad, DecodingOptions())

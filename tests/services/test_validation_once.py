@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from openbook import limits
 from openbook.errors import InvalidArgument, NotFound, status_for
-from openbook.rag import InvalidRequest
+from openbook.rag import DecodingOptions
 from openbook.v1 import (
     common_pb2,
     generator_pb2,
@@ -106,11 +106,15 @@ def test_a_question_is_accepted_alike_at_every_boundary(question):
 def test_the_generator_enforces_the_gateways_decoding_limits(options, field):
     body = {("decoding" if key == "mode" else key): value for key, value in options.items()}
     assert _gateway_accepts(question="q", **body) == (field is None)
+    library = DecodingOptions(**options)  # RagGenerator's direct callers: the same rules
     if field is None:
         validate_generate(_generate_request("q", **options))
+        library.validate()
     else:
         with pytest.raises(InvalidArgument, match=f"^{field}"):
             validate_generate(_generate_request("q", **options))
+        with pytest.raises(InvalidArgument, match=f"^{field}"):
+            library.validate()
 
 
 @pytest.mark.parametrize(("k", "ok"), [(1, True), (limits.MAX_K, True), (limits.MAX_K + 1, False)])
@@ -200,7 +204,7 @@ def test_only_client_mistakes_map_to_a_client_status():
     assert status_for(CheckpointError("x")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(IndexLoadError("x")) == grpc.StatusCode.INVALID_ARGUMENT
     # Everything else is a bug: a library's ValueError that got past a boundary included.
-    for exc in (ValueError("x"), InvalidRequest("x"), KeyError("x"), TimeoutError(), TypeError()):
+    for exc in (ValueError("x"), KeyError("x"), TimeoutError(), TypeError()):
         assert status_for(exc) == grpc.StatusCode.INTERNAL, exc
 
 

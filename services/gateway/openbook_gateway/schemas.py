@@ -91,7 +91,9 @@ class AnswerRequest(BaseModel):
 
     @model_validator(mode="after")
     def decoding_consistent(self) -> AnswerRequest:
-        # The fields' own ranges are checked above; this adds how they bound each other.
+        # The one rule for decoding options, the generator's and the library's too; the
+        # fields' bounds above state its limits in the OpenAPI schema (and refuse a field
+        # alone first), this adds how they bound each other.
         check_decoding(
             self.decoding,
             self.num_beams,

@@ -8,7 +8,6 @@ that request. Anything else that fails is a bug here, and answers INTERNAL.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, load_generator
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import InvalidArgument, TooLarge, client_errors
-from openbook.limits import MAX_K, check_decoding, check_question
+from openbook.limits import MAX_K, check_finite, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
@@ -50,7 +49,8 @@ class ValidGenerateRequest:
 
 
 def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
-    """Unset (zero) fields take the library defaults; every field is checked here."""
+    """Unset (zero) fields take the library defaults; every field is checked here, by the
+    rules the gateway and the library apply (``openbook.limits.check_decoding``)."""
     length_penalty = msg.length_penalty if msg.HasField("length_penalty") else 1.0
     options = DecodingOptions(
         mode=msg.mode or DEFAULTS.mode,
@@ -60,14 +60,7 @@ def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
         length_penalty=length_penalty,
         num_return_sequences=msg.num_return_sequences or DEFAULTS.num_return_sequences,
     )
-    check_decoding(
-        options.mode,
-        options.num_beams,
-        options.max_new_tokens,
-        options.min_new_tokens,
-        options.num_return_sequences,
-        options.length_penalty,
-    )
+    options.validate()
     return options
 
 
@@ -79,8 +72,7 @@ def validate_generate(request: generator_pb2.GenerateRequest) -> ValidGenerateRe
     if len(request.passages) > MAX_K:
         raise InvalidArgument(f"passages: at most {MAX_K}, got {len(request.passages)}")
     for i, p in enumerate(request.passages):
-        if not math.isfinite(p.score):
-            raise InvalidArgument(f"passages[{i}].score must be a finite number, got {p.score}")
+        check_finite(f"passages[{i}].score", p.score)
     passages = tuple(
         Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in request.passages
     )
