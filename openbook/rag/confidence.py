@@ -168,10 +168,7 @@ class Calibration:
     @classmethod
     def from_json(cls, data: object) -> Calibration:
         """Raise ``ValueError`` for anything but a valid calibration object."""
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        if data.get("kind") != CALIBRATION_KIND:
-            raise ValueError(f"kind must be {CALIBRATION_KIND!r}, got {data.get('kind')!r}")
+        data = _object_of_kind(data, CALIBRATION_KIND)
         x, y = data.get("x"), data.get("y")
         if not isinstance(x, list) or not isinstance(y, list):
             raise ValueError("x and y must be lists of numbers")
@@ -245,10 +242,7 @@ class LogisticCalibration:
     @classmethod
     def from_json(cls, data: object) -> LogisticCalibration:
         """Raise ``ValueError`` for anything but a valid logistic calibration object."""
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        if data.get("kind") != LOGISTIC_KIND:
-            raise ValueError(f"kind must be {LOGISTIC_KIND!r}, got {data.get('kind')!r}")
+        data = _object_of_kind(data, LOGISTIC_KIND)
         features, weights = data.get("features"), data.get("weights")
         if not isinstance(features, list) or not isinstance(weights, list):
             raise ValueError("features and weights must be lists")
@@ -288,7 +282,16 @@ def calibration_from_json(data: object) -> AnyCalibration:
     raise ValueError(f"kind must be one of {', '.join(map(repr, CALIBRATION_KINDS))}, got {kind!r}")
 
 
-def _save(data: dict, directory: str | Path) -> Path:
+def _object_of_kind(data: object, kind: str) -> dict[str, Any]:
+    """``data``, a JSON object whose ``"kind"`` is ``kind``; ``ValueError`` otherwise."""
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    if data.get("kind") != kind:
+        raise ValueError(f"kind must be {kind!r}, got {data.get('kind')!r}")
+    return data
+
+
+def _save(data: dict[str, Any], directory: str | Path) -> Path:
     path = Path(directory) / CALIBRATION_FILE
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
