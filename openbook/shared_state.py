@@ -173,7 +173,7 @@ class ModelFollower:
         client: redis.Redis,
         service: str,
         *,
-        load: Callable[[str], None],
+        load: Callable[[str], object],  # what it returns is not used
         resolve: Callable[[str], tuple[str, str]],
         version: Callable[[], str],
         replica: str | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any
 
 import torch
 
@@ -34,12 +34,6 @@ Request = tuple[str, Sequence[Passage], DecodingOptions]
 
 # Upper bound on decoder rows (requests x passages x beams) decoded together.
 MAX_BATCH_ROWS = 256
-
-
-class _Detokenizer(Protocol):
-    """What a stop-string check needs of a tokenizer."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 def validate_request(question: str, passages: Sequence[Passage], options: DecodingOptions) -> None:
@@ -239,8 +233,7 @@ class RagGenerator:
             return None
         stops = self.stop_strings()
         extra = {t for t in self.generation.get("extra_eos_token_ids", []) if t != b.eos_token_id}
-        # GeneratorBackend types its tokenizer as any object: a transformers tokenizer here.
-        tok = cast(_Detokenizer, b.tokenizer)
+        tok = b.tokenizer
 
         def stop(tokens: list[int]) -> bool:
             if tokens[-1] in extra:

@@ -24,6 +24,7 @@ from openbook.serving.allocator import MemoryReleaser
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
+from openbook.shared_state import ModelFollower
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_generator.scheduler import GenerateItem, Scheduler, SchedulingOptions
@@ -160,7 +161,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self.max_request_s = max_request_s
         self._reload_lock = threading.Lock()
         self.stop_following = threading.Event()
-        self.follower = None  # openbook.shared_state.ModelFollower, once following reloads
+        self.follower: ModelFollower | None = None  # once following reloads
         # gives the C allocator's freed pages back when decoding goes idle / after large work
         self.releaser = MemoryReleaser(RELEASE_AFTER_BYTES)
         self.compute: ComputeThreads | None = None
