@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from openbook.checkpoint import latest_checkpoint, load_generator, locate_in_root
+from openbook.checkpoint import latest_checkpoint, locate_in_root
 from openbook.compute_threads import ComputeThreadsOptions
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
+from openbook.rag.checkpoint import load_generator
 from openbook.serving import allocator
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,

@@ -39,20 +39,16 @@ from tqdm.auto import tqdm
 from openbook.artifacts import clean_stale_partials, sha256_file
 from openbook.checkpoint import (
     CheckpointError,
-    TrainedAdapter,
     generator_adapter_dir,
     latest_checkpoint,
-    load_generator,
-    load_query_encoder,
-    load_trainer_state,
     query_encoder_adapter_dir,
     read_manifest,
     trainer_state_path,
     verify_checkpoint,
-    write_checkpoint,
 )
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
+from openbook.index.checkpoint import load_query_encoder
 from openbook.index.encoders import encoder_id, encoder_weights_dir
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.adapters import (
@@ -62,7 +58,9 @@ from openbook.rag.adapters import (
     check_base,
     load_trainable,
 )
+from openbook.rag.checkpoint import TrainedAdapter, load_generator
 from openbook.rag.loading import cpu_has_native_bf16
+from openbook_trainer.checkpoints import load_trainer_state, write_checkpoint
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.data import (
     TrainPair,

@@ -153,9 +153,9 @@ def _predict_checkpoint(
     max_new_tokens: int,
     device: str | None,
 ) -> tuple[list[Prediction], str]:
-    from openbook.checkpoint import load_checkpoint
     from openbook.index import open_index
     from openbook.rag import DecodingOptions
+    from openbook_trainer.checkpoints import load_checkpoint
 
     loaded = load_checkpoint(ckpt, device=device)
     # Sizes and shapes are still checked; re-hashing a Wikipedia-sized index takes minutes.

@@ -200,9 +200,9 @@ def _recall(retrieved: list[list], dev: list[dict], ks: tuple[int, ...]) -> dict
 
 
 def run_finetune(config: FinetuneConfig) -> FinetuneResult:
-    from openbook.checkpoint import load_checkpoint
     from openbook.index import open_index
     from openbook.rag import RagGenerator
+    from openbook_trainer.checkpoints import load_checkpoint
 
     out = Path(config.out)
     split = make_split(config)
