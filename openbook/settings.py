@@ -9,12 +9,16 @@ reads the same file.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from openbook.sealing import load_sealer
+from openbook.secrets import read_secret
 
 
 def _none_if_blank(value: object) -> object:
@@ -67,8 +71,6 @@ class CommonSettings(BaseSettings):
         (a service refuses to start rather than run unauthenticated by mistake)."""
         password = None
         if self.redis_password_file is not None:
-            from openbook.secrets import read_secret
-
             password = read_secret(
                 self.redis_password_file, "redis password (OPENBOOK_REDIS_PASSWORD_FILE)"
             )
@@ -83,10 +85,6 @@ class CommonSettings(BaseSettings):
     def check_secrets(self, program: str) -> None:
         """Exit with a message naming the file if the Redis password or the server key is
         configured but cannot be read: a service must not start without them."""
-        import sys
-
-        from openbook.sealing import load_sealer
-
         try:
             self.redis_options()
             if self.server_key_file is not None:

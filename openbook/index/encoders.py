@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from openbook.index.rag_encoder import load_rag_question_encoder
+
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 _ALIASES = {DEFAULT_ENCODER, f"sentence-transformers/{DEFAULT_ENCODER}"}
 ENCODER_CONFIG = "openbook_encoder.json"
@@ -388,6 +390,7 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
 
 def is_adapter_dir(name_or_path: str) -> bool:
     """Whether ``name_or_path`` is a LoRA adapter directory rather than a model."""
+    # why: openbook.rag's package imports transformers, which `import openbook.index` avoids
     from openbook.rag.adapters import ADAPTER_FILE, PEFT_CONFIG
 
     path = Path(name_or_path).expanduser()
@@ -410,6 +413,7 @@ def load_adapted_encoder(
     cached base stays as it is), named after the adapter directory. ``base`` (default: the
     encoder ``openbook_adapter.json`` names) must be the encoder it was trained on:
     :class:`openbook.rag.adapters.AdapterMismatch` otherwise."""
+    # why: openbook.rag's package imports transformers, which `import openbook.index` avoids
     from openbook.rag.adapters import adapter_base, check_base, merged
 
     path = Path(adapter_dir).expanduser().resolve()
@@ -503,8 +507,6 @@ def _load(name: str, path: Path, role: str) -> Encoder:
 def _load_rag(name: str, path: Path, role: str, config: dict) -> Encoder:
     """The question encoder (+ its tokenizer) of a RAG checkpoint directory, as RAG uses it:
     DPR pooler output, no normalisation."""
-    from openbook.index.rag_encoder import load_rag_question_encoder
-
     if role != "query":
         raise ValueError(
             f"encoder {name!r}: {path} is a RAG checkpoint, which holds a question encoder only; "
