@@ -72,6 +72,7 @@ from openbook_trainer.data import (
 from openbook_trainer.distributed import World, rank_device, world_from_env
 from openbook_trainer.evaluation.runner import predict_local, score_predictions
 from openbook_trainer.retrieval import make_retrieval
+from openbook_trainer.settings import TrainerSettings
 
 log = logging.getLogger("openbook.trainer")
 TRAIN_LOG = "train_log.jsonl"
@@ -119,8 +120,6 @@ def training_threads() -> ComputeThreads:
     re-read between steps. An automatic size may change during a run (a neighbour took a
     core), and with it the order of some floating-point sums: a run that must resume
     bit-identically fixes the size with the setting."""
-    from openbook_trainer.settings import TrainerSettings
-
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     setting = TrainerSettings().compute_threads
     return ComputeThreads(ComputeThreadsOptions(setting=setting, share=local))

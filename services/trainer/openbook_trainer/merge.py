@@ -36,7 +36,7 @@ def merge_command(
 ) -> None:
     """Merge a checkpoint's LoRA adapters (generator: --out, query encoder: --query-encoder-out)
     into their base models' weights."""
-    # why: torch stays out of `openbook --help`, which imports every command's module
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.index.checkpoint import load_query_encoder
     from openbook.rag.checkpoint import load_generator, save_generator_dir
 

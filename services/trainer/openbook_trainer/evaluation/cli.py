@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import typer
 
+from openbook.index import open_index
 from openbook_trainer.evaluation.data import DataError, read_examples
 from openbook_trainer.evaluation.runner import (
     EvalError,
@@ -153,7 +154,7 @@ def _predict_checkpoint(
     max_new_tokens: int,
     device: str | None,
 ) -> tuple[list[Prediction], str]:
-    from openbook.index import open_index
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag import DecodingOptions
     from openbook_trainer.checkpoints import load_checkpoint
 
@@ -190,6 +191,7 @@ def _fit_calibration(
     """Fit the answers of ``preds`` (their features, or their raw confidence) to whether each
     is right; write the calibration into ``directory``. Raises ValueError when it cannot be
     fitted."""
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag.confidence import fit_calibration, fit_logistic_calibration
 
     if task is Task.generation:

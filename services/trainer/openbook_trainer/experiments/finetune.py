@@ -31,8 +31,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from openbook.checkpoint import latest_checkpoint
+from openbook.index import open_index
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook_trainer.checkpoints import load_checkpoint
+from openbook_trainer.config import TrainConfig
 from openbook_trainer.evaluation.metrics import answer_recall_at_k
 from openbook_trainer.experiments.records import ResultLog, em_f1, qa_row
+from openbook_trainer.loop import _pick_amp_dtype, train
 
 
 @dataclass
@@ -124,9 +130,6 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def _train(config: FinetuneConfig, train_file: Path, out: Path, joint: bool) -> Path:
-    from openbook_trainer.config import TrainConfig
-    from openbook_trainer.loop import train
-
     cfg = TrainConfig(
         train=train_file,
         index=Path(config.index_root) / config.dense_index,
@@ -150,7 +153,6 @@ def _train(config: FinetuneConfig, train_file: Path, out: Path, joint: bool) -> 
     )
     result = train(cfg)
     assert result.checkpoint is not None or result.step == config.steps
-    from openbook.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(out)
     assert ckpt is not None
@@ -160,8 +162,6 @@ def _train(config: FinetuneConfig, train_file: Path, out: Path, joint: bool) -> 
 def _train_precision() -> str:
     """What ``precision: auto`` trains in here (loop._pick_amp_dtype's CPU/CUDA policy)."""
     import torch
-
-    from openbook_trainer.loop import _pick_amp_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp = _pick_amp_dtype("auto", device)
@@ -178,8 +178,6 @@ def _evaluate(
     config: FinetuneConfig,
     log: ResultLog,
 ) -> dict[str, float]:
-    from openbook.rag import DecodingOptions
-
     options = DecodingOptions(mode=config.mode, max_new_tokens=config.max_new_tokens)
     rows = []
     for q in tqdm(dev, desc=name, unit="q"):
@@ -200,10 +198,6 @@ def _recall(retrieved: list[list], dev: list[dict], ks: tuple[int, ...]) -> dict
 
 
 def run_finetune(config: FinetuneConfig) -> FinetuneResult:
-    from openbook.index import open_index
-    from openbook.rag import RagGenerator
-    from openbook_trainer.checkpoints import load_checkpoint
-
     out = Path(config.out)
     split = make_split(config)
     train_file = _write_jsonl(out / "train.jsonl", split.train)

@@ -33,8 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from openbook.index import load_encoder, open_index
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook.types import Passage
 from openbook_trainer.config import TrainConfig
-from openbook_trainer.experiments.synthetic import SyntheticTask, make_task
+from openbook_trainer.experiments.synthetic import SyntheticTask, make_task, read_jsonl
 from openbook_trainer.loop import train
 
 # frozen_retriever: the paper's ablation, generator trained on the frozen retriever's passages.
@@ -58,9 +61,6 @@ def pretrain_reader(
     until the copying accuracy on fresh random pairs reaches ``target_accuracy`` (checked every
     ``check_every`` steps) or ``max_steps``. Writes the generator to ``out`` (HF format).
     """
-    from openbook.rag import DecodingOptions, RagGenerator
-    from openbook.types import Passage
-
     torch.manual_seed(seed)
     gen = RagGenerator.load(task.generator, device="cpu", dtype="float32")
     opt = torch.optim.AdamW(gen.model.parameters(), lr=lr)
@@ -113,9 +113,6 @@ def pretrain_reader(
 
 def retrieval_stats(task: SyntheticTask, encoder_dir: Path | str, k: int) -> dict[str, float]:
     """recall@1, recall@k and mean gold p(z|x) within the top k, over every question."""
-    from openbook.index import load_encoder, open_index
-    from openbook_trainer.experiments.synthetic import read_jsonl
-
     rows = read_jsonl(task.train)
     questions = [r["question"] for r in rows]
     gold = [r["gold_ids"][0] for r in rows]
