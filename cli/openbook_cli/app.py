@@ -13,8 +13,8 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import click
 import httpx
 import typer
 from typer.core import TyperGroup
@@ -22,16 +22,19 @@ from typer.core import TyperGroup
 from openbook_cli.ask import AskOptions, ask, render
 from openbook_cli.launcher import LaunchError, run_stack
 
+if TYPE_CHECKING:  # typer vendors click: its groups take and return typer's own click objects
+    from typer._click.core import Command, Context
+
 # openbook-trainer's sub-commands: they pull in torch and friends, so they are imported only
 # when invoked and light commands (up, ask, health) start fast.
 LAZY_COMMANDS = ("train", "merge-adapter", "eval", "demo", "experiments", "index")
 
 
 class LazyGroup(TyperGroup):
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: Context) -> list[str]:
         return [*super().list_commands(ctx), *LAZY_COMMANDS]
 
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+    def get_command(self, ctx: Context, name: str) -> Command | None:
         if name not in LAZY_COMMANDS:
             return super().get_command(ctx, name)
         # why: torch stays out of the light commands (up, ask): the jobs load when invoked

@@ -66,5 +66,5 @@ def load_query_encoder(
     except ValueError as e:
         raise CheckpointError(f"checkpoint {ckpt.name}: {d.name}/: {e}") from None
     if device is not None:
-        encoder.model.to(device)
+        encoder.to(device)
     return encoder

@@ -665,5 +665,5 @@ def _same_adapter_use(ckpt: Path, part: str, saved: Path | None, configured: Any
 
 def _load_query_encoder(name: str, device: torch.device) -> Encoder:
     enc = load_encoder(name, role="query", cached=False)
-    enc.model.to(device)
+    enc.to(device)
     return enc

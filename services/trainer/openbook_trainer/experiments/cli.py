@@ -6,7 +6,6 @@ import json
 import shlex
 from pathlib import Path
 
-import click
 import typer
 
 from openbook_trainer.demo.data import default_data_dir
@@ -25,7 +24,7 @@ app = typer.Typer(
 SECRET_PARAMS = {"admin_token"}
 
 
-def _command_line(ctx: click.Context) -> str:
+def _command_line(ctx: typer.Context) -> str:
     """The command as it could be typed again: non-default options, never a secret."""
     parts = ["openbook experiments", ctx.info_name or ""]
     for param in ctx.command.params:
