@@ -170,7 +170,7 @@ class Trainer:
             cfg.query_encoder or self.index.manifest.query_encoder or self.index.manifest.encoder
         )
         assert base_q is not None
-        self.base_query_encoder = encoder_id(base_q)
+        self.base_query_encoder: str | None = encoder_id(base_q)
         # float32 master weights; autocast provides the reduced precision on CUDA.
         dev = str(self.device)
         lora, q_lora = cfg.lora, cfg.query_encoder_lora
@@ -199,8 +199,10 @@ class Trainer:
             if q_adapter is None:
                 encoder = load_query_encoder(resume_from, device=dev, verify=False)
             else:
-                encoder = _load_query_encoder(self.base_query_encoder, self.device)
-                check_base(q_adapter, encoder_weights_dir(self.base_query_encoder))
+                q_base = self.base_query_encoder
+                assert q_base is not None  # save_query_encoder records an adapter's base
+                encoder = _load_query_encoder(q_base, self.device)
+                check_base(q_adapter, encoder_weights_dir(q_base))
                 self.q_base_id = adapter_base(q_adapter)["base_identity"]
                 self.q_peft_model = load_trainable(encoder.model, q_adapter)
         else:
@@ -476,9 +478,10 @@ class Trainer:
         finally:
             self._train_mode()
         per_rank = world.gather(preds)
-        ordered = [None] * len(self.dev)
-        for r, rank_preds in enumerate(per_rank):
-            ordered[r :: world.world_size] = rank_preds
+        # rank r predicted examples r, r + world_size, ...: back in the dev set's order
+        ordered = [
+            per_rank[i % world.world_size][i // world.world_size] for i in range(len(self.dev))
+        ]
         scores = score_predictions(cfg.task, self.dev, ordered, cfg.k)
         out = {"dev_loss": world.sum(loss) / len(self.dev)}
         out.update({f"dev_{k}": v for k, v in scores.items() if k != "n"})

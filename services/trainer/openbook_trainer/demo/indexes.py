@@ -17,7 +17,14 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from openbook.index import build_index, fit_fusion, open_index, read_index_manifest, store_fusion
+from openbook.index import (
+    DEFAULT_ENCODER,
+    build_index,
+    fit_fusion,
+    open_index,
+    read_index_manifest,
+    store_fusion,
+)
 from openbook.index.encoders import load_adapted_encoder
 from openbook.index.fusion import read_questions
 from openbook.rag.adapters import AdapterMismatch
@@ -138,7 +145,6 @@ def prepare_demo_indexes(
         kind = "BM25" if snap.index_type == "bm25" else f"dense ({snap.index_type})"
         _log(progress, f"index {snap.name}: building {kind} into {out_dir}")
         start = time.monotonic()
-        kwargs = {"encoder": encoder} if encoder and snap.index_type != "bm25" else {}
         manifest = build_index(
             [data_dir / f for f in snap.inputs],
             out_dir,
@@ -147,7 +153,7 @@ def prepare_demo_indexes(
             input_format="auto",
             progress=progress,
             overwrite=out_dir.exists(),
-            **kwargs,
+            encoder=encoder if encoder and snap.index_type != "bm25" else DEFAULT_ENCODER,
         )
         _log(
             progress,

@@ -217,7 +217,7 @@ def _fit_calibration(
     raw = [p.raw_confidence for p in preds]
     if any(r is None for r in raw):
         raise ValueError("--fit-calibration: the system reported no raw_confidence")
-    calibration = fit_calibration(raw, correct)
+    calibration = fit_calibration([r for r in raw if r is not None], correct)
     return calibration.save(directory)
 
 

@@ -102,7 +102,7 @@ def features_of_answer(
         mean_log_prob=mean,
         finish_reason=hypothesis.get("finish_reason") or "stop",
         normalized=normalized_texts([p.get("text", "") for p in passages]),
-        doc_prior=[float(v) for v in priors],
+        doc_prior=[float(v) for v in priors if v is not None],  # none is None: see above
     )
 
 

@@ -28,6 +28,7 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tqdm import tqdm
 
@@ -54,13 +55,13 @@ class FinetuneConfig:
     train_examples: int = 2000  # at most, from the training articles
     dev_examples: int = 100  # from the development articles
     k: int = 5
-    mode: str = "rag-token"
+    mode: Literal["rag-token", "rag-sequence"] = "rag-token"
     steps: int = 60
     batch_size: int = 4
     lr_generator: float = 1e-3
     # "lora": the query encoder trains as a LoRA adapter (rank and alpha as the generator's);
     # "none": every weight, at the paper's 3e-5
-    query_encoder_adapter: str = "lora"
+    query_encoder_adapter: Literal["none", "lora"] = "lora"
     lr_query_encoder: float = 3e-4
     lora_rank: int = 16
     lora_alpha: float = 32.0

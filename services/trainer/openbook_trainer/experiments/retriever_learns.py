@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from openbook.index import load_encoder, open_index
-from openbook.rag import DecodingOptions, RagGenerator
+from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
+from openbook.rag.checkpoint import save_generator_dir
 from openbook.types import Passage
 from openbook_trainer.config import TrainConfig
 from openbook_trainer.experiments.synthetic import SyntheticTask, make_task, read_jsonl
@@ -77,9 +78,10 @@ def pretrain_reader(
         gen.model.eval()
         probe = [pair() for _ in range(2 * n)]
         results = gen.generate_batch([(q, [p], opts) for q, p, _ in probe])
-        hits = [
-            r.hypotheses[0].text.strip() == a for r, (_, _, a) in zip(results, probe, strict=True)
-        ]
+        hits = []
+        for r, (_, _, a) in zip(results, probe, strict=True):
+            assert isinstance(r, GenerationResult)  # gave_up is None: none is abandoned
+            hits.append(r.hypotheses[0].text.strip() == a)
         return float(np.mean(hits))
 
     loss = torch.tensor(0.0)
@@ -105,9 +107,7 @@ def pretrain_reader(
         acc = accuracy()
         if acc >= target_accuracy:
             break
-    out.mkdir(parents=True, exist_ok=True)
-    gen.model.save_pretrained(out, safe_serialization=True)
-    gen.tokenizer.save_pretrained(out)
+    save_generator_dir((gen.model, gen.tokenizer), out, None)  # weights and tokenizer only
     return {"steps": step, "final_loss": float(loss.detach()), "copy_accuracy": acc}
 
 

@@ -46,7 +46,7 @@ from openbook.index.fusion import (
     fit_weights,
     top_k,
 )
-from openbook.rag import DecodingOptions, RagGenerator
+from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.confidence import (
     LOG_PROB_FLOOR,
     answer_features,
@@ -308,6 +308,7 @@ def _answer_rows(
                     [(q["question"], p, options) for q, p in zip(batch, passages, strict=True)]
                 )
                 for q, res in zip(batch, results, strict=True):
+                    assert isinstance(res, GenerationResult)  # gave_up is None: none abandoned
                     best = res.hypotheses[0]
                     row = qa_row(q, best.text)
                     row.update(
