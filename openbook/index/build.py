@@ -476,7 +476,12 @@ def encoder_source(
 ) -> VectorSource:
     """Vectors from ``enc`` run over the passages in ``precision`` (a resolved name)."""
 
-    def produce(store, spans, todo, update):  # type: ignore[no-untyped-def]
+    def produce(
+        store: PassageStore,
+        spans: list[tuple[int, int]],
+        todo: list[int],
+        update: Callable[[int], None],
+    ) -> Iterator[tuple[int, np.ndarray]]:
         for i in todo:
             a, b = spans[i]
             rows = [row for batch in store.iter_batches(a, b) for row in batch]

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -200,7 +200,7 @@ def build(
     )
 
 
-def _build_slice(passages: list[Path], out: Path, **kw) -> None:  # type: ignore[no-untyped-def]
+def _build_slice(passages: list[Path], out: Path, **kw: Any) -> None:
     try:
         res = build_slice(passages, out, **kw)
     except (ValueError, OSError, RuntimeError) as e:
@@ -390,7 +390,7 @@ def info(
         typer.echo("verified: ok", err=True)
 
 
-def _views_line(m) -> str:  # type: ignore[no-untyped-def]
+def _views_line(m: Manifest) -> str:
     """One line on what ``retrieval`` can be for this index and how hybrid fuses."""
     line = f"views: {', '.join(m.views)}"
     if m.views == ["dense", "bm25"]:

@@ -424,7 +424,7 @@ class LoadedIndex:
             raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
         ids = list(row_ids)
         if ids and isinstance(ids[0], str):
-            ids = self._store.rows_for_ids(ids)  # type: ignore[arg-type]
+            ids = self._store.rows_for_ids([str(i) for i in ids])
         rows = np.asarray(ids, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.manifest.count):
             raise IndexError(f"row ids out of range [0, {self.manifest.count})")

@@ -33,7 +33,7 @@ from typing import Literal
 from tqdm import tqdm
 
 from openbook.checkpoint import latest_checkpoint
-from openbook.index import open_index
+from openbook.index import LoadedIndex, open_index
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook_trainer.checkpoints import load_checkpoint
 from openbook_trainer.config import TrainConfig
@@ -101,7 +101,7 @@ def split_by_article(path: Path, dev_articles: int, seed: int) -> tuple[list[str
     return sorted(titles[dev_articles:]), sorted(titles[:dev_articles])
 
 
-def _modes(index) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+def _modes(index: LoadedIndex) -> tuple[str, ...]:
     """The retrieval modes ``index`` serves (hybrid where it has both views)."""
     return (*index.views, "hybrid") if len(index.views) > 1 else tuple(index.views)
 
