@@ -145,6 +145,7 @@ def serve(settings: GeneratorSettings, stop: threading.Event | None = None) -> N
     """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
     allocator.configure()  # before the model loads (openbook/serving/allocator.py)
     service, pending = bind(settings)
+    assert service.metrics is not None  # bind() gives every service its metrics
     service.metrics.serve_http(settings.metrics_port, settings.host)
     loaded: list[GeneratorServicer] = []
 
