@@ -4,6 +4,7 @@ VENV ?= .venv
 .PHONY: install up test lint bench
 
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt cli/pyproject.toml \
+		tests/pyproject.toml bench/pyproject.toml \
 		$(wildcard services/*/pyproject.toml) $(wildcard proto/openbook/v1/*.proto)
 	scripts/install.sh
 

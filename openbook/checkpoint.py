@@ -1,4 +1,11 @@
-"""Fine-tuned RAG checkpoints: write atomically, find the latest, verify before loading.
+"""The format of fine-tuned RAG checkpoints: layout, manifest, atomic publish, find, verify.
+
+This module knows where each part of a checkpoint lives and what its manifest says; it never
+loads a model, and imports neither torch nor :mod:`openbook.rag` / :mod:`openbook.index` (the
+gateway imports the core without them). What reads and writes the parts sits beside what it
+composes: the generator in :mod:`openbook.rag.checkpoint`, the query encoder in
+:mod:`openbook.index.checkpoint`, a whole checkpoint (both, plus the trainer's state) in
+:mod:`openbook_trainer.checkpoints`.
 
 Layout of one checkpoint (``<root>/step-000120/``)::
 
@@ -22,9 +29,9 @@ readers see either the old or the new pointer, never a partial one.
 
 Temporary names are ``.<name>.tmp-<machine>-<pid>-<random>``, and the writer holds an
 exclusive ``flock`` on its temporary directory while it works, so
-:func:`clean_stale_partials` can tell what a killed writer left behind from what a live one
-(another trainer on the same root) is still writing. Hidden names are never checkpoints:
-``latest`` cannot name one and :func:`checkpoint_in_root` refuses them.
+:func:`openbook.artifacts.clean_stale_partials` can tell what a killed writer left behind from
+what a live one (another trainer on the same root) is still writing. Hidden names are never
+checkpoints: ``latest`` cannot name one and :func:`checkpoint_in_root` refuses them.
 
 Services load only what :func:`checkpoint_in_root` allows: a checkpoint inside their
 checkpoint root, after resolving symlinks and ``..``.
@@ -42,17 +49,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-# Marked F401: imported from here by the tests of checkpoints (they used to live here).
 from openbook.artifacts import (
-    PARTIAL_MAX_AGE_S,  # noqa: F401
     checksum_files,
-    clean_stale_partials,  # noqa: F401
     publish,
     replace_file,
     staging_dir,
     verify_files,
 )
-from openbook.artifacts import machine_tag as _machine_tag  # noqa: F401
 from openbook.errors import InvalidArgument
 from openbook.limits import check_checkpoint_name
 
@@ -173,42 +176,27 @@ def trainer_state_path(ckpt: Path) -> Path | None:
 # ----------------------------------------------------------------------------- writing
 
 
-def write_checkpoint(
+def publish_checkpoint(
     root: Path,
     step: int,
+    fill: Callable[[Path], None],
     *,
-    query_encoder: Any | None,
-    generator: Any,
     base_generator: str,
-    generator_adapter: TrainedAdapter | None = None,
-    query_encoder_adapter: TrainedAdapter | None = None,
     base_query_encoder: str | None,
     index: Mapping[str, str],
     data_sha256: str,
     metrics: Mapping[str, float] | None = None,
     trained: list[str] | None = None,
     config: Mapping[str, Any] | None = None,
-    trainer_state: Mapping[str, Any] | None = None,
-    generator_source: Path | None = None,
     keep_last: int | None = None,
     _before_rename: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``root/step-XXXXXX`` atomically, point ``root/latest`` at it, return its path.
 
-    ``generator`` is anything with ``save(dir)``, an object with ``.model`` and ``.tokenizer``
-    (a RagGenerator backend), or a ``(model, tokenizer)`` pair. What the HF ``save_pretrained``
-    does not write but the loader needs to rebuild the same backend is written from the running
-    backend: a seq2seq backend's input format (``openbook_seq2seq.json``: a RAG checkpoint's
-    prefix, title_sep, doc_sep, max_combined_length, n_docs) and question-encoder tokenizer
-    (``question_encoder_tokenizer/``), a causal LM's ``openbook_prompt.json``. Other
-    ``openbook_*.json`` files are copied from ``generator_source``, the directory the generator
-    was loaded from, where it still exists. All of them are checksummed in the manifest.
-    ``query_encoder`` is an :class:`openbook.index.Encoder` or None when it was not trained
-    (the serving retriever then keeps the index's own query encoder).
-    ``generator_adapter``, when given, is saved instead of the whole generator
-    (``generator_adapter/``): the LoRA adapter and the identity of the base it applies to.
-    ``query_encoder_adapter`` likewise replaces ``query_encoder`` (``query_encoder_adapter/``,
-    its base named by ``base_query_encoder``).
+    ``fill(tmp)`` writes the checkpoint's parts (the generator, the query encoder, the trainer
+    state: see :func:`openbook_trainer.checkpoints.write_checkpoint`) into the hidden temporary
+    directory; this module then writes the manifest, which checksums every file ``fill`` wrote,
+    and renames the directory into place. The other arguments are the manifest's fields.
     ``keep_last`` deletes all but the newest N checkpoints after ``latest`` moved.
     ``_before_rename`` is a test hook called with the complete temporary directory.
     """
@@ -217,37 +205,7 @@ def write_checkpoint(
     final = root / name
     # Held under its writer's flock until the end: tells clean_stale_partials it is in use.
     with staging_dir(final) as tmp:
-        if generator_adapter is not None:
-            from openbook.rag.adapters import save_adapter
-
-            adapter = generator_adapter
-            save_adapter(
-                adapter.peft_model, tmp / GENERATOR_ADAPTER_DIR, adapter.base_id, base_generator
-            )
-        else:
-            save_generator_dir(generator, tmp / GENERATOR_DIR, generator_source)
-            # RagGenerator.load reports this as its model_version, so /answer names the
-            # checkpoint.
-            (tmp / GENERATOR_DIR / GENERATOR_VERSION_FILE).write_text(
-                json.dumps({"version": name}) + "\n", encoding="utf-8"
-            )
-        if query_encoder_adapter is not None:
-            from openbook.rag.adapters import save_adapter
-
-            if base_query_encoder is None:
-                raise ValueError("a query encoder adapter needs base_query_encoder")
-            save_adapter(
-                query_encoder_adapter.peft_model,
-                tmp / QUERY_ENCODER_ADAPTER_DIR,
-                query_encoder_adapter.base_id,
-                str(base_query_encoder),
-            )
-        elif query_encoder is not None:
-            query_encoder.save(tmp / QUERY_ENCODER_DIR)
-        if trainer_state is not None:
-            import torch
-
-            torch.save(dict(trainer_state), tmp / TRAINER_STATE)
+        fill(tmp)
         manifest = CheckpointManifest(
             version=name,
             step=int(step),
@@ -273,77 +231,6 @@ def write_checkpoint(
     if keep_last is not None and keep_last > 0:
         _prune(root, keep=keep_last, protect=name)
     return final
-
-
-@dataclass(frozen=True)
-class TrainedAdapter:
-    """A trained LoRA adapter to checkpoint: its ``peft`` model and its base's identity."""
-
-    peft_model: Any
-    base_id: str
-
-
-def save_generator_dir(generator: Any, out: Path, source: Path | None) -> None:
-    """A generator as a model directory that :meth:`openbook.rag.RagGenerator.load` loads: the
-    weights and tokenizer, the backend settings it runs with, and ``openbook_*.json`` files of
-    ``source`` (the directory it was loaded from) that are not rewritten."""
-    if hasattr(generator, "save") and callable(generator.save):
-        generator.save(out)
-    else:
-        if isinstance(generator, tuple):
-            model, tokenizer = generator
-        else:
-            model, tokenizer = generator.model, generator.tokenizer
-        backend = getattr(generator, "backend", generator)
-        prefix = getattr(backend, "prefix", None)
-        if prefix and not getattr(model.config, "prefix", None):
-            # A generator loaded from a RAG checkpoint keeps its input prefix in the RAG config,
-            # which a plain BART save would drop.
-            model.config.prefix = prefix
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        _save_backend_settings(generator, backend, out)
-    if source is not None:
-        # not the version, nor the demo's list of the source's file hashes: not these files
-        skip = {GENERATOR_VERSION_FILE, "openbook_model.json"}
-        for extra in Path(source).glob("openbook_*.json"):
-            if extra.name not in skip and not (out / extra.name).exists():
-                shutil.copy2(extra, out / extra.name)
-
-
-def _save_backend_settings(generator: Any, backend: Any, out: Path) -> None:
-    """Write what the loader needs besides model + tokenizer to rebuild ``backend`` as it runs.
-
-    Taken from the running backend, never from its source directory (which need not exist where
-    the trainer runs): a seq2seq backend's input format (``openbook_seq2seq.json``) and its
-    question-encoder tokenizer (a RAG checkpoint's, saved with ``save_pretrained``); a causal
-    LM's prompt (``openbook_prompt.json``).
-    """
-    from openbook.rag.loading import RAG_QUESTION_TOKENIZER_DIR
-    from openbook.rag.prompting import PROMPT_FILE, SEQ2SEQ_FILE, PromptSpec
-
-    spec = getattr(backend, "spec", None)
-    if isinstance(spec, PromptSpec):
-        (out / PROMPT_FILE).write_text(spec.to_json(), encoding="utf-8")
-        return
-    if not all(hasattr(backend, a) for a in ("title_sep", "doc_sep", "max_combined_length")):
-        return
-    settings: dict[str, Any] = {
-        "prefix": getattr(backend, "prefix", None),
-        "title_sep": backend.title_sep,
-        "doc_sep": backend.doc_sep,
-        "max_combined_length": int(backend.max_combined_length),
-        "question_tokenizer": None,
-    }
-    n_docs = getattr(generator, "default_k", None) or getattr(backend, "n_docs", None)
-    if isinstance(n_docs, int) and not isinstance(n_docs, bool) and n_docs > 0:
-        settings["n_docs"] = n_docs
-    question_tokenizer = getattr(backend, "question_tokenizer", None)
-    if question_tokenizer is not None:
-        question_tokenizer.save_pretrained(out / RAG_QUESTION_TOKENIZER_DIR)
-        settings["question_tokenizer"] = RAG_QUESTION_TOKENIZER_DIR
-    (out / SEQ2SEQ_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
 def _prune(root: Path, keep: int, protect: str) -> None:
@@ -507,113 +394,12 @@ def verify_checkpoint(path: Path) -> CheckpointManifest:
     return manifest
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-@dataclass
-class LoadedCheckpoint:
-    """A verified checkpoint's models, ready to serve or evaluate."""
-
-    path: Path
-    manifest: CheckpointManifest
-    generator: Any  # openbook.rag.RagGenerator
-    query_encoder: Any | None  # openbook.index.Encoder, None when the encoder was not trained
-
-    @property
-    def version(self) -> str:
-        return self.manifest.version
-
-
-def open_checkpoint(path: Path) -> tuple[Path, CheckpointManifest]:
-    """A checkpoint (or the latest one under a root), verified: its directory and manifest."""
+def open_checkpoint(path: Path, *, verify: bool = True) -> tuple[Path, CheckpointManifest]:
+    """A checkpoint (or the latest one under a root): its directory and manifest, verified
+    (:func:`verify_checkpoint`) unless ``verify=False`` (the caller just did, so only the
+    manifest is read)."""
     ckpt = resolve_checkpoint(Path(path))
-    return ckpt, verify_checkpoint(ckpt)
-
-
-def _opened(path: Path, verify: bool) -> tuple[Path, CheckpointManifest]:
-    if verify:
-        return open_checkpoint(path)
-    ckpt = resolve_checkpoint(Path(path))
-    return ckpt, read_manifest(ckpt)
-
-
-def load_generator(
-    path: Path,
-    *,
-    device: str | None = None,
-    dtype: str | None = None,
-    verify: bool = True,
-    base: Path | None = None,
-) -> Any:
-    """The generator of a checkpoint (or of the latest one under a root): an
-    :class:`openbook.rag.RagGenerator` whose ``model_version`` is the checkpoint's version.
-
-    A checkpoint that holds only an adapter (``generator_adapter/``) is loaded onto ``base``
-    (default: the base model the trainer recorded) and merged into it; a base other than the
-    one it was trained on is refused. The checkpoint is verified first unless ``verify=False``
-    (the caller just did). Raises :class:`CheckpointError` for anything missing or corrupt,
-    including files the model loader rejects, so a server can keep its current model and report
-    the message.
-    """
-    from openbook.rag import RagGenerator
-
-    ckpt, manifest = _opened(path, verify)
-    adapter = generator_adapter_dir(ckpt)
-    where = GENERATOR_ADAPTER_DIR if adapter is not None else GENERATOR_DIR
-    try:
-        if adapter is None:
-            generator = RagGenerator.load(generator_dir(ckpt), device=device, dtype=dtype)
-        else:
-            base_dir = Path(base if base is not None else manifest.base_generator)
-            generator = RagGenerator.load(base_dir, device=device, dtype=dtype)
-            generator.apply_adapter(adapter, base_dir)
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {manifest.version}: {where}/: {e}") from None
-    generator.model_version = manifest.version
-    return generator
-
-
-def load_query_encoder(path: Path, *, device: str | None = None, verify: bool = True) -> Any | None:
-    """The query encoder of a checkpoint (or of the latest one under a root), a private,
-    uncached :class:`openbook.index.Encoder` on ``device`` (default: where it loads), or None
-    when the checkpoint has none. An adapter (``query_encoder_adapter/``) is merged into the
-    base encoder it names, which must be the one it was trained on. Verified first unless
-    ``verify=False``; raises :class:`CheckpointError`."""
-    from openbook.index import load_encoder
-
-    ckpt, _ = _opened(path, verify)
-    d = query_encoder_dir(ckpt)
-    if d is None:
-        return None
-    try:
-        encoder = load_encoder(str(d), role="query", cached=False)
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {ckpt.name}: {d.name}/: {e}") from None
-    if device is not None:
-        encoder.model.to(device)
-    return encoder
-
-
-def load_trainer_state(path: Path) -> dict[str, Any]:
-    """The optimizer / scheduler / RNG state a checkpoint was saved with, on the CPU (the
-    checkpoint is not verified again: :func:`open_checkpoint` first)."""
-    import torch
-
-    state_file = trainer_state_path(Path(path))
-    if state_file is None:
-        raise CheckpointError(f"{path} has no trainer state to resume from")
-    return torch.load(state_file, map_location="cpu", weights_only=True)
-
-
-def load_checkpoint(
-    path: Path, *, device: str | None = None, dtype: str | None = None
-) -> LoadedCheckpoint:
-    """Verify a checkpoint (or the latest one under a root) once and load its models
-    (:func:`load_generator`, :func:`load_query_encoder`); raises :class:`CheckpointError`."""
-    ckpt, manifest = open_checkpoint(path)
-    generator = load_generator(ckpt, device=device, dtype=dtype, verify=False)
-    query_encoder = load_query_encoder(ckpt, device=device, verify=False)
-    return LoadedCheckpoint(ckpt, manifest, generator, query_encoder)
+    return ckpt, verify_checkpoint(ckpt) if verify else read_manifest(ckpt)
 
 
 def locate_in_root(root: Path | None, requested: str | None) -> tuple[str, str]:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from openbook.secrets import read_secret
+
 log = logging.getLogger(__name__)
 
 
@@ -105,8 +107,6 @@ def load_sealer(key_file: Path | None) -> Sealer:
     other processes cannot verify what it seals (nor it theirs)."""
     global _EPHEMERAL
     if key_file is not None:
-        from openbook.secrets import read_secret
-
         return Sealer(read_secret(key_file, "server key (OPENBOOK_SERVER_KEY_FILE)").encode())
     with _EPHEMERAL_LOCK:
         if _EPHEMERAL is None:

@@ -9,12 +9,16 @@ reads the same file.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from openbook.sealing import load_sealer
+from openbook.secrets import read_secret
 
 
 def _none_if_blank(value: object) -> object:
@@ -25,7 +29,7 @@ def _none_if_blank(value: object) -> object:
 OptionalPath = Annotated[Path | None, BeforeValidator(_none_if_blank)]
 
 
-def shared(default, env: str, **constraints):
+def shared(default: Any, env: str, **constraints: Any) -> Any:
     """A deployment-wide field: read from ``env`` whatever the class's prefix."""
     return Field(default, validation_alias=env, **constraints)
 
@@ -67,8 +71,6 @@ class CommonSettings(BaseSettings):
         (a service refuses to start rather than run unauthenticated by mistake)."""
         password = None
         if self.redis_password_file is not None:
-            from openbook.secrets import read_secret
-
             password = read_secret(
                 self.redis_password_file, "redis password (OPENBOOK_REDIS_PASSWORD_FILE)"
             )
@@ -83,10 +85,6 @@ class CommonSettings(BaseSettings):
     def check_secrets(self, program: str) -> None:
         """Exit with a message naming the file if the Redis password or the server key is
         configured but cannot be read: a service must not start without them."""
-        import sys
-
-        from openbook.sealing import load_sealer
-
         try:
             self.redis_options()
             if self.server_key_file is not None:
@@ -127,22 +125,22 @@ class GrpcServiceSettings(CommonSettings):
     # Every service binds loopback unless the deployment says otherwise (compose and k8s set
     # 0.0.0.0 inside containers): nothing is reachable from the network by default.
     host: str = "127.0.0.1"
-    port: int = Field(0, ge=0)  # each service sets its default
-    metrics_port: int = Field(0, ge=0)  # 0: no metrics endpoint
+    port: int = Field(default=0, ge=0)  # each service sets its default
+    metrics_port: int = Field(default=0, ge=0)  # 0: no metrics endpoint
     # Threads for RPCs that do not wait for a batch (health, info, admin); each service adds one
     # per place in its batch queue and batch (see max_queue).
-    grpc_workers: int = Field(16, ge=1)
+    grpc_workers: int = Field(default=16, ge=1)
     # RPCs a service accepts at once (running + waiting for a worker); beyond: RESOURCE_EXHAUSTED
     # (the gateway's 429), so a backlog can never grow without bound. 0: no limit.
-    grpc_max_concurrent_rpcs: int = Field(256, ge=0)
+    grpc_max_concurrent_rpcs: int = Field(default=256, ge=0)
     # Concurrent requests share one batch (a forward pass, a search); each service sets its own
     # defaults. One request more than max_queue waiting gets RESOURCE_EXHAUSTED (the gateway's
     # 429). The server has a thread for each place in the queue and the batch on top of
     # grpc_workers, so the queue can fill (with fewer threads than waiting places, a full queue
     # could never be observed).
-    max_batch_size: int = Field(1, ge=1)
-    max_batch_wait_ms: float = Field(0.0, ge=0)
-    max_queue: int = Field(1, ge=1)
+    max_batch_size: int = Field(default=1, ge=1)
+    max_batch_wait_ms: float = Field(default=0.0, ge=0)
+    max_queue: int = Field(default=1, ge=1)
     # Trained checkpoints (written by the trainer, loaded by retriever and generator).
     checkpoint_dir: Path = shared(Path("var/checkpoints"), "OPENBOOK_CHECKPOINT_DIR")
     load_latest_checkpoint: bool = True

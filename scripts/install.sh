@@ -28,10 +28,13 @@ else
 fi
 # The core library, the four services, the `openbook` command and the test tools, editable, every
 # package at the exact version constraints.txt pins (scripts/update-constraints.sh). Each image
-# installs only its own service (services/*/Dockerfile, services/*/constraints.txt).
+# installs only its own service (services/*/Dockerfile, services/*/constraints.txt). The test kit
+# (tests/pyproject.toml) and the benchmarks (bench/pyproject.toml) are development-only packages,
+# installed here so that tests and benchmarks import them by name; no image installs them.
 "$VENV/bin/python" -m pip install -q -c constraints.txt \
   -e ".[test]" \
   -e services/gateway -e services/retriever -e services/generator -e services/trainer \
-  -e cli
+  -e cli \
+  -e tests -e bench
 touch "$VENV/.installed"
 echo "openbook installed in $VENV"

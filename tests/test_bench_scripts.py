@@ -1,5 +1,6 @@
-"""Every benchmark's one command still starts: its imports resolve (the test kit lives under
-tests/, not in the package) and it parses its arguments. The benchmarks themselves run outside
+"""Every benchmark's one command still starts: its imports resolve (the test kit and the
+benchmarks are development-only packages, tests/ and bench/, that scripts/install.sh installs;
+no benchmark edits sys.path) and it parses its arguments. The benchmarks themselves run outside
 CI (docs/benchmarks.md), except the streaming load benchmark, once on the tiny stack for a few
 seconds (it is the client of the streaming API that its numbers rest on), and the training step
 benchmark on the synthetic task's tiny models (~20 s; it drives torchrun)."""

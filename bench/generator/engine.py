@@ -60,8 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # The private redis-server and free ports come from the test kit (tests/openbook_testkit).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from openbook_testkit.stack import RedisServer, free_port  # noqa: E402
+from openbook_testkit.stack import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REF = "a390178"

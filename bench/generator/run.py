@@ -44,11 +44,10 @@ from transformers import (
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
-from openbook_trainer.experiments.synthetic import word_tokenizer
 
-# The tiny-model helpers live in the test kit (tests/openbook_testkit), not in the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from openbook_testkit.rag import strip_trailing  # noqa: E402
+# The tiny-model helpers: the test kit (tests/openbook_testkit, development only).
+from openbook_testkit.rag import strip_trailing
+from openbook_trainer.experiments.synthetic import word_tokenizer
 
 BASE = dict(d_model=768, layers=6, heads=12, ffn=3072, vocab=50265, head_std=0.1)
 QUICK = dict(d_model=64, layers=2, heads=4, ffn=128, vocab=2000, head_std=0.5)

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 DEFAULT_PASSAGES = ROOT / "data" / "squad" / "paragraphs.jsonl"
 

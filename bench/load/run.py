@@ -51,10 +51,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-# The stack and data builders live with the tests (tests/openbook_testkit), not in a package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from openbook_testkit.index import QUESTIONS  # noqa: E402
-from openbook_testkit.stack import LocalStack, build_fact_indexes  # noqa: E402
+# The stack and data builders: the test kit (tests/openbook_testkit, installed by
+# scripts/install.sh for development only).
+from openbook_testkit.index import QUESTIONS
+from openbook_testkit.stack import LocalStack, build_fact_indexes
 
 QUESTION_LIST = list(QUESTIONS.values())
 

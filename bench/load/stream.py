@@ -52,9 +52,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-# bench.load.run (which puts tests/ on sys.path for openbook_testkit) when run as a script
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.load.run import (  # noqa: E402
+from bench.load.run import (
     QUESTION_LIST,
     REAL_GENERATOR,
     REAL_INDEX,
@@ -63,7 +61,7 @@ from bench.load.run import (  # noqa: E402
     prepare,
     run_clients,
 )
-from openbook_testkit.sse import read_events  # noqa: E402
+from openbook_testkit.sse import read_events
 
 MODES = ("stream", "plain")
 

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 QUESTION = "peru"
 IDLE_S = 3.0  # idle time before "after" is read: the service gives memory back when idle

@@ -36,8 +36,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from openbook.index import faiss_index  # noqa: E402
+from openbook.index import faiss_index
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "flat": ("flat", {}),

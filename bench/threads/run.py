@@ -44,7 +44,6 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 
 MODES = (("fixed 2", "2"), ("fixed 1", "1"), ("auto", "0"))
 GAUGE = re.compile(r'^openbook_compute_threads\{service="generator"\} (\S+)$', re.M)

@@ -75,7 +75,6 @@ import yaml
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 BUILD_VERSION = 1  # bump when a builder changes what it writes: cached work dirs are rebuilt
 GIB = 2**30

@@ -9,13 +9,21 @@ command (``openbook-<service>``, what the images run) runs; the jobs' sub-comman
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import click
+import httpx
 import typer
 from typer.core import TyperGroup
+
+from openbook_cli.ask import AskOptions, ask, render
+from openbook_cli.launcher import LaunchError, run_stack
+
+if TYPE_CHECKING:  # typer vendors click: its groups take and return typer's own click objects
+    from typer._click.core import Command, Context
 
 # openbook-trainer's sub-commands: they pull in torch and friends, so they are imported only
 # when invoked and light commands (up, ask, health) start fast.
@@ -23,12 +31,13 @@ LAZY_COMMANDS = ("train", "merge-adapter", "eval", "demo", "experiments", "index
 
 
 class LazyGroup(TyperGroup):
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: Context) -> list[str]:
         return [*super().list_commands(ctx), *LAZY_COMMANDS]
 
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+    def get_command(self, ctx: Context, name: str) -> Command | None:
         if name not in LAZY_COMMANDS:
             return super().get_command(ctx, name)
+        # why: torch stays out of the light commands (up, ask): the jobs load when invoked
         from openbook_trainer.__main__ import command_group
 
         return command_group().get_command(ctx, name)
@@ -73,12 +82,6 @@ def ask_command(
 ) -> None:
     """Ask a running system; show the answer and its confidence, the passages' prior and
     posterior, and for RAG-Token the per-token posterior over passages."""
-    import json
-
-    import httpx
-
-    from openbook_cli.ask import AskOptions, ask, render
-
     options = AskOptions(k, decoding, num_beams, retrieval, min_confidence)
     try:
         answer = ask(url, question, options, timeout_s)
@@ -97,8 +100,6 @@ def up(
     services: list[str] = typer.Argument(None, help="services to start (default: all)"),
 ) -> None:
     """Start the services of docker-compose.yml as local processes (no Docker needed)."""
-    from openbook_cli.launcher import LaunchError, run_stack
-
     try:
         run_stack(compose_file, services or None)
     except LaunchError as exc:

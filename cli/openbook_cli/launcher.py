@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +80,11 @@ def _interpolate_tree(node, env: Mapping[str, str]):
     if isinstance(node, dict):
         return {key: _interpolate_tree(value, env) for key, value in node.items()}
     return node
+
+
+def _literal(text: str) -> Callable[[re.Match[str]], str]:
+    """A ``re.sub`` replacement that inserts ``text`` as it is (no backslash or group escapes)."""
+    return lambda _match: text
 
 
 def parse_duration(text: str | None, default: float) -> float:
@@ -199,7 +204,7 @@ class ComposeProject:
         for target, host in mounts:
             command = re.sub(
                 rf"(?<![\w./-]){re.escape(target)}(?=/|\s|$|[;|&<>)])",
-                lambda _m, host=host: shlex.quote(host),
+                _literal(shlex.quote(host)),
                 command,
             )
         return command
@@ -427,9 +432,9 @@ class Stack:
             proc.start()
             self.processes[name] = proc
         for name in self.order:  # report readiness of the services nothing waited on
-            proc = self.processes.get(name)
-            if proc and proc.spec.healthcheck and proc.spec.restart != "no":
-                self._wait_healthy(proc)
+            started = self.processes.get(name)
+            if started and started.spec.healthcheck and started.spec.restart != "no":
+                self._wait_healthy(started)
         print(SUPERVISING_LINE, flush=True)
 
     def supervise(self) -> None:

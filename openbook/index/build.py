@@ -161,7 +161,7 @@ def document_encoder(
     precision = resolve_precision(precision, encode_on)
     # A private copy when it moves: the shared one may serve queries on the CPU.
     doc_enc = load_encoder(encoder, role="document", cached=encode_on.type == "cpu")
-    doc_enc.model.to(encode_on)
+    doc_enc.to(encode_on)
     q_name = encoder_id(query_encoder) if query_encoder else doc_enc.name
     q_enc = load_encoder(query_encoder, role="query") if query_encoder else doc_enc
     if q_enc.dim != doc_enc.dim:
@@ -476,7 +476,12 @@ def encoder_source(
 ) -> VectorSource:
     """Vectors from ``enc`` run over the passages in ``precision`` (a resolved name)."""
 
-    def produce(store, spans, todo, update):  # type: ignore[no-untyped-def]
+    def produce(
+        store: PassageStore,
+        spans: list[tuple[int, int]],
+        todo: list[int],
+        update: Callable[[int], None],
+    ) -> Iterator[tuple[int, np.ndarray]]:
         for i in todo:
             a, b = spans[i]
             rows = [row for batch in store.iter_batches(a, b) for row in batch]

@@ -6,9 +6,18 @@ import json
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from openbook.index.build import build_index
+from openbook.index.fusion import Fusion, fit_fusion, read_questions, store_fusion
+from openbook.index.importer import import_embeddings
+from openbook.index.join import join_slices
+from openbook.index.loaded import open_index
+from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
+from openbook.index.parallel import SET_MANIFEST, build_slice, read_index_set
+from openbook.index.shard import split_index
 
 app = typer.Typer(help="Build and inspect indexes", no_args_is_help=True)
 
@@ -125,8 +134,6 @@ def build(
     serving shard, staged until `openbook index join-shards OUT --num-shards N` publishes the
     set; run the N slices in parallel, on N GPUs or nodes.
     """
-    from openbook.index.build import build_index
-
     if (num_shards is None) != (shard_id is None):
         raise _fail("--num-shards and --shard-id go together")
     if num_shards is not None and shard_id is not None:
@@ -193,9 +200,7 @@ def build(
     )
 
 
-def _build_slice(passages: list[Path], out: Path, **kw) -> None:  # type: ignore[no-untyped-def]
-    from openbook.index.parallel import build_slice
-
+def _build_slice(passages: list[Path], out: Path, **kw: Any) -> None:
     try:
         res = build_slice(passages, out, **kw)
     except (ValueError, OSError, RuntimeError) as e:
@@ -273,8 +278,6 @@ def import_(
 ) -> None:
     """Build an index from DPR passages + precomputed embeddings, without encoding
     (resumes an interrupted import of the same files)."""
-    from openbook.index.importer import import_embeddings
-
     if type is IndexType.bm25:
         raise _fail("bm25 takes no embeddings; use a dense --type")
     try:
@@ -336,8 +339,6 @@ def join_shards(
 ) -> None:
     """Check that the N slices of a parallel build agree and publish them as one index set at
     OUT_ROOT (OUT_ROOT/shard-<i>/NAME, served with OPENBOOK_INDEX_ROOT=OUT_ROOT/shard-<i>)."""
-    from openbook.index.join import join_slices
-
     try:
         res = join_slices(
             out_root,
@@ -372,10 +373,6 @@ def info(
 ) -> None:
     """Print an index's manifest as JSON (optionally verifying checksums); for the root of a
     joined parallel build, its shards.json."""
-    from openbook.index.loaded import open_index
-    from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
-    from openbook.index.parallel import SET_MANIFEST, read_index_set
-
     try:
         if not path.is_dir():
             raise IndexLoadError(f"{path}: index directory not found")
@@ -393,12 +390,10 @@ def info(
         typer.echo("verified: ok", err=True)
 
 
-def _views_line(m) -> str:  # type: ignore[no-untyped-def]
+def _views_line(m: Manifest) -> str:
     """One line on what ``retrieval`` can be for this index and how hybrid fuses."""
     line = f"views: {', '.join(m.views)}"
     if m.views == ["dense", "bm25"]:
-        from openbook.index.fusion import Fusion
-
         f = Fusion.from_dict(m.fusion) if m.fusion else Fusion.default(m.score_scale)
         how = (
             f"fitted on {f.fitted_on.get('questions')} questions ({f.fitted_on.get('source')})"
@@ -423,9 +418,6 @@ def search(
     ] = None,
 ) -> None:
     """Search an index from the command line (for eyeballing results)."""
-    from openbook.index.loaded import open_index
-    from openbook.index.manifest import IndexLoadError
-
     try:
         with open_index(path, verify=False) as idx:
             results = idx.search(queries, k, retrieval=retrieval.value if retrieval else None)
@@ -458,10 +450,6 @@ def fit_fusion_(
     Maximises the likelihood the fused prior gives the candidates that contain an answer
     (openbook/index/README.md, "Hybrid retrieval"); only manifest.json is rewritten.
     """
-    from openbook.index.fusion import fit_fusion, read_questions, store_fusion
-    from openbook.index.loaded import open_index
-    from openbook.index.manifest import IndexLoadError
-
     try:
         qs, sha = read_questions(questions, exclude_titles or ())
         with open_index(path, verify=False) as idx:
@@ -488,8 +476,6 @@ def shard(
     progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
 ) -> None:
     """Split an index into N shards, each served by its own retriever (contiguous rows)."""
-    from openbook.index.shard import split_index
-
     try:
         paths = split_index(src, shards, out_root, progress=progress)
     except (ValueError, OSError) as e:  # IndexLoadError is a ValueError

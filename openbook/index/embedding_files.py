@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,7 +76,7 @@ def natural_order(paths: Iterable[Path]) -> list[Path]:
 
 def iter_embeddings(
     paths: Iterable[Path], fmt: str = "auto", batch_size: int = 10_000
-) -> Iterator[EmbeddingBatch]:
+) -> Generator[EmbeddingBatch, None, None]:
     """Yield the entries of every file in ``paths``, in order, as batches of at most
     ``batch_size``. Within a file all vectors have one dimension (checked across files by the
     importer); ids are strings as written (``"1"`` or ``"wiki:1"``)."""

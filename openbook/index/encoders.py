@@ -13,10 +13,15 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
+
+from openbook.index.rag_encoder import load_rag_question_encoder
+
+if TYPE_CHECKING:  # transformers is imported when a model loads, not with openbook.index
+    from transformers import PreTrainedModel
 
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 _ALIASES = {DEFAULT_ENCODER, f"sentence-transformers/{DEFAULT_ENCODER}"}
@@ -70,7 +75,7 @@ class Encoder:
     def __init__(
         self,
         name: str,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: Any,
         *,
         pooling: str,
@@ -94,6 +99,12 @@ class Encoder:
 
     def __repr__(self) -> str:
         return f"Encoder({self.name!r}, dim={self.dim}, pooling={self.pooling}, kind={self.kind})"
+
+    def to(self, device: torch.device | str) -> None:
+        """Move the model to ``device`` (an encoder that is not shared: see ``cached``)."""
+        # transformers declares PreTrainedModel.to through functools.wraps, which mypy reads as
+        # taking the model as its first argument; it is torch.nn.Module.to.
+        cast(torch.nn.Module, self.model).to(device)
 
     @property
     def device(self) -> torch.device:
@@ -326,7 +337,7 @@ class Encoder:
         (out_dir / ENCODER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _model_dim(model: torch.nn.Module) -> int:
+def _model_dim(model: PreTrainedModel) -> int:
     cfg = model.config
     proj = getattr(cfg, "projection_dim", 0) or 0
     return int(proj) if proj > 0 else int(cfg.hidden_size)
@@ -388,6 +399,7 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
 
 def is_adapter_dir(name_or_path: str) -> bool:
     """Whether ``name_or_path`` is a LoRA adapter directory rather than a model."""
+    # why: openbook.rag's package imports transformers, which `import openbook.index` avoids
     from openbook.rag.adapters import ADAPTER_FILE, PEFT_CONFIG
 
     path = Path(name_or_path).expanduser()
@@ -410,6 +422,7 @@ def load_adapted_encoder(
     cached base stays as it is), named after the adapter directory. ``base`` (default: the
     encoder ``openbook_adapter.json`` names) must be the encoder it was trained on:
     :class:`openbook.rag.adapters.AdapterMismatch` otherwise."""
+    # why: openbook.rag's package imports transformers, which `import openbook.index` avoids
     from openbook.rag.adapters import adapter_base, check_base, merged
 
     path = Path(adapter_dir).expanduser().resolve()
@@ -445,7 +458,7 @@ def clear_encoder_cache() -> None:
 
 
 def _load(name: str, path: Path, role: str) -> Encoder:
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel, AutoTokenizer, DPRContextEncoder, DPRQuestionEncoder
 
     own = path / ENCODER_CONFIG
     st_modules = path / "modules.json"
@@ -475,12 +488,11 @@ def _load(name: str, path: Path, role: str) -> Encoder:
     if kind not in KINDS:
         raise ValueError(f"encoder {name!r}: unknown kind {kind!r} in {own}")
 
-    if kind == "dpr-question":
-        from transformers import DPRQuestionEncoder as cls
-    elif kind == "dpr-context":
-        from transformers import DPRContextEncoder as cls
-    else:
-        cls = AutoModel
+    classes: dict[str, type[DPRQuestionEncoder] | type[DPRContextEncoder]] = {
+        "dpr-question": DPRQuestionEncoder,
+        "dpr-context": DPRContextEncoder,
+    }
+    cls = classes.get(kind, AutoModel)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = cls.from_pretrained(model_dir, local_files_only=True)
@@ -503,8 +515,6 @@ def _load(name: str, path: Path, role: str) -> Encoder:
 def _load_rag(name: str, path: Path, role: str, config: dict) -> Encoder:
     """The question encoder (+ its tokenizer) of a RAG checkpoint directory, as RAG uses it:
     DPR pooler output, no normalisation."""
-    from openbook.index.rag_encoder import load_rag_question_encoder
-
     if role != "query":
         raise ValueError(
             f"encoder {name!r}: {path} is a RAG checkpoint, which holds a question encoder only; "

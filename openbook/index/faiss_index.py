@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import faiss
 import numpy as np
@@ -135,7 +135,8 @@ def build_faiss(
         if index_type == "hnsw":
             index = faiss.IndexHNSWFlat(d, params["hnsw_m"], metric)
         else:
-            sq8 = faiss.ScalarQuantizer.QT_8bit
+            # faiss's stubs type the quantizer as a ScalarQuantizer; SWIG takes its QT_ constant
+            sq8 = cast(Any, faiss.ScalarQuantizer.QT_8bit)
             index = faiss.IndexHNSWSQ(d, sq8, params["hnsw_m"], metric)
             index.train(transform(_training_sample(vectors, 200_000)))
         index.hnsw.efConstruction = params["ef_construction"]
@@ -200,7 +201,8 @@ def fill_trained(
 def configure(index: faiss.Index, index_type: str, params: dict[str, Any]) -> None:
     """Apply search-time parameters (ef_search / nprobe)."""
     if index_type in ("hnsw", "hnsw-sq8"):
-        index.hnsw.efSearch = int(params["ef_search"])
+        # an index of these types is an IndexHNSW (faiss.read_index returns the subclass)
+        cast(faiss.IndexHNSW, index).hnsw.efSearch = int(params["ef_search"])
     elif index_type == "ivfpq":
         faiss.extract_index_ivf(index).nprobe = int(params["nprobe"])
 

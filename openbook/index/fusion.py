@@ -30,6 +30,7 @@ Joint training keeps training the query encoder through the dense part of ``s``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -396,8 +397,7 @@ def store_fusion(index_dir: Path, fusion: Fusion | None) -> Manifest:
     the manifest, so the index stays verified. A retriever serving the index picks the new
     fusion up when it reloads it (hot swap).
     """
-    import dataclasses
-
+    # why: an import cycle (openbook.index.loaded and .manifest import this module)
     from openbook.index.loaded import read_index_manifest
     from openbook.index.manifest import MANIFEST
 

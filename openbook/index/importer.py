@@ -45,6 +45,7 @@ from openbook.index.embedding_files import (
     iter_table_passages,
     natural_order,
 )
+from openbook.index.encoders import DEFAULT_ENCODER, encoder_id, load_encoder
 from openbook.index.manifest import Manifest
 from openbook.index.store import PassageStore
 
@@ -182,8 +183,6 @@ def _recorded_name(name: str) -> str:
 
 
 def _check_query_encoder(name: str, dim: int, first_file: Path) -> str:
-    from openbook.index.encoders import DEFAULT_ENCODER, encoder_id, load_encoder
-
     if encoder_id(name) != DEFAULT_ENCODER and not Path(name).expanduser().exists():
         return name  # not on this machine: the retriever checks the dim when it loads it
     enc = load_encoder(name, role="query")

@@ -22,7 +22,7 @@ import fcntl
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -422,7 +422,12 @@ _HNSW_KEYS = ("hnsw_m", "ef_construction", "ef_search", "transform", "rerank")
 def _slice_vectors(paths: list[Path], offsets: list[int]) -> ShardProducer:
     """A ``ShardProducer`` reading global rows from the slices' ``vectors.npy`` files."""
 
-    def produce(store, spans, todo, update):  # type: ignore[no-untyped-def]
+    def produce(
+        store: PassageStore,
+        spans: list[tuple[int, int]],
+        todo: list[int],
+        update: Callable[[int], None],
+    ) -> Iterator[tuple[int, np.ndarray]]:
         mats = [np.load(p / VECTORS_FILE, mmap_mode="r") for p in paths]
         ends = [o + len(m) for o, m in zip(offsets, mats, strict=True)]
         for i in todo:

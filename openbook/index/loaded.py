@@ -6,6 +6,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import faiss
 import numpy as np
 
 from openbook.artifacts import verify_files
@@ -91,9 +92,9 @@ def _field_types_problem(m: Manifest) -> str | None:
     for field, value in (("count", m.count), ("dim", m.dim)):
         if type(value) is not int or value < 0:
             return f"{field} must be a whole number >= 0, got {value!r}"
-    for field, value in (("encoder", m.encoder), ("query_encoder", m.query_encoder)):
-        if value is not None and not isinstance(value, str):
-            return f"{field} must be a string, got {value!r}"
+    for field, name in (("encoder", m.encoder), ("query_encoder", m.query_encoder)):
+        if name is not None and not isinstance(name, str):
+            return f"{field} must be a string, got {name!r}"
     if not isinstance(m.checksum, str):
         return f"checksum must be a string, got {m.checksum!r}"
     for field, table, kind in (("files", m.files, str), ("sizes", m.sizes, int)):
@@ -117,7 +118,7 @@ class LoadedIndex:
         self._store = PassageStore(self.path / PASSAGES_FILE)
         self._encoder: Encoder | None = None
         self._encoder_lock = threading.Lock()
-        self._faiss = None
+        self._faiss: faiss.Index | None = None
         self._bm25: BM25Searcher | None = None
         self._vectors: np.ndarray | None = None
         try:
@@ -142,15 +143,15 @@ class LoadedIndex:
             if rel not in m.files:
                 raise IndexLoadError(f"{label}: {rel} missing")
         try:
-            self._faiss = faiss_index.read(self.path / faiss_index.INDEX_FILE)
+            index = self._faiss = faiss_index.read(self.path / faiss_index.INDEX_FILE)
         except RuntimeError as e:
             raise IndexLoadError(f"{label}: cannot read {faiss_index.INDEX_FILE}: {e}") from None
-        d = faiss_index.index_dim(self._faiss, m.index_type, m.index_params)
+        d = faiss_index.index_dim(index, m.index_type, m.index_params)
         if d != m.dim:
             raise IndexLoadError(f"{label}: dim {m.dim} != index dim {d}")
-        if self._faiss.ntotal != m.count:
-            raise IndexLoadError(f"{label}: count {m.count} != index count {self._faiss.ntotal}")
-        faiss_index.configure(self._faiss, m.index_type, m.index_params)
+        if index.ntotal != m.count:
+            raise IndexLoadError(f"{label}: count {m.count} != index count {index.ntotal}")
+        faiss_index.configure(index, m.index_type, m.index_params)
         self._vectors = np.load(self.path / VECTORS_FILE, mmap_mode="r")
         if self._vectors.shape != (m.count, m.dim):
             raise IndexLoadError(
@@ -339,11 +340,16 @@ class LoadedIndex:
         q = self._query_vectors(queries, encoder, query_vectors)
         return self._candidates(list(queries), q, n)
 
+    def _dense(self) -> faiss.Index:
+        """The faiss index; only called for an index with a dense view, which opened it."""
+        assert self._faiss is not None
+        return self._faiss
+
     def _candidates(self, queries: list[str], q: np.ndarray, n: int) -> Candidates:
         assert self._bm25 is not None and self._vectors is not None
         m = self.manifest
         n = min(n, m.count)
-        _, dense_rows = faiss_index.search(self._faiss, m.index_type, m.index_params, q, n)
+        _, dense_rows = faiss_index.search(self._dense(), m.index_type, m.index_params, q, n)
         _, bm25_rows = self._bm25.search(queries, n)
         rows = union_rows(dense_rows, bm25_rows)
         valid = rows >= 0
@@ -380,10 +386,11 @@ class LoadedIndex:
         m = self.manifest
         factor = int(m.index_params.get("rerank", 0) or 0)
         if factor > 1 and m.index_type != "flat":
-            _, cand = faiss_index.search(self._faiss, m.index_type, m.index_params, q, k * factor)
+            _, cand = faiss_index.search(self._dense(), m.index_type, m.index_params, q, k * factor)
+            assert self._vectors is not None  # opened with the faiss index
             scores, rows = faiss_index.rerank_exact(q, cand, self._vectors, k)
         else:
-            scores, rows = faiss_index.search(self._faiss, m.index_type, m.index_params, q, k)
+            scores, rows = faiss_index.search(self._dense(), m.index_type, m.index_params, q, k)
         return self._results(scores, rows, return_vectors)
 
     def _results(
@@ -417,7 +424,7 @@ class LoadedIndex:
             raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
         ids = list(row_ids)
         if ids and isinstance(ids[0], str):
-            ids = self._store.rows_for_ids(ids)  # type: ignore[arg-type]
+            ids = self._store.rows_for_ids([str(i) for i in ids])
         rows = np.asarray(ids, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.manifest.count):
             raise IndexError(f"row ids out of range [0, {self.manifest.count})")

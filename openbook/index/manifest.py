@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from openbook.artifacts import checksum_files, replace_file
+from openbook.index.fusion import Fusion
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -109,8 +110,6 @@ class Manifest:
         if problem := views_problem(data.get("views"), data["index_type"]):
             raise IndexLoadError(f"{path}: {problem}")
         if data.get("fusion") is not None:
-            from openbook.index.fusion import Fusion
-
             try:
                 Fusion.from_dict(data["fusion"])
             except ValueError as e:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from openbook.index.encoders import _ALIASES, DEFAULT_ENCODER, ENCODER_CONFIG, Encoder
 from openbook.index.manifest import Manifest
+from openbook.rag.adapters import ADAPTER_FILE
 
 
 def _norm(name: str | None) -> str | None:
@@ -50,8 +51,6 @@ def _json(path: Path) -> dict:
 def saved_source(encoder: Encoder) -> str | None:
     """The encoder a directory written by ``Encoder.save`` was saved from, or a LoRA adapter
     directory's base encoder (its lineage)."""
-    from openbook.rag.adapters import ADAPTER_FILE
-
     path = Path(encoder.name)
     return (
         _json(path / ENCODER_CONFIG).get("source")

@@ -9,6 +9,7 @@ import json
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import cast
 
 from openbook.types import Passage
 
@@ -81,7 +82,8 @@ def read_passages(
 
 def _open_text(path: Path) -> io.TextIOBase:
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")  # type: ignore[return-value]
+        # a text-mode gzip file is an io.TextIOWrapper; typeshed types it as the TextIO protocol
+        return cast(io.TextIOBase, gzip.open(path, "rt", encoding="utf-8", newline=""))
     return open(path, encoding="utf-8", newline="")  # noqa: SIM115 - caller closes
 
 

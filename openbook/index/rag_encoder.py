@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # transformers is imported when the encoder loads
+    from transformers import DPRQuestionEncoder
 
 RAG_QUESTION_ENCODER_PREFIX = "rag.question_encoder."
 QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
@@ -95,7 +98,7 @@ def _question_encoder_state(root: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_rag_question_encoder(root: Path, config: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+def load_rag_question_encoder(root: Path, config: dict[str, Any]) -> tuple[DPRQuestionEncoder, Any]:
     """``(DPRQuestionEncoder, question-encoder tokenizer)`` of RAG directory ``root``.
 
     Raises ``ValueError`` naming the missing/corrupt file or folder.

@@ -35,8 +35,16 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
+from tqdm.auto import tqdm
+
 from openbook.artifacts import clean_stale_partials, publish, staging_dir
+from openbook.index import faiss_index
+from openbook.index.bm25 import BM25_DIR, slice_bm25
+from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
+from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
+from openbook.index.store import PassageStore, PassageWriter
 
 _TRAINED_TYPES = ("hnsw-sq8", "ivfpq")  # types whose quantizer the shards inherit
 
@@ -55,8 +63,6 @@ def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True)
     parent's; rows are renumbered from 0 per shard (``manifest.shard["row_offset"]`` maps them
     back).
     """
-    from openbook.index.loaded import open_index
-
     src, out_root = Path(src), Path(out_root)
     if n_shards < 2:
         raise ValueError(f"need at least 2 shards, got {n_shards}")
@@ -99,8 +105,6 @@ def _trained_template(src: Path, m: Manifest):
     """The parent's index emptied of vectors (keeping its training), for compressed types."""
     if m.index_type not in _TRAINED_TYPES:
         return None
-    from openbook.index import faiss_index
-
     index = faiss_index.read(src / faiss_index.INDEX_FILE)
     index.reset()
     return index
@@ -118,14 +122,6 @@ def _write_shard(
 ) -> Manifest:
     """Write shard ``shard`` (rows ``[start, stop)`` of the index at ``src``) into ``out``;
     return its manifest, which the caller publishes with it."""
-    import numpy as np
-    from tqdm.auto import tqdm
-
-    from openbook.index import faiss_index
-    from openbook.index.bm25 import BM25_DIR, slice_bm25
-    from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
-    from openbook.index.store import PassageStore, PassageWriter
-
     t0 = time.monotonic()
     out.mkdir(parents=True)
     store = PassageStore(src / PASSAGES_FILE)

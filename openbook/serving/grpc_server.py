@@ -256,8 +256,8 @@ class _ObservedCall:
                 message = str(exc)
             retry_after = getattr(exc, "retry_after_s", None)
             if retry_after is not None:
-                seconds = str(max(1, math.ceil(retry_after)))
-                context.set_trailing_metadata(((RETRY_AFTER_TRAILER, seconds),))
+                wait_s = str(max(1, math.ceil(retry_after)))
+                context.set_trailing_metadata(((RETRY_AFTER_TRAILER, wait_s),))
             context.abort(code, message)
         finally:
             seconds = time.perf_counter() - started

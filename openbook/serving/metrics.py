@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -100,20 +101,21 @@ class ServiceMetrics:
         """Report ``lookups("hit")`` and ``lookups("miss")`` at every scrape."""
         for result in ("hit", "miss"):
             self.passage_cache.labels(self.service, result).set_function(
-                lambda result=result: lookups(result)
+                functools.partial(lookups, result)
             )
 
     def track_slowdown(self, slowdown: Callable[[str], float]) -> None:
         """Report ``slowdown("prefill")`` and ``slowdown("step")`` at every scrape."""
         for kind in ("prefill", "step"):
-            self.slowdown.labels(self.service, kind).set_function(lambda kind=kind: slowdown(kind))
+            self.slowdown.labels(self.service, kind).set_function(functools.partial(slowdown, kind))
 
     def set_compute_threads(self, n: int) -> None:
         self.compute_threads.labels(self.service).set(n)
 
     def set_serving(self, kind: str, name: str) -> None:
         """Record the one ``kind`` ('index', 'model') being served: ``name``."""
-        for metric in list(self.serving.collect()[0].samples):
+        (family,) = self.serving.collect()  # one labelled gauge: one metric family
+        for metric in list(family.samples):
             if metric.labels["kind"] == kind:
                 self.serving.remove(metric.labels["service"], kind, metric.labels["name"])
         self.serving.labels(self.service, kind, name).set(1)

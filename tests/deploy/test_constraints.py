@@ -29,9 +29,13 @@ def _pins() -> dict[str, str]:
     return pins
 
 
-PYPROJECTS = ["pyproject.toml", "cli/pyproject.toml"] + sorted(
-    str(p.relative_to(ROOT)) for p in ROOT.glob("services/*/pyproject.toml")
-)
+# tests/ and bench/: the development-only test kit and benchmarks (scripts/install.sh).
+PYPROJECTS = [
+    "pyproject.toml",
+    "cli/pyproject.toml",
+    "tests/pyproject.toml",
+    "bench/pyproject.toml",
+] + sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("services/*/pyproject.toml"))
 
 
 def test_every_declared_dependency_is_pinned():

@@ -141,7 +141,7 @@ def test_corrupt_index_is_refused_and_the_old_one_keeps_serving(stack):
 def _tiny_checkpoint(root: Path, model_dir: Path) -> Path:
     from transformers import AutoTokenizer, BartForConditionalGeneration
 
-    from openbook.checkpoint import write_checkpoint
+    from openbook_trainer.checkpoints import write_checkpoint
 
     model = BartForConditionalGeneration.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

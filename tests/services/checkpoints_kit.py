@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from openbook.checkpoint import write_checkpoint
 from openbook.index import load_encoder
 from openbook.rag import RagGenerator
+from openbook_trainer.checkpoints import write_checkpoint
 
 
 def tiny_checkpoint(root: Path, step: int, bart: Path) -> Path:
@@ -28,8 +28,8 @@ def tiny_adapter_checkpoint(root: Path, step: int, base: Path, trained_on: Path 
     """An adapter-only checkpoint (LoRA on the generator, random non-zero updates so that it
     changes answers) of base model ``base``, claiming to be trained on ``trained_on`` (default:
     ``base``; another model makes an adapter for the wrong base)."""
-    from openbook.checkpoint import TrainedAdapter
     from openbook.rag.adapters import LoraSpec, attach_lora, base_identity
+    from openbook.rag.checkpoint import TrainedAdapter
     from openbook_testkit.rag import randomize_lora
 
     generator = RagGenerator.load(base, dtype="float32")

@@ -104,7 +104,7 @@ def test_reload_needs_the_admin_token(system):
 def test_an_adapter_checkpoint_reloads_onto_the_configured_base(system):
     from checkpoints_kit import tiny_adapter_checkpoint
 
-    from openbook.checkpoint import load_checkpoint
+    from openbook_trainer.checkpoints import load_checkpoint
 
     client, tmp, bart = system
     ckpt = tiny_adapter_checkpoint(tmp / "checkpoints", 3, bart)

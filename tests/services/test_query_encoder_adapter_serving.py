@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from openbook.checkpoint import TrainedAdapter, write_checkpoint
 from openbook.index import load_encoder
 from openbook.index.encoders import encoder_weights_dir, load_adapted_encoder
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import ADAPTER_FILE, LoraSpec, attach_lora, base_identity, save_adapter
+from openbook.rag.checkpoint import TrainedAdapter
 from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import common_pb2, retriever_pb2
 from openbook_retriever.server import configured_query_encoder
@@ -25,6 +25,7 @@ from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.index import QUESTIONS, assert_same_hits, reply_hits, searched_hits
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes, retriever_service
+from openbook_trainer.checkpoints import write_checkpoint
 
 TOKEN = "qe-adapter-admin-token"
 ADMIN = bearer_metadata(TOKEN)
@@ -115,7 +116,7 @@ def test_a_checkpoint_holding_a_query_encoder_adapter_reloads(retriever, world):
     stub, servicer = retriever
     info = stub.ReloadModel(common_pb2.ReloadModelRequest(path="step-000001"), metadata=ADMIN)
     assert info.model_version == "step-000001"
-    from openbook.checkpoint import load_query_encoder
+    from openbook.index.checkpoint import load_query_encoder
 
     trained = load_query_encoder(world["ckpt"])
     reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=ASK, k=3))

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from openbook.checkpoint import load_query_encoder, write_checkpoint
 from openbook.index import Manifest, build_index, load_encoder
+from openbook.index.checkpoint import load_query_encoder
 from openbook.index.pairing import checkpoint_override, configured_override
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import bearer_metadata
@@ -27,6 +27,7 @@ from openbook_testkit.index import (
 )
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import build_fact_indexes, retriever_service
+from openbook_trainer.checkpoints import write_checkpoint
 
 TOKEN = "pairing-admin-token"
 ADMIN = bearer_metadata(TOKEN)

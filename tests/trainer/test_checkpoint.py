@@ -11,24 +11,21 @@ import numpy as np
 import pytest
 import torch
 
+from openbook.artifacts import PARTIAL_MAX_AGE_S, clean_stale_partials, machine_tag
 from openbook.checkpoint import (
     LATEST,
-    PARTIAL_MAX_AGE_S,
     CheckpointError,
     CheckpointPathError,
-    _machine_tag,
     checkpoint_in_root,
-    clean_stale_partials,
     generator_dir,
     latest_checkpoint,
-    load_checkpoint,
     query_encoder_dir,
     verify_checkpoint,
-    write_checkpoint,
 )
 from openbook.index import load_encoder
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
+from openbook_trainer.checkpoints import load_checkpoint, write_checkpoint
 
 QUESTIONS = ["what is the code of e1 ?", "what is the code of e5 ?"]
 PASSAGES = [
@@ -168,7 +165,7 @@ def test_latest_pointer_and_pruning(models, tmp_path):
 _STUCK_WRITER = """
 import sys, time
 from pathlib import Path
-from openbook.checkpoint import write_checkpoint
+from openbook_trainer.checkpoints import write_checkpoint
 
 class Stuck:
     def save(self, out):
@@ -240,7 +237,7 @@ def test_a_writer_in_this_process_keeps_its_partial(models, tmp_path):
 
 
 def test_partials_the_lock_cannot_judge_wait_for_their_age(tmp_path):
-    this_machine = tmp_path / f".step-000001.tmp-{_machine_tag()}-999999-0123abcd"
+    this_machine = tmp_path / f".step-000001.tmp-{machine_tag()}-999999-0123abcd"
     unjudged = [
         tmp_path / ".step-000002.tmp-someothermachine-7-0123abcd",  # a shared volume
         tmp_path / ".step-000003.tmp-4242-0123abcd",  # names of earlier versions
@@ -249,7 +246,7 @@ def test_partials_the_lock_cannot_judge_wait_for_their_age(tmp_path):
     for d in (this_machine, *unjudged):
         (d / "generator").mkdir(parents=True)
         (d / "generator" / "config.json").write_text("{}")
-    pointer = tmp_path / f".{LATEST}.tmp-{_machine_tag()}-999999-0123abcd"
+    pointer = tmp_path / f".{LATEST}.tmp-{machine_tag()}-999999-0123abcd"
     pointer.write_text("step-000001\n")
     others = [tmp_path / ".keep", tmp_path / "step-000009", tmp_path / "notes.tmp-1"]
     for d in others:

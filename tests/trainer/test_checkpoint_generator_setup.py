@@ -11,13 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from openbook.checkpoint import (
-    CheckpointError,
-    generator_dir,
-    load_checkpoint,
-    verify_checkpoint,
-    write_checkpoint,
-)
+from openbook.checkpoint import CheckpointError, generator_dir, verify_checkpoint
 from openbook.rag import DecodingOptions, ModelLoadError, RagGenerator
 from openbook_testkit.rag import (
     PROMPT,
@@ -26,6 +20,7 @@ from openbook_testkit.rag import (
     make_tiny_causal_lm,
     make_tiny_rag_checkpoint,
 )
+from openbook_trainer.checkpoints import load_checkpoint, write_checkpoint
 
 QUESTIONS = [
     QUESTION,

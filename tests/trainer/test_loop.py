@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from openbook.checkpoint import _machine_tag, latest_checkpoint, verify_checkpoint
+from openbook.artifacts import machine_tag
+from openbook.checkpoint import latest_checkpoint, verify_checkpoint
 from openbook_testkit.training import crash_at
 from openbook_trainer.config import ConfigError
 from openbook_trainer.loop import train
@@ -70,7 +71,7 @@ def test_partials_of_killed_runs_are_cleared_on_start_and_on_resume(make_cfg):
 
     def left_by_killed_writer(step: int) -> Path:
         """A partial from this machine whose writer is gone (nothing holds its lock)."""
-        partial = cfg.out / f".step-{step:06d}.tmp-{_machine_tag()}-999999-0123abcd"
+        partial = cfg.out / f".step-{step:06d}.tmp-{machine_tag()}-999999-0123abcd"
         (partial / "generator").mkdir(parents=True)
         (partial / "generator" / "config.json").write_text("{}")
         then = time.time() - 3600
@@ -127,8 +128,8 @@ def test_cpu_autocast_follows_the_processor(monkeypatch):
 
 
 def test_causal_lm_generator(make_cfg, tmp_path):
-    from openbook.checkpoint import load_checkpoint
     from openbook_testkit.rag import make_tiny_causal_lm
+    from openbook_trainer.checkpoints import load_checkpoint
 
     lm = make_tiny_causal_lm(tmp_path / "lm")
     result = train(make_cfg(generator=lm, steps=2, mode="rag-sequence", eval_max_examples=2))

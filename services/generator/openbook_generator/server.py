@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from openbook.checkpoint import latest_checkpoint, load_generator, locate_in_root
+from openbook.checkpoint import latest_checkpoint, locate_in_root
 from openbook.compute_threads import ComputeThreadsOptions
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
+from openbook.rag.checkpoint import load_generator
 from openbook.serving import allocator
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
@@ -144,6 +145,7 @@ def serve(settings: GeneratorSettings, stop: threading.Event | None = None) -> N
     """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
     allocator.configure()  # before the model loads (openbook/serving/allocator.py)
     service, pending = bind(settings)
+    assert service.metrics is not None  # bind() gives every service its metrics
     service.metrics.serve_http(settings.metrics_port, settings.host)
     loaded: list[GeneratorServicer] = []
 

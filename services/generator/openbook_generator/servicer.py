@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from openbook.checkpoint import CheckpointError, checkpoint_in_root, load_generator
+from openbook.checkpoint import CheckpointError, checkpoint_in_root
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import InvalidArgument, TooLarge, client_errors
 from openbook.limits import MAX_K, check_finite, check_question
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
+from openbook.rag.checkpoint import load_generator
 from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
 from openbook.serving.allocator import MemoryReleaser

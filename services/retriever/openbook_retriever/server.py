@@ -139,6 +139,7 @@ def follow_reloads(
     """Converge to the desired model in Redis now (a replica started after a reload), then
     follow later reloads until ``stop`` is set: every replica, not only the one a gateway's
     ReloadModel reaches, loads the checkpoint (verified, confined to the checkpoint root)."""
+    assert servicer.shared is not None  # load() gives the servicer the shared active index
     follower = ModelFollower(
         servicer.shared.client,
         "retriever",
@@ -167,6 +168,7 @@ def build(settings: RetrieverSettings) -> tuple[GrpcService, RetrieverServicer, 
 def serve(settings: RetrieverSettings, stop: threading.Event | None = None) -> None:
     """Bind, answer health (NOT_SERVING) at once, load, then serve until a signal or ``stop``."""
     service, pending = bind(settings)
+    assert service.metrics is not None  # bind() gives every service its metrics
     service.metrics.serve_http(settings.metrics_port, settings.host)
     stop = stop if stop is not None else threading.Event()
     following = threading.Event()

@@ -20,15 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook.checkpoint import (
-    CheckpointError,
-    checkpoint_in_root,
-    load_query_encoder,
-    open_checkpoint,
-)
+from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, client_errors
 from openbook.index import Encoder, IndexLoadError, LoadedIndex
+from openbook.index.checkpoint import load_query_encoder
 from openbook.index.pairing import (
     QueryEncoderOverride,
     checkpoint_override,

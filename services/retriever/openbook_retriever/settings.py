@@ -15,8 +15,8 @@ class RetrieverSettings(GrpcServiceSettings):
 
     # Below the kernel's ephemeral range (32768-60999): a client socket can never hold it
     # when the service restarts.
-    port: int = Field(8051, ge=0)
-    metrics_port: int = Field(9101, ge=0)
+    port: int = Field(default=8051, ge=0)
+    metrics_port: int = Field(default=9101, ge=0)
     # Where indexes live: the trainer's demo preparation writes there too.
     index_root: Path = shared(Path("var/indexes"), "OPENBOOK_INDEX_ROOT")
     default_index: str = ""
@@ -29,8 +29,8 @@ class RetrieverSettings(GrpcServiceSettings):
     # with the generator's, installed by `openbook demo prepare`); None or "": no adapter. One
     # that is missing, or that was trained on another encoder, is skipped with a warning.
     query_encoder_adapter: OptionalPath = None
-    max_loaded_indexes: int = Field(4, ge=1)
+    max_loaded_indexes: int = Field(default=4, ge=1)
     # Concurrent Retrieve calls share one encoder forward pass and one search.
-    max_batch_size: int = Field(32, ge=1)
-    max_batch_wait_ms: float = Field(2.0, ge=0)
-    max_queue: int = Field(64, ge=1)
+    max_batch_size: int = Field(default=32, ge=1)
+    max_batch_wait_ms: float = Field(default=2.0, ge=0)
+    max_queue: int = Field(default=64, ge=1)

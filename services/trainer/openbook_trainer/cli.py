@@ -14,6 +14,11 @@ from typing import NoReturn
 
 import typer
 
+from openbook.checkpoint import CheckpointError
+from openbook.index import IndexLoadError
+from openbook_trainer.distributed import DistributedError
+from openbook_trainer.evaluation.data import DataError
+
 
 class Mode(StrEnum):
     rag_sequence = "rag-sequence"
@@ -114,18 +119,16 @@ def train_command(
     flags = {n: (v.value if isinstance(v, StrEnum) else v) for n, v in locals().items()}
     flags.pop("config")
     flags["lora_targets"] = flags["lora_targets"] or None  # none given: the config's
-    from openbook.checkpoint import CheckpointError
-    from openbook.index import IndexLoadError
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag import ModelLoadError
     from openbook_trainer.config import ConfigError, TrainConfig
-    from openbook_trainer.distributed import DistributedError
-    from openbook_trainer.evaluation.data import DataError
 
     try:
         cfg = TrainConfig.load(config, **flags)
     except ConfigError as e:
         _fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook_trainer.loop import train as run_training
     from openbook_trainer.loop import training_threads
 

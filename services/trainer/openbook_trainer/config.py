@@ -30,74 +30,82 @@ class TrainConfig(BaseModel):
     index: Path
     generator: Path
     query_encoder: str | None = Field(
-        None, description="name or dir; default: the index's own query encoder"
+        default=None, description="name or dir; default: the index's own query encoder"
     )
     out: Path
     task: Task = "qa"
 
     # --- the RAG objective (paper §2)
     mode: Mode = "rag-token"
-    k: int = Field(5, ge=1, le=100)
+    k: int = Field(default=5, ge=1, le=100)
     retrieval: Literal["dense", "hybrid"] | None = Field(
-        None,
+        default=None,
         description="dense, or hybrid (dense + BM25, the fused prior); default: the index's "
         "(hybrid where it has a bm25 view)",
     )
     train_query_encoder: bool = True
     train_generator: bool = True
-    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
     exclude_bos_score: bool = False
     answers: Literal["first", "all"] = Field(
-        "first", description="train on the first gold answer only, or one example per answer"
+        default="first",
+        description="train on the first gold answer only, or one example per answer",
     )
 
     # --- parameter-efficient generator training (openbook/rag/adapters.py): only a LoRA adapter
     # of the generator learns (and is checkpointed, a few MB); the base weights stay frozen
     generator_adapter: Literal["none", "lora"] = Field(
-        "none", description="none: train every generator weight; lora: a LoRA adapter only"
+        default="none", description="none: train every generator weight; lora: a LoRA adapter only"
     )
-    lora_rank: int = Field(16, ge=1, le=MAX_RANK)
-    lora_alpha: float = Field(32.0, gt=0, le=MAX_ALPHA)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    lora_rank: int = Field(default=16, ge=1, le=MAX_RANK)
+    lora_alpha: float = Field(default=32.0, gt=0, le=MAX_ALPHA)
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
     lora_targets: list[str] | None = Field(
-        None, description="module names to adapt; default: every linear layer but the LM head"
+        default=None,
+        description="module names to adapt; default: every linear layer but the LM head",
     )
     # The same for the query encoder: a LoRA adapter of every linear layer (rank, alpha and
     # dropout as the generator's) learns instead of the whole encoder, and checkpoints hold the
     # adapter (hundreds of KB) instead of the encoder (87 MiB for MiniLM, 418 MiB for DPR).
     query_encoder_adapter: Literal["none", "lora"] = Field(
-        "none", description="none: train every query encoder weight; lora: a LoRA adapter only"
+        default="none",
+        description="none: train every query encoder weight; lora: a LoRA adapter only",
     )
 
     # --- optimisation
-    steps: int | None = Field(None, ge=1, description="optimizer steps (exclusive with epochs)")
-    epochs: float | None = Field(None, gt=0)
-    batch_size: int = Field(8, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lr_generator: float = Field(3e-5, gt=0)
-    lr_query_encoder: float = Field(3e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    steps: int | None = Field(
+        default=None, ge=1, description="optimizer steps (exclusive with epochs)"
+    )
+    epochs: float | None = Field(default=None, gt=0)
+    batch_size: int = Field(default=8, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    lr_generator: float = Field(default=3e-5, gt=0)
+    lr_query_encoder: float = Field(default=3e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    max_grad_norm: float = Field(default=1.0, ge=0, description="0 disables clipping")
     precision: Precision = "auto"
     device: str | None = None
     seed: int = 0
 
     # --- several processes (torchrun; openbook_trainer/distributed.py)
     shard_optimizer: bool = Field(
-        False, description="under torchrun: ZeRO-1, each rank holds 1/world of the Adam state"
+        default=False,
+        description="under torchrun: ZeRO-1, each rank holds 1/world of the Adam state",
     )
     dist_timeout: float = Field(
-        1800.0, gt=0, description="seconds a rank waits in a collective before failing"
+        default=1800.0, gt=0, description="seconds a rank waits in a collective before failing"
     )
 
     # --- evaluation, checkpoints
-    eval_every: int = Field(0, ge=0, description="steps between dev evaluations; 0: at end")
-    eval_max_examples: int | None = Field(500, ge=1)
-    eval_num_beams: int = Field(1, ge=1, le=16)
-    eval_max_new_tokens: int = Field(32, ge=1, le=512)
-    save_every: int = Field(0, ge=0, description="steps between checkpoints; 0: at end only")
-    keep_last: int = Field(3, ge=1)
+    eval_every: int = Field(default=0, ge=0, description="steps between dev evaluations; 0: at end")
+    eval_max_examples: int | None = Field(default=500, ge=1)
+    eval_num_beams: int = Field(default=1, ge=1, le=16)
+    eval_max_new_tokens: int = Field(default=32, ge=1, le=512)
+    save_every: int = Field(
+        default=0, ge=0, description="steps between checkpoints; 0: at end only"
+    )
+    keep_last: int = Field(default=3, ge=1)
     resume: bool = True
     progress: bool = True
 

@@ -39,20 +39,16 @@ from tqdm.auto import tqdm
 from openbook.artifacts import clean_stale_partials, sha256_file
 from openbook.checkpoint import (
     CheckpointError,
-    TrainedAdapter,
     generator_adapter_dir,
     latest_checkpoint,
-    load_generator,
-    load_query_encoder,
-    load_trainer_state,
     query_encoder_adapter_dir,
     read_manifest,
     trainer_state_path,
     verify_checkpoint,
-    write_checkpoint,
 )
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
+from openbook.index.checkpoint import load_query_encoder
 from openbook.index.encoders import encoder_id, encoder_weights_dir
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.adapters import (
@@ -62,7 +58,9 @@ from openbook.rag.adapters import (
     check_base,
     load_trainable,
 )
+from openbook.rag.checkpoint import TrainedAdapter, load_generator
 from openbook.rag.loading import cpu_has_native_bf16
+from openbook_trainer.checkpoints import load_trainer_state, write_checkpoint
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.data import (
     TrainPair,
@@ -74,6 +72,7 @@ from openbook_trainer.data import (
 from openbook_trainer.distributed import World, rank_device, world_from_env
 from openbook_trainer.evaluation.runner import predict_local, score_predictions
 from openbook_trainer.retrieval import make_retrieval
+from openbook_trainer.settings import TrainerSettings
 
 log = logging.getLogger("openbook.trainer")
 TRAIN_LOG = "train_log.jsonl"
@@ -121,8 +120,6 @@ def training_threads() -> ComputeThreads:
     re-read between steps. An automatic size may change during a run (a neighbour took a
     core), and with it the order of some floating-point sums: a run that must resume
     bit-identically fixes the size with the setting."""
-    from openbook_trainer.settings import TrainerSettings
-
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     setting = TrainerSettings().compute_threads
     return ComputeThreads(ComputeThreadsOptions(setting=setting, share=local))
@@ -173,7 +170,7 @@ class Trainer:
             cfg.query_encoder or self.index.manifest.query_encoder or self.index.manifest.encoder
         )
         assert base_q is not None
-        self.base_query_encoder = encoder_id(base_q)
+        self.base_query_encoder: str | None = encoder_id(base_q)
         # float32 master weights; autocast provides the reduced precision on CUDA.
         dev = str(self.device)
         lora, q_lora = cfg.lora, cfg.query_encoder_lora
@@ -202,8 +199,10 @@ class Trainer:
             if q_adapter is None:
                 encoder = load_query_encoder(resume_from, device=dev, verify=False)
             else:
-                encoder = _load_query_encoder(self.base_query_encoder, self.device)
-                check_base(q_adapter, encoder_weights_dir(self.base_query_encoder))
+                q_base = self.base_query_encoder
+                assert q_base is not None  # save_query_encoder records an adapter's base
+                encoder = _load_query_encoder(q_base, self.device)
+                check_base(q_adapter, encoder_weights_dir(q_base))
                 self.q_base_id = adapter_base(q_adapter)["base_identity"]
                 self.q_peft_model = load_trainable(encoder.model, q_adapter)
         else:
@@ -479,9 +478,10 @@ class Trainer:
         finally:
             self._train_mode()
         per_rank = world.gather(preds)
-        ordered = [None] * len(self.dev)
-        for r, rank_preds in enumerate(per_rank):
-            ordered[r :: world.world_size] = rank_preds
+        # rank r predicted examples r, r + world_size, ...: back in the dev set's order
+        ordered = [
+            per_rank[i % world.world_size][i // world.world_size] for i in range(len(self.dev))
+        ]
         scores = score_predictions(cfg.task, self.dev, ordered, cfg.k)
         out = {"dev_loss": world.sum(loss) / len(self.dev)}
         out.update({f"dev_{k}": v for k, v in scores.items() if k != "n"})
@@ -668,5 +668,5 @@ def _same_adapter_use(ckpt: Path, part: str, saved: Path | None, configured: Any
 
 def _load_query_encoder(name: str, device: torch.device) -> Encoder:
     enc = load_encoder(name, role="query", cached=False)
-    enc.model.to(device)
+    enc.to(device)
     return enc

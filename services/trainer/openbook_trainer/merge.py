@@ -12,6 +12,15 @@ from typing import NoReturn
 
 import typer
 
+from openbook.artifacts import publish, staging_dir
+from openbook.checkpoint import (
+    GENERATOR_VERSION_FILE,
+    CheckpointError,
+    generator_adapter_dir,
+    open_checkpoint,
+    query_encoder_adapter_dir,
+)
+
 
 def merge_command(
     checkpoint: Path = typer.Argument(..., help="checkpoint dir (or root: its latest)"),
@@ -27,17 +36,9 @@ def merge_command(
 ) -> None:
     """Merge a checkpoint's LoRA adapters (generator: --out, query encoder: --query-encoder-out)
     into their base models' weights."""
-    from openbook.artifacts import publish, staging_dir
-    from openbook.checkpoint import (
-        GENERATOR_VERSION_FILE,
-        CheckpointError,
-        generator_adapter_dir,
-        load_generator,
-        load_query_encoder,
-        open_checkpoint,
-        query_encoder_adapter_dir,
-        save_generator_dir,
-    )
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
+    from openbook.index.checkpoint import load_query_encoder
+    from openbook.rag.checkpoint import load_generator, save_generator_dir
 
     if out is None and query_encoder_out is None:
         _fail("name where to write: --out (the generator) and/or --query-encoder-out")

@@ -48,7 +48,7 @@ class DenseRetrieval:
         )
         if any(len(h) != self.k for h in hits):
             raise RuntimeError(f"index {self.index.name!r} returned fewer than k={self.k} hits")
-        docs = torch.from_numpy(np.stack([np.stack([p.vector for p in h]) for h in hits]))
+        docs = torch.from_numpy(np.stack([np.stack([_vector(p) for p in h]) for h in hits]))
         docs = docs.to(q.device)  # (B, k, d)
         doc_scores = torch.bmm(docs, q.unsqueeze(2)).squeeze(2)  # (B, k)
         return hits, doc_scores * self.index.manifest.score_scale
@@ -134,3 +134,10 @@ def make_retrieval(
     if mode == "dense":
         return DenseRetrieval(index, encoder, k)
     raise ValueError(f"retrieval: {mode} cannot train a query encoder; use dense or hybrid")
+
+
+def _vector(passage: Passage) -> np.ndarray:
+    """A hit's document vector, which ``search_vectors(return_vectors=True)`` always sets."""
+    if passage.vector is None:
+        raise RuntimeError(f"passage {passage.id!r} came back without its vector")
+    return passage.vector

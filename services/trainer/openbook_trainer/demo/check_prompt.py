@@ -24,8 +24,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook.rag.backends import CausalBackend
+from openbook.rag.prompting import PromptSpec
 from openbook.types import Passage
 from openbook_trainer.demo.data import (
     LEADERS_QUESTIONS,
@@ -36,10 +39,6 @@ from openbook_trainer.demo.data import (
 )
 from openbook_trainer.demo.prompt import default_prompt, load_prompt
 from openbook_trainer.evaluation.metrics import exact_match, f1_score
-
-if TYPE_CHECKING:
-    from openbook.rag import RagGenerator
-    from openbook.rag.prompting import PromptSpec
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,6 @@ class GreedyAnswerer:
     generator (RAG-Token over a single passage is plain greedy decoding of the prompt)."""
 
     def __init__(self, generator: RagGenerator, max_new_tokens: int = 16) -> None:
-        from openbook.rag import DecodingOptions
-
         self.generator = generator
         self.options = DecodingOptions(max_new_tokens=max_new_tokens)
 
@@ -98,9 +95,6 @@ class GreedyAnswerer:
     ) -> GreedyAnswerer:
         """The causal LM in ``model_dir`` on the CPU in ``dtype`` (float32 unless asked),
         prompted with ``prompt`` (default: the prompt file in ``model_dir``)."""
-        from openbook.rag import RagGenerator
-        from openbook.rag.backends import CausalBackend
-
         generator = RagGenerator.load(model_dir, device="cpu", dtype=dtype)
         spec = getattr(generator.backend, "spec", None)
         if spec is None:

@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
+from openbook.index.encoders import DEFAULT_ENCODER, encoder_weights_dir
 from openbook_trainer.demo.data import default_data_dir
+from openbook_trainer.settings import TrainerSettings
 
 app = typer.Typer(help="Offline demo data, indexes and default models.", no_args_is_help=True)
 
@@ -40,8 +43,7 @@ def prepare(
     skip_indexes: Annotated[bool, typer.Option(help="Do not build the indexes")] = False,
 ) -> None:
     """Build the missing demo indexes and the default generator; a no-op when all exist."""
-    from pydantic import ValidationError
-
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook_trainer.demo.indexes import prepare_demo_indexes
     from openbook_trainer.demo.models import (
         DEFAULT_ADAPTER,
@@ -53,7 +55,6 @@ def prepare(
         is_prepared,
         prepare_default_generator,
     )
-    from openbook_trainer.settings import TrainerSettings
 
     try:
         settings = TrainerSettings()
@@ -83,8 +84,6 @@ def prepare(
         if install_shipped_adapter(shipped / DEFAULT_ADAPTER, model_dir, adapter_dir):
             did.append(f"adapter {adapter_dir}")
         # The query encoder's: its base is the packaged MiniLM the demo indexes are built with.
-        from openbook.index.encoders import DEFAULT_ENCODER, encoder_weights_dir
-
         q_adapter_dir = models_dir / DEFAULT_QUERY_ADAPTER_DIRNAME
         q_base = encoder_weights_dir(DEFAULT_ENCODER)
         if install_shipped_adapter(shipped / DEFAULT_QUERY_ADAPTER, q_base, q_adapter_dir):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from openbook_trainer.settings import TrainerSettings
+
 # services/trainer/openbook_trainer/demo/data.py -> the repository root
 REPO_DATA_DIR = Path(__file__).resolve().parents[4] / "data"
 
@@ -40,8 +42,6 @@ DEMO_SNAPSHOTS: tuple[Snapshot, ...] = (
 def default_data_dir() -> Path:
     """The settings' ``OPENBOOK_DATA_DIR`` if set, else the repository's ``data/`` (when
     openbook runs from a checkout or an editable install), else ``./data``."""
-    from openbook_trainer.settings import TrainerSettings
-
     configured = TrainerSettings().data_dir
     if configured is not None:
         return configured

@@ -17,7 +17,20 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from openbook.index import (
+    DEFAULT_ENCODER,
+    build_index,
+    fit_fusion,
+    open_index,
+    read_index_manifest,
+    store_fusion,
+)
+from openbook.index.encoders import load_adapted_encoder
+from openbook.index.fusion import read_questions
+from openbook.rag.adapters import AdapterMismatch
 from openbook_trainer.demo.data import DEMO_SNAPSHOTS, SQUAD_QUESTIONS, Snapshot, missing_files
+from openbook_trainer.demo.models import DEFAULT_QUERY_ADAPTER
+from openbook_trainer.experiments.finetune import split_by_article
 
 # The fine-tuning experiment's split (experiments/finetune.py, FinetuneConfig's defaults).
 FUSION_DEV_ARTICLES = 10
@@ -31,8 +44,6 @@ def _log(progress: bool, msg: str) -> None:
 
 def index_is_complete(path: Path, snapshot: Snapshot) -> bool:
     """True if ``path`` opens as a valid index of the snapshot's name and type."""
-    from openbook.index import open_index
-
     if not path.is_dir():
         return False
     try:
@@ -54,11 +65,6 @@ def fit_demo_fusion(path: Path, data_dir: Path) -> bool:
     """Fit the hybrid fusion of the dense demo index at ``path`` on the SQuAD questions of
     the training articles (module docstring) and record it in its manifest. False (nothing
     done) where the questions have too few articles to hold out the dev ones."""
-    from openbook.index import fit_fusion, open_index, store_fusion
-    from openbook.index.fusion import read_questions
-    from openbook_trainer.demo.models import DEFAULT_QUERY_ADAPTER
-    from openbook_trainer.experiments.finetune import split_by_article
-
     questions = Path(data_dir) / SQUAD_QUESTIONS
     try:
         _, dev_titles = split_by_article(questions, FUSION_DEV_ARTICLES, FUSION_SEED)
@@ -92,10 +98,6 @@ def _served_query_encoder(index, data_dir: Path):
     adapter (compose's OPENBOOK_RETRIEVER_QUERY_ENCODER_ADAPTER default) where it is in the
     data and fits the index, else None (the index's own). The fusion's dense weight is fitted
     on the inner products of the encoder that will serve them."""
-    from openbook.index.encoders import load_adapted_encoder
-    from openbook.rag.adapters import AdapterMismatch
-    from openbook_trainer.demo.models import DEFAULT_QUERY_ADAPTER
-
     adapter = data_dir / "adapters" / DEFAULT_QUERY_ADAPTER
     if not adapter.is_dir():
         return None
@@ -108,8 +110,6 @@ def _served_query_encoder(index, data_dir: Path):
 
 
 def _fusion_missing(path: Path, snapshot: Snapshot) -> bool:
-    from openbook.index import read_index_manifest
-
     return snapshot.index_type != "bm25" and read_index_manifest(path).fusion is None
 
 
@@ -126,8 +126,6 @@ def prepare_demo_indexes(
     Complete indexes are skipped; an incomplete or corrupt one is rebuilt. ``names`` restricts
     the set (default: all four), ``encoder`` overrides the default dense encoder.
     """
-    from openbook.index import build_index
-
     wanted = set(names) if names is not None else None
     snapshots = [s for s in DEMO_SNAPSHOTS if wanted is None or s.name in wanted]
     if wanted is not None and (unknown := wanted - {s.name for s in snapshots}):
@@ -147,7 +145,6 @@ def prepare_demo_indexes(
         kind = "BM25" if snap.index_type == "bm25" else f"dense ({snap.index_type})"
         _log(progress, f"index {snap.name}: building {kind} into {out_dir}")
         start = time.monotonic()
-        kwargs = {"encoder": encoder} if encoder and snap.index_type != "bm25" else {}
         manifest = build_index(
             [data_dir / f for f in snap.inputs],
             out_dir,
@@ -156,7 +153,7 @@ def prepare_demo_indexes(
             input_format="auto",
             progress=progress,
             overwrite=out_dir.exists(),
-            **kwargs,
+            encoder=encoder if encoder and snap.index_type != "bm25" else DEFAULT_ENCODER,
         )
         _log(
             progress,

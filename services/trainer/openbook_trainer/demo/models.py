@@ -30,9 +30,11 @@ from openbook.artifacts import (
     checksum_files,
     clean_stale_partials,
     publish,
+    sha256_file,
     staging_dir,
     verify_files,
 )
+from openbook.rag.adapters import AdapterMismatch, check_base
 from openbook_trainer.demo.prompt import PROMPT_FILE, default_prompt, write_prompt
 
 Log = Callable[[str], None]
@@ -257,9 +259,6 @@ def install_shipped_adapter(
     was (re)installed. An adapter whose base is not the prepared model (a conversion that came
     out different) is not installed: the service then serves the model alone, with a warning,
     rather than refusing to start."""
-    from openbook.artifacts import sha256_file
-    from openbook.rag.adapters import AdapterMismatch, check_base
-
     log = _stderr if progress else _quiet
     source = Path(source)
     if not source.is_dir():

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import typer
 
+from openbook.index import open_index
 from openbook_trainer.evaluation.data import DataError, read_examples
 from openbook_trainer.evaluation.runner import (
     EvalError,
@@ -153,9 +154,9 @@ def _predict_checkpoint(
     max_new_tokens: int,
     device: str | None,
 ) -> tuple[list[Prediction], str]:
-    from openbook.checkpoint import load_checkpoint
-    from openbook.index import open_index
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag import DecodingOptions
+    from openbook_trainer.checkpoints import load_checkpoint
 
     loaded = load_checkpoint(ckpt, device=device)
     # Sizes and shapes are still checked; re-hashing a Wikipedia-sized index takes minutes.
@@ -190,6 +191,7 @@ def _fit_calibration(
     """Fit the answers of ``preds`` (their features, or their raw confidence) to whether each
     is right; write the calibration into ``directory``. Raises ValueError when it cannot be
     fitted."""
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag.confidence import fit_calibration, fit_logistic_calibration
 
     if task is Task.generation:
@@ -215,7 +217,7 @@ def _fit_calibration(
     raw = [p.raw_confidence for p in preds]
     if any(r is None for r in raw):
         raise ValueError("--fit-calibration: the system reported no raw_confidence")
-    calibration = fit_calibration(raw, correct)
+    calibration = fit_calibration([r for r in raw if r is not None], correct)
     return calibration.save(directory)
 
 

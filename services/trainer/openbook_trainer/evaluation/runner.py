@@ -88,7 +88,7 @@ def features_of_answer(
     ``/answer`` reply's hypothesis, from what the reply carries: its ``text``, ``log_prob``,
     ``raw_confidence`` (``mean_log_prob`` is its log) and ``finish_reason``, and the passages'
     ``text`` and ``prior``. None when the reply lacks any of them (an older gateway)."""
-    # openbook.rag imports torch: only when evaluating, not when the CLI starts
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag.confidence import LOG_PROB_FLOOR, answer_features, normalized_texts
 
     log_prob, raw = hypothesis.get("log_prob"), hypothesis.get("raw_confidence")
@@ -102,7 +102,7 @@ def features_of_answer(
         mean_log_prob=mean,
         finish_reason=hypothesis.get("finish_reason") or "stop",
         normalized=normalized_texts([p.get("text", "") for p in passages]),
-        doc_prior=[float(v) for v in priors],
+        doc_prior=[float(v) for v in priors if v is not None],  # none is None: see above
     )
 
 
@@ -117,6 +117,7 @@ def predict_local(
 ) -> list[Prediction]:
     """Retrieve + generate in-process. ``retrieve`` maps questions to top-k passages with scores;
     ``generator`` is a :class:`openbook.rag.RagGenerator`, ``options`` its DecodingOptions."""
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag.confidence import confidence_features
 
     out: list[Prediction] = []

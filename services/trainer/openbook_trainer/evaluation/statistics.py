@@ -63,7 +63,9 @@ def _resample_indices(
 
 
 def bootstrap_ci(
-    values: Sequence[float], groups: Sequence[str] | None = None, seed: int = BOOTSTRAP_SEED
+    values: Sequence[float] | np.ndarray,
+    groups: Sequence[str] | None = None,
+    seed: int = BOOTSTRAP_SEED,
 ) -> Interval:
     """The mean of ``values`` with its 95% percentile-bootstrap interval (by ``groups`` if
     given: module docstring)."""

@@ -6,10 +6,11 @@ import json
 import shlex
 from pathlib import Path
 
-import click
 import typer
 
 from openbook_trainer.demo.data import default_data_dir
+from openbook_trainer.experiments.hot_swap import markdown as hot_swap_markdown
+from openbook_trainer.experiments.hot_swap import run_hot_swap
 from openbook_trainer.experiments.report import write_section
 from openbook_trainer.settings import TrainerSettings
 
@@ -23,7 +24,7 @@ app = typer.Typer(
 SECRET_PARAMS = {"admin_token"}
 
 
-def _command_line(ctx: click.Context) -> str:
+def _command_line(ctx: typer.Context) -> str:
     """The command as it could be typed again: non-default options, never a secret."""
     parts = ["openbook experiments", ctx.info_name or ""]
     for param in ctx.command.params:
@@ -47,8 +48,6 @@ def hot_swap(
     report: Path = typer.Option(Path("docs/results.md")),
 ) -> None:
     """Ask the leader questions on wiki-2016 and wiki-2018, swapping the live index."""
-    from openbook_trainer.experiments.hot_swap import markdown, run_hot_swap
-
     questions = questions or default_data_dir() / "leaders" / "questions.jsonl"
     try:
         result = run_hot_swap(
@@ -68,7 +67,7 @@ def hot_swap(
             indent=2,
         )
     )
-    table = markdown(result)
+    table = hot_swap_markdown(result)
     write_section(report, "hot-swap", "Index hot-swap (paper §4.5)", table, _command_line(ctx))
     typer.echo(table)
 
@@ -92,6 +91,7 @@ def open_qa(
     """Closed book vs RAG-Token vs RAG-Sequence, dense vs BM25, EM vs k (Figure 3)."""
     if prior_scale <= 0:
         raise typer.BadParameter("must be greater than 0", param_hint="--prior-scale")
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook_trainer.experiments.open_qa import (
         OpenQAConfig,
         markdown,
@@ -166,6 +166,7 @@ def finetune(
     report: Path = typer.Option(Path("docs/results.md")),
 ) -> None:
     """Few-shot default vs a LoRA-tuned generator vs joint training, on unseen articles."""
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook_trainer.experiments.finetune import FinetuneConfig, markdown, run_finetune
 
     config = FinetuneConfig(
@@ -227,6 +228,7 @@ def trust(
 ) -> None:
     """Recall of dense / BM25 / hybrid retrieval, the reader's EM with intervals, and the
     confidence's calibration, on the development articles (experiments/trust.py)."""
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook_trainer.experiments.trust import (
         TrustConfig,
         default_systems,

@@ -28,11 +28,18 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tqdm import tqdm
 
+from openbook.checkpoint import latest_checkpoint
+from openbook.index import LoadedIndex, open_index
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook_trainer.checkpoints import load_checkpoint
+from openbook_trainer.config import TrainConfig
 from openbook_trainer.evaluation.metrics import answer_recall_at_k
 from openbook_trainer.experiments.records import ResultLog, em_f1, qa_row
+from openbook_trainer.loop import _pick_amp_dtype, train
 
 
 @dataclass
@@ -48,13 +55,13 @@ class FinetuneConfig:
     train_examples: int = 2000  # at most, from the training articles
     dev_examples: int = 100  # from the development articles
     k: int = 5
-    mode: str = "rag-token"
+    mode: Literal["rag-token", "rag-sequence"] = "rag-token"
     steps: int = 60
     batch_size: int = 4
     lr_generator: float = 1e-3
     # "lora": the query encoder trains as a LoRA adapter (rank and alpha as the generator's);
     # "none": every weight, at the paper's 3e-5
-    query_encoder_adapter: str = "lora"
+    query_encoder_adapter: Literal["none", "lora"] = "lora"
     lr_query_encoder: float = 3e-4
     lora_rank: int = 16
     lora_alpha: float = 32.0
@@ -94,7 +101,7 @@ def split_by_article(path: Path, dev_articles: int, seed: int) -> tuple[list[str
     return sorted(titles[dev_articles:]), sorted(titles[:dev_articles])
 
 
-def _modes(index) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+def _modes(index: LoadedIndex) -> tuple[str, ...]:
     """The retrieval modes ``index`` serves (hybrid where it has both views)."""
     return (*index.views, "hybrid") if len(index.views) > 1 else tuple(index.views)
 
@@ -124,9 +131,6 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def _train(config: FinetuneConfig, train_file: Path, out: Path, joint: bool) -> Path:
-    from openbook_trainer.config import TrainConfig
-    from openbook_trainer.loop import train
-
     cfg = TrainConfig(
         train=train_file,
         index=Path(config.index_root) / config.dense_index,
@@ -150,7 +154,6 @@ def _train(config: FinetuneConfig, train_file: Path, out: Path, joint: bool) -> 
     )
     result = train(cfg)
     assert result.checkpoint is not None or result.step == config.steps
-    from openbook.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(out)
     assert ckpt is not None
@@ -160,8 +163,6 @@ def _train(config: FinetuneConfig, train_file: Path, out: Path, joint: bool) -> 
 def _train_precision() -> str:
     """What ``precision: auto`` trains in here (loop._pick_amp_dtype's CPU/CUDA policy)."""
     import torch
-
-    from openbook_trainer.loop import _pick_amp_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp = _pick_amp_dtype("auto", device)
@@ -178,8 +179,6 @@ def _evaluate(
     config: FinetuneConfig,
     log: ResultLog,
 ) -> dict[str, float]:
-    from openbook.rag import DecodingOptions
-
     options = DecodingOptions(mode=config.mode, max_new_tokens=config.max_new_tokens)
     rows = []
     for q in tqdm(dev, desc=name, unit="q"):
@@ -200,10 +199,6 @@ def _recall(retrieved: list[list], dev: list[dict], ks: tuple[int, ...]) -> dict
 
 
 def run_finetune(config: FinetuneConfig) -> FinetuneResult:
-    from openbook.checkpoint import load_checkpoint
-    from openbook.index import open_index
-    from openbook.rag import RagGenerator
-
     out = Path(config.out)
     split = make_split(config)
     train_file = _write_jsonl(out / "train.jsonl", split.train)

@@ -60,7 +60,7 @@ def run_hot_swap(
         for year, index in indexes.items():
             swapped = _post(client, "/admin/swap-index", {"index": index}, auth)
             assert swapped["active"] == index
-            hits = {answer_year: 0 for answer_year in indexes}
+            hits = {answer_year: 0.0 for answer_year in indexes}
             for q in tqdm(questions, desc=f"index {index}", unit="q"):
                 answer = _post(
                     client,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from openbook.index import open_index
+from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
 from openbook_trainer.evaluation.metrics import answer_recall_at_k
 from openbook_trainer.experiments.records import ResultLog, em_f1, qa_row
@@ -72,9 +74,6 @@ def select_questions(path: Path, n: int, seed: int) -> list[dict]:
 
 
 def run_open_qa(config: OpenQAConfig, out_dir: Path) -> OpenQAResult:
-    from openbook.index import open_index
-    from openbook.rag import DecodingOptions, RagGenerator
-
     questions = select_questions(config.questions, config.n, config.seed)
     log = ResultLog(Path(out_dir) / "open_qa_predictions.jsonl")
     generator = RagGenerator.load(config.generator)

@@ -33,8 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from openbook.index import load_encoder, open_index
+from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
+from openbook.rag.checkpoint import save_generator_dir
+from openbook.types import Passage
 from openbook_trainer.config import TrainConfig
-from openbook_trainer.experiments.synthetic import SyntheticTask, make_task
+from openbook_trainer.experiments.synthetic import SyntheticTask, make_task, read_jsonl
 from openbook_trainer.loop import train
 
 # frozen_retriever: the paper's ablation, generator trained on the frozen retriever's passages.
@@ -58,9 +62,6 @@ def pretrain_reader(
     until the copying accuracy on fresh random pairs reaches ``target_accuracy`` (checked every
     ``check_every`` steps) or ``max_steps``. Writes the generator to ``out`` (HF format).
     """
-    from openbook.rag import DecodingOptions, RagGenerator
-    from openbook.types import Passage
-
     torch.manual_seed(seed)
     gen = RagGenerator.load(task.generator, device="cpu", dtype="float32")
     opt = torch.optim.AdamW(gen.model.parameters(), lr=lr)
@@ -77,9 +78,10 @@ def pretrain_reader(
         gen.model.eval()
         probe = [pair() for _ in range(2 * n)]
         results = gen.generate_batch([(q, [p], opts) for q, p, _ in probe])
-        hits = [
-            r.hypotheses[0].text.strip() == a for r, (_, _, a) in zip(results, probe, strict=True)
-        ]
+        hits = []
+        for r, (_, _, a) in zip(results, probe, strict=True):
+            assert isinstance(r, GenerationResult)  # gave_up is None: none is abandoned
+            hits.append(r.hypotheses[0].text.strip() == a)
         return float(np.mean(hits))
 
     loss = torch.tensor(0.0)
@@ -105,17 +107,12 @@ def pretrain_reader(
         acc = accuracy()
         if acc >= target_accuracy:
             break
-    out.mkdir(parents=True, exist_ok=True)
-    gen.model.save_pretrained(out, safe_serialization=True)
-    gen.tokenizer.save_pretrained(out)
+    save_generator_dir((gen.model, gen.tokenizer), out, None)  # weights and tokenizer only
     return {"steps": step, "final_loss": float(loss.detach()), "copy_accuracy": acc}
 
 
 def retrieval_stats(task: SyntheticTask, encoder_dir: Path | str, k: int) -> dict[str, float]:
     """recall@1, recall@k and mean gold p(z|x) within the top k, over every question."""
-    from openbook.index import load_encoder, open_index
-    from openbook_trainer.experiments.synthetic import read_jsonl
-
     rows = read_jsonl(task.train)
     questions = [r["question"] for r in rows]
     gold = [r["gold_ids"][0] for r in rows]

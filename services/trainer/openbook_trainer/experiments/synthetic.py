@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from openbook.index import build_index
+
 _SPECIAL_BERT = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 _FILLER = ["the", "code", "of", "is", "what", "?", "."]
 
@@ -72,8 +74,6 @@ def make_task(
     for a larger task can be reused. ``dropout`` is the DPR encoders' dropout (the index is
     encoded in eval mode; it matters for the query encoder in training).
     """
-    from openbook.index import build_index
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     passages = write_jsonl(root / "passages.jsonl", (passage_row(i) for i in range(n_entities)))

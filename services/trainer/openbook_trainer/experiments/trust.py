@@ -36,6 +36,25 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from openbook.index import open_index
+from openbook.index.encoders import load_adapted_encoder
+from openbook.index.fusion import (
+    DEFAULT_CANDIDATES,
+    Candidates,
+    Fusion,
+    answer_positives,
+    fit_weights,
+    top_k,
+)
+from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
+from openbook.rag.confidence import (
+    LOG_PROB_FLOOR,
+    answer_features,
+    calibrate_row,
+    fit_logistic_calibration,
+    normalized_texts,
+    raw_confidence,
+)
 from openbook.types import Passage
 from openbook_trainer.evaluation.metrics import has_answer
 from openbook_trainer.evaluation.statistics import (
@@ -141,8 +160,6 @@ def recall_table(
 
 
 def _encoder(adapter: str | None):
-    from openbook.index.encoders import load_adapted_encoder
-
     return load_adapted_encoder(adapter) if adapter else None
 
 
@@ -204,15 +221,6 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
     ranks its own with them (``fusion.top_k``, what hybrid search runs)."""
     import numpy as np
 
-    from openbook.index.fusion import (
-        DEFAULT_CANDIDATES,
-        Candidates,
-        Fusion,
-        answer_positives,
-        fit_weights,
-        top_k,
-    )
-
     if config.folds < 2 or len(index.views) < 2:
         return
     rows = sorted(_rows(config.questions), key=lambda r: r["id"])
@@ -266,8 +274,6 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
 
 
 def confidence_of(row: dict) -> float:
-    from openbook.rag.confidence import raw_confidence
-
     return raw_confidence(row["log_prob"], row["num_tokens"])
 
 
@@ -279,8 +285,6 @@ def _answer_rows(
     log: ResultLog,
 ) -> list[dict]:
     """Every development question answered by ``system`` (logged; a rerun resumes)."""
-    from openbook.rag import DecodingOptions, RagGenerator
-
     generator: RagGenerator | None = None
     options = DecodingOptions(mode="rag-token", max_new_tokens=config.max_new_tokens)
     version = f"{Path(config.generator).name}+{Path(system.generator_adapter or 'none').name}"
@@ -304,6 +308,7 @@ def _answer_rows(
                     [(q["question"], p, options) for q, p in zip(batch, passages, strict=True)]
                 )
                 for q, res in zip(batch, results, strict=True):
+                    assert isinstance(res, GenerationResult)  # gave_up is None: none abandoned
                     best = res.hypotheses[0]
                     row = qa_row(q, best.text)
                     row.update(
@@ -324,8 +329,6 @@ def answer_feature_rows(
     from its logged values and its passages retrieved again (retrieval is deterministic) with
     the prior the generator computes from them, p(z|x) = softmax of the passage scores."""
     import numpy as np
-
-    from openbook.rag.confidence import LOG_PROB_FLOOR, answer_features, normalized_texts
 
     encoder = _encoder(system.query_encoder_adapter)
     passages = index.search(
@@ -353,8 +356,6 @@ def answer_feature_rows(
 def cross_fitted_confidence(features: list[dict[str, float]], rows: list[dict]) -> list[float]:
     """Each answer's confidence under a logistic calibration fitted on the *other* articles'
     answers (leave one article out): how the calibration does on an article it never saw."""
-    from openbook.rag.confidence import calibrate_row, fit_logistic_calibration
-
     titles = [r["title"] for r in rows]
     out = [0.0] * len(rows)
     for held in sorted(set(titles)):
@@ -391,8 +392,6 @@ def save_calibration(
     """The logistic calibration of ``system`` fitted on all its development answers, written to
     ``out/calibration/<system>/`` (to ship beside its generator: docs/results.md); None when
     its answers are all right or all wrong (nothing to fit)."""
-    from openbook.rag.confidence import fit_logistic_calibration
-
     if len({r["em"] for r in rows}) < 2:
         return None
     calibration = fit_logistic_calibration(
@@ -432,8 +431,6 @@ def run_trust(
     config: TrustConfig, *, readers: bool = True
 ) -> tuple[TrustResult, dict[str, list[dict]]]:
     """The measurements, and each system's prediction rows (for the pictures)."""
-    from openbook.index import open_index
-
     dev_titles, _, dev = development_questions(config)
     result = TrustResult(
         config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
