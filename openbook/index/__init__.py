@@ -9,7 +9,7 @@ as N slices in parallel). Needs ``openbook[index]`` (torch, faiss, bm25s).
 
 from __future__ import annotations
 
-from openbook.index.build import INDEX_TYPES, build_index
+from openbook.index.build import build_index
 from openbook.index.encoders import DEFAULT_ENCODER, Encoder, clear_encoder_cache, load_encoder
 from openbook.index.fusion import RETRIEVAL_MODES, Fusion, fit_fusion, store_fusion
 from openbook.index.importer import import_embeddings
@@ -25,8 +25,12 @@ from openbook.index.manifest import IndexLoadError, Manifest
 from openbook.index.parallel import IndexSet, build_slice, read_index_set
 from openbook.index.passages import read_passages, split_passages
 from openbook.index.shard import split_index
+from openbook.index.spec import INDEX_TYPES, AnnParams, BuildOptions, IndexSpec
 
 __all__ = [
+    "AnnParams",
+    "BuildOptions",
+    "IndexSpec",
     "DEFAULT_ENCODER",
     "INDEX_TYPES",
     "RETRIEVAL_MODES",

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from openbook.artifacts import clean_stale_partials, publish, staging_dir
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, slice_bm25
-from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
+from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 from openbook.index.store import PassageStore, PassageWriter
