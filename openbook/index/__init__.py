@@ -2,9 +2,11 @@
 
 Dense indexes (flat / hnsw / hnsw-sq8 / ivfpq on faiss) score by inner product, as DPR/RAG do;
 "bm25" is the paper's sparse ablation; a dense index also carries a BM25 view of its passages for
-hybrid retrieval (``fusion.py``). See ``build_index``, ``import_embeddings`` (precomputed
-vectors), ``open_index``, ``split_index``, and ``build_slice`` / ``join_slices`` (one index built
-as N slices in parallel). Needs ``openbook[index]`` (torch, faiss, bm25s).
+hybrid retrieval (``fusion.py``). Write side: an ``IndexSpec`` (what the index is) and
+``BuildOptions`` (how a run builds it) given to ``build_index``, ``import_embeddings``
+(precomputed vectors), ``split_index``, and ``build_slice`` / ``join_slices`` (one index built as
+N slices in parallel). Read side: ``open_index``. README.md lists which module is which. Needs
+``openbook[index]`` (torch, faiss, bm25s).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """import_embeddings: an index from DPR's ``psgs_w100.tsv`` + precomputed vectors, no encoding.
 
+Write side.
+
 It is ``build_index`` with a different vector source: the same partial directory, passage
 store, resumable ``.npy`` shards, faiss stage, manifest and atomic rename (see ``build.py``).
 Only the shards' contents come from embedding files (``embedding_files.py``) instead of an
@@ -85,7 +87,8 @@ def import_embeddings(
         raise ValueError(
             f"unknown embeddings format {embeddings_format!r}; expected {EMBEDDING_FORMATS}"
         )
-    if not spec.query_encoder:
+    query_encoder = spec.query_encoder
+    if not query_encoder:
         raise ValueError("name the document and the query encoder the vectors belong to")
     if spec.score_scale is None:
         spec = replace(spec, score_scale=IMPORT_SCORE_SCALE)
@@ -94,7 +97,7 @@ def import_embeddings(
     pq_m = spec.ann.pq_m
     if spec.index_type == "ivfpq" and pq_m is not None and dim % pq_m:
         raise ValueError(f"pq_m={pq_m} must divide the vector dim {dim}")
-    q_name = _check_query_encoder(spec.query_encoder, dim, files[0])
+    q_name = _check_query_encoder(query_encoder, dim, files[0])
     batch_size = options.batch_size
     vectors = VectorSource(
         encoder=_recorded_name(spec.encoder),

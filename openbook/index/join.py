@@ -1,5 +1,7 @@
 """Joining the slices of a parallel build (``parallel.py``) into one logical index.
 
+Write side.
+
 ``join_slices(out_root, N)`` checks that all N slices staged for ``out_root`` exist and are
 slices of one build (same identity: inputs, encoder and its weights, precision, index type and
 parameters, ``score_scale``, N; contiguous rows covering 0..total-1), writes the set's

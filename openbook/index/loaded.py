@@ -1,4 +1,7 @@
-"""open_index / LoadedIndex: a verified, read-only index ready to search."""
+"""open_index / LoadedIndex: a verified, read-only index ready to search.
+
+Read side.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """One logical index built as N slices in parallel (N GPUs or nodes), then joined or merged.
 
-``build_slice(inputs, out_root, num_shards=N, shard_id=I, ...)`` embeds and indexes slice I:
-the input's passages (after ``read_passages``' splitting) are numbered 0..total-1 and slice I
-is ``shard_spans(total, N)[I]``, the contiguous rows ``split_index`` would give shard I. The
+Write side.
+
+``build_slice(inputs, out_root, spec, options, num_shards=N, shard_id=I)`` embeds and indexes
+slice I: the input's passages (after ``read_passages``' splitting) are numbered 0..total-1 and
+slice I is ``shard_spans(total, N)[I]``, the contiguous rows ``split_index`` would give shard I. The
 slice is a complete serving shard (its own passages, vectors, faiss or bm25 index, manifest
 with ``shard`` filled), built resumably exactly like ``build_index`` (partial dir, verified
 embedding shards, its own lock) and published atomically into a staging area that nothing

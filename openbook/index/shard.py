@@ -1,5 +1,7 @@
 """Split an index into shards served by separate retrievers, and merge their results.
 
+Write side (``split_index``); ``merge_results`` is the gateway's read side.
+
 ``split_index`` cuts an index into ``n`` contiguous row ranges; shard ``i`` is a complete index
 directory (its own passages, vectors slice, index, manifest and checksums) at
 ``out_root/shard-<i>/<dir name of the source>``, so retriever ``i`` runs with
