@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from openbook.index import build_index
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import REPO_ROOT, LocalStack, build_fact_indexes
 
@@ -23,7 +24,12 @@ def stack(tmp_path_factory):
     # The leaders snapshots alone (without SQuAD) stand in for wiki-2016 / wiki-2018.
     for year in ("2016", "2018"):
         source = REPO_ROOT / "data" / "leaders" / f"wiki{year}.jsonl"
-        build_index([source], var / "indexes" / f"wiki-{year}", name=f"wiki-{year}", progress=False)
+        build_index(
+            [source],
+            var / "indexes" / f"wiki-{year}",
+            IndexSpec(name=f"wiki-{year}"),
+            BuildOptions(progress=False),
+        )
     make_tiny_bart(var / "models" / "tiny-bart")
     stack = LocalStack(var)
     stack.start()

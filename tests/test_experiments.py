@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 from openbook.index import build_index
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import QUESTIONS, fact_rows, write_jsonl
 from openbook_testkit.rag import make_tiny_bart
 from openbook_trainer.experiments.open_qa import OpenQAConfig, markdown, plot_em_by_k, run_open_qa
@@ -13,8 +14,13 @@ from openbook_trainer.experiments.report import write_section
 def test_open_qa_runs_every_system_and_resumes(tmp_path):
     root = tmp_path / "indexes"
     source = write_jsonl(tmp_path / "facts.jsonl", fact_rows())
-    build_index([source], root / "dense", name="dense", progress=False)
-    build_index([source], root / "sparse", name="sparse", index_type="bm25", progress=False)
+    build_index([source], root / "dense", IndexSpec(name="dense"), BuildOptions(progress=False))
+    build_index(
+        [source],
+        root / "sparse",
+        IndexSpec(name="sparse", index_type="bm25"),
+        BuildOptions(progress=False),
+    )
     texts = {row["id"]: row["text"] for row in fact_rows()}
     questions = write_jsonl(
         tmp_path / "questions.jsonl",

@@ -1,4 +1,7 @@
-"""Sparse BM25 index (bm25s): the RAG paper's ablation replacing the dense retriever."""
+"""Sparse BM25 index (bm25s): the RAG paper's ablation replacing the dense retriever.
+
+Shared: the write side builds it, the read side searches it.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -18,6 +18,7 @@ from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import SET_MANIFEST, build_slice, read_index_set
 from openbook.index.shard import split_index
+from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 
 app = typer.Typer(help="Build and inspect indexes", no_args_is_help=True)
 
@@ -136,62 +137,44 @@ def build(
     """
     if (num_shards is None) != (shard_id is None):
         raise _fail("--num-shards and --shard-id go together")
+    try:
+        spec = IndexSpec(
+            name=name,
+            index_type=type.value,
+            encoder=encoder,
+            query_encoder=query_encoder,
+            score_scale=score_scale,
+            max_words=max_words,
+            bm25=bm25,
+            ann=AnnParams(
+                hnsw_m=hnsw_m,
+                ef_construction=ef_construction,
+                ef_search=ef_search,
+                hnsw_transform=hnsw_transform.value,
+                nlist=nlist,
+                pq_m=pq_m,
+                nprobe=nprobe,
+                rerank=rerank,
+            ),
+        )
+        options = BuildOptions(
+            batch_size=batch_size,
+            shard_size=shard_size,
+            device=device,
+            precision=precision.value,
+            progress=progress,
+            overwrite=overwrite,
+            input_format=format.value,
+        )
+    except ValueError as e:
+        raise _fail(str(e)) from None
     if num_shards is not None and shard_id is not None:
         if nlist is not None or pq_m is not None:
             raise _fail("--nlist / --pq-m are ivfpq options; slices cannot be ivfpq")
-        _build_slice(
-            passages,
-            out,
-            num_shards=num_shards,
-            shard_id=shard_id,
-            name=name,
-            encoder=encoder,
-            query_encoder=query_encoder,
-            index_type=type.value,
-            input_format=format.value,
-            batch_size=batch_size,
-            shard_size=shard_size,
-            max_words=max_words,
-            hnsw_m=hnsw_m,
-            ef_construction=ef_construction,
-            ef_search=ef_search,
-            hnsw_transform=hnsw_transform.value,
-            rerank=rerank,
-            device=device,
-            precision=precision.value,
-            score_scale=score_scale,
-            overwrite=overwrite,
-            progress=progress,
-            bm25=bm25,
-        )
+        _build_slice(passages, out, spec, options, num_shards=num_shards, shard_id=shard_id)
         return
     try:
-        manifest = build_index(
-            passages,
-            out,
-            name=name,
-            encoder=encoder,
-            query_encoder=query_encoder,
-            index_type=type.value,
-            input_format=format.value,
-            batch_size=batch_size,
-            shard_size=shard_size,
-            hnsw_m=hnsw_m,
-            ef_construction=ef_construction,
-            ef_search=ef_search,
-            progress=progress,
-            max_words=max_words,
-            nlist=nlist,
-            pq_m=pq_m,
-            nprobe=nprobe,
-            overwrite=overwrite,
-            hnsw_transform=hnsw_transform.value,
-            rerank=rerank,
-            device=device,
-            score_scale=score_scale,
-            precision=precision.value,
-            bm25=bm25,
-        )
+        manifest = build_index(passages, out, spec, options)
     except (ValueError, OSError, RuntimeError) as e:
         raise _fail(str(e)) from None
     typer.echo(
@@ -200,20 +183,28 @@ def build(
     )
 
 
-def _build_slice(passages: list[Path], out: Path, **kw: Any) -> None:
+def _build_slice(
+    passages: list[Path],
+    out: Path,
+    spec: IndexSpec,
+    options: BuildOptions,
+    *,
+    num_shards: int,
+    shard_id: int,
+) -> None:
     try:
-        res = build_slice(passages, out, **kw)
+        res = build_slice(passages, out, spec, options, num_shards=num_shards, shard_id=shard_id)
     except (ValueError, OSError, RuntimeError) as e:
         raise _fail(str(e)) from None
     m, (start, stop) = res.manifest, res.span
-    what = f"slice {kw['shard_id']} of {kw['num_shards']} (rows {start}..{stop - 1} of {res.total})"
+    what = f"slice {shard_id} of {num_shards} (rows {start}..{stop - 1} of {res.total})"
     if res.state == "built":
         typer.echo(f"built {what} in {m.build_seconds:.1f}s -> {res.path}")
     else:
         typer.echo(f"{what}: {res.state} -> {res.path}")
     if res.state != "already joined":
         typer.echo(
-            f"join with: openbook index join-shards {out} --num-shards {kw['num_shards']}",
+            f"join with: openbook index join-shards {out} --num-shards {num_shards}",
             err=True,
         )
 
@@ -281,29 +272,29 @@ def import_(
     if type is IndexType.bm25:
         raise _fail("bm25 takes no embeddings; use a dense --type")
     try:
-        manifest = import_embeddings(
-            passages,
-            embeddings,
-            out,
+        spec = IndexSpec(
             name=name,
-            doc_encoder=doc_encoder,
-            query_encoder=query_encoder,
             index_type=type.value,
-            embeddings_format=format.value,
-            batch_size=batch_size,
-            shard_size=shard_size,
-            hnsw_m=hnsw_m,
-            ef_construction=ef_construction,
-            ef_search=ef_search,
-            hnsw_transform=hnsw_transform.value,
-            nlist=nlist,
-            pq_m=pq_m,
-            nprobe=nprobe,
-            rerank=rerank,
+            encoder=doc_encoder,
+            query_encoder=query_encoder,
             score_scale=score_scale,
-            overwrite=overwrite,
-            progress=progress,
             bm25=bm25,
+            ann=AnnParams(
+                hnsw_m=hnsw_m,
+                ef_construction=ef_construction,
+                ef_search=ef_search,
+                hnsw_transform=hnsw_transform.value,
+                nlist=nlist,
+                pq_m=pq_m,
+                nprobe=nprobe,
+                rerank=rerank,
+            ),
+        )
+        options = BuildOptions(
+            batch_size=batch_size, shard_size=shard_size, progress=progress, overwrite=overwrite
+        )
+        manifest = import_embeddings(
+            passages, embeddings, out, spec, options, embeddings_format=format.value
         )
     except (ValueError, OSError) as e:  # EmbeddingsError is a ValueError
         raise _fail(str(e)) from None

@@ -1,5 +1,7 @@
 """Reading precomputed passage embeddings in the formats they are published in, batch by batch.
 
+Write side.
+
 * ``pickle``: DPR's ``generate_dense_embeddings`` shards (``wikipedia_passages_<n>.pkl``), each a
   pickled list of ``(id, vector)`` tuples; ``vector`` a 1-d numpy float array.
 * ``parquet`` / ``arrow``: Hugging Face ``wiki_dpr``-style tables with an ``id`` column and an

@@ -1,5 +1,7 @@
 """Dense indexes on faiss: exact flat, HNSW (as RAG/DPR), and two compressed variants.
 
+Shared: the write side builds it, the read side searches it.
+
 All types rank and score by inner product (DPR/RAG's similarity).
 
 HNSW and inner product. DPR (whose index RAG uses) built faiss HNSW on L2 with the "MIPS to

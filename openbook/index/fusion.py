@@ -1,5 +1,7 @@
 """Hybrid retrieval: one prior p(z|x) from an index's dense and BM25 views of the same passages.
 
+Read side (``fit_fusion`` rewrites only the manifest's ``fusion``).
+
 An index built with both views (``Manifest.views == ["dense", "bm25"]``) answers a query in one
 of :data:`RETRIEVAL_MODES`. ``hybrid`` (the default where both views exist) works as follows:
 
@@ -21,7 +23,7 @@ of :data:`RETRIEVAL_MODES`. ``hybrid`` (the default where both views exist) work
 * Unfitted (:meth:`Fusion.default`): ``w_d = score_scale`` and ``w_b = 1``, i.e. each view's
   own served score as a logit, summed: p(z|x) ∝ p_dense(z|x)·p_bm25(z|x) on the candidates, a
   product of the two priors each view serves alone. Both are in "logit units" already (the
-  dense scale is chosen so that softmax over it is a useful prior, ``build.default_score_scale``;
+  dense scale is chosen so that softmax over it is a useful prior, ``vectors.default_score_scale``;
   BM25 scores are served raw as logits by bm25 indexes), so neither swamps the other.
 
 Joint training keeps training the query encoder through the dense part of ``s``

@@ -1,5 +1,7 @@
 """import_embeddings: an index from DPR's ``psgs_w100.tsv`` + precomputed vectors, no encoding.
 
+Write side.
+
 It is ``build_index`` with a different vector source: the same partial directory, passage
 store, resumable ``.npy`` shards, faiss stage, manifest and atomic rename (see ``build.py``).
 Only the shards' contents come from embedding files (``embedding_files.py``) instead of an
@@ -24,19 +26,12 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from openbook.artifacts import partial_dir
-from openbook.index import faiss_index
-from openbook.index.build import (
-    VectorSource,
-    _build_lock,
-    _build_locked,
-    _check_args,
-    _check_index_options,
-)
 from openbook.index.embedding_files import (
     EMBEDDING_FORMATS,
     EmbeddingBatch,
@@ -47,76 +42,65 @@ from openbook.index.embedding_files import (
 )
 from openbook.index.encoders import DEFAULT_ENCODER, encoder_id, load_encoder
 from openbook.index.manifest import Manifest
+from openbook.index.spec import BuildOptions, IndexSpec
+from openbook.index.stages import BuildSource, build_lock, check_inputs, stage_and_publish
 from openbook.index.store import PassageStore
+from openbook.index.vectors import VectorSource
 
 PASSAGES_FORMAT = "dpr-tsv"
 TABLE_PASSAGES = "embeddings"  # manifest input_format: passages read from parquet/arrow
+IMPORT_BATCH_SIZE = 10_000  # vectors read at a time: the batch size of the default options
+IMPORT_SCORE_SCALE = 1.0  # DPR's raw inner products: what a spec without a scale gets
 
 
 def import_embeddings(
     passages: Path | None,
     embeddings: list[Path],
     out_dir: Path,
+    spec: IndexSpec,
+    options: BuildOptions | None = None,
     *,
-    name: str,
-    doc_encoder: str,
-    query_encoder: str,
-    index_type: str = "flat",
     embeddings_format: str = "auto",
-    batch_size: int = 10_000,
-    shard_size: int = 50_000,
-    hnsw_m: int = 32,
-    ef_construction: int = 128,
-    ef_search: int = 128,
-    hnsw_transform: str = "none",
-    nlist: int | None = None,
-    pq_m: int | None = None,
-    nprobe: int = 16,
-    rerank: int = 0,
-    score_scale: float = 1.0,
-    overwrite: bool = False,
-    progress: bool = True,
-    bm25: bool = True,
 ) -> Manifest:
-    """Build the index at ``out_dir`` from ``passages`` (DPR tsv) and ``embeddings`` (files of
+    """Build ``spec`` at ``out_dir`` from ``passages`` (DPR tsv) and ``embeddings`` (files of
     one format; see ``embedding_files``). ``passages=None`` takes the passages from the
-    embedding files' ``title``/``text`` columns (wiki_dpr parquet/arrow). ``doc_encoder`` is
-    recorded as what computed the vectors; ``query_encoder`` is what the retriever will load
-    to encode questions (checked against the vectors' dimension when it is available here).
-    ``score_scale`` defaults to 1, DPR's raw inner products. ``bm25``: also index the passages
-    with BM25, a second view for hybrid retrieval (as ``build_index`` does)."""
-    t0 = time.monotonic()
+    embedding files' ``title``/``text`` columns (wiki_dpr parquet/arrow).
+
+    ``spec.encoder`` is recorded as what computed the vectors; ``spec.query_encoder`` (needed
+    here) is what the retriever will load to encode questions (checked against the vectors'
+    dimension when it is available here). ``spec.score_scale`` None is 1, DPR's raw inner
+    products; ``spec.bm25``: also index the passages with BM25, a second view for hybrid
+    retrieval (as ``build_index`` does). ``options`` default to reading
+    :data:`IMPORT_BATCH_SIZE` vectors at a time; their device, precision and input format play
+    no part (nothing is encoded, and the passages are DPR tsv or the tables' columns)."""
+    started = time.monotonic()
+    options = options or BuildOptions(batch_size=IMPORT_BATCH_SIZE)
     out_dir = Path(out_dir)
     passages = Path(passages) if passages is not None else None
     files = natural_order(embeddings)
     if not files:
         raise ValueError("no embedding files given")
-    _check_args(
-        [*([passages] if passages else []), *files],
-        out_dir,
-        name,
-        index_type,
-        PASSAGES_FORMAT,
-        batch_size,
-        shard_size,
-        overwrite,
-    )
-    if index_type not in faiss_index.DENSE_TYPES:
-        raise ValueError(f"index type {index_type!r} takes no vectors; expected a dense type")
+    check_inputs([*([passages] if passages else []), *files], out_dir, options.overwrite)
+    if not spec.dense:
+        raise ValueError(f"index type {spec.index_type!r} takes no vectors; expected a dense type")
     if embeddings_format not in EMBEDDING_FORMATS:
         raise ValueError(
             f"unknown embeddings format {embeddings_format!r}; expected {EMBEDDING_FORMATS}"
         )
-    _check_index_options(hnsw_transform, rerank, score_scale)
-    if not doc_encoder or not query_encoder:
+    query_encoder = spec.query_encoder
+    if not query_encoder:
         raise ValueError("name the document and the query encoder the vectors belong to")
+    if spec.score_scale is None:
+        spec = replace(spec, score_scale=IMPORT_SCORE_SCALE)
 
     dim = _first_dim(files, embeddings_format)
-    if index_type == "ivfpq" and pq_m is not None and dim % pq_m:
+    pq_m = spec.ann.pq_m
+    if spec.index_type == "ivfpq" and pq_m is not None and dim % pq_m:
         raise ValueError(f"pq_m={pq_m} must divide the vector dim {dim}")
     q_name = _check_query_encoder(query_encoder, dim, files[0])
-    source = VectorSource(
-        encoder=_recorded_name(doc_encoder),
+    batch_size = options.batch_size
+    vectors = VectorSource(
+        encoder=_recorded_name(spec.encoder),
         query_encoder=q_name,
         dim=dim,
         normalize=False,
@@ -131,33 +115,17 @@ def import_embeddings(
         desc="importing",
         inputs=tuple(files),
     )
-    with _build_lock(out_dir):
+    source = BuildSource(
+        inputs=[passages] if passages else files,
+        input_format=PASSAGES_FORMAT if passages else TABLE_PASSAGES,
+        vectors=vectors,
+        passages=None
+        if passages
+        else lambda: iter_table_passages(files, embeddings_format, batch_size),
+    )
+    with build_lock(out_dir):
         try:
-            return _build_locked(
-                [passages] if passages else files,
-                out_dir,
-                name=name,
-                index_type=index_type,
-                input_format=PASSAGES_FORMAT if passages else TABLE_PASSAGES,
-                max_words=100,
-                vectors=source,
-                shard_size=shard_size,
-                progress=progress,
-                hnsw_m=hnsw_m,
-                ef_construction=ef_construction,
-                ef_search=ef_search,
-                hnsw_transform=hnsw_transform,
-                nlist=nlist,
-                pq_m=pq_m,
-                nprobe=nprobe,
-                rerank=rerank,
-                score_scale=float(score_scale),
-                t0=t0,
-                bm25=bm25,
-                passages=None
-                if passages
-                else lambda: iter_table_passages(files, embeddings_format, batch_size),
-            )
+            return stage_and_publish(out_dir, spec, options, source, started)
         except EmbeddingsError:
             # Re-running cannot fix bad input; leave nothing half-written behind.
             shutil.rmtree(partial_dir(out_dir), ignore_errors=True)

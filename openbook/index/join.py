@@ -1,5 +1,7 @@
 """Joining the slices of a parallel build (``parallel.py``) into one logical index.
 
+Write side.
+
 ``join_slices(out_root, N)`` checks that all N slices staged for ``out_root`` exist and are
 slices of one build (same identity: inputs, encoder and its weights, precision, index type and
 parameters, ``score_scale``, N; contiguous rows covering 0..total-1), writes the set's
@@ -23,7 +25,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,15 +33,7 @@ from typing import Any
 import numpy as np
 
 from openbook.artifacts import lock_is_free, publish, staging_dir
-from openbook.index import faiss_index
-from openbook.index.build import (
-    PASSAGES_FILE,
-    VECTORS_FILE,
-    ShardProducer,
-    VectorSource,
-    _build_lock,
-    _build_locked,
-)
+from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import (
     SET_MANIFEST,
@@ -52,7 +46,10 @@ from openbook.index.parallel import (
     read_index_set,
 )
 from openbook.index.shard import shard_spans
+from openbook.index.spec import INDEX_TYPES, AnnParams, BuildOptions, IndexSpec
+from openbook.index.stages import BuildSource, build_lock, stage_and_publish
 from openbook.index.store import PassageStore
+from openbook.index.vectors import ShardProducer, VectorSource
 from openbook.types import Passage
 
 # ----------------------------------------------------------------------------- joining
@@ -108,7 +105,9 @@ def join_slices(
         if into is not None:
             res.installed = install_shards(out_root, into)
         if merge is not None:
-            res.merged = merge_slices(out_root, merge, index_type=merge_type, progress=progress)
+            res.merged = merge_slices(
+                out_root, merge, index_type=merge_type, options=BuildOptions(progress=progress)
+            )
     return res
 
 
@@ -238,7 +237,7 @@ def _remove_leftovers(d: Path, keep: str) -> None:
 @contextlib.contextmanager
 def _join_lock(out_root: Path) -> Iterator[None]:
     """One join of ``out_root`` at a time; the others wait (and then find it joined). Like
-    ``build._build_lock`` the file is removed afterwards, so a waiter re-checks that the file it
+    ``stages.build_lock`` the file is removed afterwards, so a waiter re-checks that the file it
     locked is still the one in place."""
     out_root.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out_root.parent / f".{out_root.name}.join.lock"
@@ -324,15 +323,16 @@ def merge_slices(
     out_dir: Path,
     *,
     index_type: str | None = None,
-    shard_size: int = 50_000,
-    progress: bool = True,
+    options: BuildOptions | None = None,
 ) -> Manifest:
     """One unsharded index at ``out_dir`` from the set at ``set_root``: its passages and vectors
     in row order, indexed as ``build_index`` would (so a flat merge searches exactly like an
     unsharded build over the same vectors). ``index_type`` (default: the slices') may be any
     dense type for dense slices, e.g. ``hnsw-sq8``, trained here on all vectors. Resumable like
-    a build; an existing ``out_dir`` that is this merge already is returned as it is."""
-    t0 = time.monotonic()
+    a build; an existing ``out_dir`` that is this merge already is returned as it is.
+    ``options``: its ``shard_size`` and ``progress`` (nothing is encoded)."""
+    started = time.monotonic()
+    options = options or BuildOptions()
     set_root, out_dir = Path(set_root), Path(out_dir)
     index_set = read_index_set(set_root)
     paths = [set_root / s.path for s in index_set.shards]
@@ -343,7 +343,7 @@ def merge_slices(
             f"cannot merge {m0.index_type} slices into a {index_type} index: dense slices merge "
             "into a dense type, bm25 slices into bm25"
         )
-    if index_type not in (*faiss_index.DENSE_TYPES, "bm25"):
+    if index_type not in INDEX_TYPES:
         raise ValueError(f"unknown index type {index_type!r}")
     if out_dir.exists():
         m = Manifest.from_file(out_dir / MANIFEST)
@@ -359,11 +359,11 @@ def merge_slices(
             raise ValueError(f"{out_dir} already exists and is not this merge")
         return m
 
-    kw = (
-        {k: v for k, v in m0.index_params.items() if k in _HNSW_KEYS}
-        if index_type == m0.index_type
-        else {}
-    )
+    # The slices' spec, and their parameters where the merge keeps their type; one bm25 view
+    # is rebuilt over all passages (the slices' are per slice).
+    spec = IndexSpec.from_manifest(m0)
+    if index_type != m0.index_type:
+        spec = replace(spec, index_type=index_type, ann=AnnParams())
     vectors = None
     if m0.dense:
         vectors = VectorSource(
@@ -386,37 +386,16 @@ def merge_slices(
             finally:
                 store.close()
 
-    with _build_lock(out_dir):
-        return _build_locked(
-            [set_root / SET_MANIFEST],
-            out_dir,
-            name=index_set.name,
-            index_type=index_type,
-            input_format=m0.input_format,
-            max_words=m0.max_words,
-            vectors=vectors,
-            shard_size=shard_size,
-            progress=progress,
-            hnsw_m=kw.get("hnsw_m", 32),
-            ef_construction=kw.get("ef_construction", 128),
-            ef_search=kw.get("ef_search", 128),
-            hnsw_transform=kw.get("transform", "none"),
-            nlist=None,
-            pq_m=None,
-            nprobe=16,
-            rerank=kw.get("rerank", 0),
-            score_scale=m0.score_scale,
-            t0=t0,
-            passages=passages,
-            fingerprint_extra={"merge_of": index_set.parent_checksum},
-            # One bm25 view rebuilt over all passages (the slices' are per slice), and the
-            # slices' fusion if one was fitted on them.
-            bm25="bm25" in m0.views,
-            fusion=m0.fusion,
-        )
-
-
-_HNSW_KEYS = ("hnsw_m", "ef_construction", "ef_search", "transform", "rerank")
+    source = BuildSource(
+        inputs=[set_root / SET_MANIFEST],
+        input_format=m0.input_format,
+        vectors=vectors,
+        passages=passages,
+        fingerprint_extra={"merge_of": index_set.parent_checksum},
+        fusion=m0.fusion,  # the slices' fusion, if one was fitted on them
+    )
+    with build_lock(out_dir):
+        return stage_and_publish(out_dir, spec, options, source, started)
 
 
 def _slice_vectors(paths: list[Path], offsets: list[int]) -> ShardProducer:

@@ -1,4 +1,7 @@
-"""open_index / LoadedIndex: a verified, read-only index ready to search."""
+"""open_index / LoadedIndex: a verified, read-only index ready to search.
+
+Read side.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ import numpy as np
 from openbook.artifacts import verify_files
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
-from openbook.index.build import INDEX_TYPES, PASSAGES_FILE, VECTORS_FILE
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion, top_k, union_rows
+from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
+from openbook.index.spec import INDEX_TYPES
 from openbook.index.store import PassageStore
 from openbook.types import Passage
 

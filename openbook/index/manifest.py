@@ -1,4 +1,7 @@
-"""manifest.json: what an index is, how it was built, and checksums of every file in it."""
+"""manifest.json: what an index is, how it was built, and checksums of every file in it.
+
+Shared: the write side writes it, the read side verifies it.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class Manifest:
     normalize: bool = False
     # Scores returned are score_scale x inner product: the generator's document prior is
     # softmax(scores), and cosine similarities (normalised encoders) are too close together for
-    # a useful prior without a scale (see build.default_score_scale). Absent in older manifests.
+    # a useful prior without a scale (see vectors.default_score_scale). Absent in older manifests.
     score_scale: float = 1.0
     build_seconds: float = 0.0
     created_at: str = ""

@@ -1,5 +1,7 @@
 """Which query encoder searches which index.
 
+Read side.
+
 Every dense index's manifest names its document ``encoder`` and its ``query_encoder``: the
 pair it was built for. A query-encoder *override* (``OPENBOOK_RETRIEVER_QUERY_ENCODER``, or the
 fine-tuned query encoder of a trained checkpoint) replaces the manifest's query encoder only

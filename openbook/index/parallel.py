@@ -1,8 +1,10 @@
 """One logical index built as N slices in parallel (N GPUs or nodes), then joined or merged.
 
-``build_slice(inputs, out_root, num_shards=N, shard_id=I, ...)`` embeds and indexes slice I:
-the input's passages (after ``read_passages``' splitting) are numbered 0..total-1 and slice I
-is ``shard_spans(total, N)[I]``, the contiguous rows ``split_index`` would give shard I. The
+Write side.
+
+``build_slice(inputs, out_root, spec, options, num_shards=N, shard_id=I)`` embeds and indexes
+slice I: the input's passages (after ``read_passages``' splitting) are numbered 0..total-1 and
+slice I is ``shard_spans(total, N)[I]``, the contiguous rows ``split_index`` would give shard I. The
 slice is a complete serving shard (its own passages, vectors, faiss or bm25 index, manifest
 with ``shard`` filled), built resumably exactly like ``build_index`` (partial dir, verified
 embedding shards, its own lock) and published atomically into a staging area that nothing
@@ -44,7 +46,7 @@ import hashlib
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -53,26 +55,29 @@ import numpy as np
 
 from openbook.artifacts import sha256_file, verify_files
 from openbook.index import faiss_index
-from openbook.index.build import (
+from openbook.index.encoders import Encoder
+from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
+from openbook.index.passages import detect_format, read_passages
+from openbook.index.shard import shard_spans
+from openbook.index.spec import BuildOptions, IndexSpec
+from openbook.index.stages import (
+    BM25_PARAMS,
+    BuildSource,
+    build_lock,
+    check_inputs,
+    stage_and_publish,
+)
+from openbook.index.vectors import (
     VectorSource,
-    _build_lock,
-    _build_locked,
-    _check_args,
-    _check_index_options,
     default_score_scale,
     document_encoder,
     encoder_source,
 )
-from openbook.index.encoders import DEFAULT_ENCODER, Encoder
-from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
-from openbook.index.passages import detect_format, read_passages
-from openbook.index.shard import shard_spans
 from openbook.types import Passage
 
 SET_MANIFEST = "shards.json"  # in out_root: the slices that make up the logical index
 SET_FORMAT_VERSION = 1
 PARTS_SUFFIX = ".parts"
-BM25_PARAMS = {"k1": 1.5, "b": 0.75, "method": "lucene", "stopwords": "en"}
 _TRAINED_TYPES = ("hnsw-sq8", "ivfpq")
 # How a join names the first setting two slices disagree on: causes before their consequences
 # (max_words before the passage count it changes); anything not listed comes last.
@@ -240,37 +245,22 @@ class SliceResult:
 def build_slice(
     inputs: list[Path],
     out_root: Path,
+    spec: IndexSpec,
+    options: BuildOptions | None = None,
     *,
     num_shards: int,
     shard_id: int,
-    name: str,
-    encoder: str = DEFAULT_ENCODER,
-    query_encoder: str | None = None,
-    index_type: str = "flat",
-    input_format: str = "auto",
-    batch_size: int = 64,
-    shard_size: int = 50_000,
-    max_words: int = 100,
-    hnsw_m: int = 32,
-    ef_construction: int = 128,
-    ef_search: int = 128,
-    hnsw_transform: str = "none",
-    rerank: int = 0,
-    device: str | None = None,
-    precision: str = "auto",
-    score_scale: float | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-    bm25: bool = True,
 ) -> SliceResult:
-    """Build slice ``shard_id`` of ``num_shards`` of the index over ``inputs`` (module doc).
+    """Build slice ``shard_id`` of ``num_shards`` of ``spec`` over ``inputs`` (module doc).
 
-    ``overwrite`` replaces a staged slice built from something else (otherwise refused, naming
-    what differs). Options as :func:`openbook.index.build.build_index`.
+    ``options.overwrite`` replaces a staged slice built from something else (otherwise
+    refused, naming what differs). Otherwise as :func:`openbook.index.build.build_index`.
     """
-    t0 = time.monotonic()
+    started = time.monotonic()
+    options = options or BuildOptions()
     out_root = Path(out_root)
     inputs = [Path(p) for p in inputs]
+    name, index_type = spec.name, spec.index_type
     if num_shards < 1:
         raise ValueError(f"num-shards must be >= 1, got {num_shards}")
     if not 0 <= shard_id < num_shards:
@@ -286,8 +276,7 @@ def build_slice(
             "it sharded)"
         )
     out = slice_dir(out_root, shard_id, name)
-    _check_args(inputs, out, name, index_type, input_format, batch_size, shard_size, True)
-    _check_index_options(hnsw_transform, rerank, score_scale)
+    check_inputs(inputs, out, True)
     if "/" in name or name.startswith("."):
         raise ValueError(f"index name {name!r} must be a plain, visible directory name")
 
@@ -295,24 +284,16 @@ def build_slice(
     source: VectorSource | None = None
     q_name = resolved = weights = None
     params: dict[str, Any] = dict(BM25_PARAMS)
-    if index_type != "bm25":
-        doc_enc, q_name, resolved = document_encoder(
-            encoder, query_encoder, device, precision, index_type=index_type
-        )
-        source = encoder_source(doc_enc, q_name, batch_size, resolved)
+    if spec.dense:
+        doc_enc, q_name, resolved = document_encoder(spec, options)
+        source = encoder_source(doc_enc, q_name, options.batch_size, resolved)
         weights = source.digest()
-        params = faiss_index.default_params(
-            index_type,
-            0,
-            doc_enc.dim,
-            hnsw_m=hnsw_m,
-            ef_construction=ef_construction,
-            ef_search=ef_search,
-            hnsw_transform=hnsw_transform,
-            rerank=rerank,
-        )
+        params = faiss_index.default_params(index_type, 0, doc_enc.dim, **spec.ann.faiss_kwargs())
+    score_scale = spec.score_scale
     if score_scale is None:
         score_scale = default_score_scale(doc_enc)
+        spec = replace(spec, score_scale=score_scale)
+    input_format, max_words = options.input_format, spec.max_words
 
     total = count_passages(inputs, input_format, max_words)
     if num_shards > total:
@@ -331,7 +312,7 @@ def build_slice(
         encoder_weights=weights,
         query_encoder=q_name,
         precision=resolved,
-        views=["bm25"] if index_type == "bm25" else ["dense", "bm25"] if bm25 else ["dense"],
+        views=spec.views,
     )
     checksum = identity_checksum(identity)
     start, stop = shard_spans(total, num_shards)[shard_id]
@@ -353,7 +334,7 @@ def build_slice(
         staged = (done.shard or {}).get("build")
         if done.shard and done.shard.get("parent_checksum") == checksum:
             return result(done, out, "already built")
-        if not overwrite:
+        if not options.overwrite:
             why = difference_text(staged or {}, identity, "it", "this build")
             raise ValueError(
                 f"{out} holds a slice of another build ({why}); pass --overwrite to replace it"
@@ -371,31 +352,20 @@ def build_slice(
     def passages() -> Iterator[Passage]:
         return islice(read_passages(inputs, input_format, max_words), start, stop)
 
-    with _build_lock(out):
-        manifest = _build_locked(
-            inputs,
+    with build_lock(out):
+        manifest = stage_and_publish(
             out,
-            name=name,
-            index_type=index_type,
-            input_format=input_format,
-            max_words=max_words,
-            vectors=source,
-            shard_size=shard_size,
-            progress=progress,
-            hnsw_m=hnsw_m,
-            ef_construction=ef_construction,
-            ef_search=ef_search,
-            hnsw_transform=hnsw_transform,
-            nlist=None,
-            pq_m=None,
-            nprobe=16,
-            rerank=rerank,
-            score_scale=float(score_scale),
-            t0=t0,
-            passages=passages,
-            shard=shard,
-            fingerprint_extra={"parent_checksum": checksum, "rows": [start, stop]},
-            bm25=bm25,
+            spec,
+            options,
+            BuildSource(
+                inputs=inputs,
+                input_format=input_format,
+                vectors=source,
+                passages=passages,
+                shard=shard,
+                fingerprint_extra={"parent_checksum": checksum, "rows": [start, stop]},
+            ),
+            started,
         )
     return result(manifest, out, "built")
 

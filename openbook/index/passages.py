@@ -1,4 +1,7 @@
-"""Reading corpora and splitting them into the <=100-word passages DPR/RAG retrieve over."""
+"""Reading corpora and splitting them into the <=100-word passages DPR/RAG retrieve over.
+
+Write side.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Split an index into shards served by separate retrievers, and merge their results.
 
+Write side (``split_index``); ``merge_results`` is the gateway's read side.
+
 ``split_index`` cuts an index into ``n`` contiguous row ranges; shard ``i`` is a complete index
 directory (its own passages, vectors slice, index, manifest and checksums) at
 ``out_root/shard-<i>/<dir name of the source>``, so retriever ``i`` runs with
@@ -41,7 +43,7 @@ from tqdm.auto import tqdm
 from openbook.artifacts import clean_stale_partials, publish, staging_dir
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, slice_bm25
-from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
+from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 from openbook.index.store import PassageStore, PassageWriter

@@ -1,4 +1,7 @@
-"""On-disk passage text store (SQLite), addressed by the same row numbers as the vector index."""
+"""On-disk passage text store (SQLite), addressed by the same row numbers as the vector index.
+
+Read side (``PassageWriter``: the write side's passage stage).
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from openbook.index import LoadedIndex, build_index, open_index
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import make_tiny_dpr_encoders, write_facts
 
 
@@ -18,7 +19,7 @@ def facts_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def facts_index_dir(facts_jsonl: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A flat index over the 30 facts with the real packaged MiniLM (built once per session)."""
     out = tmp_path_factory.mktemp("idx") / "facts"
-    build_index([facts_jsonl], out, name="facts", progress=False)
+    build_index([facts_jsonl], out, IndexSpec(name="facts"), BuildOptions(progress=False))
     return out
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from openbook.index import LoadedIndex, build_index, load_encoder, open_index
+from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 from openbook_testkit.index import FACTS, QUESTIONS, random_rows, write_jsonl
 
 
@@ -68,7 +69,12 @@ def test_passages_in_sqlite(facts_index: LoadedIndex) -> None:
 
 
 def test_bm25(facts_jsonl: Path, tmp_path: Path) -> None:
-    m = build_index([facts_jsonl], tmp_path / "bm", name="bm", index_type="bm25", progress=False)
+    m = build_index(
+        [facts_jsonl],
+        tmp_path / "bm",
+        IndexSpec(name="bm", index_type="bm25"),
+        BuildOptions(progress=False),
+    )
     assert (m.encoder, m.dim, m.count) == (None, 0, len(FACTS))
     with open_index(tmp_path / "bm") as idx:
         res = idx.search(["Who discovered penicillin?", "Hamlet Shakespeare", "zzzqqq"], k=2)
@@ -99,14 +105,14 @@ def test_dpr_build_all_dense_types(
     m = build_index(
         [src],
         out,
-        name="dpr",
-        encoder=str(ctx),
-        query_encoder=str(q),
-        index_type=index_type,
-        progress=False,
-        shard_size=25,
-        hnsw_transform=transform,
-        rerank=rerank,
+        IndexSpec(
+            name="dpr",
+            encoder=str(ctx),
+            query_encoder=str(q),
+            index_type=index_type,
+            ann=AnnParams(hnsw_transform=transform, rerank=rerank),
+        ),
+        BuildOptions(progress=False, shard_size=25),
     )
     assert (m.dim, m.count, m.normalize, m.score_scale) == (32, 60, False, 1.0)  # DPR: raw
     assert m.query_encoder == str(q.resolve()) and m.encoder == str(ctx.resolve())
@@ -130,45 +136,83 @@ def test_query_encoder_dim_mismatch_at_build(
     facts_jsonl: Path, dpr_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
     with pytest.raises(ValueError, match=r"dim 32 != document encoder .* dim 384"):
-        build_index([facts_jsonl], tmp_path / "x", name="x", query_encoder=str(dpr_dirs[1]))
+        build_index(
+            [facts_jsonl], tmp_path / "x", IndexSpec(name="x", query_encoder=str(dpr_dirs[1]))
+        )
     assert not (tmp_path / "x").exists()
 
 
 def test_duplicate_ids_and_bad_args(tmp_path: Path, facts_jsonl: Path) -> None:
     dup = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "title": "", "text": "x"}] * 2)
     with pytest.raises(ValueError, match="duplicate passage id 'a'"):
-        build_index([dup], tmp_path / "d", name="d", index_type="bm25", progress=False)
+        build_index(
+            [dup],
+            tmp_path / "d",
+            IndexSpec(name="d", index_type="bm25"),
+            BuildOptions(progress=False),
+        )
     with pytest.raises(ValueError, match="unknown index type"):
-        build_index([facts_jsonl], tmp_path / "e", name="e", index_type="lsh")
+        build_index([facts_jsonl], tmp_path / "e", IndexSpec(name="e", index_type="lsh"))
     with pytest.raises(ValueError, match="no such file"):
-        build_index([tmp_path / "missing.jsonl"], tmp_path / "e", name="e")
+        build_index([tmp_path / "missing.jsonl"], tmp_path / "e", IndexSpec(name="e"))
     empty = write_jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(ValueError, match="no passages"):
-        build_index([empty], tmp_path / "e", name="e", index_type="bm25", progress=False)
+        build_index(
+            [empty],
+            tmp_path / "e",
+            IndexSpec(name="e", index_type="bm25"),
+            BuildOptions(progress=False),
+        )
     with pytest.raises(ValueError, match="pq_m=5 must divide the encoder dim 384"):
-        build_index([facts_jsonl], tmp_path / "e", name="e", index_type="ivfpq", pq_m=5)
+        build_index(
+            [facts_jsonl],
+            tmp_path / "e",
+            IndexSpec(name="e", index_type="ivfpq", ann=AnnParams(pq_m=5)),
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "empty.jsonl"]
 
 
 def test_score_scale_can_be_set_and_is_validated(tmp_path: Path, facts_jsonl: Path) -> None:
-    m = build_index([facts_jsonl], tmp_path / "raw", name="raw", score_scale=1.0, progress=False)
+    m = build_index(
+        [facts_jsonl],
+        tmp_path / "raw",
+        IndexSpec(name="raw", score_scale=1.0),
+        BuildOptions(progress=False),
+    )
     assert m.score_scale == 1.0
     q = load_encoder("all-MiniLM-L6-v2").encode(["Who wrote Hamlet?"])
     with open_index(tmp_path / "raw") as idx:
         (hits,) = idx.search_vectors(q, k=2, return_vectors=True)
         assert hits[0].score == pytest.approx(float(q[0] @ hits[0].vector), abs=1e-5)
-    bm = build_index([facts_jsonl], tmp_path / "bm", name="bm", index_type="bm25", progress=False)
+    bm = build_index(
+        [facts_jsonl],
+        tmp_path / "bm",
+        IndexSpec(name="bm", index_type="bm25"),
+        BuildOptions(progress=False),
+    )
     assert bm.score_scale == 1.0  # BM25 scores are left as they are
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="score_scale must be a positive number"):
-            build_index([facts_jsonl], tmp_path / "bad", name="bad", score_scale=bad)
+            build_index([facts_jsonl], tmp_path / "bad", IndexSpec(name="bad", score_scale=bad))
 
 
 def test_existing_out_dir_needs_overwrite(tmp_path: Path, facts_jsonl: Path) -> None:
     out = tmp_path / "o"
-    build_index([facts_jsonl], out, name="one", index_type="bm25", progress=False)
+    build_index(
+        [facts_jsonl], out, IndexSpec(name="one", index_type="bm25"), BuildOptions(progress=False)
+    )
     with pytest.raises(ValueError, match="already exists"):
-        build_index([facts_jsonl], out, name="two", index_type="bm25", progress=False)
-    build_index([facts_jsonl], out, name="two", index_type="bm25", progress=False, overwrite=True)
+        build_index(
+            [facts_jsonl],
+            out,
+            IndexSpec(name="two", index_type="bm25"),
+            BuildOptions(progress=False),
+        )
+    build_index(
+        [facts_jsonl],
+        out,
+        IndexSpec(name="two", index_type="bm25"),
+        BuildOptions(progress=False, overwrite=True),
+    )
     assert open_index(out).name == "two"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no leftovers

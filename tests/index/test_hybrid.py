@@ -23,6 +23,7 @@ from openbook.index import (
 )
 from openbook.index.fusion import Question, fit_weights, marginal_log_likelihood, read_questions
 from openbook.index.manifest import Manifest
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import FACTS, QUESTIONS, write_jsonl
 
 TITLES = {pid: title for pid, title, _ in FACTS}
@@ -52,7 +53,9 @@ def test_build_keeps_both_views_by_default(facts_index: LoadedIndex) -> None:
 
 
 def test_no_bm25_and_bm25_only_builds(facts_jsonl: Path, tmp_path: Path) -> None:
-    m = build_index([facts_jsonl], tmp_path / "d", name="d", bm25=False, progress=False)
+    m = build_index(
+        [facts_jsonl], tmp_path / "d", IndexSpec(name="d", bm25=False), BuildOptions(progress=False)
+    )
     assert m.views == ["dense"] and not any(r.startswith("bm25/") for r in m.files)
     with open_index(tmp_path / "d") as idx:
         assert idx.views == ("dense",) and idx.default_retrieval == "dense"
@@ -62,7 +65,12 @@ def test_no_bm25_and_bm25_only_builds(facts_jsonl: Path, tmp_path: Path) -> None
             idx.search(["Who wrote Hamlet?"], 2, retrieval="bm25")
         with pytest.raises(ValueError, match="^retrieval: .*no hybrid fusion|has views"):
             _ = idx.fusion
-    m = build_index([facts_jsonl], tmp_path / "b", name="b", index_type="bm25", progress=False)
+    m = build_index(
+        [facts_jsonl],
+        tmp_path / "b",
+        IndexSpec(name="b", index_type="bm25"),
+        BuildOptions(progress=False),
+    )
     assert m.views == ["bm25"]
     with open_index(tmp_path / "b") as idx:
         assert idx.default_retrieval == "bm25"
@@ -152,7 +160,12 @@ def test_dense_and_bm25_modes_equal_the_single_view_indexes(
     enc = load_encoder("all-MiniLM-L6-v2")
     dense = facts_index.search(questions, 5, retrieval="dense")
     assert _hits(dense) == _hits(facts_index.search_vectors(enc.encode(questions), 5))
-    build_index([facts_jsonl], tmp_path / "b", name="b", index_type="bm25", progress=False)
+    build_index(
+        [facts_jsonl],
+        tmp_path / "b",
+        IndexSpec(name="b", index_type="bm25"),
+        BuildOptions(progress=False),
+    )
     with open_index(tmp_path / "b") as bm25_only:
         want = bm25_only.search(questions, 5)
     got = facts_index.search(questions, 5, retrieval="bm25", encoder=enc)  # encoder unused

@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from openbook.index import build as build_mod
 from openbook.index import importer as importer_mod
-from openbook.index import open_index
+from openbook.index import open_index, stages
 from openbook.index.cli import app
 from openbook.index.embedding_files import EmbeddingsError, iter_embeddings, natural_order
 from openbook.index.importer import import_embeddings
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import random_vectors, write_dpr_tsv
 
 N, DIM = 30, 32  # DIM: the tiny DPR question encoder's
@@ -75,16 +75,13 @@ def tsv(tmp_path: Path) -> Path:
     return write_dpr_tsv(tmp_path / "psgs_w100.tsv", _rows())
 
 
-def _kw(qenc: Path | str, **over) -> dict:  # type: ignore[no-untyped-def]
-    kw = {
-        "name": "wiki",
-        "doc_encoder": DOC_ENCODER,
-        "query_encoder": str(qenc),
-        "shard_size": 10,
-        "batch_size": 4,
-        "progress": False,
-    }
-    return {**kw, **over}
+OPTIONS = BuildOptions(shard_size=10, batch_size=4, progress=False)
+
+
+def _spec(qenc: Path | str, index_type: str = "flat") -> IndexSpec:
+    return IndexSpec(
+        name="wiki", index_type=index_type, encoder=DOC_ENCODER, query_encoder=str(qenc)
+    )
 
 
 def _assert_searchable(out: Path, vecs: np.ndarray) -> None:
@@ -104,7 +101,7 @@ def test_import_dpr_pickle_shards(tsv: Path, tmp_path: Path, dpr_dirs: tuple[Pat
     vecs = _vectors()
     files = _write_pickles(tmp_path / "emb", _entries(vecs))
     out = tmp_path / "idx"
-    m = import_embeddings(tsv, files, out, **_kw(dpr_dirs[1]))
+    m = import_embeddings(tsv, files, out, _spec(dpr_dirs[1]), OPTIONS)
     assert m.encoder == DOC_ENCODER  # a hub name is recorded as given
     assert m.query_encoder == str(dpr_dirs[1].resolve())
     assert (m.score_scale, m.normalize, m.index_type) == (1.0, False, "flat")
@@ -126,8 +123,8 @@ def test_import_parquet_hnsw_plain_ids(tsv: Path, tmp_path: Path) -> None:
     pq.write_table(_table(vecs, _rows()), tmp_path / "train-0.parquet", row_group_size=7)
     out = tmp_path / "idx"
     # a query encoder that only exists where the retriever runs is recorded as given
-    kw = _kw("/models/dpr-question_encoder-multiset-base", index_type="hnsw")
-    m = import_embeddings(tsv, [tmp_path / "train-0.parquet"], out, **kw)
+    spec = _spec("/models/dpr-question_encoder-multiset-base", index_type="hnsw")
+    m = import_embeddings(tsv, [tmp_path / "train-0.parquet"], out, spec, OPTIONS)
     assert m.query_encoder == "/models/dpr-question_encoder-multiset-base"
     assert m.index_params["metric"] == "inner_product"
     _assert_searchable(out, vecs)
@@ -141,13 +138,13 @@ def test_wiki_dpr_parquet_carries_its_own_passages(tmp_path: Path) -> None:
         files.append(tmp_path / f"train-{i:05d}-of-00002.parquet")
         pq.write_table(_table(vecs[a:b], _rows()[a:b]), files[-1], row_group_size=5)
     out = tmp_path / "idx"
-    m = import_embeddings(None, files, out, **_kw("/models/q"))
+    m = import_embeddings(None, files, out, _spec("/models/q"), OPTIONS)
     assert m.input_format == "embeddings"
     _assert_searchable(out, vecs)
 
     pickles = _write_pickles(tmp_path / "emb", _entries(vecs))
     with pytest.raises(EmbeddingsError, match="_0.pkl: DPR's pickles hold no passage text"):
-        import_embeddings(None, pickles, tmp_path / "idx2", **_kw("/models/q"))
+        import_embeddings(None, pickles, tmp_path / "idx2", _spec("/models/q"), OPTIONS)
     assert not list(tmp_path.glob(".idx2*")) and not (tmp_path / "idx2").exists()
 
 
@@ -162,7 +159,7 @@ def test_import_arrow_stream_over_two_files(tsv: Path, tmp_path: Path) -> None:
                 w.write_batch(batch)
         paths.append(p)
     out = tmp_path / "idx"
-    import_embeddings(tsv, paths[::-1], out, **_kw("/models/q"))  # natural order restored
+    import_embeddings(tsv, paths[::-1], out, _spec("/models/q"), OPTIONS)  # natural order restored
     _assert_searchable(out, vecs)
 
 
@@ -205,7 +202,7 @@ def test_resume_after_interruption(
 
     monkeypatch.setattr(importer_mod, "iter_embeddings", interrupted)
     with pytest.raises(Boom):
-        import_embeddings(tsv, files, out, **_kw("/models/q"))
+        import_embeddings(tsv, files, out, _spec("/models/q"), OPTIONS)
     assert not out.exists()  # nothing where a service would load it
     shards = partial / "_build" / "shards"
     assert sorted(p.name for p in shards.glob("shard-*.npy")) == [
@@ -223,18 +220,18 @@ def test_resume_after_interruption(
         return real_save(path, arr, *a, **k)
 
     monkeypatch.setattr(importer_mod, "iter_embeddings", real_iter)
-    monkeypatch.setattr(build_mod.np, "save", save)
-    import_embeddings(tsv, files, out, **_kw("/models/q"))
+    monkeypatch.setattr(stages.np, "save", save)
+    import_embeddings(tsv, files, out, _spec("/models/q"), OPTIONS)
     written = [w for w in written if w.startswith("shard-")]  # not the bm25 view's files
     assert written == ["shard-00001.tmp.npy", "shard-00002.tmp.npy"]  # shard 0 reused
     assert not partial.exists()
     _assert_searchable(out, vecs)
 
 
-def _bad_import(tsv: Path, files: list[Path], tmp_path: Path, match: str, **kw: object) -> None:
+def _bad_import(tsv: Path, files: list[Path], tmp_path: Path, match: str) -> None:
     out = tmp_path / "idx"
     with pytest.raises(EmbeddingsError, match=match):
-        import_embeddings(tsv, files, out, **_kw("/models/q", **kw))
+        import_embeddings(tsv, files, out, _spec("/models/q"), OPTIONS)
     assert not out.exists()
     assert not (tmp_path / ".idx.partial").exists()
     assert not list(tmp_path.glob(".idx.*"))  # no lock file either
@@ -294,7 +291,7 @@ def test_non_finite_vector(tmp_path: Path) -> None:
     pq.write_table(_table(vecs, _rows()), tmp_path / "t.parquet")
     out = tmp_path / "idx"
     with pytest.raises(EmbeddingsError, match=r"t.parquet: entry 17 \(id '18'\) has non-finite"):
-        import_embeddings(None, [tmp_path / "t.parquet"], out, **_kw("/models/q"))
+        import_embeddings(None, [tmp_path / "t.parquet"], out, _spec("/models/q"), OPTIONS)
     assert not list(tmp_path.glob(".idx*")) and not out.exists()
 
 
@@ -334,7 +331,7 @@ def test_query_encoder_dim_must_match(
 ) -> None:
     files = _write_pickles(tmp_path / "emb", _entries(_vectors(dim=16)))
     with pytest.raises(ValueError, match="has dim 32 but the embeddings in .*_0.pkl have dim 16"):
-        import_embeddings(tsv, files, tmp_path / "idx", **_kw(dpr_dirs[1]))
+        import_embeddings(tsv, files, tmp_path / "idx", _spec(dpr_dirs[1]), OPTIONS)
     assert not list(tmp_path.glob(".idx*")) and not (tmp_path / "idx").exists()
 
 
@@ -358,7 +355,7 @@ def test_importer_holds_one_batch_at_a_time(
             yield batch
 
     monkeypatch.setattr(importer_mod, "iter_embeddings", watched)
-    import_embeddings(tsv, [tmp_path / "t.parquet"], tmp_path / "idx", **_kw("/models/q"))
+    import_embeddings(tsv, [tmp_path / "t.parquet"], tmp_path / "idx", _spec("/models/q"), OPTIONS)
     assert sizes == [1] + [4] * 7 + [2]  # the first: peeking at the dimension
 
 

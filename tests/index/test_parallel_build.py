@@ -4,6 +4,7 @@ a served index."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from openbook.index import (
 )
 from openbook.index.cli import app
 from openbook.index.parallel import count_passages, parts_dir, slice_dir
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.types import Passage
 from openbook_gateway.retrieval import merge_results
 from openbook_testkit.index import (
@@ -89,12 +91,8 @@ def unsharded(corpus: Path, dpr_dirs: tuple[Path, Path], tmp_path_factory) -> Pa
     build_index(
         [corpus],
         out,
-        name="words",
-        encoder=str(dpr_dirs[0]),
-        query_encoder=str(dpr_dirs[1]),
-        batch_size=16,
-        shard_size=SHARD_SIZE,
-        progress=False,
+        IndexSpec(name="words", encoder=str(dpr_dirs[0]), query_encoder=str(dpr_dirs[1])),
+        BuildOptions(batch_size=16, shard_size=SHARD_SIZE, progress=False),
     )
     return out
 
@@ -218,7 +216,12 @@ def test_minilm_slices_serve_the_facts_index_and_rejoin_as_no_ops(
     out = tmp_path / "facts-set"
     for i in (2, 0, 1):  # any order
         res = build_slice(
-            [facts_jsonl], out, num_shards=3, shard_id=i, name="facts", progress=False
+            [facts_jsonl],
+            out,
+            IndexSpec(name="facts"),
+            BuildOptions(progress=False),
+            num_shards=3,
+            shard_id=i,
         )
         assert res.state == "built" and res.path == slice_dir(out, i, "facts")
     serve = tmp_path / "indexes" / "shards"
@@ -242,7 +245,14 @@ def test_minilm_slices_serve_the_facts_index_and_rejoin_as_no_ops(
         _close(shards)
 
     # Every later step is a no-op: a pod retried after the join, a second join, a re-install.
-    again = build_slice([facts_jsonl], out, num_shards=3, shard_id=1, name="facts", progress=False)
+    again = build_slice(
+        [facts_jsonl],
+        out,
+        IndexSpec(name="facts"),
+        BuildOptions(progress=False),
+        num_shards=3,
+        shard_id=1,
+    )
     assert again.state == "already joined" and again.path == out / "shard-1" / "facts"
     assert join_slices(out, 3, into=serve, progress=False).state == "already joined"
     r = runner.invoke(app, ["info", str(out)])
@@ -257,11 +267,10 @@ def test_concurrent_joins_take_turns(facts_jsonl: Path, tmp_path: Path) -> None:
         build_slice(
             [facts_jsonl],
             out,
+            IndexSpec(name="f", index_type="bm25"),
+            BuildOptions(progress=False),
             num_shards=2,
             shard_id=i,
-            name="f",
-            index_type="bm25",
-            progress=False,
         )
     states: list[str] = []
     threads = [
@@ -278,7 +287,12 @@ def test_concurrent_joins_take_turns(facts_jsonl: Path, tmp_path: Path) -> None:
 def test_missing_slices_are_listed_and_if_complete_waits(facts_jsonl: Path, tmp_path: Path) -> None:
     out = tmp_path / "set"
     build_slice(
-        [facts_jsonl], out, num_shards=3, shard_id=1, name="f", index_type="bm25", progress=False
+        [facts_jsonl],
+        out,
+        IndexSpec(name="f", index_type="bm25"),
+        BuildOptions(progress=False),
+        num_shards=3,
+        shard_id=1,
     )
     with pytest.raises(ValueError, match=r"1 of 3 slices built; missing: shard 0, shard 2$"):
         join_slices(out, 3)
@@ -292,10 +306,20 @@ def test_missing_slices_are_listed_and_if_complete_waits(facts_jsonl: Path, tmp_
     assert not out.exists()
     # Slices of another shard count are not silently left out.
     build_slice(
-        [facts_jsonl], out, num_shards=3, shard_id=0, name="f", index_type="bm25", progress=False
+        [facts_jsonl],
+        out,
+        IndexSpec(name="f", index_type="bm25"),
+        BuildOptions(progress=False),
+        num_shards=3,
+        shard_id=0,
     )
     build_slice(
-        [facts_jsonl], out, num_shards=3, shard_id=2, name="f", index_type="bm25", progress=False
+        [facts_jsonl],
+        out,
+        IndexSpec(name="f", index_type="bm25"),
+        BuildOptions(progress=False),
+        num_shards=3,
+        shard_id=2,
     )
     with pytest.raises(ValueError, match="holds shard-2 beyond the 2 shards asked for"):
         join_slices(out, 2)
@@ -328,7 +352,11 @@ def test_bad_slice_arguments(facts_jsonl: Path, tmp_path: Path) -> None:
         assert msg in " ".join(r.output.split()) and "Traceback" not in r.output
     with pytest.raises(ValueError, match="'ivfpq' trains a quantizer on the whole corpus"):
         build_slice(
-            [facts_jsonl], tmp_path / "o", num_shards=2, shard_id=0, name="f", index_type="ivfpq"
+            [facts_jsonl],
+            tmp_path / "o",
+            IndexSpec(name="f", index_type="ivfpq"),
+            num_shards=2,
+            shard_id=0,
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -341,10 +369,13 @@ def test_duplicate_ids_across_slices_are_refused(tmp_path: Path) -> None:
         count_passages([src], "auto", 100)
     assert count_passages([write_jsonl(tmp_path / "ok.jsonl", word_rows(10))], "auto", 100) == 10
     with pytest.raises(ValueError, match="duplicate passage id 'w1'"):
-        build_slice([src], tmp_path / "o", num_shards=2, shard_id=0, name="f", index_type="bm25")
+        build_slice(
+            [src], tmp_path / "o", IndexSpec(name="f", index_type="bm25"), num_shards=2, shard_id=0
+        )
 
 
-BASE = {"name": "f", "index_type": "bm25", "progress": False}
+BASE = IndexSpec(name="f", index_type="bm25")
+QUIET = BuildOptions(progress=False)
 
 
 @pytest.mark.parametrize(
@@ -360,19 +391,22 @@ def test_slices_of_different_builds_are_refused_naming_the_setting(
     facts_jsonl: Path, tmp_path: Path, change: dict, message: str
 ) -> None:
     out = tmp_path / "set"
-    build_slice([facts_jsonl], out, num_shards=2, shard_id=0, **BASE)
-    kw = {**BASE, "num_shards": 2, **change}
+    build_slice([facts_jsonl], out, BASE, QUIET, num_shards=2, shard_id=0)
+    change = dict(change)
+    num_shards = change.pop("num_shards", 2)
     inputs = [facts_jsonl]
-    if kw.pop("inputs", None):
+    if change.pop("inputs", None):
         inputs = [write_jsonl(tmp_path / "other.jsonl", word_rows(40))]
-    build_slice(inputs, out, shard_id=1, **kw)
+    spec = dataclasses.replace(BASE, **change)
+    build_slice(inputs, out, spec, QUIET, num_shards=num_shards, shard_id=1)
     with pytest.raises(ValueError, match=f"shard 1 cannot join shard 0: {re.escape(message)}"):
         join_slices(out, 2)
     assert not out.exists()
     # The same slice built again with the other settings is refused, unless replaced.
     with pytest.raises(ValueError, match=r"holds a slice of another build \(it was built with"):
-        build_slice([facts_jsonl], out, num_shards=2, shard_id=1, **BASE)
-    build_slice([facts_jsonl], out, num_shards=2, shard_id=1, overwrite=True, **BASE)
+        build_slice([facts_jsonl], out, BASE, QUIET, num_shards=2, shard_id=1)
+    replace = BuildOptions(progress=False, overwrite=True)
+    build_slice([facts_jsonl], out, BASE, replace, num_shards=2, shard_id=1)
     assert join_slices(out, 2).state == "joined"
 
 
@@ -380,10 +414,12 @@ def test_slices_with_other_encoders_or_weights_are_refused(
     facts_jsonl: Path, dpr_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
     other = make_tiny_dpr_encoders(tmp_path / "other", seed=7)[0]
-    kw = {"name": "f", "batch_size": 8, "progress": False}
+    options = BuildOptions(batch_size=8, progress=False)
+    dpr = IndexSpec(name="f", encoder=str(dpr_dirs[0]))
     out = tmp_path / "set"
-    build_slice([facts_jsonl], out, num_shards=2, shard_id=0, encoder=str(dpr_dirs[0]), **kw)
-    build_slice([facts_jsonl], out, num_shards=2, shard_id=1, encoder=str(other), **kw)
+    build_slice([facts_jsonl], out, dpr, options, num_shards=2, shard_id=0)
+    other_spec = IndexSpec(name="f", encoder=str(other))
+    build_slice([facts_jsonl], out, other_spec, options, num_shards=2, shard_id=1)
     with pytest.raises(ValueError) as err:
         join_slices(out, 2)
     assert str(err.value) == (
@@ -395,16 +431,9 @@ def test_slices_with_other_encoders_or_weights_are_refused(
 
     # One precision for all: a bfloat16 slice (say, on another GPU model) is not a float32 one.
     out = tmp_path / "set1"
-    build_slice([facts_jsonl], out, num_shards=2, shard_id=0, encoder=str(dpr_dirs[0]), **kw)
-    build_slice(
-        [facts_jsonl],
-        out,
-        num_shards=2,
-        shard_id=1,
-        encoder=str(dpr_dirs[0]),
-        precision="bfloat16",
-        **kw,
-    )
+    build_slice([facts_jsonl], out, dpr, options, num_shards=2, shard_id=0)
+    bf16 = dataclasses.replace(options, precision="bfloat16")
+    build_slice([facts_jsonl], out, dpr, bf16, num_shards=2, shard_id=1)
     with pytest.raises(ValueError, match="with precision 'bfloat16', shard 0 with 'float32'$"):
         join_slices(out, 2)
 
@@ -412,14 +441,11 @@ def test_slices_with_other_encoders_or_weights_are_refused(
     enc = tmp_path / "enc"
     out = tmp_path / "set2"
     make_tiny_dpr_encoders(enc, seed=1)
-    build_slice(
-        [facts_jsonl], out, num_shards=2, shard_id=0, encoder=str(enc / "ctx_encoder"), **kw
-    )
+    retrained = IndexSpec(name="f", encoder=str(enc / "ctx_encoder"))
+    build_slice([facts_jsonl], out, retrained, options, num_shards=2, shard_id=0)
     make_tiny_dpr_encoders(enc, seed=2)
     clear_encoder_cache()  # as a process on another node would load it
-    build_slice(
-        [facts_jsonl], out, num_shards=2, shard_id=1, encoder=str(enc / "ctx_encoder"), **kw
-    )
+    build_slice([facts_jsonl], out, retrained, options, num_shards=2, shard_id=1)
     with pytest.raises(
         ValueError,
         match=r"built with encoder weights \(digest\) [0-9a-f]{12}, shard 0 with [0-9a-f]{12}$",
@@ -431,15 +457,9 @@ def test_slices_with_other_encoders_or_weights_are_refused(
 def test_a_slice_interrupted_mid_embedding_resumes(
     corpus: Path, dpr_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kw = {
-        "num_shards": 2,
-        "shard_id": 1,
-        "name": "words",
-        "encoder": str(dpr_dirs[0]),
-        "batch_size": 16,
-        "shard_size": SHARD_SIZE,
-        "progress": False,
-    }
+    spec = IndexSpec(name="words", encoder=str(dpr_dirs[0]))
+    options = BuildOptions(batch_size=16, shard_size=SHARD_SIZE, progress=False)
+    slice_1 = {"num_shards": 2, "shard_id": 1}
     calls: list[int] = []
     real = Encoder.encode
 
@@ -453,7 +473,7 @@ def test_a_slice_interrupted_mid_embedding_resumes(
     out = tmp_path / "set"
     fail = True
     with pytest.raises(KeyboardInterrupt):
-        build_slice([corpus], out, **kw)
+        build_slice([corpus], out, spec, options, **slice_1)
     assert calls == [SHARD_SIZE]  # rows 150..299: shards of 64, 64, 22; the first one done
     assert not out.exists() and not slice_dir(out, 1, "words").exists()
     assert join_slices(out, 2, if_complete=True).missing == [
@@ -462,10 +482,10 @@ def test_a_slice_interrupted_mid_embedding_resumes(
     ]
 
     fail, calls[:] = False, []
-    res = build_slice([corpus], out, **kw)
+    res = build_slice([corpus], out, spec, options, **slice_1)
     assert res.state == "built" and calls == [SHARD_SIZE, 150 - 2 * SHARD_SIZE]  # the rest only
     monkeypatch.undo()
-    fresh = build_slice([corpus], tmp_path / "fresh", **kw)
+    fresh = build_slice([corpus], tmp_path / "fresh", spec, options, **slice_1)
     with open_index(res.path) as a, open_index(fresh.path) as b:
         np.testing.assert_array_equal(a.get_vectors(range(150)), b.get_vectors(range(150)))
         assert a.manifest.shard == b.manifest.shard
@@ -476,7 +496,14 @@ def test_merge_into_a_trained_type_and_refusals(
 ) -> None:
     out = tmp_path / "set"
     for i in range(2):
-        build_slice([facts_jsonl], out, num_shards=2, shard_id=i, name="facts", progress=False)
+        build_slice(
+            [facts_jsonl],
+            out,
+            IndexSpec(name="facts"),
+            BuildOptions(progress=False),
+            num_shards=2,
+            shard_id=i,
+        )
     res = join_slices(out, 2, merge=tmp_path / "sq8", merge_type="hnsw-sq8", progress=False)
     assert res.merged is not None and res.merged.index_type == "hnsw-sq8"
     with open_index(tmp_path / "sq8") as idx:
@@ -498,11 +525,10 @@ def test_install_refuses_another_index_of_the_same_name_before_installing(
         build_slice(
             [facts_jsonl],
             out,
+            IndexSpec(name="f", index_type="bm25"),
+            BuildOptions(progress=False),
             num_shards=2,
             shard_id=i,
-            name="f",
-            index_type="bm25",
-            progress=False,
         )
     (serve / "shard-1" / "f").mkdir(parents=True)  # an older index "f", still served there
     with pytest.raises(ValueError, match=r"shard-1/f exists and is another index"):
@@ -524,23 +550,22 @@ def test_join_beside_a_build_that_just_finished_or_a_rebuild(
     facts_jsonl: Path, tmp_path: Path
 ) -> None:
     from openbook.artifacts import partial_dir
-    from openbook.index.build import _build_lock
+    from openbook.index.stages import build_lock
 
     out = tmp_path / "set"
     for i in range(2):
         build_slice(
             [facts_jsonl],
             out,
+            IndexSpec(name="f", index_type="bm25"),
+            BuildOptions(progress=False),
             num_shards=2,
             shard_id=i,
-            name="f",
-            index_type="bm25",
-            progress=False,
         )
     staged = slice_dir(out, 1, "f")
-    # _build_lock stands for a builder of slice 1: holding its lock, with a partial dir it is a
+    # build_lock stands for a builder of slice 1: holding its lock, with a partial dir it is a
     # rebuild in progress; without one, a build that has published and is about to unlock.
-    with _build_lock(staged):
+    with build_lock(staged):
         partial_dir(staged).mkdir()
         with pytest.raises(ValueError, match=r"shard-1/f is being rebuilt"):
             join_slices(out, 2)

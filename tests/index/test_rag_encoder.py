@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from openbook.index import build_index, load_encoder, open_index
-from openbook.index.build import VECTORS_FILE
 from openbook.index.encoders import clear_encoder_cache
+from openbook.index.layout import VECTORS_FILE
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import make_tiny_dpr_encoders, write_facts
 from openbook_testkit.rag import make_tiny_rag_checkpoint
 
@@ -118,7 +119,10 @@ def test_index_manifest_names_rag_dir_as_query_encoder(rag_dir: Path, tmp_path: 
     facts = write_facts(tmp_path / "facts.jsonl")
     out = tmp_path / "idx"
     manifest = build_index(
-        [facts], out, name="ragq", encoder=str(ctx), query_encoder=str(rag_dir), progress=False
+        [facts],
+        out,
+        IndexSpec(name="ragq", encoder=str(ctx), query_encoder=str(rag_dir)),
+        BuildOptions(progress=False),
     )
     assert manifest.query_encoder == str(rag_dir.resolve())
     idx = open_index(out)
@@ -180,7 +184,12 @@ def test_dpr_index_stores_recipe_vectors(dpr_dirs: tuple[Path, Path], tmp_path: 
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "idx"
-    build_index([src], out, name="dpr", encoder=str(ctx), query_encoder=str(q), progress=False)
+    build_index(
+        [src],
+        out,
+        IndexSpec(name="dpr", encoder=str(ctx), query_encoder=str(q)),
+        BuildOptions(progress=False),
+    )
     idx = open_index(out)
     try:
         hits = idx.search(["capital of france"], k=2, retrieval="dense")[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from openbook.index import Encoder, IndexLoadError, build_index, open_index
+from openbook.index import BuildOptions, Encoder, IndexLoadError, IndexSpec, build_index, open_index
 from openbook_testkit.index import random_rows, write_jsonl
 
 N, SHARD = 40, 10
@@ -39,17 +39,12 @@ def test_resume_skips_finished_shards(
     src = write_jsonl(tmp_path / "r.jsonl", random_rows(N))
     out = tmp_path / "idx"
     # the build encodes one embedding shard per encode() call
-    kw = {
-        "name": "r",
-        "encoder": str(dpr_dirs[0]),
-        "shard_size": SHARD,
-        "batch_size": 4,
-        "progress": False,
-    }
+    spec = IndexSpec(name="r", encoder=str(dpr_dirs[0]))
+    options = BuildOptions(shard_size=SHARD, batch_size=4, progress=False)
 
     calls = _count_encodes(monkeypatch, fail_on_call=3)
     with pytest.raises(Boom):
-        build_index([src], out, **kw)
+        build_index([src], out, spec, options)
     assert calls == [SHARD, SHARD]
     assert not out.exists()  # half-built index is not visible under its name
     with pytest.raises(IndexLoadError):
@@ -61,13 +56,13 @@ def test_resume_skips_finished_shards(
     shard1 = partial / "_build" / "shards" / "shard-00001.npy"
     shard1.write_bytes(shard1.read_bytes()[:-8])
     calls = _count_encodes(monkeypatch, fail_on_call=None)
-    build_index([src], out, **kw)
+    build_index([src], out, spec, options)
     assert calls == [SHARD, SHARD, SHARD]  # shards 1, 2, 3; shard 0 reused
     assert not partial.exists()
 
     # identical to an uninterrupted build
     monkeypatch.undo()
-    build_index([src], tmp_path / "fresh", **kw)
+    build_index([src], tmp_path / "fresh", spec, options)
     with open_index(out) as a, open_index(tmp_path / "fresh") as b:
         np.testing.assert_allclose(a.get_vectors(range(N)), b.get_vectors(range(N)), atol=1e-6)
 
@@ -77,17 +72,12 @@ def test_changed_inputs_discard_partial_build(
 ) -> None:
     src = write_jsonl(tmp_path / "r.jsonl", random_rows(N))
     out = tmp_path / "idx"
-    kw = {
-        "name": "r",
-        "encoder": str(dpr_dirs[0]),
-        "shard_size": SHARD,
-        "batch_size": 4,
-        "progress": False,
-    }
+    spec = IndexSpec(name="r", encoder=str(dpr_dirs[0]))
+    options = BuildOptions(shard_size=SHARD, batch_size=4, progress=False)
     _count_encodes(monkeypatch, fail_on_call=2)
     with pytest.raises(Boom):
-        build_index([src], out, **kw)
+        build_index([src], out, spec, options)
     write_jsonl(src, random_rows(N, seed=1))  # different corpus now
     calls = _count_encodes(monkeypatch, fail_on_call=None)
-    build_index([src], out, **kw)
+    build_index([src], out, spec, options)
     assert calls == [SHARD] * 4  # nothing reused from the stale partial build

@@ -18,6 +18,7 @@ from openbook.index import (
 )
 from openbook.index import shard as shard_mod
 from openbook.index.cli import app
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.types import Passage
 from openbook_gateway.retrieval import merge_results
 from openbook_testkit.index import QUESTIONS, random_vectors, write_vector_index
@@ -143,7 +144,9 @@ def test_ivfpq_shards_reuse_parent_quantizer(tmp_path: Path) -> None:
 def test_bm25_shards(facts_jsonl: Path, tmp_path: Path) -> None:
     # Shards keep the parent's BM25 scores (its IDF and average length): merges are exact.
     src = tmp_path / "bm"
-    build_index([facts_jsonl], src, name="bm", index_type="bm25", progress=False)
+    build_index(
+        [facts_jsonl], src, IndexSpec(name="bm", index_type="bm25"), BuildOptions(progress=False)
+    )
     paths = split_index(src, 3, tmp_path / "shards", progress=False)
     shards = _open_all(paths)
     with open_index(src) as parent:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from openbook.index import IndexLoadError, build_index, load_encoder, open_index
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import random_rows, write_jsonl
 
 
@@ -19,10 +20,8 @@ def dpr_index(dpr_dirs: tuple[Path, Path], tmp_path: Path) -> Path:
     build_index(
         [src],
         out,
-        name="tiny",
-        encoder=str(dpr_dirs[0]),
-        query_encoder=str(dpr_dirs[1]),
-        progress=False,
+        IndexSpec(name="tiny", encoder=str(dpr_dirs[0]), query_encoder=str(dpr_dirs[1])),
+        BuildOptions(progress=False),
     )
     return out
 

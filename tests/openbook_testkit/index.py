@@ -338,7 +338,7 @@ def write_vector_index(
     ``search_vectors``); passages are ``random_rows(len(vectors))``. ``params`` go to
     ``faiss_index.default_params`` (hnsw_m, ef_search, nlist, pq_m, ...)."""
     from openbook.index import faiss_index
-    from openbook.index.build import PASSAGES_FILE, VECTORS_FILE
+    from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
     from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
     from openbook.index.store import PassageWriter
     from openbook.types import Passage

@@ -128,6 +128,7 @@ def build_fact_indexes(root: Path) -> tuple[str, str]:
     them — what an index swap must show.
     """
     from openbook.index import build_index
+    from openbook.index.spec import BuildOptions, IndexSpec
     from openbook_testkit.index import fact_rows, write_jsonl
 
     rows_a = fact_rows()
@@ -138,7 +139,7 @@ def build_fact_indexes(root: Path) -> tuple[str, str]:
     for name, rows in (("facts-a", rows_a), ("facts-b", rows_b)):
         if not (root / name / "manifest.json").exists():
             source = write_jsonl(root / f"{name}.jsonl", rows)
-            build_index([source], root / name, name=name, progress=False)
+            build_index([source], root / name, IndexSpec(name=name), BuildOptions(progress=False))
     return "facts-a", "facts-b"
 
 

@@ -37,10 +37,21 @@ SHORT = {"max_new_tokens": 2, "use_cache": False}
 def build_single_view_indexes(root: Path) -> None:
     """``facts-dense`` (no BM25 view) and ``facts-bm25`` (BM25 only) of the same facts."""
     from openbook.index import build_index
+    from openbook.index.spec import BuildOptions, IndexSpec
 
     source = write_jsonl(root / "facts-single.jsonl", fact_rows())
-    build_index([source], root / "facts-dense", name="facts-dense", bm25=False, progress=False)
-    build_index([source], root / "facts-bm25", name="facts-bm25", index_type="bm25", progress=False)
+    build_index(
+        [source],
+        root / "facts-dense",
+        IndexSpec(name="facts-dense", bm25=False),
+        BuildOptions(progress=False),
+    )
+    build_index(
+        [source],
+        root / "facts-bm25",
+        IndexSpec(name="facts-bm25", index_type="bm25"),
+        BuildOptions(progress=False),
+    )
 
 
 @pytest.fixture(scope="module")

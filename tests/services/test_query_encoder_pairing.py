@@ -13,6 +13,7 @@ import torch
 from openbook.index import Manifest, build_index, load_encoder
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.pairing import checkpoint_override, configured_override
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import common_pb2, retriever_pb2
@@ -49,12 +50,10 @@ def world(tmp_path_factory):
     build_index(
         [facts],
         root / "dpr-32",
-        name="dpr-32",
-        encoder=str(ctx),
-        query_encoder=str(q),
-        progress=False,
+        IndexSpec(name="dpr-32", encoder=str(ctx), query_encoder=str(q)),
+        BuildOptions(progress=False),
     )
-    build_index([facts], root / "orphan", name="orphan", progress=False)
+    build_index([facts], root / "orphan", IndexSpec(name="orphan"), BuildOptions(progress=False))
     mf = root / "orphan" / "manifest.json"
     mf.write_text(json.dumps({**json.loads(mf.read_text()), "query_encoder": MISSING_Q}))
 

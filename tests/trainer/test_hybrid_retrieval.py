@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from openbook.index import Fusion, build_index, load_encoder, open_index, store_fusion
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_trainer.experiments.synthetic import SyntheticTask
 from openbook_trainer.retrieval import DenseRetrieval, HybridRetrieval, make_retrieval
 
@@ -25,10 +26,8 @@ def hybrid_index(task: SyntheticTask, tmp_path: Path) -> Path:
     build_index(
         [task.passages],
         out,
-        name="synthetic-hybrid",
-        encoder=m.encoder or "",
-        query_encoder=m.query_encoder,
-        progress=False,
+        IndexSpec(name="synthetic-hybrid", encoder=m.encoder or "", query_encoder=m.query_encoder),
+        BuildOptions(progress=False),
     )
     # A fitted-looking fusion whose weights differ from the default (1, 1 for DPR's scale 1).
     store_fusion(out, Fusion(2.0, 0.5, 4, {"questions": 1, "source": "t", "sha256": None}, -1.0))

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from openbook.index import build_index
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import FACTS, QUESTIONS, write_facts
 from openbook_testkit.rag import make_tiny_causal_lm
 from openbook_trainer.experiments import trust
@@ -35,7 +36,12 @@ def _questions(path: Path) -> Path:
 
 def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     facts = write_facts(tmp_path / "facts.jsonl")
-    build_index([facts], tmp_path / "indexes" / "facts", name="facts", progress=False)
+    build_index(
+        [facts],
+        tmp_path / "indexes" / "facts",
+        IndexSpec(name="facts"),
+        BuildOptions(progress=False),
+    )
     generator = make_tiny_causal_lm(tmp_path / "gen")
     config = trust.TrustConfig(
         questions=_questions(tmp_path / "questions.jsonl"),

@@ -27,6 +27,7 @@ from openbook.index import (
 )
 from openbook.index.encoders import load_adapted_encoder
 from openbook.index.fusion import read_questions
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.rag.adapters import AdapterMismatch
 from openbook_trainer.demo.data import DEMO_SNAPSHOTS, SQUAD_QUESTIONS, Snapshot, missing_files
 from openbook_trainer.demo.models import DEFAULT_QUERY_ADAPTER
@@ -148,12 +149,12 @@ def prepare_demo_indexes(
         manifest = build_index(
             [data_dir / f for f in snap.inputs],
             out_dir,
-            name=snap.name,
-            index_type=snap.index_type,
-            input_format="auto",
-            progress=progress,
-            overwrite=out_dir.exists(),
-            encoder=encoder if encoder and snap.index_type != "bm25" else DEFAULT_ENCODER,
+            IndexSpec(
+                name=snap.name,
+                index_type=snap.index_type,
+                encoder=encoder if encoder and snap.index_type != "bm25" else DEFAULT_ENCODER,
+            ),
+            BuildOptions(input_format="auto", progress=progress, overwrite=out_dir.exists()),
         )
         _log(
             progress,

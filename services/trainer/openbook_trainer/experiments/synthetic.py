@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from openbook.index import build_index
+from openbook.index import BuildOptions, IndexSpec, build_index
 
 _SPECIAL_BERT = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 _FILLER = ["the", "code", "of", "is", "what", "?", "."]
@@ -90,14 +90,16 @@ def make_task(
         build_index(
             [passages],
             index,
-            name="synthetic",
-            encoder=str(ctx_dir),
-            query_encoder=str(q_dir),
-            progress=False,
-            # Dense only: the task is for the retriever to learn which passage holds each
-            # answer from the answers alone, which a lexical view of the passages would
-            # short-cut. (Hybrid training is tested on an index over the same passages.)
-            bm25=False,
+            IndexSpec(
+                name="synthetic",
+                encoder=str(ctx_dir),
+                query_encoder=str(q_dir),
+                # Dense only: the task is for the retriever to learn which passage holds each
+                # answer from the answers alone, which a lexical view of the passages would
+                # short-cut. (Hybrid training is tested on an index over the same passages.)
+                bm25=False,
+            ),
+            BuildOptions(progress=False),
         )
     generator = root / "bart"
     if not (generator / "config.json").is_file():
