@@ -1,0 +1,108 @@
+"""BM25 scores of a live index's write segment, computed with its base's BM25 statistics.
+
+bm25s stores finished (term, document) scores, not the statistics behind them, so the ones a
+new passage needs are read back from the base's BM25 index:
+  * N (documents) and each term's document frequency (the number of stored entries of its
+    column of the score matrix), hence the lucene IDF ``log(1 + (N - df + 0.5) / (df + 0.5))``;
+  * k1 and b from the index's parameters;
+  * the average document length, which bm25s does not save: solved from the stored score of
+    a term that occurs once in a sampled base passage,
+    ``s = idf / (1 + k1 (1 - b + b·dl/avgdl))``, the median over a few passages.
+
+What is exact and what is not (until the next compaction rebuilds the BM25 view over every
+passage): a segment passage gets exactly the score the base's BM25 index would give it had it
+been indexed with the base's statistics; a term no base passage contains counts with df = 0
+(as rare as a term can be). The base's own scores keep the base's statistics, which do not
+count the segment's passages nor forget the deleted ones; so neither view's scores equal the
+compacted index's exactly, and both converge to it at compaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import bm25s
+import numpy as np
+
+from openbook.index.bm25 import _tokenize
+
+_AVGDL_SAMPLES = 16
+
+
+@dataclass(frozen=True)
+class PassageTerms:
+    """A passage's term counts and length, as bm25s indexes ``"title text"``."""
+
+    counts: Counter[str]
+    length: int
+
+    @classmethod
+    def of(cls, title: str, text: str) -> PassageTerms:
+        tokens = _tokenize([f"{title} {text}"])[0]
+        return cls(Counter(tokens), len(tokens))
+
+
+class BaseBM25Statistics:
+    """The BM25 statistics of a base index's ``bm25/`` directory (module docstring)."""
+
+    def __init__(self, bm25_dir: Path, sample: Sequence[tuple[int, str, str]]) -> None:
+        """``sample``: a few base passages ``(row, title, text)`` to solve avgdl from."""
+        logging.getLogger("bm25s").setLevel(logging.ERROR)
+        self._retriever = bm25s.BM25.load(str(bm25_dir), mmap=True, show_progress=False)
+        method = getattr(self._retriever, "method", "lucene")
+        if method != "lucene":
+            raise ValueError(f"{bm25_dir}: BM25 method {method!r}; live indexes score lucene")
+        self.k1 = float(self._retriever.k1)
+        self.b = float(self._retriever.b)
+        scores = self._retriever.scores
+        self.count = int(scores["num_docs"])
+        self._df = np.diff(np.asarray(scores["indptr"], dtype=np.int64))
+        self._vocab: dict[str, int] = dict(self._retriever.vocab_dict)
+        self.avgdl = self._solve_avgdl(sample)
+
+    def idf(self, term: str) -> float:
+        tid = self._vocab.get(term)
+        df = int(self._df[tid]) if tid is not None and tid < len(self._df) else 0
+        return math.log(1 + (self.count - df + 0.5) / (df + 0.5))
+
+    def _solve_avgdl(self, sample: Sequence[tuple[int, str, str]]) -> float:
+        lengths: list[int] = []
+        solved: list[float] = []
+        for row, title, text in sample[:_AVGDL_SAMPLES]:
+            terms = PassageTerms.of(title, text)
+            lengths.append(terms.length)
+            once = [t for t, n in terms.counts.items() if n == 1 and t in self._vocab]
+            if not once or terms.length == 0 or self.b == 0:
+                continue
+            tid = self._vocab[once[0]]
+            stored = float(self._retriever.get_scores_from_ids([tid])[row])
+            if stored <= 0:
+                continue
+            # s = idf / (1 + k1 (1 - b + b dl / avgdl))  =>  dl / avgdl = ((idf/s - 1)/k1 - 1 + b)/b
+            ratio = ((self.idf(once[0]) / stored - 1) / self.k1 - 1 + self.b) / self.b
+            if ratio > 0:
+                solved.append(terms.length / ratio)
+        if solved:
+            return float(np.median(solved))
+        # b == 0 (length does not matter) or no usable passage: the sample's mean length.
+        return float(np.mean(lengths)) if lengths else 1.0
+
+    def score(self, queries: Sequence[str], passages: Sequence[PassageTerms]) -> np.ndarray:
+        """float32 ``(len(queries), len(passages))`` BM25 scores of the segment's passages."""
+        out = np.zeros((len(queries), len(passages)), dtype=np.float32)
+        if not passages:
+            return out
+        norms = [self.k1 * (1 - self.b + self.b * p.length / self.avgdl) for p in passages]
+        for qi, tokens in enumerate(_tokenize(queries)):
+            for term in tokens:
+                idf = self.idf(term)
+                for pi, p in enumerate(passages):
+                    tf = p.counts.get(term, 0)
+                    if tf:
+                        out[qi, pi] += idf * tf / (tf + norms[pi])
+        return out
