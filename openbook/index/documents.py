@@ -57,7 +57,9 @@ class Document:
         *,
         field: str = "",
     ) -> Document:
-        doc = cls(id, title, text, dict(metadata or {}))
+        # Anything but a map is kept as given, for validate() to refuse naming the field.
+        meta: Any = dict(metadata) if isinstance(metadata, Mapping) else metadata
+        doc = cls(id, title, text, {} if meta is None else meta)
         doc.validate(field)
         return doc
 
