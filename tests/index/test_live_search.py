@@ -66,7 +66,7 @@ def test_put_replace_delete_are_visible_to_the_next_search(
         scale = live.manifest.score_scale
         vecs = _doc_vectors(dpr_dirs, doc)
         hits = live.search_vectors(vecs[:1], 10)[0]
-        want = {p.id: float(vecs[0] @ v) * scale for p, v in zip(doc.passages(), vecs)}
+        want = {p.id: float(vecs[0] @ v) * scale for p, v in zip(doc.passages(), vecs, strict=True)}
         _assert_segment_exact(hits, want)
         if index_type == "flat":  # approximate types may over-score base passages
             assert "new-1#0" in _ids(hits)
@@ -160,14 +160,14 @@ def test_random_operations_match_a_brute_force_model(
             live.put(doc)
             gone |= set(model.get(doc.id, {}))
             vecs = _doc_vectors(dpr_dirs, doc) if dense else [None] * len(doc.passages())
-            model[doc.id] = {p.id: v for p, v in zip(doc.passages(), vecs)}
+            model[doc.id] = {p.id: v for p, v in zip(doc.passages(), vecs, strict=True)}
             gone -= set(model[doc.id])
         live_ids = {pid for passages in model.values() for pid in passages}
         assert len(live) == len(live_ids)
         if dense:
             ids = sorted(live_ids)
             mat = np.stack([model_vec(model, pid) for pid in ids])
-            for q, hits in zip(queries, live.search_vectors(queries, 5)):
+            for q, hits in zip(queries, live.search_vectors(queries, 5), strict=True):
                 exact = np.sort(mat.astype(np.float64) @ q.astype(np.float64))[::-1][:5]
                 assert [p.score for p in hits] == pytest.approx(list(exact), rel=1e-4, abs=1e-4)
                 assert not gone & set(_ids(hits))
