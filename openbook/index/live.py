@@ -675,7 +675,8 @@ def _remove_old_bases(path: Path, keep: Path) -> None:
     """Older bases, and what an interrupted compaction left (its corpus, build, lock)."""
     for d in path.iterdir():
         old_base = _BASE_DIR.fullmatch(d.name) and d != keep
-        leftover = d.name.startswith(f".{BASE_PREFIX}")
+        # build_index's partial dir and lock of ".base-<v>.building" start with "..".
+        leftover = d.name.startswith(".") and d.name.lstrip(".").startswith(BASE_PREFIX)
         if old_base or leftover:
             if d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
