@@ -232,3 +232,44 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
     result = live.put_many(good)
     assert result.version == 1 and set(result.passages) == {"ok0", "ok1", "ok2"}
     live.close()
+
+
+def test_a_replaced_document_is_never_half_old_half_new(
+    dpr_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Readers searching while a writer flips a document between two versions (of different
+    passage counts) see all of one version's passages, never a mix."""
+    import threading
+
+    live = make_live_index(tmp_path, "flat", dpr_dirs, passages=40)
+    rng = np.random.default_rng(9)
+    versions = [random_document(rng, "flip", words=w) for w in (250, 120)]
+    texts = [frozenset(p.text for p in d.passages()) for d in versions]
+    live.put(versions[0])
+    stop = threading.Event()
+    seen: list[frozenset[str]] = []
+    errors: list[BaseException] = []
+    queries = np.random.default_rng(1).standard_normal((2, 32)).astype(np.float32)
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                for hits in live.search_vectors(queries, 100):  # every live passage
+                    seen.append(frozenset(p.text for p in hits if p.id.startswith("flip#")))
+                for hits in live.search(["tagflip"], 100, retrieval="bm25"):
+                    flip = [p for p in hits if p.id.startswith("flip#")]
+                    assert len(flip) == 1 and any(p.text in t for t in texts for p in flip)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for i in range(20):
+        live.put(versions[(i + 1) % 2])
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors
+    assert seen and all(s in texts for s in seen)
+    live.close()
