@@ -59,7 +59,7 @@ from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.fusion import Fusion
 from openbook.index.loaded import LoadedIndex, open_index
 from openbook.index.manifest import Manifest
-from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms
+from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, SegmentPostings
 from openbook.index.wal import WAL_FILE, DeleteOp, PutOp, WalRecord, open_log
 from openbook.limits import MAX_BATCH_DOCUMENTS, check_range
 from openbook.types import Passage
@@ -143,8 +143,8 @@ class _View:
         return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
 
     @cached_property
-    def segment_terms(self) -> list[PassageTerms]:
-        return [t for d in self.documents.values() for t in d.terms]
+    def segment_postings(self) -> SegmentPostings:
+        return SegmentPostings([t for d in self.documents.values() for t in d.terms])
 
     @property
     def count(self) -> int:
@@ -344,8 +344,8 @@ class LiveIndex:
             merged = [p for p in hits if p.id not in view.hidden_ids]
             vecs = view.segment_vectors
             merged += [
-                _scored(p, float(scores[qi, j]), vecs[j] if return_vectors else None)
-                for j, p in enumerate(seg)
+                _scored(seg[j], float(scores[qi, j]), vecs[j] if return_vectors else None)
+                for j in _top(scores[qi], k)
             ]
             out.append(_best(merged, k))
         return out
@@ -356,7 +356,7 @@ class LiveIndex:
             queries, self._base_fetch(view, k), retrieval="bm25", return_vectors=return_vectors
         )
         assert view.bm25 is not None  # the mode was checked against the base's views
-        scores = view.bm25.score(queries, view.segment_terms)
+        scores = view.bm25.score(queries, view.segment_postings)
         # As the base serves them: a bm25 index scales by its score_scale, a dense index's
         # BM25 view serves raw scores.
         scale = 1.0 if base.dense else base.manifest.score_scale
@@ -366,11 +366,11 @@ class LiveIndex:
             merged = [p for p in hits if p.id not in view.hidden_ids]
             merged += [
                 _scored(
-                    p,
+                    seg[j],
                     float(scores[qi, j]) * scale,
                     view.segment_vectors[j] if return_vectors else None,
                 )
-                for j, p in enumerate(seg)
+                for j in _top(scores[qi], k)
                 if scores[qi, j] > 0  # sharing no term with the query is no hit (as the base)
             ]
             out.append(_best(merged, k))
@@ -388,7 +388,7 @@ class LiveIndex:
         assert view.bm25 is not None
         seg = view.segment_passages
         seg_dense = _inner_products(q, view.segment_vectors)
-        seg_bm25 = view.bm25.score(queries, view.segment_terms)
+        seg_bm25 = view.bm25.score(queries, view.segment_postings)
         out = []
         for qi in range(len(queries)):
             rows = cands.rows[qi]
@@ -402,9 +402,8 @@ class LiveIndex:
                 for i, (p, s) in enumerate(zip(passages, base_scores, strict=True))
             ]
             # The segment's candidates: its own dense and BM25 top n, as the base's are.
-            chosen = set(np.argsort(-seg_dense[qi], kind="stable")[:n].tolist())
-            positive = np.flatnonzero(seg_bm25[qi] > 0)
-            chosen |= set(positive[np.argsort(-seg_bm25[qi, positive], kind="stable")][:n].tolist())
+            chosen = set(_top(seg_dense[qi], n))
+            chosen |= {j for j in _top(seg_bm25[qi], n) if seg_bm25[qi, j] > 0}
             fused = fusion.score(seg_dense[qi], seg_bm25[qi])
             merged += [
                 _scored(
@@ -642,6 +641,13 @@ def _scored(p: Passage, score: float, vector: np.ndarray | None) -> Passage:
     return Passage(
         p.id, p.title, p.text, score=score, vector=vector if vector is not None else p.vector
     )
+
+
+def _top(scores: np.ndarray, k: int) -> list[int]:
+    """Positions of the ``k`` highest ``scores`` (any order): only they can make a top k."""
+    if len(scores) <= k:
+        return list(range(len(scores)))
+    return np.argpartition(-scores, k - 1)[:k].tolist()
 
 
 def _best(passages: Iterable[Passage], k: int) -> list[Passage]:

@@ -92,17 +92,38 @@ class BaseBM25Statistics:
         # b == 0 (length does not matter) or no usable passage: the sample's mean length.
         return float(np.mean(lengths)) if lengths else 1.0
 
-    def score(self, queries: Sequence[str], passages: Sequence[PassageTerms]) -> np.ndarray:
-        """float32 ``(len(queries), len(passages))`` BM25 scores of the segment's passages."""
-        out = np.zeros((len(queries), len(passages)), dtype=np.float32)
-        if not passages:
-            return out
-        norms = [self.k1 * (1 - self.b + self.b * p.length / self.avgdl) for p in passages]
+    def score(self, queries: Sequence[str], segment: SegmentPostings) -> np.ndarray:
+        """float32 ``(len(queries), len(segment))`` BM25 scores of the segment's passages."""
+        out = np.zeros((len(queries), len(segment)), dtype=np.float64)
+        if not len(segment):
+            return out.astype(np.float32)
+        norms = self.k1 * (1 - self.b + self.b * segment.lengths / self.avgdl)
         for qi, tokens in enumerate(_tokenize(queries)):
             for term in tokens:
-                idf = self.idf(term)
-                for pi, p in enumerate(passages):
-                    tf = p.counts.get(term, 0)
-                    if tf:
-                        out[qi, pi] += idf * tf / (tf + norms[pi])
-        return out
+                posting = segment.postings.get(term)
+                if posting is None:
+                    continue
+                rows, tf = posting
+                out[qi, rows] += self.idf(term) * tf / (tf + norms[rows])
+        return out.astype(np.float32)
+
+
+class SegmentPostings:
+    """The segment's inverted index: term -> (passage positions, term counts), and each
+    passage's length; scoring costs the query terms' postings, not the segment's size."""
+
+    def __init__(self, passages: Sequence[PassageTerms]) -> None:
+        by_term: dict[str, tuple[list[int], list[int]]] = {}
+        for i, p in enumerate(passages):
+            for term, n in p.counts.items():
+                rows, counts = by_term.setdefault(term, ([], []))
+                rows.append(i)
+                counts.append(n)
+        self.postings = {
+            t: (np.asarray(r, dtype=np.int64), np.asarray(c, dtype=np.float64))
+            for t, (r, c) in by_term.items()
+        }
+        self.lengths = np.asarray([p.length for p in passages], dtype=np.float64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
