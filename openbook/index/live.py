@@ -55,6 +55,7 @@ from openbook.index.bm25 import BM25_DIR
 from openbook.index.compaction import build_base
 from openbook.index.document_store import DOCUMENTS_FILE, BaseRow, DocumentStore, StoredDocument
 from openbook.index.documents import Document, check_document_id, document_id_of
+from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.fusion import Fusion
 from openbook.index.loaded import LoadedIndex, open_index
@@ -73,6 +74,8 @@ Hits = list[list[Passage]]
 Texts = list[str]
 PassageList = list[Passage]
 NewRows = list[BaseRow]
+# A published base, or the template of an index created empty (empty_base.py).
+BaseIndex = LoadedIndex | EmptyBase
 
 
 class DocumentNotFound(NotFound, KeyError):
@@ -124,7 +127,7 @@ class _View:
     """One consistent state of the index; never changed once published to searchers."""
 
     version: int
-    base: LoadedIndex
+    base: BaseIndex
     base_version: int
     bm25: BaseBM25Statistics | None
     documents: Mapping[str, _SegmentDocument]  # the write segment, by document id
@@ -165,7 +168,12 @@ class LiveIndex:
         self._encoder: Encoder | None = None
         base_dir, base_version = _newest_base(self.path)
         _remove_old_bases(self.path, keep=base_dir)
-        base = open_index(base_dir, verify=self.options.verify, name=self.path.name)
+        base: BaseIndex
+        if base_dir is None:
+            template = Manifest.from_file(self.path / TEMPLATE_FILE)
+            base = EmptyBase(self.path, template, name=self.path.name)
+        else:
+            base = open_index(base_dir, verify=self.options.verify, name=self.path.name)
         self._store = DocumentStore(self.path / DOCUMENTS_FILE)
         try:
             if not self._store.has_base(base_version):
@@ -204,6 +212,21 @@ class LiveIndex:
         with staging_dir(path) as staging:
             shutil.copytree(from_index, staging / f"{BASE_PREFIX}{0:012d}")
             publish(staging, path)
+        return cls(path, options)
+
+    @classmethod
+    def create_empty(
+        cls, path: Path, template: Manifest, options: LiveOptions | None = None
+    ) -> LiveIndex:
+        """Make ``path`` a live index with no documents whose bases will be like
+        ``template`` (:func:`openbook.index.empty_base.template_of`), and open it."""
+        path = Path(path)
+        if path.exists():
+            raise FileExistsError(f"{path} already exists")
+        if template.count != 0 or template.files:
+            raise ValueError("template: a manifest of count 0 and no files (template_of)")
+        with staging_dir(path) as staging:
+            publish(staging, path, manifests={TEMPLATE_FILE: template.to_json()})
         return cls(path, options)
 
     # ------------------------------------------------------------------ reading
@@ -533,7 +556,7 @@ class LiveIndex:
         deletes = [op.doc_id for op in record.ops if isinstance(op, DeleteOp)]
         self._store.apply(record.version, puts, deletes)
 
-    def _record_base(self, base: LoadedIndex, base_version: int, *, adopt: bool) -> None:
+    def _record_base(self, base: BaseIndex, base_version: int, *, adopt: bool) -> None:
         """Record which rows of ``base`` belong to which document, from its passage ids
         (``<doc>#<n>``); ``adopt``: its documents become the index's (a new live index)."""
         rows: NewRows = []
@@ -654,16 +677,20 @@ def _best(passages: Iterable[Passage], k: int) -> list[Passage]:
     return sorted(passages, key=lambda p: -p.score)[:k]
 
 
-def _bm25_statistics(base: LoadedIndex) -> BaseBM25Statistics | None:
+def _bm25_statistics(base: BaseIndex) -> BaseBM25Statistics | None:
     if "bm25" not in base.views:
         return None
+    if isinstance(base, EmptyBase):
+        return BaseBM25Statistics.empty()
     sample = base.get_passages(range(min(len(base), 16)))
-    return BaseBM25Statistics(
+    return BaseBM25Statistics.load(
         base.path / BM25_DIR, [(i, p.title, p.text) for i, p in enumerate(sample)]
     )
 
 
-def _newest_base(path: Path) -> tuple[Path, int]:
+def _newest_base(path: Path) -> tuple[Path | None, int]:
+    """The newest ``base-<v>`` and v; (None, 0) for an index created empty and never
+    compacted (its ``template.json`` stands for the base)."""
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: live index directory not found")
     bases = sorted(
@@ -672,12 +699,14 @@ def _newest_base(path: Path) -> tuple[Path, int]:
         if (m := _BASE_DIR.fullmatch(d.name)) and d.is_dir()
     )
     if not bases:
+        if (path / TEMPLATE_FILE).is_file():
+            return None, 0
         raise FileNotFoundError(f"{path}: no {BASE_PREFIX}<version> directory")
     version, newest = bases[-1]
     return newest, version
 
 
-def _remove_old_bases(path: Path, keep: Path) -> None:
+def _remove_old_bases(path: Path, keep: Path | None) -> None:
     """Older bases, and what an interrupted compaction left (its corpus, build, lock)."""
     for d in path.iterdir():
         old_base = _BASE_DIR.fullmatch(d.name) and d != keep

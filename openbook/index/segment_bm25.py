@@ -48,22 +48,51 @@ class PassageTerms:
 
 
 class BaseBM25Statistics:
-    """The BM25 statistics of a base index's ``bm25/`` directory (module docstring)."""
+    """The BM25 statistics of a base index's ``bm25/`` directory (module docstring); of no
+    passages at all for a live index created empty (:meth:`empty`)."""
 
-    def __init__(self, bm25_dir: Path, sample: Sequence[tuple[int, str, str]]) -> None:
+    def __init__(
+        self,
+        count: int,
+        k1: float,
+        b: float,
+        vocab: dict[str, int],
+        df: np.ndarray,
+        retriever: bm25s.BM25 | None = None,
+    ) -> None:
+        self.count = count
+        self.k1 = k1
+        self.b = b
+        self._vocab = vocab
+        self._df = df
+        self._retriever = retriever
+        # None: no base passage to take it from; the segment's own mean length is used.
+        self.avgdl: float | None = None
+
+    @classmethod
+    def load(cls, bm25_dir: Path, sample: Sequence[tuple[int, str, str]]) -> BaseBM25Statistics:
         """``sample``: a few base passages ``(row, title, text)`` to solve avgdl from."""
         logging.getLogger("bm25s").setLevel(logging.ERROR)
-        self._retriever = bm25s.BM25.load(str(bm25_dir), mmap=True, show_progress=False)
-        method = getattr(self._retriever, "method", "lucene")
+        retriever = bm25s.BM25.load(str(bm25_dir), mmap=True, show_progress=False)
+        method = getattr(retriever, "method", "lucene")
         if method != "lucene":
             raise ValueError(f"{bm25_dir}: BM25 method {method!r}; live indexes score lucene")
-        self.k1 = float(self._retriever.k1)
-        self.b = float(self._retriever.b)
-        scores = self._retriever.scores
-        self.count = int(scores["num_docs"])
-        self._df = np.diff(np.asarray(scores["indptr"], dtype=np.int64))
-        self._vocab: dict[str, int] = dict(self._retriever.vocab_dict)
-        self.avgdl = self._solve_avgdl(sample)
+        scores = retriever.scores
+        stats = cls(
+            count=int(scores["num_docs"]),
+            k1=float(retriever.k1),
+            b=float(retriever.b),
+            vocab=dict(retriever.vocab_dict),
+            df=np.diff(np.asarray(scores["indptr"], dtype=np.int64)),
+            retriever=retriever,
+        )
+        stats.avgdl = stats._solve_avgdl(sample)
+        return stats
+
+    @classmethod
+    def empty(cls, k1: float = 1.5, b: float = 0.75) -> BaseBM25Statistics:
+        """No base passages (build_bm25's parameters): every term has df = 0."""
+        return cls(0, k1, b, {}, np.zeros(0, np.int64))
 
     def idf(self, term: str) -> float:
         tid = self._vocab.get(term)
@@ -80,6 +109,7 @@ class BaseBM25Statistics:
             if not once or terms.length == 0 or self.b == 0:
                 continue
             tid = self._vocab[once[0]]
+            assert self._retriever is not None  # loaded with the statistics
             stored = float(self._retriever.get_scores_from_ids([tid])[row])
             if stored <= 0:
                 continue
@@ -97,7 +127,8 @@ class BaseBM25Statistics:
         out = np.zeros((len(queries), len(segment)), dtype=np.float64)
         if not len(segment):
             return out.astype(np.float32)
-        norms = self.k1 * (1 - self.b + self.b * segment.lengths / self.avgdl)
+        avgdl = self.avgdl if self.avgdl is not None else float(segment.lengths.mean()) or 1.0
+        norms = self.k1 * (1 - self.b + self.b * segment.lengths / avgdl)
         for qi, tokens in enumerate(_tokenize(queries)):
             for term in tokens:
                 posting = segment.postings.get(term)

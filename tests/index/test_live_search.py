@@ -273,3 +273,56 @@ def test_a_replaced_document_is_never_half_old_half_new(
     assert not errors
     assert seen and all(s in texts for s in seen)
     live.close()
+
+
+@pytest.mark.parametrize(
+    ("like_type", "index_type"), [("flat", None), ("flat", "hnsw"), ("bm25", None)]
+)
+def test_an_index_created_empty_takes_writes_and_compacts_into_its_first_base(
+    like_type: str, index_type: str | None, dpr_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from openbook.index.empty_base import template_of
+    from openbook.index.loaded import read_index_manifest
+
+    make_live_index(tmp_path / "like", like_type, dpr_dirs, passages=60).close()
+    like = read_index_manifest(tmp_path / "like" / "built")
+    template = template_of(like, name="fresh", index_type=index_type)
+    live = LiveIndex.create_empty(tmp_path / "fresh", template)
+    dense = like_type != "bm25"
+    assert len(live) == 0 and live.version == 0 and live.list().ids == ()
+    assert live.search(["tower"], 3, retrieval="bm25") == [[]]
+    if dense:
+        assert live.search(["tower"], 3) == [[]]  # hybrid, the default
+    rng = np.random.default_rng(11)
+    docs = [random_document(rng, f"e{i}") for i in range(40)]
+    assert live.put_many(docs).version == 1
+    live.delete("e3")
+    for doc, hits in zip(
+        docs, live.search([_tag(d.id) for d in docs], 2, retrieval="bm25"), strict=True
+    ):
+        assert (_ids(hits)[:1] == [doc.passages()[-1].id]) != (doc.id == "e3")
+    if dense:
+        vecs = _doc_vectors(dpr_dirs, docs[0])
+        hits = live.search_vectors(vecs[:1], 3)[0]
+        scale = live.manifest.score_scale
+        assert hits[0].score == pytest.approx(
+            max(float(vecs[0] @ v) * scale for v in _all_vectors(dpr_dirs, docs, skip="e3")),
+            rel=1e-4,
+        )
+        assert docs[5].passages()[-1].id in _ids(live.search([_tag("e5")], 5)[0])  # hybrid
+    result = live.compact()
+    assert result is not None and result.version == 2
+    assert live.manifest.index_type == (index_type or like_type) and live.manifest.count == len(
+        live
+    )
+    assert _ids(live.search([_tag("e7")], 1, retrieval="bm25")[0]) == [docs[7].passages()[-1].id]
+    live.put(random_document(rng, "e40"))
+    live.close()
+    with LiveIndex(tmp_path / "fresh") as again:
+        assert again.version == 3 and again.base_version == 2
+        last = again.get("e40").passage_ids[-1]
+        assert _ids(again.search([_tag("e40")], 1, retrieval="bm25")[0]) == [last]
+
+
+def _all_vectors(dpr_dirs: tuple[Path, Path], docs: list[Document], skip: str) -> np.ndarray:
+    return np.concatenate([_doc_vectors(dpr_dirs, d) for d in docs if d.id != skip])
