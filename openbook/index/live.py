@@ -198,7 +198,10 @@ class LiveIndex:
                     self._store_record(record, base.manifest.max_words)
             self._view = view
         except BaseException:
+            if hasattr(self, "_wal"):
+                self._wal.close()
             self._store.close()
+            base.close()
             raise
 
     @classmethod
