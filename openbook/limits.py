@@ -58,6 +58,18 @@ INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # A checkpoint named in a reload request (a version, or a path inside the checkpoint root).
 MAX_CHECKPOINT_CHARS = 4096
 
+# A document written into a live index (openbook.index.documents): its id names it in URLs
+# (no "/"), its text is split into the paper's passages; metadata is a flat map of scalars.
+MAX_DOCUMENT_ID_CHARS = 256
+MAX_DOCUMENT_TITLE_CHARS = 1000
+# About 150k words: an article, not a corpus (bulk loads go through batches).
+MAX_DOCUMENT_TEXT_CHARS = 1_000_000
+MAX_METADATA_KEYS = 64
+MAX_METADATA_KEY_CHARS = 128
+MAX_METADATA_VALUE_CHARS = 4096
+# Documents in one batch write (one version, all or nothing).
+MAX_BATCH_DOCUMENTS = 1000
+
 # The control characters a question may hold: people paste multi-line text.
 QUESTION_CONTROLS = "\t\n\r"
 CONTROL_NAMES = {"\t": "tab", "\n": "newline", "\r": "carriage return"}

@@ -1,0 +1,179 @@
+"""Documents written into a live index: validated once, split into the paper's passages.
+
+Invariants:
+  * A :class:`Document` that exists has passed :meth:`Document.validate`'s rules (limits from
+    :mod:`openbook.limits`): a non-empty id of at most ``MAX_DOCUMENT_ID_CHARS`` characters
+    without ``/`` or control characters, text holding at least one word and at most
+    ``MAX_DOCUMENT_TEXT_CHARS`` characters, and metadata a flat map of string keys to scalars
+    (str, int, finite float, bool, None). A violation is an
+    :class:`openbook.errors.InvalidArgument` whose message starts with the field's name.
+  * Its passages are the disjoint <=``max_words``-word windows of its text
+    (:func:`openbook.index.passages.split_passages`, as a corpus build splits), each keeping
+    the document's title, with ids ``<doc_id>#<n>`` (n from 0): the ids a corpus build gives
+    an article's pieces, so a compaction rebuilds the same ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from openbook.errors import InvalidArgument
+from openbook.index.passages import split_passages
+from openbook.limits import (
+    MAX_DOCUMENT_ID_CHARS,
+    MAX_DOCUMENT_TEXT_CHARS,
+    MAX_DOCUMENT_TITLE_CHARS,
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_VALUE_CHARS,
+    refuse_controls,
+)
+from openbook.types import Passage
+
+MetadataValue = str | int | float | bool | None
+PASSAGE_ID_SEPARATOR = "#"
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a live index. Construct with :meth:`create` (validates); ``field``
+    prefixes name it in errors (``documents[3]`` in a batch)."""
+
+    id: str
+    title: str
+    text: str
+    metadata: Mapping[str, MetadataValue] = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        id: str,
+        title: str,
+        text: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        field: str = "",
+    ) -> Document:
+        # Anything but a map is kept as given, for validate() to refuse naming the field.
+        meta: Any = dict(metadata) if isinstance(metadata, Mapping) else metadata
+        doc = cls(id, title, text, {} if meta is None else meta)
+        doc.validate(field)
+        return doc
+
+    def validate(self, field: str = "") -> None:
+        """Raise InvalidArgument naming the first bad field (prefixed by ``field.``)."""
+        at = f"{field}." if field else ""
+        check_document_id(f"{at}id", self.id)
+        if not isinstance(self.title, str):
+            raise InvalidArgument(f"{at}title must be a string, got {type(self.title).__name__}")
+        if len(self.title) > MAX_DOCUMENT_TITLE_CHARS:
+            raise InvalidArgument(
+                f"{at}title must be at most {MAX_DOCUMENT_TITLE_CHARS} characters, "
+                f"got {len(self.title)}"
+            )
+        refuse_controls(f"{at}title", self.title)
+        if not isinstance(self.text, str):
+            raise InvalidArgument(f"{at}text must be a string, got {type(self.text).__name__}")
+        if len(self.text) > MAX_DOCUMENT_TEXT_CHARS:
+            raise InvalidArgument(
+                f"{at}text must be at most {MAX_DOCUMENT_TEXT_CHARS} characters, "
+                f"got {len(self.text)}"
+            )
+        if not self.text.split():
+            raise InvalidArgument(f"{at}text must not be empty: it holds no words")
+        refuse_controls(f"{at}text", self.text, "\t\n\r")
+        check_metadata(f"{at}metadata", self.metadata)
+
+    def passages(self, max_words: int = 100) -> list[Passage]:
+        """The document's passages, in order, ids ``<id>#<n>``."""
+        pieces = split_passages(self.title, self.text, max_words)
+        return [
+            Passage(id=passage_id(self.id, n), title=self.title, text=piece)
+            for n, piece in enumerate(pieces)
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "text": self.text,
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, field: str = "") -> Document:
+        """A document from a JSON object (a request body, a log record), validated."""
+        at = f"{field}." if field else ""
+        if not isinstance(data, Mapping):
+            raise InvalidArgument(f"{field or 'document'} must be an object")
+        for key in ("id", "title", "text"):
+            if key not in data:
+                raise InvalidArgument(f"{at}{key} is required")
+        return cls.create(
+            data["id"], data["title"], data["text"], data.get("metadata"), field=field
+        )
+
+
+def passage_id(doc_id: str, n: int) -> str:
+    return f"{doc_id}{PASSAGE_ID_SEPARATOR}{n}"
+
+
+def document_id_of(passage_id: str) -> str:
+    """The document a base passage belongs to: ``<doc>#<n>`` -> ``<doc>``; an id without a
+    numeric ``#`` suffix (a corpus's one-passage document) is its own document."""
+    head, sep, tail = passage_id.rpartition(PASSAGE_ID_SEPARATOR)
+    if sep and head and tail.isdigit():
+        return head
+    return passage_id
+
+
+def check_document_id(field: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidArgument(f"{field} must not be empty")
+    if len(value) > MAX_DOCUMENT_ID_CHARS:
+        raise InvalidArgument(
+            f"{field} must be at most {MAX_DOCUMENT_ID_CHARS} characters, got {len(value)}"
+        )
+    if "/" in value:
+        raise InvalidArgument(f"{field} must not contain '/' (it is a URL path segment)")
+    return refuse_controls(field, value)
+
+
+def check_metadata(field: str, value: object) -> None:
+    """A flat map of string keys to scalars (no lists, no nested objects)."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{field} must be an object, got {type(value).__name__}")
+    if len(value) > MAX_METADATA_KEYS:
+        raise InvalidArgument(
+            f"{field} must have at most {MAX_METADATA_KEYS} keys, got {len(value)}"
+        )
+    for key, item in value.items():
+        if not isinstance(key, str) or not key or len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidArgument(
+                f"{field} keys must be strings of 1 to {MAX_METADATA_KEY_CHARS} characters, "
+                f"got {key!r}"
+            )
+        where = f"{field}.{key}"
+        if item is None or isinstance(item, bool | int):
+            continue
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise InvalidArgument(f"{where} must be a finite number, got {item!r}")
+            continue
+        if isinstance(item, str):
+            if len(item) > MAX_METADATA_VALUE_CHARS:
+                raise InvalidArgument(
+                    f"{where} must be at most {MAX_METADATA_VALUE_CHARS} characters, "
+                    f"got {len(item)}"
+                )
+            refuse_controls(where, item, "\t\n\r")
+            continue
+        raise InvalidArgument(
+            f"{where} must be a string, number, boolean or null (metadata is flat), "
+            f"got {type(item).__name__}"
+        )

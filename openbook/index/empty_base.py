@@ -1,0 +1,166 @@
+"""The base of a live index created empty: no passages yet, only what its first base will be.
+
+An index cannot be built over no passages, so a live index created empty (the issue's
+``POST /indexes``) has a *template* instead of a published base: a manifest (``template.json``
+in the live index directory) with the type, encoders, dimension, score scale, views and fusion
+its bases will have, and a count of 0. :class:`EmptyBase` answers the read API a live index
+uses of its base as an index of that template with no passages would: every search finds
+nothing, so the write segment alone is searched. The first compaction builds ``base-<v>`` from
+the template; from then on the template is unused.
+
+Invariants: ``len()`` is 0 and no method returns a passage; ``manifest.count`` is 0 and
+``manifest.files`` is empty (nothing to verify).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion
+from openbook.index.manifest import Manifest
+from openbook.types import Passage
+
+TEMPLATE_FILE = "template.json"
+
+
+def template_of(like: Manifest, *, name: str, index_type: str | None = None) -> Manifest:
+    """The template of an empty index like the index whose manifest is ``like`` (its
+    encoders, dimension, score scale and views), of ``index_type`` (default: ``like``'s)."""
+    same_type = index_type is None or index_type == like.index_type
+    new_type = like.index_type if index_type is None else index_type
+    if not same_type and (new_type == "bm25") != (like.index_type == "bm25"):
+        raise ValueError(
+            f"index_type {new_type!r}: an index like {like.name!r} ({like.index_type}) "
+            "must be dense too, or bm25 too"
+        )
+    return dataclasses.replace(
+        like,
+        name=name,
+        count=0,
+        index_type=new_type,
+        index_params=dict(like.index_params) if same_type else {},
+        files={},
+        sizes={},
+        checksum="",
+        build_seconds=0.0,
+        shard=None,
+    )
+
+
+class EmptyBase:
+    """A base with no passages (module docstring), searched as a ``LoadedIndex`` is."""
+
+    def __init__(self, path: Path, manifest: Manifest, *, name: str) -> None:
+        self.path = Path(path)
+        self.manifest = manifest
+        self.name = name
+        self._encoder: Encoder | None = None
+        self._encoder_lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 0
+
+    @property
+    def dense(self) -> bool:
+        return self.manifest.dense
+
+    @property
+    def views(self) -> tuple[str, ...]:
+        return tuple(self.manifest.views)
+
+    @property
+    def default_retrieval(self) -> str:
+        return "hybrid" if len(self.views) > 1 else self.views[0]
+
+    @property
+    def fusion(self) -> Fusion:
+        if self.manifest.fusion is not None:
+            return Fusion.from_dict(self.manifest.fusion)
+        return Fusion.default(self.manifest.score_scale)
+
+    def retrieval_mode(self, retrieval: str | None) -> str:
+        """As ``LoadedIndex.retrieval_mode``: ValueError starting "retrieval: "."""
+        if not retrieval:
+            return self.default_retrieval
+        if retrieval not in RETRIEVAL_MODES:
+            raise ValueError(
+                f"retrieval: unknown mode {retrieval!r} for index {self.name!r}; expected one "
+                f"of {', '.join(RETRIEVAL_MODES)}"
+            )
+        needs = ("dense", "bm25") if retrieval == "hybrid" else (retrieval,)
+        if not set(needs) <= set(self.views):
+            raise ValueError(
+                f"retrieval: index {self.name!r} has no {retrieval} retrieval (its views: "
+                f"{', '.join(self.views)})"
+            )
+        return retrieval
+
+    @property
+    def query_encoder(self) -> Encoder:
+        if not self.dense:
+            raise ValueError(f"index {self.name!r} is bm25 and has no query encoder")
+        with self._encoder_lock:
+            if self._encoder is None:
+                name = self.manifest.query_encoder or self.manifest.encoder
+                assert name is not None
+                enc = load_encoder(name, role="query")
+                self.check_encoder(enc)
+                self._encoder = enc
+            return self._encoder
+
+    def check_encoder(self, encoder: Encoder) -> None:
+        if encoder.dim != self.manifest.dim:
+            raise ValueError(
+                f"index {self.name!r}: query encoder {encoder.name!r} dim {encoder.dim} "
+                f"!= index dim {self.manifest.dim}"
+            )
+
+    def search(
+        self,
+        queries: Sequence[str],
+        k: int,
+        encoder: Encoder | None = None,
+        return_vectors: bool = False,
+        retrieval: str | None = None,
+        *,
+        query_vectors: np.ndarray | None = None,
+    ) -> list[list[Passage]]:
+        self.retrieval_mode(retrieval)
+        return [[] for _ in queries]
+
+    def search_vectors(
+        self, query_vectors: np.ndarray, k: int, return_vectors: bool = False
+    ) -> list[list[Passage]]:
+        return [[] for _ in np.atleast_2d(query_vectors)]
+
+    def hybrid_candidates(
+        self,
+        queries: Sequence[str],
+        n: int,
+        encoder: Encoder | None = None,
+        *,
+        query_vectors: np.ndarray | None = None,
+    ) -> Candidates:
+        shape = (len(queries), 0)
+        return Candidates(
+            np.zeros(shape, np.int64), np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        )
+
+    def get_passages(self, row_ids: Sequence[int]) -> list[Passage]:
+        if len(row_ids):
+            raise IndexError(f"index {self.name!r} has no passages yet")
+        return []
+
+    def get_vectors(self, row_ids: Sequence[int]) -> np.ndarray:
+        if len(row_ids):
+            raise IndexError(f"index {self.name!r} has no passages yet")
+        return np.zeros((0, self.manifest.dim), np.float32)
+
+    def close(self) -> None:
+        self._encoder = None

@@ -1,0 +1,722 @@
+"""LiveIndex: a published index that takes document writes without a rebuild.
+
+A live index directory holds::
+
+    base-<version>/     the published base (an ordinary index directory, never modified);
+                        <version> is the last write it contains (0 for the adopted index)
+    wal.log             every acknowledged write above the base's version (wal.py)
+    documents.sqlite    the live documents, and the base's rows of each (document_store.py)
+
+What a search sees is one immutable :class:`_View`: the base, a write segment (the passages
+and vectors of every document put since the base) and the base rows hidden by deletes and
+replacements. A write builds the next view and swaps it in with one assignment, under the
+write lock, after its log record is fsynced; so a search sees a write wholly or not at all (a
+replaced document is never half old, half new), and every search that starts after a write is
+acknowledged sees it.
+
+Invariants:
+  * ``version`` grows by one with every acknowledged write (a batch is one write); it is the
+    version of the last log record, or the base's when the log is empty.
+  * A write is acknowledged only after its log record is fsynced; opening replays every log
+    record above the base's version (and above the document store's ``applied_version``).
+  * Deleted and replaced documents' base rows are never returned: the base is searched for
+    k + (hidden rows) hits, so at least k live ones remain among them.
+  * :meth:`compact` builds ``base-<v>`` over the base's live passages and the segment as of
+    version v, switches to it, then cuts the log through v. Writes arriving meanwhile are
+    neither blocked for the build nor lost: they stay in the log and the segment above v.
+
+Scores, by retrieval mode (a compaction makes all three what a fresh build gives):
+  * ``dense``: exact for the segment (score_scale x inner product, as the base scores);
+    the base's as its index type gives them (exact for ``flat``). Merged by score, the top k
+    across both are those of a compacted flat index.
+  * ``bm25``: the base's scores, and the segment's computed with the base's statistics
+    (:mod:`openbook.index.segment_bm25` says what that leaves approximate).
+  * ``hybrid``: the base's candidates (its dense and BM25 top N, hidden rows removed) and the
+    segment's (its own dense and BM25 top N), each with both features exactly as above, fused
+    by the base's :class:`~openbook.index.fusion.Fusion`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from openbook.artifacts import publish, staging_dir
+from openbook.errors import InvalidArgument, NotFound
+from openbook.index.bm25 import BM25_DIR
+from openbook.index.compaction import build_base
+from openbook.index.document_store import DOCUMENTS_FILE, BaseRow, DocumentStore, StoredDocument
+from openbook.index.documents import Document, check_document_id, document_id_of
+from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
+from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.fusion import Fusion
+from openbook.index.loaded import LoadedIndex, open_index
+from openbook.index.manifest import Manifest
+from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, SegmentPostings
+from openbook.index.wal import WAL_FILE, DeleteOp, PutOp, WalRecord, open_log
+from openbook.limits import MAX_BATCH_DOCUMENTS, check_range
+from openbook.types import Passage
+
+BASE_PREFIX = "base-"
+_BASE_DIR = re.compile(r"base-(\d{12})")
+MAX_LIST_LIMIT = 1000
+
+# Aliases: inside LiveIndex, ``list`` is its method (the issue's name for a page of ids).
+Hits = list[list[Passage]]
+Texts = list[str]
+PassageList = list[Passage]
+NewRows = list[BaseRow]
+# A published base, or the template of an index created empty (empty_base.py).
+BaseIndex = LoadedIndex | EmptyBase
+
+
+class DocumentNotFound(NotFound, KeyError):
+    """No live document has this id (a 404)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    """How a live index is opened and writes are encoded."""
+
+    verify: bool = True  # re-hash the base's files on open (open_index's ``verify``)
+    batch_size: int = 64  # documents' passages per encoder batch
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """An acknowledged write: its version and the passage ids of each document put."""
+
+    version: int
+    passages: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DocumentPage:
+    ids: tuple[str, ...]
+    next_cursor: str | None  # None: no more documents
+
+
+@dataclass(frozen=True)
+class CompactionResult:
+    version: int  # the writes the new base contains
+    passages: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _SegmentDocument:
+    version: int
+    passages: tuple[Passage, ...]
+    vectors: np.ndarray | None  # float32 (passages, dim); None on a bm25-only index
+    terms: tuple[PassageTerms, ...]
+
+
+@dataclass(frozen=True)
+class _View:
+    """One consistent state of the index; never changed once published to searchers."""
+
+    version: int
+    base: BaseIndex
+    base_version: int
+    bm25: BaseBM25Statistics | None
+    documents: Mapping[str, _SegmentDocument]  # the write segment, by document id
+    tombstones: Mapping[str, int]  # deleted documents -> the delete's version
+    hidden_rows: frozenset[int]  # base rows of deleted or replaced documents
+    hidden_ids: frozenset[str]  # their passage ids
+
+    @cached_property
+    def segment_passages(self) -> list[Passage]:
+        return [p for d in self.documents.values() for p in d.passages]
+
+    @cached_property
+    def segment_vectors(self) -> np.ndarray:
+        dim = self.base.manifest.dim
+        parts = [d.vectors for d in self.documents.values() if d.vectors is not None]
+        return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+
+    @cached_property
+    def segment_postings(self) -> SegmentPostings:
+        return SegmentPostings([t for d in self.documents.values() for t in d.terms])
+
+    @property
+    def count(self) -> int:
+        return len(self.base) - len(self.hidden_rows) + len(self.segment_passages)
+
+
+class LiveIndex:
+    """A base index plus a write segment and deletions (module docstring). Thread-safe."""
+
+    def __init__(self, path: Path, options: LiveOptions | None = None) -> None:
+        """Open the live index directory ``path`` (see :meth:`create`): the newest base, the
+        document store, the log replayed over them."""
+        self.path = Path(path)
+        self.options = options or LiveOptions()
+        self._write_lock = threading.Lock()
+        self._compact_lock = threading.Lock()
+        self._encoder_lock = threading.Lock()
+        self._encoder: Encoder | None = None
+        base_dir, base_version = _newest_base(self.path)
+        _remove_old_bases(self.path, keep=base_dir)
+        base: BaseIndex
+        if base_dir is None:
+            template = Manifest.from_file(self.path / TEMPLATE_FILE)
+            base = EmptyBase(self.path, template, name=self.path.name)
+        else:
+            base = open_index(base_dir, verify=self.options.verify, name=self.path.name)
+        self._store = DocumentStore(self.path / DOCUMENTS_FILE)
+        try:
+            if not self._store.has_base(base_version):
+                adopt = base_version == 0 and self._store.applied_version < 0
+                self._record_base(base, base_version, adopt=adopt)
+            self._wal, records = open_log(self.path / WAL_FILE)
+            view = _View(
+                version=base_version,
+                base=base,
+                base_version=base_version,
+                bm25=_bm25_statistics(base),
+                documents={},
+                tombstones={},
+                hidden_rows=frozenset(),
+                hidden_ids=frozenset(),
+            )
+            applied = self._store.applied_version
+            for record in records:
+                if record.version > base_version:
+                    view = self._applied(view, record)
+                if record.version > applied:
+                    self._store_record(record, base.manifest.max_words)
+            self._view = view
+        except BaseException:
+            if hasattr(self, "_wal"):
+                self._wal.close()
+            self._store.close()
+            base.close()
+            raise
+
+    @classmethod
+    def create(cls, path: Path, from_index: Path, options: LiveOptions | None = None) -> LiveIndex:
+        """Make ``path`` a live index whose first base is a copy of the built index
+        ``from_index`` (its documents: its passages grouped by ``<doc>#<n>`` ids), and open
+        it. Published atomically: ``path`` is complete or absent."""
+        path = Path(path)
+        if path.exists():
+            raise FileExistsError(f"{path} already exists")
+        with staging_dir(path) as staging:
+            shutil.copytree(from_index, staging / f"{BASE_PREFIX}{0:012d}")
+            publish(staging, path)
+        return cls(path, options)
+
+    @classmethod
+    def create_empty(
+        cls, path: Path, template: Manifest, options: LiveOptions | None = None
+    ) -> LiveIndex:
+        """Make ``path`` a live index with no documents whose bases will be like
+        ``template`` (:func:`openbook.index.empty_base.template_of`), and open it."""
+        path = Path(path)
+        if path.exists():
+            raise FileExistsError(f"{path} already exists")
+        if template.count != 0 or template.files:
+            raise ValueError("template: a manifest of count 0 and no files (template_of)")
+        with staging_dir(path) as staging:
+            publish(staging, path, manifests={TEMPLATE_FILE: template.to_json()})
+        return cls(path, options)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def version(self) -> int:
+        return self._view.version
+
+    @property
+    def base_version(self) -> int:
+        return self._view.base_version
+
+    @property
+    def manifest(self) -> Manifest:
+        """The base's manifest: type, encoders, views, score scale of every passage served."""
+        return self._view.base.manifest
+
+    @property
+    def views(self) -> tuple[str, ...]:
+        return self._view.base.views
+
+    @property
+    def default_retrieval(self) -> str:
+        return self._view.base.default_retrieval
+
+    @property
+    def segment_size(self) -> int:
+        """Passages in the write segment (what a compaction folds into the base)."""
+        return len(self._view.segment_passages)
+
+    def __len__(self) -> int:
+        return self._view.count
+
+    def __repr__(self) -> str:
+        v = self._view
+        return (
+            f"LiveIndex({self.name!r}, {v.base.manifest.index_type}, version={v.version}, "
+            f"base={v.base_version}, segment={len(v.segment_passages)}, "
+            f"hidden={len(v.hidden_rows)})"
+        )
+
+    @property
+    def query_encoder(self) -> Encoder:
+        return self._view.base.query_encoder
+
+    def get(self, doc_id: str) -> StoredDocument:
+        """The live document ``doc_id``; :class:`DocumentNotFound` if there is none."""
+        check_document_id("id", doc_id)
+        found = self._store.get(doc_id)
+        if found is None:
+            raise DocumentNotFound(f"document {doc_id!r} not found in index {self.name!r}")
+        return found
+
+    def list(self, cursor: str | None = None, limit: int = 100) -> DocumentPage:
+        """A page of live document ids in id order, after ``cursor`` (a previous page's
+        ``next_cursor``)."""
+        check_range("limit", limit, 1, MAX_LIST_LIMIT)
+        if cursor is not None and not isinstance(cursor, str):
+            raise InvalidArgument("cursor must be a string")
+        ids = self._store.list_ids(cursor, limit + 1)
+        more = len(ids) > limit
+        ids = ids[:limit]
+        return DocumentPage(tuple(ids), ids[-1] if more else None)
+
+    def search(
+        self,
+        queries: Sequence[str],
+        k: int,
+        encoder: Encoder | None = None,
+        return_vectors: bool = False,
+        retrieval: str | None = None,
+        *,
+        query_vectors: np.ndarray | None = None,
+    ) -> Hits:
+        """Top-k live passages per query, best first; as :meth:`LoadedIndex.search`."""
+        if isinstance(queries, str):
+            raise TypeError("queries must be a list of strings, not a string")
+        view = self._view
+        base = view.base
+        mode = base.retrieval_mode(retrieval)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if not queries:
+            return []
+        if mode == "bm25":
+            if return_vectors and not base.dense:
+                raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+            return self._search_bm25(view, list(queries), k, return_vectors)
+        if query_vectors is not None:
+            q = np.asarray(query_vectors, dtype=np.float32)
+            if q.shape != (len(queries), base.manifest.dim):
+                raise ValueError(
+                    f"index {self.name!r}: query vectors of shape {q.shape}, expected "
+                    f"({len(queries)}, {base.manifest.dim})"
+                )
+        else:
+            enc = encoder or base.query_encoder
+            base.check_encoder(enc)
+            q = enc.encode(list(queries))
+        if mode == "dense":
+            return self._search_dense(view, q, k, return_vectors)
+        return self._search_hybrid(view, list(queries), q, k, return_vectors)
+
+    def search_vectors(
+        self, query_vectors: np.ndarray, k: int, return_vectors: bool = False
+    ) -> Hits:
+        view = self._view
+        if not view.base.dense:
+            raise ValueError(f"index {self.name!r} is bm25; search it by text")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        q = np.asarray(query_vectors, dtype=np.float32)
+        if q.ndim == 1:
+            q = q[None, :]
+        if q.ndim != 2 or q.shape[1] != view.base.manifest.dim:
+            raise ValueError(
+                f"index {self.name!r}: query vectors of shape {q.shape}, "
+                f"expected (n, {view.base.manifest.dim})"
+            )
+        if len(q) == 0:
+            return []
+        return self._search_dense(view, q, k, return_vectors)
+
+    def _base_fetch(self, view: _View, k: int) -> int:
+        # Every hidden row could rank above the live ones: fetch that many more.
+        return min(k + len(view.hidden_rows), len(view.base))
+
+    def _search_dense(self, view: _View, q: np.ndarray, k: int, return_vectors: bool) -> Hits:
+        base_hits = view.base.search_vectors(q, self._base_fetch(view, k), return_vectors)
+        seg = view.segment_passages
+        scores = _inner_products(q, view.segment_vectors) * view.base.manifest.score_scale
+        out = []
+        for qi, hits in enumerate(base_hits):
+            merged = [p for p in hits if p.id not in view.hidden_ids]
+            vecs = view.segment_vectors
+            merged += [
+                _scored(seg[j], float(scores[qi, j]), vecs[j] if return_vectors else None)
+                for j in _top(scores[qi], k)
+            ]
+            out.append(_best(merged, k))
+        return out
+
+    def _search_bm25(self, view: _View, queries: Texts, k: int, return_vectors: bool) -> Hits:
+        base = view.base
+        base_hits = base.search(
+            queries, self._base_fetch(view, k), retrieval="bm25", return_vectors=return_vectors
+        )
+        assert view.bm25 is not None  # the mode was checked against the base's views
+        scores = view.bm25.score(queries, view.segment_postings)
+        # As the base serves them: a bm25 index scales by its score_scale, a dense index's
+        # BM25 view serves raw scores.
+        scale = 1.0 if base.dense else base.manifest.score_scale
+        seg = view.segment_passages
+        out = []
+        for qi, hits in enumerate(base_hits):
+            merged = [p for p in hits if p.id not in view.hidden_ids]
+            merged += [
+                _scored(
+                    seg[j],
+                    float(scores[qi, j]) * scale,
+                    view.segment_vectors[j] if return_vectors else None,
+                )
+                for j in _top(scores[qi], k)
+                if scores[qi, j] > 0  # sharing no term with the query is no hit (as the base)
+            ]
+            out.append(_best(merged, k))
+        return out
+
+    def _search_hybrid(
+        self, view: _View, queries: Texts, q: np.ndarray, k: int, return_vectors: bool
+    ) -> Hits:
+        base = view.base
+        fusion: Fusion = base.fusion
+        n = max(k, fusion.candidates)
+        cands = base.hybrid_candidates(
+            queries, min(n + len(view.hidden_rows), len(base)), query_vectors=q
+        )
+        assert view.bm25 is not None
+        seg = view.segment_passages
+        seg_dense = _inner_products(q, view.segment_vectors)
+        seg_bm25 = view.bm25.score(queries, view.segment_postings)
+        out = []
+        for qi in range(len(queries)):
+            rows = cands.rows[qi]
+            keep = [j for j, r in enumerate(rows) if r >= 0 and int(r) not in view.hidden_rows]
+            base_scores = fusion.score(cands.dense[qi, keep], cands.bm25[qi, keep])
+            base_rows = [int(rows[j]) for j in keep]
+            passages = base.get_passages(base_rows)
+            vecs = base.get_vectors(base_rows) if return_vectors and base_rows else None
+            merged = [
+                _scored(p, float(s), vecs[i] if vecs is not None else None)
+                for i, (p, s) in enumerate(zip(passages, base_scores, strict=True))
+            ]
+            # The segment's candidates: its own dense and BM25 top n, as the base's are.
+            chosen = set(_top(seg_dense[qi], n))
+            chosen |= {j for j in _top(seg_bm25[qi], n) if seg_bm25[qi, j] > 0}
+            fused = fusion.score(seg_dense[qi], seg_bm25[qi])
+            merged += [
+                _scored(
+                    seg[j],
+                    float(fused[j]),
+                    view.segment_vectors[j] if return_vectors else None,
+                )
+                for j in sorted(chosen)
+            ]
+            out.append(_best(merged, k))
+        return out
+
+    # ------------------------------------------------------------------ writing
+
+    def put(self, document: Document) -> WriteResult:
+        """Insert or replace ``document`` (validated here: InvalidArgument naming the field).
+        Returns once the write is durable and visible to every later search."""
+        return self.put_many([document], field="document")
+
+    def put_many(self, documents: Sequence[Document], *, field: str = "documents") -> WriteResult:
+        """Insert or replace ``documents`` as one write: one version, all or nothing."""
+        if isinstance(documents, Document):
+            raise TypeError("put_many takes a sequence of documents")
+        docs = list(documents)
+        if not docs:
+            raise InvalidArgument(f"{field} must not be empty")
+        if len(docs) > MAX_BATCH_DOCUMENTS:
+            raise InvalidArgument(
+                f"{field} must hold at most {MAX_BATCH_DOCUMENTS} documents, got {len(docs)}"
+            )
+        seen: set[str] = set()
+        for i, doc in enumerate(docs):
+            at = field if field == "document" else f"{field}[{i}]"
+            if not isinstance(doc, Document):
+                raise InvalidArgument(f"{at} must be a Document")
+            doc.validate(at)
+            if doc.id in seen:
+                raise InvalidArgument(f"{at}.id: {doc.id!r} appears twice in the batch")
+            seen.add(doc.id)
+        max_words = self._view.base.manifest.max_words
+        ops = tuple(self._put_op(doc, max_words) for doc in docs)
+        record = self._commit(ops)
+        return WriteResult(
+            record.version, {op.document.id: _passage_ids(op, max_words) for op in ops}
+        )
+
+    def delete(self, doc_id: str) -> WriteResult:
+        """Delete the document ``doc_id``; :class:`DocumentNotFound` if there is none."""
+        check_document_id("id", doc_id)
+        record = self._commit((DeleteOp(doc_id),))
+        return WriteResult(record.version)
+
+    def _put_op(self, doc: Document, max_words: int) -> PutOp:
+        passages = doc.passages(max_words)
+        vectors = None
+        if self._view.base.dense:
+            vectors = self._document_encoder().encode(
+                [p.text for p in passages],
+                self.options.batch_size,
+                titles=[p.title for p in passages],
+            )
+        return PutOp(doc, vectors)
+
+    def _document_encoder(self) -> Encoder:
+        """The base's document encoder, loaded once (as build_index loads it: by the
+        manifest's ``encoder``, role ``document``)."""
+        with self._encoder_lock:
+            if self._encoder is None:
+                m = self._view.base.manifest
+                assert m.encoder is not None
+                enc = load_encoder(m.encoder, role="document")
+                if enc.dim != m.dim:
+                    raise ValueError(
+                        f"index {self.name!r}: document encoder {enc.name!r} dim {enc.dim} "
+                        f"!= index dim {m.dim}"
+                    )
+                self._encoder = enc
+            return self._encoder
+
+    def _commit(self, ops: tuple[PutOp | DeleteOp, ...]) -> WalRecord:
+        with self._write_lock:
+            view = self._view
+            for op in ops:
+                if isinstance(op, DeleteOp) and not self._store.contains(op.doc_id):
+                    raise DocumentNotFound(
+                        f"document {op.doc_id!r} not found in index {self.name!r}"
+                    )
+            record = WalRecord(view.version + 1, ops)
+            self._wal.append(record)  # durable from here on
+            self._view = self._applied(view, record)
+            self._store_record(record, view.base.manifest.max_words)
+            return record
+
+    def _applied(self, view: _View, record: WalRecord) -> _View:
+        """The view after ``record``: its documents replace, or are deleted from, the
+        segment, and their base rows are hidden."""
+        documents = dict(view.documents)
+        tombstones = dict(view.tombstones)
+        for op in record.ops:
+            if isinstance(op, PutOp):
+                passages = tuple(op.document.passages(view.base.manifest.max_words))
+                terms = tuple(PassageTerms.of(p.title, p.text) for p in passages)
+                documents[op.document.id] = _SegmentDocument(
+                    record.version, passages, op.vectors, terms
+                )
+                tombstones.pop(op.document.id, None)
+            else:
+                documents.pop(op.doc_id, None)
+                tombstones[op.doc_id] = record.version
+        touched = [op.document.id if isinstance(op, PutOp) else op.doc_id for op in record.ops]
+        rows = self._store.base_rows(view.base_version, touched)
+        return _View(
+            version=record.version,
+            base=view.base,
+            base_version=view.base_version,
+            bm25=view.bm25,
+            documents=documents,
+            tombstones=tombstones,
+            hidden_rows=view.hidden_rows | {r.row for r in rows},
+            hidden_ids=view.hidden_ids | {r.passage_id for r in rows},
+        )
+
+    def _store_record(self, record: WalRecord, max_words: int) -> None:
+        puts = [
+            (op.document, _passage_ids(op, max_words)) for op in record.ops if isinstance(op, PutOp)
+        ]
+        deletes = [op.doc_id for op in record.ops if isinstance(op, DeleteOp)]
+        self._store.apply(record.version, puts, deletes)
+
+    def _record_base(self, base: BaseIndex, base_version: int, *, adopt: bool) -> None:
+        """Record which rows of ``base`` belong to which document, from its passage ids
+        (``<doc>#<n>``); ``adopt``: its documents become the index's (a new live index)."""
+        rows: NewRows = []
+        by_doc: dict[str, PassageList] = {}
+        for start in range(0, len(base), 10_000):
+            chunk = base.get_passages(range(start, min(start + 10_000, len(base))))
+            for row, p in enumerate(chunk, start):
+                doc_id = document_id_of(p.id)
+                rows.append(BaseRow(doc_id, row, p.id))
+                if adopt:
+                    by_doc.setdefault(doc_id, []).append(p)
+        docs = [
+            (Document(d, ps[0].title, " ".join(p.text for p in ps), {}), [p.id for p in ps])
+            for d, ps in by_doc.items()
+        ]
+        self._store.set_base(base_version, rows, docs)
+
+    # ------------------------------------------------------------------ compaction
+
+    def compact(self) -> CompactionResult | None:
+        """Fold the segment and the deletions into a new base (module docstring). None when
+        there is nothing to fold, or when no passage would be left (an index is never empty).
+        Writes go on meanwhile; only the switch to the new base holds the write lock."""
+        with self._compact_lock:
+            t0 = time.monotonic()
+            view = self._view
+            if not view.documents and not view.hidden_rows:
+                return None
+            if self._store.applied_version < view.version:
+                raise RuntimeError(
+                    f"index {self.name!r}: document store behind the log "
+                    f"({self._store.applied_version} < {view.version}); reopen to replay"
+                )
+            target = self.path / f"{BASE_PREFIX}{view.version:012d}"
+            rows: NewRows = []
+            count = build_base(self._compacted_passages(view, rows), target, view.base.manifest)
+            if count == 0:
+                return None
+            self._store.set_base(view.version, rows)
+            new_base = open_index(target, verify=self.options.verify, name=self.name)
+            new_bm25 = _bm25_statistics(new_base)
+            with self._write_lock:
+                now = self._view
+                documents = {d: s for d, s in now.documents.items() if s.version > view.version}
+                tombstones = {d: v for d, v in now.tombstones.items() if v > view.version}
+                hidden = self._store.base_rows(view.version, [*documents, *tombstones])
+                self._view = _View(
+                    version=now.version,
+                    base=new_base,
+                    base_version=view.version,
+                    bm25=new_bm25,
+                    documents=documents,
+                    tombstones=tombstones,
+                    hidden_rows=frozenset(r.row for r in hidden),
+                    hidden_ids=frozenset(r.passage_id for r in hidden),
+                )
+                self._wal.drop_through(view.version)
+            self._store.forget_bases_before(view.version)
+            # Searches still holding the old view keep its open files (unlinked, not closed).
+            _remove_old_bases(self.path, keep=target)
+            return CompactionResult(view.version, count, round(time.monotonic() - t0, 3))
+
+    def _compacted_passages(self, view: _View, rows: NewRows) -> Iterator[Passage]:
+        """The base's live passages in row order, then the segment's; ``rows`` gets each
+        one's new row and document."""
+        base = view.base
+        old = self._store.all_base_rows(view.base_version)
+        for start in range(0, len(base), 10_000):
+            stop = min(start + 10_000, len(base))
+            live = [r for r in range(start, stop) if r not in view.hidden_rows]
+            for r, p in zip(live, base.get_passages(live), strict=True):
+                rows.append(BaseRow(old.get(r, document_id_of(p.id)), len(rows), p.id))
+                yield Passage(p.id, p.title, p.text)
+        for doc_id, seg in view.documents.items():
+            for p in seg.passages:
+                rows.append(BaseRow(doc_id, len(rows), p.id))
+                yield p
+
+    def close(self) -> None:
+        with self._write_lock:
+            self._wal.close()
+            self._store.close()
+            self._view.base.close()
+
+    def __enter__(self) -> LiveIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _passage_ids(op: PutOp, max_words: int) -> tuple[str, ...]:
+    return tuple(p.id for p in op.document.passages(max_words))
+
+
+def _inner_products(q: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    # In float64, rounded once (as LoadedIndex's exact features): the same query scores the
+    # same on every call whatever SIMD path numpy takes.
+    if len(vectors) == 0:
+        return np.zeros((len(q), 0), np.float32)
+    return (q.astype(np.float64) @ vectors.astype(np.float64).T).astype(np.float32)
+
+
+def _scored(p: Passage, score: float, vector: np.ndarray | None) -> Passage:
+    return Passage(
+        p.id, p.title, p.text, score=score, vector=vector if vector is not None else p.vector
+    )
+
+
+def _top(scores: np.ndarray, k: int) -> list[int]:
+    """Positions of the ``k`` highest ``scores`` (any order): only they can make a top k."""
+    if len(scores) <= k:
+        return list(range(len(scores)))
+    return np.argpartition(-scores, k - 1)[:k].tolist()
+
+
+def _best(passages: Iterable[Passage], k: int) -> list[Passage]:
+    return sorted(passages, key=lambda p: -p.score)[:k]
+
+
+def _bm25_statistics(base: BaseIndex) -> BaseBM25Statistics | None:
+    if "bm25" not in base.views:
+        return None
+    if isinstance(base, EmptyBase):
+        return BaseBM25Statistics.empty()
+    sample = base.get_passages(range(min(len(base), 16)))
+    return BaseBM25Statistics.load(
+        base.path / BM25_DIR, [(i, p.title, p.text) for i, p in enumerate(sample)]
+    )
+
+
+def _newest_base(path: Path) -> tuple[Path | None, int]:
+    """The newest ``base-<v>`` and v; (None, 0) for an index created empty and never
+    compacted (its ``template.json`` stands for the base)."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: live index directory not found")
+    bases = sorted(
+        (int(m.group(1)), d)
+        for d in path.iterdir()
+        if (m := _BASE_DIR.fullmatch(d.name)) and d.is_dir()
+    )
+    if not bases:
+        if (path / TEMPLATE_FILE).is_file():
+            return None, 0
+        raise FileNotFoundError(f"{path}: no {BASE_PREFIX}<version> directory")
+    version, newest = bases[-1]
+    return newest, version
+
+
+def _remove_old_bases(path: Path, keep: Path | None) -> None:
+    """Older bases, and what an interrupted compaction left (its corpus, build, lock)."""
+    for d in path.iterdir():
+        old_base = _BASE_DIR.fullmatch(d.name) and d != keep
+        # build_index's partial dir and lock of ".base-<v>.building" start with "..".
+        leftover = d.name.startswith(".") and d.name.lstrip(".").startswith(BASE_PREFIX)
+        if old_base or leftover:
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)
