@@ -16,6 +16,7 @@ build over the same passages gives.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from openbook.artifacts import fsync_dir
 from openbook.index.build import build_index
 from openbook.index.fusion import Fusion, store_fusion
 from openbook.index.manifest import Manifest
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.types import Passage
 
 
@@ -45,29 +47,20 @@ def build_base(passages: Iterable[Passage], out_dir: Path, like: Manifest) -> in
                 longest = max(longest, len(p.text.split()))
         if count == 0:
             return 0
-        params = like.index_params
-        build_index(
-            [corpus],
-            building,
-            name=like.name,
-            encoder=like.encoder or "",
-            query_encoder=like.query_encoder,
-            index_type=like.index_type,
-            input_format="jsonl",
+        like_spec = IndexSpec.from_manifest(like)
+        spec = dataclasses.replace(
+            like_spec,
             # Never split again: a passage longer than the base's split (an imported corpus's)
             # must keep its id.
             max_words=max(like.max_words, longest),
-            hnsw_m=int(params.get("hnsw_m", 32)),
-            ef_construction=int(params.get("ef_construction", 128)),
-            ef_search=int(params.get("ef_search", 128)),
-            hnsw_transform=str(params.get("transform", "none")),
-            pq_m=params.get("pq_m"),
-            nprobe=int(params.get("nprobe", 16)),
-            rerank=int(params.get("rerank", 0) or 0),
-            score_scale=like.score_scale,
-            bm25="bm25" in like.views,
-            progress=False,
-            overwrite=True,
+            # IVF's lists are sized for the passage count: let the build size them anew.
+            ann=dataclasses.replace(like_spec.ann, nlist=None),
+        )
+        build_index(
+            [corpus],
+            building,
+            spec,
+            BuildOptions(input_format="jsonl", progress=False, overwrite=True),
         )
         if like.fusion is not None and {"dense", "bm25"} <= set(like.views):
             store_fusion(building, Fusion.from_dict(like.fusion))

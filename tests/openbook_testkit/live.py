@@ -10,6 +10,7 @@ import numpy as np
 from openbook.index import build_index
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex, LiveOptions
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import _WORDS, word_rows, write_jsonl
 
 
@@ -27,18 +28,20 @@ def make_live_index(
     corpus = write_jsonl(root / "corpus.jsonl", word_rows(passages, seed=seed))
     built = root / "built"
     if index_type == "bm25":
-        build_index([corpus], built, name="live", index_type="bm25", progress=False)
+        build_index(
+            [corpus],
+            built,
+            IndexSpec(name="live", index_type="bm25"),
+            BuildOptions(progress=False),
+        )
     else:
         assert dpr_dirs is not None
         ctx, q = dpr_dirs
         build_index(
             [corpus],
             built,
-            name="live",
-            encoder=str(ctx),
-            query_encoder=str(q),
-            index_type=index_type,
-            progress=False,
+            IndexSpec(name="live", index_type=index_type, encoder=str(ctx), query_encoder=str(q)),
+            BuildOptions(progress=False),
         )
     return LiveIndex.create(root / "live", built, options)
 
