@@ -44,7 +44,16 @@ GENERATOR_SERVICE = "openbook.v1.Generator"
 # tests/services/test_admin_auth.py fails when an RPC is added to the protos without being put
 # here or declared read-only there.
 ADMIN_RPCS: dict[str, frozenset[str]] = {
-    RETRIEVER_SERVICE: frozenset({"SwapIndex", "ReloadModel"}),
+    RETRIEVER_SERVICE: frozenset(
+        {
+            "SwapIndex",
+            "ReloadModel",
+            "CreateIndex",
+            "DeleteIndex",
+            "PutDocuments",
+            "DeleteDocument",
+        }
+    ),
     GENERATOR_SERVICE: frozenset({"ReloadModel"}),
 }
 
