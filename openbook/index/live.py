@@ -59,7 +59,7 @@ from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.fusion import Fusion
 from openbook.index.loaded import LoadedIndex, open_index
-from openbook.index.manifest import Manifest
+from openbook.index.manifest import MANIFEST, Manifest
 from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, SegmentPostings
 from openbook.index.wal import WAL_FILE, DeleteOp, PutOp, WalRecord, open_log
 from openbook.limits import MAX_BATCH_DOCUMENTS, check_range
@@ -263,6 +263,19 @@ class LiveIndex:
     def segment_size(self) -> int:
         """Passages in the write segment (what a compaction folds into the base)."""
         return len(self._view.segment_passages)
+
+    @property
+    def hidden_size(self) -> int:
+        """Base rows hidden by deletes and replacements (what a compaction drops)."""
+        return len(self._view.hidden_rows)
+
+    @property
+    def dense(self) -> bool:
+        return self._view.base.dense
+
+    def check_encoder(self, encoder: Encoder) -> None:
+        """Raise ValueError unless ``encoder`` can search this index (as the base checks)."""
+        self._view.base.check_encoder(encoder)
 
     def __len__(self) -> int:
         return self._view.count
@@ -689,6 +702,23 @@ def _bm25_statistics(base: BaseIndex) -> BaseBM25Statistics | None:
     return BaseBM25Statistics.load(
         base.path / BM25_DIR, [(i, p.title, p.text) for i, p in enumerate(sample)]
     )
+
+
+def is_live_index(path: Path) -> bool:
+    """Whether ``path`` has the live layout (a ``base-<v>`` or a template, and no top-level
+    ``manifest.json``, which marks a built index); checks names only, opens nothing."""
+    path = Path(path)
+    if not path.is_dir() or (path / MANIFEST).exists():
+        return False
+    if (path / TEMPLATE_FILE).is_file():
+        return True
+    return any(_BASE_DIR.fullmatch(d.name) and d.is_dir() for d in path.iterdir())
+
+
+def newest_base(path: Path) -> tuple[Path | None, int]:
+    """The base a live index at ``path`` opens: its newest ``base-<v>`` directory and v, or
+    (None, 0) when its ``template.json`` stands for the base."""
+    return _newest_base(Path(path))
 
 
 def _newest_base(path: Path) -> tuple[Path | None, int]:

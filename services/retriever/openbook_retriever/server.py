@@ -98,6 +98,7 @@ def load(
         max_batch_wait_ms=settings.max_batch_wait_ms,
         max_queue=settings.max_queue,
         compute_threads=ComputeThreadsOptions(setting=settings.compute_threads),
+        compact_passages=settings.compact_passages,
     )
 
     # The active index survives restarts and is agreed between replicas through Redis;

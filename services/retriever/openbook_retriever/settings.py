@@ -34,3 +34,6 @@ class RetrieverSettings(GrpcServiceSettings):
     max_batch_size: int = Field(default=32, ge=1)
     max_batch_wait_ms: float = Field(default=2.0, ge=0)
     max_queue: int = Field(default=64, ge=1)
+    # Compact a live index in the background once its write segment or its hidden base rows
+    # (deleted and replaced documents) reach this many passages.
+    compact_passages: int = Field(default=10_000, ge=1)

@@ -1,0 +1,380 @@
+"""The retriever's documents RPCs over gRPC on loopback (issue 32): live indexes, writes seen by
+the next Retrieve, built indexes adopted on their first write, writes kept across restarts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from openbook.errors import Unavailable
+from openbook.serving.grpc_server import bearer_metadata
+from openbook.v1 import retriever_pb2
+from openbook_retriever.registry import IndexRegistry
+from openbook_retriever.settings import RetrieverSettings
+from openbook_testkit.stack import build_fact_indexes, retriever_service
+
+TOKEN = "documents-admin-token"
+ADMIN = bearer_metadata(TOKEN)
+ZORBLAX = "The zorblax lighthouse of Quentaria was built from green glass in 1907."
+
+
+@pytest.fixture(scope="module")
+def built_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("built")
+    build_fact_indexes(root)
+    return root
+
+
+@pytest.fixture
+def index_root(built_root: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the two built fact indexes per test: writes change them."""
+    root = tmp_path / "indexes"
+    root.mkdir()
+    for name in ("facts-a", "facts-b"):
+        shutil.copytree(built_root / name, root / name)
+    return root
+
+
+def settings_for(index_root: Path, redis_url: str, **overrides) -> RetrieverSettings:
+    return RetrieverSettings(
+        host="127.0.0.1",
+        port=0,
+        index_root=index_root,
+        default_index="facts-a",
+        redis_url=redis_url,
+        admin_token=TOKEN,
+        **overrides,
+    )
+
+
+@pytest.fixture
+def retriever(index_root, redis_url):
+    with retriever_service(settings_for(index_root, redis_url)) as running:
+        yield running
+
+
+def document(doc_id: str, text: str, title: str = "Quentaria", **metadata):
+    return retriever_pb2.Document(
+        id=doc_id, title=title, text=text, metadata_json=json.dumps(metadata)
+    )
+
+
+def put(stub, index: str, *docs, metadata=ADMIN):
+    return stub.PutDocuments(
+        retriever_pb2.PutDocumentsRequest(index=index, documents=list(docs)), metadata=metadata
+    )
+
+
+def top_ids(stub, index: str, query: str, k: int = 3) -> tuple[list[str], int]:
+    reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=[query], k=k, index=index))
+    return [p.id for p in reply.results[0].passages], reply.index_version
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call(*args, **kwargs)
+    return err.value
+
+
+def test_put_replace_delete_are_seen_by_the_next_retrieve(retriever):
+    stub, _, servicer = retriever
+    reply = put(stub, "facts-b", document("zorblax", ZORBLAX, lang="en"))
+    assert (reply.index, reply.version, list(reply.passages)) == ("facts-b", 1, [1])
+    assert servicer.registry.is_live("facts-b")  # the built index was adopted
+
+    ids, version = top_ids(stub, "facts-b", ZORBLAX)
+    assert ids[0] == "zorblax#0" and version == 1
+    got = stub.GetDocument(retriever_pb2.GetDocumentRequest(index="facts-b", id="zorblax"))
+    assert (got.text, json.loads(got.metadata_json), list(got.passage_ids)) == (
+        ZORBLAX,
+        {"lang": "en"},
+        ["zorblax#0"],
+    )
+
+    replaced = "Penguins of the southern ice sheets dive for krill in winter darkness."
+    assert put(stub, "facts-b", document("zorblax", replaced)).version == 2
+    reply = stub.Retrieve(
+        retriever_pb2.RetrieveRequest(queries=[ZORBLAX, replaced], k=3, index="facts-b")
+    )
+    texts = [p.text for r in reply.results for p in r.passages]
+    assert ZORBLAX not in texts and reply.results[1].passages[0].id == "zorblax#0"
+    assert reply.index_version == 2
+
+    page = stub.ListDocuments(retriever_pb2.ListDocumentsRequest(index="facts-b", limit=100))
+    assert "zorblax" in page.ids and "b-p21" in page.ids and page.version == 2
+
+    deleted = stub.DeleteDocument(
+        retriever_pb2.DeleteDocumentRequest(index="facts-b", id="zorblax"), metadata=ADMIN
+    )
+    assert deleted.version == 3
+    ids, version = top_ids(stub, "facts-b", replaced, k=10)
+    assert "zorblax#0" not in ids and version == 3
+    err = rpc_error(
+        stub.GetDocument, retriever_pb2.GetDocumentRequest(index="facts-b", id="zorblax")
+    )
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    err = rpc_error(
+        stub.DeleteDocument,
+        retriever_pb2.DeleteDocumentRequest(index="facts-b", id="zorblax"),
+        metadata=ADMIN,
+    )
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    infos = {i.name: i for i in stub.ListIndexes(retriever_pb2.ListIndexesRequest()).indexes}
+    assert infos["facts-b"].version == 3 and infos["facts-b"].count == 30
+    assert infos["facts-b"].problem == "" and infos["facts-a"].version == 0
+
+
+def test_list_documents_pages_with_a_cursor(retriever):
+    stub, _, _ = retriever
+    put(stub, "facts-b", document("zz-1", ZORBLAX), document("zz-2", ZORBLAX + " Again."))
+    ids: list[str] = []
+    cursor = ""
+    while True:
+        page = stub.ListDocuments(
+            retriever_pb2.ListDocumentsRequest(index="facts-b", cursor=cursor, limit=7)
+        )
+        ids += page.ids
+        if not page.next_cursor:
+            break
+        cursor = page.next_cursor
+    assert ids == sorted(ids) and len(ids) == 32 and ids[-2:] == ["zz-1", "zz-2"]
+
+
+def test_create_write_and_delete_an_index(retriever):
+    stub, _, _ = retriever
+    info = stub.CreateIndex(
+        retriever_pb2.CreateIndexRequest(name="fresh", like="facts-a"), metadata=ADMIN
+    )
+    assert (info.name, info.count, info.index_type, info.problem) == ("fresh", 0, "flat", "")
+    err = rpc_error(
+        stub.CreateIndex, retriever_pb2.CreateIndexRequest(name="fresh"), metadata=ADMIN
+    )
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+
+    assert put(stub, "fresh", document("zorblax", ZORBLAX)).version == 1
+    ids, version = top_ids(stub, "fresh", ZORBLAX)
+    assert ids == ["zorblax#0"] and version == 1
+    names = [i.name for i in stub.ListIndexes(retriever_pb2.ListIndexesRequest()).indexes]
+    assert "fresh" in names
+
+    stub.DeleteIndex(retriever_pb2.DeleteIndexRequest(name="fresh"), metadata=ADMIN)
+    err = rpc_error(stub.Retrieve, retriever_pb2.RetrieveRequest(queries=["q"], k=1, index="fresh"))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    active = stub.ListIndexes(retriever_pb2.ListIndexesRequest()).active
+    err = rpc_error(stub.DeleteIndex, retriever_pb2.DeleteIndexRequest(name=active), metadata=ADMIN)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    err = rpc_error(
+        stub.DeleteIndex, retriever_pb2.DeleteIndexRequest(name="nowhere"), metadata=ADMIN
+    )
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+BAD = "facts-b"
+
+
+@pytest.mark.parametrize(
+    ("rpc", "request_message", "field"),
+    [
+        ("PutDocuments", retriever_pb2.PutDocumentsRequest(index=BAD), "documents"),
+        (
+            "PutDocuments",
+            retriever_pb2.PutDocumentsRequest(index="bad/name", documents=[document("a", ZORBLAX)]),
+            "index",
+        ),
+        (
+            "PutDocuments",
+            retriever_pb2.PutDocumentsRequest(
+                index=BAD,
+                documents=[
+                    document("a", ZORBLAX),
+                    document("b", ZORBLAX),
+                    document("c", ZORBLAX),
+                    retriever_pb2.Document(id="d", title="t", text=ZORBLAX, metadata_json="[1]"),
+                ],
+            ),
+            "documents[3].metadata",
+        ),
+        (
+            "PutDocuments",
+            retriever_pb2.PutDocumentsRequest(
+                index=BAD, documents=[document("a", ZORBLAX, tags="x"), document("a/b", "t")]
+            ),
+            "documents[1].id",
+        ),
+        (
+            "PutDocuments",
+            retriever_pb2.PutDocumentsRequest(index=BAD, documents=[document("a", "   ")]),
+            "documents[0].text",
+        ),
+        (
+            "PutDocuments",
+            retriever_pb2.PutDocumentsRequest(
+                index=BAD,
+                documents=[retriever_pb2.Document(id="a", text="t", metadata_json="{bad")],
+            ),
+            "documents[0].metadata",
+        ),
+        ("DeleteDocument", retriever_pb2.DeleteDocumentRequest(index=BAD, id=""), "id"),
+        ("GetDocument", retriever_pb2.GetDocumentRequest(index="", id="a"), "index"),
+        ("ListDocuments", retriever_pb2.ListDocumentsRequest(index=BAD, limit=-1), "limit"),
+        ("ListDocuments", retriever_pb2.ListDocumentsRequest(index=BAD, limit=5000), "limit"),
+        ("CreateIndex", retriever_pb2.CreateIndexRequest(name="-x"), "name"),
+        ("CreateIndex", retriever_pb2.CreateIndexRequest(name="x", type="btree"), "type"),
+        (
+            "CreateIndex",
+            retriever_pb2.CreateIndexRequest(name="x", type="bm25", like="facts-a"),
+            "type",
+        ),
+        ("DeleteIndex", retriever_pb2.DeleteIndexRequest(name=""), "name"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(
+    retriever, index_root, rpc, request_message, field
+):
+    stub, _, _ = retriever
+    before = sorted(p.name for p in (index_root / "facts-b").iterdir())
+    err = rpc_error(getattr(stub, rpc), request_message, metadata=ADMIN)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details().startswith(field), err.details()
+    assert sorted(p.name for p in (index_root / "facts-b").iterdir()) == before  # unchanged
+
+
+def test_unknown_index_is_not_found(retriever):
+    stub, _, _ = retriever
+    for call, request in (
+        (
+            stub.PutDocuments,
+            retriever_pb2.PutDocumentsRequest(index="nowhere", documents=[document("a", ZORBLAX)]),
+        ),
+        (stub.DeleteDocument, retriever_pb2.DeleteDocumentRequest(index="nowhere", id="a")),
+        (stub.GetDocument, retriever_pb2.GetDocumentRequest(index="nowhere", id="a")),
+        (stub.ListDocuments, retriever_pb2.ListDocumentsRequest(index="nowhere")),
+        (stub.CreateIndex, retriever_pb2.CreateIndexRequest(name="x", like="nowhere")),
+    ):
+        assert rpc_error(call, request, metadata=ADMIN).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_writes_without_the_admin_token_are_unauthenticated(retriever, index_root):
+    stub, _, _ = retriever
+    for call, request in (
+        (
+            stub.PutDocuments,
+            retriever_pb2.PutDocumentsRequest(index="facts-b", documents=[document("a", ZORBLAX)]),
+        ),
+        (stub.DeleteDocument, retriever_pb2.DeleteDocumentRequest(index="facts-b", id="b-p21")),
+        (stub.CreateIndex, retriever_pb2.CreateIndexRequest(name="x")),
+        (stub.DeleteIndex, retriever_pb2.DeleteIndexRequest(name="facts-b")),
+    ):
+        for metadata in ((), bearer_metadata("wrong")):
+            err = rpc_error(call, request, metadata=metadata)
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert (index_root / "facts-b" / "manifest.json").is_file()  # still the built index
+
+
+def test_a_built_index_is_adopted_on_its_first_write_without_failing_a_search(
+    retriever, index_root
+):
+    stub, _, servicer = retriever
+    active = stub.ListIndexes(retriever_pb2.ListIndexesRequest()).active
+    failures: list[str] = []
+    answered = [0]
+    done = threading.Event()
+
+    def search() -> None:
+        while not done.is_set():
+            try:
+                reply = stub.Retrieve(
+                    retriever_pb2.RetrieveRequest(queries=["Who wrote Hamlet?"], k=3, index=active),
+                    timeout=30,
+                )
+                assert len(reply.results[0].passages) == 3
+                answered[0] += 1
+            except (grpc.RpcError, AssertionError) as exc:
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=search) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        while answered[0] < 3 and not failures:  # searches are running when the write comes
+            threading.Event().wait(0.02)
+        reply = put(stub, active, document("zorblax", ZORBLAX))
+        after = answered[0]
+        ids, version = top_ids(stub, active, ZORBLAX)
+        while answered[0] < after + 6 and not failures:
+            threading.Event().wait(0.05)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(30)
+    assert failures == []
+    assert reply.version == 1 and ids[0] == "zorblax#0" and version == 1
+    assert servicer.registry.is_live(active)
+    leftovers = [
+        p.name for p in index_root.iterdir() if p.name.startswith(f".{active}.") and p.is_dir()
+    ]
+    assert leftovers == []  # the built directory went once its last search ended
+    # The adopted index keeps the built one's passages and identity.
+    info = {i.name: i for i in stub.ListIndexes(retriever_pb2.ListIndexesRequest()).indexes}
+    assert info[active].count == 31 and info[active].active and info[active].problem == ""
+
+
+def test_a_restart_keeps_every_acknowledged_write(index_root, redis_url):
+    settings = settings_for(index_root, redis_url)
+    with retriever_service(settings) as (stub, _, servicer):
+        for i in range(5):
+            put(stub, "facts-b", document(f"zz-{i}", f"{ZORBLAX} Number {i}."))
+        stub.DeleteDocument(
+            retriever_pb2.DeleteDocumentRequest(index="facts-b", id="zz-2"), metadata=ADMIN
+        )
+        stub.DeleteDocument(
+            retriever_pb2.DeleteDocumentRequest(index="facts-b", id="b-p21"), metadata=ADMIN
+        )
+        before = stub.ListDocuments(retriever_pb2.ListDocumentsRequest(index="facts-b", limit=1000))
+    # What a process exit does: the indexes close and the writer lock is dropped.
+    servicer.close()
+    servicer.registry.close()
+    assert before.version == 7
+    with retriever_service(settings) as (stub, _, _):
+        after = stub.ListDocuments(retriever_pb2.ListDocumentsRequest(index="facts-b", limit=1000))
+        assert (list(after.ids), after.version) == (list(before.ids), 7)
+        got = stub.GetDocument(retriever_pb2.GetDocumentRequest(index="facts-b", id="zz-4"))
+        assert got.text == f"{ZORBLAX} Number 4."
+        ids, version = top_ids(stub, "facts-b", f"{ZORBLAX} Number 2.", k=10)
+        assert "zz-2#0" not in ids and "b-p21" not in ids and version == 7
+        assert put(stub, "facts-b", document("zz-9", ZORBLAX)).version == 8
+
+
+def test_a_second_process_cannot_write_an_index_this_one_writes(retriever, index_root):
+    stub, _, _ = retriever
+    put(stub, "facts-b", document("zorblax", ZORBLAX))
+    other = IndexRegistry(index_root)  # another replica on the same volume
+    try:
+        with (
+            pytest.raises(Unavailable, match="holds its writer lock") as err,
+            other.writer("facts-b"),
+        ):
+            pass
+        assert "pid" in str(err.value)
+        with other.lease("facts-b") as index:  # reading it is fine
+            assert index.version == 1
+    finally:
+        other.close()
+
+
+def test_writes_past_the_threshold_compact_in_the_background(index_root, redis_url):
+    with retriever_service(settings_for(index_root, redis_url, compact_passages=2)) as running:
+        stub, _, servicer = running
+        put(stub, "facts-b", document("zz-1", ZORBLAX))
+        put(stub, "facts-b", document("zz-2", f"{ZORBLAX} Twice."))
+        servicer.compactor.wait(120)
+        with servicer.registry.lease("facts-b") as live:
+            assert live.base_version == 2 and live.segment_size == 0
+        ids, version = top_ids(stub, "facts-b", ZORBLAX)
+        assert set(ids[:2]) == {"zz-1#0", "zz-2#0"} and version == 2
+        assert put(stub, "facts-b", document("zz-3", ZORBLAX)).version == 3
