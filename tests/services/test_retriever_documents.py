@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from openbook.errors import Unavailable
+from openbook.index.live import LiveIndex
 from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import retriever_pb2
 from openbook_retriever.registry import IndexRegistry
@@ -350,19 +351,27 @@ def test_a_restart_keeps_every_acknowledged_write(index_root, redis_url):
         assert put(stub, "facts-b", document("zz-9", ZORBLAX)).version == 8
 
 
-def test_a_second_process_cannot_write_an_index_this_one_writes(retriever, index_root):
+def test_another_replica_catches_up_and_cannot_write(retriever, index_root):
     stub, _, _ = retriever
-    put(stub, "facts-b", document("zorblax", ZORBLAX))
     other = IndexRegistry(index_root)  # another replica on the same volume
     try:
+        with other.lease("facts-b") as index:
+            assert not isinstance(index, LiveIndex)  # built, until the first write
+        put(stub, "facts-b", document("zorblax", ZORBLAX))
+        with other.lease("facts-b") as index:  # sees the adoption and the write
+            assert isinstance(index, LiveIndex) and index.version == 1
         with (
             pytest.raises(Unavailable, match="holds its writer lock") as err,
             other.writer("facts-b"),
         ):
             pass
         assert "pid" in str(err.value)
-        with other.lease("facts-b") as index:  # reading it is fine
-            assert index.version == 1
+        penguins = "Penguins of the southern ice sheets dive for krill in winter darkness."
+        put(stub, "facts-b", document("penguins", penguins))
+        with other.lease("facts-b") as index:
+            assert index.version == 2 and index.get("penguins").document.text == penguins
+            assert index.search([penguins], 1)[0][0].id == "penguins#0"
+        assert put(stub, "facts-b", document("zz-3", ZORBLAX)).version == 3  # nothing broken
     finally:
         other.close()
 

@@ -41,7 +41,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +61,7 @@ from openbook.index import (
     read_index_manifest,
 )
 from openbook.index.empty_base import TEMPLATE_FILE
-from openbook.index.live import LiveIndex, LiveOptions, is_live_index, newest_base
+from openbook.index.live import LiveIndex, LiveOptions, disk_stamp, is_live_index, newest_base
 from openbook.index.writer_lock import WriterLock, WriterLockHeld
 from openbook.limits import check_index_name
 
@@ -103,6 +103,8 @@ class _Entry:
     leases: int = 0
     retired: bool = False  # unloaded while leased: close when the last lease ends
     writer: WriterLock | None = None  # held: this process writes the (live) index
+    # The directory as it was opened (_stamp); None: never reopened to catch up (a writer's).
+    stamp: tuple[object, ...] | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -223,23 +225,45 @@ class IndexRegistry:
             log.info("loading index %s from %s", name, path)
             seen = _fingerprint_of(path)
             try:
-                index: ServedIndex
-                if is_live_index(path):
-                    index = LiveIndex(path)  # named by its directory too
-                else:
-                    # Served, labelled and cached under the directory name clients asked
-                    # for, never the manifest's (a copied index keeps the name it was built as).
-                    index = open_index(path, verify=True, name=name)
+                entry = _open(name, path, verify=True)
             except Exception as exc:
                 with self._lock:
                     self._attempts[name] = (seen, _described(exc))
                 raise
             with self._lock:
                 self._attempts[name] = (seen, "")
-                self._loaded[name] = _Entry(index)
+                self._loaded[name] = entry
                 self._loading.pop(name, None)
                 self._evict_idle(keep=name)
-            return index
+            return entry.index
+
+    def _behind(self, name: str, entry: _Entry) -> bool:
+        """Whether ``entry``, which this process does not write, is behind its directory:
+        another process wrote or compacted the live index, or adopted the built one."""
+        if entry.writer is not None or entry.stamp is None:
+            return False
+        try:
+            return _stamp(self.root / name) != entry.stamp
+        except OSError:  # renamed or removed meanwhile: the next lookup says what it is now
+            return False
+
+    def _catch_up(self, name: str, behind: _Entry) -> None:
+        """Serve ``name`` reopened as it is on disk now, in place of ``behind``. If it cannot
+        be opened now, ``behind`` keeps serving (and is not retried until the disk changes
+        again)."""
+        with self._gate(name):
+            with self._lock:
+                if self._loaded.get(name) is not behind:
+                    return  # caught up (or replaced) meanwhile
+            try:
+                entry = _open(name, self._path(name), verify=False)
+            except Exception as exc:  # noqa: BLE001 - a race with the writer: serve what we have
+                log.warning("index %s: cannot catch up with its directory now: %s", name, exc)
+                with suppress(OSError):
+                    behind.stamp = _stamp(self.root / name)
+                return
+            log.info("index %s caught up: %r", name, entry.index)
+            self._replace(name, entry)
 
     def _retire(self, name: str, entry: _Entry) -> None:
         if entry.leases == 0:
@@ -280,7 +304,8 @@ class IndexRegistry:
         return previous, index
 
     def _acquire(self, name: str | None) -> tuple[str, _Entry]:
-        """A lease on ``name`` (default: the active index), loading it if need be."""
+        """A lease on ``name`` (default: the active index), loading it if need be, and
+        reopening it first if another process changed it (:meth:`_behind`)."""
         while True:
             with self._lock:
                 target = name or self.active
@@ -290,8 +315,13 @@ class IndexRegistry:
                 if entry is not None:
                     entry.leases += 1
                     self._loaded.move_to_end(target)
-                    return target, entry
-            self.load(target)  # loaded on demand, then lease it on the next pass
+            if entry is None:
+                self.load(target)  # loaded on demand, then lease it on the next pass
+            elif self._behind(target, entry):
+                self._release(target, entry)
+                self._catch_up(target, entry)
+            else:
+                return target, entry
 
     def _release(self, name: str, entry: _Entry) -> None:
         with self._lock:
@@ -457,6 +487,36 @@ def _checked_dir(path: Path) -> Path:
         return path
     base, _ = newest_base(path)
     return base if base is not None else path / TEMPLATE_FILE
+
+
+def _open(name: str, path: Path, *, verify: bool) -> _Entry:
+    """Open the index directory ``path`` served as ``name``. A live index is opened as its
+    writer when its writer lock is free (taken), else read-only, to be caught up later."""
+    if not is_live_index(path):
+        stamp = _stamp(path)
+        # Served, labelled and cached under the directory name clients asked for, never the
+        # manifest's (a copied index keeps the name it was built as).
+        return _Entry(open_index(path, verify=verify, name=name), stamp=stamp)
+    try:
+        lock = WriterLock(path)
+    except WriterLockHeld:
+        stamp = _stamp(path)  # before opening: a write meanwhile makes it behind, never lost
+        live = LiveIndex(path, LiveOptions(verify=verify, read_only=True))
+        return _Entry(live, stamp=stamp)
+    try:
+        return _Entry(LiveIndex(path, LiveOptions(verify=verify)), writer=lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _stamp(path: Path) -> tuple[object, ...]:
+    """What a reader compares to tell its open index is behind the directory: a built index
+    is current while its manifest is there (it is replaced only by adoption); a live one while
+    its newest base and its log are unchanged."""
+    if (path / MANIFEST).is_file():
+        return ("built",)
+    return ("live", *disk_stamp(path))
 
 
 def _writer_lock(name: str, path: Path) -> WriterLock:
