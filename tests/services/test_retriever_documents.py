@@ -129,6 +129,14 @@ def test_put_replace_delete_are_seen_by_the_next_retrieve(retriever):
     assert infos["facts-b"].version == 3 and infos["facts-b"].count == 30
     assert infos["facts-b"].problem == "" and infos["facts-a"].version == 0
 
+    # A live index swaps in as a built one does, and swaps back out.
+    swapped = stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="facts-b"), metadata=ADMIN)
+    assert swapped.info.active and swapped.info.version == 3
+    reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=[replaced], k=1))
+    assert (reply.index, reply.index_version) == ("facts-b", 3)
+    if swapped.previous and swapped.previous != "facts-b":
+        stub.SwapIndex(retriever_pb2.SwapIndexRequest(name=swapped.previous), metadata=ADMIN)
+
 
 def test_list_documents_pages_with_a_cursor(retriever):
     stub, _, _ = retriever
@@ -173,6 +181,21 @@ def test_create_write_and_delete_an_index(retriever):
         stub.DeleteIndex, retriever_pb2.DeleteIndexRequest(name="nowhere"), metadata=ADMIN
     )
     assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(("index_type", "views"), [("", ["dense", "bm25"]), ("bm25", ["bm25"])])
+def test_an_index_created_without_like_has_the_default_encoder(retriever, index_type, views):
+    stub, _, _ = retriever
+    info = stub.CreateIndex(
+        retriever_pb2.CreateIndexRequest(name="plain", type=index_type), metadata=ADMIN
+    )
+    like = {i.name: i for i in stub.ListIndexes(retriever_pb2.ListIndexesRequest()).indexes}
+    assert (info.index_type, list(info.views)) == (index_type or "flat", views)
+    if index_type != "bm25":  # the facts indexes were built with the default encoder
+        assert (info.encoder, info.dim) == (like["facts-a"].encoder, like["facts-a"].dim)
+    put(stub, "plain", document("zorblax", ZORBLAX), document("other", "Krill and penguins."))
+    ids, version = top_ids(stub, "plain", "zorblax lighthouse Quentaria", k=1)
+    assert ids == ["zorblax#0"] and version == 1
 
 
 BAD = "facts-b"

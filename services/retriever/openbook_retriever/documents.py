@@ -24,10 +24,18 @@ DEFAULT_LIST_LIMIT = 100
 
 
 @dataclass(frozen=True)
+class NewIndexDefaults:
+    """What CreateIndex makes when the request names no index to be ``like``."""
+
+    encoder: str  # the document (and query) encoder
+    index_type: str
+
+
+@dataclass(frozen=True)
 class ValidCreateIndex:
     name: str
-    index_type: str | None  # None: like's type
-    like: str | None  # None: the active index's encoders and type
+    index_type: str | None  # None: like's type, else the default's
+    like: str | None  # None: the default encoder (NewIndexDefaults)
 
 
 @dataclass(frozen=True)

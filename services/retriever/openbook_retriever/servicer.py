@@ -33,13 +33,15 @@ from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
 from openbook.index import Encoder, IndexLoadError
 from openbook.index.checkpoint import load_query_encoder
-from openbook.index.empty_base import template_of
+from openbook.index.empty_base import template_for, template_of
+from openbook.index.encoders import DEFAULT_ENCODER, load_encoder
 from openbook.index.live import LiveIndex
 from openbook.index.pairing import (
     QueryEncoderOverride,
     checkpoint_override,
     configured_override,
 )
+from openbook.index.spec import IndexSpec
 from openbook.limits import (
     MAX_K,
     MAX_QUERIES,
@@ -58,6 +60,7 @@ from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.compactor import BackgroundCompactor
 from openbook_retriever.documents import (
+    NewIndexDefaults,
     document_to_proto,
     validate_create_index,
     validate_document_ref,
@@ -220,13 +223,17 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         max_queue: int = 256,
         compute_threads: ComputeThreadsOptions | None = None,
         compact_passages: int = 10_000,
+        new_index: NewIndexDefaults | None = None,
     ) -> None:
         """``compute_threads``: how the batch thread sizes its torch (and faiss) threads
         (:mod:`openbook.compute_threads`); None: torch's default, untouched.
-        ``compact_passages``: the write segment (or hidden rows) that starts a compaction."""
+        ``compact_passages``: the write segment (or hidden rows) that starts a compaction;
+        ``new_index``: what CreateIndex makes without ``like`` (default: the default encoder,
+        flat)."""
         self.checkpoint_root = checkpoint_root
         self.registry = registry
         self.compactor = BackgroundCompactor(registry, compact_passages)
+        self.new_index = new_index or NewIndexDefaults(DEFAULT_ENCODER, "flat")
         self.metrics = metrics
         self.encoder_version = ""  # a checkpoint's version once one is loaded
         self.shared = shared
@@ -476,17 +483,23 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     # ---- documents (issue 32)
     def CreateIndex(self, request, context):
         valid = validate_create_index(request)
-        like = valid.like or self.registry.active
-        if like is None:
-            raise FailedPrecondition("like: no active index to take encoders from: name one")
-        try:
-            manifest = self.registry.manifest(like)
-        except NotFound:
-            raise NotFound(f"like: unknown index {like!r}") from None
-        try:
-            template = template_of(manifest, name=valid.name, index_type=valid.index_type)
-        except ValueError as exc:
-            raise InvalidArgument(f"type: {exc}") from None
+        if valid.like is None:
+            spec = IndexSpec(
+                name=valid.name,
+                index_type=valid.index_type or self.new_index.index_type,
+                encoder=self.new_index.encoder,
+            )
+            encoder = load_encoder(spec.encoder, role="document") if spec.dense else None
+            template = template_for(spec, encoder)
+        else:
+            try:
+                manifest = self.registry.manifest(valid.like)
+            except NotFound:
+                raise NotFound(f"like: unknown index {valid.like!r}") from None
+            try:
+                template = template_of(manifest, name=valid.name, index_type=valid.index_type)
+            except ValueError as exc:
+                raise InvalidArgument(f"type: {exc}") from None
         self.registry.create(valid.name, template)
         return self._info(valid.name)
 
