@@ -154,7 +154,7 @@ def test_list_documents_pages_with_a_cursor(retriever):
     assert ids == sorted(ids) and len(ids) == 32 and ids[-2:] == ["zz-1", "zz-2"]
 
 
-def test_create_write_and_delete_an_index(retriever):
+def test_create_write_and_delete_an_index(retriever, index_root):
     stub, _, _ = retriever
     info = stub.CreateIndex(
         retriever_pb2.CreateIndexRequest(name="fresh", like="facts-a"), metadata=ADMIN
@@ -172,6 +172,7 @@ def test_create_write_and_delete_an_index(retriever):
     assert "fresh" in names
 
     stub.DeleteIndex(retriever_pb2.DeleteIndexRequest(name="fresh"), metadata=ADMIN)
+    assert [p.name for p in index_root.iterdir() if "fresh" in p.name] == []
     err = rpc_error(stub.Retrieve, retriever_pb2.RetrieveRequest(queries=["q"], k=1, index="fresh"))
     assert err.code() == grpc.StatusCode.NOT_FOUND
     active = stub.ListIndexes(retriever_pb2.ListIndexesRequest()).active
@@ -410,3 +411,45 @@ def test_writes_past_the_threshold_compact_in_the_background(index_root, redis_u
         ids, version = top_ids(stub, "facts-b", ZORBLAX)
         assert set(ids[:2]) == {"zz-1#0", "zz-2#0"} and version == 2
         assert put(stub, "facts-b", document("zz-3", ZORBLAX)).version == 3
+
+
+def test_concurrent_first_writes_adopt_once_and_all_land(retriever, index_root):
+    stub, _, _ = retriever
+    versions: list[int] = []
+    errors: list[str] = []
+
+    def write(i: int) -> None:
+        try:
+            versions.append(put(stub, "facts-b", document(f"zz-{i}", f"{ZORBLAX} {i}.")).version)
+        except grpc.RpcError as err:
+            errors.append(f"{err.code()}: {err.details()}")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sorted(versions) == [1, 2, 3, 4]
+    page = stub.ListDocuments(retriever_pb2.ListDocumentsRequest(index="facts-b", limit=100))
+    assert [i for i in page.ids if i.startswith("zz-")] == [f"zz-{i}" for i in range(4)]
+    assert sorted(p.name for p in index_root.iterdir() if p.name.startswith(".facts-b")) == [
+        ".facts-b.adopt.lock"
+    ]
+
+
+def test_an_adoption_cut_short_by_a_crash_is_finished_or_undone(index_root):
+    # Crashed between its two renames: the built directory gone, the live copy complete.
+    LiveIndex.create(index_root / ".facts-b.adopting", from_index=index_root / "facts-b").close()
+    (index_root / "facts-b").rename(index_root / ".facts-b.retired-dead")
+    # Crashed while copying: the built index still in place, a partial copy beside it.
+    (index_root / ".facts-a.adopting").mkdir()
+    registry = IndexRegistry(index_root)
+    try:
+        assert registry.available() == ["facts-a", "facts-b"]
+        assert registry.is_live("facts-b") and not registry.is_live("facts-a")
+        assert sorted(p.name for p in index_root.iterdir() if p.name.startswith(".")) == []
+        with registry.lease("facts-b") as index:
+            assert isinstance(index, LiveIndex) and len(index) == 30
+        assert registry.status("facts-b").loadable
+    finally:
+        registry.close()

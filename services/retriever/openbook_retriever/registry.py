@@ -406,20 +406,27 @@ class IndexRegistry:
                         os.rename(path, staging)
                         os.rename(retired, path)
                         raise
-                    old = self._replace(name, _Entry(live, writer=lock))
-                    if old is not None:
-                        old.on_close.append(lambda: shutil.rmtree(retired, ignore_errors=True))
+                    old = self._replace(
+                        name,
+                        _Entry(live, writer=lock),
+                        lambda: shutil.rmtree(retired, ignore_errors=True),
+                    )
                 if old is None:
                     shutil.rmtree(retired, ignore_errors=True)
             log.info("index %s adopted: %r", name, live)
 
-    def _replace(self, name: str, entry: _Entry) -> _Entry | None:
-        """Serve ``entry`` as ``name``; the entry it replaces is retired (returned)."""
+    def _replace(
+        self, name: str, entry: _Entry, after_old: Callable[[], None] | None = None
+    ) -> _Entry | None:
+        """Serve ``entry`` as ``name``; the entry it replaces is retired (returned), and
+        ``after_old`` runs once that one is closed (at once if it is not leased)."""
         with self._lock:
             old = self._loaded.pop(name, None)
             self._loaded[name] = entry
             self._attempts.pop(name, None)
             if old is not None:
+                if after_old is not None:
+                    old.on_close.append(after_old)
                 self._retire(name, old)
             self._evict_idle(keep=name)
             return old
