@@ -409,10 +409,10 @@ class IndexRegistry:
                     old = self._replace(
                         name,
                         _Entry(live, writer=lock),
-                        lambda: shutil.rmtree(retired, ignore_errors=True),
+                        lambda: _discard(retired),
                     )
                 if old is None:
-                    shutil.rmtree(retired, ignore_errors=True)
+                    _discard(retired)
             log.info("index %s adopted: %r", name, live)
 
     def _replace(
@@ -461,10 +461,10 @@ class IndexRegistry:
                 entry = self._loaded.pop(name, None)
                 self._attempts.pop(name, None)
                 if entry is not None:
-                    entry.on_close.append(lambda: shutil.rmtree(retired, ignore_errors=True))
+                    entry.on_close.append(lambda: _discard(retired))
                     self._retire(name, entry)
             if entry is None:
-                shutil.rmtree(retired, ignore_errors=True)
+                _discard(retired)
         log.info("index %s deleted", name)
 
     def close(self) -> None:
@@ -494,6 +494,14 @@ def _checked_dir(path: Path) -> Path:
         return path
     base, _ = newest_base(path)
     return base if base is not None else path / TEMPLATE_FILE
+
+
+def _discard(path: Path) -> None:
+    """Remove a directory renamed away, in the background: it may be large, and this runs
+    where an index is closed, under the registry's lock."""
+    threading.Thread(
+        target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, daemon=True
+    ).start()
 
 
 def _open(name: str, path: Path, *, verify: bool) -> _Entry:
