@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from openbook.errors import Unavailable
 from openbook.index.live import LiveIndex
@@ -97,7 +98,7 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
 
 
 def test_put_replace_delete_are_seen_by_the_next_retrieve(retriever):
-    stub, _, servicer = retriever
+    stub, service, servicer = retriever
     reply = put(stub, "facts-b", document("zorblax", ZORBLAX, lang="en"))
     assert (reply.index, reply.version, list(reply.passages)) == ("facts-b", 1, [1])
     assert servicer.registry.is_live("facts-b")  # the built index was adopted
@@ -142,6 +143,9 @@ def test_put_replace_delete_are_seen_by_the_next_retrieve(retriever):
     infos = {i.name: i for i in stub.ListIndexes(retriever_pb2.ListIndexesRequest()).indexes}
     assert infos["facts-b"].version == 3 and infos["facts-b"].count == 30
     assert infos["facts-b"].problem == "" and infos["facts-a"].version == 0
+
+    scraped = generate_latest(service.metrics.registry).decode()
+    assert 'openbook_index_version{index="facts-b",service="retriever"} 3.0' in scraped
 
     # A live index swaps in as a built one does, and swaps back out.
     swapped = stub.SwapIndex(retriever_pb2.SwapIndexRequest(name="facts-b"), metadata=ADMIN)

@@ -334,6 +334,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             version = index.version if isinstance(index, LiveIndex) else 0
             results = self.batcher.submit(search, timeout_s=time_remaining(context))
             name = index.name
+        self._record_version(name, version)
         return retriever_pb2.RetrieveResponse(
             results=[
                 retriever_pb2.QueryResult(
@@ -506,13 +507,20 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def DeleteIndex(self, request, context):
         name = check_index_name("name", request.name)
         self.registry.delete(name)
+        if self.metrics is not None:
+            self.metrics.forget_index(name)
         return retriever_pb2.DeleteIndexResponse(name=name)
+
+    def _record_version(self, index: str, version: int) -> None:
+        if self.metrics is not None:
+            self.metrics.set_index_version(index, version)
 
     def PutDocuments(self, request, context):
         valid = validate_put_documents(request)
         with self.registry.writer(valid.index) as live:
             result = live.put_many(valid.documents)
             self.compactor.after_write(valid.index, live)
+        self._record_version(valid.index, result.version)
         return retriever_pb2.WriteResponse(
             index=valid.index,
             version=result.version,
@@ -524,6 +532,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         with self.registry.writer(ref.index) as live:
             result = live.delete(ref.id)
             self.compactor.after_write(ref.index, live)
+        self._record_version(ref.index, result.version)
         return retriever_pb2.WriteResponse(index=ref.index, version=result.version)
 
     def GetDocument(self, request, context):
