@@ -191,6 +191,15 @@ class IndexRegistry:
         checked = _checked_dir(self._path(name))
         return Manifest.from_file(checked if checked.name == TEMPLATE_FILE else checked / MANIFEST)
 
+    def live_state(self, name: str) -> tuple[int, int] | None:
+        """(version, passages) of ``name`` if it is loaded and live, as this process serves it
+        now; None otherwise. Loads, leases and reopens nothing (a listing reads it)."""
+        with self._lock:
+            entry = self._loaded.get(name)
+        if entry is None or not isinstance(entry.index, LiveIndex):
+            return None
+        return entry.index.version, len(entry.index)
+
     def is_live(self, name: str) -> bool:
         """Whether ``name`` has the live layout (else it is a built index)."""
         return is_live_index(self._path(name))

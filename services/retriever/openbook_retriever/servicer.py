@@ -453,15 +453,9 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def _live_info(self, name: str, info: retriever_pb2.IndexInfo) -> None:
         """A loaded live index's version and passage count (else: the base's count and
         version 0; listing never loads an index to read its log)."""
-        if not self.registry.is_loaded(name):
-            return
-        try:
-            with self.registry.lease(name) as index:
-                if isinstance(index, LiveIndex):
-                    info.version = index.version
-                    info.count = len(index)
-        except (NotFound, FailedPrecondition):  # deleted or unloaded meanwhile
-            return
+        state = self.registry.live_state(name)
+        if state is not None:
+            info.version, info.count = state
 
     def ListIndexes(self, request, context):
         # Every index directory, an unloadable one too, saying why (registry.status).
