@@ -105,6 +105,14 @@ def test_put_replace_delete_are_seen_by_the_next_retrieve(retriever):
 
     ids, version = top_ids(stub, "facts-b", ZORBLAX)
     assert ids[0] == "zorblax#0" and version == 1
+    for mode in ("dense", "bm25", "hybrid"):
+        reply = stub.Retrieve(
+            retriever_pb2.RetrieveRequest(
+                queries=["zorblax lighthouse"], k=2, index="facts-b", retrieval=mode
+            )
+        )
+        assert reply.results[0].passages[0].id == "zorblax#0", mode
+        assert (reply.retrieval, reply.index_version) == (mode, 1)
     got = stub.GetDocument(retriever_pb2.GetDocumentRequest(index="facts-b", id="zorblax"))
     assert (got.text, json.loads(got.metadata_json), list(got.passage_ids)) == (
         ZORBLAX,
