@@ -24,6 +24,12 @@ class NotFound(OpenbookError, LookupError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(OpenbookError):
+    """What the request would create exists already (an index of that name)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class FailedPrecondition(OpenbookError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -24,6 +24,9 @@ import numpy as np
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion
 from openbook.index.manifest import Manifest
+from openbook.index.spec import IndexSpec
+from openbook.index.stages import BM25_PARAMS
+from openbook.index.vectors import default_score_scale
 from openbook.types import Passage
 
 TEMPLATE_FILE = "template.json"
@@ -50,6 +53,29 @@ def template_of(like: Manifest, *, name: str, index_type: str | None = None) -> 
         checksum="",
         build_seconds=0.0,
         shard=None,
+    )
+
+
+def template_for(spec: IndexSpec, encoder: Encoder | None) -> Manifest:
+    """The template of an empty index of ``spec`` (like no other index): the manifest
+    ``build_index`` would write for it, but of count 0 and no files. ``encoder``: the spec's
+    document encoder, loaded (its recorded name, dimension and normalisation); None for bm25."""
+    if spec.dense and encoder is None:
+        raise ValueError(f"index_type {spec.index_type!r} needs its document encoder")
+    dense = encoder if spec.dense else None
+    scale = spec.score_scale if spec.score_scale is not None else default_score_scale(dense)
+    return Manifest(
+        name=spec.name,
+        encoder=dense.name if dense else None,
+        query_encoder=(spec.query_encoder or dense.name) if dense else None,
+        dim=dense.dim if dense else 0,
+        count=0,
+        index_type=spec.index_type,
+        index_params={} if dense else dict(BM25_PARAMS),
+        normalize=bool(dense.normalize) if dense else False,
+        score_scale=float(scale),
+        max_words=spec.max_words,
+        views=spec.views,
     )
 
 

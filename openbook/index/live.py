@@ -59,9 +59,17 @@ from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.fusion import Fusion
 from openbook.index.loaded import LoadedIndex, open_index
-from openbook.index.manifest import Manifest
+from openbook.index.manifest import MANIFEST, Manifest
 from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, SegmentPostings
-from openbook.index.wal import WAL_FILE, DeleteOp, PutOp, WalRecord, open_log
+from openbook.index.wal import (
+    WAL_FILE,
+    DeleteOp,
+    PutOp,
+    WalRecord,
+    WriteAheadLog,
+    open_log,
+    read_log,
+)
 from openbook.limits import MAX_BATCH_DOCUMENTS, check_range
 from openbook.types import Passage
 
@@ -91,6 +99,14 @@ class LiveOptions:
 
     verify: bool = True  # re-hash the base's files on open (open_index's ``verify``)
     batch_size: int = 64  # documents' passages per encoder batch
+    # Opened by a process that is not the index's writer: it changes nothing on disk (no
+    # torn log tail cut, no leftover removed, no document store update) and takes no writes.
+    read_only: bool = False
+
+
+class StaleOpen(RuntimeError):
+    """A read-only open raced a compaction of the writer (its base changed while the log was
+    read): open again."""
 
 
 @dataclass(frozen=True)
@@ -166,8 +182,10 @@ class LiveIndex:
         self._compact_lock = threading.Lock()
         self._encoder_lock = threading.Lock()
         self._encoder: Encoder | None = None
+        read_only = self.options.read_only
         base_dir, base_version = _newest_base(self.path)
-        _remove_old_bases(self.path, keep=base_dir)
+        if not read_only:
+            _remove_old_bases(self.path, keep=base_dir)
         base: BaseIndex
         if base_dir is None:
             template = Manifest.from_file(self.path / TEMPLATE_FILE)
@@ -175,11 +193,21 @@ class LiveIndex:
         else:
             base = open_index(base_dir, verify=self.options.verify, name=self.path.name)
         self._store = DocumentStore(self.path / DOCUMENTS_FILE)
+        self._wal: WriteAheadLog | None = None
         try:
             if not self._store.has_base(base_version):
+                if read_only:
+                    raise StaleOpen(f"{self.path}: base {base_version} not recorded yet")
                 adopt = base_version == 0 and self._store.applied_version < 0
                 self._record_base(base, base_version, adopt=adopt)
-            self._wal, records = open_log(self.path / WAL_FILE)
+            if read_only:
+                records = read_log(self.path / WAL_FILE)
+                # The writer publishes a new base before it cuts the log: a base unchanged
+                # after the read means the log read holds every write above it.
+                if _newest_base(self.path)[1] != base_version:
+                    raise StaleOpen(f"{self.path}: compacted while opening")
+            else:
+                self._wal, records = open_log(self.path / WAL_FILE)
             view = _View(
                 version=base_version,
                 base=base,
@@ -194,11 +222,11 @@ class LiveIndex:
             for record in records:
                 if record.version > base_version:
                     view = self._applied(view, record)
-                if record.version > applied:
+                if record.version > applied and not read_only:
                     self._store_record(record, base.manifest.max_words)
             self._view = view
         except BaseException:
-            if hasattr(self, "_wal"):
+            if self._wal is not None:
                 self._wal.close()
             self._store.close()
             base.close()
@@ -263,6 +291,19 @@ class LiveIndex:
     def segment_size(self) -> int:
         """Passages in the write segment (what a compaction folds into the base)."""
         return len(self._view.segment_passages)
+
+    @property
+    def hidden_size(self) -> int:
+        """Base rows hidden by deletes and replacements (what a compaction drops)."""
+        return len(self._view.hidden_rows)
+
+    @property
+    def dense(self) -> bool:
+        return self._view.base.dense
+
+    def check_encoder(self, encoder: Encoder) -> None:
+        """Raise ValueError unless ``encoder`` can search this index (as the base checks)."""
+        self._view.base.check_encoder(encoder)
 
     def __len__(self) -> int:
         return self._view.count
@@ -511,6 +552,8 @@ class LiveIndex:
 
     def _commit(self, ops: tuple[PutOp | DeleteOp, ...]) -> WalRecord:
         with self._write_lock:
+            if self._wal is None:
+                raise RuntimeError(f"index {self.name!r} is open read-only: not its writer")
             view = self._view
             for op in ops:
                 if isinstance(op, DeleteOp) and not self._store.contains(op.doc_id):
@@ -583,6 +626,8 @@ class LiveIndex:
         """Fold the segment and the deletions into a new base (module docstring). None when
         there is nothing to fold, or when no passage would be left (an index is never empty).
         Writes go on meanwhile; only the switch to the new base holds the write lock."""
+        if self._wal is None:
+            raise RuntimeError(f"index {self.name!r} is open read-only: not its writer")
         with self._compact_lock:
             t0 = time.monotonic()
             view = self._view
@@ -616,6 +661,7 @@ class LiveIndex:
                     hidden_rows=frozenset(r.row for r in hidden),
                     hidden_ids=frozenset(r.passage_id for r in hidden),
                 )
+                assert self._wal is not None  # checked above: a writer
                 self._wal.drop_through(view.version)
             self._store.forget_bases_before(view.version)
             # Searches still holding the old view keep its open files (unlinked, not closed).
@@ -640,7 +686,8 @@ class LiveIndex:
 
     def close(self) -> None:
         with self._write_lock:
-            self._wal.close()
+            if self._wal is not None:
+                self._wal.close()
             self._store.close()
             self._view.base.close()
 
@@ -689,6 +736,35 @@ def _bm25_statistics(base: BaseIndex) -> BaseBM25Statistics | None:
     return BaseBM25Statistics.load(
         base.path / BM25_DIR, [(i, p.title, p.text) for i, p in enumerate(sample)]
     )
+
+
+def is_live_index(path: Path) -> bool:
+    """Whether ``path`` has the live layout (a ``base-<v>`` or a template, and no top-level
+    ``manifest.json``, which marks a built index); checks names only, opens nothing."""
+    path = Path(path)
+    if not path.is_dir() or (path / MANIFEST).exists():
+        return False
+    if (path / TEMPLATE_FILE).is_file():
+        return True
+    return any(_BASE_DIR.fullmatch(d.name) and d.is_dir() for d in path.iterdir())
+
+
+def disk_stamp(path: Path) -> tuple[str, int, int, int]:
+    """What changes on disk with every write or compaction of the live index at ``path`` (its
+    newest base, its log's size, mtime and inode), for a reader to tell it is behind: a few
+    stat calls."""
+    base, _ = _newest_base(Path(path))
+    try:
+        st = (Path(path) / WAL_FILE).stat()
+    except FileNotFoundError:
+        return (base.name if base else "", -1, -1, -1)
+    return (base.name if base else "", st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def newest_base(path: Path) -> tuple[Path | None, int]:
+    """The base a live index at ``path`` opens: its newest ``base-<v>`` directory and v, or
+    (None, 0) when its ``template.json`` stands for the base."""
+    return _newest_base(Path(path))
 
 
 def _newest_base(path: Path) -> tuple[Path | None, int]:

@@ -171,13 +171,36 @@ class WriteAheadLog:
 
 def open_log(path: Path) -> tuple[WriteAheadLog, list[WalRecord]]:
     """Open (or create) the log at ``path``: its whole records in order, a torn last record
-    dropped and cut off the file."""
+    dropped and cut off the file. Only the index's writer may open it (it cuts the file)."""
     path = Path(path)
     if not path.exists():
         with open(path, "wb") as f:
             os.fsync(f.fileno())
         fsync_dir(path.parent)
     data = path.read_bytes()
+    records, spans, at = _scan(path, data)
+    if at < len(data):
+        # A torn last append: cut it off so the next append starts on a record boundary.
+        with open(path, "r+b") as f:
+            f.truncate(at)
+            f.flush()
+            os.fsync(f.fileno())
+    return WriteAheadLog(path, spans), records
+
+
+def read_log(path: Path) -> list[WalRecord]:
+    """The whole records of the log at ``path``, changing nothing: what a reader that is not
+    the writer sees (an append in progress is a torn tail, left alone); [] when absent."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return _scan(path, data)[0]
+
+
+def _scan(path: Path, data: bytes) -> tuple[list[WalRecord], list[_Span], int]:
+    """The whole records of ``data``, their spans, and where the whole records end."""
     records: list[WalRecord] = []
     spans: list[_Span] = []
     at = 0
@@ -190,13 +213,7 @@ def open_log(path: Path) -> tuple[WriteAheadLog, list[WalRecord]]:
         records.append(record)
         spans.append(_Span(record.version, at, end))
         at = end
-    if at < len(data):
-        # A torn last append: cut it off so the next append starts on a record boundary.
-        with open(path, "r+b") as f:
-            f.truncate(at)
-            f.flush()
-            os.fsync(f.fileno())
-    return WriteAheadLog(path, spans), records
+    return records, spans, at
 
 
 def _read_at(data: bytes, at: int) -> tuple[WalRecord | None, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -80,7 +81,22 @@ class ServiceMetrics:
             ["service"],
             registry=self.registry,
         )
+        self.index_version = Gauge(
+            "openbook_index_version",
+            "The version of each live index as last served or written here (it grows by one "
+            "with every acknowledged document write; 0 for a built index)",
+            ["service", "index"],
+            registry=self.registry,
+        )
         self.service = service
+
+    def set_index_version(self, index: str, version: int) -> None:
+        self.index_version.labels(self.service, index).set(version)
+
+    def forget_index(self, index: str) -> None:
+        """An index deleted: its version is no longer reported."""
+        with contextlib.suppress(KeyError):
+            self.index_version.remove(self.service, index)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpcs.labels(self.service, method, code).inc()

@@ -11,19 +11,47 @@ loading it: a loaded index can; another must pass the cheap check of its directo
 (``openbook.index.check_index``: manifest, files present at their sizes, file-list checksum)
 and must not have failed its last load (which re-hashes every file) since its files last
 changed. Listing never loads an index.
+
+Two layouts are served, both writable (issue 32):
+  * a *built* index (``manifest.json`` at its top, as ``openbook index build`` writes) is
+    served as a :class:`LoadedIndex`, exactly as before, until its first write, which adopts
+    it into the live layout in place (:meth:`IndexRegistry.writer`): the live index is made
+    beside it (``.<name>.adopting``, a copy, published whole), then, under the registry's
+    lock, the built directory is renamed away (``.<name>.retired-*``), the live one renamed
+    to ``<name>`` and opened, and its entry replaces the built one's. Requests holding the
+    built index keep it (its files are open, and its directory is removed only when its last
+    lease ends); requests arriving meanwhile wait for the lock, none fails. A crash between
+    the two renames is finished on the next start (:meth:`IndexRegistry.recover`).
+  * a *live* index (``openbook.index.live``: ``base-<v>`` or ``template.json``, no top-level
+    manifest) is served as a :class:`LiveIndex`; its identity, checks and listing are those of
+    its base (or template).
+Only the process holding a live index's writer lock (``openbook.index.writer_lock``) writes
+it; the lock is taken on the first write, and the index reopened under it (another process
+may have written since it was opened). A process that cannot take it answers UNAVAILABLE
+naming the holder.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import shutil
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from openbook.errors import FailedPrecondition, InvalidArgument, NotFound
+from openbook.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from openbook.index import (
     IndexLoadError,
     LoadedIndex,
@@ -32,6 +60,9 @@ from openbook.index import (
     open_index,
     read_index_manifest,
 )
+from openbook.index.empty_base import TEMPLATE_FILE
+from openbook.index.live import LiveIndex, LiveOptions, disk_stamp, is_live_index, newest_base
+from openbook.index.writer_lock import WriterLock, WriterLockHeld
 from openbook.limits import check_index_name
 
 log = logging.getLogger(__name__)
@@ -59,11 +90,29 @@ class IndexStatus:
         return not self.problem
 
 
+# What the registry serves: a built index as it was built, or a live one (module docstring).
+ServedIndex = LoadedIndex | LiveIndex
+
+_ADOPTING = ".{}.adopting"  # a built index's live copy, being made (adoption)
+_RETIRED = ".{}.retired-"  # a directory renamed away (adopted or deleted), removed when unused
+
+
 @dataclass
 class _Entry:
-    index: LoadedIndex
+    index: ServedIndex
     leases: int = 0
     retired: bool = False  # unloaded while leased: close when the last lease ends
+    writer: WriterLock | None = None  # held: this process writes the (live) index
+    # The directory as it was opened (_stamp); None: never reopened to catch up (a writer's).
+    stamp: tuple[object, ...] | None = None
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.index.close()
+        if self.writer is not None:
+            self.writer.release()
+        for done in self.on_close:
+            done()
 
 
 class IndexRegistry:
@@ -75,10 +124,31 @@ class IndexRegistry:
         self._loading: dict[str, threading.Lock] = {}
         # The latest load of each index: the fingerprint it saw and its error ("" if it loaded).
         self._attempts: dict[str, tuple[Fingerprint, str]] = {}
+        self._adopting: dict[str, threading.Lock] = {}
         self.active: str | None = None
+        self.recover()
         # Called with a loaded index before it becomes active; raising refuses the swap (the
         # retriever checks that some query encoder pairs with the index).
-        self.before_activate: Callable[[LoadedIndex], None] | None = None
+        self.before_activate: Callable[[ServedIndex], None] | None = None
+
+    def recover(self) -> None:
+        """Finish what a crash interrupted: an adoption renamed halfway (its built directory
+        renamed away, the live copy not yet in place) is completed; an unfinished copy and
+        directories renamed away are removed."""
+        if not self.root.is_dir():
+            return
+        for p in sorted(self.root.iterdir()):
+            if p.name.startswith(".") and p.name.endswith(".adopting") and p.is_dir():
+                name = p.name[1 : -len(".adopting")]
+                target = self.root / name
+                if not target.exists() and is_live_index(p):
+                    os.rename(p, target)
+                    log.warning("index %s: finished an interrupted adoption", name)
+                elif not _locked(self.root / f".{name}.adopt.lock"):
+                    shutil.rmtree(p, ignore_errors=True)
+        for p in self.root.iterdir():
+            if p.name.startswith(".") and ".retired-" in p.name and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
 
     # ---- discovery
     def available(self) -> list[str]:
@@ -87,7 +157,7 @@ class IndexRegistry:
         return sorted(
             p.name
             for p in self.root.iterdir()
-            if not p.name.startswith(".") and (p / MANIFEST).is_file()
+            if not p.name.startswith(".") and ((p / MANIFEST).is_file() or is_live_index(p))
         )
 
     def status(self, name: str) -> IndexStatus:
@@ -101,6 +171,9 @@ class IndexRegistry:
         manifest = None
         try:  # whatever fails here, it cannot be loaded
             check_index_name("index", name)
+            path = _checked_dir(path)
+            if path.name == TEMPLATE_FILE:  # a live index created empty: nothing to check
+                return IndexStatus(name, Manifest.from_file(path), "", verified=True)
             manifest = read_index_manifest(path, name=name)
             check_index_files(path, manifest, name=name)
         except Exception as exc:  # noqa: BLE001 - the manifest's fields, if readable, still say what it is
@@ -115,7 +188,21 @@ class IndexRegistry:
             entry = self._loaded.get(name)
             if entry is not None:
                 return entry.index.manifest
-        return Manifest.from_file(self._path(name) / MANIFEST)
+        checked = _checked_dir(self._path(name))
+        return Manifest.from_file(checked if checked.name == TEMPLATE_FILE else checked / MANIFEST)
+
+    def live_state(self, name: str) -> tuple[int, int] | None:
+        """(version, passages) of ``name`` if it is loaded and live, as this process serves it
+        now; None otherwise. Loads, leases and reopens nothing (a listing reads it)."""
+        with self._lock:
+            entry = self._loaded.get(name)
+        if entry is None or not isinstance(entry.index, LiveIndex):
+            return None
+        return entry.index.version, len(entry.index)
+
+    def is_live(self, name: str) -> bool:
+        """Whether ``name`` has the live layout (else it is a built index)."""
+        return is_live_index(self._path(name))
 
     def is_loaded(self, name: str) -> bool:
         with self._lock:
@@ -125,13 +212,13 @@ class IndexRegistry:
         # Every name, an RPC's or the active index recorded in Redis, is checked here too.
         check_index_name("index", name)
         path = self.root / name
-        if not (path / MANIFEST).is_file():
+        if not (path / MANIFEST).is_file() and not is_live_index(path):
             known = ", ".join(self.available()) or "none"
             raise NotFound(f"index: unknown index {name!r} (available: {known})")
         return path
 
     # ---- loading
-    def load(self, name: str) -> LoadedIndex:
+    def load(self, name: str) -> ServedIndex:
         """Load ``name`` (verifying it) unless already loaded. Concurrent loads share one."""
         with self._lock:
             entry = self._loaded.get(name)
@@ -147,23 +234,49 @@ class IndexRegistry:
             log.info("loading index %s from %s", name, path)
             seen = _fingerprint_of(path)
             try:
-                # Served, labelled and cached under the directory name clients asked for,
-                # never the manifest's name (a copied index keeps the name it was built as).
-                index = open_index(path, verify=True, name=name)
+                entry = _open(name, path, verify=True)
             except Exception as exc:
                 with self._lock:
                     self._attempts[name] = (seen, _described(exc))
                 raise
             with self._lock:
                 self._attempts[name] = (seen, "")
-                self._loaded[name] = _Entry(index)
+                self._loaded[name] = entry
                 self._loading.pop(name, None)
                 self._evict_idle(keep=name)
-            return index
+            return entry.index
+
+    def _behind(self, name: str, entry: _Entry) -> bool:
+        """Whether ``entry``, which this process does not write, is behind its directory:
+        another process wrote or compacted the live index, or adopted the built one."""
+        if entry.writer is not None or entry.stamp is None:
+            return False
+        try:
+            return _stamp(self.root / name) != entry.stamp
+        except OSError:  # renamed or removed meanwhile: the next lookup says what it is now
+            return False
+
+    def _catch_up(self, name: str, behind: _Entry) -> None:
+        """Serve ``name`` reopened as it is on disk now, in place of ``behind``. If it cannot
+        be opened now, ``behind`` keeps serving (and is not retried until the disk changes
+        again)."""
+        with self._gate(name):
+            with self._lock:
+                if self._loaded.get(name) is not behind:
+                    return  # caught up (or replaced) meanwhile
+            try:
+                entry = _open(name, self._path(name), verify=False)
+            except Exception as exc:  # noqa: BLE001 - a race with the writer: serve what we have
+                log.warning("index %s: cannot catch up with its directory now: %s", name, exc)
+                with suppress(OSError):
+                    behind.stamp = _stamp(self.root / name)
+                return
+            log.info("index %s caught up: %r", name, entry.index)
+            self._replace(name, entry)
 
     def _retire(self, name: str, entry: _Entry) -> None:
         if entry.leases == 0:
-            entry.index.close()
+            entry.close()
             log.info("index %s released", name)
         else:
             entry.retired = True
@@ -178,7 +291,7 @@ class IndexRegistry:
                 self._retire(name, self._loaded.pop(name))
 
     # ---- serving
-    def swap(self, name: str) -> tuple[str | None, LoadedIndex]:
+    def swap(self, name: str) -> tuple[str | None, ServedIndex]:
         """Make ``name`` active (loading it first); returns the previously active name.
 
         A corrupt or mismatched index fails to load, and one ``before_activate`` refuses
@@ -199,9 +312,9 @@ class IndexRegistry:
             log.info("active index %s -> %s", previous, name)
         return previous, index
 
-    @contextmanager
-    def lease(self, name: str | None = None) -> Iterator[LoadedIndex]:
-        """Hold ``name`` (default: the active index) for the duration of one request."""
+    def _acquire(self, name: str | None) -> tuple[str, _Entry]:
+        """A lease on ``name`` (default: the active index), loading it if need be, and
+        reopening it first if another process changed it (:meth:`_behind`)."""
         while True:
             with self._lock:
                 target = name or self.active
@@ -211,16 +324,157 @@ class IndexRegistry:
                 if entry is not None:
                     entry.leases += 1
                     self._loaded.move_to_end(target)
-                    break
-            self.load(target)  # loaded on demand, then lease it on the next pass
+            if entry is None:
+                self.load(target)  # loaded on demand, then lease it on the next pass
+            elif self._behind(target, entry):
+                self._release(target, entry)
+                self._catch_up(target, entry)
+            else:
+                return target, entry
+
+    def _release(self, name: str, entry: _Entry) -> None:
+        with self._lock:
+            entry.leases -= 1
+            if entry.retired and entry.leases == 0:
+                entry.close()
+                log.info("index %s released", name)
+
+    @contextmanager
+    def lease(self, name: str | None = None) -> Iterator[ServedIndex]:
+        """Hold ``name`` (default: the active index) for the duration of one request."""
+        target, entry = self._acquire(name)
         try:
             yield entry.index
         finally:
+            self._release(target, entry)
+
+    # ---- writing
+    @contextmanager
+    def writer(self, name: str) -> Iterator[LiveIndex]:
+        """Hold ``name`` for one write: a live index whose writer lock this process holds. A
+        built index is adopted first, a live one opened before the lock was taken is reopened
+        (module docstring); UNAVAILABLE when another process holds the lock."""
+        while True:
+            target, entry = self._acquire(name)
+            if isinstance(entry.index, LiveIndex) and entry.writer is not None:
+                break
+            self._release(target, entry)
+            if isinstance(entry.index, LiveIndex):
+                self._take_writer(target, entry)
+            else:
+                self._adopt(target)
+        try:
+            yield entry.index
+        finally:
+            self._release(target, entry)
+
+    def _gate(self, name: str) -> threading.Lock:
+        with self._lock:
+            return self._adopting.setdefault(name, threading.Lock())
+
+    def _take_writer(self, name: str, opened: _Entry) -> None:
+        """Take ``name``'s writer lock and serve it reopened under the lock."""
+        with self._gate(name):
             with self._lock:
-                entry.leases -= 1
-                if entry.retired and entry.leases == 0:
-                    entry.index.close()
-                    log.info("index %s released", target)
+                if self._loaded.get(name) is not opened:
+                    return  # replaced meanwhile (by a thread that took the lock): look again
+            path = self._path(name)
+            lock = _writer_lock(name, path)
+            try:
+                live = LiveIndex(path, LiveOptions(verify=False))  # verified when first opened
+            except BaseException:
+                lock.release()
+                raise
+            self._replace(name, _Entry(live, writer=lock))
+
+    def _adopt(self, name: str) -> None:
+        """Make the built index ``name`` a live one in place (module docstring)."""
+        with self._gate(name):
+            path = self._path(name)
+            if is_live_index(path):
+                return  # adopted meanwhile
+            # Across processes too: one adopts, the others find it live once it is done.
+            with _exclusive(self.root / f".{name}.adopt.lock"):
+                if is_live_index(path):
+                    return
+                staging = self.root / _ADOPTING.format(name)
+                shutil.rmtree(staging, ignore_errors=True)  # a crashed try's copy
+                log.info("index %s: adopting the built index into the live layout", name)
+                LiveIndex.create(staging, from_index=path).close()  # verifies the copy
+                retired = self.root / f"{_RETIRED.format(name)}{uuid.uuid4().hex[:8]}"
+                with self._lock:  # requests wait here for the switch; none fails
+                    os.rename(path, retired)
+                    os.rename(staging, path)
+                    lock: WriterLock | None = None
+                    try:
+                        lock = _writer_lock(name, path)
+                        live = LiveIndex(path, LiveOptions(verify=False))
+                    except BaseException:  # put the built index back as it was
+                        if lock is not None:
+                            lock.release()
+                        os.rename(path, staging)
+                        os.rename(retired, path)
+                        raise
+                    old = self._replace(
+                        name,
+                        _Entry(live, writer=lock),
+                        lambda: _discard(retired),
+                    )
+                if old is None:
+                    _discard(retired)
+            log.info("index %s adopted: %r", name, live)
+
+    def _replace(
+        self, name: str, entry: _Entry, after_old: Callable[[], None] | None = None
+    ) -> _Entry | None:
+        """Serve ``entry`` as ``name``; the entry it replaces is retired (returned), and
+        ``after_old`` runs once that one is closed (at once if it is not leased)."""
+        with self._lock:
+            old = self._loaded.pop(name, None)
+            self._loaded[name] = entry
+            self._attempts.pop(name, None)
+            if old is not None:
+                if after_old is not None:
+                    old.on_close.append(after_old)
+                self._retire(name, old)
+            self._evict_idle(keep=name)
+            return old
+
+    def create(self, name: str, template: Manifest) -> None:
+        """A new live index ``name`` with no documents (``LiveIndex.create_empty``);
+        ALREADY_EXISTS when the name is taken."""
+        check_index_name("name", name)
+        path = self.root / name
+        with self._gate(name):
+            if path.exists():
+                raise AlreadyExists(f"name: index {name!r} exists already")
+            try:
+                LiveIndex.create_empty(path, template).close()
+            except FileExistsError:
+                raise AlreadyExists(f"name: index {name!r} exists already") from None
+        log.info("index %s created empty (%s)", name, template.index_type)
+
+    def delete(self, name: str) -> None:
+        """Remove the index ``name`` (never the active one: FAILED_PRECONDITION). Requests
+        holding it finish first: its directory is renamed away at once and removed when its
+        last lease ends."""
+        with self._gate(name):
+            path = self._path(name)
+            retired = self.root / f"{_RETIRED.format(name)}{uuid.uuid4().hex[:8]}"
+            with self._lock:
+                if name == self.active:
+                    raise FailedPrecondition(
+                        f"name: index {name!r} is active; swap to another index first"
+                    )
+                os.rename(path, retired)
+                entry = self._loaded.pop(name, None)
+                self._attempts.pop(name, None)
+                if entry is not None:
+                    entry.on_close.append(lambda: _discard(retired))
+                    self._retire(name, entry)
+            if entry is None:
+                _discard(retired)
+        log.info("index %s deleted", name)
 
     def close(self) -> None:
         with self._lock:
@@ -242,9 +496,94 @@ def _fingerprint(path: Path, manifest: Manifest) -> Fingerprint:
     return tuple(stamps)
 
 
+def _checked_dir(path: Path) -> Path:
+    """What identifies the index at ``path``: the directory itself for a built index, its
+    newest base for a live one, or the template file of a live one created empty."""
+    if (path / MANIFEST).is_file() or not is_live_index(path):
+        return path
+    base, _ = newest_base(path)
+    return base if base is not None else path / TEMPLATE_FILE
+
+
+def _discard(path: Path) -> None:
+    """Remove a directory renamed away, in the background: it may be large, and this runs
+    where an index is closed, under the registry's lock."""
+    threading.Thread(
+        target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, daemon=True
+    ).start()
+
+
+def _open(name: str, path: Path, *, verify: bool) -> _Entry:
+    """Open the index directory ``path`` served as ``name``. A live index is opened as its
+    writer when its writer lock is free (taken), else read-only, to be caught up later."""
+    if not is_live_index(path):
+        stamp = _stamp(path)
+        # Served, labelled and cached under the directory name clients asked for, never the
+        # manifest's (a copied index keeps the name it was built as).
+        return _Entry(open_index(path, verify=verify, name=name), stamp=stamp)
+    try:
+        lock = WriterLock(path)
+    except WriterLockHeld:
+        stamp = _stamp(path)  # before opening: a write meanwhile makes it behind, never lost
+        live = LiveIndex(path, LiveOptions(verify=verify, read_only=True))
+        return _Entry(live, stamp=stamp)
+    try:
+        return _Entry(LiveIndex(path, LiveOptions(verify=verify)), writer=lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _stamp(path: Path) -> tuple[object, ...]:
+    """What a reader compares to tell its open index is behind the directory: a built index
+    is current while its manifest is there (it is replaced only by adoption); a live one while
+    its newest base and its log are unchanged."""
+    if (path / MANIFEST).is_file():
+        return ("built",)
+    return ("live", *disk_stamp(path))
+
+
+def _writer_lock(name: str, path: Path) -> WriterLock:
+    try:
+        return WriterLock(path)
+    except WriterLockHeld as exc:
+        raise Unavailable(
+            f"index {name!r}: another retriever ({exc.holder or 'unknown'}) holds its writer "
+            "lock; send writes to that replica"
+        ) from None
+
+
+@contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """A blocking exclusive flock on ``lock_file`` for the block."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _locked(lock_file: Path) -> bool:
+    """Whether another process holds ``lock_file`` (an adoption in progress)."""
+    if not lock_file.exists():
+        return False
+    fd = os.open(lock_file, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def _fingerprint_of(path: Path) -> Fingerprint:
     """The fingerprint of ``path`` before a load; empty when its manifest is unreadable."""
     try:
+        path = _checked_dir(path)
+        if path.name == TEMPLATE_FILE:
+            return ()
         return _fingerprint(path, Manifest.from_file(path / MANIFEST))
     except Exception:  # noqa: BLE001 - unreadable: the load fails and says why
         return ()

@@ -30,6 +30,7 @@ from openbook.shared_state import (
     replica_metrics,
 )
 from openbook.v1 import retriever_pb2_grpc
+from openbook_retriever.documents import NewIndexDefaults
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.servicer import RetrieverServicer
 from openbook_retriever.settings import RetrieverSettings
@@ -98,6 +99,8 @@ def load(
         max_batch_wait_ms=settings.max_batch_wait_ms,
         max_queue=settings.max_queue,
         compute_threads=ComputeThreadsOptions(setting=settings.compute_threads),
+        compact_passages=settings.compact_passages,
+        new_index=NewIndexDefaults(settings.new_index_encoder, settings.new_index_type),
     )
 
     # The active index survives restarts and is agreed between replicas through Redis;

@@ -8,7 +8,15 @@ holds its lease until its result is back, so a swap never closes an index under 
 
 Each RPC checks its proto request once, at the top, against ``openbook.limits`` (the limits
 the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest` that
-everything behind it trusts. Anything else that fails is a bug here, and answers INTERNAL.
+everything behind it trusts, the documents RPCs into the typed requests of
+:mod:`openbook_retriever.documents`. Anything else that fails is a bug here, and answers
+INTERNAL.
+
+Document writes run on the gRPC worker thread that took the call (never the batch thread, so
+searches go on), and return once their log record is fsynced: the reply's ``version`` and
+every later ``Retrieve`` include the write. ``RetrieveResponse.index_version`` is the version
+of the live index when the search started: the passages reflect at least that version (0 for
+a built index, which takes no writes until adopted).
 """
 
 from __future__ import annotations
@@ -22,14 +30,18 @@ import numpy as np
 
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
-from openbook.errors import FailedPrecondition, InvalidArgument, client_errors
-from openbook.index import Encoder, IndexLoadError, LoadedIndex
+from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
+from openbook.index import Encoder, IndexLoadError
 from openbook.index.checkpoint import load_query_encoder
+from openbook.index.empty_base import template_for, template_of
+from openbook.index.encoders import DEFAULT_ENCODER, load_encoder
+from openbook.index.live import LiveIndex
 from openbook.index.pairing import (
     QueryEncoderOverride,
     checkpoint_override,
     configured_override,
 )
+from openbook.index.spec import IndexSpec
 from openbook.limits import (
     MAX_K,
     MAX_QUERIES,
@@ -46,7 +58,16 @@ from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import ActiveIndexStore, publish_model_version
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
-from openbook_retriever.registry import IndexRegistry
+from openbook_retriever.compactor import BackgroundCompactor
+from openbook_retriever.documents import (
+    NewIndexDefaults,
+    document_to_proto,
+    validate_create_index,
+    validate_document_ref,
+    validate_list_documents,
+    validate_put_documents,
+)
+from openbook_retriever.registry import IndexRegistry, ServedIndex
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +112,7 @@ def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRe
     )
 
 
-def retrieval_for(valid: ValidRetrieveRequest, index: LoadedIndex) -> str:
+def retrieval_for(valid: ValidRetrieveRequest, index: ServedIndex) -> str:
     """The retrieval mode that serves ``valid`` on ``index``: the request's, else the index's
     default; :class:`InvalidArgument` naming ``retrieval`` (or ``return_vectors``) when the index
     cannot serve it as asked. Checked here, before the batch: the index's own ValueError for a
@@ -118,7 +139,7 @@ class PairingError(FailedPrecondition, ValueError):
 class _Search:
     """One Retrieve call waiting to be batched."""
 
-    index: LoadedIndex
+    index: ServedIndex
     encoder: Encoder | None  # None: the index's own query encoder (or none: bm25)
     queries: list[str]
     k: int
@@ -201,11 +222,18 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         max_batch_wait_ms: float = 2.0,
         max_queue: int = 256,
         compute_threads: ComputeThreadsOptions | None = None,
+        compact_passages: int = 10_000,
+        new_index: NewIndexDefaults | None = None,
     ) -> None:
         """``compute_threads``: how the batch thread sizes its torch (and faiss) threads
-        (:mod:`openbook.compute_threads`); None: torch's default, untouched."""
+        (:mod:`openbook.compute_threads`); None: torch's default, untouched.
+        ``compact_passages``: the write segment (or hidden rows) that starts a compaction;
+        ``new_index``: what CreateIndex makes without ``like`` (default: the default encoder,
+        flat)."""
         self.checkpoint_root = checkpoint_root
         self.registry = registry
+        self.compactor = BackgroundCompactor(registry, compact_passages)
+        self.new_index = new_index or NewIndexDefaults(DEFAULT_ENCODER, "flat")
         self.metrics = metrics
         self.encoder_version = ""  # a checkpoint's version once one is loaded
         self.shared = shared
@@ -251,6 +279,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
 
     def close(self) -> None:
         self.batcher.close()
+        self.compactor.wait()
 
     @property
     def query_encoder(self) -> Encoder | None:
@@ -263,7 +292,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             return self.encoder_version
         return self.query_encoder.name if self.query_encoder is not None else "index-default"
 
-    def _pairing(self, index: LoadedIndex) -> tuple[Encoder | None, str]:
+    def _pairing(self, index: ServedIndex) -> tuple[Encoder | None, str]:
         """The encoder to search ``index`` with (None: its own, or bm25) and the model
         version that names it: the override only where it pairs with the index."""
         override = self.override
@@ -273,7 +302,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             return override.encoder, override.version
         return None, "index-default"
 
-    def _check_pairing(self, index: LoadedIndex) -> None:
+    def _check_pairing(self, index: ServedIndex) -> None:
         """Refuse to activate a dense index that neither the override pairs with nor its own
         query encoder can search (the registry's ``before_activate``)."""
         if not index.dense:
@@ -297,12 +326,15 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         valid = validate_retrieve(request)
         with self.registry.lease(valid.index) as index:
             retrieval = retrieval_for(valid, index)
-            encoder, version = self._pairing(index)
+            encoder, model_version = self._pairing(index)
             search = _Search(
                 index, encoder, list(valid.queries), valid.k, valid.return_vectors, retrieval
             )
+            # Read before the search: every write acknowledged by then is in its results.
+            version = index.version if isinstance(index, LiveIndex) else 0
             results = self.batcher.submit(search, timeout_s=time_remaining(context))
             name = index.name
+        self._record_version(name, version)
         return retriever_pb2.RetrieveResponse(
             results=[
                 retriever_pb2.QueryResult(
@@ -311,11 +343,12 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                 for passages in results
             ],
             index=name,
-            model_version=version,
+            model_version=model_version,
             retrieval=retrieval,
+            index_version=version,
         )
 
-    def _search(self, index: LoadedIndex, queries: list[str], k: int, vectors: bool):
+    def _search(self, index: ServedIndex, queries: list[str], k: int, vectors: bool):
         """Search ``index`` through the batch thread, as a request would (the warm-up: so that
         the thread that will encode has its kernels warm and its compute threads sized)."""
         encoder, _ = self._pairing(index)
@@ -414,7 +447,15 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             info.score_scale = float(m.score_scale)
             info.views.extend(m.views)
             info.default_retrieval = default_retrieval(tuple(m.views))
+        self._live_info(name, info)
         return info
+
+    def _live_info(self, name: str, info: retriever_pb2.IndexInfo) -> None:
+        """A loaded live index's version and passage count (else: the base's count and
+        version 0; listing never loads an index to read its log)."""
+        state = self.registry.live_state(name)
+        if state is not None:
+            info.version, info.count = state
 
     def ListIndexes(self, request, context):
         # Every index directory, an unloadable one too, saying why (registry.status).
@@ -432,6 +473,75 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             self._record_active()
         return retriever_pb2.SwapIndexResponse(
             previous=previous or "", active=name, info=self._info(name)
+        )
+
+    # ---- documents (issue 32)
+    def CreateIndex(self, request, context):
+        valid = validate_create_index(request)
+        if valid.like is None:
+            spec = IndexSpec(
+                name=valid.name,
+                index_type=valid.index_type or self.new_index.index_type,
+                encoder=self.new_index.encoder,
+            )
+            encoder = load_encoder(spec.encoder, role="document") if spec.dense else None
+            template = template_for(spec, encoder)
+        else:
+            try:
+                manifest = self.registry.manifest(valid.like)
+            except NotFound:
+                raise NotFound(f"like: unknown index {valid.like!r}") from None
+            try:
+                template = template_of(manifest, name=valid.name, index_type=valid.index_type)
+            except ValueError as exc:
+                raise InvalidArgument(f"type: {exc}") from None
+        self.registry.create(valid.name, template)
+        return self._info(valid.name)
+
+    def DeleteIndex(self, request, context):
+        name = check_index_name("name", request.name)
+        self.registry.delete(name)
+        if self.metrics is not None:
+            self.metrics.forget_index(name)
+        return retriever_pb2.DeleteIndexResponse(name=name)
+
+    def _record_version(self, index: str, version: int) -> None:
+        if self.metrics is not None:
+            self.metrics.set_index_version(index, version)
+
+    def PutDocuments(self, request, context):
+        valid = validate_put_documents(request)
+        with self.registry.writer(valid.index) as live:
+            result = live.put_many(valid.documents)
+            self.compactor.after_write(valid.index, live)
+        self._record_version(valid.index, result.version)
+        return retriever_pb2.WriteResponse(
+            index=valid.index,
+            version=result.version,
+            passages=[len(result.passages[doc.id]) for doc in valid.documents],
+        )
+
+    def DeleteDocument(self, request, context):
+        ref = validate_document_ref(request)
+        with self.registry.writer(ref.index) as live:
+            result = live.delete(ref.id)
+            self.compactor.after_write(ref.index, live)
+        self._record_version(ref.index, result.version)
+        return retriever_pb2.WriteResponse(index=ref.index, version=result.version)
+
+    def GetDocument(self, request, context):
+        ref = validate_document_ref(request)
+        with self.registry.lease(ref.index) as index:
+            return document_to_proto(_live(index).get(ref.id))
+
+    def ListDocuments(self, request, context):
+        valid = validate_list_documents(request)
+        with self.registry.lease(valid.index) as index:
+            live = _live(index)
+            version = live.version  # before the page: the page holds at least this version
+            page = live.list(valid.cursor, valid.limit)
+        return retriever_pb2.ListDocumentsResponse(
+            ids=list(page.ids), next_cursor=page.next_cursor or "", version=version
         )
 
     def follow_shared_active(self) -> None:
@@ -469,3 +579,13 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def _record_active(self) -> None:
         if self.metrics is not None and self.registry.active:
             self.metrics.set_serving("index", self.registry.active)
+
+
+def _live(index: ServedIndex) -> LiveIndex:
+    """``index`` as a live index; a built one has no documents to read until adopted."""
+    if isinstance(index, LiveIndex):
+        return index
+    raise FailedPrecondition(
+        f"index {index.name!r} is a built index and keeps no documents until it is live: "
+        "its first document write adopts it"
+    )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from openbook.index.encoders import DEFAULT_ENCODER
+from openbook.index.spec import INDEX_TYPES
 from openbook.settings import GrpcServiceSettings, OptionalPath, shared
 
 
@@ -34,3 +36,17 @@ class RetrieverSettings(GrpcServiceSettings):
     max_batch_size: int = Field(default=32, ge=1)
     max_batch_wait_ms: float = Field(default=2.0, ge=0)
     max_queue: int = Field(default=64, ge=1)
+    # Compact a live index in the background once its write segment or its hidden base rows
+    # (deleted and replaced documents) reach this many passages.
+    compact_passages: int = Field(default=10_000, ge=1)
+    # What CreateIndex makes when the request names no index to be ``like``: a document
+    # encoder (a name or directory; the query encoder is the same) and an index type.
+    new_index_encoder: str = DEFAULT_ENCODER
+    new_index_type: str = "flat"
+
+    @field_validator("new_index_type")
+    @classmethod
+    def _known_index_type(cls, value: str) -> str:
+        if value not in INDEX_TYPES:
+            raise ValueError(f"must be one of {', '.join(INDEX_TYPES)}, got {value!r}")
+        return value
