@@ -11,6 +11,10 @@ What replicas agree on through Redis, and who writes / reads it:
   gateway's ``POST /admin/reload-model``, followed by every retriever and generator replica;
 - each replica's state (JSON under ``replica_key(service, replica)``, with a TTL): written by
   the replica, listed by the gateway;
+- each index's version (sorted set ``INDEX_VERSIONS_KEY``: member ``index_version_member(index,
+  shard)``, score the version; only ever raised): written by the retriever that acknowledged a
+  document write (:func:`openbook.shared_state.publish_index_version`), read by the gateway
+  (part of the answer-cache key);
 - cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's.
 
 Invariants: this module does no I/O and imports no Redis client; the sync half
@@ -124,6 +128,40 @@ def decode_replica_state(raw: str | bytes | None) -> dict[str, Any] | None:
     except ValueError:
         return None
     return state if isinstance(state, dict) else None
+
+
+# --- each index's version -------------------------------------------------------------------
+#
+# An index's version grows by one with every acknowledged document write. The gateway looks a
+# cached answer up before it retrieves, so it must know the version then: the retriever that
+# acknowledged a write publishes it here, and the answer-cache key holds it, so no cached answer
+# outlives the knowledge it came from. A sorted set, so a publish is one ``ZADD GT`` (only ever
+# raising a version: two writers publishing out of order cannot move it back; scripts are not
+# in the ACL). A sharded index's shards publish each under their own member; its version is
+# the sum of theirs (every write lands in one shard and raises it by one).
+
+INDEX_VERSIONS_KEY = "openbook:index-versions"
+# Separates an index's name from its shard's label in a member (neither can hold it).
+SHARD_SEPARATOR = "|"
+
+
+def index_version_member(index: str, shard: str = "") -> str:
+    """The member of :data:`INDEX_VERSIONS_KEY` that holds ``index``'s version on ``shard``
+    (``""``: an unsharded index)."""
+    return f"{index}{SHARD_SEPARATOR}{shard}" if shard else index
+
+
+def index_version_of(index: str, entries: Mapping[str, float]) -> int:
+    """``index``'s version from :data:`INDEX_VERSIONS_KEY`'s ``entries`` (member -> score):
+    the sum over its shards (0 when none published one)."""
+    prefix = index + SHARD_SEPARATOR
+    return int(
+        sum(
+            score
+            for member, score in entries.items()
+            if member == index or member.startswith(prefix)
+        )
+    )
 
 
 # --- cached answers -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from redis.typing import EncodableT
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
     DESIRED_MODEL_KEY,
+    INDEX_VERSIONS_KEY,
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
     REPLICA_KEY_PATTERN,
@@ -38,14 +39,18 @@ def async_redis_client(options: RedisOptions) -> aioredis.Redis:
     return aioredis.Redis.from_url(options.url, **options.client_kwargs())
 
 
-async def read_serving(client: aioredis.Redis, sealer: Sealer) -> tuple[str | None, dict[str, str]]:
-    """The active index (None: unknown, or not genuine) and the model versions the services
-    announced, read together."""
+async def read_serving(
+    client: aioredis.Redis, sealer: Sealer
+) -> tuple[str | None, dict[str, str], dict[str, float]]:
+    """The active index (None: unknown, or not genuine), the model versions the services
+    announced and the index versions they published (``INDEX_VERSIONS_KEY``'s members and
+    scores: read one index's with ``redis_protocol.index_version_of``), read together."""
     async with client.pipeline(transaction=False) as pipe:
         pipe.get(ACTIVE_INDEX_KEY)
         pipe.hgetall(MODEL_VERSIONS_KEY)
-        index, versions = await pipe.execute()
-    return open_active_index(sealer, index), versions
+        pipe.zrange(INDEX_VERSIONS_KEY, 0, -1, withscores=True)
+        index, versions, index_versions = await pipe.execute()
+    return open_active_index(sealer, index), versions, dict(index_versions)
 
 
 async def read_answer(client: aioredis.Redis, sealer: Sealer, key: str) -> dict[str, Any] | None:
