@@ -1,0 +1,434 @@
+"""The documents API through the gateway (issue 32), against an in-memory retriever that keeps
+the retriever's contract (openbook_testkit.fake_retriever), the real generator and a real Redis.
+
+What is checked: every route's reply and status; writes need the admin token; every bad input
+is a 4xx naming the field, refused before the retriever sees it; the retriever's gRPC codes map
+to their HTTP statuses; answers report the index's version; a write invalidates a cached
+answer (by the version the retriever publishes in Redis, and by the gateway's own memory of
+its writes when Redis has none).
+"""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from openbook.limits import (
+    MAX_BATCH_DOCUMENTS,
+    MAX_DOCUMENT_ID_CHARS,
+    MAX_DOCUMENT_TEXT_CHARS,
+    MAX_DOCUMENT_TITLE_CHARS,
+    MAX_METADATA_KEYS,
+)
+from openbook.redis_protocol import INDEX_VERSIONS_KEY
+from openbook_gateway.app import create_app
+from openbook_gateway.settings import GatewaySettings
+from openbook_testkit.fake_retriever import FakeRetriever, fake_retriever
+from openbook_testkit.rag import make_tiny_bart
+
+TOKEN = "documents-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+HAMLET = {
+    "title": "Hamlet",
+    "text": "Hamlet is a tragedy written by William Shakespeare around 1600.",
+    "metadata": {"source": "encyclopedia", "year": 1600, "checked": True, "score": 0.5},
+}
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory, redis_server):
+    """The real generator (a tiny random BART) on a free loopback port: its address."""
+    from openbook_generator.server import build as build_generator
+    from openbook_generator.settings import GeneratorSettings
+
+    workdir = tmp_path_factory.mktemp("generator")
+    settings = GeneratorSettings(
+        host="127.0.0.1",
+        port=0,
+        model=make_tiny_bart(workdir / "tiny-bart"),
+        redis_url=redis_server.url,
+        checkpoint_dir=workdir / "checkpoints",
+        admin_token=TOKEN,
+    )
+    server, servicer = build_generator(settings)
+    server.set_serving(True)
+    server.start()
+    try:
+        yield f"127.0.0.1:{server.port}"
+    finally:
+        server.stop(0)
+        servicer.close()
+
+
+@pytest.fixture(scope="module")
+def retriever(redis_server):
+    with fake_retriever(TOKEN, redis=redis_server.client()) as running:
+        yield running
+
+
+def settings_for(retriever, generator, redis_url: str, **overrides) -> GatewaySettings:
+    return GatewaySettings(
+        **{
+            "retriever_addr": retriever.addr,
+            "generator_addr": generator,
+            "redis_url": redis_url,
+            "admin_token": TOKEN,
+            **overrides,
+        }
+    )
+
+
+@pytest.fixture
+def servicer(retriever) -> FakeRetriever:
+    fresh = FakeRetriever("live", retriever.servicer.redis)
+    retriever.servicer.__dict__.update(fresh.__dict__)  # every test starts from one empty index
+    return retriever.servicer
+
+
+@pytest.fixture
+def client(retriever, generator, redis_url, servicer):
+    with TestClient(create_app(settings_for(retriever, generator, redis_url))) as client:
+        yield client
+
+
+def put(client, doc_id: str, body: dict, index: str = "live", headers=AUTH):
+    return client.put(f"/indexes/{index}/documents/{doc_id}", json=body, headers=headers)
+
+
+# --- the routes -----------------------------------------------------------------------------
+
+
+def test_put_get_list_delete_a_document(client):
+    reply = put(client, "hamlet", HAMLET)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"index": "live", "id": "hamlet", "passages": 1, "version": 1}
+
+    got = client.get("/indexes/live/documents/hamlet")
+    assert got.status_code == 200, got.text
+    assert got.json() == {
+        "index": "live",
+        "id": "hamlet",
+        "title": HAMLET["title"],
+        "text": HAMLET["text"],
+        "metadata": HAMLET["metadata"],
+        "passage_ids": ["hamlet#0"],
+    }
+
+    long_text = " ".join(f"word{i}" for i in range(250))  # the paper's 100-word passages: 3
+    replaced = put(client, "hamlet", {"title": "Hamlet", "text": long_text})
+    assert replaced.json() == {"index": "live", "id": "hamlet", "passages": 3, "version": 2}
+    assert client.get("/indexes/live/documents/hamlet").json()["metadata"] == {}
+
+    listed = client.get("/indexes/live/documents")
+    assert listed.json() == {"index": "live", "ids": ["hamlet"], "next_cursor": None, "version": 2}
+
+    deleted = client.delete("/indexes/live/documents/hamlet", headers=AUTH)
+    assert deleted.status_code == 200, deleted.text
+    assert deleted.json() == {"version": 3}
+    assert client.get("/indexes/live/documents/hamlet").status_code == 404
+    again = client.delete("/indexes/live/documents/hamlet", headers=AUTH)
+    assert again.status_code == 404
+    assert "hamlet" in again.json()["detail"]
+
+
+def test_a_batch_is_one_version(client):
+    documents = [
+        {"id": f"doc-{i}", "title": f"Doc {i}", "text": f"text number {i}"} for i in range(5)
+    ]
+    reply = client.post(
+        "/indexes/live/documents:batch", json={"documents": documents}, headers=AUTH
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"index": "live", "version": 1, "passages": [1, 1, 1, 1, 1]}
+
+
+def test_listing_pages_through_the_ids(client):
+    documents = [{"id": f"d{i:02}", "title": "", "text": "some words"} for i in range(7)]
+    client.post("/indexes/live/documents:batch", json={"documents": documents}, headers=AUTH)
+    seen, cursor = [], ""
+    while True:
+        page = client.get("/indexes/live/documents", params={"cursor": cursor, "limit": 3})
+        assert page.status_code == 200, page.text
+        seen += page.json()["ids"]
+        cursor = page.json()["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [f"d{i:02}" for i in range(7)]
+
+
+def test_create_and_delete_an_index(client):
+    created = client.post("/indexes", json={"name": "notes", "type": "hnsw"}, headers=AUTH)
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert (body["name"], body["index_type"], body["version"], body["count"]) == (
+        "notes",
+        "hnsw",
+        0,
+        0,
+    )
+    like = client.post("/indexes", json={"name": "notes-2", "like": "notes"}, headers=AUTH)
+    assert like.json()["index_type"] == "hnsw"
+    assert client.post("/indexes", json={"name": "notes"}, headers=AUTH).status_code == 409
+    unknown_like = client.post("/indexes", json={"name": "x", "like": "nope"}, headers=AUTH)
+    assert unknown_like.status_code == 404
+
+    put(client, "a", HAMLET, index="notes")
+    listed = {i["name"]: i for i in client.get("/indexes").json()["indexes"]}
+    assert listed["notes"]["version"] == 1 and listed["live"]["version"] == 0
+    assert 'openbook_index_version{index="notes"} 1.0' in client.get("/metrics").text
+
+    assert client.delete("/indexes/notes", headers=AUTH).json() == {"name": "notes"}
+    assert client.delete("/indexes/notes", headers=AUTH).status_code == 404
+    active = client.delete("/indexes/live", headers=AUTH)
+    assert active.status_code == 409
+    assert "active" in active.json()["detail"]
+
+
+def test_unknown_index_is_404(client):
+    assert put(client, "a", HAMLET, index="nope").status_code == 404
+    assert client.get("/indexes/nope/documents/a").status_code == 404
+    assert client.get("/indexes/nope/documents").status_code == 404
+
+
+def test_the_retrievers_refusal_of_a_type_is_422_naming_it(client):
+    reply = client.post("/indexes", json={"name": "odd", "type": "annoy"}, headers=AUTH)
+    assert reply.status_code == 422
+    assert "type" in reply.json()["detail"]
+
+
+def test_a_retriever_that_is_down_is_503(retriever, generator, redis_url, servicer):
+    settings = settings_for(retriever, generator, redis_url, retriever_addr="127.0.0.1:9")
+    with TestClient(create_app(settings)) as client:
+        reply = put(client, "a", HAMLET)
+    assert reply.status_code == 503
+    assert "unavailable" in reply.json()["detail"]
+
+
+# --- auth -----------------------------------------------------------------------------------
+
+WRITES = [
+    ("post", "/indexes", {"name": "new"}),
+    ("delete", "/indexes/live", None),
+    ("put", "/indexes/live/documents/a", HAMLET),
+    ("post", "/indexes/live/documents:batch", {"documents": [{**HAMLET, "id": "a"}]}),
+    ("delete", "/indexes/live/documents/a", None),
+]
+
+
+@pytest.mark.parametrize("method,path,body", WRITES)
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+def test_writes_need_the_admin_token(client, servicer, method, path, body, headers):
+    reply = client.request(method, path, json=body, headers=headers)
+    assert reply.status_code == 401
+    assert servicer.calls == []  # refused before the retriever
+
+
+def test_writes_are_off_without_an_admin_token(retriever, generator, redis_url, servicer):
+    settings = settings_for(retriever, generator, redis_url, admin_token=None)
+    with TestClient(create_app(settings)) as client:
+        reply = put(client, "a", HAMLET)
+    assert reply.status_code == 401
+    assert "disabled" in reply.json()["detail"]
+
+
+def test_reads_are_open(client):
+    put(client, "a", HAMLET)
+    assert client.get("/indexes/live/documents/a").status_code == 200
+    assert client.get("/indexes/live/documents").status_code == 200
+
+
+# --- bad input: a 4xx naming the field, the retriever never asked ----------------------------
+
+
+def _named(reply, field: str) -> bool:
+    detail = reply.json()["detail"]
+    return any(field in [str(part) for part in err["loc"]] or field in err["msg"] for err in detail)
+
+
+BAD_DOCUMENTS = [
+    ("empty text", {"title": "t", "text": ""}, "text"),
+    ("blank text", {"title": "t", "text": " \n\t "}, "text"),
+    ("oversize text", {"title": "t", "text": "a" * (MAX_DOCUMENT_TEXT_CHARS + 1)}, "text"),
+    ("text with NUL", {"title": "t", "text": "a\x00b"}, "text"),
+    ("missing text", {"title": "t"}, "text"),
+    ("text not a string", {"title": "t", "text": 5}, "text"),
+    ("oversize title", {"title": "t" * (MAX_DOCUMENT_TITLE_CHARS + 1), "text": "x"}, "title"),
+    ("missing title", {"text": "x"}, "title"),
+    ("title with a newline", {"title": "a\nb", "text": "x"}, "title"),
+    ("nested metadata", {**HAMLET, "metadata": {"a": {"b": 1}}}, "metadata"),
+    ("list in metadata", {**HAMLET, "metadata": {"a": [1, 2]}}, "metadata"),
+    ("metadata not a map", {**HAMLET, "metadata": [1]}, "metadata"),
+    ("empty metadata key", {**HAMLET, "metadata": {"": 1}}, "metadata"),
+    (
+        "too many metadata keys",
+        {**HAMLET, "metadata": {f"k{i}": i for i in range(MAX_METADATA_KEYS + 1)}},
+        "metadata",
+    ),
+    ("unknown field", {**HAMLET, "colour": "red"}, "colour"),
+]
+
+
+@pytest.mark.parametrize("case,body,field", BAD_DOCUMENTS, ids=[c[0] for c in BAD_DOCUMENTS])
+def test_a_bad_document_is_422_naming_the_field(client, servicer, case, body, field):
+    reply = put(client, "a", body)
+    assert reply.status_code in (413, 422), reply.text
+    if reply.status_code == 422:
+        assert _named(reply, field), reply.text
+    assert servicer.calls == []
+
+
+def test_non_finite_metadata_is_refused(client, servicer):
+    body = b'{"title": "t", "text": "x", "metadata": {"a": NaN}}'
+    reply = client.put(
+        "/indexes/live/documents/a",
+        content=body,
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    assert reply.status_code == 422 and _named(reply, "metadata"), reply.text
+    assert servicer.calls == []
+
+
+BAD_IDS = [
+    ("a slash", "a/b"),
+    ("an encoded slash", "a%2Fb"),
+    ("too long", "x" * (MAX_DOCUMENT_ID_CHARS + 1)),
+    ("a NUL", "a%00b"),
+    ("blank", "%20"),
+]
+
+
+@pytest.mark.parametrize("case,doc_id", BAD_IDS, ids=[c[0] for c in BAD_IDS])
+def test_a_bad_id_in_the_path_is_422_naming_doc_id(client, servicer, case, doc_id):
+    for reply in (
+        client.put(f"/indexes/live/documents/{doc_id}", json=HAMLET, headers=AUTH),
+        client.get(f"/indexes/live/documents/{doc_id}"),
+        client.delete(f"/indexes/live/documents/{doc_id}", headers=AUTH),
+    ):
+        assert reply.status_code == 422, reply.text
+        assert _named(reply, "doc_id"), reply.text
+    assert servicer.calls == []
+
+
+@pytest.mark.parametrize(
+    "documents,field",
+    [
+        ([], "documents"),
+        ([{**HAMLET, "id": "a/b"}], "id"),
+        ([{**HAMLET, "id": ""}], "id"),
+        ([{**HAMLET, "id": "a"}, {**HAMLET, "id": "a"}], "documents"),
+        ([{**HAMLET, "id": "a"}, {"id": "b", "title": "t", "text": ""}], "text"),
+        ([{**HAMLET, "id": str(i)} for i in range(MAX_BATCH_DOCUMENTS + 1)], "documents"),
+    ],
+    ids=["empty", "slash", "blank id", "duplicate", "one bad", "too many"],
+)
+def test_a_bad_batch_is_422_naming_the_field(client, servicer, documents, field):
+    reply = client.post(
+        "/indexes/live/documents:batch", json={"documents": documents}, headers=AUTH
+    )
+    assert reply.status_code == 422, reply.text
+    assert _named(reply, field), reply.text
+    assert servicer.calls == []
+    assert client.get("/indexes/live/documents").json()["ids"] == []  # nothing written
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"name": "bad name"}, "name"),
+        ({"name": "-x"}, "name"),
+        ({"name": "ok", "like": "a/b"}, "like"),
+        ({"name": "ok", "type": "FLAT!"}, "type"),
+        ({}, "name"),
+    ],
+)
+def test_a_bad_create_is_422_naming_the_field(client, servicer, body, field):
+    reply = client.post("/indexes", json=body, headers=AUTH)
+    assert reply.status_code == 422, reply.text
+    assert _named(reply, field), reply.text
+    assert servicer.calls == []
+
+
+@pytest.mark.parametrize(
+    "params,field",
+    [({"limit": 0}, "limit"), ({"limit": 100000}, "limit"), ({"cursor": "a/b"}, "cursor")],
+)
+def test_a_bad_listing_is_422_naming_the_parameter(client, servicer, params, field):
+    reply = client.get("/indexes/live/documents", params=params)
+    assert reply.status_code == 422 and _named(reply, field), reply.text
+    assert servicer.calls == []
+
+
+def test_a_bad_index_name_in_the_path_is_422(client, servicer):
+    reply = put(client, "a", HAMLET, index="-bad")
+    assert reply.status_code == 422 and _named(reply, "index"), reply.text
+    assert servicer.calls == []
+
+
+# --- versions in answers, and the answer cache ------------------------------------------------
+
+
+def ask(client, question: str = "Who wrote Hamlet?") -> dict:
+    reply = client.post("/answer", json={"question": question, "k": 1})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_answers_report_the_index_version(client):
+    put(client, "hamlet", HAMLET)
+    answer = ask(client)
+    assert (answer["index"], answer["index_version"]) == ("live", 1)
+    assert answer["passages"][0]["id"] == "hamlet#0"
+
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"model": "openbook", "messages": [{"role": "user", "content": "Who wrote Hamlet?"}]},
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["openbook"]["index_version"] == 1
+
+    streamed = client.post(
+        "/answer", json={"question": "Who wrote Hamlet?", "k": 1, "stream": True}
+    )
+    assert streamed.status_code == 200
+    final = [line for line in streamed.text.splitlines() if line.startswith("data:")][-1]
+    assert '"index_version":1' in final.replace(" ", "")
+
+
+def test_a_write_invalidates_a_cached_answer(client, redis_server):
+    put(client, "hamlet", HAMLET)
+    first = ask(client)
+    assert ask(client)["cached"] is True
+    # The retriever published the version the cache keys by.
+    assert redis_server.client().zscore(INDEX_VERSIONS_KEY, "live") == 1
+
+    put(client, "macbeth", {"title": "Macbeth", "text": "Macbeth was written by Shakespeare."})
+    after = ask(client)
+    assert after["cached"] is False
+    assert after["index_version"] == 2 and first["index_version"] == 1
+    assert ask(client)["cached"] is True  # cached again, under the new version
+
+    client.delete("/indexes/live/documents/hamlet", headers=AUTH)
+    gone = ask(client)
+    assert gone["cached"] is False
+    assert all(not p["id"].startswith("hamlet#") for p in gone["passages"])
+
+
+def test_another_gateways_write_invalidates_through_redis(
+    retriever, generator, redis_url, servicer
+):
+    settings = settings_for(retriever, generator, redis_url)
+    with TestClient(create_app(settings)) as reader, TestClient(create_app(settings)) as writer:
+        put(writer, "hamlet", HAMLET)
+        ask(reader)
+        assert ask(reader)["cached"] is True
+        put(writer, "hamlet", {**HAMLET, "text": "Hamlet: a play by Shakespeare."})
+        assert ask(reader)["cached"] is False  # the reader learnt the version from Redis only
+
+
+def test_without_a_published_version_the_gateway_remembers_its_writes(client, servicer):
+    servicer.redis = None  # a retriever that does not publish (before the lead wires it)
+    put(client, "hamlet", HAMLET)
+    ask(client)
+    assert ask(client)["cached"] is True
+    put(client, "hamlet", {**HAMLET, "text": "Hamlet: a play by Shakespeare."})
+    assert ask(client)["cached"] is False
