@@ -432,3 +432,118 @@ def test_without_a_published_version_the_gateway_remembers_its_writes(client, se
     assert ask(client)["cached"] is True
     put(client, "hamlet", {**HAMLET, "text": "Hamlet: a play by Shakespeare."})
     assert ask(client)["cached"] is False
+
+
+# --- generated requests (schemathesis): never a 5xx -------------------------------------------
+
+FUZZ_BUDGET = {
+    ("/indexes", "POST"): 30,
+    ("/indexes/{name}", "DELETE"): 15,
+    ("/indexes/{index}/documents/{doc_id}", "PUT"): 40,
+    ("/indexes/{index}/documents:batch", "POST"): 30,
+    ("/indexes/{index}/documents/{doc_id}", "DELETE"): 15,
+    ("/indexes/{index}/documents/{doc_id}", "GET"): 15,
+    ("/indexes/{index}/documents", "GET"): 20,
+}
+
+
+@pytest.fixture(scope="module")
+def served_gateway(retriever, redis_server):
+    from openbook_testkit.stack import serving_gateway
+
+    settings = GatewaySettings(
+        retriever_addr=retriever.addr,
+        generator_addr="127.0.0.1:9",  # the documents API never asks it
+        redis_url=redis_server.url,
+        admin_token=TOKEN,
+    )
+    with serving_gateway(settings) as url:
+        yield url
+
+
+def test_generated_document_requests_never_get_a_5xx(served_gateway, servicer):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{served_gateway}/openapi.json")
+    operations = {
+        (op.path, op.method.upper()): op for op in (r.ok() for r in schema.get_all_operations())
+    }
+    assert set(FUZZ_BUDGET) <= set(operations), sorted(operations)
+    outcomes: list[tuple[int, str]] = []
+    for (path, method), examples in FUZZ_BUDGET.items():
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
+            @given(case=operations[(path, method)].as_strategy(generation_mode=mode))
+            def fuzz(case) -> None:
+                # Half the writes reach the retriever (the token), half are refused first.
+                headers = AUTH if len(outcomes) % 2 == 0 else None
+                response = case.call(base_url=served_gateway, headers=headers, timeout=60)
+                outcomes.append(
+                    (
+                        response.status_code,
+                        f"{case.as_curl_command(headers)}: {response.text[:300]}",
+                    )
+                )
+
+            fuzz()
+    server_errors = [f"{status} for {what}" for status, what in outcomes if status >= 500]
+    assert server_errors == [], "\n".join(server_errors[:10])
+    assert any(status == 200 for status, _ in outcomes)
+
+
+# --- shards: a document lives in the shard its id picks ---------------------------------------
+
+
+def test_sharded_documents_go_to_one_shard_and_versions_add_up(generator, redis_url):
+    from openbook_gateway.retrieval import document_shard
+
+    with fake_retriever(TOKEN) as shard0, fake_retriever(TOKEN) as shard1:
+        settings = settings_for(shard0, generator, redis_url)
+        settings = settings.model_copy(update={"retriever_addr": f"{shard0.addr},{shard1.addr}"})
+        ids = [f"doc-{i:02}" for i in range(12)]
+        with TestClient(create_app(settings)) as client:
+            documents = [{"id": i, "title": "", "text": f"words of {i}"} for i in ids]
+            batch = client.post(
+                "/indexes/live/documents:batch", json={"documents": documents}, headers=AUTH
+            )
+            assert batch.status_code == 200, batch.text
+            shards = [shard0.servicer, shard1.servicer]
+            for doc_id in ids:
+                held = [doc_id in s.indexes["live"].documents for s in shards]
+                assert held[document_shard(doc_id, 2)] and sum(held) == 1
+            assert all(s.indexes["live"].documents for s in shards)  # both got some
+            assert batch.json()["version"] == 2  # one write on each shard
+
+            single = put(client, "extra", HAMLET)
+            assert single.json()["version"] == 3
+
+            seen, cursor = [], ""
+            while True:
+                page = client.get(
+                    "/indexes/live/documents", params={"cursor": cursor, "limit": 5}
+                ).json()
+                seen += page["ids"]
+                assert page["version"] == 3
+                if page["next_cursor"] is None:
+                    break
+                cursor = page["next_cursor"]
+            assert seen == sorted([*ids, "extra"])
+
+            got = client.get("/indexes/live/documents/doc-03")
+            assert got.status_code == 200 and got.json()["id"] == "doc-03"
+            assert client.delete("/indexes/live/documents/doc-03", headers=AUTH).json() == {
+                "version": 4
+            }
+            listed = client.get("/indexes").json()["indexes"]
+            assert [(i["name"], i["version"], i["count"]) for i in listed] == [("live", 4, 12)]
+            answer = client.post("/answer", json={"question": "words of doc-05", "k": 2}).json()
+            assert answer["index_version"] == 4
