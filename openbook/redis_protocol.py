@@ -15,6 +15,9 @@ What replicas agree on through Redis, and who writes / reads it:
   shard)``, score the version; only ever raised): written by the retriever that acknowledged a
   document write (:func:`openbook.shared_state.publish_index_version`), read by the gateway
   (part of the answer-cache key);
+- each index name's epoch (hash ``INDEX_EPOCHS_KEY``: index -> count of its deletions): raised
+  by the gateway that deleted an index, read by every gateway (part of the answer-cache key, so
+  a new index of a deleted one's name never serves the old one's answers);
 - cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's.
 
 Invariants: this module does no I/O and imports no Redis client; the sync half
@@ -151,17 +154,22 @@ def index_version_member(index: str, shard: str = "") -> str:
     return f"{index}{SHARD_SEPARATOR}{shard}" if shard else index
 
 
+# Hash: index name -> how many times an index of that name was deleted. A new index of a deleted
+# one's name counts its versions from 0 again, so (name, version) alone would meet the old
+# index's cached answers: the epoch tells the two apart.
+INDEX_EPOCHS_KEY = "openbook:index-epochs"
+
+
+def index_version_members(index: str, members: list[str]) -> list[str]:
+    """Those of ``members`` (of :data:`INDEX_VERSIONS_KEY`) that hold ``index``'s versions."""
+    prefix = index + SHARD_SEPARATOR
+    return [member for member in members if member == index or member.startswith(prefix)]
+
+
 def index_version_of(index: str, entries: Mapping[str, float]) -> int:
     """``index``'s version from :data:`INDEX_VERSIONS_KEY`'s ``entries`` (member -> score):
     the sum over its shards (0 when none published one)."""
-    prefix = index + SHARD_SEPARATOR
-    return int(
-        sum(
-            score
-            for member, score in entries.items()
-            if member == index or member.startswith(prefix)
-        )
-    )
+    return int(sum(entries[member] for member in index_version_members(index, list(entries))))
 
 
 # --- cached answers -------------------------------------------------------------------------

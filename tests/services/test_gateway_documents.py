@@ -547,3 +547,20 @@ def test_sharded_documents_go_to_one_shard_and_versions_add_up(generator, redis_
             assert [(i["name"], i["version"], i["count"]) for i in listed] == [("live", 4, 12)]
             answer = client.post("/answer", json={"question": "words of doc-05", "k": 2}).json()
             assert answer["index_version"] == 4
+
+
+def test_a_new_index_of_a_deleted_ones_name_never_serves_its_answers(client, redis_server):
+    client.post("/indexes", json={"name": "notes"}, headers=AUTH)
+    put(client, "hamlet", HAMLET, index="notes")
+    question = {"question": "Who wrote Hamlet?", "k": 1, "index": "notes"}
+    first = client.post("/answer", json=question).json()
+    assert client.post("/answer", json=question).json()["cached"] is True
+
+    assert client.delete("/indexes/notes", headers=AUTH).status_code == 200
+    assert redis_server.client().zscore(INDEX_VERSIONS_KEY, "notes") is None
+    client.post("/indexes", json={"name": "notes"}, headers=AUTH)
+    put(client, "other", {"title": "Other", "text": "Hamlet, retold by someone else."}, "notes")
+    again = client.post("/answer", json=question).json()
+    assert (first["index_version"], again["index_version"]) == (1, 1)  # same name and version
+    assert again["cached"] is False
+    assert again["passages"][0]["id"] == "other#0"

@@ -100,7 +100,7 @@ async def create_index(body: CreateIndexRequest, request: Request, services: Ser
 async def delete_index(name: IndexName, request: Request, services: ServicesDep) -> dict:
     """Delete an index and its files; refused (409) for the active index."""
     await services.retrieval.delete_index(name, request.state.request_id)
-    services.cache.forget(name)
+    await services.cache.deleted(name)
     services.metrics.index_deleted(name)
     log.info("index deleted %s", name)
     return {"name": name}
