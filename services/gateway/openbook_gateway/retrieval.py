@@ -24,9 +24,11 @@ from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2
 from openbook_gateway.clients import DOCUMENT_HTTP_STATUS, RetrieverClient
 
-# A document write embeds its passages before it answers: a batch of a thousand documents takes
-# longer than a query, so its deadline is at least this long.
-DOCUMENT_MIN_TIMEOUT_S = 300.0
+# A document write embeds its passages (and creating an index may load an encoder) before it
+# answers: longer than a query, so a write's deadline is at least this long. Reads keep the
+# retrieve deadline.
+DOCUMENT_WRITE_MIN_TIMEOUT_S = 300.0
+DOCUMENT_WRITES = frozenset({"CreateIndex", "DeleteIndex", "PutDocuments", "DeleteDocument"})
 
 
 def _to_passage(p: common_pb2.Passage) -> Passage:
@@ -256,11 +258,14 @@ class Retrieval:
 
     async def _document_call(self, shard: int, method: str, request, request_id: str):
         client = self.shards[shard]
+        timeout_s = client.timeout_s
+        if method in DOCUMENT_WRITES:
+            timeout_s = max(timeout_s, DOCUMENT_WRITE_MIN_TIMEOUT_S)
         return await client.call(
             getattr(client.stub, method),
             request,
             request_id,
-            max(self.shards[shard].timeout_s, DOCUMENT_MIN_TIMEOUT_S),
+            timeout_s,
             statuses=DOCUMENT_HTTP_STATUS,
         )
 
