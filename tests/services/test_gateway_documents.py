@@ -11,7 +11,11 @@ its writes when Redis has none).
 from __future__ import annotations
 
 import pytest
+import schemathesis
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from schemathesis import GenerationMode
 
 from openbook.limits import (
     MAX_BATCH_DOCUMENTS,
@@ -22,9 +26,13 @@ from openbook.limits import (
 )
 from openbook.redis_protocol import INDEX_VERSIONS_KEY
 from openbook_gateway.app import create_app
+from openbook_gateway.retrieval import document_shard
 from openbook_gateway.settings import GatewaySettings
+from openbook_generator.server import build as build_generator
+from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.fake_retriever import FakeRetriever, fake_retriever
 from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.stack import serving_gateway
 
 TOKEN = "documents-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,8 +46,6 @@ HAMLET = {
 @pytest.fixture(scope="module")
 def generator(tmp_path_factory, redis_server):
     """The real generator (a tiny random BART) on a free loopback port: its address."""
-    from openbook_generator.server import build as build_generator
-    from openbook_generator.settings import GeneratorSettings
 
     workdir = tmp_path_factory.mktemp("generator")
     settings = GeneratorSettings(
@@ -449,7 +455,6 @@ FUZZ_BUDGET = {
 
 @pytest.fixture(scope="module")
 def served_gateway(retriever, redis_server):
-    from openbook_testkit.stack import serving_gateway
 
     settings = GatewaySettings(
         retriever_addr=retriever.addr,
@@ -462,9 +467,6 @@ def served_gateway(retriever, redis_server):
 
 
 def test_generated_document_requests_never_get_a_5xx(served_gateway, servicer):
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis import GenerationMode
 
     schema = schemathesis.openapi.from_url(f"{served_gateway}/openapi.json")
     operations = {
@@ -475,7 +477,7 @@ def test_generated_document_requests_never_get_a_5xx(served_gateway, servicer):
     for (path, method), examples in FUZZ_BUDGET.items():
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
-            @settings(
+            @hypothesis_settings(
                 max_examples=examples,
                 deadline=None,
                 derandomize=True,
@@ -504,7 +506,6 @@ def test_generated_document_requests_never_get_a_5xx(served_gateway, servicer):
 
 
 def test_sharded_documents_go_to_one_shard_and_versions_add_up(generator, redis_url):
-    from openbook_gateway.retrieval import document_shard
 
     with fake_retriever(TOKEN) as shard0, fake_retriever(TOKEN) as shard1:
         settings = settings_for(shard0, generator, redis_url)
