@@ -565,3 +565,18 @@ def test_a_new_index_of_a_deleted_ones_name_never_serves_its_answers(client, red
     assert (first["index_version"], again["index_version"]) == (1, 1)  # same name and version
     assert again["cached"] is False
     assert again["passages"][0]["id"] == "other#0"
+
+
+def test_document_bodies_have_their_own_size_limit(retriever, generator, redis_url, servicer):
+    settings = settings_for(
+        retriever, generator, redis_url, max_body_bytes=2000, max_document_body_bytes=8000
+    )
+    text = "word " * 1000  # 5000 bytes: over the general limit, under the documents'
+    with TestClient(create_app(settings)) as client:
+        assert put(client, "a", {"title": "", "text": text}).status_code == 200
+        too_big = put(client, "b", {"title": "", "text": text * 2})
+        assert too_big.status_code == 413
+        assert "OPENBOOK_GATEWAY_MAX_DOCUMENT_BODY_BYTES" in too_big.json()["detail"]
+        answer = client.post("/answer", json={"question": "x" * 1900, "k": 1, "index": "y" * 100})
+        assert answer.status_code == 413  # every other body keeps the general limit
+        assert "OPENBOOK_GATEWAY_MAX_BODY_BYTES" in answer.json()["detail"]
