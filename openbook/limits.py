@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
+from collections.abc import Mapping
 from typing import Literal, TypeGuard, get_args
 
 from openbook.errors import InvalidArgument
@@ -210,4 +211,88 @@ def check_decoding(
         raise InvalidArgument(
             f"length_penalty must be in [{MIN_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
             f"got {length_penalty!r}"
+        )
+
+
+# --- documents written into a live index -------------------------------------------------------
+#
+# The one definition of a document's rules: the gateway's schema and the library's Document
+# (openbook.index.documents, the retriever's boundary) both call these.
+
+
+def check_document_id(field: str, value: object) -> str:
+    """A document id: a non-blank string of at most :data:`MAX_DOCUMENT_ID_CHARS` characters,
+    without ``/`` (it is a URL path segment) or control characters."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidArgument(f"{field} must not be empty")
+    if len(value) > MAX_DOCUMENT_ID_CHARS:
+        raise InvalidArgument(
+            f"{field} must be at most {MAX_DOCUMENT_ID_CHARS} characters, got {len(value)}"
+        )
+    if "/" in value:
+        raise InvalidArgument(f"{field} must not contain '/' (it is a URL path segment)")
+    return refuse_controls(field, value)
+
+
+def check_document_title(field: str, value: object) -> str:
+    """A document's title: at most :data:`MAX_DOCUMENT_TITLE_CHARS` characters, no control
+    characters (it may be empty)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_DOCUMENT_TITLE_CHARS:
+        raise InvalidArgument(
+            f"{field} must be at most {MAX_DOCUMENT_TITLE_CHARS} characters, got {len(value)}"
+        )
+    return refuse_controls(field, value)
+
+
+def check_document_text(field: str, value: object) -> str:
+    """A document's text: at least one word, at most :data:`MAX_DOCUMENT_TEXT_CHARS`
+    characters, whose only control characters are tab, newline and carriage return."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_DOCUMENT_TEXT_CHARS:
+        raise InvalidArgument(
+            f"{field} must be at most {MAX_DOCUMENT_TEXT_CHARS} characters, got {len(value)}"
+        )
+    if not value.split():
+        raise InvalidArgument(f"{field} must not be empty: it holds no words")
+    return refuse_controls(field, value, QUESTION_CONTROLS)
+
+
+def check_metadata(field: str, value: object) -> None:
+    """A flat map of string keys to scalars (str, int, finite float, bool, None): no lists, no
+    nested objects; at most :data:`MAX_METADATA_KEYS` keys."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{field} must be an object, got {type(value).__name__}")
+    if len(value) > MAX_METADATA_KEYS:
+        raise InvalidArgument(
+            f"{field} must have at most {MAX_METADATA_KEYS} keys, got {len(value)}"
+        )
+    for key, item in value.items():
+        if not isinstance(key, str) or not key or len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidArgument(
+                f"{field} keys must be strings of 1 to {MAX_METADATA_KEY_CHARS} characters, "
+                f"got {key!r}"
+            )
+        where = f"{field}.{key}"
+        if item is None or isinstance(item, bool | int):
+            continue
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise InvalidArgument(f"{where} must be a finite number, got {item!r}")
+            continue
+        if isinstance(item, str):
+            if len(item) > MAX_METADATA_VALUE_CHARS:
+                raise InvalidArgument(
+                    f"{where} must be at most {MAX_METADATA_VALUE_CHARS} characters, "
+                    f"got {len(item)}"
+                )
+            refuse_controls(where, item, QUESTION_CONTROLS)
+            continue
+        raise InvalidArgument(
+            f"{where} must be a string, number, boolean or null (metadata is flat), "
+            f"got {type(item).__name__}"
         )

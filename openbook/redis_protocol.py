@@ -11,6 +11,13 @@ What replicas agree on through Redis, and who writes / reads it:
   gateway's ``POST /admin/reload-model``, followed by every retriever and generator replica;
 - each replica's state (JSON under ``replica_key(service, replica)``, with a TTL): written by
   the replica, listed by the gateway;
+- each index's version (sorted set ``INDEX_VERSIONS_KEY``: member ``index_version_member(index,
+  shard)``, score the version; only ever raised): written by the retriever that acknowledged a
+  document write (:func:`openbook.shared_state.publish_index_version`), read by the gateway
+  (part of the answer-cache key);
+- each index name's epoch (hash ``INDEX_EPOCHS_KEY``: index -> count of its deletions): raised
+  by the gateway that deleted an index, read by every gateway (part of the answer-cache key, so
+  a new index of a deleted one's name never serves the old one's answers);
 - cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's.
 
 Invariants: this module does no I/O and imports no Redis client; the sync half
@@ -124,6 +131,45 @@ def decode_replica_state(raw: str | bytes | None) -> dict[str, Any] | None:
     except ValueError:
         return None
     return state if isinstance(state, dict) else None
+
+
+# --- each index's version -------------------------------------------------------------------
+#
+# An index's version grows by one with every acknowledged document write. The gateway looks a
+# cached answer up before it retrieves, so it must know the version then: the retriever that
+# acknowledged a write publishes it here, and the answer-cache key holds it, so no cached answer
+# outlives the knowledge it came from. A sorted set, so a publish is one ``ZADD GT`` (only ever
+# raising a version: two writers publishing out of order cannot move it back; scripts are not
+# in the ACL). A sharded index's shards publish each under their own member; its version is
+# the sum of theirs (every write lands in one shard and raises it by one).
+
+INDEX_VERSIONS_KEY = "openbook:index-versions"
+# Separates an index's name from its shard's label in a member (neither can hold it).
+SHARD_SEPARATOR = "|"
+
+
+def index_version_member(index: str, shard: str = "") -> str:
+    """The member of :data:`INDEX_VERSIONS_KEY` that holds ``index``'s version on ``shard``
+    (``""``: an unsharded index)."""
+    return f"{index}{SHARD_SEPARATOR}{shard}" if shard else index
+
+
+# Hash: index name -> how many times an index of that name was deleted. A new index of a deleted
+# one's name counts its versions from 0 again, so (name, version) alone would meet the old
+# index's cached answers: the epoch tells the two apart.
+INDEX_EPOCHS_KEY = "openbook:index-epochs"
+
+
+def index_version_members(index: str, members: list[str]) -> list[str]:
+    """Those of ``members`` (of :data:`INDEX_VERSIONS_KEY`) that hold ``index``'s versions."""
+    prefix = index + SHARD_SEPARATOR
+    return [member for member in members if member == index or member.startswith(prefix)]
+
+
+def index_version_of(index: str, entries: Mapping[str, float]) -> int:
+    """``index``'s version from :data:`INDEX_VERSIONS_KEY`'s ``entries`` (member -> score):
+    the sum over its shards (0 when none published one)."""
+    return int(sum(entries[member] for member in index_version_members(index, list(entries))))
 
 
 # --- cached answers -------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from openbook.redis_protocol import (
     DESIRED_MODEL_KEY,
     FAILED,
     INDEX_SWAP_CHANNEL,
+    INDEX_VERSIONS_KEY,
     LOADING,
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
@@ -38,6 +39,7 @@ from openbook.redis_protocol import (
     ReplicaState,
     desired_checkpoint,
     encode_replica_state,
+    index_version_member,
     open_active_index,
     replica_key,
     seal_active_index,
@@ -53,6 +55,16 @@ def publish_model_version(client: redis.Redis, service: str, version: str) -> No
         client.hset(MODEL_VERSIONS_KEY, service, version)
     except redis.RedisError as exc:
         log.warning("redis unavailable, %s version %r not shared: %s", service, version, exc)
+
+
+def publish_index_version(client: redis.Redis, index: str, version: int, shard: str = "") -> None:
+    """Share ``index``'s version (on ``shard``; ``""``: unsharded) after an acknowledged write:
+    the gateway keys cached answers by it. Only ever raised (``ZADD GT``); without Redis there is
+    no answer cache to invalidate, so a failure is logged, never raised."""
+    try:
+        client.zadd(INDEX_VERSIONS_KEY, {index_version_member(index, shard): version}, gt=True)
+    except redis.RedisError as exc:
+        log.warning("redis unavailable, index %r version %d not shared: %s", index, version, exc)
 
 
 def redis_client(target: str | RedisOptions, timeout_s: float = 0.5) -> redis.Redis:

@@ -1,6 +1,6 @@
 """The async half of the Redis protocol (:mod:`openbook.redis_protocol`), as the gateway speaks
-it over ``redis.asyncio.Redis``: what is served now, cached answers, the desired model and the
-replicas' states.
+it over ``redis.asyncio.Redis``: what is served now (the active index, the model and index
+versions, the index epochs), cached answers, the desired model and the replicas' states.
 
 Invariants: key names and encodings are the protocol module's only; this module only executes
 them. Every function raises ``RedisError`` / ``OSError`` when Redis cannot be reached: what to
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -19,11 +20,15 @@ from redis.typing import EncodableT
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
     DESIRED_MODEL_KEY,
+    INDEX_EPOCHS_KEY,
+    INDEX_VERSIONS_KEY,
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
     REPLICA_KEY_PATTERN,
     decode_replica_state,
     desired_model_record,
+    index_version_members,
+    index_version_of,
     open_active_index,
     open_answer,
     seal_answer,
@@ -38,14 +43,46 @@ def async_redis_client(options: RedisOptions) -> aioredis.Redis:
     return aioredis.Redis.from_url(options.url, **options.client_kwargs())
 
 
-async def read_serving(client: aioredis.Redis, sealer: Sealer) -> tuple[str | None, dict[str, str]]:
-    """The active index (None: unknown, or not genuine) and the model versions the services
-    announced, read together."""
+@dataclass(frozen=True)
+class ServingState:
+    """What the services announced in Redis, read together (:func:`read_serving`)."""
+
+    active_index: str | None  # None: unknown, or not genuine
+    model_versions: dict[str, str]  # service -> the model version it serves
+    index_versions: dict[str, float]  # INDEX_VERSIONS_KEY: member -> version
+    index_epochs: dict[str, str]  # INDEX_EPOCHS_KEY: index -> deletions of that name
+
+    def index_version(self, index: str) -> int:
+        return index_version_of(index, self.index_versions)
+
+    def index_epoch(self, index: str) -> int:
+        raw = self.index_epochs.get(index, "0")
+        return int(raw) if raw.isdigit() else 0
+
+
+async def read_serving(client: aioredis.Redis, sealer: Sealer) -> ServingState:
+    """The active index, the model versions and the index versions and epochs, in one round
+    trip."""
     async with client.pipeline(transaction=False) as pipe:
         pipe.get(ACTIVE_INDEX_KEY)
         pipe.hgetall(MODEL_VERSIONS_KEY)
-        index, versions = await pipe.execute()
-    return open_active_index(sealer, index), versions
+        pipe.zrange(INDEX_VERSIONS_KEY, 0, -1, withscores=True)
+        pipe.hgetall(INDEX_EPOCHS_KEY)
+        index, versions, index_versions, epochs = await pipe.execute()
+    return ServingState(open_active_index(sealer, index), versions, dict(index_versions), epochs)
+
+
+async def index_deleted(client: aioredis.Redis, index: str) -> None:
+    """``index`` was deleted: raise its name's epoch and drop its published versions (a new
+    index of that name starts from version 0)."""
+    # decode_responses=True (RedisOptions): members are str, as in desired_model.
+    published = cast(list[str], await client.zrange(INDEX_VERSIONS_KEY, 0, -1))
+    members = index_version_members(index, published)
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hincrby(INDEX_EPOCHS_KEY, index, 1)
+        if members:
+            pipe.zrem(INDEX_VERSIONS_KEY, *members)
+        await pipe.execute()
 
 
 async def read_answer(client: aioredis.Redis, sealer: Sealer, key: str) -> dict[str, Any] | None:

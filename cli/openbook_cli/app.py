@@ -20,6 +20,7 @@ import typer
 from typer.core import TyperGroup
 
 from openbook_cli.ask import AskOptions, ask, render
+from openbook_cli.docs_commands import docs_app
 from openbook_cli.launcher import LaunchError, run_stack
 
 if TYPE_CHECKING:  # typer vendors click: its groups take and return typer's own click objects
@@ -49,6 +50,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(docs_app, name="docs")
 
 
 class ServiceName(StrEnum):

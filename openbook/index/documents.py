@@ -15,21 +15,19 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from openbook.errors import InvalidArgument
 from openbook.index.passages import split_passages
+
+# The rules are the core's (the gateway checks a document with the same ones); re-exported.
 from openbook.limits import (
-    MAX_DOCUMENT_ID_CHARS,
-    MAX_DOCUMENT_TEXT_CHARS,
-    MAX_DOCUMENT_TITLE_CHARS,
-    MAX_METADATA_KEY_CHARS,
-    MAX_METADATA_KEYS,
-    MAX_METADATA_VALUE_CHARS,
-    refuse_controls,
+    check_document_id,
+    check_document_text,
+    check_document_title,
+    check_metadata,
 )
 from openbook.types import Passage
 
@@ -67,24 +65,8 @@ class Document:
         """Raise InvalidArgument naming the first bad field (prefixed by ``field.``)."""
         at = f"{field}." if field else ""
         check_document_id(f"{at}id", self.id)
-        if not isinstance(self.title, str):
-            raise InvalidArgument(f"{at}title must be a string, got {type(self.title).__name__}")
-        if len(self.title) > MAX_DOCUMENT_TITLE_CHARS:
-            raise InvalidArgument(
-                f"{at}title must be at most {MAX_DOCUMENT_TITLE_CHARS} characters, "
-                f"got {len(self.title)}"
-            )
-        refuse_controls(f"{at}title", self.title)
-        if not isinstance(self.text, str):
-            raise InvalidArgument(f"{at}text must be a string, got {type(self.text).__name__}")
-        if len(self.text) > MAX_DOCUMENT_TEXT_CHARS:
-            raise InvalidArgument(
-                f"{at}text must be at most {MAX_DOCUMENT_TEXT_CHARS} characters, "
-                f"got {len(self.text)}"
-            )
-        if not self.text.split():
-            raise InvalidArgument(f"{at}text must not be empty: it holds no words")
-        refuse_controls(f"{at}text", self.text, "\t\n\r")
+        check_document_title(f"{at}title", self.title)
+        check_document_text(f"{at}text", self.text)
         check_metadata(f"{at}metadata", self.metadata)
 
     def passages(self, max_words: int = 100) -> list[Passage]:
@@ -130,50 +112,11 @@ def document_id_of(passage_id: str) -> str:
     return passage_id
 
 
-def check_document_id(field: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise InvalidArgument(f"{field} must not be empty")
-    if len(value) > MAX_DOCUMENT_ID_CHARS:
-        raise InvalidArgument(
-            f"{field} must be at most {MAX_DOCUMENT_ID_CHARS} characters, got {len(value)}"
-        )
-    if "/" in value:
-        raise InvalidArgument(f"{field} must not contain '/' (it is a URL path segment)")
-    return refuse_controls(field, value)
-
-
-def check_metadata(field: str, value: object) -> None:
-    """A flat map of string keys to scalars (no lists, no nested objects)."""
-    if not isinstance(value, Mapping):
-        raise InvalidArgument(f"{field} must be an object, got {type(value).__name__}")
-    if len(value) > MAX_METADATA_KEYS:
-        raise InvalidArgument(
-            f"{field} must have at most {MAX_METADATA_KEYS} keys, got {len(value)}"
-        )
-    for key, item in value.items():
-        if not isinstance(key, str) or not key or len(key) > MAX_METADATA_KEY_CHARS:
-            raise InvalidArgument(
-                f"{field} keys must be strings of 1 to {MAX_METADATA_KEY_CHARS} characters, "
-                f"got {key!r}"
-            )
-        where = f"{field}.{key}"
-        if item is None or isinstance(item, bool | int):
-            continue
-        if isinstance(item, float):
-            if not math.isfinite(item):
-                raise InvalidArgument(f"{where} must be a finite number, got {item!r}")
-            continue
-        if isinstance(item, str):
-            if len(item) > MAX_METADATA_VALUE_CHARS:
-                raise InvalidArgument(
-                    f"{where} must be at most {MAX_METADATA_VALUE_CHARS} characters, "
-                    f"got {len(item)}"
-                )
-            refuse_controls(where, item, "\t\n\r")
-            continue
-        raise InvalidArgument(
-            f"{where} must be a string, number, boolean or null (metadata is flat), "
-            f"got {type(item).__name__}"
-        )
+__all__ = [
+    "Document",
+    "MetadataValue",
+    "check_document_id",
+    "check_metadata",
+    "document_id_of",
+    "passage_id",
+]

@@ -86,7 +86,10 @@ def test_the_cache_key_holds_the_resolved_k(rag_client, redis_server):
     }
     assert set(params) == set(ANSWER_PARAMS)
     models = {"generator": first["model_version"], "retriever": first["retriever_version"]}
-    assert redis_server.client().exists(answer_key(first["index"], {**params, "models": models}))
+    index_key = {"index_version": 0, "index_epoch": 0}  # an index never written to nor deleted
+    assert redis_server.client().exists(
+        answer_key(first["index"], {**params, "models": models, **index_key})
+    )
 
 
 def test_a_bart_generator_defaults_to_5(tmp_path_factory, redis_server, redis_url):

@@ -222,6 +222,7 @@ def test_cache_never_files_an_answer_under_a_version_that_did_not_compute_it(sys
     assert first["model_version"] == "step-000001"  # computed by the replica behind the channel
     assert first["cached"] is False
     params = AnswerRequest(**question).model_dump(include=set(ANSWER_PARAMS))
+    params |= {"index_version": 0, "index_epoch": 0}  # an index never written to nor deleted
     models = {"retriever": first["retriever_version"]}
     stored = answer_key(
         first["index"], {**params, "models": {**models, "generator": "step-000001"}}

@@ -157,11 +157,16 @@ async def answer_events(
 
     versions = {"generator": generated.model_version, "retriever": retrieved.model_version}
     metrics.answered(retrieved.index, versions)
-    services.cache.answered(retrieved.index, versions, active=not body.index)
+    metrics.index_version(retrieved.index, retrieved.index_version)
+    services.cache.answered(
+        retrieved.index, retrieved.index_version, versions, active=not body.index
+    )
     services.default_k.seen(generated.model_version)
     answer = answer_response(body, retrieved, generated, request_id, timer.done())
     if body.use_cache:
-        await services.cache.store(retrieved.index, params, versions, stored_answer(answer))
+        await services.cache.store(
+            retrieved.index, retrieved.index_version, params, versions, stored_answer(answer)
+        )
     if stream:
         rest = _rest(answer["answer"], sent)
         if rest:

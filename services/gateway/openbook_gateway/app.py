@@ -24,7 +24,7 @@ from openbook_gateway import errors
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.middleware import BodySizeLimit, RequestContext
 from openbook_gateway.openai_schemas import OpenAIRequestError
-from openbook_gateway.routes import admin, answer, health, indexes, openai, pages
+from openbook_gateway.routes import admin, answer, documents, health, indexes, openai, pages
 from openbook_gateway.services import running_services
 from openbook_gateway.settings import GatewaySettings
 
@@ -72,10 +72,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.metrics = metrics
 
     # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute).
-    for module in (pages, openai, health, answer, indexes, admin):
+    for module in (pages, openai, health, answer, indexes, documents, admin):
         app.include_router(module.router)
 
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        document_max_bytes=settings.max_document_body_bytes,
+    )
     # Outermost (added last): every response, a 413 from BodySizeLimit too, gets a request id.
     app.add_middleware(RequestContext, metrics=metrics, access_log=settings.access_log)
 

@@ -2,8 +2,18 @@
 
 The key includes the index that computed the answer, so after a swap a lookup (keyed by the
 newly active index) can never return an answer computed on the other one; and the model
-versions that computed it, so a reloaded model never serves the old one's answers. When
-Redis is unreachable the cache is skipped, never an error.
+versions that computed it, so a reloaded model never serves the old one's answers; and the
+index's version (its count of acknowledged document writes), so no cached answer outlives the
+knowledge it came from. The lookup happens before retrieval, so the version it keys by is the
+one known then: the highest of what the retrievers published in Redis (``INDEX_VERSIONS_KEY``)
+and what this gateway saw last (its own writes' replies, its answers' ``index_version``).
+Versions only grow, so either source can only make a lookup newer: a lookup can miss an
+answer still good, never hit one computed on fewer writes than it knows of. An answer is
+stored under the version that computed it (``RetrieveResponse.index_version``). The key also
+holds the index name's epoch (how many times an index of that name was deleted, raised by the
+gateway that deleted it): a new index of a deleted one's name counts versions from 0 again and
+must not meet the old one's answers. When Redis is unreachable the cache is skipped, never an
+error.
 
 Entries are sealed with the server key (openbook.sealing), bound to their key: one written or
 altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
@@ -22,7 +32,14 @@ from redis.exceptions import RedisError
 from openbook.redis_protocol import answer_key
 from openbook.sealing import Sealer
 from openbook.settings import RedisOptions
-from openbook.shared_state_aio import async_redis_client, read_answer, read_serving, write_answer
+from openbook.shared_state_aio import (
+    ServingState,
+    async_redis_client,
+    index_deleted,
+    read_answer,
+    read_serving,
+    write_answer,
+)
 from openbook_gateway.schemas import AnswerRequest
 
 log = logging.getLogger(__name__)
@@ -60,6 +77,10 @@ class AnswerCache:
         # What this gateway saw serve last: covers a Redis that lost its keys.
         self.last_index: str | None = None
         self.last_versions: dict[str, str] = {}
+        # Each index's version as this gateway last saw it (module docstring).
+        self.last_index_versions: dict[str, int] = {}
+        # Each index name's epoch as last read from Redis: what an answer is stored under.
+        self.index_epochs: dict[str, int] = {}
 
     async def lookup(self, index: str | None, params: dict[str, Any]) -> dict[str, Any] | None:
         """The stored answer for ``params`` on ``index`` (None: the active index), if any.
@@ -67,35 +88,72 @@ class AnswerCache:
         Keyed by the index and model versions that would answer now: Redis is the shared
         truth (the active index, the versions the services announced), what this gateway saw
         last fills in what Redis does not know."""
-        shared_index, versions = await self.serving()
-        index = index or shared_index or self.last_index
-        versions = {**self.last_versions, **versions}
+        serving = await self.serving()
+        index = index or serving.active_index or self.last_index
+        versions = {**self.last_versions, **serving.model_versions}
         if not (index and versions):
             return None
-        return await self.get(index, {**params, "models": versions})
+        self.index_epochs[index] = serving.index_epoch(index)
+        index_version = max(serving.index_version(index), self.last_index_versions.get(index, 0))
+        return await self.get(
+            index, {**params, "models": versions, **self._index_key(index, index_version)}
+        )
 
-    def answered(self, index: str, versions: dict[str, str], active: bool) -> None:
-        """An answer was computed on ``index`` (the active one if ``active``) by ``versions``."""
+    def _index_key(self, index: str, version: int) -> dict[str, int]:
+        return {"index_version": version, "index_epoch": self.index_epochs.get(index, 0)}
+
+    def answered(
+        self, index: str, index_version: int, versions: dict[str, str], active: bool
+    ) -> None:
+        """An answer was computed on ``index`` at ``index_version`` (the active one if
+        ``active``) by ``versions``."""
         if active:
             self.last_index = index
         self.last_versions = versions
+        self.wrote(index, index_version)
+
+    def wrote(self, index: str, version: int) -> None:
+        """``index`` is at ``version`` or later (a write's reply, an answer's index_version)."""
+        self.last_index_versions[index] = max(version, self.last_index_versions.get(index, 0))
+
+    def forget(self, index: str) -> None:
+        """A new index named ``index`` starts again at version 0."""
+        self.last_index_versions.pop(index, None)
+
+    async def deleted(self, index: str) -> None:
+        """``index`` was deleted: no gateway's lookup meets its answers again (a raised epoch
+        in Redis; without Redis there is no cache to meet)."""
+        self.forget(index)
+        self.index_epochs.pop(index, None)
+        try:
+            await index_deleted(self.client, index)
+        except (RedisError, OSError) as exc:
+            log.warning("redis unavailable, deletion of index %r not shared: %s", index, exc)
 
     def swapped(self, active: str) -> None:
         self.last_index = active
 
     async def store(
-        self, index: str, params: dict[str, Any], versions: dict[str, str], answer: dict[str, Any]
+        self,
+        index: str,
+        index_version: int,
+        params: dict[str, Any],
+        versions: dict[str, str],
+        answer: dict[str, Any],
     ) -> None:
-        """File ``answer`` under the index and the model versions that computed it."""
-        await self.put(index, {**params, "models": versions}, answer)
+        """File ``answer`` under the index, its version and the model versions that computed
+        it."""
+        await self.put(
+            index, {**params, "models": versions, **self._index_key(index, index_version)}, answer
+        )
 
-    async def serving(self) -> tuple[str | None, dict[str, str]]:
-        """The active index and the model versions the services announced."""
+    async def serving(self) -> ServingState:
+        """What the services announced (nothing when Redis is unreachable)."""
         try:
             return await read_serving(self.client, self.sealer)
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable: %s", exc)
-            return None, {}
+            return ServingState(None, {}, {}, {})
 
     async def get(self, index: str, params: dict[str, Any]) -> dict[str, Any] | None:
         try:

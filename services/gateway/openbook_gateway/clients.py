@@ -40,6 +40,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 422,
     grpc.StatusCode.NOT_FOUND: 422,
     grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     # The request alone exceeds a service's budget (openbook.errors.TooLarge): it will never
     # run as it is, so not a 429 to retry but a 413 saying what to change.
@@ -53,9 +54,19 @@ _HTTP_STATUS = {
 }
 
 
-def http_error(service: str, error: grpc.aio.AioRpcError) -> HTTPException:
+# The documents API names resources in its paths (/indexes/{index}/documents/{doc_id}): what the
+# retriever does not have is a 404 there. Elsewhere an unknown index is a field of the body
+# (``"index": "nope"``): a 422 naming it.
+DOCUMENT_HTTP_STATUS = {**_HTTP_STATUS, grpc.StatusCode.NOT_FOUND: 404}
+
+
+def http_error(
+    service: str,
+    error: grpc.aio.AioRpcError,
+    statuses: dict[grpc.StatusCode, int] = _HTTP_STATUS,
+) -> HTTPException:
     code = error.code()
-    status = _HTTP_STATUS.get(code, 502)
+    status = statuses.get(code, 502)
     detail = error.details() or code.name
     if code == grpc.StatusCode.UNAUTHENTICATED:
         # The caller's token was right (the gateway checked it); this one is the gateway's
@@ -135,6 +146,7 @@ class ServiceClient:
         request,
         request_id: str = "",
         timeout_s: float | None = None,
+        statuses: dict[grpc.StatusCode, int] = _HTTP_STATUS,
     ) -> T:
         timeout_s = timeout_s or self.timeout_s
         metadata: tuple[tuple[str, str], ...] = (deadline_metadata(timeout_s),)
@@ -145,7 +157,7 @@ class ServiceClient:
         try:
             return await method(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            raise http_error(self.name, error) from None
+            raise http_error(self.name, error, statuses) from None
 
     async def healthy(self) -> bool:
         try:

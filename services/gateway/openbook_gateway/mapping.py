@@ -6,6 +6,7 @@ checks anything again. Replies become response bodies.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
@@ -13,9 +14,12 @@ from openbook.v1 import common_pb2, generator_pb2, retriever_pb2
 from openbook_gateway.schemas import (
     AnswerRequest,
     AnswerResponse,
+    DocumentBody,
+    DocumentResponse,
     HypothesisOut,
     IndexOut,
     PassageOut,
+    PutDocumentResponse,
     TokenPosteriorOut,
 )
 
@@ -52,6 +56,7 @@ def answer_response(
         confidence=_unit(best.confidence) if best is not None else 0.0,
         abstained=False,
         index=retrieved.index,
+        index_version=retrieved.index_version,
         # a retriever from before RetrieveResponse.retrieval existed says nothing: null
         retrieval=retrieved.retrieval or None,
         model_version=generated.model_version,
@@ -165,7 +170,44 @@ def indexes_response(listed: retriever_pb2.ListIndexesResponse) -> dict:
                 verified=i.verified,
                 views=list(i.views),
                 default_retrieval=i.default_retrieval or None,
+                version=i.version,
             )
             for i in listed.indexes
         ],
     }
+
+
+def index_out(info: retriever_pb2.IndexInfo) -> dict:
+    """One index as ``/indexes`` lists it (a created index's reply too)."""
+    listed = retriever_pb2.ListIndexesResponse(indexes=[info])
+    out: dict = indexes_response(listed)["indexes"][0].model_dump()
+    return out
+
+
+def document_proto(doc_id: str, body: DocumentBody) -> retriever_pb2.Document:
+    """A validated document body as the retriever takes it (metadata as a JSON object)."""
+    return retriever_pb2.Document(
+        id=doc_id,
+        title=body.title,
+        text=body.text,
+        metadata_json=json.dumps(body.metadata or {}, allow_nan=False, ensure_ascii=False),
+    )
+
+
+def put_document_response(index: str, doc_id: str, reply: retriever_pb2.WriteResponse) -> dict:
+    passages = reply.passages[0] if reply.passages else 0
+    return PutDocumentResponse(
+        index=index, id=doc_id, passages=passages, version=reply.version
+    ).model_dump()
+
+
+def document_response(index: str, document: retriever_pb2.Document) -> dict:
+    metadata = json.loads(document.metadata_json) if document.metadata_json else {}
+    return DocumentResponse(
+        index=index,
+        id=document.id,
+        title=document.title,
+        text=document.text,
+        metadata=metadata if isinstance(metadata, dict) else {},
+        passage_ids=list(document.passage_ids),
+    ).model_dump()

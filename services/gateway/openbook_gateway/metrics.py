@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -57,6 +57,13 @@ class GatewayMetrics:
             ["api", "outcome"],
             registry=self.registry,
         )
+        self.index_versions = Gauge(
+            "openbook_index_version",
+            "Each index's version (its count of acknowledged document writes) as this gateway "
+            "last saw it: in a listing, a write's reply or an answer",
+            ["index"],
+            registry=self.registry,
+        )
         self._lookups = {"hit": 0, "miss": 0}
         hit_ratio = Gauge(
             "openbook_gateway_cache_hit_ratio",
@@ -85,6 +92,13 @@ class GatewayMetrics:
         self.serving.clear()
         for service, version in versions.items():
             self.serving.labels(service, version).set(1)
+
+    def index_version(self, index: str, version: int) -> None:
+        self.index_versions.labels(index).set(version)
+
+    def index_deleted(self, index: str) -> None:
+        with suppress(KeyError):  # never seen by this gateway
+            self.index_versions.remove(index)
 
     def stages(self) -> StageTimer:
         return StageTimer(self)

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 DRAIN_MAX_BYTES = 32 * 1024 * 1024
 
 
+# Where document writes live (routes/documents.py): their bodies get the larger limit.
+DOCUMENT_PATH_PREFIX = "/indexes/"
+
+
 class BodySizeLimit:
     """Refuse request bodies over ``max_bytes`` with a 413 the client can read.
 
@@ -41,30 +45,44 @@ class BodySizeLimit:
     """
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, drain_max_bytes: int = DRAIN_MAX_BYTES
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        drain_max_bytes: int = DRAIN_MAX_BYTES,
+        document_max_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.drain_max_bytes = drain_max_bytes
+        # Document writes (under DOCUMENT_PATH_PREFIX) carry whole articles and batches of
+        # them: they get their own, larger limit; every other body keeps the small one.
+        self.document_max_bytes = document_max_bytes or max_bytes
         self.message = (
             f"request body larger than {max_bytes} bytes (OPENBOOK_GATEWAY_MAX_BODY_BYTES)"
+        )
+        self.document_message = (
+            f"request body larger than {self.document_max_bytes} bytes "
+            "(OPENBOOK_GATEWAY_MAX_DOCUMENT_BODY_BYTES)"
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, message_text = self.max_bytes, self.message
+        if scope["path"].startswith(DOCUMENT_PATH_PREFIX):
+            max_bytes, message_text = self.document_max_bytes, self.document_message
         headers = Headers(scope=scope)
         declared = headers.get("content-length", "").strip()
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        if declared.isdigit() and int(declared) > max_bytes:
             # A client that sent "Expect: 100-continue" waits for the go-ahead before sending
             # its body, and the server asks for it on the first receive(): answer without one.
             waiting = headers.get("expect", "").lower() == "100-continue"
             if not waiting and int(declared) <= self.drain_max_bytes:
                 await self._drain(receive, 0)
-            body = {"detail": self.message}
+            body = {"detail": message_text}
             if openai_format.is_openai_path(scope["path"]):
-                body = openai_format.error_body(413, self.message, code="request_too_large")
+                body = openai_format.error_body(413, message_text, code="request_too_large")
             response = JSONResponse(body, 413, headers={"Connection": "close"})
             await response(scope, receive, send)
             return
@@ -75,10 +93,10 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     if message.get("more_body", False):
                         await self._drain(receive, received)
-                    raise HTTPException(413, self.message, headers={"Connection": "close"})
+                    raise HTTPException(413, message_text, headers={"Connection": "close"})
             return message
 
         await self.app(scope, limited_receive, send)

@@ -219,6 +219,7 @@ class Completion:
 _CITED = ("id", "title", "text", "score", "prior", "posterior")
 _PROVENANCE = (
     "index",
+    "index_version",
     "retrieval",
     "model_version",
     "retriever_version",

@@ -3,11 +3,18 @@
 With several addresses (``OPENBOOK_GATEWAY_RETRIEVER_ADDR=host-0:8051,host-1:8051``) each serves one
 shard of every index: a query fans out to all and the top-k are merged by score, so results
 equal those of the unsharded index. Admin calls go to every shard.
+
+Documents: a document lives in one shard, chosen by its id (:func:`document_shard`); a write,
+a read or a delete of it goes to that shard only. An index's version is the sum of its shards'
+(every write lands in one shard and raises that shard's by one). A batch spread over several
+shards is one write per shard: all or nothing on each shard, not across them (a shard that
+refuses leaves the others' parts written; the reply's error says which shard refused).
 """
 
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Sequence
 
 from fastapi import HTTPException
@@ -15,7 +22,13 @@ from pydantic import SecretStr
 
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2
-from openbook_gateway.clients import RetrieverClient
+from openbook_gateway.clients import DOCUMENT_HTTP_STATUS, RetrieverClient
+
+# A document write embeds its passages (and creating an index may load an encoder) before it
+# answers: longer than a query, so a write's deadline is at least this long. Reads keep the
+# retrieve deadline.
+DOCUMENT_WRITE_MIN_TIMEOUT_S = 300.0
+DOCUMENT_WRITES = frozenset({"CreateIndex", "DeleteIndex", "PutDocuments", "DeleteDocument"})
 
 
 def _to_passage(p: common_pb2.Passage) -> Passage:
@@ -70,6 +83,7 @@ def merge_listings(
         info = retriever_pb2.IndexInfo()
         info.CopyFrom(held[0])
         info.count = sum(i.count for i in held)
+        info.version = sum(i.version for i in held)
         info.loaded = all(i is not None and i.loaded for i in infos)
         info.verified = all(i is not None and i.verified for i in infos)
         info.problem = "; ".join(
@@ -81,6 +95,12 @@ def merge_listings(
     return retriever_pb2.ListIndexesResponse(
         indexes=indexes, active=replies[0].active, model_version=replies[0].model_version
     )
+
+
+def document_shard(doc_id: str, shards: int) -> int:
+    """The shard that holds document ``doc_id`` of ``shards``: stable across processes and
+    restarts (crc32 of its UTF-8 id; Python's ``hash`` of a str is salted per process)."""
+    return zlib.crc32(doc_id.encode("utf-8", "surrogatepass")) % shards
 
 
 class Retrieval:
@@ -149,6 +169,8 @@ class Retrieval:
             index=label,
             model_version=replies[0].model_version,
             retrieval=replies[0].retrieval,
+            # Every write lands in one shard and raises its version by one: the sum counts them.
+            index_version=sum(reply.index_version for reply in replies),
         )
 
     async def list_indexes(self, request_id: str) -> retriever_pb2.ListIndexesResponse:
@@ -230,6 +252,122 @@ class Retrieval:
                 )
                 for shard, version in zip(self.shards, versions, strict=True)
             )
+        )
+
+    # --- documents ---------------------------------------------------------------------------
+
+    async def _document_call(self, shard: int, method: str, request, request_id: str):
+        client = self.shards[shard]
+        timeout_s = client.timeout_s
+        if method in DOCUMENT_WRITES:
+            timeout_s = max(timeout_s, DOCUMENT_WRITE_MIN_TIMEOUT_S)
+        return await client.call(
+            getattr(client.stub, method),
+            request,
+            request_id,
+            timeout_s,
+            statuses=DOCUMENT_HTTP_STATUS,
+        )
+
+    async def _document_all(self, method: str, request, request_id: str) -> list:
+        return await asyncio.gather(
+            *(
+                self._document_call(shard, method, request, request_id)
+                for shard in range(len(self.shards))
+            )
+        )
+
+    async def create_index(
+        self, name: str, index_type: str, like: str, request_id: str
+    ) -> retriever_pb2.IndexInfo:
+        """Create the empty index on every shard: its info, counts and versions summed."""
+        request = retriever_pb2.CreateIndexRequest(name=name, type=index_type, like=like)
+        infos = await self._document_all("CreateIndex", request, request_id)
+        info = retriever_pb2.IndexInfo()
+        info.CopyFrom(infos[0])
+        info.count = sum(i.count for i in infos)
+        info.version = sum(i.version for i in infos)
+        return info
+
+    async def delete_index(self, name: str, request_id: str) -> None:
+        request = retriever_pb2.DeleteIndexRequest(name=name)
+        await self._document_all("DeleteIndex", request, request_id)
+
+    async def _versions_elsewhere(self, index: str, written: set[int], request_id: str) -> int:
+        """The sum of the versions of ``index``'s shards not in ``written`` (a write's reply
+        carries only its own shard's)."""
+        request = retriever_pb2.ListDocumentsRequest(index=index, limit=1)
+        others = [s for s in range(len(self.shards)) if s not in written]
+        replies = await asyncio.gather(
+            *(self._document_call(s, "ListDocuments", request, request_id) for s in others)
+        )
+        return sum(reply.version for reply in replies)
+
+    async def put_documents(
+        self, index: str, documents: Sequence[retriever_pb2.Document], request_id: str
+    ) -> retriever_pb2.WriteResponse:
+        """Insert or replace ``documents`` (each in its shard); passages per document in the
+        given order, the index's version once written."""
+        by_shard: dict[int, list[int]] = {}
+        for at, document in enumerate(documents):
+            by_shard.setdefault(document_shard(document.id, len(self.shards)), []).append(at)
+        shards = sorted(by_shard)
+        replies = await asyncio.gather(
+            *(
+                self._document_call(
+                    shard,
+                    "PutDocuments",
+                    retriever_pb2.PutDocumentsRequest(
+                        index=index, documents=[documents[at] for at in by_shard[shard]]
+                    ),
+                    request_id,
+                )
+                for shard in shards
+            )
+        )
+        passages = [0] * len(documents)
+        for shard, reply in zip(shards, replies, strict=True):
+            for at, count in zip(by_shard[shard], reply.passages, strict=False):
+                passages[at] = count
+        version = sum(reply.version for reply in replies)
+        if len(self.shards) > 1:
+            version += await self._versions_elsewhere(index, set(shards), request_id)
+        return retriever_pb2.WriteResponse(index=index, version=version, passages=passages)
+
+    async def delete_document(
+        self, index: str, doc_id: str, request_id: str
+    ) -> retriever_pb2.WriteResponse:
+        shard = document_shard(doc_id, len(self.shards))
+        request = retriever_pb2.DeleteDocumentRequest(index=index, id=doc_id)
+        reply = await self._document_call(shard, "DeleteDocument", request, request_id)
+        if len(self.shards) > 1:
+            version = reply.version + await self._versions_elsewhere(index, {shard}, request_id)
+            return retriever_pb2.WriteResponse(index=index, version=version)
+        return reply
+
+    async def get_document(
+        self, index: str, doc_id: str, request_id: str
+    ) -> retriever_pb2.Document:
+        shard = document_shard(doc_id, len(self.shards))
+        request = retriever_pb2.GetDocumentRequest(index=index, id=doc_id)
+        return await self._document_call(shard, "GetDocument", request, request_id)
+
+    async def list_documents(
+        self, index: str, cursor: str, limit: int, request_id: str
+    ) -> retriever_pb2.ListDocumentsResponse:
+        """A page of ids in id order after ``cursor``: each shard's first ``limit`` merged (the
+        page's ids are the smallest ``limit`` over all shards)."""
+        request = retriever_pb2.ListDocumentsRequest(index=index, cursor=cursor, limit=limit)
+        replies = await self._document_all("ListDocuments", request, request_id)
+        if len(replies) == 1:
+            return replies[0]
+        ids = sorted(i for reply in replies for i in reply.ids)
+        more = len(ids) > limit or any(reply.next_cursor for reply in replies)
+        page = ids[:limit]
+        return retriever_pb2.ListDocumentsResponse(
+            ids=page,
+            next_cursor=page[-1] if more and page else "",
+            version=sum(reply.version for reply in replies),
         )
 
     async def healthy(self) -> bool:

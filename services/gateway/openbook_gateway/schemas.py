@@ -6,12 +6,18 @@ generator enforce at their own boundaries, so a request accepted here is one the
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from openbook.limits import (
     INDEX_NAME_PATTERN,
+    MAX_BATCH_DOCUMENTS,
     MAX_BEAMS,
     MAX_CHECKPOINT_CHARS,
+    MAX_DOCUMENT_ID_CHARS,
+    MAX_DOCUMENT_TEXT_CHARS,
+    MAX_DOCUMENT_TITLE_CHARS,
     MAX_K,
     MAX_LENGTH_PENALTY,
     MAX_NEW_TOKENS,
@@ -22,6 +28,10 @@ from openbook.limits import (
     RetrievalMode,
     check_checkpoint_name,
     check_decoding,
+    check_document_id,
+    check_document_text,
+    check_document_title,
+    check_metadata,
     check_question,
 )
 
@@ -152,6 +162,11 @@ class AnswerResponse(BaseModel):
         None, description="the threshold this answer was held to (null: none)"
     )
     index: str
+    index_version: int = Field(
+        0,
+        description="the serving index's version: its count of acknowledged document writes "
+        "(a sharded index's: the sum over its shards)",
+    )
     retrieval: str | None = Field(
         None,
         description="the retrieval mode that found the passages: the request's, or the index's "
@@ -213,6 +228,11 @@ class IndexOut(BaseModel):
         description="the retrieval mode of a request that names none: 'hybrid' where it holds "
         "both views, else its one view's (null when its manifest is unreadable)",
     )
+    version: int = Field(
+        0,
+        description="its count of acknowledged document writes (0: never written to; a "
+        "sharded index's: the sum over its shards)",
+    )
 
 
 class IndexesResponse(BaseModel):
@@ -268,3 +288,130 @@ class ReloadModelResponse(BaseModel):
 class ReplicasResponse(BaseModel):
     desired: dict[str, str] = Field(description="the desired model recorded in Redis")
     replicas: list[ReplicaOut]
+
+
+# --- documents (routes/documents.py) --------------------------------------------------------
+#
+# A document's rules are openbook.limits' check_document_* (the retriever's Document checks
+# with the same ones); the Field bounds repeat their limits for the OpenAPI schema.
+
+INDEX_TYPE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
+
+
+class CreateIndexRequest(BaseModel):
+    model_config = STRICT_REQUEST
+
+    name: str = Field(pattern=INDEX_NAME_PATTERN)
+    type: str | None = Field(
+        None,
+        pattern=INDEX_TYPE_PATTERN,
+        description="'flat', 'hnsw', 'hnsw-sq8', 'ivfpq' or 'bm25'; default: like's type, else "
+        "the retriever's default (the retriever refuses any other, a 422 naming type)",
+    )
+    like: str | None = Field(
+        None,
+        pattern=INDEX_NAME_PATTERN,
+        description="an existing index whose encoders, type and parameters the new one takes",
+    )
+
+
+class DeleteIndexResponse(BaseModel):
+    name: str
+
+
+def _metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None:
+        check_metadata("metadata", value)
+    return value
+
+
+class DocumentBody(BaseModel):
+    """A document's content, as ``PUT /indexes/{index}/documents/{doc_id}`` takes it."""
+
+    model_config = STRICT_REQUEST
+
+    title: str = Field(max_length=MAX_DOCUMENT_TITLE_CHARS)
+    text: str = Field(min_length=1, max_length=MAX_DOCUMENT_TEXT_CHARS)
+    metadata: dict[str, Any] | None = Field(
+        None,
+        description="a flat map of scalars: string keys, values strings, numbers, booleans or null",
+    )
+
+    @field_validator("title")
+    @classmethod
+    def title_is_text(cls, value: str) -> str:
+        return check_document_title("title", value)
+
+    @field_validator("text")
+    @classmethod
+    def text_has_words(cls, value: str) -> str:
+        return check_document_text("text", value)
+
+    @field_validator("metadata")
+    @classmethod
+    def metadata_is_flat(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _metadata(value)
+
+
+class BatchDocument(DocumentBody):
+    """One document of a batch: its content and its id."""
+
+    id: str = Field(min_length=1, max_length=MAX_DOCUMENT_ID_CHARS)
+
+    @field_validator("id")
+    @classmethod
+    def id_is_a_path_segment(cls, value: str) -> str:
+        return check_document_id("id", value)
+
+
+class PutDocumentsRequest(BaseModel):
+    model_config = STRICT_REQUEST
+
+    documents: list[BatchDocument] = Field(min_length=1, max_length=MAX_BATCH_DOCUMENTS)
+
+    @field_validator("documents")
+    @classmethod
+    def ids_distinct(cls, value: list[BatchDocument]) -> list[BatchDocument]:
+        # One version for the batch: two versions of one document in it would leave which one
+        # wins to the order of the retriever's loop.
+        seen: set[str] = set()
+        for at, document in enumerate(value):
+            if document.id in seen:
+                raise ValueError(f"documents[{at}].id {document.id!r} is already in the batch")
+            seen.add(document.id)
+        return value
+
+
+class PutDocumentResponse(BaseModel):
+    index: str
+    id: str
+    passages: int = Field(description="passages the document was split into")
+    version: int = Field(description="the index's version once this write is applied")
+
+
+class PutDocumentsResponse(BaseModel):
+    index: str
+    version: int = Field(description="the index's version once the batch is applied")
+    passages: list[int] = Field(description="passages per document, in request order")
+
+
+class DeleteDocumentResponse(BaseModel):
+    version: int = Field(description="the index's version once the delete is applied")
+
+
+class DocumentResponse(BaseModel):
+    index: str
+    id: str
+    title: str
+    text: str
+    metadata: dict[str, Any]
+    passage_ids: list[str]
+
+
+class DocumentListResponse(BaseModel):
+    index: str
+    ids: list[str]
+    next_cursor: str | None = Field(
+        None, description="the cursor of the next page; null when this page is the last"
+    )
+    version: int

@@ -20,6 +20,9 @@ class GatewaySettings(CommonSettings):
     generate_timeout_s: float = Field(default=120.0, gt=0)
     health_timeout_s: float = Field(default=2.0, gt=0)
     max_body_bytes: int = Field(default=64 * 1024, gt=0)  # larger request bodies get 413
+    # Bodies of document writes (PUT/POST under /indexes/): an article of up to
+    # MAX_DOCUMENT_TEXT_CHARS characters, or a batch of them (openbook.limits).
+    max_document_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     # Request heads (the request line and the header fields; openbook_gateway.http_protocol):
     # a head not complete within header_timeout_s of its first byte closes the connection (408
     # if part of it came), one over max_header_bytes or with more than max_header_count fields

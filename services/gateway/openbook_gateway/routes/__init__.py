@@ -3,6 +3,8 @@
 * :mod:`.answer`: ``POST /answer`` (JSON or Server-Sent Events).
 * :mod:`.openai`: the OpenAI-compatible API under ``/v1``.
 * :mod:`.indexes`: ``GET /indexes``.
+* :mod:`.documents`: creating and deleting indexes, and the documents of a live index
+  (``/indexes``, ``/indexes/{index}/documents``); writes behind the admin token.
 * :mod:`.admin`: ``/admin/*`` (index swap, model reload, replicas), behind the admin token.
 * :mod:`.health`: ``/healthz``, ``/readyz``, ``/metrics``.
 * :mod:`.pages`: the web page at ``/`` and its static files.

@@ -15,4 +15,7 @@ router = APIRouter(route_class=JSONBodyRoute)
 @router.get("/indexes", response_model=IndexesResponse)
 async def indexes(request: Request, services: ServicesDep) -> dict:
     listed = await services.retrieval.list_indexes(request.state.request_id)
+    for info in listed.indexes:
+        services.metrics.index_version(info.name, info.version)
+        services.cache.wrote(info.name, info.version)
     return indexes_response(listed)

@@ -1,0 +1,158 @@
+"""The ``openbook docs`` sub-commands: put, rm, get, ls and create-index, over HTTP.
+
+Each command prints the gateway's JSON reply (``put FILE`` a summary of the load) and exits 1
+with the gateway's refusal on stderr. The logic is :mod:`openbook_cli.docs`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from openbook_cli.docs import (
+    DEFAULT_BATCH_BYTES,
+    DEFAULT_BATCH_SIZE,
+    BatchOptions,
+    DocsError,
+    GatewayTarget,
+    create_index,
+    get_document,
+    list_documents,
+    put_document,
+    put_file,
+    remove_document,
+)
+
+docs_app = typer.Typer(
+    help="Documents of live indexes: put, rm, get, ls, create-index (the gateway's "
+    "documents API; writes need OPENBOOK_ADMIN_TOKEN).",
+    no_args_is_help=True,
+)
+
+URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="OPENBOOK_URL", help="gateway URL")
+TOKEN = typer.Option(
+    None,
+    "--admin-token",
+    envvar="OPENBOOK_ADMIN_TOKEN",
+    help="the admin token (writes)",
+    show_default=False,
+)
+TIMEOUT = typer.Option(300.0, "--timeout", help="seconds per HTTP call")
+
+
+def _done(reply: Any) -> None:
+    typer.echo(json.dumps(reply, indent=2, ensure_ascii=False))
+
+
+def _fail(command: str, exc: Exception) -> typer.Exit:
+    typer.echo(f"openbook docs {command}: {exc}", err=True)
+    return typer.Exit(1)
+
+
+@docs_app.command("put")
+def put_command(
+    index: str = typer.Argument(..., help="the index to write to"),
+    file: Path | None = typer.Argument(
+        None, help="a JSONL file: one {id, title, text, metadata?} object per line"
+    ),
+    doc_id: str | None = typer.Option(None, "--id", help="one document's id (without FILE)"),
+    title: str = typer.Option("", "--title", help="its title"),
+    text: str | None = typer.Option(None, "--text", help="its text"),
+    metadata: str | None = typer.Option(
+        None, "--metadata", help="its metadata: a JSON object of scalars"
+    ),
+    batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, min=1, help="documents per batch"),
+    batch_bytes: int = typer.Option(DEFAULT_BATCH_BYTES, min=1, help="bytes per batch at most"),
+    start: int = typer.Option(
+        0, min=0, help="skip this many lines of FILE (acknowledged by an earlier run)"
+    ),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    url: str = URL,
+    admin_token: str | None = TOKEN,
+    timeout_s: float = TIMEOUT,
+) -> None:
+    """Insert or replace documents: a JSONL FILE in batches, or one given by --id/--text."""
+    target = GatewayTarget(url, admin_token, timeout_s)
+    try:
+        if file is not None:
+            if doc_id is not None or text is not None or metadata is not None:
+                raise DocsError("give either FILE or --id/--title/--text/--metadata, not both")
+            options = BatchOptions(batch_size, batch_bytes, start)
+            _done(put_file(target, index, file, options, progress=not no_progress))
+            return
+        if doc_id is None or text is None:
+            raise DocsError("give a JSONL FILE, or --id and --text (and --title) of one document")
+        meta = None
+        if metadata is not None:
+            try:
+                meta = json.loads(metadata)
+            except ValueError as exc:
+                raise DocsError(f"--metadata is not JSON: {exc}") from None
+        _done(put_document(target, index, doc_id, title, text, meta))
+    except (DocsError, OSError, ValueError) as exc:
+        raise _fail("put", exc) from None
+
+
+@docs_app.command("rm")
+def rm_command(
+    index: str,
+    doc_id: str = typer.Argument(..., metavar="ID"),
+    url: str = URL,
+    admin_token: str | None = TOKEN,
+    timeout_s: float = TIMEOUT,
+) -> None:
+    """Delete a document (its passages are never served once this returns)."""
+    try:
+        _done(remove_document(GatewayTarget(url, admin_token, timeout_s), index, doc_id))
+    except DocsError as exc:
+        raise _fail("rm", exc) from None
+
+
+@docs_app.command("get")
+def get_command(
+    index: str,
+    doc_id: str = typer.Argument(..., metavar="ID"),
+    url: str = URL,
+    timeout_s: float = TIMEOUT,
+) -> None:
+    """A document, its metadata and its passage ids."""
+    try:
+        _done(get_document(GatewayTarget(url, None, timeout_s), index, doc_id))
+    except DocsError as exc:
+        raise _fail("get", exc) from None
+
+
+@docs_app.command("ls")
+def ls_command(
+    index: str,
+    cursor: str | None = typer.Option(None, help="the next_cursor of the previous page"),
+    limit: int | None = typer.Option(None, min=1, help="ids per page (default: the gateway's)"),
+    url: str = URL,
+    timeout_s: float = TIMEOUT,
+) -> None:
+    """A page of document ids, in id order, and the cursor of the next page."""
+    try:
+        _done(list_documents(GatewayTarget(url, None, timeout_s), index, cursor, limit))
+    except DocsError as exc:
+        raise _fail("ls", exc) from None
+
+
+@docs_app.command("create-index")
+def create_index_command(
+    name: str,
+    index_type: str | None = typer.Option(
+        None, "--type", help="flat | hnsw | hnsw-sq8 | ivfpq | bm25 (default: like's, else flat)"
+    ),
+    like: str | None = typer.Option(None, help="an index whose encoders and type to take"),
+    url: str = URL,
+    admin_token: str | None = TOKEN,
+    timeout_s: float = TIMEOUT,
+) -> None:
+    """Create an empty index."""
+    try:
+        _done(create_index(GatewayTarget(url, admin_token, timeout_s), name, index_type, like))
+    except DocsError as exc:
+        raise _fail("create-index", exc) from None

@@ -1,0 +1,195 @@
+"""The documents API: create and delete indexes, and write, read and list the documents of a
+live index (issue 32; docs/api.md, "Documents").
+
+Invariants:
+
+* Every write (creating or deleting an index, putting or deleting documents) is behind the
+  admin token (:func:`~openbook_gateway.routes.admin.require_admin`, run before the body is
+  read); reads are open, as ``GET /indexes`` is.
+* A body or path is checked here first, with ``openbook.limits``' rules (``schemas``): bad input
+  is a 422 naming the field and never reaches the retriever. What only the retriever can
+  know maps from its gRPC code: NOT_FOUND -> 404, ALREADY_EXISTS and FAILED_PRECONDITION (the
+  active index) -> 409, INVALID_ARGUMENT -> 422, UNAVAILABLE -> 503.
+* Each acknowledged write's version is remembered by the answer cache and the metrics: this
+  gateway never serves a cached answer computed on fewer writes than it has acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+
+from openbook.errors import InvalidArgument
+from openbook.limits import INDEX_NAME_PATTERN, MAX_DOCUMENT_ID_CHARS, check_document_id
+from openbook_gateway.bodies import JSONBodyRoute
+from openbook_gateway.mapping import (
+    document_proto,
+    document_response,
+    index_out,
+    put_document_response,
+)
+from openbook_gateway.routes.admin import require_admin
+from openbook_gateway.schemas import (
+    CreateIndexRequest,
+    DeleteDocumentResponse,
+    DeleteIndexResponse,
+    DocumentBody,
+    DocumentListResponse,
+    DocumentResponse,
+    IndexOut,
+    PutDocumentResponse,
+    PutDocumentsRequest,
+    PutDocumentsResponse,
+)
+from openbook_gateway.services import Services, ServicesDep
+
+log = logging.getLogger(__name__)
+
+# Ids per page of GET /indexes/{index}/documents.
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+
+def _checked_id(where: str, name: str, value: str) -> str:
+    """``value`` if it is a document id, else the 422 a body's bad field gets, naming ``name``
+    (a path or query parameter is checked here: FastAPI's own constraints cannot say why)."""
+    try:
+        return check_document_id(name, value)
+    except InvalidArgument as exc:
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": (where, name), "msg": str(exc), "input": value}]
+        ) from None
+
+
+IndexName = Annotated[str, Path(pattern=INDEX_NAME_PATTERN, description="the index's name")]
+DocumentId = Annotated[
+    str,
+    Path(
+        max_length=MAX_DOCUMENT_ID_CHARS,
+        description="the document's id: not empty, no '/', no control characters (one with "
+        "a '/' reaches the route, to be refused naming doc_id, not a 404)",
+    ),
+]
+AdminOnly = [Depends(require_admin)]
+
+router = APIRouter(route_class=JSONBodyRoute)
+
+
+def _wrote(services: Services, index: str, version: int) -> None:
+    services.cache.wrote(index, version)
+    services.metrics.index_version(index, version)
+
+
+@router.post("/indexes", status_code=201, response_model=IndexOut, dependencies=AdminOnly)
+async def create_index(body: CreateIndexRequest, request: Request, services: ServicesDep) -> dict:
+    """An empty index: the default encoder and type, or those of the index named by ``like``."""
+    info = await services.retrieval.create_index(
+        body.name, body.type or "", body.like or "", request.state.request_id
+    )
+    # A new index of a deleted one's name starts again from version 0.
+    services.cache.forget(body.name)
+    _wrote(services, info.name, info.version)
+    log.info("index created %s", info.name)
+    return index_out(info)
+
+
+@router.delete("/indexes/{name}", response_model=DeleteIndexResponse, dependencies=AdminOnly)
+async def delete_index(name: IndexName, request: Request, services: ServicesDep) -> dict:
+    """Delete an index and its files; refused (409) for the active index."""
+    await services.retrieval.delete_index(name, request.state.request_id)
+    await services.cache.deleted(name)
+    services.metrics.index_deleted(name)
+    log.info("index deleted %s", name)
+    return {"name": name}
+
+
+@router.put(
+    "/indexes/{index}/documents/{doc_id:path}",
+    response_model=PutDocumentResponse,
+    dependencies=AdminOnly,
+)
+async def put_document(
+    index: IndexName,
+    doc_id: DocumentId,
+    body: DocumentBody,
+    request: Request,
+    services: ServicesDep,
+) -> dict:
+    """Insert or replace one document: split into passages, embedded, searchable once this
+    answers."""
+    doc_id = _checked_id("path", "doc_id", doc_id)
+    reply = await services.retrieval.put_documents(
+        index, [document_proto(doc_id, body)], request.state.request_id
+    )
+    _wrote(services, index, reply.version)
+    return put_document_response(index, doc_id, reply)
+
+
+@router.post(
+    "/indexes/{index}/documents:batch",
+    response_model=PutDocumentsResponse,
+    dependencies=AdminOnly,
+)
+async def put_documents(
+    index: IndexName, body: PutDocumentsRequest, request: Request, services: ServicesDep
+) -> dict:
+    """Insert or replace many documents under one version, all or nothing (per shard)."""
+    documents = [document_proto(document.id, document) for document in body.documents]
+    reply = await services.retrieval.put_documents(index, documents, request.state.request_id)
+    _wrote(services, index, reply.version)
+    return {"index": index, "version": reply.version, "passages": list(reply.passages)}
+
+
+@router.delete(
+    "/indexes/{index}/documents/{doc_id:path}",
+    response_model=DeleteDocumentResponse,
+    dependencies=AdminOnly,
+)
+async def delete_document(
+    index: IndexName, doc_id: DocumentId, request: Request, services: ServicesDep
+) -> dict:
+    """Delete a document (404 when absent): its passages are never served once this answers."""
+    doc_id = _checked_id("path", "doc_id", doc_id)
+    reply = await services.retrieval.delete_document(index, doc_id, request.state.request_id)
+    _wrote(services, index, reply.version)
+    return {"version": reply.version}
+
+
+@router.get("/indexes/{index}/documents/{doc_id:path}", response_model=DocumentResponse)
+async def get_document(
+    index: IndexName, doc_id: DocumentId, request: Request, services: ServicesDep
+) -> dict:
+    """A document, its metadata and its passage ids (404 when absent)."""
+    doc_id = _checked_id("path", "doc_id", doc_id)
+    document = await services.retrieval.get_document(index, doc_id, request.state.request_id)
+    return document_response(index, document)
+
+
+@router.get("/indexes/{index}/documents", response_model=DocumentListResponse)
+async def list_documents(
+    index: IndexName,
+    request: Request,
+    services: ServicesDep,
+    cursor: Annotated[
+        str,
+        Query(
+            max_length=MAX_DOCUMENT_ID_CHARS,
+            description="the next_cursor of the previous page; empty: from the first id",
+        ),
+    ] = "",
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
+) -> dict:
+    """A page of document ids, in id order, after ``cursor``."""
+    if cursor:
+        _checked_id("query", "cursor", cursor)
+    listed = await services.retrieval.list_documents(index, cursor, limit, request.state.request_id)
+    services.metrics.index_version(index, listed.version)
+    return {
+        "index": index,
+        "ids": list(listed.ids),
+        "next_cursor": listed.next_cursor or None,
+        "version": listed.version,
+    }
