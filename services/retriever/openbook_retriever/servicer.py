@@ -55,7 +55,11 @@ from openbook.limits import (
 from openbook.serving.batcher import Batcher
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
-from openbook.shared_state import ActiveIndexStore, publish_model_version
+from openbook.shared_state import (
+    ActiveIndexStore,
+    publish_index_version,
+    publish_model_version,
+)
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook_retriever.compactor import BackgroundCompactor
@@ -509,12 +513,22 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         if self.metrics is not None:
             self.metrics.set_index_version(index, version)
 
+    def _acknowledge(self, index: str, live: LiveIndex, version: int) -> None:
+        """After a write is durable: the metric, and the version in Redis, where every gateway
+        keys its cached answers by it (so none outlives this write). A shard publishes under
+        its own label; the gateway sums an index's shards."""
+        self._record_version(index, version)
+        if self.shared is not None:
+            shard = live.manifest.shard
+            label = f"{shard['index']}-of-{shard['count']}" if shard else ""
+            publish_index_version(self.shared.client, index, version, shard=label)
+
     def PutDocuments(self, request, context):
         valid = validate_put_documents(request)
         with self.registry.writer(valid.index) as live:
             result = live.put_many(valid.documents)
             self.compactor.after_write(valid.index, live)
-        self._record_version(valid.index, result.version)
+            self._acknowledge(valid.index, live, result.version)
         return retriever_pb2.WriteResponse(
             index=valid.index,
             version=result.version,
@@ -526,7 +540,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         with self.registry.writer(ref.index) as live:
             result = live.delete(ref.id)
             self.compactor.after_write(ref.index, live)
-        self._record_version(ref.index, result.version)
+            self._acknowledge(ref.index, live, result.version)
         return retriever_pb2.WriteResponse(index=ref.index, version=result.version)
 
     def GetDocument(self, request, context):
