@@ -131,16 +131,15 @@ class Writer:
         index = self.random.choice(INDEXES)
         documents = self.model.texts[index]
         roll = self.random.random()
-        if roll < 0.45:  # a batch of new documents and replaces
-            size = min(left, self.random.randint(5, 25))
+        if roll < 0.15:  # a batch of new documents and replaces
+            size = min(left, self.random.randint(15, 35))
             replaced = self.random.sample(sorted(documents), min(len(documents), size // 3))
             ids = replaced + [self.fresh_id() for _ in range(size - len(replaced))]
             puts = {doc_id: self.model.text(self.model.token()) for doc_id in ids}
             self.put_batch(index, puts)
-        elif roll < 0.65 or len(documents) <= MIN_DOCUMENTS:  # one new document
-            doc_id = self.fresh_id()
-            self.put_one(index, doc_id, self.model.text(self.model.token()))
-        elif roll < 0.82:  # one replace
+        elif roll < 0.35 or len(documents) <= MIN_DOCUMENTS:  # one new document
+            self.put_one(index, self.fresh_id(), self.model.text(self.model.token()))
+        elif roll < 0.55:  # one replace
             doc_id = self.random.choice(sorted(documents))
             self.put_one(index, doc_id, self.model.text(self.model.token()))
         else:
@@ -179,7 +178,9 @@ class Writer:
         removed = [_token(self.model.texts[index][d]) for d in [*deletes, *puts]
                    if d in self.model.texts[index]]  # fmt: skip
         self.model.acknowledge(write)
-        self.check(write, removed)
+        # Every batch is read back, and half of the single writes: reads under load take time.
+        if len(puts) > 1 or self.random.random() < 0.5:
+            self.check(write, removed)
 
     def check(self, write: Write, removed: list[str]) -> None:
         """Read your writes: a question and GETs sent after the ack see exactly this write."""
@@ -228,7 +229,8 @@ def _question(model: Model, rng: random.Random) -> dict:
     since deleted or replaced, so a stale passage would show up in its answer)."""
     recent = model.recent[-60:]
     tokens = rng.sample(recent, min(len(recent), rng.randint(1, 3)))
-    if rng.random() < 0.3:  # the same few questions, asked by many clients: the cache answers
+    repeated = rng.random() < 0.3
+    if repeated:  # the same few questions, asked by many clients: the cache answers some
         tokens = recent[-1:]
     mode = rng.choice(["dense", "bm25", "hybrid"])
     index = rng.choice(INDEXES)
@@ -243,7 +245,7 @@ def _question(model: Model, rng: random.Random) -> dict:
         "question": question,
         "index": index,
         "retrieval": mode,
-        "k": rng.randint(2, 6),
+        "k": 3 if repeated else rng.randint(2, 6),
         "use_cache": rng.random() < 0.5,
     }
 
