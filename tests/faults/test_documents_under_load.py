@@ -11,8 +11,9 @@ new one, so a passage's text says which write it comes from. The test holds:
 * no request fails: every ``/answer`` and every write is a 200 (bm25 questions of the clients
   always hold words of the base corpus, so they always match a passage);
 * read your writes: after each acknowledged write, a bm25 question for the written tokens,
-  started after the ack, returns their passages, and a GET of the document returns its text;
-  a deleted document's GET is a 404;
+  started after the ack, returns their passages (a third of these questions were also asked,
+  and cached, just before the write), and a GET of the document returns its text; a deleted
+  document's GET is a 404;
 * no deleted passage served: no answer whose request started after a delete or replace was
   acknowledged holds a passage with the removed text's token;
 * the final listing of each index is the model of the acknowledged writes.
@@ -26,6 +27,7 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -146,46 +148,68 @@ class Writer:
             self.delete_one(index, self.random.choice(sorted(documents)))
 
     def put_one(self, index: str, doc_id: str, text: str) -> None:
-        sent = time.monotonic()
-        reply = self.http.put(
-            f"{self.stack.url}/indexes/{index}/documents/{doc_id}",
-            json={"title": "Ledger", "text": text},
-        )
-        self.acknowledged(index, {doc_id: text}, [], sent, reply)
+        url = f"{self.stack.url}/indexes/{index}/documents/{doc_id}"
+        body = {"title": "Ledger", "text": text}
+        self.write(index, {doc_id: text}, [], lambda: self.http.put(url, json=body))
 
     def put_batch(self, index: str, puts: dict[str, str]) -> None:
-        sent = time.monotonic()
-        documents = [{"id": i, "title": "Ledger", "text": t} for i, t in puts.items()]
-        reply = self.http.post(
-            f"{self.stack.url}/indexes/{index}/documents:batch", json={"documents": documents}
-        )
-        self.acknowledged(index, puts, [], sent, reply)
+        url = f"{self.stack.url}/indexes/{index}/documents:batch"
+        body = {"documents": [{"id": i, "title": "Ledger", "text": t} for i, t in puts.items()]}
+        self.write(index, puts, [], lambda: self.http.post(url, json=body))
 
     def delete_one(self, index: str, doc_id: str) -> None:
-        sent = time.monotonic()
-        reply = self.http.delete(f"{self.stack.url}/indexes/{index}/documents/{doc_id}")
-        self.acknowledged(index, {}, [doc_id], sent, reply)
+        url = f"{self.stack.url}/indexes/{index}/documents/{doc_id}"
+        self.write(index, {}, [doc_id], lambda: self.http.delete(url))
 
-    def acknowledged(
-        self, index: str, puts: dict[str, str], deletes: list[str], sent: float, reply
+    def write(
+        self,
+        index: str,
+        puts: dict[str, str],
+        deletes: list[str],
+        send: Callable[[], httpx.Response],
     ) -> None:
+        """Send one write and, for every batch and half of the single writes (reads under load
+        take time), read it back after its ack."""
+        documents = self.model.texts[index]
+        removed = [_token(documents[d]) for d in [*deletes, *puts] if d in documents]
+        untouched = sorted(set(documents) - set(puts) - set(deletes))
+        # A live token in the question too, so that it always matches a passage.
+        anchor = [_token(documents[self.random.choice(untouched)])] if untouched else []
+        sampled = self.random.sample(sorted(puts), min(4, len(puts)))
+        words = [*(_token(puts[d]) for d in sampled), *removed[:4], *anchor]
+        checked = len(puts) > 1 or self.random.random() < 0.5
+        # A third of the checks also ask their question before the write, with the cache on:
+        # a cache entry that outlived the write would then be served after it.
+        cached_before = checked and bool(removed or anchor) and self.random.random() < 1 / 3
+        if cached_before:
+            self.checks.append(self.ask(index, words, use_cache=True))
+        sent = time.monotonic()
+        reply = send()
         acked = time.monotonic()
         self.operations += len(puts) + len(deletes)
         if reply.status_code != 200:
             self.failures.append(f"write {reply.status_code}: {reply.text[:300]}")
             return
         write = Write(index, puts, deletes, sent, acked, reply.json()["version"])
-        removed = [_token(self.model.texts[index][d]) for d in [*deletes, *puts]
-                   if d in self.model.texts[index]]  # fmt: skip
         self.model.acknowledge(write)
-        # Every batch is read back, and half of the single writes: reads under load take time.
-        if len(puts) > 1 or self.random.random() < 0.5:
-            self.check(write, removed)
+        if checked:
+            use_cache = cached_before or self.random.random() < 0.5
+            self.check(write, sampled, words, use_cache)
 
-    def check(self, write: Write, removed: list[str]) -> None:
-        """Read your writes: a question and GETs sent after the ack see exactly this write."""
+    def ask(self, index: str, words: list[str], use_cache: bool) -> Reply:
+        body = {
+            "question": " ".join(words),
+            "index": index,
+            "retrieval": "bm25",
+            "k": len(words) + 2,
+            "use_cache": use_cache,
+        }
+        return post(self.http, f"{self.stack.url}/answer", body)
+
+    def check(self, write: Write, sampled: list[str], words: list[str], use_cache: bool) -> None:
+        """Read your writes: GETs and a bm25 question for the written and removed tokens, sent
+        after the ack, see this write: each sampled passage is in the question's top k."""
         base = f"{self.stack.url}/indexes/{write.index}/documents"
-        sampled = self.random.sample(sorted(write.puts), min(4, len(write.puts)))
         for doc_id in sampled:
             got = self.http.get(f"{base}/{doc_id}")
             if got.status_code != 200 or got.json()["text"] != write.puts[doc_id]:
@@ -194,32 +218,19 @@ class Writer:
             got = self.http.get(f"{base}/{doc_id}")
             if got.status_code != 404:
                 self.failures.append(f"GET {doc_id} after delete: {got.status_code}")
-        # One bm25 question for the written tokens, the removed ones and (so that it always
-        # matches something) a live one: each written passage is in its top k.
-        wanted = {f"{d}#0": _token(write.puts[d]) for d in sampled}
-        live = self.model.texts[write.index]
-        anchor = _token(live[self.random.choice(sorted(live))])
-        words = [*wanted.values(), *removed[:4], anchor]
-        reply = post(
-            self.http,
-            f"{self.stack.url}/answer",
-            {
-                "question": " ".join(words),
-                "index": write.index,
-                "retrieval": "bm25",
-                "k": len(words) + 2,
-                "use_cache": self.random.random() < 0.5,
-            },
-        )
+        reply = self.ask(write.index, words, use_cache)
         self.checks.append(reply)
         if reply.status != 200:
             return  # counted with the failed requests
+        if reply.body["index_version"] < write.version:
+            self.failures.append(f"{reply.describe()}: version below {write.version}")
         served = {p["id"]: p["text"] for p in reply.body["passages"]}
-        for passage_id, token in wanted.items():
-            if token not in served.get(passage_id, ""):
+        for doc_id in sampled:
+            token = _token(write.puts[doc_id])
+            if token not in served.get(f"{doc_id}#0", ""):
                 self.failures.append(
-                    f"{write.index}/{passage_id} ({token}) not served after its ack: "
-                    f"{sorted(served)} for {reply.body['index_version']} >= {write.version}"
+                    f"{write.index}/{doc_id} ({token}) not served after its ack: "
+                    f"{sorted(served)} at version {reply.body['index_version']}"
                 )
         self.checked += len(sampled) + len(write.deletes)
 
