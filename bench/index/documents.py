@@ -288,8 +288,8 @@ def measure_compaction(work: Path, sizes: Sizes, spec: IndexSpec, demo: Path | N
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
         pool.submit(_prepare_synthetic, synthetic, sizes, spec).result()
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        results["synthetic"] = pool.submit(_compact_in_child, synthetic / "live").result()
-    results["synthetic"].update(documents=sizes.n, written=sizes.compact_segment)
+        compacted = pool.submit(_compact_in_child, synthetic / "live").result()
+    results["synthetic"] = {**compacted, "documents": sizes.n, "written": sizes.compact_segment}
     shutil.rmtree(synthetic, ignore_errors=True)
     if demo is None or not (demo / "manifest.json").exists():
         results["demo"] = f"not run: {demo} is not a built index" if demo else "not asked"
@@ -298,8 +298,8 @@ def measure_compaction(work: Path, sizes: Sizes, spec: IndexSpec, demo: Path | N
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
         pool.submit(_prepare_demo, demo, copy, sizes).result()
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        results["demo"] = pool.submit(_compact_in_child, copy).result()
-    results["demo"].update(index=str(demo), written=sizes.compact_segment)
+        compacted = pool.submit(_compact_in_child, copy).result()
+    results["demo"] = {**compacted, "index": str(demo), "written": sizes.compact_segment}
     shutil.rmtree(copy, ignore_errors=True)
     return results
 
