@@ -102,3 +102,38 @@ def test_train_step_bench_runs_tiny(tmp_path):
         assert r["step_s"] > 0 and len(r["step_times_s"]) == 3
         assert r["peak_rss_gib"] > 0
     assert runs[0]["speedup_vs_1proc"] == 1.0 and runs[1]["speedup_vs_1proc"] > 0
+
+
+def test_documents_bench_runs_smoke(tmp_path):
+    """bench/index/documents.py --smoke: every part at tiny sizes (the stack, MiniLM; ~1 min),
+    each ratio measured against its reference in the same run."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/index/documents.py",
+            "--smoke",
+            "--demo",
+            str(tmp_path / "no-demo-index"),
+            "--json",
+            str(tmp_path / "documents.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "ingestion: API" in out.stdout
+    report = json.loads((tmp_path / "documents.json").read_text())
+    ingestion = report["ingestion"]
+    assert ingestion["rounds"][0]["api_passages"] == ingestion["rounds"][0]["build_passages"] > 0
+    assert ingestion["api_over_build"] > 0 and isinstance(ingestion["met"], bool)
+    latency = report["latency"]
+    assert latency["segment_passages"] == report["sizes"]["segment"]
+    for mode in ("dense", "bm25"):
+        assert latency["segment_over_compacted_p50"][mode] > 0
+    synthetic = report["compaction"]["synthetic"]
+    sizes = report["sizes"]
+    assert synthetic["passages"] == sizes["n"] + sizes["compact_segment"]
+    assert synthetic["peak_rss_gib"] >= synthetic["open_rss_gib"] > 0
+    assert report["compaction"]["demo"].startswith("not run")

@@ -1,0 +1,445 @@
+"""Live documents, measured (issue 32): ingestion through the API against a build, search with
+a write segment against the same passages compacted, and what a compaction costs.
+
+Three parts, each a ratio against a reference measured in the same run (so a busy neighbour
+slows both sides of a ratio alike):
+
+- **ingestion**: passages/s of ``POST /indexes/{i}/documents:batch`` (batches of ``--batch``
+  documents, one at a time) on the stack ``openbook up`` starts (tests/openbook_testkit's
+  LocalStack: the MiniLM fact indexes, a tiny BART), into an index created ``like`` the active
+  one, against ``build_index`` (what ``openbook index build`` runs) over the same documents with
+  the same encoder, in this process. Each round builds first, then ingests into a new index.
+  Target: ingestion >= 80% of the build's rate. The build's time includes loading its encoder
+  (~1 s, as ``openbook index build`` pays it); the API's first, uncounted, one-document batch
+  loads the retriever's.
+- **query latency**: p50/p99 of ``LiveIndex.search`` (dense, with the query vectors computed
+  beforehand, so only the index's part is timed; and bm25) over a base of ``--base-passages``
+  with a ``--segment``-passage write segment, against a copy of that live index compacted;
+  the two take turns query by query. Target: segment p50 <= 1.2x compacted p50. ``--encoder
+  tiny`` (the default) encodes with the test kit's tiny random DPR projecting to MiniLM's 384
+  dimensions: the vectors searched have MiniLM's size, and filling a 10k segment and a large
+  synthetic index takes minutes, not the hours MiniLM takes on two shared cores.
+- **compaction**: seconds and peak RSS (the child process's ``ru_maxrss``, which opens the live
+  index, replays its log and compacts; its RSS once open is reported too) for a synthetic live
+  index of ``--n`` one-passage documents plus ``--compact-segment`` written ones, and for a copy
+  of ``--demo`` (e.g. var/indexes/wiki-2016) when that index exists. Compaction re-encodes every
+  passage (openbook/index/compaction.py): with ``--encoder tiny`` the time is the rest of the
+  pipeline, and ``minilm_encode_s`` adds what re-encoding the passages with MiniLM costs at the
+  build rate measured in the ingestion part.
+
+    .venv/bin/python bench/index/documents.py [--docs 2000] [--segment 10000] [--n 100000]
+        [--demo var/indexes/wiki-2016] [--json docs/bench/documents-<date>.json]
+    .venv/bin/python bench/index/documents.py --smoke     # every part, tiny sizes, ~1 min
+
+Documents are synthetic: ``--words`` words (one passage at the default 100-word split) drawn
+from a fixed English vocabulary with a fixed seed, so every run encodes the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from openbook.index import build_index
+from openbook.index.documents import Document
+from openbook.index.live import LiveIndex, LiveOptions
+from openbook.index.spec import BuildOptions, IndexSpec
+
+INGEST_TARGET = 0.8  # ingestion passages/s >= 80% of the build's
+LATENCY_TARGET = 1.2  # segment p50 <= 1.2x compacted p50
+MINILM_DIM = 384
+ENCODERS = ("tiny", "minilm")
+PARTS = ("ingestion", "latency", "compaction")
+WRITE_BATCH = 1000  # documents per put_many when filling a live index (the API's maximum)
+
+# What synthetic documents are made of: common words of encyclopedia text.
+_VOCABULARY_TEXT = (
+    "the of and to in is was for on as with by at from that which city river mountain king "
+    "queen war church school university music album film game team season league player "
+    "company bank railway station island village county province state country capital "
+    "population census century history empire army battle treaty law court election party "
+    "president minister government council bridge road tower castle museum library garden "
+    "species genus family plant animal bird fish insect tree flower forest lake sea ocean "
+    "coast harbour ship aircraft engine car train bus language word book novel poem author "
+    "painter artist singer band song record label studio television radio network station "
+    "science physics chemistry biology medicine disease hospital doctor patient water fire "
+    "stone iron gold silver copper coal oil gas energy power light sound colour red green "
+    "blue black white north south east west old new first second third great small large"
+)
+_VOCABULARY = _VOCABULARY_TEXT.split()
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each part measures (``--smoke`` shrinks them all)."""
+
+    docs: int  # ingestion: documents per round
+    batch: int  # ingestion: documents per API call
+    rounds: int
+    base_passages: int  # latency: the base under the segment
+    segment: int  # latency: passages in the write segment
+    queries: int
+    n: int  # compaction: synthetic documents in the base
+    compact_segment: int  # compaction: documents written before compacting
+    words: int
+
+
+def synthetic_documents(n: int, words: int, seed: int, prefix: str) -> list[Document]:
+    """``n`` documents ``<prefix><i>`` of ``words`` words each (one passage at a split of at
+    least ``words``)."""
+    rng = random.Random(seed)
+    return [
+        Document.create(
+            f"{prefix}{i}",
+            " ".join(rng.choices(_VOCABULARY, k=3)).title(),
+            " ".join(rng.choices(_VOCABULARY, k=words)),
+        )
+        for i in range(n)
+    ]
+
+
+def write_corpus(path: Path, documents: Sequence[Document]) -> Path:
+    """The documents as a build's JSONL input, one passage per line under the document's
+    ``<id>#0`` passage id (what the API gives a one-passage document)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for d in documents:
+            f.write(json.dumps({"id": f"{d.id}#0", "title": d.title, "text": d.text}) + "\n")
+    return path
+
+
+def built(corpus: Path, out: Path, spec: IndexSpec) -> tuple[int, float]:
+    """Build ``spec`` over ``corpus`` at ``out``: (passages, seconds)."""
+    start = time.perf_counter()
+    manifest = build_index([corpus], out, spec, BuildOptions(progress=False, overwrite=True))
+    return manifest.count, time.perf_counter() - start
+
+
+def encoder_spec(encoder: str, work: Path) -> IndexSpec:
+    """The flat index the latency and compaction parts build (module docstring)."""
+    if encoder == "minilm":
+        return IndexSpec(name="bench")
+    from openbook_testkit.index import make_tiny_dpr_encoders
+
+    ctx, q = make_tiny_dpr_encoders(work / "tiny-dpr", projection_dim=MINILM_DIM)
+    return IndexSpec(name="bench", encoder=str(ctx), query_encoder=str(q))
+
+
+def percentiles(ms: Sequence[float]) -> dict[str, float]:
+    return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
+
+
+# ---------------------------------------------------------------------------- ingestion
+
+
+def measure_ingestion(work: Path, sizes: Sizes) -> dict:
+    from openbook_testkit.rag import make_tiny_bart
+    from openbook_testkit.stack import LocalStack, build_fact_indexes
+
+    var = work / "var"
+    build_fact_indexes(var / "indexes")
+    make_tiny_bart(var / "models" / "tiny-bart")
+    like = IndexSpec(name="bench-build")  # the fact indexes' spec: MiniLM, flat
+    stack = LocalStack(var)
+    stack.start()
+    rounds = []
+    try:
+        with httpx.Client(base_url=stack.url, headers=stack.auth, timeout=600) as client:
+            for r in range(sizes.rounds):
+                docs = synthetic_documents(sizes.docs, sizes.words, seed=r, prefix=f"r{r}d")
+                corpus = write_corpus(work / f"ingest-{r}.jsonl", docs)
+                build_passages, build_s = built(corpus, work / f"build-{r}", like)
+                api_passages, api_s = _ingest(client, f"bench-{r}", docs, sizes.batch)
+                rounds.append(
+                    {
+                        "documents": len(docs),
+                        "build_passages": build_passages,
+                        "build_s": round(build_s, 3),
+                        "build_passages_per_s": build_passages / build_s,
+                        "api_passages": api_passages,
+                        "api_s": round(api_s, 3),
+                        "api_passages_per_s": api_passages / api_s,
+                    }
+                )
+                shutil.rmtree(work / f"build-{r}", ignore_errors=True)
+    finally:
+        stack.stop()
+    api_rate = sum(x["api_passages"] for x in rounds) / sum(x["api_s"] for x in rounds)
+    build_rate = sum(x["build_passages"] for x in rounds) / sum(x["build_s"] for x in rounds)
+    ratio = api_rate / build_rate
+    return {
+        "batch": sizes.batch,
+        "rounds": rounds,
+        "api_passages_per_s": api_rate,
+        "build_passages_per_s": build_rate,
+        "api_over_build": ratio,
+        "target": INGEST_TARGET,
+        "met": ratio >= INGEST_TARGET,
+    }
+
+
+def _ingest(
+    client: httpx.Client, index: str, docs: Sequence[Document], batch: int
+) -> tuple[int, float]:
+    """Create ``index`` like the active one, warm its encoder with one document, then write
+    ``docs`` in batches: (passages written, seconds for the batches)."""
+    created = client.post("/indexes", json={"name": index, "like": "facts-a"})
+    created.raise_for_status()
+    warm = {"title": "Warm", "text": "The encoder loads on the first write."}
+    client.put(f"/indexes/{index}/documents/warm", json=warm).raise_for_status()
+    passages = 0
+    start = time.perf_counter()
+    for at in range(0, len(docs), batch):
+        body = {
+            "documents": [
+                {"id": d.id, "title": d.title, "text": d.text} for d in docs[at : at + batch]
+            ]
+        }
+        reply = client.post(f"/indexes/{index}/documents:batch", json=body)
+        reply.raise_for_status()
+        passages += sum(reply.json()["passages"])
+    return passages, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- latency
+
+
+def measure_latency(work: Path, sizes: Sizes, spec: IndexSpec) -> dict:
+    base_docs = synthetic_documents(sizes.base_passages, sizes.words, seed=100, prefix="b")
+    build_passages, _ = built(
+        write_corpus(work / "latency.jsonl", base_docs),
+        work / "latency-built",
+        spec,
+    )
+    options = LiveOptions(verify=False)
+    segment_dir, compacted_dir = work / "latency-segment", work / "latency-compacted"
+    with LiveIndex.create(segment_dir, work / "latency-built", options) as live:
+        segment_docs = synthetic_documents(sizes.segment, sizes.words, seed=101, prefix="s")
+        write_s = _write_all(live, segment_docs)
+        segment = live.segment_size
+    shutil.copytree(segment_dir, compacted_dir)
+    with LiveIndex(compacted_dir, options) as to_compact:
+        compaction = to_compact.compact()
+    assert compaction is not None
+    rng = random.Random(7)
+    queries = [" ".join(rng.choices(_VOCABULARY, k=8)) for _ in range(sizes.queries)]
+    k = 5
+    times: dict[str, dict[str, list[float]]] = {
+        state: {"dense": [], "bm25": []} for state in ("segment", "compacted")
+    }
+    with LiveIndex(segment_dir, options) as seg, LiveIndex(compacted_dir, options) as comp:
+        indexes = {"segment": seg, "compacted": comp}
+        vectors = seg.query_encoder.encode(queries)
+        for index in indexes.values():  # warm: page cache, bm25 mmap, cached segment arrays
+            index.search(queries[:3], k, query_vectors=vectors[:3], retrieval="dense")
+            index.search(queries[:3], k, retrieval="bm25")
+        for i, q in enumerate(queries):
+            for state, index in indexes.items():
+                start = time.perf_counter()
+                index.search([q], k, query_vectors=vectors[i : i + 1], retrieval="dense")
+                times[state]["dense"].append(1000 * (time.perf_counter() - start))
+                start = time.perf_counter()
+                index.search([q], k, retrieval="bm25")
+                times[state]["bm25"].append(1000 * (time.perf_counter() - start))
+    ms = {state: {m: percentiles(t) for m, t in modes.items()} for state, modes in times.items()}
+    ratios = {m: ms["segment"][m]["p50"] / ms["compacted"][m]["p50"] for m in ("dense", "bm25")}
+    return {
+        "base_passages": build_passages,
+        "segment_passages": segment,
+        "segment_write_s": round(write_s, 3),
+        "compaction_s": compaction.seconds,
+        "queries": len(queries),
+        "k": k,
+        "ms": ms,
+        "segment_over_compacted_p50": ratios,
+        "target": LATENCY_TARGET,
+        "met": all(r <= LATENCY_TARGET for r in ratios.values()),
+    }
+
+
+def _write_all(live: LiveIndex, docs: Sequence[Document]) -> float:
+    start = time.perf_counter()
+    for at in range(0, len(docs), WRITE_BATCH):
+        live.put_many(docs[at : at + WRITE_BATCH])
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- compaction
+
+
+def measure_compaction(work: Path, sizes: Sizes, spec: IndexSpec, demo: Path | None) -> dict:
+    """The synthetic index, and a copy of ``demo`` when it exists; each prepared in one child
+    process and compacted in another (a fresh high-water mark)."""
+    spawn = get_context("spawn")
+    results: dict[str, dict | str] = {}
+    synthetic = work / "compact-synthetic"
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        pool.submit(_prepare_synthetic, synthetic, sizes, spec).result()
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        compacted = pool.submit(_compact_in_child, synthetic / "live").result()
+    results["synthetic"] = {**compacted, "documents": sizes.n, "written": sizes.compact_segment}
+    shutil.rmtree(synthetic, ignore_errors=True)
+    if demo is None or not (demo / "manifest.json").exists():
+        results["demo"] = f"not run: {demo} is not a built index" if demo else "not asked"
+        return results
+    copy = work / "compact-demo"
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        pool.submit(_prepare_demo, demo, copy, sizes).result()
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        compacted = pool.submit(_compact_in_child, copy).result()
+    results["demo"] = {**compacted, "index": str(demo), "written": sizes.compact_segment}
+    shutil.rmtree(copy, ignore_errors=True)
+    return results
+
+
+def _prepare_synthetic(root: Path, sizes: Sizes, spec: IndexSpec) -> None:
+    root.mkdir(parents=True)
+    docs = synthetic_documents(sizes.n, sizes.words, seed=200, prefix="c")
+    built(write_corpus(root / "corpus.jsonl", docs), root / "built", spec)
+    del docs
+    with LiveIndex.create(root / "live", root / "built", LiveOptions(verify=False)) as live:
+        _write_all(live, _written(sizes))
+    shutil.rmtree(root / "built")
+
+
+def _prepare_demo(demo: Path, copy: Path, sizes: Sizes) -> None:
+    with LiveIndex.create(copy, demo, LiveOptions(verify=False)) as live:
+        _write_all(live, _written(sizes))
+
+
+def _written(sizes: Sizes) -> list[Document]:
+    return synthetic_documents(sizes.compact_segment, sizes.words, seed=201, prefix="new")
+
+
+def _compact_in_child(path: Path) -> dict:
+    """Open the live index at ``path`` and compact it: seconds, passages, RSS once open and the
+    process's peak RSS (GiB)."""
+    import psutil
+
+    with LiveIndex(path, LiveOptions(verify=False)) as live:
+        open_rss = psutil.Process().memory_info().rss
+        result = live.compact()
+    assert result is not None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {
+        "passages": result.passages,
+        "seconds": result.seconds,
+        "open_rss_gib": round(open_rss / 2**30, 3),
+        "peak_rss_gib": round(peak / 2**30, 3),
+    }
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def report_lines(report: dict) -> Iterator[str]:
+    ing = report.get("ingestion")
+    if ing:
+        yield (
+            f"ingestion: API {ing['api_passages_per_s']:.1f} passages/s (batches of "
+            f"{ing['batch']}), build {ing['build_passages_per_s']:.1f} passages/s: "
+            f"{ing['api_over_build']:.2f}x (target >= {INGEST_TARGET}: "
+            f"{'met' if ing['met'] else 'NOT met'})"
+        )
+    lat = report.get("latency", {})
+    for mode, ratio in lat.get("segment_over_compacted_p50", {}).items():
+        seg, comp = lat["ms"]["segment"][mode], lat["ms"]["compacted"][mode]
+        yield (
+            f"latency {mode}: segment of {lat['segment_passages']} p50 {seg['p50']:.2f} ms "
+            f"p99 {seg['p99']:.2f} ms; compacted p50 {comp['p50']:.2f} ms p99 "
+            f"{comp['p99']:.2f} ms: {ratio:.2f}x (target <= {LATENCY_TARGET})"
+        )
+    for name, c in report.get("compaction", {}).items():
+        if isinstance(c, str):
+            yield f"compaction {name}: {c}"
+        else:
+            yield (
+                f"compaction {name}: {c['passages']} passages in {c['seconds']:.1f} s, RSS open "
+                f"{c['open_rss_gib']:.2f} GiB, peak {c['peak_rss_gib']:.2f} GiB"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=int, default=2000, help="ingestion: documents per round")
+    ap.add_argument("--batch", type=int, default=100, help="ingestion: documents per call")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--base-passages", type=int, default=1000)
+    ap.add_argument("--segment", type=int, default=10_000)
+    ap.add_argument("--queries", type=int, default=300)
+    ap.add_argument("--n", type=int, default=100_000, help="compaction: synthetic documents")
+    ap.add_argument("--compact-segment", type=int, default=1000)
+    ap.add_argument("--words", type=int, default=80)
+    ap.add_argument(
+        "--encoder",
+        choices=ENCODERS,
+        default="tiny",
+        help="latency and compaction parts: the test kit's tiny random DPR with MiniLM's 384 "
+        "dims (only the index is timed) or MiniLM itself (compaction time then includes "
+        "its re-encoding)",
+    )
+    ap.add_argument("--demo", type=Path, default=Path("var/indexes/wiki-2016"))
+    ap.add_argument("--work", type=Path, default=None, help="scratch dir (default: a temp dir)")
+    ap.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure"
+    )
+    ap.add_argument("--smoke", action="store_true", help="every part at tiny sizes")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        sizes = Sizes(20, 10, 1, 30, 40, 10, 60, 10, 30)
+    else:
+        sizes = Sizes(
+            args.docs,
+            args.batch,
+            args.rounds,
+            args.base_passages,
+            args.segment,
+            args.queries,
+            args.n,
+            args.compact_segment,
+            args.words,
+        )
+    with tempfile.TemporaryDirectory(prefix="docbench-", dir=args.work) as tmp:
+        work = Path(tmp)
+        spec = encoder_spec(args.encoder, work)
+        started = time.perf_counter()
+        report: dict = {
+            "machine": platform.processor() or platform.machine(),
+            "sizes": asdict(sizes),
+            "encoder": args.encoder,
+        }
+        if "ingestion" in args.parts:
+            report["ingestion"] = measure_ingestion(work, sizes)
+        if "latency" in args.parts:
+            report["latency"] = measure_latency(work, sizes, spec)
+        if "compaction" in args.parts:
+            report["compaction"] = measure_compaction(work, sizes, spec, args.demo)
+    if "ingestion" in report and "compaction" in report:
+        build_rate = report["ingestion"]["build_passages_per_s"]
+        synthetic = report["compaction"]["synthetic"]
+        # Compaction re-encodes every passage: what that costs with MiniLM, at the build's rate.
+        synthetic["minilm_encode_s"] = round(synthetic["passages"] / build_rate, 1)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    for line in report_lines(report):
+        print(line)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
