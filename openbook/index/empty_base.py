@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.encoders import Encoder
 from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion
+from openbook.index.loaded import check_query_encoder, index_query_encoder
 from openbook.index.manifest import Manifest
 from openbook.index.spec import IndexSpec
 from openbook.index.stages import BM25_PARAMS
@@ -133,19 +134,11 @@ class EmptyBase:
             raise ValueError(f"index {self.name!r} is bm25 and has no query encoder")
         with self._encoder_lock:
             if self._encoder is None:
-                name = self.manifest.query_encoder or self.manifest.encoder
-                assert name is not None
-                enc = load_encoder(name, role="query")
-                self.check_encoder(enc)
-                self._encoder = enc
+                self._encoder = index_query_encoder(self.name, self.manifest)
             return self._encoder
 
     def check_encoder(self, encoder: Encoder) -> None:
-        if encoder.dim != self.manifest.dim:
-            raise ValueError(
-                f"index {self.name!r}: query encoder {encoder.name!r} dim {encoder.dim} "
-                f"!= index dim {self.manifest.dim}"
-            )
+        check_query_encoder(self.name, self.manifest, encoder)
 
     def search(
         self,

@@ -109,6 +109,28 @@ def _field_types_problem(m: Manifest) -> str | None:
     return None
 
 
+def index_query_encoder(name: str, manifest: Manifest) -> Encoder:
+    """The query encoder of the dense index ``name`` that ``manifest`` describes, loaded and
+    checked against the index's dimension (:class:`IndexLoadError` naming the index if not)."""
+    encoder_name = manifest.query_encoder or manifest.encoder
+    assert encoder_name is not None
+    try:
+        encoder = load_encoder(encoder_name, role="query")
+    except ValueError as e:
+        raise IndexLoadError(f"index {name!r}: {e}") from None
+    check_query_encoder(name, manifest, encoder)
+    return encoder
+
+
+def check_query_encoder(name: str, manifest: Manifest, encoder: Encoder) -> None:
+    """Refuse a query encoder whose vectors the index ``name`` cannot search."""
+    if encoder.dim != manifest.dim:
+        raise IndexLoadError(
+            f"index {name!r}: query encoder {encoder.name!r} dim {encoder.dim} "
+            f"!= index dim {manifest.dim}"
+        )
+
+
 class LoadedIndex:
     """Search and vector access over one index; thread-safe for concurrent searches."""
 
@@ -246,22 +268,11 @@ class LoadedIndex:
             raise ValueError(f"index {self.name!r} is bm25 and has no query encoder")
         with self._encoder_lock:
             if self._encoder is None:
-                name = self.manifest.query_encoder or self.manifest.encoder
-                assert name is not None
-                try:
-                    enc = load_encoder(name, role="query")
-                except ValueError as e:
-                    raise IndexLoadError(f"index {self.name!r}: {e}") from None
-                self.check_encoder(enc)
-                self._encoder = enc
+                self._encoder = index_query_encoder(self.name, self.manifest)
             return self._encoder
 
     def check_encoder(self, encoder: Encoder) -> None:
-        if encoder.dim != self.manifest.dim:
-            raise IndexLoadError(
-                f"index {self.name!r}: query encoder {encoder.name!r} dim {encoder.dim} "
-                f"!= index dim {self.manifest.dim}"
-            )
+        check_query_encoder(self.name, self.manifest, encoder)
 
     def search(
         self,
