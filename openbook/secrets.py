@@ -103,6 +103,22 @@ def _create_once(path: Path, content: str) -> bool:
             os.unlink(tmp)
 
 
+def _replace(path: Path, content: str) -> None:
+    """Write ``content`` to ``path`` (mode 0600) by an atomic rename: a concurrent reader sees
+    the old file or the new one, never none (the ACL's content follows from the password, so
+    concurrent writers agree on it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+        os.chmod(tmp, 0o600)  # whatever the umask
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 def read_secret(path: Path, what: str) -> str:
     """The stripped content of a secret file, or a ``SystemExit``-worthy ``ValueError`` that
     names the file and what it is for."""
@@ -128,9 +144,12 @@ def init(directory: Path, acl_owner: int | None = None) -> SecretFiles:
     password = read_secret(files.password, "redis password")
     # The ACL follows the password: rewritten if missing or stale (the password never moves).
     wanted = acl_text(password)
-    if not files.acl.exists() or files.acl.read_text() != wanted:
-        files.acl.unlink(missing_ok=True)
-        _create_once(files.acl, wanted)
+    try:
+        current = files.acl.read_text()
+    except FileNotFoundError:
+        current = None
+    if current != wanted:
+        _replace(files.acl, wanted)
     if acl_owner is not None and os.geteuid() == 0:
         # In a container (root): Redis's image drops to its own user, which must read it.
         # Run as a user, Redis runs as that user too: nothing to give away.
