@@ -322,10 +322,15 @@ class LiveIndex:
         if disk_stamp(self.path) == self._seen:
             return False
         with self._write_lock:
-            try:
-                self._catch_up_locked(writer=False)
-            except StaleOpen as exc:
-                log.debug("index %s: cannot catch up yet: %s", self.name, exc)
+            for attempt in range(3):
+                try:
+                    self._catch_up_locked(writer=False)
+                    break
+                except StaleOpen as exc:
+                    # Compacted while we read: the new base's rows are recorded by now (a
+                    # compaction records them before it cuts the log), so read again at once.
+                    if attempt == 2:
+                        log.warning("index %s: cannot catch up now: %s", self.name, exc)
         return True
 
     def _catch_up_locked(self, *, writer: bool) -> None:
@@ -335,23 +340,33 @@ class LiveIndex:
         view = self._view
         if _newest_base(self.path)[1] != view.base_version:
             # Compacted by another process: the new base, and the log above it.
+            if writer:
+                # Under the writer lock a base cannot be switched to, but a compaction may
+                # publish its next one meanwhile: open the newest again.
+                for attempt in range(3):
+                    try:
+                        self._view = self._load(self._open_base(view, reader=False))
+                        return
+                    except StaleOpen:
+                        if attempt == 2:
+                            raise
             try:
-                self._view = self._load(self._open_base(view, reader=False) if writer else None)
+                self._view = self._load(None)
                 return
             except StaleOpen:
-                if writer:
-                    raise
-                # Its rows are not recorded yet: until the compaction cuts the log, the log
-                # still holds every write above our base, so read on over it.
+                pass  # Its rows are not recorded yet: until the compaction cuts the log, the
+                # log still holds every write above our base, so read on over it.
         seen = disk_stamp(self.path)
         records: list[WalRecord] | None
         if writer:
-            records = self._wal.extend() if self._wal is not None else None
-            if records is None:  # never opened for appending here, or replaced
-                if self._wal is not None:
-                    self._wal.close()
-                self._wal, records = open_log(self.path / WAL_FILE)
-            position = self._wal.position
+            wal = self._wal
+            records = wal.extend() if wal is not None else None
+            if wal is None or records is None:  # never opened for appending here, or replaced
+                if wal is not None:
+                    wal.close()
+                wal, records = open_log(self.path / WAL_FILE)
+                self._wal = wal
+            position = wal.position
             applied = self._store.applied_version
             for record in records:
                 if record.version > applied:  # a writer that died before its store commit

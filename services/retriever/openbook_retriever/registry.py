@@ -362,6 +362,12 @@ class IndexRegistry:
             elif isinstance(entry.index, LiveIndex):
                 try:  # what other replicas wrote, before this request reads
                     entry.index.catch_up()
+                except FileNotFoundError:  # deleted (by another replica, or out of band)
+                    self._release(target, entry)
+                    with self._lock:
+                        if self._loaded.get(target) is entry:
+                            self._retire(target, self._loaded.pop(target))
+                    raise NotFound(f"index: index {target!r} was removed") from None
                 except BaseException:
                     self._release(target, entry)
                     raise
