@@ -10,6 +10,8 @@ gateway pointed at its own replica, so every request through a gateway reaches t
   a restarted replica replays the log is ``test_documents_end_to_end``'s.)
 * Hot swap under writes: writes to both indexes while ``POST /admin/swap-index`` swaps between
   them neither fail nor get lost, and a swap to an index serves its latest version.
+* An index directory removed out of band (not through the API) raises its cache epoch: no
+  gateway answers from its cached answers again.
 
 Tiny random generator: the tests check where passages come from, not what the answer says.
 Compaction runs along (a low threshold), so replicas also see each other's new bases.
@@ -18,15 +20,19 @@ Compaction runs along (a low threshold), so replicas also see each other's new b
 from __future__ import annotations
 
 import itertools
+import shutil
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from openbook.redis_protocol import INDEX_EPOCHS_KEY
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import (
     RetrieverProcess,
@@ -45,6 +51,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 class Replicas:
     retrievers: list[RetrieverProcess]
     gateways: list[str]  # gateways[i] talks to retrievers[i]
+    index_root: Path
+    redis: Any  # a client of the one Redis
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +102,7 @@ def replicas(tmp_path_factory, redis_server) -> Iterator[Replicas]:
                     "OPENBOOK_GATEWAY_GENERATOR_ADDR": f"127.0.0.1:{generator.port}",
                 }
                 gateways.append(stack.enter_context(gateway_process(gateway_dir, env)))
-            yield Replicas(retrievers, gateways)
+            yield Replicas(retrievers, gateways, work / "indexes", redis_server.client())
     finally:
         generator.stop(0)
         servicer.close()
@@ -192,6 +200,29 @@ def test_a_hot_swap_under_writes_loses_no_write(replicas: Replicas) -> None:
             token = f"qs{int(doc_id.split('-')[1]):03d}x"
             answer = _ask(gw[1], f"Which ledger is {token}?", index=index)
             assert _passages(answer)[0] == f"{doc_id}#0", answer
+
+
+def test_an_index_removed_out_of_band_never_answers_from_the_cache(replicas: Replicas) -> None:
+    gw = replicas.gateways
+    created = httpx.post(
+        f"{gw[0]}/indexes", json={"name": "scratch", "like": "facts-a"}, headers=AUTH, timeout=60
+    )
+    assert created.status_code == 201, created.text
+    _put(gw[0], "scratch", "note", _text("qzscratchx"))
+    question = "Which ledger is qzscratchx?"
+    assert _ask(gw[1], question, index="scratch")["cached"] is False
+    assert _ask(gw[1], question, index="scratch")["cached"] is True
+    shutil.rmtree(replicas.index_root / "scratch")  # an operator's rm -rf, not the API
+    deadline = time.monotonic() + 60  # the retrievers' watch looks every 2 s
+    while not replicas.redis.hget(INDEX_EPOCHS_KEY, "scratch"):
+        logs = "\n".join(r.log_tail() for r in replicas.retrievers)
+        assert time.monotonic() < deadline, f"no epoch raised:\n{logs}"
+        time.sleep(0.1)
+    for gateway in gw:
+        body = {"question": question, "k": 3, "retrieval": "bm25", "max_new_tokens": 2}
+        gone = httpx.post(f"{gateway}/answer", json={**body, "index": "scratch"}, timeout=60)
+        # Not the cached 200: the retrievers say it is gone (/answer's 422 for an unknown index).
+        assert gone.status_code == 422 and "unknown index" in gone.text, gone.text
 
 
 def test_writes_through_either_replica_are_read_through_the_other(replicas: Replicas) -> None:

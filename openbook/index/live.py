@@ -222,7 +222,7 @@ class LiveIndex:
                     try:
                         with self._locked():
                             self._view = self._load((base, base_version))
-                            _remove_old_bases(self.path, keep=_base_dir(self.path, base_version))
+                        self._remove_leftovers(base_version)
                         break
                     except StaleOpen:  # compacted by another process while we opened
                         if attempt == 2:
@@ -232,6 +232,17 @@ class LiveIndex:
                 self._wal.close()
             self._store.close()
             raise
+
+    def _remove_leftovers(self, base_version: int) -> None:
+        """Older bases and what an interrupted compaction left, only while no process is
+        compacting (its compaction lock is free): a running one's build lives there too."""
+        try:
+            compacting = WriterLock(self.path, lock_file=COMPACTION_LOCK_FILE)
+        except WriterLockHeld:
+            return  # the compacting process removes them when it is done
+        with compacting:
+            if _newest_base(self.path)[1] == base_version:
+                _remove_old_bases(self.path, keep=_base_dir(self.path, base_version))
 
     def _locked(self) -> WriterLock:
         """The index's writer lock across processes (writer_lock.py), waited for."""
@@ -247,10 +258,17 @@ class LiveIndex:
             # Checked before the (costly) open: a compaction publishes its base a moment
             # before it records the base's rows; until then, serve what we have.
             raise StaleOpen(f"{self.path}: base {base_version} not recorded yet")
-        if base_dir is None:
-            template = Manifest.from_file(self.path / TEMPLATE_FILE)
-            return EmptyBase(self.path, template, name=self.path.name), base_version
-        return open_index(base_dir, verify=self.options.verify, name=self.path.name), base_version
+        try:
+            if base_dir is None:
+                template = Manifest.from_file(self.path / TEMPLATE_FILE)
+                return EmptyBase(self.path, template, name=self.path.name), base_version
+            return open_index(
+                base_dir, verify=self.options.verify, name=self.path.name
+            ), base_version
+        except Exception:
+            if _newest_base(self.path)[1] != base_version:  # removed by a newer compaction
+                raise StaleOpen(f"{self.path}: compacted while opening") from None
+            raise
 
     def _load(self, opened: tuple[BaseIndex, int] | None) -> _View:
         """A view of the newest base and the whole log over it. ``opened``: that base, opened

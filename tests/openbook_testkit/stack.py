@@ -292,6 +292,10 @@ class RetrieverProcess:
                 except grpc.RpcError:
                     time.sleep(0.1)
 
+    def log_tail(self, chars: int = 4000) -> str:
+        path = self.workdir / "retriever.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
     def kill(self) -> None:
         """``kill -9``: no shutdown of any kind."""
         assert self.proc is not None

@@ -127,9 +127,9 @@ class IndexRegistry:
         self._attempts: dict[str, tuple[Fingerprint, str]] = {}
         self._adopting: dict[str, threading.Lock] = {}
         # Each index directory's identity as :meth:`vanished` last saw it (None: not looked),
-        # and those of the directories this process put in place itself (adoption).
+        # and which of them were built indexes then (their adoption is no replacement).
         self._known: dict[str, tuple[int, int]] | None = None
-        self._put_here: dict[str, tuple[int, int]] = {}
+        self._known_built: set[str] = set()
         self.active: str | None = None
         self.recover()
         # Called with a loaded index before it becomes active; raising refuses the swap (the
@@ -167,19 +167,27 @@ class IndexRegistry:
 
     def vanished(self) -> list[str]:
         """The indexes whose directory was removed, or replaced by another one, out of band
-        (``rm -rf``, a restore) since the last call; their loaded entries are retired, so no
-        request is served from memory of an index that is gone. The first call only looks.
-        A directory this process adopted is not taken for replaced, nor one being adopted
-        (another replica's adoption is: one needless cache invalidation, never a stale one)."""
+        (``rm -rf``, a restore) since the last call or since this process loaded them; their
+        loaded entries are retired, so no request is served from memory of an index that is
+        gone. The first call only looks. An adoption (a built directory replaced by its live
+        copy, here or by another replica, or one between its two renames) is not taken for a
+        replacement."""
         seen: dict[str, tuple[int, int]] = {}
+        live: set[str] = set()
         for name in self.available():
             with suppress(OSError):
                 seen[name] = _identity(self.root / name)
+                if not (self.root / name / MANIFEST).is_file():
+                    live.add(name)
         gone: list[str] = []
-        for name, identity in (self._known or {}).items():
+        with self._lock:  # what was loaded counts as seen, however briefly it lived
+            looked = {n: e.identity for n, e in self._loaded.items() if e.identity is not None}
+        for name, identity in {**looked, **(self._known or {})}.items():
             now = seen.get(name)
-            if now == identity or (now is not None and now == self._put_here.get(name)):
+            if now == identity:
                 continue
+            if now is not None and name in live and name in self._known_built:
+                continue  # adopted: the same documents, now live
             if _locked(self.root / f".{name}.adopt.lock"):  # between its two renames
                 seen.setdefault(name, identity)
                 continue
@@ -191,6 +199,7 @@ class IndexRegistry:
                     self._retire(name, self._loaded.pop(name))
                     self._attempts.pop(name, None)
             self._known = seen
+            self._known_built = set(seen) - live
         return gone
 
     def status(self, name: str) -> IndexStatus:
@@ -362,8 +371,11 @@ class IndexRegistry:
             elif isinstance(entry.index, LiveIndex):
                 try:  # what other replicas wrote, before this request reads
                     entry.index.catch_up()
-                except FileNotFoundError:  # deleted (by another replica, or out of band)
+                except FileNotFoundError:
                     self._release(target, entry)
+                    if (self.root / target).exists():
+                        raise
+                    # Deleted (by another replica, or out of band): not served from memory.
                     with self._lock:
                         if self._loaded.get(target) is entry:
                             self._retire(target, self._loaded.pop(target))
@@ -439,7 +451,6 @@ class IndexRegistry:
                         os.rename(retired, path)
                         raise
                     identity = _identity(path)
-                    self._put_here[name] = identity
                     old = self._replace(
                         name,
                         _Entry(live, identity=identity),
