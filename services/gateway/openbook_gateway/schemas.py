@@ -120,6 +120,10 @@ class PassageOut(BaseModel):
     title: str
     text: str
     score: float
+    # The document the passage belongs to (a live document's id; a corpus passage is its own)
+    # and, for a passage of an uploaded PDF, its page (from 1): what a citation names.
+    document: str | None = None
+    page: int | None = None
     prior: float | None = None
     posterior: float | None = None
 
