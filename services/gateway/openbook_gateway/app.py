@@ -24,7 +24,16 @@ from openbook_gateway import errors
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.middleware import BodySizeLimit, RequestContext
 from openbook_gateway.openai_schemas import OpenAIRequestError
-from openbook_gateway.routes import admin, answer, documents, health, indexes, openai, pages
+from openbook_gateway.routes import (
+    admin,
+    answer,
+    documents,
+    health,
+    indexes,
+    openai,
+    pages,
+    uploads,
+)
 from openbook_gateway.services import running_services
 from openbook_gateway.settings import GatewaySettings
 
@@ -71,8 +80,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     # any route or the lifespan runs.
     app.state.metrics = metrics
 
-    # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute).
-    for module in (pages, openai, health, answer, indexes, documents, admin):
+    # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute), but uploads'
+    # (a multipart form, parsed by its handler).
+    for module in (pages, openai, health, answer, indexes, documents, uploads, admin):
         app.include_router(module.router)
 
     app.add_middleware(

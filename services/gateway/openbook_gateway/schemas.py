@@ -393,6 +393,17 @@ class PutDocumentResponse(BaseModel):
     version: int = Field(description="the index's version once this write is applied")
 
 
+class UploadResponse(PutDocumentResponse):
+    """An uploaded file's document: the documents API's reply and what the upload found."""
+
+    title: str = Field(
+        description="the form's title, else the document's own, else the file's name"
+    )
+    type: str = Field(description="what the content is: text, markdown, html or pdf")
+    pages: int | None = Field(None, description="a PDF's pages")
+    sha256: str = Field(description="the file's SHA-256, also kept in the document's metadata")
+
+
 class PutDocumentsResponse(BaseModel):
     index: str
     version: int = Field(description="the index's version once the batch is applied")
