@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import re
-import unicodedata
 from dataclasses import dataclass
 
 import pypdf
@@ -72,6 +71,8 @@ REFUSED_MAGIC: tuple[tuple[bytes, str], ...] = (
 _HTML_START = re.compile(rb"<(!doctype\s+html|html[\s>]|head[\s>]|body[\s>])", re.IGNORECASE)
 _SPACES = re.compile(r"\s+")
 _BLANK_LINES = re.compile(r"\n{3,}")
+# Unicode's control characters (category Cc: C0, DEL, C1) but tab, newline, carriage return.
+_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def _decoded(data: bytes) -> str:
 def _clean(text: str) -> str:
     """``text`` without the control characters a document may not hold (tab, newline and
     carriage return stay): PDFs and web pages carry stray ones, a document must not."""
-    return "".join(ch if ch in "\t\n\r" or unicodedata.category(ch) != "Cc" else " " for ch in text)
+    return _CONTROLS.sub(" ", text)
 
 
 def clean_title(title: str) -> str:
