@@ -12,12 +12,16 @@ zip, skips what is already there, and refuses a zip bomb.
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 import zipfile
 
 import pytest
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
+from openbook_cli.app import app
 from openbook_cli.docs import GatewayTarget
 from openbook_cli.docs_upload import ArchiveLimits, content_id, upload
 from openbook_gateway.app import create_app
@@ -204,15 +208,29 @@ def test_openbook_docs_upload_takes_directories_and_archives_and_resumes(
     archive = tmp_path / "more.zip"
     with zipfile.ZipFile(archive, "w") as z:
         z.writestr("inner/d.html", files.article_html(7, title="Zipped page"))
+    tarball = tmp_path / "more.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        member = tarfile.TarInfo("e.txt")
+        text = b"The beacon of the atoll is lit at dusk."
+        member.size = len(text)
+        tar.addfile(member, io.BytesIO(text))
     settings = backends.gateway_settings(redis_server.url)
     with serving_gateway(settings) as url:
         target = GatewayTarget(url, TOKEN, 60)
-        first = upload(target, INDEX, [tree, archive], progress=False)
-        assert len(first.uploaded) == 3 and not first.skipped
+        first = upload(target, INDEX, [tree, archive, tarball], progress=False)
+        assert len(first.uploaded) == 4 and not first.skipped
         assert [r["file"] for r in first.refused] == [str(tree / "c.bin")]
         assert "an executable" in first.refused[0]["error"]
-        again = upload(target, INDEX, [tree, archive], progress=False)
-        assert not again.uploaded and len(again.skipped) == 3
+        # the command, again: everything there already is skipped, the refused file reported
+        ran = CliRunner().invoke(
+            app,
+            ["docs", "upload", INDEX, str(tree), str(archive), str(tarball), "--url", url],
+            env={"OPENBOOK_ADMIN_TOKEN": TOKEN},
+        )
+        assert ran.exit_code == 1, ran.output
+        summary = json.loads(ran.stdout[ran.stdout.index("{") :])
+        assert (summary["uploaded"], summary["skipped"]) == (0, 4)
+        assert "1 file(s) refused" in ran.stderr
 
         bomb = tmp_path / "bomb.zip"
         with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as z:
