@@ -16,6 +16,9 @@ class Passage:
     text: str
     score: float = 0.0
     vector: np.ndarray | None = field(default=None, repr=False)
+    # The page (from 1) of a paged document's passage (an uploaded PDF), 0 for any other: set
+    # where a retrieval result crosses the wire (``common_pb2.Passage.page``).
+    page: int = 0
 
 
 # A live document's passages are "<doc_id>#<n>" (openbook.index.documents).

@@ -253,3 +253,22 @@ def test_a_zip_of_too_many_members_is_refused_before_reading(tmp_path):
     target = GatewayTarget("http://127.0.0.1:9", TOKEN, 1)  # never reached
     with pytest.raises(Exception, match="more than 3"):
         upload(target, INDEX, [many], limits=ArchiveLimits(max_members=3), progress=False)
+
+
+def test_a_page_survives_the_merge_of_sharded_results():
+    """Over shards the gateway merges results as openbook.types.Passage: the page goes along."""
+    from openbook.v1 import common_pb2
+    from openbook_gateway import retrieval
+
+    hits = [
+        [
+            [
+                retrieval._to_passage(
+                    common_pb2.Passage(id="d#3", title="T", text="x", score=2.0, page=4)
+                )
+            ]
+        ],
+        [[retrieval._to_passage(common_pb2.Passage(id="e#0", title="U", text="y", score=1.0))]],
+    ]
+    merged = [retrieval._to_proto(p) for p in retrieval.merge_results(hits, 2)[0]]
+    assert [(p.id, p.page) for p in merged] == [("d#3", 4), ("e#0", 0)]
