@@ -5,10 +5,11 @@ Ask with RAG-Token and k=3 and watch the answer being written (the page asks wit
 answer, the passages with prior/posterior bars and the heat map are those of the ``answer``
 event. Swap the index with the admin token, see the label change. Errors before and during the
 stream are shown. Upload a PDF into an index from the Documents panel (the admin token asked
-once), see it listed, ask about it (its passage names its page), delete it. Screenshots (one mid-stream) go to ``artifacts/`` (kept by CI). Needs Debian's
-``chromium`` and ``chromium-driver`` and the ``selenium`` package
-(``scripts/install-browser.sh``); without them the test is skipped, or fails where
-``OPENBOOK_REQUIRE_BROWSER=1`` says the browser must be there.
+once), see it listed, ask about it (its passage names its page), delete it. Screenshots (one
+mid-stream) go to ``artifacts/`` (kept by CI). Needs Debian's ``chromium`` and
+``chromium-driver`` and the ``selenium`` package (``scripts/install-browser.sh``); without
+them the test is skipped, or fails where ``OPENBOOK_REQUIRE_BROWSER=1`` says the browser must
+be there.
 """
 
 from __future__ import annotations
