@@ -272,3 +272,15 @@ def test_a_page_survives_the_merge_of_sharded_results():
     ]
     merged = [retrieval._to_proto(p) for p in retrieval.merge_results(hits, 2)[0]]
     assert [(p.id, p.page) for p in merged] == [("d#3", 4), ("e#0", 0)]
+
+
+def test_extraction_stops_at_the_text_limit_page_by_page():
+    """A PDF whose text passes the document's limit is refused (413) at the page that passes
+    it, without extracting the rest (what bounds a PDF whose streams inflate to much text)."""
+    from openbook_gateway.extraction import ExtractionError, ExtractionLimits, extract
+
+    data = files.report_pdf(2, 6, 200)
+    with pytest.raises(ExtractionError, match="by page 2") as refused:
+        extract(data, "r.pdf", ExtractionLimits(max_chars=2000))
+    assert refused.value.status == 413
+    assert extract(data, "r.pdf").pages == 6
