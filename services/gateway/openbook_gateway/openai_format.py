@@ -138,7 +138,9 @@ class Completion:
             while isinstance(event, TokenOut):
                 if event.passage is None and self.body.n == 1 and not self.holds_text:
                     written += event.text
-                    visible = _before_stop(written, self.stops)
+                    # trailing whitespace waits: the markers may follow it instead of more
+                    # text, and they follow one space (``_choices``)
+                    visible = _before_stop(written, self.stops).rstrip()
                     if len(visible) > len(sent):
                         yield self._chunk([_delta(0, {"content": visible[len(sent) :]})])
                         sent = visible
@@ -191,8 +193,10 @@ class Completion:
                 continue
             content = _before_stop(hyp["text"], self.stops, hold=False)
             finish = "stop" if len(content) < len(hyp["text"]) else hyp.get("finish_reason")
-            if self.body.citation_markers and content:
-                content += _markers(hyp, answer)
+            if self.body.citation_markers and content.strip():
+                # one space before the markers, whatever the text ended with: a stop that
+                # follows a space ("the world's greatest", stop "greatest") leaves it
+                content = content.rstrip() + _markers(hyp, answer)
             out.append((content, finish or "stop"))
         return out
 
