@@ -63,6 +63,25 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
+# What openbook serves under PREFIX: named in the 404 of every other path.
+SERVED_ROUTES = (
+    "POST /v1/chat/completions",
+    "POST /v1/responses",
+    "POST /v1/embeddings",
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+)
+
+
+def unsupported_route(method: str, path: str) -> JSONResponse:
+    """The 404 of a path under :data:`PREFIX` that openbook does not serve."""
+    message = (
+        f"{method} {path} is not supported by openbook; it serves "
+        f"{', '.join(SERVED_ROUTES)} (docs/api.md)"
+    )
+    return error_response(404, message, None, "unsupported_endpoint")
+
+
 # The services' own refusals name the field first ("retrieval: 'hybrid' needs ...").
 _FIELD_PREFIX = re.compile(r"([a-z_]+): ")
 
