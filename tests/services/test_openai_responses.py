@@ -138,6 +138,19 @@ def test_a_streamed_response_sends_the_named_events_in_order(client):
     assert done.model_extra["citations"] == whole.model_extra["citations"]
 
 
+def test_an_abstaining_response_cites_nothing(client):
+    request = {"model": "openbook", "input": QUESTION, "max_output_tokens": 6}
+    extra = {**EXTRA, "min_confidence": 1.0}
+    reply = client.responses.create(**request, extra_body=extra)
+    assert reply.output_text.startswith("I am not confident enough to answer")
+    assert reply.output[0].content[0].annotations == []
+    assert reply.model_extra["openbook"]["abstained"] is True
+    events = list(client.responses.create(**request, stream=True, extra_body=extra))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == reply.output_text  # held back, then sent whole
+    assert not [e for e in events if e.type == "response.output_text.annotation.added"]
+
+
 def test_langchain_responses_mode_gets_the_citations(url):
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(
@@ -325,3 +338,33 @@ def test_a_streamed_stop_after_a_space_adds_up_to_the_whole_answer():
         return text
 
     assert asyncio.run(stream()) == "the world's [1]"
+
+
+def test_a_response_stream_that_fails_ends_with_error_and_response_failed():
+    from fastapi import HTTPException
+
+    from openbook_gateway.openai_responses import ResponsesRequest
+    from openbook_gateway.responses_format import ResponseReply
+
+    async def events():
+        yield TokenOut("the", "the")
+        raise HTTPException(503, "generator unavailable")
+
+    async def stream() -> list[dict]:
+        body = ResponsesRequest.model_validate({"model": "openbook", "input": QUESTION})
+        reply = ResponseReply(body, body.to_chat_request(), "req-2")
+        produced = events()
+        first = await anext(produced)
+        out = []
+        async for chunk in reply.events(first, produced):
+            head, data = chunk.decode().strip().split("\n")
+            out.append(json.loads(data.removeprefix("data: ")))
+            assert head == f"event: {out[-1]['type']}"
+        return out
+
+    sent = asyncio.run(stream())
+    kinds = [e["type"] for e in sent]
+    assert kinds[-3:] == ["response.output_text.delta", "error", "response.failed"]
+    assert sent[-2]["message"] == "generator unavailable"
+    assert sent[-1]["response"]["status"] == "failed"
+    assert sent[-1]["response"]["error"]["code"] == "server_error"
