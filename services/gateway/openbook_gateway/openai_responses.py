@@ -104,7 +104,10 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
-    # openbook's options (extra body fields, as for chat completions)
+    # openbook's options (extra body fields, as for chat completions); top_k and seed pass to
+    # the chat completion as the other shared fields do, refused while it takes none
+    top_k: int | None = None
+    seed: int | None = None
     k: int | None = None
     decoding: str | None = None
     num_beams: int | None = None
