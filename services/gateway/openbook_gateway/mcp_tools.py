@@ -105,6 +105,8 @@ class _Call:
             raise ToolError("openbook's tools run in the gateway: connect to its /mcp")
         self.request = request
         self.request_id: str = request.state.request_id  # set by middleware.RequestContext
+        # The tool runs in the MCP session's task, outside the HTTP request's log context.
+        request_id_var.set(self.request_id)
 
     async def services(self) -> Services:
         return await get_services(self.request)
@@ -161,7 +163,6 @@ async def search(
     """The k passages of an index most relevant to a query, best first, with their scores
     (the retrieval mode's: inner product for dense, BM25, or the fitted hybrid score)."""
     call = _Call(ctx)
-    request_id_var.set(call.request_id)  # the tool runs in the MCP session's task
     try:
         check_question("query", query)  # /answer's rule for a question, named as here
         # The same rules as /answer's k, index and retrieval.
@@ -211,7 +212,6 @@ async def answer(
     1]; whether it abstained) and its citations: the passages it was computed from, each
     with its retrieval score, prior p(z|x) and posterior p(z|x,y)."""
     call = _Call(ctx)
-    request_id_var.set(call.request_id)  # the tool runs in the MCP session's task
     try:
         body = AnswerRequest(
             question=question,
@@ -263,7 +263,6 @@ async def list_indexes(ctx: Context) -> dict[str, Any]:
     """The indexes the retriever has: which is active, their sizes, encoders, retrieval views
     and versions, and whether each loads (``problem``)."""
     call = _Call(ctx)
-    request_id_var.set(call.request_id)  # the tool runs in the MCP session's task
     services = await call.services()
     try:
         # IndexOut models in a dict: plain JSON, as the HTTP route's response is
@@ -285,7 +284,6 @@ async def create_index(
 ) -> dict[str, Any]:
     """Create an empty live index that documents can be written to (admin token)."""
     call = _Call(ctx)
-    request_id_var.set(call.request_id)  # the tool runs in the MCP session's task
     try:
         body = CreateIndexRequest(name=name, type=type, like=like)
     except ValidationError as exc:
@@ -312,7 +310,6 @@ async def put_document(
     """Insert or replace one document (admin token): split into passages and embedded,
     searchable and answered from once this returns."""
     call = _Call(ctx)
-    request_id_var.set(call.request_id)  # the tool runs in the MCP session's task
     try:
         check_index_name("index", index)
         check_document_id("doc_id", doc_id)
@@ -336,7 +333,6 @@ async def delete_document(
 ) -> dict[str, Any]:
     """Delete one document (admin token): its passages are never served once this returns."""
     call = _Call(ctx)
-    request_id_var.set(call.request_id)  # the tool runs in the MCP session's task
     try:
         check_index_name("index", index)
         check_document_id("doc_id", doc_id)

@@ -53,6 +53,8 @@ def transport_security(host: str) -> TransportSecuritySettings | None:
 class McpEndpoint:
     """The ASGI app of ``/mcp`` (module docstring); one per app."""
 
+    path = PATH  # the route label of its requests in the access log and metrics
+
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.manager: StreamableHTTPSessionManager | None = None
@@ -89,6 +91,9 @@ class McpEndpoint:
         return bearer_matches(authorization, [*keys, *admin])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # FastAPI's routes put themselves in the scope, where middleware.RequestContext reads
+        # the route's path for its access log and metrics; a plain ASGI route does not.
+        scope.setdefault("route", self)
         if not self.allowed(Headers(scope=scope).get("authorization")):
             response = JSONResponse(
                 {
