@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 DRAIN_MAX_BYTES = 32 * 1024 * 1024
 
 
-# Where document writes live (routes/documents.py): their bodies get the larger limit.
+# Where document writes live (routes/documents.py), and the MCP endpoint whose put_document
+# tool carries an article (routes/mcp.py): their bodies get the larger limit.
 DOCUMENT_PATH_PREFIX = "/indexes/"
+MCP_PATH = "/mcp"
 
 
 class BodySizeLimit:
@@ -70,7 +72,7 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         max_bytes, message_text = self.max_bytes, self.message
-        if scope["path"].startswith(DOCUMENT_PATH_PREFIX):
+        if scope["path"].startswith(DOCUMENT_PATH_PREFIX) or scope["path"] == MCP_PATH:
             max_bytes, message_text = self.document_max_bytes, self.document_message
         headers = Headers(scope=scope)
         declared = headers.get("content-length", "").strip()

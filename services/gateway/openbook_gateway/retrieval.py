@@ -173,6 +173,15 @@ class Retrieval:
             index_version=sum(reply.index_version for reply in replies),
         )
 
+    async def embed_queries(
+        self, queries: list[str], index: str | None, request_id: str
+    ) -> retriever_pb2.EmbedQueriesResponse:
+        """The query vectors of ``queries`` on ``index`` (None: the active one). Every shard
+        of an index holds the same encoders, so one shard (the first) answers."""
+        shard = self.shards[0]
+        request = retriever_pb2.EmbedQueriesRequest(queries=queries, index=index or "")
+        return await shard.call(shard.stub.EmbedQueries, request, request_id)
+
     async def list_indexes(self, request_id: str) -> retriever_pb2.ListIndexesResponse:
         replies = await self._all("ListIndexes", retriever_pb2.ListIndexesRequest(), request_id)
         if len(replies) == 1:

@@ -116,6 +116,22 @@ def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRe
     )
 
 
+def validate_embed(
+    request: retriever_pb2.EmbedQueriesRequest,
+) -> tuple[tuple[str, ...], str | None]:
+    """An ``EmbedQueriesRequest`` checked as ``Retrieve`` checks its queries: the queries and
+    the index (None: the active one); :class:`InvalidArgument` naming the first bad field."""
+    if not request.queries:
+        raise InvalidArgument("queries: at least one query is required")
+    if len(request.queries) > MAX_QUERIES:
+        raise InvalidArgument(
+            f"queries: at most {MAX_QUERIES} per request, got {len(request.queries)}"
+        )
+    queries = tuple(check_question(f"queries[{i}]", q) for i, q in enumerate(request.queries))
+    index = check_index_name("index", request.index) if request.index else None
+    return queries, index
+
+
 def retrieval_for(valid: ValidRetrieveRequest, index: ServedIndex) -> str:
     """The retrieval mode that serves ``valid`` on ``index``: the request's, else the index's
     default; :class:`InvalidArgument` naming ``retrieval`` (or ``return_vectors``) when the index
@@ -358,6 +374,34 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             model_version=model_version,
             retrieval=retrieval,
             index_version=version,
+        )
+
+    def EmbedQueries(self, request, context):
+        """The query vectors Retrieve would search ``request.index`` with: the same pairing
+        (the override where it fits the index, else the index's own query encoder, adapters
+        included) and the same check of the encoder against the index.
+
+        Encoded on the gRPC worker thread, not the batch thread: an embedding is not a search,
+        and the encoder serialises its own forward passes (``Encoder._lock``)."""
+        queries, index_name = validate_embed(request)
+        with self.registry.lease(index_name) as index:
+            if not index.dense:
+                raise FailedPrecondition(
+                    f"index: {index.name!r} is bm25 and has no query encoder to embed with"
+                )
+            encoder, model_version = self._pairing(index)
+            encoder = encoder if encoder is not None else index.query_encoder
+            index.check_encoder(encoder)
+            vectors = encoder.encode(list(queries))
+            counts = encoder.count_tokens(list(queries))
+            name = index.name
+        return retriever_pb2.EmbedQueriesResponse(
+            embeddings=[
+                retriever_pb2.Embedding(vector=row.tolist(), num_tokens=count)
+                for row, count in zip(vectors, counts, strict=True)
+            ],
+            index=name,
+            model_version=model_version,
         )
 
     def _search(self, index: ServedIndex, queries: list[str], k: int, vectors: bool):
