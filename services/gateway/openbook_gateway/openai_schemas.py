@@ -304,9 +304,12 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         return AnswerRequest.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
+        message = error["msg"].removeprefix("Value error, ")
         field = str(error["loc"][0]) if error["loc"] else ""
+        if not field:  # a rule across fields (check_decoding): its message starts with the field
+            named = message.split(" ", 1)[0]
+            field = named if named in AnswerRequest.model_fields else ""
         param = _PARAM.get(field, field)
         if field == "question":
             param = f"messages[{at}].content"
-        message = error["msg"].removeprefix("Value error, ")
         raise OpenAIRequestError(f"{param}: {message}", param) from None
