@@ -72,6 +72,21 @@ def _check_annotations(text: str, annotations: list, citations: list[dict]) -> N
     assert spans == sorted(spans)
 
 
+def test_a_sampled_response_is_the_seeded_chat_completion(client):
+    """Sampling reaches a response through the chat completion's shared fields: the same seed,
+    the same answer on both APIs."""
+    sampling = {"temperature": 1.0, "top_p": 0.9}
+    chat = _chat(client, **sampling, seed=21, extra_body={**EXTRA, "top_k": 40})
+    reply = client.responses.create(
+        model="openbook",
+        input=QUESTION,
+        max_output_tokens=10,
+        **sampling,
+        extra_body={**EXTRA, "top_k": 40, "seed": 21},
+    )
+    assert reply.output_text == chat.choices[0].message.content
+
+
 def test_a_response_says_what_the_chat_completion_says(client):
     chat = _chat(client)
     reply = client.responses.create(

@@ -111,7 +111,7 @@ async def answer_events(
     # not part of the cache key: applied to the answer, cached or not, on its way out
     threshold = confidence_threshold(body.min_confidence, services)
 
-    if body.use_cache:
+    if body.cacheable:
         with timer.stage("cache"):
             cached = await services.cache.lookup(body.index, params)
             if cached is not None and "confidence" not in cached:
@@ -163,7 +163,7 @@ async def answer_events(
     )
     services.default_k.seen(generated.model_version)
     answer = answer_response(body, retrieved, generated, request_id, timer.done())
-    if body.use_cache:
+    if body.cacheable:
         await services.cache.store(
             retrieved.index, retrieved.index_version, params, versions, stored_answer(answer)
         )

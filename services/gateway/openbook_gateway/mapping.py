@@ -38,6 +38,11 @@ def generate_request(
             min_new_tokens=body.min_new_tokens,
             length_penalty=body.length_penalty,
             num_return_sequences=body.num_return_sequences,
+            # unset at temperature 0: the generator's greedy / beam search, as before sampling
+            temperature=body.temperature if body.sampling else None,
+            top_p=body.top_p if body.sampling else None,
+            top_k=body.top_k if body.sampling else None,
+            seed=body.seed if body.sampling else None,
         ),
     )
 

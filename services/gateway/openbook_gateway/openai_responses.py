@@ -105,7 +105,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
 
     # openbook's options (extra body fields, as for chat completions); top_k and seed pass to
-    # the chat completion as the other shared fields do, refused while it takes none
+    # the chat completion as the other shared fields do (its SamplingParams check them)
     top_k: int | None = None
     seed: int | None = None
     k: int | None = None

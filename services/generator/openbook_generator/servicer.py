@@ -61,6 +61,10 @@ def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
         min_new_tokens=msg.min_new_tokens,
         length_penalty=length_penalty,
         num_return_sequences=msg.num_return_sequences or DEFAULTS.num_return_sequences,
+        temperature=msg.temperature if msg.HasField("temperature") else DEFAULTS.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else DEFAULTS.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
     )
     options.validate()
     return options

@@ -6,8 +6,10 @@ agent frameworks and chat front-ends work unchanged. Any other ``/v1`` path is a
 * The last user message is the question; earlier turns are not read (openbook answers one
   question from the passages it retrieves).
 * Models: ``openbook`` answers from the active index, ``openbook/<index>`` from that index.
-* Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams):
-  sampling parameters other than those meaning "no sampling" are refused (400).
+* Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams),
+  or, with ``temperature`` > 0, sampling (``top_p``, ``top_k``, ``seed``; ``n`` > 1 answers are
+  n independent samples): the sampling fields and their bounds are
+  :class:`~openbook_gateway.openai_schemas.SamplingParams`, shared by the ``/v1`` routes.
 * ``stop`` cuts each answer at its first stop sequence (the answer is still computed whole).
 * The reply carries the passages used as ``citations`` (1-based, as the ``[i]`` markers appended
   to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``,
