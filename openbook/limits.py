@@ -76,6 +76,10 @@ MAX_METADATA_KEY_CHARS = 128
 MAX_METADATA_VALUE_CHARS = 4096
 # Documents in one batch write (one version, all or nothing).
 MAX_BATCH_DOCUMENTS = 1000
+# A paged document (an uploaded PDF, issue 33) keeps the words of each of its pages in its
+# metadata under this key, comma-separated ("312,290,0,405"): its passages are then cut page by
+# page, so none spans two pages and each knows its page (what a citation names).
+PAGE_WORDS_KEY = "page_words"
 
 # The control characters a question may hold: people paste multi-line text.
 QUESTION_CONTROLS = "\t\n\r"
@@ -301,6 +305,18 @@ def check_document_text(field: str, value: object) -> str:
     if not value.split():
         raise InvalidArgument(f"{field} must not be empty: it holds no words")
     return refuse_controls(field, value, QUESTION_CONTROLS)
+
+
+def parse_page_words(field: str, value: object) -> tuple[int, ...]:
+    """A :data:`PAGE_WORDS_KEY` value: comma-separated word counts (>= 0), one per page."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{field} must be comma-separated word counts, one per page")
+    counts = value.split(",")
+    if not all(count.isascii() and count.isdigit() for count in counts):
+        raise InvalidArgument(
+            f"{field} must be comma-separated word counts, one per page, got {value[:40]!r}"
+        )
+    return tuple(int(count) for count in counts)
 
 
 def check_metadata(field: str, value: object) -> None:

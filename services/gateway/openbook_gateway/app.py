@@ -34,6 +34,7 @@ from openbook_gateway.routes import (
     mcp,
     openai,
     pages,
+    uploads,
 )
 from openbook_gateway.routes.mcp import McpEndpoint
 from openbook_gateway.services import running_services
@@ -89,8 +90,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     # any route or the lifespan runs.
     app.state.metrics = metrics
 
-    # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute).
-    for module in (pages, openai, health, answer, indexes, documents, admin):
+    # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute), but uploads'
+    # (a multipart form, parsed by its handler).
+    for module in (pages, openai, health, answer, indexes, documents, uploads, admin):
         app.include_router(module.router)
     # An ASGI app of its own (the MCP SDK's transport), at /mcp exactly: a Mount would answer
     # /mcp with a redirect to /mcp/.

@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Sequence
 
+from openbook.types import document_id_of
 from openbook.v1 import common_pb2, generator_pb2, retriever_pb2
 from openbook_gateway.schemas import (
     AnswerRequest,
@@ -131,6 +132,8 @@ def passages_out(
             title=p.title,
             text=p.text,
             score=p.score,
+            document=document_id_of(p.id),
+            page=p.page or None,
             prior=prior[i] if i < len(prior) else None,
             posterior=posterior[i] if posterior and i < len(posterior) else None,
         )

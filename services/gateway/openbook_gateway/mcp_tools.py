@@ -50,6 +50,7 @@ from openbook.limits import (
     check_question,
 )
 from openbook.logs import request_id_var
+from openbook.types import document_id_of
 from openbook_gateway.answering import AnswerOut, answer_events
 from openbook_gateway.routes import documents as documents_routes
 from openbook_gateway.routes import indexes as indexes_routes
@@ -183,7 +184,15 @@ async def search(
         "index_version": retrieved.index_version,
         "retrieval": retrieved.retrieval or None,
         "passages": [
-            {"rank": rank, "id": p.id, "title": p.title, "text": p.text, "score": p.score}
+            {
+                "rank": rank,
+                "id": p.id,
+                "document": document_id_of(p.id),
+                "title": p.title,
+                "page": p.page or None,  # an uploaded PDF's passage: its page
+                "text": p.text,
+                "score": p.score,
+            }
             for rank, p in enumerate(retrieved.results[0].passages, start=1)
         ],
         "request_id": call.request_id,
@@ -243,7 +252,9 @@ def _answer_out(body: dict) -> dict[str, Any]:
             {
                 "n": n,
                 "id": p["id"],
+                "document": p.get("document"),
                 "title": p["title"],
+                "page": p.get("page"),
                 "text": p["text"],
                 "score": p["score"],
                 "prior": p.get("prior"),

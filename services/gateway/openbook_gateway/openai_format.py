@@ -239,7 +239,7 @@ class Completion:
         return {"citations": citations, "openbook": provenance}
 
 
-_CITED = ("id", "title", "text", "score", "prior", "posterior")
+_CITED = ("id", "document", "title", "page", "text", "score", "prior", "posterior")
 _PROVENANCE = (
     "index",
     "index_version",

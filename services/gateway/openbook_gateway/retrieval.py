@@ -32,11 +32,11 @@ DOCUMENT_WRITES = frozenset({"CreateIndex", "DeleteIndex", "PutDocuments", "Dele
 
 
 def _to_passage(p: common_pb2.Passage) -> Passage:
-    return Passage(id=p.id, title=p.title, text=p.text, score=p.score)
+    return Passage(id=p.id, title=p.title, text=p.text, score=p.score, page=p.page)
 
 
 def _to_proto(p: Passage) -> common_pb2.Passage:
-    return common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score)
+    return common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score, page=p.page)
 
 
 def merge_results(per_shard: Sequence[Sequence[list[Passage]]], k: int) -> list[list[Passage]]:

@@ -172,6 +172,10 @@ class PassageOut(BaseModel):
     title: str
     text: str
     score: float
+    # The document the passage belongs to (a live document's id; a corpus passage is its own)
+    # and, for a passage of an uploaded PDF, its page (from 1): what a citation names.
+    document: str | None = None
+    page: int | None = None
     prior: float | None = None
     posterior: float | None = None
 
@@ -439,6 +443,17 @@ class PutDocumentResponse(BaseModel):
     id: str
     passages: int = Field(description="passages the document was split into")
     version: int = Field(description="the index's version once this write is applied")
+
+
+class UploadResponse(PutDocumentResponse):
+    """An uploaded file's document: the documents API's reply and what the upload found."""
+
+    title: str = Field(
+        description="the form's title, else the document's own, else the file's name"
+    )
+    type: str = Field(description="what the content is: text, markdown, html or pdf")
+    pages: int | None = Field(None, description="a PDF's pages")
+    sha256: str = Field(description="the file's SHA-256, also kept in the document's metadata")
 
 
 class PutDocumentsResponse(BaseModel):

@@ -80,8 +80,8 @@ log = logging.getLogger(__name__)
 client_errors(CheckpointError, IndexLoadError)
 
 
-def passage_to_proto(p: Passage, with_vector: bool) -> common_pb2.Passage:
-    msg = common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=float(p.score))
+def passage_to_proto(p: Passage, with_vector: bool, page: int = 0) -> common_pb2.Passage:
+    msg = common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=float(p.score), page=page)
     if with_vector and p.vector is not None:
         msg.vector.extend(p.vector.tolist())
     return msg
@@ -354,11 +354,19 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             version = index.version if isinstance(index, LiveIndex) else 0
             results = self.batcher.submit(search, timeout_s=time_remaining(context))
             name = index.name
+            # A passage of an uploaded PDF names its page (the citation's), from its
+            # document's metadata: one metadata read for the request's passages.
+            pages: dict[str, int] = {}
+            if isinstance(index, LiveIndex):
+                pages = index.passage_pages(p.id for passages in results for p in passages)
         self._record_version(name, version)
         return retriever_pb2.RetrieveResponse(
             results=[
                 retriever_pb2.QueryResult(
-                    passages=[passage_to_proto(p, valid.return_vectors) for p in passages]
+                    passages=[
+                        passage_to_proto(p, valid.return_vectors, pages.get(p.id, 0))
+                        for p in passages
+                    ]
                 )
                 for passages in results
             ],
