@@ -18,11 +18,11 @@ Configured by the standard ``OTEL_*`` variables only, read at start:
   ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`` / ``TIMEOUT``: as the SDK defines them.
 
 Invariant: off (the default) costs nothing. The tracing SDK and the exporter are not even
-imported, no tracer provider is installed (the API's tracer is a no-op), no export thread runs, no gRPC interceptor is added
-and :func:`span` returns a shared no-op context. An empty variable (compose's ``${VAR:-}``)
-counts as unset. A misconfiguration (an unknown exporter or protocol) fails the start with
-:class:`~openbook.errors.InvalidArgument` naming the variable, rather than tracing nothing
-silently.
+imported, no tracer provider is installed (the API's tracer is a no-op), no export thread
+runs, no gRPC interceptor is added and :func:`span` returns a shared no-op context. An empty
+variable (compose's ``${VAR:-}``) counts as unset. A misconfiguration (an unknown exporter or
+protocol) fails the start with :class:`~openbook.errors.InvalidArgument` naming the variable,
+rather than tracing nothing silently.
 
 Spans are flushed by the SDK's exit hook when the process ends (SIGTERM included: every
 service exits normally on it), and every few seconds while it runs (``OTEL_BSP_SCHEDULE_DELAY``).

@@ -13,6 +13,7 @@ from openbook.index import build_index
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.otlp import OtlpReceiver
 from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.sse import read_events
 from openbook_testkit.stack import REPO_ROOT, LocalStack, build_fact_indexes
 
 pytestmark = pytest.mark.e2e
@@ -259,7 +260,7 @@ def test_a_bad_shared_index_name_is_logged_once_not_every_two_seconds(stack):
 
 def test_one_question_is_one_trace_across_the_three_services(stack, otlp):
     request_id = "trace-me-0001"
-    question = {"question": "Who painted the Mona Lisa?", "k": 2, "use_cache": True}
+    question = {"question": "Which path does a traced question take?", "k": 2}
     reply = httpx.post(
         f"{stack.url}/answer", json=question, headers={"X-Request-ID": request_id}, timeout=60
     )
@@ -349,6 +350,44 @@ def test_one_question_is_one_trace_across_the_three_services(stack, otlp):
     )
     # Probes are not traced
     assert not [s for s in otlp.spans if "Health" in s.name or s.name.endswith("/healthz")]
+
+
+def test_a_streamed_answer_is_traced_through_generate_stream(stack, otlp):
+    request_id = "trace-me-stream"
+    question = {"question": "Who discovered gravity?", "k": 2, "stream": True, "use_cache": False}
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/answer",
+        json=question,
+        headers={"X-Request-ID": request_id},
+        timeout=60,
+    ) as reply:
+        assert reply.status_code == 200
+        events = list(read_events(reply.iter_lines()))
+    assert events[-1].event == "answer", events[-1]
+
+    def rpc(spans):
+        return [
+            s
+            for s in spans
+            if s.name == "openbook.v1.Generator/GenerateStream"
+            and s.attributes.get("openbook.request_id") == request_id
+        ]
+
+    def complete(spans):
+        found = rpc(spans)
+        return bool(found) and any(
+            s.name == "openbook.generation" and s.parent_id == found[0].span_id for s in spans
+        )
+
+    spans = otlp.wait_for(complete)
+    stream_rpc = rpc(spans)[0]
+    root = next(s for s in otlp.trace(stream_rpc.trace_id) if not s.parent_id)
+    assert root.name == "POST /answer" and root.service == "openbook-gateway"
+    generation = next(
+        s for s in spans if s.name == "openbook.generation" and s.parent_id == stream_rpc.span_id
+    )
+    assert generation.attributes["gen_ai.usage.output_tokens"] > 0
 
 
 @pytest.mark.parametrize(

@@ -130,14 +130,17 @@ def _with_trace_context(details: Any) -> Any:
     return details._replace(metadata=grpc.aio.Metadata(*entries))
 
 
-class _AioClientTracing(
-    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor
-):
+class _AioUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
     """Puts the caller's span (the current one where the call is made) in the metadata of
-    every call of an asyncio channel: the callee's SERVER span becomes its child."""
+    every unary call of an asyncio channel: the callee's SERVER span becomes its child."""
 
     async def intercept_unary_unary(self, continuation: Callable, client_call_details, request):
         return await continuation(_with_trace_context(client_call_details), request)
+
+
+class _AioStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
+    """The same for server-streaming calls (GenerateStream). A class of its own: an asyncio
+    channel files each interceptor under the first call type it implements, only there."""
 
     async def intercept_unary_stream(self, continuation: Callable, client_call_details, request):
         return await continuation(_with_trace_context(client_call_details), request)
@@ -145,4 +148,4 @@ class _AioClientTracing(
 
 def aio_client_interceptors() -> list[grpc.aio.ClientInterceptor] | None:
     """The tracing interceptors of an asyncio channel, or None with tracing off."""
-    return [_AioClientTracing()] if telemetry.enabled() else None
+    return [_AioUnaryTracing(), _AioStreamTracing()] if telemetry.enabled() else None
