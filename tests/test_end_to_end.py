@@ -375,9 +375,15 @@ def test_a_streamed_answer_is_traced_through_generate_stream(stack, otlp):
         ]
 
     def complete(spans):
+        """The RPC's generation span, and the request's root (the gateway ends it, and sends
+        it, once the stream is written)."""
         found = rpc(spans)
-        return bool(found) and any(
-            s.name == "openbook.generation" and s.parent_id == found[0].span_id for s in spans
+        return (
+            bool(found)
+            and any(
+                s.name == "openbook.generation" and s.parent_id == found[0].span_id for s in spans
+            )
+            and any(s.trace_id == found[0].trace_id and not s.parent_id for s in spans)
         )
 
     spans = otlp.wait_for(complete)

@@ -212,15 +212,22 @@ def retrieved_attributes(reply: retriever_pb2.RetrieveResponse) -> dict[str, Att
 
 
 def generation_attributes(body: AnswerRequest, stream: bool) -> dict[str, AttributeValue]:
-    """The GenAI inference span's request attributes."""
-    return {
+    """The GenAI inference span's request attributes (the sampling ones as the conventions
+    name them: ``gen_ai.request.top_k`` is the sampling cut, not retrieval's k)."""
+    attributes: dict[str, AttributeValue] = {
         "gen_ai.operation.name": "text_completion",
         "gen_ai.provider.name": telemetry.PROVIDER,
         "gen_ai.request.max_tokens": body.max_new_tokens,
         "gen_ai.request.stream": stream,
+        "gen_ai.request.temperature": body.temperature,
+        "gen_ai.request.top_p": body.top_p,
+        "gen_ai.request.top_k": body.top_k,
         "openbook.decoding": body.decoding,
         "openbook.num_beams": body.num_beams,
     }
+    if body.seed is not None:
+        attributes["gen_ai.request.seed"] = body.seed
+    return attributes
 
 
 def generated_attributes(reply: generator_pb2.GenerateResponse) -> dict[str, AttributeValue]:

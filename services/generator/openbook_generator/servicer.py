@@ -148,10 +148,11 @@ def trace_stages(
     telemetry.past_span("openbook.queue", times.admitted_ns, times.started_ns or now)
     if not times.started_ns:
         return
-    attributes: dict[str, str | int | list[str]] = {
+    attributes: dict[str, str | int | float | list[str]] = {
         "gen_ai.operation.name": "text_completion",
         "gen_ai.provider.name": telemetry.PROVIDER,
         "gen_ai.request.max_tokens": item.options.max_new_tokens,
+        "gen_ai.request.temperature": item.options.temperature,
         "gen_ai.usage.input_tokens": shape.input_tokens,
         "openbook.decoding": item.options.mode,
     }
