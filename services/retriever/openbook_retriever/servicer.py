@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from openbook import telemetry
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
@@ -229,6 +230,17 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
     return [r if r is not None else RuntimeError("not searched") for r in results]
 
 
+def retrieval_span_attributes(k: int, index: str, retrieval: str) -> dict[str, str | int]:
+    """A retrieval span's attributes (the OpenTelemetry GenAI conventions, ``gen_ai.*``)."""
+    return {
+        "gen_ai.operation.name": "retrieval",
+        "gen_ai.provider.name": telemetry.PROVIDER,
+        "gen_ai.data_source.id": index,
+        "gen_ai.retrieval.top_k": k,
+        "openbook.retrieval.mode": retrieval,
+    }
+
+
 class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def __init__(
         self,
@@ -352,7 +364,12 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             )
             # Read before the search: every write acknowledged by then is in its results.
             version = index.version if isinstance(index, LiveIndex) else 0
-            results = self.batcher.submit(search, timeout_s=time_remaining(context))
+            # the GenAI retrieval span (a child of the RPC's server span, with tracing on)
+            with telemetry.span(
+                f"retrieval {index.name}", retrieval_span_attributes(valid.k, index.name, retrieval)
+            ) as span:
+                results = self.batcher.submit(search, timeout_s=time_remaining(context))
+                span.set_attribute("openbook.retrieval.passages", sum(map(len, results)))
             name = index.name
             # A passage of an uploaded PDF names its page (the citation's), from its
             # document's metadata: one metadata read for the request's passages.
