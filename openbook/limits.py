@@ -52,6 +52,12 @@ MAX_BEAMS = 16
 MAX_RETURN_SEQUENCES = MAX_BEAMS
 MAX_NEW_TOKENS = 512
 MIN_LENGTH_PENALTY, MAX_LENGTH_PENALTY = -10.0, 10.0
+# Sampling (openbook/rag/sampling.py): temperature 0 is greedy / beam search, (0, 2] samples
+# (OpenAI's range); top_p in (0, 1] (1: off); top_k >= 0 (0: off; the proto's int32 bounds it);
+# a seed is any signed 64-bit integer (the proto's int64).
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 2**31 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # An index is named by its directory under the index root. Python checks it with fullmatch:
 # its "$" also matches before a trailing newline, so re.match would let "name\n" through
 # (pydantic's regex engine reads "$" as the end of the text).
@@ -70,6 +76,10 @@ MAX_METADATA_KEY_CHARS = 128
 MAX_METADATA_VALUE_CHARS = 4096
 # Documents in one batch write (one version, all or nothing).
 MAX_BATCH_DOCUMENTS = 1000
+# A paged document (an uploaded PDF, issue 33) keeps the words of each of its pages in its
+# metadata under this key, comma-separated ("312,290,0,405"): its passages are then cut page by
+# page, so none spans two pages and each knows its page (what a citation names).
+PAGE_WORDS_KEY = "page_words"
 
 # The control characters a question may hold: people paste multi-line text.
 QUESTION_CONTROLS = "\t\n\r"
@@ -194,16 +204,36 @@ def check_decoding(
     min_new_tokens: int,
     num_return_sequences: int,
     length_penalty: float,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
 ) -> None:
     """Decoding options: each of its type and in its range, and consistent with each other.
     The one definition of the rules (see the module's docstring for who calls it); the error
-    names the first bad field."""
+    names the first bad field.
+
+    Sampling (``temperature`` > 0) draws every answer on its own: ``num_return_sequences``
+    answers are that many independent samples, and ``num_beams`` must be 1 (beam search keeps
+    the likeliest continuations, it does not sample). At temperature 0, ``top_p``, ``top_k``
+    and ``seed`` are checked but change nothing (greedy's argmax lies in every top-k / top-p
+    set)."""
     if mode not in DECODING_MODES:
         raise InvalidArgument(f"mode must be one of {list(DECODING_MODES)}, got {mode!r}")
+    check_sampling(temperature, top_p, top_k, seed)
     num_beams = check_range("num_beams", num_beams, 1, MAX_BEAMS)
     max_new_tokens = check_range("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
     check_range("min_new_tokens", min_new_tokens, 0, max_new_tokens)
-    check_range("num_return_sequences", num_return_sequences, 1, num_beams)
+    if temperature > 0:
+        if num_beams != 1:
+            raise InvalidArgument(
+                f"num_beams must be 1 when sampling (temperature {temperature} > 0): beam "
+                f"search keeps the likeliest answers and does not sample, got {num_beams}"
+            )
+        check_range("num_return_sequences", num_return_sequences, 1, MAX_RETURN_SEQUENCES)
+    else:
+        check_range("num_return_sequences", num_return_sequences, 1, num_beams)
     if not (
         is_finite_number(length_penalty)
         and MIN_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY
@@ -212,6 +242,21 @@ def check_decoding(
             f"length_penalty must be in [{MIN_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
             f"got {length_penalty!r}"
         )
+
+
+def check_sampling(temperature: object, top_p: object, top_k: object, seed: object) -> None:
+    """The sampling parameters, each in its range (:func:`check_decoding` calls it; a route
+    that takes them under OpenAI's names reports the same message)."""
+    if not (is_finite_number(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        raise InvalidArgument(
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0: greedy or beam search), "
+            f"got {temperature!r}"
+        )
+    if not (is_finite_number(top_p) and 0 < top_p <= 1):
+        raise InvalidArgument(f"top_p must be in (0, 1] (1: no nucleus cut), got {top_p!r}")
+    check_range("top_k", top_k, 0, MAX_TOP_K)
+    if seed is not None:
+        check_range("seed", seed, MIN_SEED, MAX_SEED)
 
 
 # --- documents written into a live index -------------------------------------------------------
@@ -260,6 +305,18 @@ def check_document_text(field: str, value: object) -> str:
     if not value.split():
         raise InvalidArgument(f"{field} must not be empty: it holds no words")
     return refuse_controls(field, value, QUESTION_CONTROLS)
+
+
+def parse_page_words(field: str, value: object) -> tuple[int, ...]:
+    """A :data:`PAGE_WORDS_KEY` value: comma-separated word counts (>= 0), one per page."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{field} must be comma-separated word counts, one per page")
+    counts = value.split(",")
+    if not all(count.isascii() and count.isdigit() for count in counts):
+        raise InvalidArgument(
+            f"{field} must be comma-separated word counts, one per page, got {value[:40]!r}"
+        )
+    return tuple(int(count) for count in counts)
 
 
 def check_metadata(field: str, value: object) -> None:

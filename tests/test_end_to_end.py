@@ -11,14 +11,24 @@ import pytest
 
 from openbook.index import build_index
 from openbook.index.spec import BuildOptions, IndexSpec
+from openbook_testkit.otlp import OtlpReceiver
 from openbook_testkit.rag import make_tiny_bart
+from openbook_testkit.sse import read_events
 from openbook_testkit.stack import REPO_ROOT, LocalStack, build_fact_indexes
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def otlp():
+    """The collector the stack's three processes export their spans to (tracing on)."""
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, otlp):
     var = tmp_path_factory.mktemp("var")
     build_fact_indexes(var / "indexes")
     # The leaders snapshots alone (without SQuAD) stand in for wiki-2016 / wiki-2018.
@@ -31,7 +41,14 @@ def stack(tmp_path_factory):
             BuildOptions(progress=False),
         )
     make_tiny_bart(var / "models" / "tiny-bart")
-    stack = LocalStack(var)
+    # Tracing on, as an operator turns it on (docs/observability.md): every test of this
+    # module runs through the traced stack; spans leave each process every 100 ms.
+    tracing = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    stack = LocalStack(var, extra_env=tracing)
     stack.start()
     yield stack
     stack.stop()
@@ -239,3 +256,165 @@ def test_a_bad_shared_index_name_is_logged_once_not_every_two_seconds(stack):
         key = load_sealer(stack.secrets.server_key)
         insider.set("openbook:active-index", key.seal("openbook:active-index", active))
         insider.publish("openbook:index-swaps", active)
+
+
+def test_one_question_is_one_trace_across_the_three_services(stack, otlp):
+    request_id = "trace-me-0001"
+    question = {"question": "Which path does a traced question take?", "k": 2}
+    reply = httpx.post(
+        f"{stack.url}/answer", json=question, headers={"X-Request-ID": request_id}, timeout=60
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["cached"] is False  # a question no other test asks: the whole pipeline ran
+
+    def roots(spans):
+        return [s for s in spans if s.attributes.get("openbook.request_id") == request_id]
+
+    def complete(spans):
+        mine = roots(spans)
+        names = {s.name for s in spans if mine and s.trace_id == mine[0].trace_id}
+        return {"POST /answer", "openbook.generation", f"retrieval {body['index']}"} <= names
+
+    otlp.wait_for(complete)
+    root = next(s for s in roots(otlp.spans) if s.service == "openbook-gateway")
+    spans = otlp.trace(root.trace_id)
+    # One trace, from three processes
+    assert {s.service for s in spans} == {
+        "openbook-gateway",
+        "openbook-retriever",
+        "openbook-generator",
+    }
+    by_name = {(s.service, s.name): s for s in spans}
+    by_id = {s.span_id: s for s in spans}
+
+    def span(service: str, name: str):
+        assert (service, name) in by_name, sorted(by_name)
+        return by_name[(service, name)]
+
+    def under_root(s) -> bool:
+        """``s`` descends from the root (FastAPI's own spans, such as ``fastapi.endpoint``,
+        may lie between the request's span and the pipeline's)."""
+        while s.parent_id:
+            s = by_id[s.parent_id]
+        return s is root
+
+    assert all(under_root(s) for s in spans)  # no span of the trace is orphaned
+
+    # The gateway: the request (root, with the request id), cache, retrieval, generation
+    assert root.name == "POST /answer" and root.kind == "SERVER" and root.parent_id == ""
+    assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["http.route"] == "/answer"
+    cache = span("openbook-gateway", "openbook.cache.lookup")
+    assert cache.attributes["openbook.cache.hit"] is False
+    retrieval = span("openbook-gateway", f"retrieval {body['index']}")
+    assert retrieval.kind == "CLIENT" and retrieval.parent_id == cache.parent_id
+    assert retrieval.attributes["gen_ai.operation.name"] == "retrieval"
+    assert retrieval.attributes["gen_ai.retrieval.top_k"] == 2
+    assert retrieval.attributes["gen_ai.data_source.id"] == body["index"]
+    assert retrieval.attributes["openbook.retrieval.passages"] == 2
+    model = body["model_version"]
+    completion = span("openbook-gateway", f"text_completion {model}")
+    assert completion.kind == "CLIENT" and completion.parent_id == cache.parent_id
+    assert completion.attributes["gen_ai.response.model"] == model
+    assert completion.attributes["gen_ai.usage.input_tokens"] > 0
+    assert completion.attributes["gen_ai.usage.output_tokens"] > 0
+
+    # The retriever: its RPC continues the gateway's retrieval span (traceparent in metadata)
+    rpc = span("openbook-retriever", "openbook.v1.Retriever/Retrieve")
+    assert rpc.kind == "SERVER" and rpc.parent_id == retrieval.span_id
+    assert rpc.attributes["openbook.request_id"] == request_id
+    assert rpc.attributes["rpc.grpc.status_code"] == 0
+    search = span("openbook-retriever", f"retrieval {body['index']}")
+    assert search.parent_id == rpc.span_id
+    assert search.attributes["gen_ai.retrieval.top_k"] == 2
+    assert search.attributes["openbook.retrieval.passages"] == 2
+
+    # The generator: its RPC continues the gateway's generation span; admission, queueing and
+    # generation are its children
+    generate = span("openbook-generator", "openbook.v1.Generator/Generate")
+    assert generate.kind == "SERVER" and generate.parent_id == completion.span_id
+    assert generate.attributes["openbook.request_id"] == request_id
+    for stage in ("openbook.admission", "openbook.queue", "openbook.generation"):
+        assert span("openbook-generator", stage).parent_id == generate.span_id
+    assert span("openbook-generator", "openbook.admission").attributes["openbook.admitted"]
+    generation = span("openbook-generator", "openbook.generation")
+    assert generation.attributes["gen_ai.response.model"] == model
+    assert (
+        generation.attributes["gen_ai.usage.input_tokens"]
+        == completion.attributes["gen_ai.usage.input_tokens"]
+    )
+    assert (
+        generation.attributes["gen_ai.usage.output_tokens"]
+        == completion.attributes["gen_ai.usage.output_tokens"]
+    )
+    # Probes are not traced
+    assert not [s for s in otlp.spans if "Health" in s.name or s.name.endswith("/healthz")]
+
+
+def test_a_streamed_answer_is_traced_through_generate_stream(stack, otlp):
+    request_id = "trace-me-stream"
+    question = {"question": "Who discovered gravity?", "k": 2, "stream": True, "use_cache": False}
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/answer",
+        json=question,
+        headers={"X-Request-ID": request_id},
+        timeout=60,
+    ) as reply:
+        assert reply.status_code == 200
+        events = list(read_events(reply.iter_lines()))
+    assert events[-1].event == "answer", events[-1]
+
+    def rpc(spans):
+        return [
+            s
+            for s in spans
+            if s.name == "openbook.v1.Generator/GenerateStream"
+            and s.attributes.get("openbook.request_id") == request_id
+        ]
+
+    def complete(spans):
+        """The RPC's generation span, and the request's root (the gateway ends it, and sends
+        it, once the stream is written)."""
+        found = rpc(spans)
+        return (
+            bool(found)
+            and any(
+                s.name == "openbook.generation" and s.parent_id == found[0].span_id for s in spans
+            )
+            and any(s.trace_id == found[0].trace_id and not s.parent_id for s in spans)
+        )
+
+    spans = otlp.wait_for(complete)
+    stream_rpc = rpc(spans)[0]
+    root = next(s for s in otlp.trace(stream_rpc.trace_id) if not s.parent_id)
+    assert root.name == "POST /answer" and root.service == "openbook-gateway"
+    generation = next(
+        s for s in spans if s.name == "openbook.generation" and s.parent_id == stream_rpc.span_id
+    )
+    assert generation.attributes["gen_ai.usage.output_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("service", "port", "rpc"),
+    [
+        ("openbook.v1.Retriever", "retriever", "Retrieve"),
+        ("openbook.v1.Generator", "generator", "GenerateStream"),
+    ],
+)
+def test_both_services_answer_grpc_server_reflection(stack, service, port, rpc):
+    import grpc
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports[port]}") as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {service, "grpc.health.v1.Health"} <= services, services
+        # the service's file descriptor (and those it imports), fetched from the server alone
+        described = DescriptorPool(database).FindServiceByName(service)
+        assert rpc in described.methods_by_name
+        assert described.file.package == "openbook.v1"

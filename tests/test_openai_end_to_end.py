@@ -83,3 +83,19 @@ def test_the_key_is_required(stack):
     anonymous = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.models.list()
+
+
+def test_responses_and_embeddings(client):
+    """The Responses API (citations as annotations at the markers) and embeddings by the
+    retriever process's query encoder, through the stack `openbook up` starts."""
+    request = {"model": "openbook", "input": "Who wrote Hamlet?", "max_output_tokens": 8}
+    reply = client.responses.create(**request, extra_body={"k": 3})
+    (note, *_) = reply.output[0].content[0].annotations
+    span = reply.output_text[note.start_index : note.end_index]
+    assert span == f"[{note.model_extra['citation']}]" and note.model_extra["passage_id"]
+    assert reply.usage.input_tokens > 0
+    events = [e.type for e in client.responses.create(**request, stream=True)]
+    assert events[0] == "response.created"
+    assert events[-1] in ("response.completed", "response.incomplete")
+    vectors = client.embeddings.create(model="openbook/facts-b", input=["Who wrote Hamlet?"])
+    assert len(vectors.data[0].embedding) == vectors.model_extra["openbook"]["dim"] > 0

@@ -96,6 +96,34 @@ def ask_command(
         render(answer)
 
 
+@app.command("mcp")
+def mcp_command(
+    url: str = typer.Option("http://127.0.0.1:8000", envvar="OPENBOOK_URL", help="gateway URL"),
+    api_key: str | None = typer.Option(
+        None, envvar="OPENBOOK_API_KEY", help="one of the gateway's OPENBOOK_GATEWAY_API_KEYS"
+    ),
+    admin_token: str | None = typer.Option(
+        None, envvar="OPENBOOK_ADMIN_TOKEN", help="the admin token: opens the write tools"
+    ),
+    timeout_s: float = typer.Option(120.0, "--timeout", min=1.0),
+) -> None:
+    """Serve openbook's MCP tools over stdio (for MCP clients that launch a command): a relay
+    to the gateway's /mcp, which runs them."""
+    # why: the MCP SDK loads only for this command, not for up/ask
+    import anyio
+
+    from openbook_cli.mcp_relay import RelayOptions, first_cause, serve_stdio
+
+    options = RelayOptions(url, api_key or None, admin_token or None, timeout_s)
+    try:
+        anyio.run(serve_stdio, options)
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # noqa: BLE001 - a start that fails says why on stderr, not a trace
+        typer.echo(f"openbook mcp: gateway at {options.endpoint}: {first_cause(exc)}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def up(
     compose_file: Path = typer.Option(Path("docker-compose.yml"), "--file", "-f"),

@@ -1,4 +1,4 @@
-"""The ``openbook docs`` sub-commands: put, rm, get, ls and create-index, over HTTP.
+"""The ``openbook docs`` sub-commands: put, upload, rm, get, ls and create-index, over HTTP.
 
 Each command prints the gateway's JSON reply (``put FILE`` a summary of the load) and exits 1
 with the gateway's refusal on stderr. The logic is :mod:`openbook_cli.docs`'s.
@@ -25,9 +25,10 @@ from openbook_cli.docs import (
     put_file,
     remove_document,
 )
+from openbook_cli.docs_upload import upload
 
 docs_app = typer.Typer(
-    help="Documents of live indexes: put, rm, get, ls, create-index (the gateway's "
+    help="Documents of live indexes: put, upload, rm, get, ls, create-index (the gateway's "
     "documents API; writes need OPENBOOK_ADMIN_TOKEN).",
     no_args_is_help=True,
 )
@@ -94,6 +95,39 @@ def put_command(
         _done(put_document(target, index, doc_id, title, text, meta))
     except (DocsError, OSError, ValueError) as exc:
         raise _fail("put", exc) from None
+
+
+@docs_app.command("upload")
+def upload_command(
+    index: str = typer.Argument(..., help="the index to write to"),
+    paths: list[Path] = typer.Argument(
+        ..., help="files (text, Markdown, HTML, PDF), directories (recursively), zip/tar archives"
+    ),
+    metadata: str | None = typer.Option(
+        None, "--metadata", help="metadata for every file: a JSON object of scalars"
+    ),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    url: str = URL,
+    admin_token: str | None = TOKEN,
+    timeout_s: float = TIMEOUT,
+) -> None:
+    """Upload files, one document each; files already in the index (same content) are
+    skipped, so running it again resumes a run that stopped."""
+    target = GatewayTarget(url, admin_token, timeout_s)
+    try:
+        meta = None
+        if metadata is not None:
+            try:
+                meta = json.loads(metadata)
+            except ValueError as exc:
+                raise DocsError(f"--metadata is not JSON: {exc}") from None
+        report = upload(target, index, paths, metadata=meta, progress=not no_progress)
+    except (DocsError, OSError) as exc:
+        raise _fail("upload", exc) from None
+    _done(report.summary(index))
+    if report.refused:
+        typer.echo(f"openbook docs upload: {len(report.refused)} file(s) refused", err=True)
+        raise typer.Exit(1)
 
 
 @docs_app.command("rm")

@@ -129,6 +129,18 @@ class DocumentStore:
         doc = Document(row[0], row[1], row[2], json.loads(row[3]))
         return StoredDocument(doc, tuple(json.loads(row[4])), int(row[5]))
 
+    def metadata(self, doc_ids: Iterable[str]) -> dict[str, dict]:
+        """The metadata of those of ``doc_ids`` that are live (without reading their text)."""
+        wanted = list(dict.fromkeys(doc_ids))
+        if not wanted:
+            return {}
+        marks = ",".join("?" * len(wanted))
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT id, metadata FROM documents WHERE id IN ({marks})", wanted
+            ).fetchall()
+        return {row[0]: json.loads(row[1]) for row in rows}
+
     def contains(self, doc_id: str) -> bool:
         with self._lock:
             row = self._conn.execute("SELECT 1 FROM documents WHERE id = ?", (doc_id,)).fetchone()

@@ -11,6 +11,10 @@ Invariants:
     (:func:`openbook.index.passages.split_passages`, as a corpus build splits), each keeping
     the document's title, with ids ``<doc_id>#<n>`` (n from 0): the ids a corpus build gives
     an article's pieces, so a compaction rebuilds the same ids.
+  * A paged document (metadata ``page_words``, ``openbook.limits.PAGE_WORDS_KEY``: an uploaded
+    PDF's words per page, which must add up to its text's words) is split page by page: the
+    windows restart at each page, so no passage spans two pages, and passage ``n``'s page is
+    known from the metadata and ``max_words`` alone (:func:`passage_page`).
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ from openbook.index.passages import split_passages
 
 # The rules are the core's (the gateway checks a document with the same ones); re-exported.
 from openbook.limits import (
+    PAGE_WORDS_KEY,
     check_document_id,
     check_document_text,
     check_document_title,
     check_metadata,
+    parse_page_words,
 )
-from openbook.types import Passage
+from openbook.types import PASSAGE_ID_SEPARATOR, Passage, document_id_of
 
 MetadataValue = str | int | float | bool | None
-PASSAGE_ID_SEPARATOR = "#"
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,37 @@ class Document:
         check_document_title(f"{at}title", self.title)
         check_document_text(f"{at}text", self.text)
         check_metadata(f"{at}metadata", self.metadata)
+        if PAGE_WORDS_KEY in self.metadata:
+            where = f"{at}metadata.{PAGE_WORDS_KEY}"
+            pages = parse_page_words(where, self.metadata[PAGE_WORDS_KEY])
+            words = len(self.text.split())
+            if sum(pages) != words:
+                raise InvalidArgument(
+                    f"{where} must add up to the text's {words} words, got {sum(pages)}"
+                )
 
     def passages(self, max_words: int = 100) -> list[Passage]:
-        """The document's passages, in order, ids ``<id>#<n>``."""
-        pieces = split_passages(self.title, self.text, max_words)
+        """The document's passages, in order, ids ``<id>#<n>``; a paged document's page by
+        page."""
+        page_words = self.page_words()
+        if page_words is None:
+            pieces = split_passages(self.title, self.text, max_words)
+        else:
+            words = self.text.split()
+            pieces, start = [], 0
+            for count in page_words:
+                page = " ".join(words[start : start + count])
+                pieces.extend(split_passages(self.title, page, max_words))
+                start += count
         return [
             Passage(id=passage_id(self.id, n), title=self.title, text=piece)
             for n, piece in enumerate(pieces)
         ]
+
+    def page_words(self) -> tuple[int, ...] | None:
+        """Words per page of a paged document (validated), None for any other."""
+        value = self.metadata.get(PAGE_WORDS_KEY)
+        return None if value is None else parse_page_words(PAGE_WORDS_KEY, value)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,17 +127,32 @@ class Document:
         )
 
 
+def passage_page(metadata: Mapping[str, Any], n: int, max_words: int) -> int | None:
+    """The page (from 1) of a document's passage ``n``, from its metadata's ``page_words``
+    (split as :meth:`Document.passages` splits); None for a document without pages."""
+    value = metadata.get(PAGE_WORDS_KEY)
+    if value is None:
+        return None
+    try:
+        page_words = parse_page_words(PAGE_WORDS_KEY, value)
+    except InvalidArgument:
+        return None
+    passed = 0
+    for page, count in enumerate(page_words, start=1):
+        passed += -(-count // max_words)  # this page's passages: ceil(count / max_words)
+        if n < passed:
+            return page
+    return None
+
+
+def passage_number(passage_id: str) -> int | None:
+    """``n`` of a document's passage id ``<doc>#<n>``; None for any other id."""
+    head, sep, tail = passage_id.rpartition(PASSAGE_ID_SEPARATOR)
+    return int(tail) if sep and head and tail.isascii() and tail.isdigit() else None
+
+
 def passage_id(doc_id: str, n: int) -> str:
     return f"{doc_id}{PASSAGE_ID_SEPARATOR}{n}"
-
-
-def document_id_of(passage_id: str) -> str:
-    """The document a base passage belongs to: ``<doc>#<n>`` -> ``<doc>``; an id without a
-    numeric ``#`` suffix (a corpus's one-passage document) is its own document."""
-    head, sep, tail = passage_id.rpartition(PASSAGE_ID_SEPARATOR)
-    if sep and head and tail.isdigit():
-        return head
-    return passage_id
 
 
 __all__ = [
@@ -119,4 +162,6 @@ __all__ = [
     "check_metadata",
     "document_id_of",
     "passage_id",
+    "passage_number",
+    "passage_page",
 ]

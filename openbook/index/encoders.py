@@ -131,6 +131,13 @@ class Encoder:
             enc.pop("token_type_ids", None)
         return dict(enc)
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """How many tokens ``encode`` reads of each text (special tokens included, after
+        truncation to ``max_length``): the usage an embedding reports."""
+        with self._lock:
+            enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        return [len(ids) for ids in enc["input_ids"]]
+
     def _forward(self, batch: dict) -> torch.Tensor:
         if self.pooling == "pooler":
             return self.model(**batch).pooler_output

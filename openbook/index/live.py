@@ -75,7 +75,13 @@ from openbook.errors import InvalidArgument, NotFound
 from openbook.index.bm25 import BM25_DIR
 from openbook.index.compaction import build_base
 from openbook.index.document_store import DOCUMENTS_FILE, BaseRow, DocumentStore, StoredDocument
-from openbook.index.documents import Document, check_document_id, document_id_of
+from openbook.index.documents import (
+    Document,
+    check_document_id,
+    document_id_of,
+    passage_number,
+    passage_page,
+)
 from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.fusion import Fusion
@@ -498,6 +504,20 @@ class LiveIndex:
         if found is None:
             raise DocumentNotFound(f"document {doc_id!r} not found in index {self.name!r}")
         return found
+
+    def passage_pages(self, passage_ids: Iterable[str]) -> dict[str, int]:
+        """The page of each of ``passage_ids`` that belongs to a live paged document (an
+        uploaded PDF); the others are absent. Reads only the documents' metadata."""
+        numbered = {pid: (document_id_of(pid), passage_number(pid)) for pid in passage_ids}
+        metadata = self._store.metadata(doc for doc, _ in numbered.values())
+        max_words = self._view.base.manifest.max_words
+        pages: dict[str, int] = {}
+        for pid, (doc, n) in numbered.items():
+            meta = metadata.get(doc)
+            page = None if meta is None or n is None else passage_page(meta, n, max_words)
+            if page is not None:
+                pages[pid] = page
+        return pages
 
     def list(self, cursor: str | None = None, limit: int = 100) -> DocumentPage:
         """A page of live document ids in id order, after ``cursor`` (a previous page's

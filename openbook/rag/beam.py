@@ -13,11 +13,14 @@ transformers' ``generate`` yields for the same distributions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from openbook.rag.sampling import sample
 
 _NEG = -1.0e9  # transformers' "impossible" score; kept finite so it can be ranked and added to
 
@@ -40,6 +43,20 @@ class SearchSettings:
     # Tokens that precede the generated ones in transformers' ``input_ids`` (the decoder start
     # token), needed for n-gram blocking to see the same history.
     history_prefix: tuple[int, ...] = ()
+    # Sampling (temperature > 0, openbook.rag.sampling): num_return_sequences independent
+    # samples per item instead of a search; num_beams is then 1.
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+    @property
+    def rows_per_item(self) -> int:
+        """Decoder rows per batch item: its samples, or its beams."""
+        return self.num_return_sequences if self.sampling else self.num_beams
 
 
 @dataclass
@@ -345,13 +362,104 @@ class BeamSearch(Search):
         return out
 
 
+class SampleSearch(Search):
+    """``s.num_return_sequences`` independent samples for each of ``batch`` items (rows
+    ``item * n + j``), every token drawn from the row's processed distribution under the
+    temperature / top-k / top-p of ``s`` (:mod:`openbook.rag.sampling`), with ``generator``'s
+    uniforms. Rows never move: ``source`` stays None. A row ends at EOS or a stop string, as
+    greedy's; the search ends when every row has, or at ``max_new_tokens``.
+
+    Greedy decoding is not this search at temperature 0: it stays :class:`GreedySearch`,
+    untouched.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        s: SearchSettings,
+        device: torch.device,
+        stop: StopFn | None,
+        payload: PayloadFn | None,
+        generator: torch.Generator,
+    ) -> None:
+        n = s.num_return_sequences
+        super().__init__(batch * n, s, device, stop, payload)
+        self.batch, self.n = batch, n
+        self.generator = generator
+        self.seq = torch.empty(batch * n, 0, dtype=torch.long, device=device)
+        self._raw_lp: list[Tensor] = []
+        self._extra: list[Tensor] = []
+        self._lengths = [s.max_new_tokens] * (batch * n)
+        self._done = [False] * (batch * n)
+        self._beam = torch.arange(n, device=device)[None, :].expand(batch, n)
+
+    def start(self, first: Tensor) -> bool:
+        """``first``: (batch, V) step-0 distributions, one per item (shared by its samples)."""
+        return self.advance(first.repeat_interleave(self.n, dim=0))
+
+    def advance(self, lp: Tensor) -> bool:
+        s, g, done = self.s, self._g, self._done
+        scores = _process(lp, self.seq, g, s)
+        # every row draws, finished or not: a request's stream of uniforms depends on nothing
+        # but its own rows and steps
+        nxt = sample(scores, s.temperature, s.top_k, s.top_p, self.generator).to(lp.device)
+        finished = torch.tensor(done, device=lp.device)
+        # rows already finished keep feeding padding, as greedy's do; their values are discarded
+        nxt = torch.where(finished, torch.full_like(nxt, s.pad_token_id), nxt)
+        self._raw_lp.append(lp.gather(1, nxt[:, None]).squeeze(1))
+        if self.payload is not None:
+            per_row = self.payload(self._beam, nxt.view(self.batch, self.n))
+            self._extra.append(per_row.reshape(self.rows, -1))
+        self.seq = torch.cat([self.seq, nxt[:, None]], dim=1)
+        nxt_cpu = nxt.tolist()
+        for r in range(self.rows):
+            if done[r]:
+                continue
+            if (s.eos_token_id is not None and nxt_cpu[r] == s.eos_token_id) or (
+                self.stop is not None and self.stop(self.seq[r].tolist())
+            ):
+                done[r] = True
+                self._lengths[r] = g + 1
+        self._g = g + 1
+        self.tokens = nxt
+        return not (all(done) or g + 1 == s.max_new_tokens)
+
+    def result(self) -> list[list[Finished]]:
+        """Per item, its samples in the order they were drawn (row j: sample j); ``score`` is
+        the sample's unprocessed log-prob sum."""
+        tok = self.seq.tolist()
+        lps = torch.stack(self._raw_lp, dim=1).tolist()
+        pay = torch.stack(self._extra, dim=1).tolist() if self._extra else None
+        out: list[list[Finished]] = []
+        for b in range(self.batch):
+            hyps = []
+            for r in range(b * self.n, (b + 1) * self.n):
+                n = self._lengths[r]
+                hyps.append(
+                    Finished(
+                        tok[r][:n],
+                        math.fsum(lps[r][:n]),
+                        lps[r][:n],
+                        None if pay is None else pay[r][:n],
+                    )
+                )
+            out.append(hyps)
+        return out
+
+
 def new_search(
     batch: int,
     s: SearchSettings,
     device: torch.device,
     stop: StopFn | None = None,
     payload: PayloadFn | None = None,
+    generator: torch.Generator | None = None,
 ) -> Search:
-    """Greedy search for one beam (as transformers' ``generate``), beam search otherwise."""
+    """Sampling when ``s`` asks for it (``generator`` then draws its uniforms); else greedy
+    search for one beam (as transformers' ``generate``), beam search otherwise."""
+    if s.sampling:
+        if generator is None:
+            raise ValueError("sampling needs the request's random generator")
+        return SampleSearch(batch, s, device, stop, payload, generator)
     search = GreedySearch if s.num_beams == 1 else BeamSearch
     return search(batch, s, device, stop, payload)

@@ -24,7 +24,9 @@ Rows of a request: RAG-Token, one search over k * beams rows
 (:class:`openbook.rag.rag_token.RagTokenRows`); RAG-Sequence, one independent search of
 ``beams`` rows per passage (:class:`openbook.rag.rag_sequence.PassageRows`), each leaving when it
 ends. Searches never see each other's rows, so every request decodes exactly as it would alone
-(the tests compare token ids and scores against single-request decoding).
+(the tests compare token ids and scores against single-request decoding). A sampling request
+(temperature > 0) has one row per sample where a beam would be, and its own random generator
+(:mod:`openbook.rag.sampling`): with a seed, it draws the same answers in any batch.
 
 Invariants: ``_groups`` lists the live searches in the order of their rows in ``_state``; a
 request still prefilling has no rows there (``enc`` is None); a request is returned exactly once,
@@ -55,6 +57,7 @@ from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import doc_log_prior
 from openbook.rag.options import DecodingOptions, GenerationResult, Hypothesis
 from openbook.rag.rag_token import RagTokenRows
+from openbook.rag.sampling import request_generator
 from openbook.rag.streaming import OnToken, RequestStream
 from openbook.types import Passage
 
@@ -118,7 +121,7 @@ class Running:
     @property
     def rows(self) -> int:
         """Decoder rows the request has (or will have, once prefilled)."""
-        return len(self.passages) * self.options.num_beams
+        return len(self.passages) * self.options.rows_per_passage
 
     def finished(self) -> bool:
         return self.enc is not None and not any(g.live for g in self.groups)
@@ -142,6 +145,14 @@ class Running:
             (group,) = self.groups
             assert isinstance(group, RagTokenRows)
             hyps: list[Hypothesis] = group.hypotheses(backend, self.enc)
+        elif self.options.sampling:
+            hyps = rag_sequence.choose_samples(
+                backend,
+                self.enc,
+                self.log_prior,
+                [g.hypotheses() for g in self.groups if isinstance(g, rag_sequence.PassageRows)],
+                thorough=self.options.mode == "rag-sequence-thorough",
+            )
         else:
             per_passage: list[list[Finished]] = [
                 g.hypotheses() for g in self.groups if isinstance(g, rag_sequence.PassageRows)
@@ -303,16 +314,23 @@ class DecodingEngine:
         """Start the searches of a request that was just encoded; its live rows join the batch."""
         enc, options = request.enc, request.options
         assert enc is not None
+        # a sampling request's own random generator: its draws depend on nothing else in the
+        # batch (openbook.rag.sampling); the passages of RAG-Sequence share it, drawing in
+        # passage order at every step
+        generator = request_generator(options.seed) if options.sampling else None
         groups: list[Rows]
         if options.mode == "rag-token":
-            groups = [RagTokenRows(enc, request.log_prior, request.settings, self.stop)]
+            groups = [RagTokenRows(enc, request.log_prior, request.settings, self.stop, generator)]
         else:
             groups = [
-                rag_sequence.PassageRows(enc.first_logprobs[z], request.settings, self.stop)
+                rag_sequence.PassageRows(
+                    enc.first_logprobs[z], request.settings, self.stop, generator
+                )
                 for z in range(enc.k)
             ]
         request.groups = groups
-        if request.on_token is not None and options.num_beams == 1:
+        # one row per passage decides its token at every step (greedy, or a single sample)
+        if request.on_token is not None and options.rows_per_passage == 1:
             request.stream = RequestStream(
                 request.on_token,
                 request.log_prior,
@@ -324,7 +342,7 @@ class DecodingEngine:
             request.emit(groups)
         live = [g for g in groups if g.live]
         if live:
-            state = self.backend.start(enc, options.num_beams)
+            state = self.backend.start(enc, options.rows_per_passage)
             if len(live) < len(groups):  # RAG-Sequence passages that ended at their first token
                 rows = _rows_of(groups, lambda g: g.live).to(self.backend.device)
                 state = self.backend.keep(state, rows)

@@ -199,7 +199,7 @@ class RagGenerator:
                     if gave_up is not None and gave_up[i]():
                         results[waiting.pop(0)] = Abandoned("the caller gave up before decoding")
                         continue
-                    if not engine.accepts(len(passages) * options.num_beams):
+                    if not engine.accepts(len(passages) * options.rows_per_passage):
                         break
                     waiting.pop(0)
                     check = None if gave_up is None else gave_up[i]
@@ -216,6 +216,9 @@ class RagGenerator:
             min_new_tokens=options.min_new_tokens,
             length_penalty=float(options.length_penalty),
             num_return_sequences=options.num_return_sequences,
+            temperature=float(options.temperature),
+            top_k=options.top_k,
+            top_p=float(options.top_p),
             eos_token_id=b.eos_token_id,
             pad_token_id=b.pad_token_id,
             early_stopping=self.generation.get("early_stopping", False),

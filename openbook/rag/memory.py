@@ -236,7 +236,7 @@ def request_shape(
         raise TypeError(f"request_shape: no input shape for {type(backend).__name__}")
     return RequestShape(
         passages=len(passages),
-        beams=options.num_beams,
+        beams=options.rows_per_passage,  # beams, or samples
         prompt_tokens=max(lengths, default=1),
         new_tokens=options.max_new_tokens,
         input_tokens=sum(lengths),

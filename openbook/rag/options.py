@@ -12,6 +12,14 @@ class DecodingOptions:
     """How to decode one request.
 
     ``num_beams == 1`` means greedy decoding in every mode (as in transformers' ``generate``).
+
+    ``temperature > 0`` samples instead (:mod:`openbook.rag.sampling`): every answer token is
+    drawn from the temperature / top-k / top-p transform of the model's distribution (RAG-Token:
+    the passage marginal), with a random generator of this request's own, seeded by ``seed``
+    (None: a fresh random seed), so that a seeded request gets the same answer whatever else
+    its batch decodes. ``num_return_sequences`` is then the number of independent samples and
+    ``num_beams`` is 1. ``temperature == 0`` is greedy / beam search, whatever ``top_p``,
+    ``top_k`` and ``seed`` say.
     """
 
     mode: str = "rag-token"
@@ -20,6 +28,20 @@ class DecodingOptions:
     min_new_tokens: int = 0
     length_penalty: float = 1.0
     num_return_sequences: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+
+    @property
+    def sampling(self) -> bool:
+        """Whether answers are drawn at random (temperature > 0) rather than searched for."""
+        return self.temperature > 0
+
+    @property
+    def rows_per_passage(self) -> int:
+        """Decoder rows the request has per passage: its beams, or its samples."""
+        return self.num_return_sequences if self.sampling else self.num_beams
 
     def validate(self) -> None:
         """Raise :class:`~openbook.errors.InvalidArgument` naming the first bad field: the
@@ -32,6 +54,10 @@ class DecodingOptions:
             self.min_new_tokens,
             self.num_return_sequences,
             self.length_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
         )
 
     def key(self) -> tuple[str, int, int, int, float, int]:

@@ -5,13 +5,18 @@ passage's beam is re-scored under every passage and ranked by log sum_z p(z|x) p
 
 Fast decoding (paper section 2.4): no re-scoring; p(y|x,z) is taken from passage z's own beam when y
 is in it and treated as 0 otherwise.
+
+Sampling (temperature > 0): each passage z draws one answer per sample j from its own
+p(y|x,z) (temperature / top-k / top-p applied to every token, :mod:`openbook.rag.sampling`);
+sample j's answer is then, of its k draws, the one of highest marginal p(y|x), thorough or fast
+as above (:func:`choose_samples`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -26,17 +31,24 @@ from openbook.rag.scoring import score_candidates
 class PassageRows:
     """The ``beams`` decoder rows of one passage of a RAG-Sequence request: an independent search
     under that passage alone. Beam search keeps every beam, as transformers' RAG-Sequence asks
-    ``generate`` for ``num_return_sequences = num_beams``.
+    ``generate`` for ``num_return_sequences = num_beams``. Sampling: one row per sample j, drawn
+    from p(y|x,z) of this passage alone (:func:`choose_samples` picks among the passages).
 
     first_logprobs: (V,) log p(y_1 | x, z) of the passage.
     """
 
-    def __init__(self, first_logprobs: Tensor, settings: SearchSettings, stop: StopFn | None):
+    def __init__(
+        self,
+        first_logprobs: Tensor,
+        settings: SearchSettings,
+        stop: StopFn | None,
+        generator: torch.Generator | None = None,
+    ):
         beams = settings.num_beams
         if beams > 1:
             settings = replace(settings, num_return_sequences=beams)
-        self.rows = beams
-        self.search = new_search(1, settings, first_logprobs.device, stop)
+        self.rows = settings.rows_per_item  # beams, or samples
+        self.search = new_search(1, settings, first_logprobs.device, stop, generator=generator)
         self.live = self.search.start(first_logprobs[None, :])
 
     def feed(self) -> tuple[Tensor, Tensor | None]:
@@ -68,6 +80,68 @@ def rank(
 
     ``enc`` holds this request only (n = 1, k = its passages); ``log_prior`` (k,).
     """
+    marg = _marginals(backend, enc, log_prior, per_passage, thorough=thorough)
+    # torch.topk, as transformers ranks, so that ties resolve identically
+    order = torch.topk(marg.log_p, min(settings.num_return_sequences, len(marg.cands))).indices
+    return [marg.hypothesis(backend, c) for c in order.tolist()]
+
+
+def choose_samples(
+    backend: GeneratorBackend,
+    enc: Encoded,
+    log_prior: Tensor,
+    per_passage: list[list[Finished]],
+    *,
+    thorough: bool,
+) -> list[Hypothesis]:
+    """Sampling: answer j is, of the k answers drawn for sample j (``per_passage[z][j]``, one
+    per passage, each from p(y|x,z) alone), the one of highest marginal p(y|x) =
+    sum_z p(z|x) p(y|x,z): computed under every passage (thorough) or from the passages whose
+    draws found it (fast), as beam search's candidates are ranked. Answers in draw order.
+    """
+    marg = _marginals(backend, enc, log_prior, per_passage, thorough=thorough)
+    samples = len(per_passage[0]) if per_passage else 0
+    out: list[Hypothesis] = []
+    for j in range(samples):
+        drawn = [marg.index[tuple(hyps[j].tokens)] for hyps in per_passage]
+        best = drawn[int(torch.argmax(marg.log_p[drawn]))]  # first of equals: lowest passage
+        out.append(marg.hypothesis(backend, best))
+    return out
+
+
+@dataclass
+class _Marginals:
+    """The distinct answers of a request's passages, with log p(y|x) and p(z|x,y) of each."""
+
+    cands: list[list[int]]
+    index: dict[tuple[int, ...], int]
+    log_p: Tensor  # (C,)
+    post: Tensor  # (C, k)
+    skip_first: bool
+    thorough: bool
+
+    def hypothesis(self, backend: GeneratorBackend, c: int) -> Hypothesis:
+        tokens = self.cands[c]
+        pad = backend.pad_token_id if self.thorough else None
+        return Hypothesis(
+            text=backend.decode(tokens),
+            token_ids=list(tokens),
+            log_prob=float(self.log_p[c]),
+            scored_tokens=_scored(tokens, self.skip_first, pad),
+            doc_posterior=self.post[c].tolist(),
+            tokens=None,
+            token_doc_posteriors=None,
+        )
+
+
+def _marginals(
+    backend: GeneratorBackend,
+    enc: Encoded,
+    log_prior: Tensor,
+    per_passage: list[list[Finished]],
+    *,
+    thorough: bool,
+) -> _Marginals:
     k = enc.k
     prior = log_prior.to(enc.first_logprobs.device)
     seen: dict[tuple[int, ...], int] = {}
@@ -91,20 +165,7 @@ def rank(
         log_p, post = _thorough(backend, scored, cands, prior, skip_first)
     else:
         log_p, post = _fast(origin, prior, skip_first)
-    # torch.topk, as transformers ranks, so that ties resolve identically
-    order = torch.topk(log_p, min(settings.num_return_sequences, len(cands))).indices
-    return [
-        Hypothesis(
-            text=backend.decode(cands[c]),
-            token_ids=list(cands[c]),
-            log_prob=float(log_p[c]),
-            scored_tokens=_scored(cands[c], skip_first, backend.pad_token_id if thorough else None),
-            doc_posterior=post[c].tolist(),
-            tokens=None,
-            token_doc_posteriors=None,
-        )
-        for c in order.tolist()
-    ]
+    return _Marginals(cands, seen, log_p, post, skip_first, thorough)
 
 
 def _scored(tokens: list[int], skip_first: bool, pad_token_id: int | None) -> int:

@@ -1,4 +1,10 @@
-"""RAG-Token decoding: one search whose next-token distribution is marginalised over passages."""
+"""RAG-Token decoding: one search whose next-token distribution is marginalised over passages.
+
+Sampling (temperature > 0) draws every token from that same marginal, eq. 2 of the paper,
+p(y_i|x,y_<i) = sum_z p(z|x) p(y_i|x,z,y_<i), transformed by temperature, then top-k, then
+top-p (:mod:`openbook.rag.sampling`); each of the request's samples is one "beam" slot of rows
+``z * n + j``, decoded independently.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from openbook.rag.scoring import score_candidates
 
 class RagTokenRows:
     """The k * beams decoder rows of one RAG-Token request (row ``z * beams + b``: passage z,
-    beam b) and its one search over the passage-marginalised distribution.
+    beam b; sampling: sample b) and its one search over the passage-marginalised distribution.
 
     ``enc`` holds this request only (n = 1, k = its passages); ``log_prior`` (k,).
     """
@@ -25,8 +31,10 @@ class RagTokenRows:
         log_prior: Tensor,
         settings: SearchSettings,
         stop: StopFn | None,
+        generator: torch.Generator | None = None,
     ) -> None:
-        k, beams = enc.k, settings.num_beams
+        # beams, or independent samples when sampling (rows never move between them)
+        k, beams = enc.k, settings.rows_per_item
         vocab = enc.first_logprobs.shape[-1]
         device = enc.first_logprobs.device
         self.k, self.beams, self.vocab = k, beams, vocab
@@ -35,7 +43,7 @@ class RagTokenRows:
         self._passage_rows = (torch.arange(k, device=device) * beams)[:, None]  # (k, 1)
         # per-passage log p(y_i | x, z, y_<i) of the current step, (1, k, beams, V)
         self._current = enc.first_logprobs.view(1, k, 1, vocab).expand(1, k, beams, vocab)
-        self.search = new_search(1, settings, device, stop, self._per_passage)
+        self.search = new_search(1, settings, device, stop, self._per_passage, generator)
         # transformers' beam search log-softmaxes the already-normalised marginal once more;
         # doing the same keeps scores bit-compatible.
         first = torch.log_softmax(

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from pydantic import SecretStr
 
 from openbook.auth import bearer_token, token_matches
@@ -22,6 +23,7 @@ from openbook.logs import request_id_var
 from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
+from openbook.serving.tracing import server_interceptors
 from openbook.settings import GrpcServiceSettings
 
 log = logging.getLogger(__name__)
@@ -319,9 +321,12 @@ class GrpcService:
         self.health = health.HealthServicer()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
-            # Outermost first: auth refusals are counted and logged like every other status.
+            # Outermost first: auth refusals are counted and logged like every other status;
+            # the trace span (only with tracing on) sees the error the servicer raised before
+            # it becomes a status.
             interceptors=[
                 ErrorInterceptor(metrics, access_log),
+                *server_interceptors(),
                 AdminAuthInterceptor(admin_methods, admin_token),
             ],
             # Calls beyond this many (running + waiting for a worker) are refused at once with
@@ -338,6 +343,11 @@ class GrpcService:
         )
         add_servicers(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Server reflection (grpcurl, gRPC UIs): the service, health and reflection itself,
+        # described from the generated stubs' descriptors, which add_servicers imported.
+        reflection.enable_server_reflection(
+            (name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
         # grpc's health servicer starts out SERVING for the server as a whole.
         self.set_serving(False)
         try:

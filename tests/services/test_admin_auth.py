@@ -30,7 +30,7 @@ TOKEN = "grpc-admin-token"
 # RPCs that only read: callable without a token. An RPC added to the protos must go here or
 # into ADMIN_RPCS (openbook/serving/grpc_server.py): test_every_rpc_is_classified says so.
 READ_ONLY_RPCS = {
-    RETRIEVER_SERVICE: {"Retrieve", "ListIndexes", "GetDocument", "ListDocuments"},
+    RETRIEVER_SERVICE: {"Retrieve", "ListIndexes", "GetDocument", "ListDocuments", "EmbedQueries"},
     GENERATOR_SERVICE: {"Generate", "GenerateStream", "Info"},
 }
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED

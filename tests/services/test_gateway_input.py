@@ -16,7 +16,9 @@ import httpx
 import pytest
 from starlette.exceptions import HTTPException
 
+from openbook_gateway.cache import ANSWER_PARAMS, SAMPLING_PARAMS, answer_params
 from openbook_gateway.middleware import BodySizeLimit
+from openbook_gateway.schemas import AnswerRequest
 from openbook_testkit.stack import running_backends, serving_gateway
 
 TOKEN = "input-admin-token"
@@ -76,6 +78,17 @@ BAD_BODIES = [
     ("/answer", '{"question": "q", "use_cache": 1}', "use_cache"),
     ("/answer", '{"question": "q", "use_cache": null}', "use_cache"),
     ("/answer", '{"question": "q", "decoding": 1}', "decoding"),
+    # sampling: temperature in [0, 2], top_p in (0, 1], top_k >= 0, seed a 64-bit integer
+    ("/answer", '{"question": "q", "temperature": -0.5}', "temperature"),
+    ("/answer", '{"question": "q", "temperature": 2.5}', "temperature"),
+    ("/answer", '{"question": "q", "temperature": NaN}', "temperature"),
+    ("/answer", '{"question": "q", "temperature": "1"}', "temperature"),
+    ("/answer", '{"question": "q", "temperature": 1, "top_p": 0}', "top_p"),
+    ("/answer", '{"question": "q", "temperature": 1, "top_p": 1.5}', "top_p"),
+    ("/answer", '{"question": "q", "temperature": 1, "top_k": -1}', "top_k"),
+    ("/answer", '{"question": "q", "temperature": 1, "top_k": 2.0}', "top_k"),
+    ("/answer", '{"question": "q", "temperature": 1, "seed": 1e30}', "seed"),
+    ("/answer", '{"question": "q", "temperature": 1, "seed": 9223372036854775808}', "seed"),
     ("/answer", '{"question": "q", "index": 5}', "index"),
     ("/answer", '{"question": "q", "unknown": NaN}', "unknown"),
     ("/answer", '{"question": 5}', "question"),
@@ -124,6 +137,34 @@ def test_question_errors_say_what_is_wrong(gateway_url, question, says):
     reply = httpx.post(f"{gateway_url}/answer", json={"question": question}, timeout=30)
     assert reply.status_code == 422, reply.text
     assert says in " ".join(error["msg"] for error in reply.json()["detail"])
+
+
+def test_sampling_with_beams_is_a_422_naming_num_beams(gateway_url):
+    body = {"question": "q", "temperature": 0.7, "num_beams": 3}
+    reply = httpx.post(f"{gateway_url}/answer", json=body, timeout=30)
+    assert reply.status_code == 422, reply.text
+    (error,) = reply.json()["detail"]
+    assert error["msg"].removeprefix("Value error, ").startswith("num_beams must be 1")
+
+
+def test_sampled_answers_are_cached_only_with_their_seed(gateway_url):
+    """A seeded sample is the same answer every time: cached under its parameters and seed. An
+    unseeded one must be drawn anew: never served from the cache."""
+    ask = {"question": "Who wrote Hamlet?", "k": 3, "max_new_tokens": 6, "temperature": 1.5}
+
+    def answer(**more) -> dict:
+        reply = httpx.post(f"{gateway_url}/answer", json={**ask, **more}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    seeded = [answer(seed=12345, num_return_sequences=3) for _ in range(2)]
+    assert [a["cached"] for a in seeded] == [False, True]
+    fresh = answer(seed=12345, num_return_sequences=3, use_cache=False)
+    texts = [[h["text"] for h in a["hypotheses"]] for a in (*seeded, fresh)]
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) == 3
+    other = answer(seed=12346, num_return_sequences=3)
+    assert not other["cached"]
+    assert not any(answer()["cached"] for _ in range(2))
 
 
 def test_non_finite_input_is_echoed_as_strings(gateway_url):
@@ -288,3 +329,16 @@ def test_drain_reads_the_rest_of_the_body_up_to_its_cap():
     status, read = _run_limit(declared=None, chunks=10**9, drain_max_bytes=mib)
     assert status == 413
     assert read == mib // (64 * 1024) + 1
+
+
+def test_cache_keys_hold_sampling_params_only_when_sampling():
+    """Greedy keys stay those of before sampling (top_p, top_k and seed change nothing at
+    temperature 0); a sample's key holds all four, and only a seeded sample is cacheable."""
+    greedy = AnswerRequest(question="q", top_p=0.5, top_k=3, seed=1)
+    assert set(answer_params(greedy, 3)) == {*ANSWER_PARAMS}
+    assert greedy.cacheable
+    seeded = AnswerRequest(question="q", temperature=0.7, seed=1)
+    assert answer_params(seeded, 3)["seed"] == 1
+    assert set(answer_params(seeded, 3)) == {*ANSWER_PARAMS, *SAMPLING_PARAMS}
+    assert seeded.cacheable
+    assert not AnswerRequest(question="q", temperature=0.7).cacheable

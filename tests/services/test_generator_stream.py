@@ -70,6 +70,23 @@ def test_rag_sequence_streams_per_passage_and_beam_search_only_the_end(service):
     assert tokens == [] and done.hypotheses
 
 
+def test_a_seeded_sampled_stream_repeats_and_ends_with_the_unary_reply(service):
+    """Sampling over gRPC: the same seed draws the same answer, streamed token by token or
+    not; n samples come whole at the end."""
+    _, stub = service
+    request = _request(max_new_tokens=8, temperature=1.5, top_p=0.95, top_k=50, seed=2**40)
+    tokens, done = _split(list(stub.GenerateStream(request, timeout=60)))
+    unary = stub.Generate(request, timeout=60)
+    assert [h.text for h in done.hypotheses] == [h.text for h in unary.hypotheses]
+    assert [t.token for t in tokens] == [t.token for t in done.hypotheses[0].tokens]
+    tokens, done = _split(
+        list(
+            stub.GenerateStream(_request(max_new_tokens=4, temperature=1.0, num_return_sequences=3))
+        )
+    )
+    assert tokens == [] and len(done.hypotheses) == 3
+
+
 def test_a_length_limited_answer_says_so(service):
     _, stub = service
     reply = stub.Generate(_request(max_new_tokens=4, min_new_tokens=4), timeout=60)
@@ -152,6 +169,8 @@ def _assert_same_reply(got, expected) -> None:
     ("request_", "field"),
     [
         (_request(num_beams=0, num_return_sequences=3), "num_return_sequences"),
+        (_request(temperature=3.0), "temperature"),
+        (_request(temperature=1.0, top_k=-2), "top_k"),
         (generator_pb2.GenerateRequest(question=QUESTION), "passages"),
         (generator_pb2.GenerateRequest(question="", passages=_request().passages), "question"),
     ],

@@ -420,3 +420,15 @@ def test_openbook_ask_chooses_the_mode(backends, redis_url):
         refused = runner.invoke(app, [*asked, "--retrieval", "sparse"])
         assert refused.exit_code == 1
         assert "HTTP 422" in refused.output and "retrieval" in refused.output
+
+
+def test_embeddings_need_a_dense_view(client):
+    """/v1/embeddings on a bm25 index (no query encoder) is a 400 naming the model; a dense
+    index of the same encoder embeds as facts-a does."""
+    bm25 = client.post("/v1/embeddings", json={"model": "openbook/facts-bm25", "input": "q"})
+    assert bm25.status_code == 400, bm25.text
+    assert bm25.json()["error"]["param"] == "model"
+    dense = client.post("/v1/embeddings", json={"model": "openbook/facts-dense", "input": "q"})
+    active = client.post("/v1/embeddings", json={"model": "openbook", "input": "q"})
+    assert dense.status_code == active.status_code == 200, dense.text
+    assert dense.json()["data"][0]["embedding"] == active.json()["data"][0]["embedding"]

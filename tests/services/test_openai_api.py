@@ -170,8 +170,13 @@ def test_a_wrong_or_missing_key_is_401(url):
             "messages[0].content[0]",
         ),
         ({"messages": ASK * 300}, "messages"),
-        ({"temperature": 0.7}, "temperature"),
-        ({"top_p": 0.5}, "top_p"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": 0.7, "top_p": 0}, "top_p"),
+        ({"temperature": 0.7, "top_p": 1.2}, "top_p"),
+        ({"temperature": 0.7, "extra_body": {"top_k": -1}}, "top_k"),
+        ({"temperature": 0.7, "extra_body": {"num_beams": 2}}, "num_beams"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"logprobs": True}, "logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"max_tokens": 100000}, "max_tokens"),
@@ -200,6 +205,57 @@ def test_temperature_zero_is_greedy_and_accepted(client):
         model="openbook", messages=ASK, temperature=0, top_p=1, seed=7, max_tokens=4
     )
     assert reply.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.1, 0.7])  # OpenAI, llama-index, LangChain (<0.3)
+def test_client_default_temperatures_sample(client, temperature):
+    request = dict(
+        model="openbook",
+        messages=ASK,
+        temperature=temperature,
+        max_tokens=6,
+        extra_body={"k": 2, "use_cache": False},
+    )
+    reply = client.chat.completions.create(**request, seed=42)
+    again = client.chat.completions.create(**request, seed=42)
+    assert reply.choices[0].message.content == again.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_samples_are_independent_and_a_seed_repeats_them(client):
+    request = dict(
+        model="openbook",
+        messages=ASK,
+        n=4,
+        temperature=2.0,
+        seed=7,
+        max_tokens=6,
+        extra_body={"k": 2, "citation_markers": False},
+    )
+    reply = client.chat.completions.create(**request)
+    texts = [c.message.content for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert len(set(texts)) > 1  # four draws, not one answer four times
+    again = client.chat.completions.create(
+        **{**request, "extra_body": {"k": 2, "citation_markers": False, "use_cache": False}}
+    )
+    assert [c.message.content for c in again.choices] == texts
+
+
+def test_a_sampled_stream_adds_up_to_the_whole_seeded_answer(client):
+    request = dict(
+        model="openbook",
+        messages=ASK,
+        temperature=1.0,
+        top_p=0.9,
+        seed=3,
+        max_tokens=8,
+        extra_body={"k": 2, "use_cache": False},
+    )
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
 
 
 def test_a_body_over_the_limit_is_an_openai_413(url):

@@ -101,6 +101,15 @@ def test_a_question_is_accepted_alike_at_every_boundary(question):
         ({"length_penalty": limits.MIN_LENGTH_PENALTY - 1}, "length_penalty"),
         *[({"mode": mode}, None) for mode in limits.DECODING_MODES],
         ({"mode": "nucleus"}, "mode"),
+        # sampling: one rule at the three boundaries
+        ({"temperature": limits.MAX_TEMPERATURE, "top_p": 0.5, "top_k": 40, "seed": -1}, None),
+        ({"temperature": 0.7, "num_return_sequences": limits.MAX_RETURN_SEQUENCES}, None),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": limits.MAX_TEMPERATURE + 0.5}, "temperature"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+        ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+        ({"temperature": 1.0, "top_k": -1}, "top_k"),
+        ({"temperature": 1.0, "num_beams": 2}, "num_beams"),
     ],
 )
 def test_the_generator_enforces_the_gateways_decoding_limits(options, field):

@@ -4,10 +4,12 @@ Ask with RAG-Token and k=3 and watch the answer being written (the page asks wit
 ``"stream": true``): the answer text and the per-token heat map grow token by token, then the
 answer, the passages with prior/posterior bars and the heat map are those of the ``answer``
 event. Swap the index with the admin token, see the label change. Errors before and during the
-stream are shown. Screenshots (one mid-stream) go to ``artifacts/`` (kept by CI). Needs Debian's
-``chromium`` and ``chromium-driver`` and the ``selenium`` package
-(``scripts/install-browser.sh``); without them the test is skipped, or fails where
-``OPENBOOK_REQUIRE_BROWSER=1`` says the browser must be there.
+stream are shown. Upload a PDF into an index from the Documents panel (the admin token asked
+once), see it listed, ask about it (its passage names its page), delete it. Screenshots (one
+mid-stream) go to ``artifacts/`` (kept by CI). Needs Debian's ``chromium`` and
+``chromium-driver`` and the ``selenium`` package (``scripts/install-browser.sh``); without
+them the test is skipped, or fails where ``OPENBOOK_REQUIRE_BROWSER=1`` says the browser must
+be there.
 """
 
 from __future__ import annotations
@@ -513,3 +515,69 @@ def test_the_confidence_and_an_abstention_are_shown(driver, gateway_url):
     error = driver.find_element(By.ID, "form-error")
     wait.until(lambda d: error.is_displayed())
     assert error.text == "Min. confidence must be a number from 0 to 1"
+
+
+def test_upload_a_file_see_it_ask_about_it_and_delete_it(driver, gateway_url, tmp_path):
+    """The Documents panel: a PDF uploaded into a new index (the admin token asked once),
+    listed, asked about (its passage shows its page), deleted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from openbook_testkit import files
+
+    wait = WebDriverWait(driver, WAIT_S)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    created = httpx.post(
+        f"{gateway_url}/indexes", json={"name": "uploads", "like": "facts-a"}, headers=auth
+    )
+    assert created.status_code == 201, created.text
+    pages = [files.sentences(n, 60) for n in (1, 2)]
+    pages[1] = "The zorblax turbine of the quay spins at dawn. " + pages[1]
+    pdf = tmp_path / "quay.pdf"
+    pdf.write_bytes(files.pdf_bytes(pages, title="Quay report"))
+
+    driver.set_window_size(1280, 1000)
+    driver.get(gateway_url + "/")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#docs-index option[value=uploads]"))
+    Select(driver.find_element(By.ID, "docs-index")).select_by_value("uploads")
+    status = driver.find_element(By.ID, "docs-status")
+    wait.until(lambda d: "No documents in uploads" in status.text)
+    driver.find_element(By.ID, "docs-file").send_keys(str(pdf))
+    token_field = driver.find_element(By.ID, "docs-token-field")
+    assert token_field.is_displayed()
+    driver.find_element(By.ID, "docs-token").send_keys(TOKEN)
+    driver.find_element(By.ID, "docs-upload").click()
+    wait.until(lambda d: status.text.startswith("Uploaded"))
+    assert '"Quay report" (pdf, 2 pages)' in status.text, status.text
+    assert not token_field.is_displayed()  # asked once: kept in the page's memory
+    listed = driver.find_elements(By.CSS_SELECTOR, "#docs-list li")
+    assert len(listed) == 1
+    doc_id = listed[0].get_attribute("data-doc-id")
+    assert doc_id.startswith("sha256-")
+
+    # ask about it: the ask form now asks the index the file went to
+    assert Select(driver.find_element(By.ID, "ask-index")).first_selected_option.text == "uploads"
+    question = driver.find_element(By.ID, "question")
+    question.clear()
+    question.send_keys("zorblax turbine quay")
+    Select(driver.find_element(By.ID, "retrieval")).select_by_value("bm25")
+    max_tokens = driver.find_element(By.ID, "max-new-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("4")
+    driver.find_element(By.ID, "ask-button").click()
+    wait.until(_answered)
+    first = driver.find_element(By.CSS_SELECTOR, "#passages > li.passage")
+    assert first.get_attribute("data-passage-id").startswith(f"{doc_id}#")
+    assert "Quay report" in first.find_element(By.CSS_SELECTOR, ".passage-title").text
+    assert first.find_element(By.CSS_SELECTOR, ".passage-page").text == "p. 2"
+    _screenshot(driver, "ui-documents.png")
+    badge = driver.find_element(By.ID, "active-index").text
+    assert badge != "uploads"  # an answer from a named index does not make it the active one
+
+    # delete it: gone from the list and from the index
+    driver.find_element(By.CSS_SELECTOR, f'#docs-list button[data-doc-id="{doc_id}"]').click()
+    wait.until(lambda d: status.text == f"Deleted {doc_id}.")
+    assert not driver.find_elements(By.CSS_SELECTOR, "#docs-list li")
+    gone = httpx.get(f"{gateway_url}/indexes/uploads/documents/{doc_id}")
+    assert gone.status_code == 404
+    assert httpx.delete(f"{gateway_url}/indexes/uploads", headers=auth).status_code == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from openbook.logs import setup_logging
+from openbook.telemetry import setup_tracing
 from openbook_gateway.server import serve
 from openbook_gateway.settings import GatewaySettings
 
@@ -11,6 +12,7 @@ def main() -> None:
     settings = GatewaySettings()
     setup_logging(settings.log_level)
     settings.check_secrets("openbook-gateway")
+    setup_tracing("openbook-gateway")  # before the server exists: its interceptors depend on it
     serve(settings)
 
 

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import HTTPException, Request
+from opentelemetry.trace import SpanKind
+from opentelemetry.util.types import AttributeValue
 
-from openbook.v1 import generator_pb2
+from openbook import telemetry
+from openbook.v1 import generator_pb2, retriever_pb2
 from openbook_gateway.cache import answer_params
 from openbook_gateway.mapping import (
     answer_response,
@@ -111,11 +114,12 @@ async def answer_events(
     # not part of the cache key: applied to the answer, cached or not, on its way out
     threshold = confidence_threshold(body.min_confidence, services)
 
-    if body.use_cache:
-        with timer.stage("cache"):
+    if body.cacheable:
+        with timer.stage("cache"), telemetry.span("openbook.cache.lookup") as span:
             cached = await services.cache.lookup(body.index, params)
             if cached is not None and "confidence" not in cached:
                 cached = None  # stored before answers had a confidence: computed afresh
+            span.set_attribute("openbook.cache.hit", cached is not None)
         metrics.cache_lookup(hit=cached is not None)
         if cached is not None:
             # Validated when it was stored: sent as it is, not validated again.
@@ -128,16 +132,25 @@ async def answer_events(
     else:
         metrics.cache_skipped()
 
-    with timer.stage("retrieve"):
+    with (
+        timer.stage("retrieve"),
+        telemetry.span("retrieval", retrieval_attributes(k), SpanKind.CLIENT) as span,
+    ):
         retrieved = await services.retrieval.retrieve(
             body.question, k, body.index, request_id, retrieval=body.retrieval
         )
+        span.update_name(f"retrieval {retrieved.index}")
+        span.set_attributes(retrieved_attributes(retrieved))
     passages = list(retrieved.results[0].passages)
     if not passages:
         raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
     generated: generator_pb2.GenerateResponse | None = None
     sent = ""  # the answer text streamed so far
-    with timer.stage("generate"):
+    requested = generation_attributes(body, stream)
+    with (
+        timer.stage("generate"),
+        telemetry.span("text_completion", requested, SpanKind.CLIENT) as span,
+    ):
         if not stream:
             generated = await unless_disconnected(
                 request, services.generator.generate(body, passages, request_id)
@@ -152,6 +165,9 @@ async def answer_events(
                 if passage is None:
                     sent += token.text
                 yield TokenOut(token.text, token.token, passage, list(token.doc_posterior) or None)
+        if generated is not None:
+            span.update_name(f"text_completion {generated.model_version}")
+            span.set_attributes(generated_attributes(generated))
     if generated is None:
         raise HTTPException(502, "generator ended the stream without an answer")
 
@@ -163,7 +179,7 @@ async def answer_events(
     )
     services.default_k.seen(generated.model_version)
     answer = answer_response(body, retrieved, generated, request_id, timer.done())
-    if body.use_cache:
+    if body.cacheable:
         await services.cache.store(
             retrieved.index, retrieved.index_version, params, versions, stored_answer(answer)
         )
@@ -172,6 +188,56 @@ async def answer_events(
         if rest:
             yield TokenOut(rest, None)
     yield AnswerOut(with_threshold(answer, threshold))
+
+
+def retrieval_attributes(k: int) -> dict[str, AttributeValue]:
+    """The GenAI retrieval span's request attributes (the OpenTelemetry GenAI conventions)."""
+    return {
+        "gen_ai.operation.name": "retrieval",
+        "gen_ai.provider.name": telemetry.PROVIDER,
+        "gen_ai.retrieval.top_k": k,
+    }
+
+
+def retrieved_attributes(reply: retriever_pb2.RetrieveResponse) -> dict[str, AttributeValue]:
+    """What the retrieval span learns from the reply: the index (the GenAI data source), how
+    it searched, and how many passages it found."""
+    return {
+        "gen_ai.data_source.id": reply.index,
+        "openbook.retrieval.mode": reply.retrieval,
+        "openbook.retrieval.passages": len(reply.results[0].passages) if reply.results else 0,
+        "openbook.index.version": reply.index_version,
+        "openbook.retriever.model_version": reply.model_version,
+    }
+
+
+def generation_attributes(body: AnswerRequest, stream: bool) -> dict[str, AttributeValue]:
+    """The GenAI inference span's request attributes (the sampling ones as the conventions
+    name them: ``gen_ai.request.top_k`` is the sampling cut, not retrieval's k)."""
+    attributes: dict[str, AttributeValue] = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": telemetry.PROVIDER,
+        "gen_ai.request.max_tokens": body.max_new_tokens,
+        "gen_ai.request.stream": stream,
+        "gen_ai.request.temperature": body.temperature,
+        "gen_ai.request.top_p": body.top_p,
+        "gen_ai.request.top_k": body.top_k,
+        "openbook.decoding": body.decoding,
+        "openbook.num_beams": body.num_beams,
+    }
+    if body.seed is not None:
+        attributes["gen_ai.request.seed"] = body.seed
+    return attributes
+
+
+def generated_attributes(reply: generator_pb2.GenerateResponse) -> dict[str, AttributeValue]:
+    """The inference span's response attributes: model, token usage and finish reasons."""
+    return {
+        "gen_ai.response.model": reply.model_version,
+        "gen_ai.usage.input_tokens": reply.prompt_tokens,
+        "gen_ai.usage.output_tokens": sum(h.num_tokens for h in reply.hypotheses),
+        "gen_ai.response.finish_reasons": [h.finish_reason for h in reply.hypotheses],
+    }
 
 
 def _replayed(answer: dict) -> list[TokenOut]:

@@ -17,6 +17,7 @@ from functools import partial
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from openbook.sealing import Sealer, load_sealer
 from openbook.settings import RedisOptions
@@ -24,7 +25,18 @@ from openbook_gateway import errors
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.middleware import BodySizeLimit, RequestContext
 from openbook_gateway.openai_schemas import OpenAIRequestError
-from openbook_gateway.routes import admin, answer, documents, health, indexes, openai, pages
+from openbook_gateway.routes import (
+    admin,
+    answer,
+    documents,
+    health,
+    indexes,
+    mcp,
+    openai,
+    pages,
+    uploads,
+)
+from openbook_gateway.routes.mcp import McpEndpoint
 from openbook_gateway.services import running_services
 from openbook_gateway.settings import GatewaySettings
 
@@ -37,13 +49,18 @@ async def lifespan(
     metrics: GatewayMetrics,
     redis_options: RedisOptions,
     sealer: Sealer,
+    mcp_endpoint: McpEndpoint,
 ) -> AsyncIterator[None]:
-    """While the app serves: its :class:`~openbook_gateway.services.Services` are open."""
+    """While the app serves: its :class:`~openbook_gateway.services.Services` are open, and
+    the MCP session manager runs (its task group lives as long as the app serves)."""
     if settings.access_log:
         # RequestContext logs every request (route, status, ms, request id): uvicorn's own
         # access line would only repeat it.
         logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
-    async with running_services(app, settings, metrics, redis_options, sealer):
+    async with (
+        running_services(app, settings, metrics, redis_options, sealer),
+        mcp_endpoint.running(),
+    ):
         yield
 
 
@@ -54,6 +71,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     # an error naming it, never a gateway running without them.
     redis_options = settings.redis_options()
     sealer = load_sealer(settings.server_key_file)
+    mcp_endpoint = McpEndpoint(settings)
 
     app = FastAPI(
         title="openbook",
@@ -65,15 +83,22 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             metrics=metrics,
             redis_options=redis_options,
             sealer=sealer,
+            mcp_endpoint=mcp_endpoint,
         ),
     )
     # The server counts the refusals of request heads in it (server.uvicorn_config), before
     # any route or the lifespan runs.
     app.state.metrics = metrics
 
-    # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute).
-    for module in (pages, openai, health, answer, indexes, documents, admin):
+    # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute), but uploads'
+    # (a multipart form, parsed by its handler).
+    for module in (pages, openai, health, answer, indexes, documents, uploads, admin):
         app.include_router(module.router)
+    # An ASGI app of its own (the MCP SDK's transport), at /mcp exactly: a Mount would answer
+    # /mcp with a redirect to /mcp/.
+    app.router.routes.append(
+        Route(mcp.PATH, endpoint=mcp_endpoint, methods=mcp.METHODS, include_in_schema=False)
+    )
 
     app.add_middleware(
         BodySizeLimit,

@@ -60,10 +60,17 @@ ANSWER_PARAMS = (
 )
 
 
+# Fields that decide a sampled answer too (temperature > 0; at 0 they change nothing, and keys
+# stay those of before sampling). A sample without a seed is never cached
+# (AnswerRequest.cacheable).
+SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "seed")
+
+
 def answer_params(body: AnswerRequest, k: int) -> dict[str, Any]:
     """What decides an answer, with ``k`` resolved (a request naming no k and one naming the
     model's default share their key)."""
-    return {**body.model_dump(include=set(ANSWER_PARAMS)), "k": k}
+    fields = set(ANSWER_PARAMS) | (set(SAMPLING_PARAMS) if body.sampling else set())
+    return {**body.model_dump(include=fields), "k": k}
 
 
 class AnswerCache:

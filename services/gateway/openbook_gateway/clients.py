@@ -25,6 +25,7 @@ from openbook.serving.grpc_server import (
     bearer_metadata,
     deadline_metadata,
 )
+from openbook.serving.tracing import aio_client_interceptors
 from openbook.v1 import (
     common_pb2,
     generator_pb2,
@@ -133,6 +134,8 @@ class ServiceClient:
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2000),
             ],
+            # with tracing on, every call carries the current span (W3C traceparent)
+            interceptors=aio_client_interceptors(),
         )
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.stub = self.stub_class(self.channel)

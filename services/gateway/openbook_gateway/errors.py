@@ -74,6 +74,10 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
     """An ``HTTPException`` raised by a handler, a dependency or a service client."""
     if openai_format.is_openai_path(request.url.path):
         headers = getattr(exc, "headers", None)
+        if exc.status_code == 404 and "endpoint" not in request.scope:
+            # no route matched (a handler's 404 has its endpoint): a route openbook does not
+            # serve, said so as OpenAI says it, not a bare "Not Found"
+            return openai_format.unsupported_route(request.method, request.url.path)
         return openai_format.error_response(exc.status_code, exc.detail, headers=headers)
     if exc.status_code < 500:
         return await http_exception_handler(request, exc)

@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Sequence
 
+from openbook.types import document_id_of
 from openbook.v1 import common_pb2, generator_pb2, retriever_pb2
 from openbook_gateway.schemas import (
     AnswerRequest,
@@ -37,6 +38,11 @@ def generate_request(
             min_new_tokens=body.min_new_tokens,
             length_penalty=body.length_penalty,
             num_return_sequences=body.num_return_sequences,
+            # unset at temperature 0: the generator's greedy / beam search, as before sampling
+            temperature=body.temperature if body.sampling else None,
+            top_p=body.top_p if body.sampling else None,
+            top_k=body.top_k if body.sampling else None,
+            seed=body.seed if body.sampling else None,
         ),
     )
 
@@ -126,6 +132,8 @@ def passages_out(
             title=p.title,
             text=p.text,
             score=p.score,
+            document=document_id_of(p.id),
+            page=p.page or None,
             prior=prior[i] if i < len(prior) else None,
             posterior=posterior[i] if posterior and i < len(posterior) else None,
         )

@@ -14,9 +14,11 @@ import uuid
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
+from opentelemetry import propagate, trace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from openbook import telemetry
 from openbook.logs import request_id_var
 from openbook_gateway import openai_format
 from openbook_gateway.metrics import GatewayMetrics, ms_since
@@ -31,8 +33,13 @@ log = logging.getLogger(__name__)
 DRAIN_MAX_BYTES = 32 * 1024 * 1024
 
 
-# Where document writes live (routes/documents.py): their bodies get the larger limit.
+# Where document writes live (routes/documents.py), and the MCP endpoint whose put_document
+# tool carries an article (routes/mcp.py): their bodies get the larger limit.
 DOCUMENT_PATH_PREFIX = "/indexes/"
+MCP_PATH = "/mcp"
+
+# Probes and scrapes: not requests anyone follows in a trace.
+UNTRACED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 class BodySizeLimit:
@@ -70,7 +77,7 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         max_bytes, message_text = self.max_bytes, self.message
-        if scope["path"].startswith(DOCUMENT_PATH_PREFIX):
+        if scope["path"].startswith(DOCUMENT_PATH_PREFIX) or scope["path"] == MCP_PATH:
             max_bytes, message_text = self.document_max_bytes, self.document_message
         headers = Headers(scope=scope)
         declared = headers.get("content-length", "").strip()
@@ -114,7 +121,9 @@ class BodySizeLimit:
 
 class RequestContext:
     """Request id (the client's ``x-request-id`` or a new one) in the log context, in
-    ``request.state`` and on the response; request count, and one access-log line.
+    ``request.state`` and on the response; request count, and one access-log line; with
+    tracing on, the request's root span (``POST /answer``: a SERVER span that continues the
+    client's ``traceparent`` if it sent one, with the request id, route and status).
 
     A plain ASGI middleware: no extra task per request, and the handler runs in this context,
     so everything it logs carries the request id. An unhandled error becomes a JSON 500 that
@@ -135,6 +144,31 @@ class RequestContext:
             request_id = uuid.uuid4().hex  # it goes into logs and gRPC metadata: keep it sane
         scope.setdefault("state", {})["request_id"] = request_id
         token = request_id_var.set(request_id)
+        if not telemetry.enabled() or scope["path"] in UNTRACED_PATHS:
+            try:
+                await self._handle(scope, receive, send, request_id, None)
+            finally:
+                request_id_var.reset(token)
+            return
+        method = scope["method"]
+        with telemetry.tracer().start_as_current_span(
+            f"{method} {scope['path']}",
+            context=propagate.extract(Headers(scope=scope)),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "http.request.method": method,
+                "url.path": scope["path"],
+                telemetry.REQUEST_ID_ATTRIBUTE: request_id,
+            },
+        ) as span:
+            try:
+                await self._handle(scope, receive, send, request_id, span)
+            finally:
+                request_id_var.reset(token)
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str, span: trace.Span | None
+    ) -> None:
         started = time.perf_counter()
         status = 500
         response_started = False
@@ -148,34 +182,36 @@ class RequestContext:
             await send(message)
 
         try:
-            try:
-                await self.app(scope, receive, send_with_id)
-            except Exception:  # noqa: BLE001 - never leak a stack trace to the client
-                log.exception("unhandled error")
-                if response_started:
-                    raise
-                body = {"detail": "internal error", "request_id": request_id}
-                if openai_format.is_openai_path(scope["path"]):
-                    body = openai_format.error_body(500, f"internal error (request {request_id})")
-                await JSONResponse(body, 500)(scope, receive, send_with_id)
-            route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, status).inc()
-            if self.access_log:
-                # Never the headers: the Authorization header carries the admin token.
-                method = scope["method"]
-                log.info(
-                    "http %s %s %d",
-                    method,
-                    route,
-                    status,
-                    extra={
-                        "fields": {
-                            "method": method,
-                            "route": route,
-                            "status": status,
-                            "ms": ms_since(started),
-                        }
-                    },
-                )
-        finally:
-            request_id_var.reset(token)
+            await self.app(scope, receive, send_with_id)
+        except Exception:  # noqa: BLE001 - never leak a stack trace to the client
+            log.exception("unhandled error")
+            if response_started:
+                raise
+            body = {"detail": "internal error", "request_id": request_id}
+            if openai_format.is_openai_path(scope["path"]):
+                body = openai_format.error_body(500, f"internal error (request {request_id})")
+            await JSONResponse(body, 500)(scope, receive, send_with_id)
+        route = getattr(scope.get("route"), "path", "unmatched")
+        self.metrics.requests.labels(route, status).inc()
+        if span is not None:
+            span.update_name(f"{scope['method']} {route}")
+            span.set_attributes({"http.route": route, "http.response.status_code": status})
+            if status >= 500:
+                span.set_status(trace.Status(trace.StatusCode.ERROR))
+        if self.access_log:
+            # Never the headers: the Authorization header carries the admin token.
+            method = scope["method"]
+            log.info(
+                "http %s %s %d",
+                method,
+                route,
+                status,
+                extra={
+                    "fields": {
+                        "method": method,
+                        "route": route,
+                        "status": status,
+                        "ms": ms_since(started),
+                    }
+                },
+            )

@@ -63,6 +63,25 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
+# What openbook serves under PREFIX: named in the 404 of every other path.
+SERVED_ROUTES = (
+    "POST /v1/chat/completions",
+    "POST /v1/responses",
+    "POST /v1/embeddings",
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+)
+
+
+def unsupported_route(method: str, path: str) -> JSONResponse:
+    """The 404 of a path under :data:`PREFIX` that openbook does not serve."""
+    message = (
+        f"{method} {path} is not supported by openbook; it serves "
+        f"{', '.join(SERVED_ROUTES)} (docs/api.md)"
+    )
+    return error_response(404, message, None, "unsupported_endpoint")
+
+
 # The services' own refusals name the field first ("retrieval: 'hybrid' needs ...").
 _FIELD_PREFIX = re.compile(r"([a-z_]+): ")
 
@@ -138,7 +157,9 @@ class Completion:
             while isinstance(event, TokenOut):
                 if event.passage is None and self.body.n == 1 and not self.holds_text:
                     written += event.text
-                    visible = _before_stop(written, self.stops)
+                    # trailing whitespace waits: the markers may follow it instead of more
+                    # text, and they follow one space (``_choices``)
+                    visible = _before_stop(written, self.stops).rstrip()
                     if len(visible) > len(sent):
                         yield self._chunk([_delta(0, {"content": visible[len(sent) :]})])
                         sent = visible
@@ -191,8 +212,10 @@ class Completion:
                 continue
             content = _before_stop(hyp["text"], self.stops, hold=False)
             finish = "stop" if len(content) < len(hyp["text"]) else hyp.get("finish_reason")
-            if self.body.citation_markers and content:
-                content += _markers(hyp, answer)
+            if self.body.citation_markers and content.strip():
+                # one space before the markers, whatever the text ended with: a stop that
+                # follows a space ("the world's greatest", stop "greatest") leaves it
+                content = content.rstrip() + _markers(hyp, answer)
             out.append((content, finish or "stop"))
         return out
 
@@ -216,7 +239,7 @@ class Completion:
         return {"citations": citations, "openbook": provenance}
 
 
-_CITED = ("id", "title", "text", "score", "prior", "posterior")
+_CITED = ("id", "document", "title", "page", "text", "score", "prior", "posterior")
 _PROVENANCE = (
     "index",
     "index_version",

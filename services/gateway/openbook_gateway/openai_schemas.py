@@ -1,7 +1,7 @@
 """Request body of the OpenAI-compatible ``POST /v1/chat/completions``, checked once, here.
 
-It accepts OpenAI's fields, refusing those whose meaning openbook cannot honour (sampling,
-tools, log-probs, images, ...) with a 400 that names the field, and openbook's own options as
+It accepts OpenAI's fields, refusing those whose meaning openbook cannot honour (tools,
+log-probs, penalties, images, ...) with a 400 that names the field, and openbook's own options as
 extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ``min_confidence``, ...; the
 official clients send them with ``extra_body``). :func:`to_answer_request` turns it into the
 :class:`~openbook_gateway.schemas.AnswerRequest` the answer pipeline runs; every limit is the
@@ -21,7 +21,11 @@ from openbook.limits import (
     MAX_LENGTH_PENALTY,
     MAX_NEW_TOKENS,
     MAX_RETURN_SEQUENCES,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
     MIN_LENGTH_PENALTY,
+    MIN_SEED,
     DecodingMode,
     RetrievalMode,
 )
@@ -79,7 +83,43 @@ class ResponseFormat(BaseModel):
     type: str
 
 
-class ChatCompletionRequest(BaseModel):
+class SamplingParams(BaseModel):
+    """OpenAI's sampling fields and openbook's ``top_k``, shared by every ``/v1`` route that
+    generates (chat completions, responses): their bounds are ``openbook.limits``' (a value
+    out of range is a 400 naming it), :meth:`sampling_fields` hands them to the
+    :class:`~openbook_gateway.schemas.AnswerRequest`, whose ``check_decoding`` is the one rule.
+
+    ``temperature`` unset or 0 keeps greedy / beam search (OpenAI's own default is 1, but a
+    client that sends nothing gets openbook's deterministic answer, as before sampling
+    existed); ``top_p``, ``top_k`` and ``seed`` change nothing then. Clients' defaults
+    (OpenAI's ``temperature=1``, llama-index's 0.1, LangChain's) all sample.
+    """
+
+    model_config = STRICT
+
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    # not OpenAI's: an extra body field, as vLLM and llama.cpp take it
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+
+    @property
+    def sampling(self) -> bool:
+        return bool(self.temperature)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The AnswerRequest fields these ask for (none at temperature 0 or unset)."""
+        if not self.sampling:
+            return {}
+        fields: dict[str, Any] = {"temperature": self.temperature, "seed": self.seed}
+        if self.top_p is not None:
+            fields["top_p"] = self.top_p
+        if self.top_k is not None:
+            fields["top_k"] = self.top_k
+        return fields
+
+
+class ChatCompletionRequest(SamplingParams):
     model_config = STRICT
 
     model: str = Field(min_length=1, max_length=256)
@@ -90,16 +130,12 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     stop: str | list[str] | None = None
-    # Decoding is greedy or beam search: deterministic. Only values that ask for exactly that
-    # are accepted (see ``refuse_sampling``).
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    # temperature, top_p, top_k, seed: SamplingParams
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    seed: int | None = None  # decoding is deterministic: any seed gives the same answer
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -131,7 +167,7 @@ class ChatCompletionRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise :class:`OpenAIRequestError` for what openbook cannot honour."""
-        refuse_sampling(self)
+        refuse_penalties(self)
         if self.logprobs or self.top_logprobs:
             raise OpenAIRequestError(
                 "logprobs are not returned: openbook gives the passage posterior of every "
@@ -172,7 +208,13 @@ class ChatCompletionRequest(BaseModel):
             raise OpenAIRequestError(
                 "max_tokens and max_completion_tokens disagree: send one", "max_tokens"
             )
-        if self.num_beams is not None and self.num_beams < self.n:
+        if self.sampling and self.num_beams not in (None, 1):
+            raise OpenAIRequestError(
+                f"num_beams must be 1 when sampling (temperature {self.temperature} > 0): "
+                f"beam search does not sample; n={self.n} gives n independent samples",
+                "num_beams",
+            )
+        if not self.sampling and self.num_beams is not None and self.num_beams < self.n:
             raise OpenAIRequestError(
                 f"n={self.n} answers need num_beams >= n (got {self.num_beams})", "n"
             )
@@ -217,23 +259,8 @@ class ChatCompletionRequest(BaseModel):
         )
 
 
-def refuse_sampling(body: ChatCompletionRequest) -> None:
-    """Greedy and beam search are deterministic: temperature 0 (or unset) and top_p 1 (or
-    unset) ask for that; anything else asks for sampling, which openbook does not do."""
-    if body.temperature not in (None, 0):
-        raise OpenAIRequestError(
-            f"temperature {body.temperature} asks for sampling; openbook decodes greedily or "
-            "by beam search (deterministic): send temperature 0 or leave it out",
-            "temperature",
-            "unsupported_value",
-        )
-    if body.top_p not in (None, 1):
-        raise OpenAIRequestError(
-            f"top_p {body.top_p} asks for nucleus sampling; openbook does not sample: send "
-            "top_p 1 or leave it out",
-            "top_p",
-            "unsupported_value",
-        )
+def refuse_penalties(body: ChatCompletionRequest) -> None:
+    """Frequency and presence penalties are not applied: only 0 (or unset) is accepted."""
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) not in (None, 0):
             raise OpenAIRequestError(
@@ -252,10 +279,11 @@ _PARAM = {
 def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerRequest:
     """The ``/answer`` request this chat completion asks for, on ``index`` (None: active).
 
-    ``n`` > 1 answers are the n best hypotheses of beam search (``num_beams`` defaults to n).
+    ``n`` > 1 answers are the n best hypotheses of beam search (``num_beams`` defaults to n),
+    or, when sampling, n independent samples (``num_beams`` 1).
     """
     question, at = body.question()
-    beams = body.num_beams or body.n
+    beams = body.num_beams or (1 if body.sampling else body.n)
     fields = {
         "question": question,
         "k": body.k,
@@ -270,14 +298,18 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "use_cache": body.use_cache,
         "min_confidence": body.min_confidence,
         "stream": body.stream,
+        **body.sampling_fields(),
     }
     try:
         return AnswerRequest.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
+        message = error["msg"].removeprefix("Value error, ")
         field = str(error["loc"][0]) if error["loc"] else ""
+        if not field:  # a rule across fields (check_decoding): its message starts with the field
+            named = message.split(" ", 1)[0]
+            field = named if named in AnswerRequest.model_fields else ""
         param = _PARAM.get(field, field)
         if field == "question":
             param = f"messages[{at}].content"
-        message = error["msg"].removeprefix("Value error, ")
         raise OpenAIRequestError(f"{param}: {message}", param) from None

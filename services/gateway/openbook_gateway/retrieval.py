@@ -32,11 +32,11 @@ DOCUMENT_WRITES = frozenset({"CreateIndex", "DeleteIndex", "PutDocuments", "Dele
 
 
 def _to_passage(p: common_pb2.Passage) -> Passage:
-    return Passage(id=p.id, title=p.title, text=p.text, score=p.score)
+    return Passage(id=p.id, title=p.title, text=p.text, score=p.score, page=p.page)
 
 
 def _to_proto(p: Passage) -> common_pb2.Passage:
-    return common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score)
+    return common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score, page=p.page)
 
 
 def merge_results(per_shard: Sequence[Sequence[list[Passage]]], k: int) -> list[list[Passage]]:
@@ -172,6 +172,15 @@ class Retrieval:
             # Every write lands in one shard and raises its version by one: the sum counts them.
             index_version=sum(reply.index_version for reply in replies),
         )
+
+    async def embed_queries(
+        self, queries: list[str], index: str | None, request_id: str
+    ) -> retriever_pb2.EmbedQueriesResponse:
+        """The query vectors of ``queries`` on ``index`` (None: the active one). Every shard
+        of an index holds the same encoders, so one shard (the first) answers."""
+        shard = self.shards[0]
+        request = retriever_pb2.EmbedQueriesRequest(queries=queries, index=index or "")
+        return await shard.call(shard.stub.EmbedQueries, request, request_id)
 
     async def list_indexes(self, request_id: str) -> retriever_pb2.ListIndexesResponse:
         replies = await self._all("ListIndexes", retriever_pb2.ListIndexesRequest(), request_id)

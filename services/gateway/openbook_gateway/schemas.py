@@ -23,7 +23,11 @@ from openbook.limits import (
     MAX_NEW_TOKENS,
     MAX_QUESTION_CHARS,
     MAX_RETURN_SEQUENCES,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
     MIN_LENGTH_PENALTY,
+    MIN_SEED,
     DecodingMode,
     RetrievalMode,
     check_checkpoint_name,
@@ -66,9 +70,42 @@ class AnswerRequest(BaseModel):
     num_beams: int = Field(1, ge=1, le=MAX_BEAMS, description="1 = greedy")
     max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
     min_new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
-    num_return_sequences: int = Field(1, ge=1, le=MAX_RETURN_SEQUENCES)
+    num_return_sequences: int = Field(
+        1,
+        ge=1,
+        le=MAX_RETURN_SEQUENCES,
+        description="answers returned: the n best beams (<= num_beams), or, when sampling, "
+        "n independent samples",
+    )
     length_penalty: float = Field(
         1.0, ge=MIN_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False
+    )
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_TEMPERATURE,
+        allow_inf_nan=False,
+        description="0: greedy or beam search (deterministic); > 0: sample every token from "
+        "the temperature-scaled distribution (RAG-Token: the passage marginal), then cut to "
+        "top_k and top_p; num_beams must then be 1",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="sampling: keep the smallest set of likeliest tokens whose mass reaches "
+        "top_p (1: all)",
+    )
+    top_k: int = Field(
+        0, ge=0, le=MAX_TOP_K, description="sampling: keep the top_k likeliest tokens (0: all)"
+    )
+    seed: int | None = Field(
+        None,
+        ge=MIN_SEED,
+        le=MAX_SEED,
+        description="sampling: the same seed gives the same answer (with the same passages "
+        "and model); none: a random one, and the answer is not cached",
     )
     index: str | None = Field(
         None, pattern=INDEX_NAME_PATTERN, description="default: the active index"
@@ -111,8 +148,23 @@ class AnswerRequest(BaseModel):
             self.min_new_tokens,
             self.num_return_sequences,
             self.length_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
         )
         return self
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the answer is drawn at random (temperature > 0)."""
+        return self.temperature > 0
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether the answer may be cached: a search's always, a sample's only with its seed
+        (without one, asking again must draw again)."""
+        return self.use_cache and (not self.sampling or self.seed is not None)
 
 
 class PassageOut(BaseModel):
@@ -120,6 +172,10 @@ class PassageOut(BaseModel):
     title: str
     text: str
     score: float
+    # The document the passage belongs to (a live document's id; a corpus passage is its own)
+    # and, for a passage of an uploaded PDF, its page (from 1): what a citation names.
+    document: str | None = None
+    page: int | None = None
     prior: float | None = None
     posterior: float | None = None
 
@@ -387,6 +443,17 @@ class PutDocumentResponse(BaseModel):
     id: str
     passages: int = Field(description="passages the document was split into")
     version: int = Field(description="the index's version once this write is applied")
+
+
+class UploadResponse(PutDocumentResponse):
+    """An uploaded file's document: the documents API's reply and what the upload found."""
+
+    title: str = Field(
+        description="the form's title, else the document's own, else the file's name"
+    )
+    type: str = Field(description="what the content is: text, markdown, html or pdf")
+    pages: int | None = Field(None, description="a PDF's pages")
+    sha256: str = Field(description="the file's SHA-256, also kept in the document's metadata")
 
 
 class PutDocumentsResponse(BaseModel):

@@ -23,6 +23,10 @@ class GatewaySettings(CommonSettings):
     # Bodies of document writes (PUT/POST under /indexes/): an article of up to
     # MAX_DOCUMENT_TEXT_CHARS characters, or a batch of them (openbook.limits).
     max_document_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    # Pages of an uploaded PDF (POST /indexes/{index}/documents, openbook_gateway.extraction):
+    # more is refused (413) before any page is read. The file's size is bounded by
+    # max_document_body_bytes, while it streams in.
+    upload_max_pages: int = Field(default=1000, gt=0)
     # Request heads (the request line and the header fields; openbook_gateway.http_protocol):
     # a head not complete within header_timeout_s of its first byte closes the connection (408
     # if part of it came), one over max_header_bytes or with more than max_header_count fields

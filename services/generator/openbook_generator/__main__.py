@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from openbook.logs import setup_logging
+from openbook.telemetry import setup_tracing
 from openbook_generator.server import serve
 from openbook_generator.settings import GeneratorSettings
 
@@ -11,6 +12,7 @@ def main() -> None:
     settings = GeneratorSettings()
     setup_logging(settings.log_level)
     settings.check_secrets("openbook-generator")
+    setup_tracing("openbook-generator")  # before the server exists: its interceptors depend on it
     serve(settings)
 
 

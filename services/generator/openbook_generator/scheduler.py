@@ -94,6 +94,17 @@ LATENESS_SAMPLES = 32
 LATENESS_TIGHT_SHARE = 0.25
 
 
+@dataclass
+class StageTimes:
+    """When (``time.time_ns()``, 0: not yet) a request was admitted into the line, taken into a
+    batch and resolved: written by the scheduler, read by the servicer's trace spans once the
+    request is resolved."""
+
+    admitted_ns: int = 0
+    started_ns: int = 0
+    finished_ns: int = 0
+
+
 @dataclass(frozen=True)
 class GenerateItem:
     """A validated request waiting for a place, with the shape its memory is estimated from."""
@@ -109,6 +120,9 @@ class GenerateItem:
     # what it took
     admitted_at: float = 0.0
     planned_s: float = 0.0
+    # the stages' wall-clock times, for tracing (None: not traced); shared by the copies
+    # ``replace`` makes of this item
+    times: StageTimes | None = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +309,8 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             with self._cond:
                 planned = self.admission(payload.shape, payload.options, timeout_s)
                 admitted = replace(payload, admitted_at=time.monotonic(), planned_s=planned)
+                if payload.times is not None:
+                    payload.times.admitted_ns = time.time_ns()
                 return super()._enqueue(admitted, timeout_s, on_cancel)
         except Overloaded as exc:
             if exc.retry_after_s is None:
@@ -491,6 +507,8 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                     break  # the shared batch is full of rows: it joins when some leave
                 joining[id(batch)] = joining.get(id(batch), 0) + item.shape.rows
                 self._waiting.popleft()
+                if item.times is not None:
+                    item.times.started_ns = time.time_ns()
                 self._arrivals += 1
                 admitted = _Admitted(head, self._arrivals, batch)
                 taken.append(admitted)
@@ -758,6 +776,9 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                         time.monotonic() - item.admitted_at,
                         waiting.deadline - item.admitted_at,
                     )
+        times = waiting.payload.times
+        if times is not None:
+            times.finished_ns = time.time_ns()
         resolve(waiting.future, result)
         if self._on_finish is not None:
             del admitted, running  # its caches: what on_finish may give back

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import grpc
+
+from openbook import telemetry
 from openbook.checkpoint import CheckpointError, checkpoint_in_root
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import InvalidArgument, TooLarge, client_errors
@@ -28,7 +32,7 @@ from openbook.serving.threads import in_passing_thread
 from openbook.shared_state import ModelFollower
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
-from openbook_generator.scheduler import GenerateItem, Scheduler, SchedulingOptions
+from openbook_generator.scheduler import GenerateItem, Scheduler, SchedulingOptions, StageTimes
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,10 @@ def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
         min_new_tokens=msg.min_new_tokens,
         length_penalty=length_penalty,
         num_return_sequences=msg.num_return_sequences or DEFAULTS.num_return_sequences,
+        temperature=msg.temperature if msg.HasField("temperature") else DEFAULTS.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else DEFAULTS.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
     )
     options.validate()
     return options
@@ -107,6 +115,54 @@ def result_to_proto(
         doc_prior=result.doc_prior,
         model_version=model_version,
         prompt_tokens=prompt_tokens,
+    )
+
+
+def trace_stages(
+    received_ns: int,
+    item: GenerateItem | None,
+    reply: generator_pb2.GenerateResponse | None,
+) -> None:
+    """The request's stages as child spans of the RPC's span, from the times the scheduler
+    wrote (``item.times``): ``openbook.admission`` (validation, the memory estimate and the
+    deadline check), ``openbook.queue`` (waiting for a place in a batch) and
+    ``openbook.generation`` (decoding in the batch, with the GenAI usage attributes). A stage
+    the request never reached (refused, dropped) has no span. No-op with tracing off."""
+    times = None if item is None else item.times
+    if times is None or item is None:
+        return
+    now = time.time_ns()
+    shape = item.shape
+    telemetry.past_span(
+        "openbook.admission",
+        received_ns,
+        times.admitted_ns or now,
+        {
+            "openbook.admitted": times.admitted_ns > 0,
+            "openbook.passages": shape.passages,
+            "openbook.beams": shape.beams,
+        },
+    )
+    if not times.admitted_ns:
+        return
+    telemetry.past_span("openbook.queue", times.admitted_ns, times.started_ns or now)
+    if not times.started_ns:
+        return
+    attributes: dict[str, str | int | float | list[str]] = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": telemetry.PROVIDER,
+        "gen_ai.request.max_tokens": item.options.max_new_tokens,
+        "gen_ai.request.temperature": item.options.temperature,
+        "gen_ai.usage.input_tokens": shape.input_tokens,
+        "openbook.decoding": item.options.mode,
+    }
+    if reply is not None:
+        attributes["gen_ai.request.model"] = reply.model_version
+        attributes["gen_ai.response.model"] = reply.model_version
+        attributes["gen_ai.usage.output_tokens"] = sum(h.num_tokens for h in reply.hypotheses)
+        attributes["gen_ai.response.finish_reasons"] = [h.finish_reason for h in reply.hypotheses]
+    telemetry.past_span(
+        "openbook.generation", times.started_ns, times.finished_ns or now, attributes
     )
 
 
@@ -222,39 +278,68 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 )
         return GenerateItem(question, passages, options, shape)
 
-    def Generate(self, request, context):
-        item, time_left = self._validated(request, context)
-        result, version = self.scheduler.submit(
-            item, timeout_s=time_left, on_cancel=context.add_callback
-        )
-        return result_to_proto(result, version, item.shape.input_tokens)
+    def Generate(
+        self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.GenerateResponse:
+        received_ns = time.time_ns()
+        item: GenerateItem | None = None
+        reply: generator_pb2.GenerateResponse | None = None
+        try:
+            item, time_left = self._validated(request, context)
+            result, version = self.scheduler.submit(
+                item, timeout_s=time_left, on_cancel=context.add_callback
+            )
+            reply = result_to_proto(result, version, item.shape.input_tokens)
+            return reply
+        finally:
+            trace_stages(received_ns, item, reply)
 
-    def GenerateStream(self, request, context):
+    def GenerateStream(
+        self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[generator_pb2.GenerateEvent]:
         """Validated and admitted before the first event, as Generate; then token events, and
         the reply as the last event. The client going away closes this iterator, which takes
         the request out of the batch."""
-        item, time_left = self._validated(request, context)
-        events = self.scheduler.stream(item, timeout_s=time_left, on_cancel=context.add_callback)
-        return self._stream_events(events, item.shape.input_tokens)
+        received_ns = time.time_ns()
+        item: GenerateItem | None = None
+        try:
+            item, time_left = self._validated(request, context)
+            events = self.scheduler.stream(
+                item, timeout_s=time_left, on_cancel=context.add_callback
+            )
+        except BaseException:
+            trace_stages(received_ns, item, None)
+            raise
+        return self._stream_events(events, item, received_ns)
 
     @staticmethod
-    def _stream_events(events, prompt_tokens: int):
-        for event in events:
-            if isinstance(event, TokenEvent):
-                yield token_to_proto(event)
-            else:
-                result, version = event
-                done = result_to_proto(result, version, prompt_tokens)
-                yield generator_pb2.GenerateEvent(done=done)
+    def _stream_events(
+        events, item: GenerateItem, received_ns: int
+    ) -> Iterator[generator_pb2.GenerateEvent]:
+        reply: generator_pb2.GenerateResponse | None = None
+        try:
+            for event in events:
+                if isinstance(event, TokenEvent):
+                    yield token_to_proto(event)
+                else:
+                    result, version = event
+                    reply = result_to_proto(result, version, item.shape.input_tokens)
+                    yield generator_pb2.GenerateEvent(done=reply)
+        finally:
+            trace_stages(received_ns, item, reply)
 
     def _validated(self, request, context) -> tuple[GenerateItem, float | None]:
         """The request validated and within the memory budget, and how long it may take (its
-        deadline, bounded by ``max_request_s``); the scheduler admits it by speed."""
+        deadline, bounded by ``max_request_s``); the scheduler admits it by speed. With
+        tracing on, the item carries the :class:`StageTimes` the scheduler fills in."""
         valid = validate_generate(request)
         time_left = time_remaining(context)
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
-        return self.item(valid.question, valid.passages, valid.options), time_left
+        item = self.item(valid.question, valid.passages, valid.options)
+        if telemetry.enabled():
+            item = replace(item, times=StageTimes())
+        return item, time_left
 
     def Info(self, request, context):
         return _model_info(self.generator)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from openbook.logs import setup_logging
+from openbook.telemetry import setup_tracing
 from openbook_retriever.server import serve
 from openbook_retriever.settings import RetrieverSettings
 
@@ -11,6 +12,7 @@ def main() -> None:
     settings = RetrieverSettings()
     setup_logging(settings.log_level)
     settings.check_secrets("openbook-retriever")
+    setup_tracing("openbook-retriever")  # before the server exists: its interceptors depend on it
     serve(settings)
 
 

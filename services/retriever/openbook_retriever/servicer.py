@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from openbook import telemetry
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
@@ -85,8 +86,8 @@ log = logging.getLogger(__name__)
 client_errors(CheckpointError, IndexLoadError)
 
 
-def passage_to_proto(p: Passage, with_vector: bool) -> common_pb2.Passage:
-    msg = common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=float(p.score))
+def passage_to_proto(p: Passage, with_vector: bool, page: int = 0) -> common_pb2.Passage:
+    msg = common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=float(p.score), page=page)
     if with_vector and p.vector is not None:
         msg.vector.extend(p.vector.tolist())
     return msg
@@ -119,6 +120,22 @@ def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRe
         return_vectors=request.return_vectors,
         retrieval=check_retrieval("retrieval", request.retrieval) if request.retrieval else None,
     )
+
+
+def validate_embed(
+    request: retriever_pb2.EmbedQueriesRequest,
+) -> tuple[tuple[str, ...], str | None]:
+    """An ``EmbedQueriesRequest`` checked as ``Retrieve`` checks its queries: the queries and
+    the index (None: the active one); :class:`InvalidArgument` naming the first bad field."""
+    if not request.queries:
+        raise InvalidArgument("queries: at least one query is required")
+    if len(request.queries) > MAX_QUERIES:
+        raise InvalidArgument(
+            f"queries: at most {MAX_QUERIES} per request, got {len(request.queries)}"
+        )
+    queries = tuple(check_question(f"queries[{i}]", q) for i, q in enumerate(request.queries))
+    index = check_index_name("index", request.index) if request.index else None
+    return queries, index
 
 
 def retrieval_for(valid: ValidRetrieveRequest, index: ServedIndex) -> str:
@@ -216,6 +233,17 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
                 results[i] = hits[at : at + n]
                 at += n
     return [r if r is not None else RuntimeError("not searched") for r in results]
+
+
+def retrieval_span_attributes(k: int, index: str, retrieval: str) -> dict[str, str | int]:
+    """A retrieval span's attributes (the OpenTelemetry GenAI conventions, ``gen_ai.*``)."""
+    return {
+        "gen_ai.operation.name": "retrieval",
+        "gen_ai.provider.name": telemetry.PROVIDER,
+        "gen_ai.data_source.id": index,
+        "gen_ai.retrieval.top_k": k,
+        "openbook.retrieval.mode": retrieval,
+    }
 
 
 class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
@@ -341,13 +369,26 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             )
             # Read before the search: every write acknowledged by then is in its results.
             version = index.version if isinstance(index, LiveIndex) else 0
-            results = self.batcher.submit(search, timeout_s=time_remaining(context))
+            # the GenAI retrieval span (a child of the RPC's server span, with tracing on)
+            with telemetry.span(
+                f"retrieval {index.name}", retrieval_span_attributes(valid.k, index.name, retrieval)
+            ) as span:
+                results = self.batcher.submit(search, timeout_s=time_remaining(context))
+                span.set_attribute("openbook.retrieval.passages", sum(map(len, results)))
             name = index.name
+            # A passage of an uploaded PDF names its page (the citation's), from its
+            # document's metadata: one metadata read for the request's passages.
+            pages: dict[str, int] = {}
+            if isinstance(index, LiveIndex):
+                pages = index.passage_pages(p.id for passages in results for p in passages)
         self._record_version(name, version)
         return retriever_pb2.RetrieveResponse(
             results=[
                 retriever_pb2.QueryResult(
-                    passages=[passage_to_proto(p, valid.return_vectors) for p in passages]
+                    passages=[
+                        passage_to_proto(p, valid.return_vectors, pages.get(p.id, 0))
+                        for p in passages
+                    ]
                 )
                 for passages in results
             ],
@@ -355,6 +396,34 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             model_version=model_version,
             retrieval=retrieval,
             index_version=version,
+        )
+
+    def EmbedQueries(self, request, context):
+        """The query vectors Retrieve would search ``request.index`` with: the same pairing
+        (the override where it fits the index, else the index's own query encoder, adapters
+        included) and the same check of the encoder against the index.
+
+        Encoded on the gRPC worker thread, not the batch thread: an embedding is not a search,
+        and the encoder serialises its own forward passes (``Encoder._lock``)."""
+        queries, index_name = validate_embed(request)
+        with self.registry.lease(index_name) as index:
+            if not index.dense:
+                raise FailedPrecondition(
+                    f"index: {index.name!r} is bm25 and has no query encoder to embed with"
+                )
+            encoder, model_version = self._pairing(index)
+            encoder = encoder if encoder is not None else index.query_encoder
+            index.check_encoder(encoder)
+            vectors = encoder.encode(list(queries))
+            counts = encoder.count_tokens(list(queries))
+            name = index.name
+        return retriever_pb2.EmbedQueriesResponse(
+            embeddings=[
+                retriever_pb2.Embedding(vector=row.tolist(), num_tokens=count)
+                for row, count in zip(vectors, counts, strict=True)
+            ],
+            index=name,
+            model_version=model_version,
         )
 
     def _search(self, index: ServedIndex, queries: list[str], k: int, vectors: bool):

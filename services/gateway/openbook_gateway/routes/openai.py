@@ -1,11 +1,15 @@
-"""The OpenAI-compatible API: ``POST /v1/chat/completions`` (whole or streamed) and
-``GET /v1/models``, so that OpenAI's SDKs and chat front-ends work unchanged.
+"""The OpenAI-compatible API: ``POST /v1/chat/completions`` and ``POST /v1/responses``
+(whole or streamed), ``POST /v1/embeddings`` and ``GET /v1/models``, so that OpenAI's SDKs,
+agent frameworks and chat front-ends work unchanged. Any other ``/v1`` path is an OpenAI-style
+404 saying it is not supported (:func:`openbook_gateway.errors.http_error`).
 
 * The last user message is the question; earlier turns are not read (openbook answers one
   question from the passages it retrieves).
 * Models: ``openbook`` answers from the active index, ``openbook/<index>`` from that index.
-* Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams):
-  sampling parameters other than those meaning "no sampling" are refused (400).
+* Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams),
+  or, with ``temperature`` > 0, sampling (``top_p``, ``top_k``, ``seed``; ``n`` > 1 answers are
+  n independent samples): the sampling fields and their bounds are
+  :class:`~openbook_gateway.openai_schemas.SamplingParams`, shared by the ``/v1`` routes.
 * ``stop`` cuts each answer at its first stop sequence (the answer is still computed whole).
 * The reply carries the passages used as ``citations`` (1-based, as the ``[i]`` markers appended
   to each answer when ``citation_markers`` is on) and openbook's provenance in ``openbook``,
@@ -27,6 +31,9 @@ format is :mod:`openbook_gateway.openai_format`.
 
 from __future__ import annotations
 
+import base64
+import struct
+from collections.abc import Sequence
 from functools import partial
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
@@ -42,12 +49,14 @@ from openbook_gateway.answering import (
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.events import STREAMED, EventStream
 from openbook_gateway.openai_format import PREFIX, Completion
+from openbook_gateway.openai_responses import EmbeddingsRequest, ResponsesRequest
 from openbook_gateway.openai_schemas import (
     MODEL,
     ChatCompletionRequest,
     OpenAIRequestError,
     to_answer_request,
 )
+from openbook_gateway.responses_format import ResponseReply
 from openbook_gateway.services import Services, ServicesDep
 from openbook_gateway.settings import GatewaySettings
 
@@ -147,6 +156,84 @@ async def chat_completions(
     return EventStream(
         reply.chunks(first, events), on_end=partial(services.metrics.stream_ended, "openai")
     )
+
+
+@router.post("/responses", responses=STREAMED)
+async def responses(body: ResponsesRequest, request: Request, services: ServicesDep) -> Response:
+    """The Responses API: the chat completion the request amounts to
+    (:meth:`~openbook_gateway.openai_responses.ResponsesRequest.to_chat_request`), its
+    citations as the annotations of its text (:mod:`openbook_gateway.responses_format`)."""
+    chat = body.to_chat_request()
+    request_id = request.state.request_id
+    try:
+        question = to_answer_request(chat, await index_of(chat, services, request_id))
+    except OpenAIRequestError as exc:
+        raise body.renamed(exc) from None
+    threshold = confidence_threshold(chat.min_confidence, services)
+    reply = ResponseReply(body, chat, request_id, holds_text=threshold is not None)
+    events = answer_events(question, services, request, stream=body.stream)
+    if not body.stream:
+        async for event in events:
+            if isinstance(event, AnswerOut):
+                return JSONResponse(reply.whole(event.body))
+        raise HTTPException(502, "no answer")  # answer_events always ends with one
+    first = await unless_disconnected(request, anext(events))
+    return EventStream(
+        reply.events(first, events), on_end=partial(services.metrics.stream_ended, "openai")
+    )
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingsRequest, request: Request, services: ServicesDep) -> dict:
+    """The texts embedded by the query encoder that retrieval on the model's index uses
+    (``openbook``: the active index), as OpenAI's embeddings list."""
+    texts = body.texts()
+    request_id = request.state.request_id
+    index: str | None = None
+    if body.model != MODEL:
+        if body.model not in await model_ids(services, request_id):
+            raise _unknown_model(body.model)
+        index = body.model.removeprefix(MODEL + "/")
+    try:
+        reply = await services.retrieval.embed_queries(texts, index, request_id)
+    except HTTPException as exc:
+        if exc.status_code == 409:  # a bm25 index: it has no query encoder
+            raise OpenAIRequestError(str(exc.detail), "model", "unsupported_model") from None
+        if exc.status_code == 422:  # a text the retriever refuses as a query
+            raise OpenAIRequestError(str(exc.detail), "input") from None
+        raise
+    dim = len(reply.embeddings[0].vector) if reply.embeddings else 0
+    if body.dimensions is not None and body.dimensions != dim:
+        raise OpenAIRequestError(
+            f"dimensions: the query encoder of index {reply.index!r} gives {dim} dimensions, "
+            f"got {body.dimensions} (vectors are not shortened)",
+            "dimensions",
+            "unsupported_value",
+        )
+    tokens = sum(e.num_tokens for e in reply.embeddings)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": encode_vector(e.vector, body.encoding_format),
+            }
+            for i, e in enumerate(reply.embeddings)
+        ],
+        "model": body.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "openbook": {"index": reply.index, "model_version": reply.model_version, "dim": dim},
+    }
+
+
+def encode_vector(vector: Sequence[float], encoding_format: str) -> list[float] | str:
+    """A vector as OpenAI sends it: floats, or base64 of its little-endian float32 bytes
+    (what the official clients ask for by default, and decode)."""
+    if encoding_format == "base64":
+        packed = struct.pack(f"<{len(vector)}f", *vector)
+        return base64.b64encode(packed).decode("ascii")
+    return list(vector)
 
 
 def _unknown_model(model_id: str) -> OpenAIRequestError:

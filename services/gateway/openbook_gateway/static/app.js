@@ -198,6 +198,7 @@
         max_new_tokens: intField("max-new-tokens"),
         use_cache: $("use-cache").checked,
         min_confidence: optionalFraction("min-confidence"), // empty: the server's default
+        index: $("ask-index").value || undefined, // empty: the active index
       };
     } catch (err) {
       showError(formError, err.message);
@@ -294,7 +295,10 @@
 
   function finish(data) {
     render(data);
-    if (data.index && data.index !== indexBadge.textContent) setActiveIndex(data.index, "ok");
+    // An answer from the active index tells which one is active; one from an index the ask
+    // form named does not.
+    const askedIndex = $("ask-index").value;
+    if (!askedIndex && data.index && data.index !== indexBadge.textContent) setActiveIndex(data.index, "ok");
   }
 
   // Enter asks; Shift+Enter is a new line.
@@ -520,9 +524,15 @@
           el(
             "div",
             {},
-            el("h3", { class: "passage-title" }, el("span", { class: "passage-rank", text: `#${i + 1}` }), el("span", { text: p.title || "(untitled)" })),
+            el(
+              "h3",
+              { class: "passage-title" },
+              el("span", { class: "passage-rank", text: `#${i + 1}` }),
+              el("span", { text: p.title || "(untitled)" }),
+              p.page ? el("span", { class: "passage-page", text: `p. ${p.page}` }) : null
+            ),
             el("p", { class: "passage-text", text: p.text }),
-            el("span", { class: "passage-id", text: `${p.id} · score ${fmt(p.score, 3)}` })
+            el("span", { class: "passage-id", text: `${p.document && p.document !== p.id ? `${p.document} · ` : ""}${p.id} · score ${fmt(p.score, 3)}` })
           ),
           el("div", { class: "bars" }, bar("prior", "prior", p.prior), bar("posterior", "posterior", p.posterior))
         )
@@ -635,6 +645,7 @@
     try {
       const data = await api("POST", "/admin/swap-index", { index: name }, { Authorization: `Bearer ${token}` });
       adminToken = token;
+      docsTokenShown();
       setActiveIndex(data.active, "ok");
       dialog.close();
       $("swap-open").focus();
@@ -647,5 +658,138 @@
     }
   });
 
-  refreshIndexes();
+  // ------------------------------------------------------------------ documents
+
+  const docsIndex = $("docs-index");
+  const docsFile = $("docs-file");
+  const docsToken = $("docs-token");
+  const docsStatus = $("docs-status");
+  const docsError = $("docs-error");
+  const docsList = $("docs-list");
+  const uploadButton = $("docs-upload");
+
+  // The admin token is asked once: by the swap dialog or here, whichever comes first.
+  function docsTokenShown() {
+    $("docs-token-field").hidden = Boolean(adminToken);
+  }
+
+  // Both selects list every index; the ask form's keeps its choice, the documents panel
+  // preselects the first index that is not active (where documents usually go).
+  function fillIndexSelects() {
+    const names = knownIndexes.map((ix) => ix.name);
+    const asked = $("ask-index").value;
+    $("ask-index").replaceChildren(
+      el("option", { value: "" }, "the active index"),
+      ...names.map((name) => el("option", { value: name }, name))
+    );
+    if (names.includes(asked)) $("ask-index").value = asked;
+    const chosen = docsIndex.value;
+    docsIndex.replaceChildren(...names.map((name) => el("option", { value: name }, name)));
+    const target = names.includes(chosen) ? chosen : (knownIndexes.find((ix) => !ix.active) || knownIndexes[0] || {}).name;
+    if (target) docsIndex.value = target;
+  }
+
+  async function listDocuments() {
+    const index = docsIndex.value;
+    if (!index) return docsList.replaceChildren();
+    try {
+      const data = await api("GET", `/indexes/${encodeURIComponent(index)}/documents?limit=1000`);
+      docsList.replaceChildren(
+        ...data.ids.map((id) =>
+          el(
+            "li",
+            { "data-doc-id": id },
+            el("span", { class: "doc-id", text: id }),
+            el("button", { type: "button", class: "btn btn-quiet doc-delete", "data-doc-id": id, "aria-label": `Delete ${id}` }, "Delete")
+          )
+        )
+      );
+      if (!data.ids.length) docsStatus.textContent = `No documents in ${index} yet.`;
+    } catch (err) {
+      docsList.replaceChildren();
+      docsStatus.textContent = `${index}: ${err.message}`;
+    }
+  }
+
+  function writeHeaders() {
+    const token = adminToken || docsToken.value.trim();
+    if (!token) throw new Error("Give the admin token first.");
+    return { token, headers: { Authorization: `Bearer ${token}` } };
+  }
+
+  $("upload-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    showError(docsError, "");
+    const file = docsFile.files && docsFile.files[0];
+    const index = docsIndex.value;
+    try {
+      if (!index) throw new Error("Choose an index.");
+      if (!file) throw new Error("Choose a file to upload.");
+      const { token, headers } = writeHeaders();
+      uploadButton.disabled = true;
+      docsStatus.textContent = `Uploading ${file.name}…`;
+      const formData = new FormData();
+      formData.append("file", file, file.name);
+      let response;
+      try {
+        // No Content-Type: the browser writes the multipart boundary.
+        response = await fetch(`/indexes/${encodeURIComponent(index)}/documents`, { method: "POST", headers, body: formData });
+      } catch (err) {
+        throw new Error("cannot reach the gateway (" + err.message + ")");
+      }
+      let data = null;
+      try {
+        data = await response.json();
+      } catch (err) {
+        data = null;
+      }
+      if (!response.ok) {
+        if (response.status === 401) adminToken = "";
+        docsTokenShown();
+        throw new Error(errorText(response.status, data));
+      }
+      adminToken = token;
+      docsTokenShown();
+      $("ask-index").value = index; // ask about it next
+      docsFile.value = "";
+      await listDocuments();
+      const pages = data.pages ? `, ${data.pages} pages` : "";
+      docsStatus.textContent = `Uploaded "${data.title}" (${data.type}${pages}) as ${data.id}: ${data.passages} passages.`;
+    } catch (err) {
+      docsStatus.textContent = "";
+      showError(docsError, err.message);
+    } finally {
+      uploadButton.disabled = false;
+    }
+  });
+
+  docsList.addEventListener("click", async (event) => {
+    const button = event.target.closest(".doc-delete");
+    if (!button) return;
+    showError(docsError, "");
+    const id = button.dataset.docId;
+    try {
+      const { token, headers } = writeHeaders();
+      await api("DELETE", `/indexes/${encodeURIComponent(docsIndex.value)}/documents/${encodeURIComponent(id)}`, null, headers);
+      adminToken = token;
+      docsTokenShown();
+      await listDocuments();
+      docsStatus.textContent = `Deleted ${id}.`;
+    } catch (err) {
+      if (err.status === 401) adminToken = "";
+      docsTokenShown();
+      showError(docsError, err.message);
+    }
+  });
+
+  docsIndex.addEventListener("change", () => {
+    docsStatus.textContent = "";
+    listDocuments();
+  });
+
+  refreshIndexes().then(() => {
+    fillIndexSelects();
+    docsTokenShown();
+    listDocuments();
+  });
 })();

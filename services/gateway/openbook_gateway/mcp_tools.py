@@ -1,0 +1,369 @@
+"""openbook's Model Context Protocol tools: retrieval, answers and the documents API for agents.
+
+One implementation of each tool, served by the gateway at ``/mcp`` (streamable HTTP,
+:mod:`openbook_gateway.routes.mcp`) and relayed over stdio by ``openbook mcp`` (which forwards
+every call to a gateway's ``/mcp``, so the tools exist once, here). docs/api.md, "MCP".
+
+Tools: ``search`` (passages with their scores), ``answer`` (the answer, its confidence and its
+citations with their prior and posterior), ``list_indexes`` (read-only, ``readOnlyHint``);
+``create_index``, ``put_document``, ``delete_document`` (``destructiveHint``), behind the admin
+token.
+
+Invariants:
+
+* A tool works on the gateway's own :class:`~openbook_gateway.services.Services`, through the
+  code the HTTP routes run (``answering.answer_events``, the documents and indexes handlers),
+  never HTTP to itself: the same cache, limits, metrics and errors as ``/answer``.
+* Arguments are validated once, by the request models of the HTTP API (``schemas``: the rules
+  of ``openbook.limits``). A bad argument, or anything the services refuse (an unknown index,
+  an index without the asked retrieval view), is a tool error (``isError``) whose text names
+  the argument; the session goes on. An unexpected failure is a tool error naming the request
+  id, never a crashed session.
+* A write tool runs only when the HTTP request that carries the call presents the admin token
+  as its bearer token (as ``/admin`` and the documents API take it); without it, or with the
+  admin API off (no ``OPENBOOK_ADMIN_TOKEN``), it is refused before anything is written.
+  Reaching ``/mcp`` at all takes an API key when ``OPENBOOK_GATEWAY_API_KEYS`` is set
+  (:mod:`openbook_gateway.routes.mcp`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from pydantic import Field, ValidationError
+
+from openbook.auth import bearer_matches
+from openbook.errors import InvalidArgument
+from openbook.limits import (
+    MAX_K,
+    DecodingMode,
+    RetrievalMode,
+    check_document_id,
+    check_index_name,
+    check_question,
+)
+from openbook.logs import request_id_var
+from openbook.types import document_id_of
+from openbook_gateway.answering import AnswerOut, answer_events
+from openbook_gateway.routes import documents as documents_routes
+from openbook_gateway.routes import indexes as indexes_routes
+from openbook_gateway.schemas import AnswerRequest, CreateIndexRequest, DocumentBody
+from openbook_gateway.services import Services, get_services
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "openbook"
+INSTRUCTIONS = (
+    "openbook answers questions from the passages it retrieves from its indexes (Retrieval-"
+    "Augmented Generation). Use `search` to find passages, `answer` for an answer with its "
+    "citations and confidence, `list_indexes` to see which indexes exist. The write tools "
+    "(`create_index`, `put_document`, `delete_document`) need the admin token."
+)
+
+READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, openWorldHint=False)
+# put_document replaces a document of the same id and delete_document removes one: both
+# destroy what was there. create_index destroys nothing (an existing name is refused) but
+# changes the deployment, so it is not read-only either.
+DESTRUCTIVE = ToolAnnotations(
+    readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False
+)
+ADDITIVE = ToolAnnotations(
+    readOnlyHint=False, destructiveHint=False, idempotentHint=False, openWorldHint=False
+)
+
+# The arguments' types and bounds, for the tools' input schemas; the rules themselves are the
+# request models' (schemas), which every call is validated by.
+Query = Annotated[str, Field(description="the question or keywords to search for")]
+K = Annotated[int, Field(ge=1, le=MAX_K, description="how many passages")]
+OptionalK = Annotated[
+    int | None,
+    Field(ge=1, le=MAX_K, description="passages to answer from; default: the model's n_docs"),
+]
+IndexArg = Annotated[
+    str | None, Field(description="the index to use (list_indexes); default: the active one")
+]
+Retrieval = Annotated[
+    RetrievalMode | None,
+    Field(description="'dense', 'bm25' or 'hybrid'; default: the index's default_retrieval"),
+]
+
+
+class _Call:
+    """What a tool call works with: the HTTP request that carried it, the gateway's services,
+    and the request id (logged, sent to the services, and named by an unexpected failure)."""
+
+    def __init__(self, ctx: Context) -> None:
+        request = ctx.request_context.request
+        if not isinstance(request, Request):
+            # Only the gateway's /mcp serves these tools (stdio relays to it).
+            raise ToolError("openbook's tools run in the gateway: connect to its /mcp")
+        self.request = request
+        self.request_id: str = request.state.request_id  # set by middleware.RequestContext
+        # The tool runs in the MCP session's task, outside the HTTP request's log context.
+        request_id_var.set(self.request_id)
+
+    async def services(self) -> Services:
+        return await get_services(self.request)
+
+    def require_admin(self, services: Services) -> None:
+        """The admin token as the carrying request's bearer token, or a refusal."""
+        admin_token = services.settings.admin_token
+        expected = admin_token.get_secret_value() if admin_token else ""
+        if not expected:
+            raise ToolError("write tools are disabled: the gateway has no OPENBOOK_ADMIN_TOKEN")
+        if not bearer_matches(self.request.headers.get("authorization"), [expected]):
+            raise ToolError(
+                "this tool writes and needs the admin token: connect to /mcp with "
+                "'Authorization: Bearer <OPENBOOK_ADMIN_TOKEN>'"
+            )
+
+
+def _argument_errors(exc: ValidationError, renamed: dict[str, str] | None = None) -> ToolError:
+    """A request model's refusal as a tool error naming each bad argument (``renamed`` maps a
+    model's field to the tool's argument where they differ)."""
+    renamed = renamed or {}
+    parts = []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ())]
+        if loc:
+            loc[0] = renamed.get(loc[0], loc[0])
+        where = ".".join(loc) or "arguments"
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}")
+    return ToolError("invalid argument: " + "; ".join(parts))
+
+
+def _service_error(exc: HTTPException | RequestValidationError, call: _Call) -> ToolError:
+    """What the services refused, as a tool error: their text names the argument (the
+    retriever's ``index: unknown index ...``); a failure names the request id."""
+    if isinstance(exc, RequestValidationError):
+        parts = [
+            f"{error['loc'][-1]}: {error.get('msg', 'invalid')}" for error in exc.errors() if error
+        ]
+        return ToolError("invalid argument: " + "; ".join(parts))
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code >= 500:
+        return ToolError(f"{detail} (request {call.request_id})")
+    return ToolError(detail)
+
+
+async def search(
+    ctx: Context,
+    query: Query,
+    k: K = 5,
+    index: IndexArg = None,
+    retrieval: Retrieval = None,
+) -> dict[str, Any]:
+    """The k passages of an index most relevant to a query, best first, with their scores
+    (the retrieval mode's: inner product for dense, BM25, or the fitted hybrid score)."""
+    call = _Call(ctx)
+    try:
+        check_question("query", query)  # /answer's rule for a question, named as here
+        # The same rules as /answer's k, index and retrieval.
+        AnswerRequest(question=query, k=k, index=index, retrieval=retrieval)
+    except InvalidArgument as exc:
+        raise ToolError(f"invalid argument: {exc}") from None
+    except ValidationError as exc:
+        raise _argument_errors(exc, {"question": "query"}) from None
+    services = await call.services()
+    try:
+        retrieved = await services.retrieval.retrieve(
+            query, k, index, call.request_id, retrieval=retrieval
+        )
+    except HTTPException as exc:
+        raise _service_error(exc, call) from None
+    return {
+        "index": retrieved.index,
+        "index_version": retrieved.index_version,
+        "retrieval": retrieved.retrieval or None,
+        "passages": [
+            {
+                "rank": rank,
+                "id": p.id,
+                "document": document_id_of(p.id),
+                "title": p.title,
+                "page": p.page or None,  # an uploaded PDF's passage: its page
+                "text": p.text,
+                "score": p.score,
+            }
+            for rank, p in enumerate(retrieved.results[0].passages, start=1)
+        ],
+        "request_id": call.request_id,
+    }
+
+
+async def answer(
+    ctx: Context,
+    question: Annotated[str, Field(description="the question to answer")],
+    k: OptionalK = None,
+    index: IndexArg = None,
+    retrieval: Retrieval = None,
+    decoding: Annotated[
+        DecodingMode, Field(description="'rag-token', 'rag-sequence-thorough' or -fast")
+    ] = "rag-token",
+    min_confidence: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=1,
+            description="abstain (empty answer) below this confidence; default: the server's",
+        ),
+    ] = None,
+) -> dict[str, Any]:
+    """An answer from the passages retrieved for the question, with its confidence (in [0,
+    1]; whether it abstained) and its citations: the passages it was computed from, each
+    with its retrieval score, prior p(z|x) and posterior p(z|x,y)."""
+    call = _Call(ctx)
+    try:
+        body = AnswerRequest(
+            question=question,
+            k=k,
+            index=index,
+            retrieval=retrieval,
+            decoding=decoding,
+            min_confidence=min_confidence,
+        )
+    except ValidationError as exc:
+        raise _argument_errors(exc) from None
+    services = await call.services()
+    try:
+        async for event in answer_events(body, services, call.request, stream=False):
+            if isinstance(event, AnswerOut):
+                return _answer_out(event.body)
+    except HTTPException as exc:
+        raise _service_error(exc, call) from None
+    raise ToolError(f"no answer (request {call.request_id})")  # answer_events ends with one
+
+
+def _answer_out(body: dict) -> dict[str, Any]:
+    """The tool's view of an ``AnswerResponse``: what an agent reads and cites."""
+    return {
+        "answer": body["answer"],
+        "confidence": body.get("confidence"),
+        "abstained": body.get("abstained", False),
+        "citations": [
+            {
+                "n": n,
+                "id": p["id"],
+                "document": p.get("document"),
+                "title": p["title"],
+                "page": p.get("page"),
+                "text": p["text"],
+                "score": p["score"],
+                "prior": p.get("prior"),
+                "posterior": p.get("posterior"),
+            }
+            for n, p in enumerate(body["passages"], start=1)
+        ],
+        "index": body["index"],
+        "index_version": body.get("index_version", 0),
+        "decoding": body["decoding"],
+        "cached": body["cached"],
+        "request_id": body["request_id"],
+    }
+
+
+async def list_indexes(ctx: Context) -> dict[str, Any]:
+    """The indexes the retriever has: which is active, their sizes, encoders, retrieval views
+    and versions, and whether each loads (``problem``)."""
+    call = _Call(ctx)
+    services = await call.services()
+    try:
+        # IndexOut models in a dict: plain JSON, as the HTTP route's response is
+        return jsonable_encoder(await indexes_routes.indexes(call.request, services))
+    except HTTPException as exc:
+        raise _service_error(exc, call) from None
+
+
+async def create_index(
+    ctx: Context,
+    name: Annotated[str, Field(description="the new index's name")],
+    type: Annotated[
+        str | None,
+        Field(description="'flat', 'hnsw', 'hnsw-sq8', 'ivfpq' or 'bm25'; default: like's"),
+    ] = None,
+    like: Annotated[
+        str | None, Field(description="an index whose encoders and type the new one takes")
+    ] = None,
+) -> dict[str, Any]:
+    """Create an empty live index that documents can be written to (admin token)."""
+    call = _Call(ctx)
+    try:
+        body = CreateIndexRequest(name=name, type=type, like=like)
+    except ValidationError as exc:
+        raise _argument_errors(exc) from None
+    services = await call.services()
+    call.require_admin(services)
+    try:
+        return await documents_routes.create_index(body, call.request, services)
+    except (HTTPException, RequestValidationError) as exc:
+        raise _service_error(exc, call) from None
+
+
+async def put_document(
+    ctx: Context,
+    index: Annotated[str, Field(description="the index to write to")],
+    doc_id: Annotated[str, Field(description="the document's id (replaces one of that id)")],
+    text: Annotated[str, Field(description="the document's text, split into passages")],
+    title: Annotated[str, Field(description="the document's title")] = "",
+    metadata: Annotated[
+        dict[str, Any] | None,
+        Field(description="a flat map of scalars stored with the document"),
+    ] = None,
+) -> dict[str, Any]:
+    """Insert or replace one document (admin token): split into passages and embedded,
+    searchable and answered from once this returns."""
+    call = _Call(ctx)
+    try:
+        check_index_name("index", index)
+        check_document_id("doc_id", doc_id)
+        body = DocumentBody(title=title, text=text, metadata=metadata)
+    except InvalidArgument as exc:
+        raise ToolError(f"invalid argument: {exc}") from None
+    except ValidationError as exc:
+        raise _argument_errors(exc) from None
+    services = await call.services()
+    call.require_admin(services)
+    try:
+        return await documents_routes.put_document(index, doc_id, body, call.request, services)
+    except (HTTPException, RequestValidationError) as exc:
+        raise _service_error(exc, call) from None
+
+
+async def delete_document(
+    ctx: Context,
+    index: Annotated[str, Field(description="the index to delete from")],
+    doc_id: Annotated[str, Field(description="the document's id")],
+) -> dict[str, Any]:
+    """Delete one document (admin token): its passages are never served once this returns."""
+    call = _Call(ctx)
+    try:
+        check_index_name("index", index)
+        check_document_id("doc_id", doc_id)
+    except InvalidArgument as exc:
+        raise ToolError(f"invalid argument: {exc}") from None
+    services = await call.services()
+    call.require_admin(services)
+    try:
+        return await documents_routes.delete_document(index, doc_id, call.request, services)
+    except (HTTPException, RequestValidationError) as exc:
+        raise _service_error(exc, call) from None
+
+
+def build_server() -> MCPServer:
+    """The MCP server with openbook's tools (a new one per app: it holds session state)."""
+    server: MCPServer = MCPServer(SERVER_NAME, instructions=INSTRUCTIONS, version="0.1.0")
+    server.add_tool(search, title="Search passages", annotations=READ_ONLY)
+    server.add_tool(answer, title="Answer a question", annotations=READ_ONLY)
+    server.add_tool(list_indexes, title="List indexes", annotations=READ_ONLY)
+    server.add_tool(create_index, title="Create an index", annotations=ADDITIVE)
+    server.add_tool(put_document, title="Write a document", annotations=DESTRUCTIVE)
+    server.add_tool(delete_document, title="Delete a document", annotations=DESTRUCTIVE)
+    return server

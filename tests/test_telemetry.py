@@ -1,0 +1,117 @@
+"""Tracing's configuration (the standard OTEL_* variables) and its cost when off.
+
+The traces themselves, across the three services, are checked end to end in
+tests/test_end_to_end.py (an OTLP receiver in the test process).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from openbook.errors import InvalidArgument
+from openbook.telemetry import exporters_from_env, otlp_traces_endpoint
+
+
+@pytest.mark.parametrize(
+    ("env", "exporters"),
+    [
+        ({}, []),
+        # compose's ${VAR:-} gives empty values: unset
+        ({"OTEL_TRACES_EXPORTER": "", "OTEL_EXPORTER_OTLP_ENDPOINT": ""}, []),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, ["otlp"]),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, ["otlp"]),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, ["otlp"]),
+        ({"OTEL_TRACES_EXPORTER": "console,otlp"}, ["console", "otlp"]),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, []),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}, []),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+            ["otlp"],
+        ),
+    ],
+)
+def test_exporters_follow_the_standard_variables(env, exporters):
+    assert exporters_from_env(env) == exporters
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+            },
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        ),
+    ],
+)
+def test_a_configuration_openbook_cannot_honour_fails_naming_the_variable(env, variable):
+    with pytest.raises(InvalidArgument, match=variable):
+        exporters_from_env(env)
+
+
+def test_the_traces_endpoint_follows_the_otlp_rules():
+    assert otlp_traces_endpoint({}) == "http://localhost:4318/v1/traces"
+    assert otlp_traces_endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}) == (
+        "http://c:4318/v1/traces"
+    )
+    traces = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:9/x",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://b:4318",
+    }
+    assert otlp_traces_endpoint(traces) == "http://t:9/x"
+
+
+OFF_PROBE = """
+import json, sys, threading
+from opentelemetry import trace
+from openbook import telemetry
+from openbook.serving.tracing import aio_client_interceptors, server_interceptors
+from openbook_gateway.app import create_app
+on = telemetry.setup_tracing("openbook-gateway")
+create_app()
+with telemetry.span("x") as span:
+    recording = span.is_recording()
+print(json.dumps({
+    "on": on,
+    # (redis-py imports the SDK's metrics when it is installed: its own, unused)
+    "sdk": sorted(m for m in sys.modules if m.startswith("opentelemetry.sdk.trace")),
+    "exporter": sorted(m for m in sys.modules if m.startswith("opentelemetry.exporter")),
+    "provider": type(trace.get_tracer_provider()).__name__,
+    "threads": [t.name for t in threading.enumerate()],
+    "server": len(server_interceptors()),
+    "client": aio_client_interceptors(),
+    "recording": recording,
+}))
+"""
+
+
+def test_tracing_is_off_by_default_at_no_cost():
+    """Without OTEL_* variables: no tracing SDK, no exporter or its thread, the API's no-op
+    provider, no interceptor, no span."""
+    env = {"PATH": "/usr/bin:/bin", "OPENBOOK_LOG_LEVEL": "WARNING"}
+    probe = subprocess.run(
+        [sys.executable, "-c", OFF_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert probe.returncode == 0, probe.stderr
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "on": False,
+        "sdk": [],
+        "exporter": [],
+        "provider": "ProxyTracerProvider",
+        "threads": ["MainThread"],
+        "server": 0,
+        "client": None,
+        "recording": False,
+    }
