@@ -129,10 +129,18 @@ async def answer_events(
         metrics.cache_skipped()
 
     with timer.stage("retrieve"):
+        where = body.metadata_filter()
         retrieved = await services.retrieval.retrieve(
-            body.question, k, body.index, request_id, retrieval=body.retrieval
+            body.question, k, body.index, request_id, retrieval=body.retrieval, where=where
         )
     passages = list(retrieved.results[0].passages)
+    if not passages and where is not None:
+        # No passage matches the filter: an empty result, not an error. Nothing to generate
+        # from, so the answer abstains (empty, no passages); not cached (nothing computed).
+        empty = generator_pb2.GenerateResponse()
+        answer = answer_response(body, retrieved, empty, request_id, timer.done())
+        yield AnswerOut({**answer, "abstained": True, "min_confidence": threshold})
+        return
     if not passages:
         raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
     generated: generator_pb2.GenerateResponse | None = None
