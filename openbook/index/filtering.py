@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import faiss
@@ -36,13 +35,15 @@ import numpy as np
 
 from openbook.index import faiss_index
 from openbook.metadata_filter import (
+    BUILTIN_FIELDS,
+    BUILTIN_ID,
+    BUILTIN_TITLE,
     AllOf,
     AnyOf,
     Condition,
     MetadataFilter,
     Node,
     ValueKey,
-    record_of,
     value_key,
 )
 
@@ -53,33 +54,38 @@ _EXACT_CHUNK = 65_536
 _MASK_CACHE = 32
 
 
-@dataclass(frozen=True)
-class DocumentRecord:
-    """One document as a filter sees it."""
-
-    id: str
-    title: str
-    metadata: Mapping[str, Any]
-
-
 class MetadataColumns:
-    """The filterable fields of an index's rows: an inverted map key -> value -> documents, and
-    each row's document. Immutable once built; thread-safe (the mask cache has a lock).
+    """The filterable fields of an index's rows: each row's document (an ordinal), and per key
+    an inverted map value -> documents. Immutable once built; thread-safe (the mask cache has
+    a lock).
 
-    Built once per index (base) in one pass over its documents; a mask costs the postings of
-    the filter's values plus one gather over the rows."""
+    Built once per index (base) in one pass over its documents: the built-in ``_id`` (unique:
+    value -> one ordinal) and ``_title`` (value -> ordinals) keyed by the string itself,
+    metadata keyed by :func:`value_key` (typed). A mask costs the postings of the filter's
+    values plus one gather over the rows."""
 
-    def __init__(self, rows: int, doc_of_row: np.ndarray, docs: Iterable[DocumentRecord]) -> None:
-        self.rows = rows
+    def __init__(
+        self,
+        doc_of_row: np.ndarray,
+        ids: Sequence[str],
+        titles: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """``doc_of_row[r]``: the ordinal of row r's document in ``ids`` / ``titles`` /
+        ``metadata`` (-1: a row of no known document, matched by nothing)."""
+        self.rows = len(doc_of_row)
+        self.documents = n = len(ids)
+        self._ids = {doc_id: i for i, doc_id in enumerate(ids)}
+        self._titles: dict[str, list[int]] = {}
+        for i, title in enumerate(titles):
+            self._titles.setdefault(title, []).append(i)
         self._postings: dict[str, dict[ValueKey, list[int]]] = {}
-        n = 0
-        for n, doc in enumerate(docs, 1):
-            for key, value in record_of(doc.id, doc.title, doc.metadata).items():
-                if isinstance(value, list | dict):
-                    continue
-                self._postings.setdefault(key, {}).setdefault(value_key(value), []).append(n - 1)
-        self.documents = n
-        # -1 (a row of no known document) gathers the extra, never-set slot at the end.
+        for i, meta in enumerate(metadata or ()):
+            for key, value in meta.items():
+                if key in BUILTIN_FIELDS or isinstance(value, list | dict):
+                    continue  # built-ins take precedence; metadata is flat
+                self._postings.setdefault(key, {}).setdefault(value_key(value), []).append(i)
+        # -1 gathers the extra, never-set slot at the end.
         self._doc_of_row = np.where(doc_of_row < 0, n, doc_of_row).astype(np.int64)
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
@@ -104,10 +110,15 @@ class MetadataColumns:
     def _documents(self, node: Node) -> np.ndarray:
         if isinstance(node, Condition):
             hit = np.zeros(self.documents, dtype=bool)
-            postings = self._postings.get(node.key, {})
-            for v in node.values:
-                if v in postings:
-                    hit[postings[v]] = True
+            for kind, value in node.values:
+                if node.key == BUILTIN_ID:
+                    if kind == "string" and value in self._ids:
+                        hit[self._ids[value]] = True
+                elif node.key == BUILTIN_TITLE:
+                    if kind == "string" and value in self._titles:
+                        hit[self._titles[value]] = True
+                elif (kind, value) in (postings := self._postings.get(node.key, {})):
+                    hit[postings[(kind, value)]] = True
             return hit
         parts = [self._documents(p) for p in node.parts]
         if isinstance(node, AllOf):

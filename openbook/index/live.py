@@ -57,7 +57,7 @@ from openbook.index.document_store import DOCUMENTS_FILE, BaseRow, DocumentStore
 from openbook.index.documents import Document, check_document_id, document_id_of
 from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
-from openbook.index.filtering import DocumentRecord, MetadataColumns, segment_mask
+from openbook.index.filtering import MetadataColumns, segment_mask
 from openbook.index.fusion import Fusion
 from openbook.index.loaded import LoadedIndex, open_index
 from openbook.index.manifest import MANIFEST, Manifest
@@ -449,12 +449,20 @@ class LiveIndex:
         with self._columns_lock:
             if self._columns is not None and self._columns[0] is view.base:
                 return self._columns[1]
+            records = self._store.records()
+            ordinal = {doc_id: i for i, (doc_id, _, _) in enumerate(records)}
             doc_of_row = np.full(len(view.base), -1, dtype=np.int64)
-            records = [DocumentRecord(d, t, m) for d, t, m in self._store.records()]
-            ordinal = {r.id: i for i, r in enumerate(records)}
-            for row, doc in self._store.all_base_rows(view.base_version).items():
-                doc_of_row[row] = ordinal.get(doc, -1)
-            columns = MetadataColumns(len(view.base), doc_of_row, records)
+            base_rows = self._store.all_base_rows(view.base_version)
+            if base_rows:
+                rows = np.fromiter(base_rows, dtype=np.int64, count=len(base_rows))
+                docs = [ordinal.get(d, -1) for d in base_rows.values()]
+                doc_of_row[rows] = np.array(docs, dtype=np.int64)
+            columns = MetadataColumns(
+                doc_of_row,
+                [r[0] for r in records],
+                [r[1] for r in records],
+                [r[2] for r in records],
+            )
             self._columns = (view.base, columns)
             return columns
 
