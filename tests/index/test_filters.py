@@ -9,6 +9,7 @@ metadata, in the base (with deletions and replacements) and the write segment al
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +201,22 @@ def test_shards_filter_their_own_rows_and_merge_to_the_unsharded_result(
             assert [p.id for p in merged] == [p.id for p in hits], retrieval
     for index in (parent, *shards):
         index.close()
+
+
+def test_the_cli_searches_with_a_filter(live_dirs: dict[str, Path]) -> None:
+    from typer.testing import CliRunner
+
+    from openbook.index.cli import app
+
+    query = "tower paris mountain earth python moon walk animal planet hamlet river tea sun"
+    args = ["search", str(live_dirs["bm25"]), query, "-k", "3"]
+    keep = [f"w{i}" for i in range(20)]
+    r = CliRunner().invoke(app, [*args, "--filter", json.dumps({"_id": {"$in": keep}})])
+    assert r.exit_code == 0, r.output
+    ids = [line.split()[2] for line in r.output.splitlines()[1:]]
+    assert len(ids) == 3 and set(ids) <= set(keep)
+    bad = CliRunner().invoke(app, [*args, "--filter", '{"_id": ["w5"]}'])
+    assert bad.exit_code != 0 and "--filter._id must be a string" in bad.output
 
 
 # ------------------------------------------------------------------ live indexes
