@@ -445,7 +445,9 @@ class LiveIndex:
         """The filter columns of ``view.base``: each base row's document's record, from the
         document store. Built once per base: a live row's document has not changed since the
         base was built (a replace or delete hides its rows), so the store's metadata is the
-        base's for every row a search can return."""
+        base's for every row a search can return. (A search that holds a view from before a
+        replace, and happens to build the columns after it, filters that document's still
+        visible old rows by its new metadata: only that one search, never a later one.)"""
         with self._columns_lock:
             if self._columns is not None and self._columns[0] is view.base:
                 return self._columns[1]
