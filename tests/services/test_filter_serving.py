@@ -135,6 +135,36 @@ def test_chat_completions_take_filter_as_an_extra_body_field(client):
     assert bad.json()["error"]["param"] == "filter"
 
 
+def test_responses_and_the_mcp_tools_take_filter(backends, redis_server):
+    settings = backends.gateway_settings(redis_server.url, admin_token=TOKEN)
+    # /mcp refuses other hosts (DNS rebinding): a loopback base URL, as a local agent has.
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8000") as client:
+        ask = {"model": "openbook/facts-a", "input": QUESTION, "max_output_tokens": 2, "k": 3}
+        reply = client.post("/v1/responses", json={**ask, "filter": {"lang": "fr"}})
+        assert reply.status_code == 200, reply.text
+        cited = sorted(c["id"].split("#")[0] for c in reply.json()["citations"])
+        assert cited == ["cid", "phedre"]
+        bad = client.post("/v1/responses", json={**ask, "filter": {"lang": [1]}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "filter", bad.text
+
+        def tool(name: str, **arguments) -> dict:
+            rpc = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+            rpc["params"] = {"name": name, "arguments": arguments}
+            headers = {"Accept": "application/json, text/event-stream"}
+            reply = client.post("/mcp", json=rpc, headers=headers)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["result"]
+
+        found = tool("search", query=QUESTION, k=3, index="facts-a", filter={"year": 1606})
+        passages = found["structuredContent"]["passages"]
+        assert [p["id"] for p in passages] == ["macbeth#0"]
+        answered = tool("answer", question=QUESTION, k=3, index="facts-a", filter={"lang": "fr"})
+        cited = sorted(c["id"].split("#")[0] for c in answered["structuredContent"]["citations"])
+        assert cited == ["cid", "phedre"]
+        refused = tool("search", query=QUESTION, filter={"year": {"$gt": 1}})
+        assert refused["isError"] is True and "filter" in refused["content"][0]["text"]
+
+
 def test_the_retriever_refuses_a_bad_filter_json_naming_filter(backends):
     with grpc.insecure_channel(f"127.0.0.1:{backends.retriever_port}") as channel:
         stub = retriever_pb2_grpc.RetrieverStub(channel)
