@@ -74,6 +74,12 @@ MAX_DOCUMENT_TEXT_CHARS = 1_000_000
 MAX_METADATA_KEYS = 64
 MAX_METADATA_KEY_CHARS = 128
 MAX_METADATA_VALUE_CHARS = 4096
+# A retrieval filter (openbook.metadata_filter): conditions (key tests) in all, nesting of
+# $and/$or, values of one $in, and the size of its JSON text (the retriever's filter_json).
+MAX_FILTER_CONDITIONS = 64
+MAX_FILTER_DEPTH = 8
+MAX_FILTER_IN_VALUES = 1024
+MAX_FILTER_JSON_CHARS = 65_536
 # Documents in one batch write (one version, all or nothing).
 MAX_BATCH_DOCUMENTS = 1000
 # A paged document (an uploaded PDF, issue 33) keeps the words of each of its pages in its

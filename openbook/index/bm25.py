@@ -12,6 +12,8 @@ from pathlib import Path
 import bm25s
 import numpy as np
 
+from openbook.index.filtering import top_masked
+
 BM25_DIR = "bm25"
 _STOPWORDS = "en"
 
@@ -74,6 +76,24 @@ class BM25Searcher:
         scores[:, :k_eff] = sc
         # A document with score 0 shares no term with the query; don't present it as a hit.
         rows[scores <= 0] = -1
+        return scores, rows
+
+    def search_masked(
+        self, queries: Sequence[str], k: int, allowed: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """As :meth:`search`, among the rows ``allowed`` (a boolean mask) only: pre-filtered,
+        every passage's score computed (``get_scores``, as :meth:`score_rows`) and the mask
+        applied before the top k, so k matching hits come back whenever k match the query."""
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        if not queries or not allowed.any():
+            return scores, rows
+        for i, tokens in enumerate(_tokenize(queries)):
+            ids = self._retriever.get_tokens_ids(tokens)
+            if not ids:
+                continue
+            every = np.asarray(self._retriever.get_scores_from_ids(ids), dtype=np.float32)
+            scores[i], rows[i] = top_masked(every, allowed, k)
         return scores, rows
 
     def score_rows(self, queries: Sequence[str], rows: np.ndarray) -> np.ndarray:

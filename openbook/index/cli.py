@@ -19,6 +19,7 @@ from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import SET_MANIFEST, build_slice, read_index_set
 from openbook.index.shard import split_index
 from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
+from openbook.metadata_filter import parse_filter_json
 
 app = typer.Typer(help="Build and inspect indexes", no_args_is_help=True)
 
@@ -407,11 +408,22 @@ def search(
         Retrieval | None,
         typer.Option(help="dense, bm25 or hybrid (default: hybrid where both views exist)"),
     ] = None,
+    filter_json: Annotated[
+        str,
+        typer.Option(
+            "--filter",
+            help='Metadata filter as JSON, e.g. \'{"_title": "Hamlet"}\' (a built index '
+            "matches its built-in _id and _title only)",
+        ),
+    ] = "",
 ) -> None:
     """Search an index from the command line (for eyeballing results)."""
     try:
+        where = parse_filter_json(filter_json, "--filter")
         with open_index(path, verify=False) as idx:
-            results = idx.search(queries, k, retrieval=retrieval.value if retrieval else None)
+            results = idx.search(
+                queries, k, retrieval=retrieval.value if retrieval else None, where=where
+            )
     except (IndexLoadError, ValueError, OSError) as e:
         raise _fail(str(e)) from None
     for q, hits in zip(queries, results, strict=True):

@@ -216,6 +216,12 @@ class DocumentStore:
                 conn.execute("ROLLBACK")
                 raise
 
+    def records(self) -> list[tuple[str, str, dict]]:
+        """Every live document's (id, title, metadata): what a metadata filter sees."""
+        with self._lock:
+            rows = self._conn.execute("SELECT id, title, metadata FROM documents").fetchall()
+        return [(r[0], r[1], json.loads(r[2])) for r in rows]
+
     def all_base_rows(self, base_version: int) -> dict[int, str]:
         """Every row of base ``base_version`` -> its document id."""
         with self._lock:

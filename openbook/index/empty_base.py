@@ -28,6 +28,7 @@ from openbook.index.manifest import Manifest
 from openbook.index.spec import IndexSpec
 from openbook.index.stages import BM25_PARAMS
 from openbook.index.vectors import default_score_scale
+from openbook.metadata_filter import MetadataFilter
 from openbook.types import Passage
 
 TEMPLATE_FILE = "template.json"
@@ -149,12 +150,20 @@ class EmptyBase:
         retrieval: str | None = None,
         *,
         query_vectors: np.ndarray | None = None,
+        where: MetadataFilter | None = None,
+        allowed: np.ndarray | None = None,
     ) -> list[list[Passage]]:
         self.retrieval_mode(retrieval)
         return [[] for _ in queries]
 
     def search_vectors(
-        self, query_vectors: np.ndarray, k: int, return_vectors: bool = False
+        self,
+        query_vectors: np.ndarray,
+        k: int,
+        return_vectors: bool = False,
+        *,
+        where: MetadataFilter | None = None,
+        allowed: np.ndarray | None = None,
     ) -> list[list[Passage]]:
         return [[] for _ in np.atleast_2d(query_vectors)]
 
@@ -165,8 +174,14 @@ class EmptyBase:
         encoder: Encoder | None = None,
         *,
         query_vectors: np.ndarray | None = None,
+        allowed: np.ndarray | None = None,
     ) -> Candidates:
-        shape = (len(queries), 0)
+        return self.no_candidates(len(queries))
+
+    @staticmethod
+    def no_candidates(queries: int) -> Candidates:
+        """Candidates of ``queries`` queries with none found (no rows to search)."""
+        shape = (queries, 0)
         return Candidates(
             np.zeros(shape, np.int64), np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         )

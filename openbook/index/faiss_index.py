@@ -219,16 +219,26 @@ def index_dim(index: faiss.Index, index_type: str, params: dict[str, Any]) -> in
 
 
 def search(
-    index: faiss.Index, index_type: str, params: dict[str, Any], queries: np.ndarray, k: int
+    index: faiss.Index,
+    index_type: str,
+    params: dict[str, Any],
+    queries: np.ndarray,
+    k: int,
+    search_params: faiss.SearchParameters | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k rows and inner-product scores; rows are -1 where fewer than k exist."""
+    """Top-k rows and inner-product scores; rows are -1 where fewer than k exist.
+    ``search_params``: faiss' per-call parameters (an ID selector: ``filtering.py``)."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
+    if search_params is not None:
+        kw: dict[str, Any] = {"params": search_params}
+    else:
+        kw = {}
     if _augmented(index_type, params):
-        dist, rows = index.search(augment_queries(q), k)
+        dist, rows = index.search(augment_queries(q), k, **kw)
         qn = np.einsum("ij,ij->i", q, q)[:, None]
         scores = (qn + float(params["phi"]) - dist) / 2.0
         return scores.astype(np.float32), rows
-    scores, rows = index.search(q, k)
+    scores, rows = index.search(q, k, **kw)
     return scores, rows
 
 

@@ -84,6 +84,7 @@ from openbook.index.documents import (
 )
 from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.filtering import MetadataColumns, segment_mask
 from openbook.index.fusion import Fusion
 from openbook.index.loaded import LoadedIndex, open_index
 from openbook.index.manifest import MANIFEST, Manifest
@@ -100,6 +101,7 @@ from openbook.index.wal import (
 )
 from openbook.index.writer_lock import COMPACTION_LOCK_FILE, WriterLock, WriterLockHeld
 from openbook.limits import MAX_BATCH_DOCUMENTS, check_range
+from openbook.metadata_filter import MetadataFilter, record_of
 from openbook.types import Passage
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,17 @@ class _SegmentDocument:
     passages: tuple[Passage, ...]
     vectors: np.ndarray | None  # float32 (passages, dim); None on a bm25-only index
     terms: tuple[PassageTerms, ...]
+    # What a metadata filter sees of the document (metadata with _id and _title).
+    record: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """What a filtered search may return: base rows (boolean, ``len(base)``; hidden rows
+    False) and segment passages (boolean, in ``segment_passages`` order)."""
+
+    base: np.ndarray
+    segment: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -194,6 +207,11 @@ class _View:
         return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
 
     @cached_property
+    def segment_records(self) -> list[Mapping[str, object]]:
+        """Per segment passage, its document's filter record."""
+        return [d.record for d in self.documents.values() for _ in d.passages]
+
+    @cached_property
     def segment_postings(self) -> SegmentPostings:
         return SegmentPostings([t for d in self.documents.values() for t in d.terms])
 
@@ -215,6 +233,10 @@ class LiveIndex:
         self._compact_lock = threading.Lock()
         self._encoder_lock = threading.Lock()
         self._encoder: Encoder | None = None
+        # The base's filter columns (filtering.py), built on the first filtered search of a
+        # base; the base object they were built for.
+        self._columns: tuple[BaseIndex, MetadataColumns] | None = None
+        self._columns_lock = threading.Lock()
         self._wal: WriteAheadLog | None = None
         self._log_at: LogPosition | None = None  # where the view's log read ended
         self._seen: tuple[str, int, int, int] | None = None  # disk_stamp the view is as of
@@ -539,8 +561,13 @@ class LiveIndex:
         retrieval: str | None = None,
         *,
         query_vectors: np.ndarray | None = None,
+        where: MetadataFilter | None = None,
     ) -> Hits:
-        """Top-k live passages per query, best first; as :meth:`LoadedIndex.search`."""
+        """Top-k live passages per query, best first; as :meth:`LoadedIndex.search`.
+
+        ``where``: only passages of documents whose metadata (with ``_id`` and ``_title``)
+        passes it, filtered inside retrieval: the base searched with a mask of its matching,
+        not hidden rows; the segment's non-matching passages never scored."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings, not a string")
         view = self._view
@@ -550,10 +577,11 @@ class LiveIndex:
             raise ValueError(f"k must be >= 1, got {k}")
         if not queries:
             return []
+        masks = self._masks(view, where)
         if mode == "bm25":
             if return_vectors and not base.dense:
                 raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
-            return self._search_bm25(view, list(queries), k, return_vectors)
+            return self._search_bm25(view, list(queries), k, return_vectors, masks)
         if query_vectors is not None:
             q = np.asarray(query_vectors, dtype=np.float32)
             if q.shape != (len(queries), base.manifest.dim):
@@ -566,11 +594,16 @@ class LiveIndex:
             base.check_encoder(enc)
             q = enc.encode(list(queries))
         if mode == "dense":
-            return self._search_dense(view, q, k, return_vectors)
-        return self._search_hybrid(view, list(queries), q, k, return_vectors)
+            return self._search_dense(view, q, k, return_vectors, masks)
+        return self._search_hybrid(view, list(queries), q, k, return_vectors, masks)
 
     def search_vectors(
-        self, query_vectors: np.ndarray, k: int, return_vectors: bool = False
+        self,
+        query_vectors: np.ndarray,
+        k: int,
+        return_vectors: bool = False,
+        *,
+        where: MetadataFilter | None = None,
     ) -> Hits:
         view = self._view
         if not view.base.dense:
@@ -587,16 +620,65 @@ class LiveIndex:
             )
         if len(q) == 0:
             return []
-        return self._search_dense(view, q, k, return_vectors)
+        return self._search_dense(view, q, k, return_vectors, self._masks(view, where))
 
-    def _base_fetch(self, view: _View, k: int) -> int:
+    def _masks(self, view: _View, where: MetadataFilter | None) -> _Masks | None:
+        """The base rows and segment passages ``where`` keeps (hidden rows never); None
+        without a filter."""
+        if where is None:
+            return None
+        base_rows = self._base_columns(view).mask(where).copy()
+        if view.hidden_rows:
+            base_rows[np.fromiter(view.hidden_rows, dtype=np.int64)] = False
+        return _Masks(base_rows, segment_mask(where, view.segment_records))
+
+    def _base_columns(self, view: _View) -> MetadataColumns:
+        """The filter columns of ``view.base``: each base row's document's record, from the
+        document store. Built once per base: a live row's document has not changed since the
+        base was built (a replace or delete hides its rows), so the store's metadata is the
+        base's for every row a search can return. (A search that holds a view from before a
+        replace, and happens to build the columns after it, filters that document's still
+        visible old rows by its new metadata: only that one search, never a later one.)"""
+        with self._columns_lock:
+            if self._columns is not None and self._columns[0] is view.base:
+                return self._columns[1]
+            records = self._store.records()
+            ordinal = {doc_id: i for i, (doc_id, _, _) in enumerate(records)}
+            doc_of_row = np.full(len(view.base), -1, dtype=np.int64)
+            base_rows = self._store.all_base_rows(view.base_version)
+            if base_rows:
+                rows = np.fromiter(base_rows, dtype=np.int64, count=len(base_rows))
+                docs = [ordinal.get(d, -1) for d in base_rows.values()]
+                doc_of_row[rows] = np.array(docs, dtype=np.int64)
+            columns = MetadataColumns(
+                doc_of_row,
+                [r[0] for r in records],
+                [r[1] for r in records],
+                [r[2] for r in records],
+            )
+            self._columns = (view.base, columns)
+            return columns
+
+    def _base_fetch(self, view: _View, k: int, masks: _Masks | None = None) -> int:
+        if masks is not None:
+            return min(k, len(view.base))  # hidden rows are masked out: no over-fetch
         # Every hidden row could rank above the live ones: fetch that many more.
         return min(k + len(view.hidden_rows), len(view.base))
 
-    def _search_dense(self, view: _View, q: np.ndarray, k: int, return_vectors: bool) -> Hits:
-        base_hits = view.base.search_vectors(q, self._base_fetch(view, k), return_vectors)
+    def _search_dense(
+        self, view: _View, q: np.ndarray, k: int, return_vectors: bool, masks: _Masks | None
+    ) -> Hits:
+        fetch = self._base_fetch(view, k, masks)
+        if fetch == 0:
+            base_hits: Hits = [[] for _ in q]
+        else:
+            base_hits = view.base.search_vectors(
+                q, fetch, return_vectors, allowed=None if masks is None else masks.base
+            )
         seg = view.segment_passages
         scores = _inner_products(q, view.segment_vectors) * view.base.manifest.score_scale
+        if masks is not None:
+            scores = np.where(masks.segment, scores, -np.inf)
         out = []
         for qi, hits in enumerate(base_hits):
             merged = [p for p in hits if p.id not in view.hidden_ids]
@@ -604,17 +686,30 @@ class LiveIndex:
             merged += [
                 _scored(seg[j], float(scores[qi, j]), vecs[j] if return_vectors else None)
                 for j in _top(scores[qi], k)
+                if masks is None or masks.segment[j]
             ]
             out.append(_best(merged, k))
         return out
 
-    def _search_bm25(self, view: _View, queries: Texts, k: int, return_vectors: bool) -> Hits:
+    def _search_bm25(
+        self, view: _View, queries: Texts, k: int, return_vectors: bool, masks: _Masks | None
+    ) -> Hits:
         base = view.base
-        base_hits = base.search(
-            queries, self._base_fetch(view, k), retrieval="bm25", return_vectors=return_vectors
-        )
+        fetch = self._base_fetch(view, k, masks)
+        if fetch == 0:
+            base_hits: Hits = [[] for _ in queries]
+        else:
+            base_hits = base.search(
+                queries,
+                fetch,
+                retrieval="bm25",
+                return_vectors=return_vectors,
+                allowed=None if masks is None else masks.base,
+            )
         assert view.bm25 is not None  # the mode was checked against the base's views
         scores = view.bm25.score(queries, view.segment_postings)
+        if masks is not None:
+            scores = np.where(masks.segment, scores, 0.0)
         # As the base serves them: a bm25 index scales by its score_scale, a dense index's
         # BM25 view serves raw scores.
         scale = 1.0 if base.dense else base.manifest.score_scale
@@ -635,18 +730,33 @@ class LiveIndex:
         return out
 
     def _search_hybrid(
-        self, view: _View, queries: Texts, q: np.ndarray, k: int, return_vectors: bool
+        self,
+        view: _View,
+        queries: Texts,
+        q: np.ndarray,
+        k: int,
+        return_vectors: bool,
+        masks: _Masks | None,
     ) -> Hits:
         base = view.base
         fusion: Fusion = base.fusion
         n = max(k, fusion.candidates)
-        cands = base.hybrid_candidates(
-            queries, min(n + len(view.hidden_rows), len(base)), query_vectors=q
-        )
+        fetch = self._base_fetch(view, n, masks)
+        if fetch == 0:
+            cands = EmptyBase.no_candidates(len(queries))
+        else:
+            cands = base.hybrid_candidates(
+                queries, fetch, query_vectors=q, allowed=None if masks is None else masks.base
+            )
         assert view.bm25 is not None
         seg = view.segment_passages
         seg_dense = _inner_products(q, view.segment_vectors)
         seg_bm25 = view.bm25.score(queries, view.segment_postings)
+        seg_ok = np.ones(len(seg), dtype=bool) if masks is None else masks.segment
+        if masks is not None:
+            # Non-matching segment passages are never candidates (the base's are masked too).
+            seg_dense = np.where(seg_ok, seg_dense, -np.inf)
+            seg_bm25 = np.where(seg_ok, seg_bm25, 0.0)
         out = []
         for qi in range(len(queries)):
             rows = cands.rows[qi]
@@ -660,7 +770,7 @@ class LiveIndex:
                 for i, (p, s) in enumerate(zip(passages, base_scores, strict=True))
             ]
             # The segment's candidates: its own dense and BM25 top n, as the base's are.
-            chosen = set(_top(seg_dense[qi], n))
+            chosen = {j for j in _top(seg_dense[qi], n) if seg_ok[j]}
             chosen |= {j for j in _top(seg_bm25[qi], n) if seg_bm25[qi, j] > 0}
             fused = fusion.score(seg_dense[qi], seg_bm25[qi])
             merged += [
@@ -771,8 +881,13 @@ class LiveIndex:
             if isinstance(op, PutOp):
                 passages = tuple(op.document.passages(view.base.manifest.max_words))
                 terms = tuple(PassageTerms.of(p.title, p.text) for p in passages)
-                documents[op.document.id] = _SegmentDocument(
-                    record.version, passages, op.vectors, terms
+                doc = op.document
+                documents[doc.id] = _SegmentDocument(
+                    record.version,
+                    passages,
+                    op.vectors,
+                    terms,
+                    record_of(doc.id, doc.title, doc.metadata),
                 )
                 tombstones.pop(op.document.id, None)
             else:

@@ -15,12 +15,18 @@ import numpy as np
 from openbook.artifacts import verify_files
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
+from openbook.index.documents import document_id_of
 from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.filtering import (
+    MetadataColumns,
+    search_dense_masked,
+)
 from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion, top_k, union_rows
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
 from openbook.index.spec import INDEX_TYPES
 from openbook.index.store import PassageStore
+from openbook.metadata_filter import MetadataFilter
 from openbook.types import Passage
 
 
@@ -147,6 +153,8 @@ class LoadedIndex:
         self._faiss: faiss.Index | None = None
         self._bm25: BM25Searcher | None = None
         self._vectors: np.ndarray | None = None
+        self._columns: MetadataColumns | None = None
+        self._columns_lock = threading.Lock()
         try:
             n_store = len(self._store)
             if n_store != manifest.count:
@@ -283,6 +291,8 @@ class LoadedIndex:
         retrieval: str | None = None,
         *,
         query_vectors: np.ndarray | None = None,
+        where: MetadataFilter | None = None,
+        allowed: np.ndarray | None = None,
     ) -> list[list[Passage]]:
         """Top-k passages per query, best first.
 
@@ -293,6 +303,11 @@ class LoadedIndex:
         encodes the queries for the dense view, unless ``query_vectors`` ``(n, dim)`` are
         given already encoded (a server batching the encoder across requests); both are
         ignored by ``bm25`` retrieval on an index that also has a dense view.
+
+        ``where`` (a metadata filter: a built index matches its built-in ``_id`` / ``_title``
+        only) and ``allowed`` (a boolean mask over rows, what a live index passes for its base)
+        restrict the search to the rows they keep, inside retrieval (``filtering.py``): the k
+        best kept passages come back whenever k are kept.
         """
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings, not a string")
@@ -306,18 +321,22 @@ class LoadedIndex:
                 raise ValueError(f"index {self.name!r} is bm25; it takes no encoder")
             if return_vectors:
                 raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+        mask = self.row_mask(where, allowed)
         if mode == "bm25":
             assert self._bm25 is not None
-            scores, rows = self._bm25.search(list(queries), k)
+            if mask is None:
+                scores, rows = self._bm25.search(list(queries), k)
+            else:
+                scores, rows = self._bm25.search_masked(list(queries), k, mask)
             # A bm25 index's scores as they always were (its score_scale, 1 unless set); the
             # bm25 view of a dense index serves raw BM25 scores (score_scale is the dense one).
             scale = 1.0 if self.dense else self.manifest.score_scale
             return self._results(scores, rows, return_vectors=return_vectors, scale=scale)
         q = self._query_vectors(queries, encoder, query_vectors)
         if mode == "dense":
-            return self.search_vectors(q, k, return_vectors)
+            return self.search_vectors(q, k, return_vectors, allowed=mask)
         fusion = self.fusion
-        cands = self._candidates(list(queries), q, max(k, fusion.candidates))
+        cands = self._candidates(list(queries), q, max(k, fusion.candidates), mask)
         scores, rows = top_k(fusion, cands, k)
         return self._results(scores, rows, return_vectors, scale=1.0)
 
@@ -345,27 +364,37 @@ class LoadedIndex:
         encoder: Encoder | None = None,
         *,
         query_vectors: np.ndarray | None = None,
+        allowed: np.ndarray | None = None,
     ) -> Candidates:
         """The union of the dense and the BM25 top ``n`` per query, with both exact features
         (:class:`openbook.index.fusion.Candidates`): what hybrid search and the fusion fit
-        score."""
+        score. ``allowed``: among those rows only (a boolean mask)."""
         self.retrieval_mode("hybrid")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         q = self._query_vectors(queries, encoder, query_vectors)
-        return self._candidates(list(queries), q, n)
+        return self._candidates(list(queries), q, n, self.row_mask(None, allowed))
 
     def _dense(self) -> faiss.Index:
         """The faiss index; only called for an index with a dense view, which opened it."""
         assert self._faiss is not None
         return self._faiss
 
-    def _candidates(self, queries: list[str], q: np.ndarray, n: int) -> Candidates:
+    def _candidates(
+        self, queries: list[str], q: np.ndarray, n: int, mask: np.ndarray | None = None
+    ) -> Candidates:
         assert self._bm25 is not None and self._vectors is not None
         m = self.manifest
         n = min(n, m.count)
-        _, dense_rows = faiss_index.search(self._dense(), m.index_type, m.index_params, q, n)
-        _, bm25_rows = self._bm25.search(queries, n)
+        if mask is None:
+            _, dense_rows = faiss_index.search(self._dense(), m.index_type, m.index_params, q, n)
+            _, bm25_rows = self._bm25.search(queries, n)
+        else:
+            # Both views pre-filtered: the candidates are the filtered dense and BM25 top n.
+            _, dense_rows = search_dense_masked(
+                self._dense(), m.index_type, m.index_params, self._vectors, q, n, mask
+            )
+            _, bm25_rows = self._bm25.search_masked(queries, n, mask)
         rows = union_rows(dense_rows, bm25_rows)
         valid = rows >= 0
         # Exact features for every candidate, whichever view found it (the faiss score of an
@@ -381,8 +410,15 @@ class LoadedIndex:
         return Candidates(rows, dense, bm25)
 
     def search_vectors(
-        self, query_vectors: np.ndarray, k: int, return_vectors: bool = False
+        self,
+        query_vectors: np.ndarray,
+        k: int,
+        return_vectors: bool = False,
+        *,
+        where: MetadataFilter | None = None,
+        allowed: np.ndarray | None = None,
     ) -> list[list[Passage]]:
+        """Dense top-k per query vector; ``where`` / ``allowed`` as in :meth:`search`."""
         if not self.dense:
             raise ValueError(f"index {self.name!r} is bm25; search it by text")
         # Dense retrieval only: hybrid needs the query text too (``search(query_vectors=)``).
@@ -400,13 +436,58 @@ class LoadedIndex:
             return []
         m = self.manifest
         factor = int(m.index_params.get("rerank", 0) or 0)
-        if factor > 1 and m.index_type != "flat":
+        mask = self.row_mask(where, allowed)
+        assert self._vectors is not None  # opened with the faiss index
+        if mask is not None:
+            n = k * factor if factor > 1 and m.index_type != "flat" else k
+            scores, rows = search_dense_masked(
+                self._dense(), m.index_type, m.index_params, self._vectors, q, n, mask
+            )
+            if n > k:
+                scores, rows = faiss_index.rerank_exact(q, rows, self._vectors, k)
+        elif factor > 1 and m.index_type != "flat":
             _, cand = faiss_index.search(self._dense(), m.index_type, m.index_params, q, k * factor)
-            assert self._vectors is not None  # opened with the faiss index
             scores, rows = faiss_index.rerank_exact(q, cand, self._vectors, k)
         else:
             scores, rows = faiss_index.search(self._dense(), m.index_type, m.index_params, q, k)
         return self._results(scores, rows, return_vectors)
+
+    def metadata_columns(self) -> MetadataColumns:
+        """What a filter sees of this index's rows, built on first use from the passage store
+        (one pass over ids and titles): a built index stores no metadata, so each passage has
+        the built-in ``_id`` (its document: ``<doc>`` of ``<doc>#<n>``) and ``_title`` only."""
+        with self._columns_lock:
+            if self._columns is None:
+                # Plain lists and dicts in the loop (~1 us per row): numpy per row is slower.
+                ordinal: dict[str, int] = {}
+                titles: list[str] = []
+                rows: list[int] = []
+                for chunk in self._store.iter_ids_titles():
+                    for _, pid, title in chunk:  # every row, in row order
+                        doc = document_id_of(pid)
+                        at = ordinal.setdefault(doc, len(ordinal))
+                        if at == len(titles):
+                            titles.append(title)
+                        rows.append(at)
+                doc_of_row = np.array(rows, dtype=np.int64)
+                self._columns = MetadataColumns(doc_of_row, list(ordinal), titles)
+            return self._columns
+
+    def row_mask(
+        self, where: MetadataFilter | None, allowed: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """The rows a search may return: those ``where`` keeps and ``allowed`` (a boolean mask
+        of ``len(self)``) keeps; None when neither restricts."""
+        if allowed is not None:
+            allowed = np.asarray(allowed, dtype=bool)
+            if allowed.shape != (self.manifest.count,):
+                raise ValueError(
+                    f"allowed: a mask of {self.manifest.count} rows, got shape {allowed.shape}"
+                )
+        if where is None:
+            return allowed
+        mask = self.metadata_columns().mask(where)
+        return mask if allowed is None else mask & allowed
 
     def _results(
         self,

@@ -121,6 +121,17 @@ class PassageStore:
             )
             return [r[0] for r in cur.fetchall()]
 
+    def iter_ids_titles(self, batch: int = 100_000):
+        """Yield lists of (row, id, title) of every row, in row order (no text read)."""
+        for s in range(0, len(self), batch):
+            with self._lock:
+                cur = self._conn.execute(
+                    "SELECT row, id, title FROM passages WHERE row >= ? AND row < ? ORDER BY row",
+                    (s, s + batch),
+                )
+                rows = cur.fetchall()
+            yield rows
+
     def iter_passages(self, start: int, stop: int, batch: int = 10_000):
         """Yield lists of ``Passage`` (id, title, text) for rows in [start, stop), in row order."""
         for s in range(start, stop, batch):

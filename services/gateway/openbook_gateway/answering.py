@@ -132,16 +132,24 @@ async def answer_events(
     else:
         metrics.cache_skipped()
 
+    where = body.metadata_filter()
     with (
         timer.stage("retrieve"),
         telemetry.span("retrieval", retrieval_attributes(k), SpanKind.CLIENT) as span,
     ):
         retrieved = await services.retrieval.retrieve(
-            body.question, k, body.index, request_id, retrieval=body.retrieval
+            body.question, k, body.index, request_id, retrieval=body.retrieval, where=where
         )
         span.update_name(f"retrieval {retrieved.index}")
         span.set_attributes(retrieved_attributes(retrieved))
     passages = list(retrieved.results[0].passages)
+    if not passages and where is not None:
+        # No passage matches the filter: an empty result, not an error. Nothing to generate
+        # from, so the answer abstains (empty, no passages); not cached (nothing computed).
+        empty = generator_pb2.GenerateResponse()
+        answer = answer_response(body, retrieved, empty, request_id, timer.done())
+        yield AnswerOut({**answer, "abstained": True, "min_confidence": threshold})
+        return
     if not passages:
         raise HTTPException(409, f"index {retrieved.index!r} returned no passages")
     generated: generator_pb2.GenerateResponse | None = None

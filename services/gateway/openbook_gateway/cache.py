@@ -68,9 +68,14 @@ SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "seed")
 
 def answer_params(body: AnswerRequest, k: int) -> dict[str, Any]:
     """What decides an answer, with ``k`` resolved (a request naming no k and one naming the
-    model's default share their key)."""
+    model's default share their key) and the metadata filter in its canonical form (filters
+    that mean the same share their key; no filter and ``{}`` share the unfiltered one's)."""
     fields = set(ANSWER_PARAMS) | (set(SAMPLING_PARAMS) if body.sampling else set())
-    return {**body.model_dump(include=fields), "k": k}
+    params = {**body.model_dump(include=fields), "k": k}
+    where = body.metadata_filter()
+    if where is not None:
+        params["filter"] = where.canonical()
+    return params
 
 
 class AnswerCache:

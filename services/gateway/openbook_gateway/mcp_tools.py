@@ -93,6 +93,14 @@ Retrieval = Annotated[
     RetrievalMode | None,
     Field(description="'dense', 'bm25' or 'hybrid'; default: the index's default_retrieval"),
 ]
+FilterArg = Annotated[
+    dict[str, Any] | None,
+    Field(
+        description='only passages whose document\'s metadata matches: {"lang": "en"}, '
+        '{"year": {"$in": [2016, 2018]}}, {"$and": [...]}, {"$or": [...]}; built-in keys '
+        "_id (document id) and _title. Nothing matching: no passages"
+    ),
+]
 
 
 class _Call:
@@ -160,14 +168,16 @@ async def search(
     k: K = 5,
     index: IndexArg = None,
     retrieval: Retrieval = None,
+    filter: FilterArg = None,
 ) -> dict[str, Any]:
     """The k passages of an index most relevant to a query, best first, with their scores
-    (the retrieval mode's: inner product for dense, BM25, or the fitted hybrid score)."""
+    (the retrieval mode's: inner product for dense, BM25, or the fitted hybrid score); with
+    ``filter``, the k best among those whose document's metadata matches."""
     call = _Call(ctx)
     try:
         check_question("query", query)  # /answer's rule for a question, named as here
-        # The same rules as /answer's k, index and retrieval.
-        AnswerRequest(question=query, k=k, index=index, retrieval=retrieval)
+        # The same rules as /answer's k, index, retrieval and filter.
+        body = AnswerRequest(question=query, k=k, index=index, retrieval=retrieval, filter=filter)
     except InvalidArgument as exc:
         raise ToolError(f"invalid argument: {exc}") from None
     except ValidationError as exc:
@@ -175,7 +185,7 @@ async def search(
     services = await call.services()
     try:
         retrieved = await services.retrieval.retrieve(
-            query, k, index, call.request_id, retrieval=retrieval
+            query, k, index, call.request_id, retrieval=retrieval, where=body.metadata_filter()
         )
     except HTTPException as exc:
         raise _service_error(exc, call) from None
@@ -205,6 +215,7 @@ async def answer(
     k: OptionalK = None,
     index: IndexArg = None,
     retrieval: Retrieval = None,
+    filter: FilterArg = None,
     decoding: Annotated[
         DecodingMode, Field(description="'rag-token', 'rag-sequence-thorough' or -fast")
     ] = "rag-token",
@@ -227,6 +238,7 @@ async def answer(
             k=k,
             index=index,
             retrieval=retrieval,
+            filter=filter,
             decoding=decoding,
             min_confidence=min_confidence,
         )

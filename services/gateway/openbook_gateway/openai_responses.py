@@ -115,6 +115,7 @@ class ResponsesRequest(BaseModel):
     length_penalty: float | None = Field(None, allow_inf_nan=False)
     index: str | None = None
     retrieval: str | None = None
+    filter: dict[str, Any] | None = None  # checked as the chat completion's (RetrievalFilter)
     use_cache: bool | None = None
     min_confidence: float | None = Field(None, allow_inf_nan=False)
     citation_markers: bool | None = None

@@ -2,10 +2,10 @@
 
 It accepts OpenAI's fields, refusing those whose meaning openbook cannot honour (tools,
 log-probs, penalties, images, ...) with a 400 that names the field, and openbook's own options as
-extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ``min_confidence``, ...; the
-official clients send them with ``extra_body``). :func:`to_answer_request` turns it into the
-:class:`~openbook_gateway.schemas.AnswerRequest` the answer pipeline runs; every limit is the
-one ``/answer`` enforces (``openbook.limits``).
+extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ``min_confidence``,
+``filter``, ...; the official clients send them with ``extra_body``).
+:func:`to_answer_request` turns it into the :class:`~openbook_gateway.schemas.AnswerRequest`
+the answer pipeline runs; every limit is the one ``/answer`` enforces (``openbook.limits``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from openbook.limits import (
     DecodingMode,
     RetrievalMode,
 )
-from openbook_gateway.schemas import AnswerRequest
+from openbook_gateway.schemas import AnswerRequest, RetrievalFilter
 
 # Messages in one conversation; only the last user message is read, but a client may send its
 # whole history.
@@ -119,7 +119,10 @@ class SamplingParams(BaseModel):
         return fields
 
 
-class ChatCompletionRequest(SamplingParams):
+class ChatCompletionRequest(SamplingParams, RetrievalFilter):
+    """``filter`` (an extra body field) comes from :class:`RetrievalFilter`, as on
+    ``/answer``: another OpenAI-style body that retrieves takes it by the same base class."""
+
     model_config = STRICT
 
     model: str = Field(min_length=1, max_length=256)
@@ -295,6 +298,7 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "length_penalty": body.length_penalty,
         "index": index,
         "retrieval": body.retrieval,
+        "filter": body.filter,
         "use_cache": body.use_cache,
         "min_confidence": body.min_confidence,
         "stream": body.stream,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from fastapi import HTTPException
 from pydantic import SecretStr
 
+from openbook.metadata_filter import MetadataFilter
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2
 from openbook_gateway.clients import DOCUMENT_HTTP_STATUS, RetrieverClient
@@ -138,15 +139,18 @@ class Retrieval:
         index: str | None,
         request_id: str,
         retrieval: str | None = None,
+        where: MetadataFilter | None = None,
     ) -> retriever_pb2.RetrieveResponse:
         """The top-k for ``question`` on ``index`` (None: the active one), by ``retrieval``
-        (None: the index's default), merged over the shards.
+        (None: the index's default), among the passages ``where`` keeps (each shard filters
+        its own), merged over the shards.
 
         Hybrid scores merge like dense ones: every shard fuses with the same fitted weights
         (copied from the parent index's manifest), so its fused scores are on one scale."""
         mode = retrieval or ""
+        filter_json = where.canonical() if where is not None else ""
         request = retriever_pb2.RetrieveRequest(
-            queries=[question], k=k, index=index or "", retrieval=mode
+            queries=[question], k=k, index=index or "", retrieval=mode, filter_json=filter_json
         )
         replies = await self._all("Retrieve", request, request_id)
         if len(replies) == 1:
@@ -158,7 +162,7 @@ class Retrieval:
             if reply.index != label:
                 shard = self.shards[i]
                 retry = retriever_pb2.RetrieveRequest(
-                    queries=[question], k=k, index=label, retrieval=mode
+                    queries=[question], k=k, index=label, retrieval=mode, filter_json=filter_json
                 )
                 replies[i] = await shard.call(shard.stub.Retrieve, retry, request_id)
         merged = merge_results(

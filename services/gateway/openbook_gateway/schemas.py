@@ -38,6 +38,7 @@ from openbook.limits import (
     check_metadata,
     check_question,
 )
+from openbook.metadata_filter import MetadataFilter, parse_filter
 
 # Passages per answer when neither the request nor the served generator names a number (a RAG
 # checkpoint's config n_docs is the generator's own default).
@@ -50,7 +51,34 @@ DEFAULT_K = 5
 STRICT_REQUEST = ConfigDict(extra="forbid", strict=True)
 
 
-class AnswerRequest(BaseModel):
+class RetrievalFilter(BaseModel):
+    """The ``filter`` option of a body that retrieves (``/answer``, the ``/v1`` extra body
+    fields): a base class, so every such body takes it with the same rules and description."""
+
+    model_config = STRICT_REQUEST
+
+    filter: dict[str, Any] | None = Field(
+        None,
+        description="only passages whose document's metadata matches: exact conditions, "
+        '{"lang": "en"}, {"year": {"$in": [2016, 2018]}}, {"lang": {"$eq": "en"}}, and '
+        '{"$and": [...]} / {"$or": [...]} of them (several keys in one object: all must hold). '
+        "Built-in keys: _id (the document id) and _title. Applied inside retrieval: the k best "
+        "matching passages. A key no document has matches nothing (no passages: the answer "
+        "abstains); a list or object where a value belongs is a 422 naming filter",
+    )
+
+    @field_validator("filter")
+    @classmethod
+    def filter_is_valid(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        parse_filter(value, "filter")
+        return value
+
+    def metadata_filter(self) -> MetadataFilter | None:
+        """The filter, parsed (None: none, or ``{}``)."""
+        return parse_filter(self.filter, "filter")
+
+
+class AnswerRequest(RetrievalFilter):
     model_config = STRICT_REQUEST
 
     question: str = Field(

@@ -57,6 +57,7 @@ from openbook.limits import (
     check_retrieval_views,
     default_retrieval,
 )
+from openbook.metadata_filter import MetadataFilter, parse_filter_json
 from openbook.serving.batcher import Batcher
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
@@ -102,6 +103,7 @@ class ValidRetrieveRequest:
     index: str | None  # None: the active index
     return_vectors: bool
     retrieval: str | None  # one of openbook.limits.RETRIEVAL_MODES; None: the index's default
+    where: MetadataFilter | None = None  # the metadata filter (filter_json); None: none
 
 
 def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRequest:
@@ -119,6 +121,7 @@ def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRe
         index=check_index_name("index", request.index) if request.index else None,
         return_vectors=request.return_vectors,
         retrieval=check_retrieval("retrieval", request.retrieval) if request.retrieval else None,
+        where=parse_filter_json(request.filter_json, "filter"),
     )
 
 
@@ -172,14 +175,15 @@ class _Search:
     vectors: bool
     # A mode the index holds the views for (retrieval_for): calls are batched per mode only.
     retrieval: str = "dense"
+    where: MetadataFilter | None = None  # searched together only with the same filter
 
 
 def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
     """Results (or an error) per item. Queries on one index, encoder and retrieval mode are
     searched together: dense and hybrid share one forward pass of the query encoder (the
     item's: the override where it pairs with the index, else the index's own), then each
-    distinct ``(k, return_vectors)`` is one search (hybrid: ``LoadedIndex.search`` with those
-    query vectors and the texts, for its BM25 part); bm25 reads the texts only."""
+    distinct ``(k, return_vectors, filter)`` is one search (hybrid: ``LoadedIndex.search`` with
+    those query vectors and the texts, for its BM25 part); bm25 reads the texts only."""
     results: list[list[list[Passage]] | Exception | None] = [None] * len(items)
     groups: dict[tuple[int, int, str], list[int]] = {}
     for i, item in enumerate(items):
@@ -201,20 +205,23 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
         for i in members:
             offsets[i] = at
             at += len(items[i].queries)
-        searches: dict[tuple[int, bool], list[int]] = {}
+        searches: dict[tuple[int, bool, str], list[int]] = {}
         for i in members:
-            searches.setdefault((items[i].k, items[i].vectors), []).append(i)
-        for (k, with_vectors), same in searches.items():
+            where = items[i].where
+            key = (items[i].k, items[i].vectors, where.canonical() if where else "")
+            searches.setdefault(key, []).append(i)
+        for (k, with_vectors, _), same in searches.items():
+            where = items[same[0]].where
             try:
                 texts = [q for i in same for q in items[i].queries]
                 if vectors is None:  # bm25
-                    hits = index.search(texts, k, retrieval=retrieval)
+                    hits = index.search(texts, k, retrieval=retrieval, where=where)
                 else:
                     rows = np.concatenate(
                         [vectors[offsets[i] : offsets[i] + len(items[i].queries)] for i in same]
                     )
                     if retrieval == "dense":
-                        hits = index.search_vectors(rows, k, with_vectors)
+                        hits = index.search_vectors(rows, k, with_vectors, where=where)
                     else:
                         hits = index.search(
                             texts,
@@ -222,6 +229,7 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
                             return_vectors=with_vectors,
                             retrieval=retrieval,
                             query_vectors=rows,
+                            where=where,
                         )
             except Exception as exc:  # noqa: BLE001 - fails these calls only
                 for i in same:
@@ -365,7 +373,13 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             retrieval = retrieval_for(valid, index)
             encoder, model_version = self._pairing(index)
             search = _Search(
-                index, encoder, list(valid.queries), valid.k, valid.return_vectors, retrieval
+                index,
+                encoder,
+                list(valid.queries),
+                valid.k,
+                valid.return_vectors,
+                retrieval,
+                valid.where,
             )
             # Read before the search: every write acknowledged by then is in its results.
             version = index.version if isinstance(index, LiveIndex) else 0
