@@ -16,7 +16,9 @@ What replicas agree on through Redis, and who writes / reads it:
   document write (:func:`openbook.shared_state.publish_index_version`), read by the gateway
   (part of the answer-cache key);
 - each index name's epoch (hash ``INDEX_EPOCHS_KEY``: index -> count of its deletions): raised
-  by the gateway that deleted an index, read by every gateway (part of the answer-cache key, so
+  by the gateway that deleted an index, or by a retriever that found an index's directory
+  removed or replaced out of band (:func:`openbook.shared_state.index_vanished`), read by
+  every gateway (part of the answer-cache key, so
   a new index of a deleted one's name never serves the old one's answers);
 - cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's.
 

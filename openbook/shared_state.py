@@ -28,6 +28,7 @@ from openbook.redis_protocol import (
     CONVERGED,
     DESIRED_MODEL_KEY,
     FAILED,
+    INDEX_EPOCHS_KEY,
     INDEX_SWAP_CHANNEL,
     INDEX_VERSIONS_KEY,
     LOADING,
@@ -40,6 +41,7 @@ from openbook.redis_protocol import (
     desired_checkpoint,
     encode_replica_state,
     index_version_member,
+    index_version_members,
     open_active_index,
     replica_key,
     seal_active_index,
@@ -65,6 +67,27 @@ def publish_index_version(client: redis.Redis, index: str, version: int, shard: 
         client.zadd(INDEX_VERSIONS_KEY, {index_version_member(index, shard): version}, gt=True)
     except redis.RedisError as exc:
         log.warning("redis unavailable, index %r version %d not shared: %s", index, version, exc)
+
+
+def index_vanished(client: redis.Redis, index: str) -> None:
+    """``index``'s directory was removed out of band (not through DeleteIndex): raise its
+    name's epoch and drop its published versions, as the gateway's ``index_deleted`` does for
+    a deletion through the API, so no gateway serves a cached answer from it again. Logged,
+    never raised, without Redis (no cache to invalidate)."""
+    try:
+        published = cast(list[str], client.zrange(INDEX_VERSIONS_KEY, 0, -1))
+        members = index_version_members(index, [_text(m) for m in published])
+        with client.pipeline(transaction=True) as pipe:
+            pipe.hincrby(INDEX_EPOCHS_KEY, index, 1)
+            if members:
+                pipe.zrem(INDEX_VERSIONS_KEY, *members)
+            pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("redis unavailable, index %r gone but its epoch not raised: %s", index, exc)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def redis_client(target: str | RedisOptions, timeout_s: float = 0.5) -> redis.Redis:

@@ -25,6 +25,26 @@ Invariants:
     version v, switches to it, then cuts the log through v. Writes arriving meanwhile are
     neither blocked for the build nor lost: they stay in the log and the segment above v.
 
+Several processes (retriever replicas on one volume) open, search and write one live index:
+  * One writer at a time: a write batch runs under the index's ``flock``
+    (:mod:`openbook.index.writer_lock`), taken by whichever process received it. Under it the
+    process first catches up (the log records others appended since its view, a torn tail of
+    a writer that died mid-append cut, the document store brought up to the log), then
+    appends and fsyncs ``version + 1``, applies it and releases the lock. Encoding the
+    document happens before the lock: the lock is held for milliseconds.
+  * A process catches up without the lock before every request (:meth:`catch_up`): a
+    :func:`disk_stamp` compare (a few ``stat`` calls), and when it changed, the whole records
+    appended since its position in the log (an append in progress is a torn tail, read next
+    time); a compaction elsewhere (a newer ``base-<v>``) is a reload of the new base and the
+    log above it. So a request that starts after any process acknowledged a write sees it.
+  * The document store (SQLite, WAL mode) is shared: ``get`` / ``list`` read it directly, and
+    it is written only under the writer lock, before the write is acknowledged.
+  * A compaction holds ``compaction.lock`` (another process finding it held skips its own),
+    builds the base without the writer lock, and takes it for the switch: it catches up,
+    cuts the log through v, and only then forgets the old base's rows. A process that sees
+    the new base before its rows are recorded reads on over its old base and the log, which
+    until the cut still holds every write above the old base.
+
 Scores, by retrieval mode (a compaction makes all three what a fresh build gives):
   * ``dense``: exact for the segment (score_scale x inner product, as the base scores);
     the base's as its index type gives them (exact for ``flat``). Merged by score, the top k
@@ -38,6 +58,7 @@ Scores, by retrieval mode (a compaction makes all three what a fresh build gives
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import threading
@@ -71,15 +92,19 @@ from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, Segmen
 from openbook.index.wal import (
     WAL_FILE,
     DeleteOp,
+    LogPosition,
     PutOp,
     WalRecord,
     WriteAheadLog,
     open_log,
-    read_log,
+    read_log_from,
 )
+from openbook.index.writer_lock import COMPACTION_LOCK_FILE, WriterLock, WriterLockHeld
 from openbook.limits import MAX_BATCH_DOCUMENTS, check_range
 from openbook.metadata_filter import MetadataFilter, record_of
 from openbook.types import Passage
+
+log = logging.getLogger(__name__)
 
 BASE_PREFIX = "base-"
 _BASE_DIR = re.compile(r"base-(\d{12})")
@@ -107,8 +132,9 @@ class LiveOptions:
 
     verify: bool = True  # re-hash the base's files on open (open_index's ``verify``)
     batch_size: int = 64  # documents' passages per encoder batch
-    # Opened by a process that is not the index's writer: it changes nothing on disk (no
-    # torn log tail cut, no leftover removed, no document store update) and takes no writes.
+    # Opened only to read: it changes nothing on disk (no torn log tail cut, no leftover
+    # removed, no document store update), never takes the writer lock, and takes no writes.
+    # Otherwise every process may write: each write takes the writer lock (module docstring).
     read_only: bool = False
 
 
@@ -199,7 +225,8 @@ class LiveIndex:
 
     def __init__(self, path: Path, options: LiveOptions | None = None) -> None:
         """Open the live index directory ``path`` (see :meth:`create`): the newest base, the
-        document store, the log replayed over them."""
+        document store, the log replayed over them. A writer's open finishes what a crashed
+        writer left (torn log tail, document store behind the log) under the writer lock."""
         self.path = Path(path)
         self.options = options or LiveOptions()
         self._write_lock = threading.Lock()
@@ -210,32 +237,99 @@ class LiveIndex:
         # base; the base object they were built for.
         self._columns: tuple[BaseIndex, MetadataColumns] | None = None
         self._columns_lock = threading.Lock()
-        read_only = self.options.read_only
-        base_dir, base_version = _newest_base(self.path)
-        if not read_only:
-            _remove_old_bases(self.path, keep=base_dir)
-        base: BaseIndex
-        if base_dir is None:
-            template = Manifest.from_file(self.path / TEMPLATE_FILE)
-            base = EmptyBase(self.path, template, name=self.path.name)
-        else:
-            base = open_index(base_dir, verify=self.options.verify, name=self.path.name)
-        self._store = DocumentStore(self.path / DOCUMENTS_FILE)
         self._wal: WriteAheadLog | None = None
+        self._log_at: LogPosition | None = None  # where the view's log read ended
+        self._seen: tuple[str, int, int, int] | None = None  # disk_stamp the view is as of
+        self._store = DocumentStore(self.path / DOCUMENTS_FILE)
         try:
+            if self.options.read_only:
+                self._view = self._load(None)
+            else:
+                for attempt in range(3):
+                    base, base_version = self._open_base(None, reader=False)
+                    try:
+                        with self._locked():
+                            self._view = self._load((base, base_version))
+                        self._remove_leftovers(base_version)
+                        break
+                    except StaleOpen:  # compacted by another process while we opened
+                        if attempt == 2:
+                            raise
+        except BaseException:
+            if self._wal is not None:
+                self._wal.close()
+            self._store.close()
+            raise
+
+    def _remove_leftovers(self, base_version: int) -> None:
+        """Older bases and what an interrupted compaction left, only while no process is
+        compacting (its compaction lock is free): a running one's build lives there too."""
+        try:
+            compacting = WriterLock(self.path, lock_file=COMPACTION_LOCK_FILE)
+        except WriterLockHeld:
+            return  # the compacting process removes them when it is done
+        with compacting:
+            if _newest_base(self.path)[1] == base_version:
+                _remove_old_bases(self.path, keep=_base_dir(self.path, base_version))
+
+    def _locked(self) -> WriterLock:
+        """The index's writer lock across processes (writer_lock.py), waited for."""
+        return WriterLock(self.path, wait=True)
+
+    def _open_base(self, current: _View | None, *, reader: bool) -> tuple[BaseIndex, int]:
+        """The newest base on disk, opened (``current``'s own when it is that one).
+        ``reader``: for a read without the writer lock, which cannot record its rows."""
+        base_dir, base_version = _newest_base(self.path)
+        if current is not None and current.base_version == base_version:
+            return current.base, base_version
+        if reader and not self._store.has_base(base_version):
+            # Checked before the (costly) open: a compaction publishes its base a moment
+            # before it records the base's rows; until then, serve what we have.
+            raise StaleOpen(f"{self.path}: base {base_version} not recorded yet")
+        try:
+            if base_dir is None:
+                template = Manifest.from_file(self.path / TEMPLATE_FILE)
+                return EmptyBase(self.path, template, name=self.path.name), base_version
+            return open_index(
+                base_dir, verify=self.options.verify, name=self.path.name
+            ), base_version
+        except Exception:
+            if _newest_base(self.path)[1] != base_version:  # removed by a newer compaction
+                raise StaleOpen(f"{self.path}: compacted while opening") from None
+            raise
+
+    def _load(self, opened: tuple[BaseIndex, int] | None) -> _View:
+        """A view of the newest base and the whole log over it. ``opened``: that base, opened
+        already, and the caller holds the writer lock: the log is opened for appending (its
+        torn tail cut), the base's rows recorded if no writer did yet, and the document store
+        brought up to the log. None: read-only, changing nothing on disk."""
+        writer = opened is not None
+        if opened is None:
+            opened = self._open_base(getattr(self, "_view", None), reader=True)
+        base, base_version = opened
+        try:
+            if _newest_base(self.path)[1] != base_version:
+                raise StaleOpen(f"{self.path}: compacted while opening")
             if not self._store.has_base(base_version):
-                if read_only:
+                if not writer:
                     raise StaleOpen(f"{self.path}: base {base_version} not recorded yet")
                 adopt = base_version == 0 and self._store.applied_version < 0
                 self._record_base(base, base_version, adopt=adopt)
-            if read_only:
-                records = read_log(self.path / WAL_FILE)
+            seen = disk_stamp(self.path)
+            if writer:
+                wal, records = open_log(self.path / WAL_FILE)
+                if self._wal is not None:
+                    self._wal.close()
+                self._wal = wal
+                position = wal.position
+            else:
+                got = read_log_from(self.path / WAL_FILE, None)
+                assert got is not None  # read from the start: never "replaced since"
+                records, position = got
                 # The writer publishes a new base before it cuts the log: a base unchanged
                 # after the read means the log read holds every write above it.
                 if _newest_base(self.path)[1] != base_version:
                     raise StaleOpen(f"{self.path}: compacted while opening")
-            else:
-                self._wal, records = open_log(self.path / WAL_FILE)
             view = _View(
                 version=base_version,
                 base=base,
@@ -250,15 +344,92 @@ class LiveIndex:
             for record in records:
                 if record.version > base_version:
                     view = self._applied(view, record)
-                if record.version > applied and not read_only:
+                if record.version > applied and writer:
                     self._store_record(record, base.manifest.max_words)
-            self._view = view
         except BaseException:
-            if self._wal is not None:
-                self._wal.close()
-            self._store.close()
-            base.close()
+            if self._view_base_is_not(base):
+                base.close()
             raise
+        self._log_at, self._seen = position, seen
+        return view
+
+    def _view_base_is_not(self, base: BaseIndex) -> bool:
+        view = getattr(self, "_view", None)
+        return view is None or view.base is not base
+
+    def catch_up(self) -> bool:
+        """See what other processes (replicas) wrote or compacted since this view: the log
+        records appended since are applied, a new base is opened. Cheap when nothing changed
+        (a few ``stat`` calls: :func:`disk_stamp`). Returns whether the disk was read.
+
+        Needs no lock: a reader reads whole records only (an append in progress is a torn
+        tail, read next time). When a compaction has published a base whose rows are not
+        recorded yet, the current view keeps serving and the next call tries again."""
+        if disk_stamp(self.path) == self._seen:
+            return False
+        with self._write_lock:
+            for attempt in range(3):
+                try:
+                    self._catch_up_locked(writer=False)
+                    break
+                except StaleOpen as exc:
+                    # Compacted while we read: the new base's rows are recorded by now (a
+                    # compaction records them before it cuts the log), so read again at once.
+                    if attempt == 2:
+                        log.warning("index %s: cannot catch up now: %s", self.name, exc)
+        return True
+
+    def _catch_up_locked(self, *, writer: bool) -> None:
+        """:meth:`catch_up` under ``_write_lock``; ``writer``: the caller also holds the
+        writer lock, so the log is extended for appending (a torn tail cut) and the document
+        store brought up to the log too."""
+        view = self._view
+        if _newest_base(self.path)[1] != view.base_version:
+            # Compacted by another process: the new base, and the log above it.
+            if writer:
+                # Under the writer lock a base cannot be switched to, but a compaction may
+                # publish its next one meanwhile: open the newest again.
+                for attempt in range(3):
+                    try:
+                        self._view = self._load(self._open_base(view, reader=False))
+                        return
+                    except StaleOpen:
+                        if attempt == 2:
+                            raise
+            try:
+                self._view = self._load(None)
+                return
+            except StaleOpen:
+                pass  # Its rows are not recorded yet: until the compaction cuts the log, the
+                # log still holds every write above our base, so read on over it.
+        seen = disk_stamp(self.path)
+        records: list[WalRecord] | None
+        if writer:
+            wal = self._wal
+            records = wal.extend() if wal is not None else None
+            if wal is None or records is None:  # never opened for appending here, or replaced
+                if wal is not None:
+                    wal.close()
+                wal, records = open_log(self.path / WAL_FILE)
+                self._wal = wal
+            position = wal.position
+            applied = self._store.applied_version
+            for record in records:
+                if record.version > applied:  # a writer that died before its store commit
+                    self._store_record(record, view.base.manifest.max_words)
+        else:
+            got = read_log_from(self.path / WAL_FILE, self._log_at)
+            if got is None:  # the log was cut: a compaction, whose base we open next time
+                raise StaleOpen(f"{self.path}: compacted while catching up")
+            records, position = got
+        for record in records:
+            if record.version > view.version:
+                view = self._applied(view, record)
+        if not writer and _log_inode(self.path) != position.inode:
+            # The log was cut while we read: a compaction that may have forgotten the base
+            # rows just looked up (it forgets them only after cutting the log).
+            raise StaleOpen(f"{self.path}: compacted while catching up")
+        self._view, self._log_at, self._seen = view, position, seen
 
     @classmethod
     def create(cls, path: Path, from_index: Path, options: LiveOptions | None = None) -> LiveIndex:
@@ -681,9 +852,13 @@ class LiveIndex:
             return self._encoder
 
     def _commit(self, ops: tuple[PutOp | DeleteOp, ...]) -> WalRecord:
-        with self._write_lock:
-            if self._wal is None:
-                raise RuntimeError(f"index {self.name!r} is open read-only: not its writer")
+        """Log ``ops`` as the next version and apply them, under the writer lock: first caught
+        up with what other processes wrote, so the version follows theirs."""
+        if self.options.read_only:
+            raise RuntimeError(f"index {self.name!r} is open read-only: it takes no writes")
+        with self._write_lock, self._locked():
+            self._catch_up_locked(writer=True)
+            assert self._wal is not None  # opened for appending by the catch-up
             view = self._view
             for op in ops:
                 if isinstance(op, DeleteOp) and not self._store.contains(op.doc_id):
@@ -694,6 +869,7 @@ class LiveIndex:
             self._wal.append(record)  # durable from here on
             self._view = self._applied(view, record)
             self._store_record(record, view.base.manifest.max_words)
+            self._log_at, self._seen = self._wal.position, disk_stamp(self.path)
             return record
 
     def _applied(self, view: _View, record: WalRecord) -> _View:
@@ -759,49 +935,67 @@ class LiveIndex:
 
     def compact(self) -> CompactionResult | None:
         """Fold the segment and the deletions into a new base (module docstring). None when
-        there is nothing to fold, or when no passage would be left (an index is never empty).
-        Writes go on meanwhile; only the switch to the new base holds the write lock."""
-        if self._wal is None:
-            raise RuntimeError(f"index {self.name!r} is open read-only: not its writer")
+        there is nothing to fold, when no passage would be left (an index is never empty), or
+        when another process is compacting this index (its compaction lock is held). Writes go
+        on meanwhile, here and in other processes; only the switch to the new base holds the
+        writer lock."""
+        if self.options.read_only:
+            raise RuntimeError(f"index {self.name!r} is open read-only: it takes no writes")
         with self._compact_lock:
-            t0 = time.monotonic()
+            try:
+                compacting = WriterLock(self.path, lock_file=COMPACTION_LOCK_FILE)
+            except WriterLockHeld:
+                return None  # another replica is folding the same writes
+            with compacting:
+                return self._compact()
+
+    def _compact(self) -> CompactionResult | None:
+        t0 = time.monotonic()
+        with self._write_lock, self._locked():
+            self._catch_up_locked(writer=True)  # every write so far, and the store with them
             view = self._view
-            if not view.documents and not view.hidden_rows:
-                return None
-            if self._store.applied_version < view.version:
-                raise RuntimeError(
-                    f"index {self.name!r}: document store behind the log "
-                    f"({self._store.applied_version} < {view.version}); reopen to replay"
-                )
-            target = self.path / f"{BASE_PREFIX}{view.version:012d}"
-            rows: NewRows = []
-            count = build_base(self._compacted_passages(view, rows), target, view.base.manifest)
-            if count == 0:
-                return None
-            self._store.set_base(view.version, rows)
-            new_base = open_index(target, verify=self.options.verify, name=self.name)
-            new_bm25 = _bm25_statistics(new_base)
-            with self._write_lock:
-                now = self._view
-                documents = {d: s for d, s in now.documents.items() if s.version > view.version}
-                tombstones = {d: v for d, v in now.tombstones.items() if v > view.version}
-                hidden = self._store.base_rows(view.version, [*documents, *tombstones])
-                self._view = _View(
-                    version=now.version,
-                    base=new_base,
-                    base_version=view.version,
-                    bm25=new_bm25,
-                    documents=documents,
-                    tombstones=tombstones,
-                    hidden_rows=frozenset(r.row for r in hidden),
-                    hidden_ids=frozenset(r.passage_id for r in hidden),
-                )
-                assert self._wal is not None  # checked above: a writer
-                self._wal.drop_through(view.version)
-            self._store.forget_bases_before(view.version)
-            # Searches still holding the old view keep its open files (unlinked, not closed).
-            _remove_old_bases(self.path, keep=target)
-            return CompactionResult(view.version, count, round(time.monotonic() - t0, 3))
+        if not view.documents and not view.hidden_rows:
+            return None
+        if self._store.applied_version < view.version:
+            raise RuntimeError(
+                f"index {self.name!r}: document store behind the log "
+                f"({self._store.applied_version} < {view.version}); reopen to replay"
+            )
+        target = _base_dir(self.path, view.version)
+        rows: NewRows = []
+        # Published at once: a process that sees it before the switch below opens it and
+        # replays the log above it, which is the same state (its rows recorded by whichever
+        # writer gets there first, identically).
+        count = build_base(self._compacted_passages(view, rows), target, view.base.manifest)
+        if count == 0:
+            return None
+        self._store.set_base(view.version, rows)
+        new_base = open_index(target, verify=self.options.verify, name=self.name)
+        new_bm25 = _bm25_statistics(new_base)
+        with self._write_lock, self._locked():
+            now = self._view  # a write of this process may have reloaded it onto the new base
+            documents = {d: s for d, s in now.documents.items() if s.version > view.version}
+            tombstones = {d: v for d, v in now.tombstones.items() if v > view.version}
+            hidden = self._store.base_rows(view.version, [*documents, *tombstones])
+            self._view = _View(
+                version=now.version,
+                base=new_base,
+                base_version=view.version,
+                bm25=new_bm25,
+                documents=documents,
+                tombstones=tombstones,
+                hidden_rows=frozenset(r.row for r in hidden),
+                hidden_ids=frozenset(r.passage_id for r in hidden),
+            )
+            # Then what other processes wrote meanwhile (all above the new base's version).
+            self._catch_up_locked(writer=True)
+            assert self._wal is not None  # opened for appending by the catch-up
+            self._wal.drop_through(view.version)
+            self._log_at, self._seen = self._wal.position, disk_stamp(self.path)
+        self._store.forget_bases_before(view.version)
+        # Searches still holding the old view keep its open files (unlinked, not closed).
+        _remove_old_bases(self.path, keep=target)
+        return CompactionResult(view.version, count, round(time.monotonic() - t0, 3))
 
     def _compacted_passages(self, view: _View, rows: NewRows) -> Iterator[Passage]:
         """The base's live passages in row order, then the segment's; ``rows`` gets each
@@ -918,6 +1112,17 @@ def _newest_base(path: Path) -> tuple[Path | None, int]:
         raise FileNotFoundError(f"{path}: no {BASE_PREFIX}<version> directory")
     version, newest = bases[-1]
     return newest, version
+
+
+def _log_inode(path: Path) -> int:
+    try:
+        return (path / WAL_FILE).stat().st_ino
+    except FileNotFoundError:
+        return -1
+
+
+def _base_dir(path: Path, version: int) -> Path:
+    return path / f"{BASE_PREFIX}{version:012d}"
 
 
 def _remove_old_bases(path: Path, keep: Path | None) -> None:

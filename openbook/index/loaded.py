@@ -529,6 +529,12 @@ class LoadedIndex:
     def get_passages(self, row_ids: Sequence[int]) -> list[Passage]:
         return self._store.get(row_ids)
 
+    @property
+    def passage_store(self) -> PassageStore:
+        """The passages by row and id (``openbook.index.built_documents`` reads documents
+        from it)."""
+        return self._store
+
     def close(self) -> None:
         self._store.close()
         self._faiss = None

@@ -143,6 +143,25 @@ class PassageStore:
                 rows = cur.fetchall()
             yield [Passage(*r) for r in rows]
 
+    def with_id_prefix(self, prefix: str, exact: str) -> list[Passage]:
+        """Passages whose id is ``exact`` or starts with ``prefix``, in row order (the
+        ``id`` column's unique index serves the range)."""
+        with self._lock:
+            cur = self._conn.execute(
+                "SELECT id, title, text FROM passages WHERE id = ? OR (id >= ? AND id < ?) "
+                "ORDER BY row",
+                (exact, prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)),
+            )
+            return [Passage(*r) for r in cur.fetchall()]
+
+    def ids_after(self, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` passage ids above ``after``, in id order."""
+        with self._lock:
+            cur = self._conn.execute(
+                "SELECT id FROM passages WHERE id > ? ORDER BY id LIMIT ?", (after, limit)
+            )
+            return [r[0] for r in cur.fetchall()]
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()

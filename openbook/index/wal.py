@@ -124,6 +124,11 @@ class WriteAheadLog:
     def size(self) -> int:
         return self._spans[-1].end if self._spans else 0
 
+    @property
+    def position(self) -> LogPosition:
+        """Where the records this log knows end (what :func:`read_log_from` continues from)."""
+        return LogPosition(os.fstat(self._file.fileno()).st_ino, self.size)
+
     def append(self, record: WalRecord) -> None:
         """Write ``record`` and fsync it; on any failure the file is cut back to its previous
         end, so a failed append leaves no partial record behind a later one."""
@@ -141,6 +146,34 @@ class WriteAheadLog:
                 self._file.truncate(start)
                 raise
             self._spans.append(_Span(record.version, start, start + len(data)))
+
+    def extend(self) -> list[WalRecord] | None:
+        """The records other processes appended since this log was opened or last extended
+        (their spans added, a torn tail cut off the file); None when the file was replaced
+        since (a compaction cut it): open it again. Only the holder of the index's writer
+        lock may call it (``writer_lock.py``): it cuts the file."""
+        with self._lock:
+            try:
+                on_disk = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                return None
+            if on_disk != os.fstat(self._file.fileno()).st_ino:
+                return None
+            start = self.size
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+            records, spans, at = _scan(self.path, data)
+            if at < len(data):  # a writer that died mid-append: cut, as open_log does
+                self._file.truncate(start + at)
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            if records and self._spans and records[0].version <= self._spans[-1].version:
+                raise WalCorrupted(
+                    f"{self.path}: version {records[0].version} after {self._spans[-1].version}"
+                )
+            self._spans.extend(_Span(s.version, s.start + start, s.end + start) for s in spans)
+            return records
 
     def drop_through(self, version: int) -> None:
         """Remove the records of versions <= ``version`` (they are in a published base now)."""
@@ -197,6 +230,38 @@ def read_log(path: Path) -> list[WalRecord]:
     except FileNotFoundError:
         return []
     return _scan(path, data)[0]
+
+
+@dataclass(frozen=True)
+class LogPosition:
+    """Where a reader's view of a log ends: the file (its inode) and the end of the last whole
+    record it read."""
+
+    inode: int
+    offset: int
+
+
+def read_log_from(
+    path: Path, since: LogPosition | None
+) -> tuple[list[WalRecord], LogPosition] | None:
+    """The whole records after ``since`` (None: from the start) and the new position, changing
+    nothing (a torn tail, an append in progress, is left for the next read); None when the
+    file is no longer the one ``since`` read (replaced by a compaction): read it whole again.
+    An absent log reads as empty."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return [], LogPosition(-1, 0)
+    with f:
+        inode = os.fstat(f.fileno()).st_ino
+        if since is not None and since.inode not in (inode, -1):  # -1: absent then
+            return None
+        start = since.offset if since is not None else 0
+        f.seek(start)
+        data = f.read()
+    records, _, at = _scan(path, data)
+    return records, LogPosition(inode, start + at)
 
 
 def _scan(path: Path, data: bytes) -> tuple[list[WalRecord], list[_Span], int]:

@@ -20,6 +20,7 @@ from openbook.index import wal as wal_module
 from openbook.index.documents import Document
 from openbook.index.live import DocumentNotFound, LiveIndex, LiveOptions
 from openbook.index.wal import PutOp, WalRecord, encode_record
+from openbook.index.writer_lock import COMPACTION_LOCK_FILE, WRITER_LOCK_FILE
 from openbook_testkit.live import make_live_index, random_document
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -131,6 +132,8 @@ def test_acknowledged_writes_survive_kill_9(dpr_dirs: tuple[Path, Path], tmp_pat
             names = {p.name for p in path.iterdir()} - {
                 "documents.sqlite-shm",
                 "documents.sqlite-wal",
+                WRITER_LOCK_FILE,  # the locks' files stay (flock: the kernel drops the lock)
+                COMPACTION_LOCK_FILE,
             }
             assert names == {f"base-{live.base_version:012d}", "documents.sqlite", "wal.log"}
             # Served as stored: each live document's tag finds its last passage.

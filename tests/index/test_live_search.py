@@ -121,10 +121,12 @@ def test_put_replace_delete_are_visible_to_the_next_search(
         assert again.get("w5").document == w5
         assert sorted(p.name for p in (tmp_path / "live").iterdir()) == [
             "base-000000000004",
+            "compaction.lock",  # the locks' files stay (flock: the kernel drops the lock)
             "documents.sqlite",
             "documents.sqlite-shm",
             "documents.sqlite-wal",
             "wal.log",
+            "writer.lock",
         ]
 
 

@@ -231,6 +231,101 @@ def gateway_process(workdir: Path, env: dict[str, str], timeout_s: float = 60) -
         stop_process(proc)
 
 
+class RetrieverProcess:
+    """A retriever as compose runs one replica: the ``openbook-retriever`` command in a process
+    of its own (:func:`retriever_process`)."""
+
+    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+        self.workdir = Path(workdir)
+        self.env = env
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120) -> None:
+        """Start it and wait until it answers ListIndexes (UNAVAILABLE while it loads)."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process, not waiting for it (start replicas together, then wait)."""
+        import os
+        import sys
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log_path = self.workdir / "retriever.log"
+        with open(log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "openbook-retriever")],
+                env={
+                    **os.environ,
+                    **self.env,
+                    "OPENBOOK_RETRIEVER_HOST": "127.0.0.1",
+                    "OPENBOOK_RETRIEVER_PORT": str(self.port),
+                    "OPENBOOK_RETRIEVER_METRICS_PORT": str(free_port()),
+                },
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        """Until it answers ListIndexes; RuntimeError with its log if it exits or times out."""
+        import grpc
+
+        from openbook.v1 import retriever_pb2, retriever_pb2_grpc
+
+        assert self.proc is not None
+        log_path = self.workdir / "retriever.log"
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.addr) as channel:
+            stub = retriever_pb2_grpc.RetrieverStub(channel)
+            while True:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"openbook-retriever did not start:\n{log_path.read_text()}")
+                try:
+                    stub.ListIndexes(retriever_pb2.ListIndexesRequest(), timeout=2)
+                    return
+                except grpc.RpcError:
+                    time.sleep(0.1)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        path = self.workdir / "retriever.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def kill(self) -> None:
+        """``kill -9``: no shutdown of any kind."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process(self.proc)
+
+
+@contextmanager
+def retriever_processes(
+    workdirs: list[Path], env: dict[str, str]
+) -> Iterator[list[RetrieverProcess]]:
+    """Retriever replicas as compose runs them (``openbook-retriever``), all configured by
+    ``env`` (``OPENBOOK_*``; one index root: they share it), each on a free loopback port,
+    started together; stopped on exit. Replica i's output goes to ``workdirs[i]/retriever.log``."""
+    retrievers = [RetrieverProcess(workdir, env) for workdir in workdirs]
+    try:
+        for retriever in retrievers:
+            retriever.launch()
+        for retriever in retrievers:
+            retriever.wait_ready()
+        yield retrievers
+    finally:
+        for retriever in retrievers:
+            retriever.stop()
+
+
 @contextmanager
 def running_backends(
     workdir: Path,

@@ -13,9 +13,11 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from openbook.errors import Unavailable
+from openbook.index.documents import Document
 from openbook.index.live import LiveIndex
+from openbook.redis_protocol import INDEX_EPOCHS_KEY, INDEX_VERSIONS_KEY
 from openbook.serving.grpc_server import bearer_metadata
+from openbook.shared_state import redis_client
 from openbook.v1 import retriever_pb2
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.settings import RetrieverSettings
@@ -398,7 +400,7 @@ def test_a_restart_keeps_every_acknowledged_write(index_root, redis_url):
         assert put(stub, "facts-b", document("zz-9", ZORBLAX)).version == 8
 
 
-def test_another_replica_catches_up_and_cannot_write(retriever, index_root):
+def test_another_replica_catches_up_and_writes_too(retriever, index_root):
     stub, _, _ = retriever
     other = IndexRegistry(index_root)  # another replica on the same volume
     try:
@@ -407,20 +409,61 @@ def test_another_replica_catches_up_and_cannot_write(retriever, index_root):
         put(stub, "facts-b", document("zorblax", ZORBLAX))
         with other.lease("facts-b") as index:  # sees the adoption and the write
             assert isinstance(index, LiveIndex) and index.version == 1
-        with (
-            pytest.raises(Unavailable, match="holds its writer lock") as err,
-            other.writer("facts-b"),
-        ):
-            pass
-        assert "pid" in str(err.value)
         penguins = "Penguins of the southern ice sheets dive for krill in winter darkness."
-        put(stub, "facts-b", document("penguins", penguins))
+        with other.writer("facts-b") as live:  # a write reaching the other replica lands
+            assert live.put(Document.create("penguins", "Ice", penguins)).version == 2
+        ids, version = top_ids(stub, "facts-b", penguins)  # and this one serves it next
+        assert ids[0] == "penguins#0" and version == 2
+        got = stub.GetDocument(retriever_pb2.GetDocumentRequest(index="facts-b", id="penguins"))
+        assert got.text == penguins
+        assert put(stub, "facts-b", document("zz-3", ZORBLAX)).version == 3  # versions follow
         with other.lease("facts-b") as index:
-            assert index.version == 2 and index.get("penguins").document.text == penguins
-            assert index.search([penguins], 1)[0][0].id == "penguins#0"
-        assert put(stub, "facts-b", document("zz-3", ZORBLAX)).version == 3  # nothing broken
+            assert index.version == 3 and index.get("zz-3").document.text == ZORBLAX
     finally:
         other.close()
+
+
+def test_a_built_index_lists_and_gets_its_documents_before_any_write(retriever, index_root):
+    stub, _, servicer = retriever
+    page = stub.ListDocuments(retriever_pb2.ListDocumentsRequest(index="facts-b", limit=7))
+    ids, cursor = list(page.ids), page.next_cursor
+    while cursor:
+        page = stub.ListDocuments(
+            retriever_pb2.ListDocumentsRequest(index="facts-b", cursor=cursor, limit=7)
+        )
+        ids, cursor = ids + list(page.ids), page.next_cursor
+    got = stub.GetDocument(retriever_pb2.GetDocumentRequest(index="facts-b", id=ids[0]))
+    assert page.version == 0 and len(got.passage_ids) >= 1
+    err = rpc_error(stub.GetDocument, retriever_pb2.GetDocumentRequest(index="facts-b", id="no"))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert not servicer.registry.is_live("facts-b")  # a read adopts nothing
+    # The same documents its adoption makes: the first write changes nothing else.
+    put(stub, "facts-b", document("zz-new", ZORBLAX))
+    after = stub.ListDocuments(retriever_pb2.ListDocumentsRequest(index="facts-b", limit=1000))
+    assert list(after.ids) == sorted([*ids, "zz-new"]) and ids == sorted(ids)
+    adopted = stub.GetDocument(retriever_pb2.GetDocumentRequest(index="facts-b", id=ids[0]))
+    assert (adopted.title, adopted.text, list(adopted.passage_ids)) == (
+        got.title,
+        got.text,
+        list(got.passage_ids),
+    )
+
+
+def test_an_index_removed_out_of_band_raises_its_cache_epoch(retriever, index_root, redis_url):
+    stub, _, servicer = retriever
+    client = redis_client(redis_url)
+    put(stub, "facts-b", document("zorblax", ZORBLAX))
+    before = int(client.hget(INDEX_EPOCHS_KEY, "facts-b") or 0)
+    servicer.notice_vanished_indexes()  # nothing gone
+    assert int(client.hget(INDEX_EPOCHS_KEY, "facts-b") or 0) == before
+    shutil.rmtree(index_root / "facts-b")  # an operator's rm -rf, not DeleteIndex
+    servicer.notice_vanished_indexes()  # what the retriever's watch does every 2 s
+    assert int(client.hget(INDEX_EPOCHS_KEY, "facts-b") or 0) == before + 1
+    assert client.zscore(INDEX_VERSIONS_KEY, "facts-b") is None
+    err = rpc_error(
+        stub.Retrieve, retriever_pb2.RetrieveRequest(queries=["q"], k=1, index="facts-b")
+    )
+    assert err.code() == grpc.StatusCode.NOT_FOUND  # not served from memory either
 
 
 def test_writes_past_the_threshold_compact_in_the_background(index_root, redis_url):

@@ -3,9 +3,10 @@
 After every write the servicer asks :meth:`BackgroundCompactor.after_write`; once the index's
 write segment or its hidden base rows reach the threshold, one thread per index folds them
 into a new base (``LiveIndex.compact``). Writes and searches go on meanwhile: the live index
-blocks them only for the switch to the new base. The thread writes through the registry's
-writer lease, so it compacts only an index this process holds the writer lock of, and the
-index stays open until it is done.
+blocks them only for the switch to the new base (under the index's writer lock, which other
+replicas' writes wait for); a replica that finds another one compacting the index skips its
+own. The thread holds the index through the registry's writer lease, so it stays open until
+the compaction is done.
 
 Invariant: at most one compaction per index name runs at a time in this process.
 """

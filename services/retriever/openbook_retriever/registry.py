@@ -25,10 +25,13 @@ Two layouts are served, both writable (issue 32):
   * a *live* index (``openbook.index.live``: ``base-<v>`` or ``template.json``, no top-level
     manifest) is served as a :class:`LiveIndex`; its identity, checks and listing are those of
     its base (or template).
-Only the process holding a live index's writer lock (``openbook.index.writer_lock``) writes
-it; the lock is taken on the first write, and the index reopened under it (another process
-may have written since it was opened). A process that cannot take it answers UNAVAILABLE
-naming the holder.
+Every replica (retriever process) sharing the index volume serves and writes every live
+index: a write takes the index's writer lock (``openbook.index.writer_lock``) for its batch
+only, catching up with the other replicas' writes under it first (``LiveIndex._commit``), so a
+write through any replica succeeds and versions never collide. Before every request on a live
+index, the lease brings it up to the disk (``LiveIndex.catch_up``: a few ``stat`` calls when
+nothing changed, else the log's new records), so a request that starts after a write was
+acknowledged by any replica sees it.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ from openbook.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    Unavailable,
 )
 from openbook.index import (
     IndexLoadError,
@@ -62,7 +64,6 @@ from openbook.index import (
 )
 from openbook.index.empty_base import TEMPLATE_FILE
 from openbook.index.live import LiveIndex, LiveOptions, disk_stamp, is_live_index, newest_base
-from openbook.index.writer_lock import WriterLock, WriterLockHeld
 from openbook.limits import check_index_name
 
 log = logging.getLogger(__name__)
@@ -102,15 +103,15 @@ class _Entry:
     index: ServedIndex
     leases: int = 0
     retired: bool = False  # unloaded while leased: close when the last lease ends
-    writer: WriterLock | None = None  # held: this process writes the (live) index
-    # The directory as it was opened (_stamp); None: never reopened to catch up (a writer's).
+    # A built index's directory as it was opened (_stamp), to tell another process adopted
+    # it; None for a live index, which catches up by itself (LiveIndex.catch_up).
     stamp: tuple[object, ...] | None = None
+    # The directory opened (_identity): one put in its place later is another index.
+    identity: tuple[int, int] | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
         self.index.close()
-        if self.writer is not None:
-            self.writer.release()
         for done in self.on_close:
             done()
 
@@ -125,6 +126,10 @@ class IndexRegistry:
         # The latest load of each index: the fingerprint it saw and its error ("" if it loaded).
         self._attempts: dict[str, tuple[Fingerprint, str]] = {}
         self._adopting: dict[str, threading.Lock] = {}
+        # Each index directory's identity as :meth:`vanished` last saw it (None: not looked),
+        # and which of them were built indexes then (their adoption is no replacement).
+        self._known: dict[str, tuple[int, int]] | None = None
+        self._known_built: set[str] = set()
         self.active: str | None = None
         self.recover()
         # Called with a loaded index before it becomes active; raising refuses the swap (the
@@ -159,6 +164,43 @@ class IndexRegistry:
             for p in self.root.iterdir()
             if not p.name.startswith(".") and ((p / MANIFEST).is_file() or is_live_index(p))
         )
+
+    def vanished(self) -> list[str]:
+        """The indexes whose directory was removed, or replaced by another one, out of band
+        (``rm -rf``, a restore) since the last call or since this process loaded them; their
+        loaded entries are retired, so no request is served from memory of an index that is
+        gone. The first call only looks. An adoption (a built directory replaced by its live
+        copy, here or by another replica, or one between its two renames) is not taken for a
+        replacement."""
+        seen: dict[str, tuple[int, int]] = {}
+        live: set[str] = set()
+        for name in self.available():
+            with suppress(OSError):
+                seen[name] = _identity(self.root / name)
+                if not (self.root / name / MANIFEST).is_file():
+                    live.add(name)
+        gone: list[str] = []
+        with self._lock:  # what was loaded counts as seen, however briefly it lived
+            looked = {n: e.identity for n, e in self._loaded.items() if e.identity is not None}
+        for name, identity in {**looked, **(self._known or {})}.items():
+            now = seen.get(name)
+            if now == identity:
+                continue
+            if now is not None and name in live and name in self._known_built:
+                continue  # adopted: the same documents, now live
+            if _locked(self.root / f".{name}.adopt.lock"):  # between its two renames
+                seen.setdefault(name, identity)
+                continue
+            gone.append(name)
+        with self._lock:
+            for name in gone:
+                entry = self._loaded.get(name)
+                if entry is not None and entry.identity != seen.get(name):
+                    self._retire(name, self._loaded.pop(name))
+                    self._attempts.pop(name, None)
+            self._known = seen
+            self._known_built = set(seen) - live
+        return gone
 
     def status(self, name: str) -> IndexStatus:
         """Whether ``name`` can be loaded, and why not (module docstring); loads nothing."""
@@ -247,9 +289,9 @@ class IndexRegistry:
             return entry.index
 
     def _behind(self, name: str, entry: _Entry) -> bool:
-        """Whether ``entry``, which this process does not write, is behind its directory:
-        another process wrote or compacted the live index, or adopted the built one."""
-        if entry.writer is not None or entry.stamp is None:
+        """Whether ``entry``, a built index, is behind its directory: another process adopted
+        it into the live layout (a live index catches up in place: :meth:`_acquire`)."""
+        if entry.stamp is None:
             return False
         try:
             return _stamp(self.root / name) != entry.stamp
@@ -326,6 +368,22 @@ class IndexRegistry:
                     self._loaded.move_to_end(target)
             if entry is None:
                 self.load(target)  # loaded on demand, then lease it on the next pass
+            elif isinstance(entry.index, LiveIndex):
+                try:  # what other replicas wrote, before this request reads
+                    entry.index.catch_up()
+                except FileNotFoundError:
+                    self._release(target, entry)
+                    if (self.root / target).exists():
+                        raise
+                    # Deleted (by another replica, or out of band): not served from memory.
+                    with self._lock:
+                        if self._loaded.get(target) is entry:
+                            self._retire(target, self._loaded.pop(target))
+                    raise NotFound(f"index: index {target!r} was removed") from None
+                except BaseException:
+                    self._release(target, entry)
+                    raise
+                return target, entry
             elif self._behind(target, entry):
                 self._release(target, entry)
                 self._catch_up(target, entry)
@@ -351,18 +409,14 @@ class IndexRegistry:
     # ---- writing
     @contextmanager
     def writer(self, name: str) -> Iterator[LiveIndex]:
-        """Hold ``name`` for one write: a live index whose writer lock this process holds. A
-        built index is adopted first, a live one opened before the lock was taken is reopened
-        (module docstring); UNAVAILABLE when another process holds the lock."""
+        """Hold ``name`` for one write: a live index (each write takes its writer lock, module
+        docstring). A built index is adopted first."""
         while True:
             target, entry = self._acquire(name)
-            if isinstance(entry.index, LiveIndex) and entry.writer is not None:
+            if isinstance(entry.index, LiveIndex):
                 break
             self._release(target, entry)
-            if isinstance(entry.index, LiveIndex):
-                self._take_writer(target, entry)
-            else:
-                self._adopt(target)
+            self._adopt(target)
         try:
             yield entry.index
         finally:
@@ -371,21 +425,6 @@ class IndexRegistry:
     def _gate(self, name: str) -> threading.Lock:
         with self._lock:
             return self._adopting.setdefault(name, threading.Lock())
-
-    def _take_writer(self, name: str, opened: _Entry) -> None:
-        """Take ``name``'s writer lock and serve it reopened under the lock."""
-        with self._gate(name):
-            with self._lock:
-                if self._loaded.get(name) is not opened:
-                    return  # replaced meanwhile (by a thread that took the lock): look again
-            path = self._path(name)
-            lock = _writer_lock(name, path)
-            try:
-                live = LiveIndex(path, LiveOptions(verify=False))  # verified when first opened
-            except BaseException:
-                lock.release()
-                raise
-            self._replace(name, _Entry(live, writer=lock))
 
     def _adopt(self, name: str) -> None:
         """Make the built index ``name`` a live one in place (module docstring)."""
@@ -405,19 +444,16 @@ class IndexRegistry:
                 with self._lock:  # requests wait here for the switch; none fails
                     os.rename(path, retired)
                     os.rename(staging, path)
-                    lock: WriterLock | None = None
                     try:
-                        lock = _writer_lock(name, path)
                         live = LiveIndex(path, LiveOptions(verify=False))
                     except BaseException:  # put the built index back as it was
-                        if lock is not None:
-                            lock.release()
                         os.rename(path, staging)
                         os.rename(retired, path)
                         raise
+                    identity = _identity(path)
                     old = self._replace(
                         name,
-                        _Entry(live, writer=lock),
+                        _Entry(live, identity=identity),
                         lambda: _discard(retired),
                     )
                 if old is None:
@@ -514,43 +550,29 @@ def _discard(path: Path) -> None:
 
 
 def _open(name: str, path: Path, *, verify: bool) -> _Entry:
-    """Open the index directory ``path`` served as ``name``. A live index is opened as its
-    writer when its writer lock is free (taken), else read-only, to be caught up later."""
+    """Open the index directory ``path`` served as ``name``."""
+    identity = _identity(path)
     if not is_live_index(path):
         stamp = _stamp(path)
         # Served, labelled and cached under the directory name clients asked for, never the
         # manifest's (a copied index keeps the name it was built as).
-        return _Entry(open_index(path, verify=verify, name=name), stamp=stamp)
-    try:
-        lock = WriterLock(path)
-    except WriterLockHeld:
-        stamp = _stamp(path)  # before opening: a write meanwhile makes it behind, never lost
-        live = LiveIndex(path, LiveOptions(verify=verify, read_only=True))
-        return _Entry(live, stamp=stamp)
-    try:
-        return _Entry(LiveIndex(path, LiveOptions(verify=verify)), writer=lock)
-    except BaseException:
-        lock.release()
-        raise
+        index = open_index(path, verify=verify, name=name)
+        return _Entry(index, stamp=stamp, identity=identity)
+    # As a writer: it takes the writer lock only for the open (and then for each write).
+    return _Entry(LiveIndex(path, LiveOptions(verify=verify)), identity=identity)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino
 
 
 def _stamp(path: Path) -> tuple[object, ...]:
-    """What a reader compares to tell its open index is behind the directory: a built index
-    is current while its manifest is there (it is replaced only by adoption); a live one while
-    its newest base and its log are unchanged."""
+    """What a reader compares to tell its open built index is behind the directory: it is
+    current while its manifest is there (it is replaced only by adoption)."""
     if (path / MANIFEST).is_file():
         return ("built",)
     return ("live", *disk_stamp(path))
-
-
-def _writer_lock(name: str, path: Path) -> WriterLock:
-    try:
-        return WriterLock(path)
-    except WriterLockHeld as exc:
-        raise Unavailable(
-            f"index {name!r}: another retriever ({exc.holder or 'unknown'}) holds its writer "
-            "lock; send writes to that replica"
-        ) from None
 
 
 @contextmanager

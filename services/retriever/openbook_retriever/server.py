@@ -128,7 +128,8 @@ def load(
         warm_up(servicer)
 
     servicer._record_active()
-    shared.watch(servicer.follow_shared_active, stop)
+    servicer.notice_vanished_indexes()  # the first look: what is here now
+    shared.watch(servicer.follow_shared_state, stop)
     follow_reloads(settings, servicer, metrics, stop)
     return servicer
 

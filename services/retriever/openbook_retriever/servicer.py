@@ -12,6 +12,9 @@ everything behind it trusts, the documents RPCs into the typed requests of
 :mod:`openbook_retriever.documents`. Anything else that fails is a bug here, and answers
 INTERNAL.
 
+GetDocument and ListDocuments answer on a built index too, from its passages grouped as its
+adoption would group them (``openbook.index.built_documents``): a read adopts nothing.
+
 Document writes run on the gRPC worker thread that took the call (never the batch thread, so
 searches go on), and return once their log record is fsynced: the reply's ``version`` and
 every later ``Retrieve`` include the write. ``RetrieveResponse.index_version`` is the version
@@ -33,6 +36,7 @@ from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkp
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
 from openbook.index import Encoder, IndexLoadError
+from openbook.index.built_documents import built_document, built_document_page
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.empty_base import template_for, template_of
 from openbook.index.encoders import DEFAULT_ENCODER, load_encoder
@@ -59,6 +63,7 @@ from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import (
     ActiveIndexStore,
+    index_vanished,
     publish_index_version,
     publish_model_version,
 )
@@ -629,17 +634,39 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def GetDocument(self, request, context):
         ref = validate_document_ref(request)
         with self.registry.lease(ref.index) as index:
-            return document_to_proto(_live(index).get(ref.id))
+            if isinstance(index, LiveIndex):
+                stored = index.get(ref.id)
+            else:  # a built index: its passages grouped as its adoption would group them
+                stored = built_document(index, ref.id)
+        return document_to_proto(stored)
 
     def ListDocuments(self, request, context):
         valid = validate_list_documents(request)
         with self.registry.lease(valid.index) as index:
-            live = _live(index)
-            version = live.version  # before the page: the page holds at least this version
-            page = live.list(valid.cursor, valid.limit)
+            if isinstance(index, LiveIndex):
+                version = index.version  # before the page: it holds at least this version
+                page = index.list(valid.cursor, valid.limit)
+            else:
+                version, page = 0, built_document_page(index, valid.cursor, valid.limit)
         return retriever_pb2.ListDocumentsResponse(
             ids=list(page.ids), next_cursor=page.next_cursor or "", version=version
         )
+
+    def follow_shared_state(self) -> None:
+        """What the retriever does on every tick of the shared state's watch (every 2 s, and
+        on each swap announcement): follow the active index, and notice indexes gone."""
+        self.follow_shared_active()
+        self.notice_vanished_indexes()
+
+    def notice_vanished_indexes(self) -> None:
+        """An index directory removed (or replaced) out of band: stop serving it from memory
+        and raise its cache epoch in Redis, so no gateway serves a cached answer from it."""
+        for name in self.registry.vanished():
+            log.warning("index %s: its directory was removed or replaced out of band", name)
+            if self.shared is not None:
+                index_vanished(self.shared.client, name)
+            if self.metrics is not None:
+                self.metrics.forget_index(name)
 
     def follow_shared_active(self) -> None:
         """Adopt the active index recorded in Redis (a swap made by another replica)."""
@@ -676,13 +703,3 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def _record_active(self) -> None:
         if self.metrics is not None and self.registry.active:
             self.metrics.set_serving("index", self.registry.active)
-
-
-def _live(index: ServedIndex) -> LiveIndex:
-    """``index`` as a live index; a built one has no documents to read until adopted."""
-    if isinstance(index, LiveIndex):
-        return index
-    raise FailedPrecondition(
-        f"index {index.name!r} is a built index and keeps no documents until it is live: "
-        "its first document write adopts it"
-    )
