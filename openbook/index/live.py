@@ -22,7 +22,8 @@ Invariants:
   * Deleted and replaced documents' base rows are never returned: the base is searched for
     k + (hidden rows) hits, so at least k live ones remain among them.
   * :meth:`compact` builds ``base-<v>`` over the base's live passages and the segment as of
-    version v, switches to it, then cuts the log through v. Writes arriving meanwhile are
+    version v, from the vectors they are searched with (nothing is re-encoded:
+    compaction.py), switches to it, then cuts the log through v. Writes arriving meanwhile are
     neither blocked for the build nor lost: they stay in the log and the segment above v.
 
 Several processes (retriever replicas on one volume) open, search and write one live index:
@@ -45,7 +46,8 @@ Several processes (retriever replicas on one volume) open, search and write one 
     the new base before its rows are recorded reads on over its old base and the log, which
     until the cut still holds every write above the old base.
 
-Scores, by retrieval mode (a compaction makes all three what a fresh build gives):
+Scores, by retrieval mode (a compaction makes all three what a fresh build over the same
+vectors gives; a shard keeps its BM25 scores, compaction.py says why):
   * ``dense``: exact for the segment (score_scale x inner product, as the base scores);
     the base's as its index type gives them (exact for ``flat``). Merged by score, the top k
     across both are those of a compacted flat index.
@@ -73,7 +75,7 @@ import numpy as np
 from openbook.artifacts import publish, staging_dir
 from openbook.errors import InvalidArgument, NotFound
 from openbook.index.bm25 import BM25_DIR
-from openbook.index.compaction import build_base
+from openbook.index.compaction import BaseInputs, build_base
 from openbook.index.document_store import DOCUMENTS_FILE, BaseRow, DocumentStore, StoredDocument
 from openbook.index.documents import (
     Document,
@@ -966,7 +968,9 @@ class LiveIndex:
         # Published at once: a process that sees it before the switch below opens it and
         # replays the log above it, which is the same state (its rows recorded by whichever
         # writer gets there first, identically).
-        count = build_base(self._compacted_passages(view, rows), target, view.base.manifest)
+        count = build_base(
+            self._compaction_inputs(view, rows), target, view.base.manifest, view.version
+        )
         if count == 0:
             return None
         self._store.set_base(view.version, rows)
@@ -997,21 +1001,36 @@ class LiveIndex:
         _remove_old_bases(self.path, keep=target)
         return CompactionResult(view.version, count, round(time.monotonic() - t0, 3))
 
-    def _compacted_passages(self, view: _View, rows: NewRows) -> Iterator[Passage]:
-        """The base's live passages in row order, then the segment's; ``rows`` gets each
-        one's new row and document."""
+    def _compaction_inputs(self, view: _View, rows: NewRows) -> BaseInputs:
+        """The next base as of ``view``: the base's live rows in row order, then the
+        segment's passages, with the vectors and BM25 scores they are searched with now
+        (compaction.py); ``rows`` gets each passage's new row and document as they are
+        read."""
         base = view.base
-        old = self._store.all_base_rows(view.base_version)
-        for start in range(0, len(base), 10_000):
-            stop = min(start + 10_000, len(base))
-            live = [r for r in range(start, stop) if r not in view.hidden_rows]
-            for r, p in zip(live, base.get_passages(live), strict=True):
-                rows.append(BaseRow(old.get(r, document_id_of(p.id)), len(rows), p.id))
-                yield Passage(p.id, p.title, p.text)
-        for doc_id, seg in view.documents.items():
-            for p in seg.passages:
-                rows.append(BaseRow(doc_id, len(rows), p.id))
-                yield p
+        live = np.ones(len(base), dtype=bool)
+        live[list(view.hidden_rows)] = False
+        base_rows = np.flatnonzero(live)
+
+        def passages() -> Iterator[Passage]:
+            old = self._store.all_base_rows(view.base_version)
+            for start in range(0, len(base_rows), 10_000):
+                chunk = base_rows[start : start + 10_000].tolist()
+                for r, p in zip(chunk, base.get_passages(chunk), strict=True):
+                    rows.append(BaseRow(old.get(r, document_id_of(p.id)), len(rows), p.id))
+                    yield Passage(p.id, p.title, p.text)
+            for doc_id, seg in view.documents.items():
+                for p in seg.passages:
+                    rows.append(BaseRow(doc_id, len(rows), p.id))
+                    yield p
+
+        return BaseInputs(
+            base_dir=None if isinstance(base, EmptyBase) else base.path,
+            base_rows=base_rows,
+            passages=passages,
+            segment_vectors=view.segment_vectors if base.dense else None,
+            segment_terms=[t for d in view.documents.values() for t in d.terms],
+            bm25=view.bm25,
+        )
 
     def close(self) -> None:
         with self._write_lock:

@@ -51,6 +51,9 @@ class Manifest:
     #  the parent, "parent_checksum": the parent manifest's checksum}. A slice of a parallel
     # build (``parallel.build_slice``) has no parent index: its ``parent_checksum`` is the
     # sha256 of ``build``, the identity of the whole logical index, which it carries too.
+    # A live shard's compacted base (``compaction.build_base``) adds "live_version": the write
+    # it holds up to; its rows are its own then (``row_offset``/``parent_count`` describe the
+    # shard as it was split, no longer its rows).
     shard: dict[str, Any] | None = None
     # The retrieval views the directory holds (``VIEWS`` order): ("dense",), ("bm25",) or
     # ("dense", "bm25") for a dense index that carries a BM25 view of the same passages in
@@ -158,7 +161,12 @@ def _check_shard(path: Path, shard: Any, count: Any) -> None:
         and isinstance(shard.get("parent_checksum"), str)
         and 0 <= shard["index"] < shard["count"]
         and type(count) is int
-        and 0 <= shard["row_offset"] <= shard["row_offset"] + count <= shard["parent_count"]
+        and 0 <= shard["row_offset"] <= shard["parent_count"]
+        and (
+            shard["row_offset"] + count <= shard["parent_count"]
+            if "live_version" not in shard
+            else type(shard["live_version"]) is int and shard["live_version"] >= 0
+        )
     )
     if not ok:
         raise IndexLoadError(f"{path}: invalid shard field {shard!r}")

@@ -122,13 +122,18 @@ class BaseBM25Statistics:
         # b == 0 (length does not matter) or no usable passage: the sample's mean length.
         return float(np.mean(lengths)) if lengths else 1.0
 
+    def norms(self, lengths: np.ndarray) -> np.ndarray:
+        """Each passage's ``k1 (1 - b + b dl / avgdl)`` for passage lengths ``lengths``
+        (the segment's: its own mean length stands for avgdl when the base has none)."""
+        avgdl = self.avgdl if self.avgdl is not None else float(lengths.mean()) or 1.0
+        return self.k1 * (1 - self.b + self.b * lengths / avgdl)
+
     def score(self, queries: Sequence[str], segment: SegmentPostings) -> np.ndarray:
         """float32 ``(len(queries), len(segment))`` BM25 scores of the segment's passages."""
         out = np.zeros((len(queries), len(segment)), dtype=np.float64)
         if not len(segment):
             return out.astype(np.float32)
-        avgdl = self.avgdl if self.avgdl is not None else float(segment.lengths.mean()) or 1.0
-        norms = self.k1 * (1 - self.b + self.b * segment.lengths / avgdl)
+        norms = self.norms(segment.lengths)
         for qi, tokens in enumerate(_tokenize(queries)):
             for term in tokens:
                 posting = segment.postings.get(term)
@@ -158,3 +163,78 @@ class SegmentPostings:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+
+def fold_bm25(
+    base_dir: Path | None,
+    base_rows: np.ndarray,
+    stats: BaseBM25Statistics,
+    segment: Sequence[PassageTerms],
+    out_dir: Path,
+) -> None:
+    """Save to ``out_dir`` a BM25 index of the base's rows ``base_rows`` (ascending; renumbered
+    from 0) followed by the segment's passages, in which every score is the one the live index
+    serves today: a base row keeps its stored (term, passage) scores, a segment passage gets
+    those :meth:`BaseBM25Statistics.score` gives it (``stats``: the base's statistics).
+
+    For a compacted shard (openbook.index.compaction): its base's scores carry the parent's
+    statistics, and a view indexed anew would carry the shard's own instead. Terms no base
+    passage has are appended to the vocabulary. ``base_dir`` None: no base rows.
+    """
+    import scipy.sparse as sp
+
+    logging.getLogger("bm25s").setLevel(logging.ERROR)
+    if base_dir is not None:
+        retriever = bm25s.BM25.load(str(base_dir), mmap=True, show_progress=False)
+        scores = retriever.scores
+        data = np.asarray(scores["data"])
+        indices = np.asarray(scores["indices"])
+        indptr = np.asarray(scores["indptr"], dtype=np.int64)
+        num_docs = int(scores["num_docs"])
+        vocab = dict(retriever.vocab_dict)
+    else:
+        retriever = bm25s.BM25(k1=stats.k1, b=stats.b, method="lucene")
+        data = np.zeros(0, np.float32)
+        indices = np.zeros(0, np.int32)
+        indptr = np.zeros(1, np.int64)
+        num_docs, vocab = 0, {}
+    # Base entries: the kept rows' (renumbered), their columns (terms) as stored.
+    new_row = np.full(num_docs, -1, dtype=np.int64)
+    new_row[base_rows] = np.arange(len(base_rows))
+    cols = np.repeat(np.arange(len(indptr) - 1, dtype=np.int64), np.diff(indptr))
+    keep = new_row[indices] >= 0
+    rows_parts, cols_parts = [new_row[indices[keep]]], [cols[keep]]
+    data_parts = [data[keep].astype(np.float64)]
+    # Segment entries: idf(t) tf / (tf + norm), the terms' ids appended after the base's.
+    next_id = max(vocab.values(), default=-1) + 1
+    lengths = np.asarray([p.length for p in segment], dtype=np.float64)
+    norms = stats.norms(lengths) if len(segment) else lengths
+    seg_rows, seg_cols, seg_data = [], [], []
+    for j, passage in enumerate(segment):
+        for term, tf in passage.counts.items():
+            tid = vocab.get(term)
+            if tid is None:
+                tid = vocab[term] = next_id
+                next_id += 1
+            seg_rows.append(len(base_rows) + j)
+            seg_cols.append(tid)
+            seg_data.append(stats.idf(term) * tf / (tf + norms[j]))
+    rows_parts.append(np.asarray(seg_rows, dtype=np.int64))
+    cols_parts.append(np.asarray(seg_cols, dtype=np.int64))
+    data_parts.append(np.asarray(seg_data, dtype=np.float64))
+    n_docs = len(base_rows) + len(segment)
+    n_terms = max(len(indptr) - 1, next_id)
+    matrix = sp.csc_matrix(
+        (np.concatenate(data_parts), (np.concatenate(rows_parts), np.concatenate(cols_parts))),
+        shape=(n_docs, n_terms),
+    )
+    matrix.sort_indices()
+    retriever.scores = {
+        "data": matrix.data.astype(data.dtype if len(data) else np.float32),
+        "indices": matrix.indices.astype(indices.dtype if len(indices) else np.int32),
+        "indptr": matrix.indptr.astype(np.int64),
+        "num_docs": n_docs,
+    }
+    retriever.vocab_dict = vocab
+    retriever.unique_token_ids_set = set(vocab.values())
+    retriever.save(str(out_dir), show_progress=False)

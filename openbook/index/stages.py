@@ -62,7 +62,9 @@ class BuildSource:
     input_format, spec.max_words)``; ``vectors``: a dense index's vectors (None: bm25);
     ``shard``: the manifest's ``shard`` (a slice of a parallel build); ``fingerprint_extra``:
     anything else the passages or vectors depend on, so that a partial build of something else
-    is never resumed; ``fusion``: the manifest's ``fusion`` (a merge keeps its slices').
+    is never resumed; ``fusion``: the manifest's ``fusion`` (a merge keeps its slices');
+    ``bm25``: writes the BM25 view into the directory it is given, instead of indexing the
+    staged passages anew (a compacted shard keeps its parent's statistics: compaction.py).
     """
 
     inputs: list[Path]
@@ -72,6 +74,7 @@ class BuildSource:
     shard: dict[str, Any] | None = None
     fingerprint_extra: dict[str, Any] | None = None
     fusion: dict[str, Any] | None = None
+    bm25: Callable[[Path], None] | None = None
 
 
 def check_inputs(inputs: list[Path], out_dir: Path, overwrite: bool) -> None:
@@ -162,9 +165,9 @@ def stage_and_publish(
         stage_vectors(work, state, vectors, count, options.shard_size, progress)
         params = stage_faiss(work, spec, count, vectors.dim, progress)
         if spec.bm25:
-            stage_bm25(work, count, progress)
+            _stage_bm25_view(work, count, progress, source)
     else:
-        stage_bm25(work, count, progress)
+        _stage_bm25_view(work, count, progress, source)
         params = dict(BM25_PARAMS)
     views = spec.views
     fusion = source.fusion if views == ["dense", "bm25"] else None  # needs both views
@@ -331,6 +334,16 @@ def stage_faiss(work: Path, spec: IndexSpec, count: int, dim: int, progress: boo
         index, params = faiss_index.build_faiss(vectors, spec.index_type, params, bar.update)
     faiss_index.write(index, work / faiss_index.INDEX_FILE)
     return params
+
+
+def _stage_bm25_view(work: Path, count: int, progress: bool, source: BuildSource) -> None:
+    if source.bm25 is None:
+        stage_bm25(work, count, progress)
+        return
+    out = work / BM25_DIR
+    if out.exists():
+        shutil.rmtree(out)
+    source.bm25(out)
 
 
 def stage_bm25(work: Path, count: int, progress: bool) -> None:
