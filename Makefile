@@ -1,5 +1,7 @@
 # The two commands of the README: `make up` starts the system, `make test` runs the tests.
 VENV ?= .venv
+# Test modules run on this many workers (pytest-xdist); a module and its fixtures stay on one.
+TEST_WORKERS ?= 2
 
 .PHONY: install up test lint bench
 
@@ -16,7 +18,7 @@ up: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
