@@ -252,7 +252,10 @@ def test_sharded_hybrid_merges_each_shards_fused_scores(system, k):
             default = {key: value for key, value in body.items() if key != "retrieval"}
             again = httpx.post(f"{system.sharded_url}/answer", json=default, timeout=60)
             assert again.json()["retrieval"] == "hybrid"
-            assert _passages(again) == (got_ids, got_scores)
+            again_ids, again_scores = _passages(again)
+            # the query may be encoded in another batch: the last float bits may differ
+            assert again_ids == got_ids, question
+            assert again_scores == pytest.approx(got_scores, abs=1e-4), question
     finally:
         for shard in shards:
             shard.close()
