@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from functools import partial
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse
 from openbook.auth import bearer_matches
 from openbook_gateway.answering import (
     AnswerOut,
+    TokenOut,
     answer_events,
     confidence_threshold,
     unless_disconnected,
@@ -84,6 +85,9 @@ async def require_api_key(
             status=401,
         )
 
+
+# What answer_events yields: token events as the answer is written, then the answer.
+AnswerEvents = AsyncGenerator[TokenOut | AnswerOut, None]
 
 router = APIRouter(
     prefix=PREFIX, dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute
@@ -147,15 +151,7 @@ async def chat_completions(
     threshold = confidence_threshold(body.min_confidence, services)
     reply = Completion(body, request_id, holds_text=threshold is not None)
     events = answer_events(question, services, request, stream=body.stream)
-    if not body.stream:
-        async for event in events:
-            if isinstance(event, AnswerOut):
-                return JSONResponse(reply.whole(event.body))
-        raise HTTPException(502, "no answer")  # answer_events always ends with one
-    first = await unless_disconnected(request, anext(events))
-    return EventStream(
-        reply.chunks(first, events), on_end=partial(services.metrics.stream_ended, "openai")
-    )
+    return await _reply(events, request, services, reply.whole, reply.chunks, body.stream)
 
 
 @router.post("/responses", responses=STREAMED)
@@ -172,15 +168,7 @@ async def responses(body: ResponsesRequest, request: Request, services: Services
     threshold = confidence_threshold(chat.min_confidence, services)
     reply = ResponseReply(body, chat, request_id, holds_text=threshold is not None)
     events = answer_events(question, services, request, stream=body.stream)
-    if not body.stream:
-        async for event in events:
-            if isinstance(event, AnswerOut):
-                return JSONResponse(reply.whole(event.body))
-        raise HTTPException(502, "no answer")  # answer_events always ends with one
-    first = await unless_disconnected(request, anext(events))
-    return EventStream(
-        reply.events(first, events), on_end=partial(services.metrics.stream_ended, "openai")
-    )
+    return await _reply(events, request, services, reply.whole, reply.events, body.stream)
 
 
 @router.post("/embeddings")
@@ -243,4 +231,25 @@ def _unknown_model(model_id: str) -> OpenAIRequestError:
         "model",
         "model_not_found",
         status=404,
+    )
+
+
+async def _reply(
+    events: AnswerEvents,
+    request: Request,
+    services: Services,
+    whole: Callable[[dict], dict],
+    streamed: Callable[[TokenOut | AnswerOut, AnswerEvents], AsyncGenerator[bytes, None]],
+    stream: bool,
+) -> Response:
+    """The reply of a /v1 route over ``answer_events``: ``whole`` of the final answer's body,
+    or an event stream of ``streamed`` from the first event on (chat chunks, response events)."""
+    if not stream:
+        async for event in events:
+            if isinstance(event, AnswerOut):
+                return JSONResponse(whole(event.body))
+        raise HTTPException(502, "no answer")  # answer_events always ends with one
+    first = await unless_disconnected(request, anext(events))
+    return EventStream(
+        streamed(first, events), on_end=partial(services.metrics.stream_ended, "openai")
     )
