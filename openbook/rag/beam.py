@@ -191,15 +191,7 @@ class GreedySearch(Search):
             done.to(device), 0.0, scores.gather(1, nxt[:, None]).squeeze(1)
         )
         self.seq = torch.cat([self.seq, nxt[:, None]], dim=1)
-        nxt_cpu = nxt.tolist()
-        for r in range(self.rows):
-            if done[r]:
-                continue
-            if (s.eos_token_id is not None and nxt_cpu[r] == s.eos_token_id) or (
-                self.stop is not None and self.stop(self.seq[r].tolist())
-            ):
-                done[r] = True
-                self._lengths[r] = g + 1
+        _mark_finished(done, self._lengths, nxt, self.seq, g, s.eos_token_id, self.stop)
         self._g = g + 1
         self.tokens = nxt
         return not (bool(done.all()) or g + 1 == s.max_new_tokens)
@@ -411,15 +403,7 @@ class SampleSearch(Search):
             per_row = self.payload(self._beam, nxt.view(self.batch, self.n))
             self._extra.append(per_row.reshape(self.rows, -1))
         self.seq = torch.cat([self.seq, nxt[:, None]], dim=1)
-        nxt_cpu = nxt.tolist()
-        for r in range(self.rows):
-            if done[r]:
-                continue
-            if (s.eos_token_id is not None and nxt_cpu[r] == s.eos_token_id) or (
-                self.stop is not None and self.stop(self.seq[r].tolist())
-            ):
-                done[r] = True
-                self._lengths[r] = g + 1
+        _mark_finished(done, self._lengths, nxt, self.seq, g, s.eos_token_id, self.stop)
         self._g = g + 1
         self.tokens = nxt
         return not (all(done) or g + 1 == s.max_new_tokens)
@@ -463,3 +447,27 @@ def new_search(
         return SampleSearch(batch, s, device, stop, payload, generator)
     search = GreedySearch if s.num_beams == 1 else BeamSearch
     return search(batch, s, device, stop, payload)
+
+
+def _mark_finished(
+    done: Tensor | list[bool],
+    lengths: Tensor | list[int],
+    nxt: torch.Tensor,
+    seq: torch.Tensor,
+    g: int,
+    eos_token_id: int | None,
+    stop: StopFn | None,
+) -> None:
+    """Mark the rows that step ``g`` finished (their token ``nxt`` is EOS, or ``stop`` says
+    their sequence ``seq`` is done) and record their length, g + 1. ``done``: one flag per
+    row, a bool tensor (greedy) or a list (sampling), ``lengths`` likewise; rows already done
+    are left as they are."""
+    nxt_cpu = nxt.tolist()
+    for r in range(len(done)):
+        if done[r]:
+            continue
+        if (eos_token_id is not None and nxt_cpu[r] == eos_token_id) or (
+            stop is not None and stop(seq[r].tolist())
+        ):
+            done[r] = True
+            lengths[r] = g + 1
