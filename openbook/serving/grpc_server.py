@@ -21,6 +21,7 @@ from openbook.auth import bearer_token, token_matches
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
 from openbook.serving.batcher import NO_DEADLINE_S
+from openbook.serving.handlers import wrap_handler
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
 from openbook.serving.tracing import server_interceptors
@@ -204,33 +205,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         call = _ObservedCall(
             method, self.metrics, self.access_log and not method.startswith("/grpc.health.")
         )
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def unary(request, context: grpc.ServicerContext):
-                with call.observed(context):
-                    return inner(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            streaming = handler.unary_stream
-
-            def stream(request, context: grpc.ServicerContext):
-                # The whole stream is one call: an error before or between events ends it with
-                # its status; the client going away closes the handler's iterator.
-                with call.observed(context):
-                    yield from streaming(request, context)
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return wrap_handler(handler, call.observed)
 
 
 class _ObservedCall:

@@ -24,6 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from openbook import telemetry
 from openbook.errors import status_for
+from openbook.serving.handlers import wrap_handler
 
 REQUEST_ID_HEADER = "x-request-id"  # the same as grpc_server.REQUEST_ID_HEADER
 # Called often (probes) and telling nothing about a request.
@@ -85,33 +86,9 @@ class TracingServerInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(UNTRACED_PREFIXES):
+        if method.startswith(UNTRACED_PREFIXES):
             return handler
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def unary(request, context: grpc.ServicerContext):
-                with _server_span(method, context):
-                    return inner(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            streaming = handler.unary_stream
-
-            def stream(request, context: grpc.ServicerContext):
-                with _server_span(method, context):
-                    yield from streaming(request, context)
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return wrap_handler(handler, lambda context: _server_span(method, context))
 
 
 def server_interceptors() -> list[grpc.ServerInterceptor]:
