@@ -98,11 +98,8 @@ def build_base(inputs: BaseInputs, out_dir: Path, like: Manifest, version: int) 
     spec = replace(like_spec, ann=replace(like_spec.ann, nlist=None))
     vectors = None
     if like.dense:
-        vectors = VectorSource(
-            encoder=like.encoder or "",
-            query_encoder=like.query_encoder or like.encoder or "",
-            dim=like.dim,
-            normalize=like.normalize,
+        vectors = VectorSource.like(
+            like,
             digest=lambda: f"compaction of {like.checksum} at version {version}",
             produce=_stored_vectors(inputs, like.dim),
             desc="compacting",

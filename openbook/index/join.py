@@ -366,11 +366,8 @@ def merge_slices(
         spec = replace(spec, index_type=index_type, ann=AnnParams())
     vectors = None
     if m0.dense:
-        vectors = VectorSource(
-            encoder=m0.encoder or "",
-            query_encoder=m0.query_encoder or m0.encoder or "",
-            dim=m0.dim,
-            normalize=m0.normalize,
+        vectors = VectorSource.like(
+            m0,
             digest=lambda: index_set.parent_checksum,
             produce=_slice_vectors(paths, [s.row_offset for s in index_set.shards]),
             desc="merging",

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from openbook.index.encoders import Encoder, encoder_id, load_encoder, resolve_precision
+from openbook.index.manifest import Manifest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.store import PassageStore
 
@@ -111,6 +112,29 @@ class VectorSource:
     produce: ShardProducer
     desc: str = "embedding"
     inputs: tuple[Path, ...] = ()  # files the vectors are read from, if any
+
+    @classmethod
+    def like(
+        cls,
+        manifest: Manifest,
+        digest: Callable[[], str],
+        produce: ShardProducer,
+        desc: str,
+        inputs: tuple[Path, ...] = (),
+    ) -> VectorSource:
+        """Vectors that an existing dense index (``manifest``) already holds, read again to
+        build another one over them (a compaction, a merge): the new index takes the encoders,
+        dim and normalisation of ``manifest``, so it answers queries as the old one did."""
+        return cls(
+            encoder=manifest.encoder or "",
+            query_encoder=manifest.query_encoder or manifest.encoder or "",
+            dim=manifest.dim,
+            normalize=manifest.normalize,
+            digest=digest,
+            produce=produce,
+            desc=desc,
+            inputs=inputs,
+        )
 
 
 def encoder_source(
