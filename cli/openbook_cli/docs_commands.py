@@ -53,6 +53,17 @@ def _fail(command: str, exc: Exception) -> typer.Exit:
     return typer.Exit(1)
 
 
+def _metadata(option: str | None) -> Any:
+    """The ``--metadata`` option of ``put`` and ``upload`` as JSON (None: not given); the
+    gateway checks what it holds."""
+    if option is None:
+        return None
+    try:
+        return json.loads(option)
+    except ValueError as exc:
+        raise DocsError(f"--metadata is not JSON: {exc}") from None
+
+
 @docs_app.command("put")
 def put_command(
     index: str = typer.Argument(..., help="the index to write to"),
@@ -86,13 +97,7 @@ def put_command(
             return
         if doc_id is None or text is None:
             raise DocsError("give a JSONL FILE, or --id and --text (and --title) of one document")
-        meta = None
-        if metadata is not None:
-            try:
-                meta = json.loads(metadata)
-            except ValueError as exc:
-                raise DocsError(f"--metadata is not JSON: {exc}") from None
-        _done(put_document(target, index, doc_id, title, text, meta))
+        _done(put_document(target, index, doc_id, title, text, _metadata(metadata)))
     except (DocsError, OSError, ValueError) as exc:
         raise _fail("put", exc) from None
 
@@ -115,12 +120,7 @@ def upload_command(
     skipped, so running it again resumes a run that stopped."""
     target = GatewayTarget(url, admin_token, timeout_s)
     try:
-        meta = None
-        if metadata is not None:
-            try:
-                meta = json.loads(metadata)
-            except ValueError as exc:
-                raise DocsError(f"--metadata is not JSON: {exc}") from None
+        meta = _metadata(metadata)
         report = upload(target, index, paths, metadata=meta, progress=not no_progress)
     except (DocsError, OSError) as exc:
         raise _fail("upload", exc) from None
