@@ -47,13 +47,17 @@
     return `the gateway answered HTTP ${status}`;
   }
 
+  // A call of the gateway's JSON API: body an object sent as JSON, or FormData (a file) sent as
+  // multipart. Resolves to the reply's JSON; rejects with the gateway's message and .status.
   async function api(method, path, body, headers) {
+    const form = body instanceof FormData;
     let response;
     try {
       response = await fetch(path, {
         method,
-        headers: { Accept: "application/json", ...(body ? { "Content-Type": "application/json" } : {}), ...headers },
-        body: body ? JSON.stringify(body) : undefined,
+        // No Content-Type for a form: the browser writes the multipart boundary.
+        headers: { Accept: "application/json", ...(body && !form ? { "Content-Type": "application/json" } : {}), ...headers },
+        body: form ? body : body ? JSON.stringify(body) : undefined,
       });
     } catch (err) {
       throw new Error("cannot reach the gateway (" + err.message + ")");
@@ -643,14 +647,11 @@
     swapSubmit.disabled = true;
     swapSubmit.textContent = "Swapping…";
     try {
-      const data = await api("POST", "/admin/swap-index", { index: name }, { Authorization: `Bearer ${token}` });
-      adminToken = token;
-      docsTokenShown();
+      const data = await adminCall(token, "POST", "/admin/swap-index", { index: name });
       setActiveIndex(data.active, "ok");
       dialog.close();
       $("swap-open").focus();
     } catch (err) {
-      if (err.status === 401) adminToken = "";
       showError(swapError, err.status === 401 ? `Not allowed: ${err.message}` : err.message);
     } finally {
       swapSubmit.disabled = false;
@@ -671,6 +672,21 @@
   // The admin token is asked once: by the swap dialog or here, whichever comes first.
   function docsTokenShown() {
     $("docs-token-field").hidden = Boolean(adminToken);
+  }
+
+  // An admin call with token: the token is kept once the gateway takes it and forgotten when
+  // it answers 401, so that the documents panel asks for it again.
+  async function adminCall(token, method, path, body) {
+    try {
+      const data = await api(method, path, body, { Authorization: `Bearer ${token}` });
+      adminToken = token;
+      return data;
+    } catch (err) {
+      if (err.status === 401) adminToken = "";
+      throw err;
+    } finally {
+      docsTokenShown();
+    }
   }
 
   // Both selects list every index; the ask form's keeps its choice, the documents panel
@@ -711,10 +727,11 @@
     }
   }
 
-  function writeHeaders() {
+  // The token of a write from the documents panel: the one kept, else the panel's field.
+  function writeToken() {
     const token = adminToken || docsToken.value.trim();
     if (!token) throw new Error("Give the admin token first.");
-    return { token, headers: { Authorization: `Bearer ${token}` } };
+    return token;
   }
 
   $("upload-form").addEventListener("submit", async (event) => {
@@ -725,31 +742,12 @@
     try {
       if (!index) throw new Error("Choose an index.");
       if (!file) throw new Error("Choose a file to upload.");
-      const { token, headers } = writeHeaders();
+      const token = writeToken();
       uploadButton.disabled = true;
       docsStatus.textContent = `Uploading ${file.name}…`;
       const formData = new FormData();
       formData.append("file", file, file.name);
-      let response;
-      try {
-        // No Content-Type: the browser writes the multipart boundary.
-        response = await fetch(`/indexes/${encodeURIComponent(index)}/documents`, { method: "POST", headers, body: formData });
-      } catch (err) {
-        throw new Error("cannot reach the gateway (" + err.message + ")");
-      }
-      let data = null;
-      try {
-        data = await response.json();
-      } catch (err) {
-        data = null;
-      }
-      if (!response.ok) {
-        if (response.status === 401) adminToken = "";
-        docsTokenShown();
-        throw new Error(errorText(response.status, data));
-      }
-      adminToken = token;
-      docsTokenShown();
+      const data = await adminCall(token, "POST", `/indexes/${encodeURIComponent(index)}/documents`, formData);
       $("ask-index").value = index; // ask about it next
       docsFile.value = "";
       await listDocuments();
@@ -769,15 +767,11 @@
     showError(docsError, "");
     const id = button.dataset.docId;
     try {
-      const { token, headers } = writeHeaders();
-      await api("DELETE", `/indexes/${encodeURIComponent(docsIndex.value)}/documents/${encodeURIComponent(id)}`, null, headers);
-      adminToken = token;
-      docsTokenShown();
+      const token = writeToken();
+      await adminCall(token, "DELETE", `/indexes/${encodeURIComponent(docsIndex.value)}/documents/${encodeURIComponent(id)}`);
       await listDocuments();
       docsStatus.textContent = `Deleted ${id}.`;
     } catch (err) {
-      if (err.status === 401) adminToken = "";
-      docsTokenShown();
       showError(docsError, err.message);
     }
   });
