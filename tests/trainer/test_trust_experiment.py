@@ -50,7 +50,9 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
         out=tmp_path / "out",
         systems=[
             trust.ReaderSystem("few-shot, dense", None, None, "dense"),
-            trust.ReaderSystem("few-shot, hybrid", None, None, "hybrid"),
+            trust.ReaderSystem(
+                "few-shot, hybrid", None, None, "hybrid", compare_with="few-shot, dense"
+            ),
         ],
         index="facts",
         dev_articles=2,
@@ -78,6 +80,9 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     assert len(result.fusion_folds) == 2
     dense, hybrid = (result.readers[s.name] for s in config.systems)
     assert "em_vs_baseline" not in dense and "em_vs_baseline" in hybrid
+    # compared question by question with the system it names, too
+    assert "em_vs_other" not in dense and hybrid["em_vs_other"]["versus"] == "few-shot, dense"
+    assert hybrid["em_vs_other"]["mean"] == hybrid["em_vs_baseline"]["mean"]
     for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
@@ -93,6 +98,7 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     text = trust.markdown(result, {"reliability": "x.png"})
     assert "hybrid − the better single view" in text and "| few-shot, hybrid |" in text
     assert "| few-shot, hybrid | calibrated |" in text
+    assert "Paired difference of few-shot, hybrid to few-shot, dense: EM" in text
 
     # A rerun answers nothing again: every prediction is in the log.
     logged = len(ResultLog(config.out / "predictions.jsonl").done)

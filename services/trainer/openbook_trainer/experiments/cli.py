@@ -204,6 +204,66 @@ def finetune(
     typer.echo(table)
 
 
+@app.command("retrain")
+def retrain(
+    index_root: Path = typer.Option(
+        None, help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)"
+    ),
+    index: str = typer.Option("wiki-2018", help="an index with a dense and a BM25 view"),
+    generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="base generator"),
+    query_encoder_adapter: Path = typer.Option(
+        None, help="the frozen query encoder adapter (default: the demo data's)"
+    ),
+    questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
+    out: Path = typer.Option(Path("var/experiments/retrain"), help="checkpoints, train.jsonl"),
+    export: Path = typer.Option(
+        Path("var/experiments/retrain/adapters"),
+        help="where the newest checkpoint's adapters are written (for trust --candidate)",
+    ),
+    steps: int = typer.Option(180, min=1, help="optimizer steps (the schedule's length)"),
+    batch_size: int = typer.Option(4, min=1),
+    lr_generator: float = typer.Option(5e-4, min=0, help="the adapter's learning rate"),
+    warmup_steps: int = typer.Option(15, min=0),
+    k: int = typer.Option(5, min=1, max=100),
+    lora_rank: int = typer.Option(16, min=1, max=256),
+    save_every: int = typer.Option(20, min=1, help="steps between checkpoints (resume points)"),
+    seed: int = typer.Option(0),
+    train_now: bool = typer.Option(
+        True, "--train/--export-only", help="train (or resume) before exporting"
+    ),
+) -> None:
+    """Retrain the default generator's adapter on every training article's questions with
+    hybrid retrieval in the loop (experiments/retrain.py); resumes where it stopped."""
+    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
+    from openbook_trainer.experiments.retrain import RetrainConfig, export_candidate, run_retrain
+
+    adapters = default_data_dir() / "adapters"
+    config = RetrainConfig(
+        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
+        index_root=index_root or TrainerSettings().index_root,
+        generator=generator,
+        query_encoder_adapter=query_encoder_adapter or adapters / "minilm-squad-query",
+        out=out,
+        index=index,
+        k=k,
+        steps=steps,
+        batch_size=batch_size,
+        lr_generator=lr_generator,
+        warmup_steps=warmup_steps,
+        lora_rank=lora_rank,
+        save_every=save_every,
+        seed=seed,
+    )
+    try:
+        if train_now:
+            run_retrain(config)
+        ckpt = export_candidate(config, export)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"retrain: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"exported {ckpt} to {export}")
+
+
 @app.command("trust")
 def trust(
     ctx: typer.Context,
@@ -221,6 +281,11 @@ def trust(
     folds: int = typer.Option(10, min=0, help="k-fold over articles for the fusion (0: skip)"),
     readers: bool = typer.Option(True, help="also answer with every system (slow)"),
     only: str = typer.Option("", help="comma-separated system numbers to run (1-based)"),
+    candidate: Path = typer.Option(
+        None,
+        help="adapters to judge against the shipped default (a folder in data/adapters' "
+        "layout, e.g. `experiments retrain`'s export): system 5",
+    ),
     batch_size: int = typer.Option(8, min=1),
     seed: int = typer.Option(0),
     results: Path = typer.Option(Path("docs/results")),
@@ -238,7 +303,7 @@ def trust(
         run_trust,
     )
 
-    systems = default_systems(adapters or default_data_dir() / "adapters")
+    systems = default_systems(adapters or default_data_dir() / "adapters", candidate)
     if only:
         try:
             systems = [systems[int(i) - 1] for i in only.split(",")]

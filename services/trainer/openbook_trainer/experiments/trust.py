@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from openbook.artifacts import sha256_file
 from openbook.index import open_index
 from openbook.index.encoders import load_adapted_encoder
 from openbook.index.fusion import (
@@ -81,17 +82,36 @@ class ReaderSystem:
     generator_adapter: str | None  # a LoRA adapter dir merged into the generator; None: few-shot
     query_encoder_adapter: str | None  # merged into the index's query encoder; None: its own
     retrieval: str  # "dense" | "bm25" | "hybrid"
+    # another system's name: this one's EM is also reported as a paired difference to its
+    compare_with: str | None = None
 
 
-def default_systems(adapters: Path) -> list[ReaderSystem]:
+SHIPPED = "both adapters, hybrid (tuned dense + BM25)"
+
+
+def default_systems(adapters: Path, candidate: Path | None = None) -> list[ReaderSystem]:
+    """The shipped default and the systems it is judged against; with ``candidate`` (a folder
+    in ``adapters``' layout, e.g. ``openbook experiments retrain``'s export) also that
+    candidate, compared with the shipped default question by question."""
     gen = str(adapters / "gemma-3-270m-squad")
     qenc = str(adapters / "minilm-squad-query")
-    return [
+    systems = [
         ReaderSystem("few-shot prompt, dense", None, None, "dense"),
         ReaderSystem("both adapters, tuned dense (shipped until now)", gen, qenc, "dense"),
-        ReaderSystem("both adapters, hybrid (tuned dense + BM25)", gen, qenc, "hybrid"),
+        ReaderSystem(SHIPPED, gen, qenc, "hybrid"),
         ReaderSystem("few-shot prompt, hybrid (tuned dense + BM25)", None, qenc, "hybrid"),
     ]
+    if candidate is not None:
+        systems.append(
+            ReaderSystem(
+                "retrained adapter, hybrid (candidate)",
+                str(candidate / "gemma-3-270m-squad"),
+                str(candidate / "minilm-squad-query"),
+                "hybrid",
+                compare_with=SHIPPED,
+            )
+        )
+    return systems
 
 
 @dataclass
@@ -287,7 +307,7 @@ def _answer_rows(
     """Every development question answered by ``system`` (logged; a rerun resumes)."""
     generator: RagGenerator | None = None
     options = DecodingOptions(mode="rag-token", max_new_tokens=config.max_new_tokens)
-    version = f"{Path(config.generator).name}+{Path(system.generator_adapter or 'none').name}"
+    version = f"{Path(config.generator).name}+{adapter_version(system.generator_adapter)}"
     keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
     todo = [i for i, key in enumerate(keys) if log.get(key) is None]
     if todo:
@@ -320,6 +340,16 @@ def _answer_rows(
                     log.add(f"{system.name}|{version}|{q['id']}", row)
                 bar.update(len(batch))
     return [log.get(key) for key in keys]  # type: ignore[misc]
+
+
+def adapter_version(adapter: str | None) -> str:
+    """The adapter's folder name and the start of its weights' sha256: a retrained adapter
+    under the same name never reuses another's logged answers."""
+    if adapter is None:
+        return "none"
+    weights = Path(adapter) / "adapter_model.safetensors"
+    digest = sha256_file(weights)[:12] if weights.is_file() else "missing"
+    return f"{Path(adapter).name}@{digest}"
 
 
 def answer_feature_rows(
@@ -451,6 +481,16 @@ def run_trust(
                 by_system[system.name] = rows
                 result.readers[system.name] = metrics = reader_metrics(rows, baseline)
                 baseline = baseline or rows
+                other = by_system.get(system.compare_with or "")
+                if other is not None:
+                    metrics["em_vs_other"] = {
+                        "versus": system.compare_with,
+                        **paired_difference_ci(
+                            [r["em"] for r in rows],
+                            [r["em"] for r in other],
+                            [r["title"] for r in rows],
+                        ).as_dict(),
+                    }
                 features = answer_feature_rows(system, config, index, rows)
                 calibrated = cross_fitted_confidence(features, rows)
                 metrics["calibrated"] = confidence_metrics(calibrated, rows)
@@ -513,6 +553,12 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
                 f"| {name} | {m['questions']} | {_interval(m['em'])} | {_interval(m['f1'])} | "
                 f"{diff} |"
             )
+        lines += [
+            f"\nPaired difference of {name} to {m['em_vs_other']['versus']}: EM "
+            f"{_interval(m['em_vs_other'])} (95% interval over articles)."
+            for name, m in result.readers.items()
+            if "em_vs_other" in m
+        ]
     if result.readers:
         lines += [
             "",
