@@ -264,6 +264,13 @@ def retrain(
     typer.echo(f"exported {ckpt} to {export}")
 
 
+# The sections of docs/results.md the trust experiment writes, and their titles.
+TRUST_SECTIONS = {
+    "trust": "Answers you can trust: hybrid retrieval, held-out EM and confidence",
+    "retrain": "Retraining the default's adapter: every training question, hybrid in the loop",
+}
+
+
 @app.command("trust")
 def trust(
     ctx: typer.Context,
@@ -290,9 +297,14 @@ def trust(
     seed: int = typer.Option(0),
     results: Path = typer.Option(Path("docs/results")),
     report: Path = typer.Option(Path("docs/results.md")),
+    section: str = typer.Option(
+        "trust", help=f"the section of --report written: {', '.join(TRUST_SECTIONS)}"
+    ),
 ) -> None:
     """Recall of dense / BM25 / hybrid retrieval, the reader's EM with intervals, and the
     confidence's calibration, on the development articles (experiments/trust.py)."""
+    if section not in TRUST_SECTIONS:
+        raise typer.BadParameter(f"one of {', '.join(TRUST_SECTIONS)}", param_hint="--section")
     # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook_trainer.experiments.trust import (
         TrustConfig,
@@ -335,11 +347,5 @@ def trust(
     if coverage is not None:
         pictures["coverage"] = coverage
     table = markdown(result, {t: str(p.relative_to(report.parent)) for t, p in pictures.items()})
-    write_section(
-        report,
-        "trust",
-        "Answers you can trust: hybrid retrieval, held-out EM and confidence",
-        table,
-        _command_line(ctx),
-    )
+    write_section(report, section, TRUST_SECTIONS[section], table, _command_line(ctx))
     typer.echo(table)
