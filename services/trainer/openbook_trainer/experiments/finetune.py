@@ -119,7 +119,9 @@ def make_split(config: FinetuneConfig) -> Split:
     return Split(train_titles, dev_titles, train, dev)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+def write_questions(path: Path, rows: list[dict]) -> Path:
+    """``rows``' id, question and answers as JSONL at ``path``, rewritten only when that text
+    changes (a resumed training run checks its checkpoint's data sha256 against the file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(
         json.dumps({"id": r["id"], "question": r["question"], "answers": r["answers"]}) + "\n"
@@ -201,8 +203,8 @@ def _recall(retrieved: list[list], dev: list[dict], ks: tuple[int, ...]) -> dict
 def run_finetune(config: FinetuneConfig) -> FinetuneResult:
     out = Path(config.out)
     split = make_split(config)
-    train_file = _write_jsonl(out / "train.jsonl", split.train)
-    _write_jsonl(out / "dev.jsonl", split.dev)
+    train_file = write_questions(out / "train.jsonl", split.train)
+    write_questions(out / "dev.jsonl", split.dev)
     result = FinetuneResult(
         config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         split={"train_articles": split.train_articles, "dev_articles": split.dev_articles},

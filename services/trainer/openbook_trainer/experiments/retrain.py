@@ -26,7 +26,7 @@ from pathlib import Path
 
 from openbook.checkpoint import generator_adapter_dir, latest_checkpoint, read_manifest
 from openbook_trainer.config import TrainConfig
-from openbook_trainer.experiments.finetune import split_by_article
+from openbook_trainer.experiments.finetune import split_by_article, write_questions
 from openbook_trainer.loop import TrainResult, train, training_threads
 
 GENERATOR_ADAPTER = "gemma-3-270m-squad"  # the names data/adapters uses
@@ -62,17 +62,8 @@ def training_questions(config: RetrainConfig) -> list[dict]:
 
 
 def write_training_file(config: RetrainConfig) -> Path:
-    """``out/train.jsonl``, rewritten only when its content changes (a resumed run checks the
-    checkpoint's data sha256 against it)."""
-    path = Path(config.out) / "train.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(
-        json.dumps({"id": r["id"], "question": r["question"], "answers": r["answers"]}) + "\n"
-        for r in training_questions(config)
-    )
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-    return path
+    """``out/train.jsonl``: :func:`training_questions`."""
+    return write_questions(Path(config.out) / "train.jsonl", training_questions(config))
 
 
 def train_config(config: RetrainConfig, train_file: Path) -> TrainConfig:
