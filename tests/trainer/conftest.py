@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from openbook.index import Fusion, build_index, open_index, store_fusion
+from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_trainer.config import TrainConfig
 from openbook_trainer.experiments.synthetic import SyntheticTask, make_task
 
@@ -45,3 +47,19 @@ def make_cfg(task: SyntheticTask, tmp_path: Path):
         return TrainConfig(**base)
 
     return make
+
+
+@pytest.fixture()
+def hybrid_index(task: SyntheticTask, tmp_path: Path) -> Path:
+    """The synthetic task's passages indexed with both views (its own index is dense only)."""
+    m = open_index(task.index).manifest
+    out = tmp_path / "hybrid"
+    build_index(
+        [task.passages],
+        out,
+        IndexSpec(name="synthetic-hybrid", encoder=m.encoder or "", query_encoder=m.query_encoder),
+        BuildOptions(progress=False),
+    )
+    # A fitted-looking fusion whose weights differ from the default (1, 1 for DPR's scale 1).
+    store_fusion(out, Fusion(2.0, 0.5, 4, {"questions": 1, "source": "t", "sha256": None}, -1.0))
+    return out

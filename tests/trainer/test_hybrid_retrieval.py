@@ -10,28 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from openbook.index import Fusion, build_index, load_encoder, open_index, store_fusion
-from openbook.index.spec import BuildOptions, IndexSpec
+from openbook.index import load_encoder, open_index
 from openbook_trainer.experiments.synthetic import SyntheticTask
 from openbook_trainer.retrieval import DenseRetrieval, HybridRetrieval, make_retrieval
 
 QUESTIONS = ["what is the code of e1 ?", "what is the code of e5 ?"]
-
-
-@pytest.fixture()
-def hybrid_index(task: SyntheticTask, tmp_path: Path) -> Path:
-    """The synthetic task's passages indexed with both views (its own index is dense only)."""
-    m = open_index(task.index).manifest
-    out = tmp_path / "hybrid"
-    build_index(
-        [task.passages],
-        out,
-        IndexSpec(name="synthetic-hybrid", encoder=m.encoder or "", query_encoder=m.query_encoder),
-        BuildOptions(progress=False),
-    )
-    # A fitted-looking fusion whose weights differ from the default (1, 1 for DPR's scale 1).
-    store_fusion(out, Fusion(2.0, 0.5, 4, {"questions": 1, "source": "t", "sha256": None}, -1.0))
-    return out
 
 
 def test_hybrid_scores_carry_the_dense_gradient(task: SyntheticTask, hybrid_index: Path) -> None:

@@ -17,8 +17,6 @@ from openbook.checkpoint import (
     read_manifest,
     verify_checkpoint,
 )
-from openbook.index import Fusion, build_index, open_index, store_fusion
-from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_trainer.experiments import retrain, trust
 from openbook_trainer.experiments.finetune import split_by_article
 from openbook_trainer.experiments.synthetic import SyntheticTask
@@ -26,20 +24,13 @@ from openbook_trainer.loop import train
 
 
 @pytest.fixture()
-def setup(task: SyntheticTask, make_cfg, tmp_path: Path) -> retrain.RetrainConfig:
-    m = open_index(task.index).manifest
-    index = tmp_path / "indexes" / "both"
-    build_index(
-        [task.passages],
-        index,
-        IndexSpec(name="both", encoder=m.encoder or "", query_encoder=m.query_encoder),
-        BuildOptions(progress=False),
-    )
-    store_fusion(index, Fusion(2.0, 0.5, 4, {"questions": 1, "source": "t", "sha256": None}, -1.0))
+def setup(
+    task: SyntheticTask, make_cfg, hybrid_index: Path, tmp_path: Path
+) -> retrain.RetrainConfig:
     # A query encoder adapter as the shipped one is made: by joint training.
     joint = train(
         make_cfg(
-            index=index,
+            index=hybrid_index,
             out=tmp_path / "joint",
             steps=1,
             dev=None,
@@ -59,11 +50,11 @@ def setup(task: SyntheticTask, make_cfg, tmp_path: Path) -> retrain.RetrainConfi
     )
     return retrain.RetrainConfig(
         questions=questions,
-        index_root=tmp_path / "indexes",
+        index_root=hybrid_index.parent,
         generator=task.generator,
         query_encoder_adapter=q_adapter,
         out=tmp_path / "retrain",
-        index="both",
+        index=hybrid_index.name,
         dev_articles=1,
         k=3,
         steps=2,
