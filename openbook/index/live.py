@@ -421,8 +421,14 @@ class LiveIndex:
                     self._store_record(record, view.base.manifest.max_words)
         else:
             got = read_log_from(self.path / WAL_FILE, self._log_at)
-            if got is None:  # the log was cut: a compaction, whose base we open next time
-                raise StaleOpen(f"{self.path}: compacted while catching up")
+            if got is None:
+                # The log was cut by a compaction. Its base may be the one this view holds
+                # already (opened between its publish and its cut, over the uncut log): then
+                # no newer base will ever send us to ``_load``, and our position is in a file
+                # that is gone. Read the base and the whole log again (``_load`` checks that
+                # the base is still the newest, so the log read holds every write above it).
+                self._view = self._load(None)
+                return
             records, position = got
         for record in records:
             if record.version > view.version:

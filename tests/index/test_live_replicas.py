@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex, LiveOptions
-from openbook.index.wal import WAL_FILE
+from openbook.index.wal import WAL_FILE, WriteAheadLog
 from openbook_testkit.live import make_live_index
 
 OPTIONS = LiveOptions(verify=False)
@@ -73,6 +75,38 @@ def test_a_torn_append_of_a_dead_writer_is_cut_by_the_next_writer(tmp_path: Path
         assert a.put(Document.create("d3", "T", "gamma quux")).version == 3
         with LiveIndex(tmp_path / "live", OPTIONS) as fresh:  # the log replays whole
             assert fresh.version == 3 and {"d1#0", "d2#0", "d3#0"} <= set(_ids(fresh, "quux"))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reader_that_opened_a_new_base_before_its_log_cut_reads_on_after_the_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica's request caught between another replica's compaction publishing ``base-<v>``
+    and cutting the log opens the new base over the old (uncut) log. After the cut its log
+    position is in a file that is gone, and the base is no newer than its own: it reads the
+    new log whole, never serves that view on (the first answer after a hot swap came from it)."""
+    a = make_live_index(tmp_path, "bm25", None, passages=20)
+    b = LiveIndex(tmp_path / "live", OPTIONS)
+    try:
+        for i in range(3):
+            a.put(Document.create(f"z{i}", "T", f"zebraword{i} quux"))
+        b.catch_up()
+        cut = WriteAheadLog.drop_through
+
+        def b_reads_then_cut(wal: WriteAheadLog, version: int) -> None:
+            b.catch_up()  # base-3 is published and its rows recorded: b opens it
+            assert (b.base_version, b.version) == (3, 3)
+            cut(wal, version)
+
+        monkeypatch.setattr(WriteAheadLog, "drop_through", b_reads_then_cut)
+        assert a.compact() is not None
+        monkeypatch.setattr(WriteAheadLog, "drop_through", cut)
+        for i in range(3, 5):
+            assert a.put(Document.create(f"z{i}", "T", f"zebraword{i} quux")).version == i + 1
+        b.catch_up()
+        assert b.version == 5 and _ids(b, "zebraword4")[0] == "z4#0"
     finally:
         a.close()
         b.close()
