@@ -454,33 +454,49 @@ def fit_logistic_calibration(
     l2: float = 1.0,
     fitted_on: Mapping[str, Any] | None = None,
 ) -> LogisticCalibration:
-    """L2-penalised logistic regression of ``correct`` (1/0, or a score in [0, 1]) on the named
-    ``features`` of each row, by Newton's method (IRLS). Minimises
-    ``sum_i logloss_i + l2/2 * |w|^2`` (the bias is not penalised): scikit-learn's
-    ``LogisticRegression(C=1/l2)``. ``fitted_on``: provenance stored with it (default: the
-    number of rows).
+    """The logistic calibration over the named ``features`` of each row (:data:`FEATURES`),
+    fitted by :func:`fit_logistic` to ``correct`` (1/0, or a score in [0, 1]). ``fitted_on``:
+    provenance stored with it (default: the number of rows).
 
-    Raises ``ValueError`` for empty or mismatched inputs, an unknown feature, a row without a
-    feature, values out of range, or outcomes that are all right or all wrong (the bias would
-    be infinite)."""
+    Raises ``ValueError`` for an unknown feature, a row without a feature, and whatever
+    :func:`fit_logistic` refuses."""
     names = tuple(features)
     for name in names:
         if name not in FEATURES:
             raise ValueError(f"unknown feature {name!r}: one of {', '.join(FEATURES)}")
+    if len(feature_rows) != len(correct):
+        raise ValueError("feature_rows and correct must be non-empty and of the same length")
+    try:
+        x = np.array([[float(row[n]) for n in names] for row in feature_rows], dtype=np.float64)
+    except KeyError as e:
+        raise ValueError(f"a feature row has no {e.args[0]!r}") from None
+    bias, weights = fit_logistic(x.reshape(len(feature_rows), len(names)), correct, l2)
+    provenance = dict(fitted_on) if fitted_on is not None else {"questions": len(correct)}
+    calibration = LogisticCalibration(names, tuple(weights), bias, provenance)
+    calibration.validate()
+    return calibration
+
+
+def fit_logistic(
+    x: np.ndarray, correct: Sequence[bool | float], l2: float = 1.0
+) -> tuple[float, list[float]]:
+    """(bias, weights) of the L2-penalised logistic regression of ``correct`` (1/0, or a score
+    in [0, 1]) on the columns of ``x`` (n, d), by Newton's method (IRLS). Minimises
+    ``sum_i logloss_i + l2/2 * |w|^2`` (the bias is not penalised): scikit-learn's
+    ``LogisticRegression(C=1/l2)``.
+
+    Raises ``ValueError`` for empty or mismatched inputs, values out of range, or outcomes
+    that are all right or all wrong (the bias would be infinite)."""
     if not l2 > 0 or not math.isfinite(l2):
         raise ValueError(f"l2 must be a positive number, got {l2!r}")
     y = np.asarray(correct, dtype=np.float64)
-    if y.ndim != 1 or y.size == 0 or y.size != len(feature_rows):
+    x = np.asarray(x, dtype=np.float64)
+    if y.ndim != 1 or y.size == 0 or x.ndim != 2 or x.shape[0] != y.size:
         raise ValueError("feature_rows and correct must be non-empty and of the same length")
     if not np.all(np.isfinite(y)) or y.min() < 0 or y.max() > 1:
         raise ValueError("correct must hold numbers in [0, 1]")
     if not 0 < y.mean() < 1:
         raise ValueError("correct must hold both right and wrong answers")
-    try:
-        x = np.array([[float(row[n]) for n in names] for row in feature_rows], dtype=np.float64)
-    except KeyError as e:
-        raise ValueError(f"a feature row has no {e.args[0]!r}") from None
-    x = x.reshape(y.size, len(names))
     if not np.all(np.isfinite(x)):
         raise ValueError("feature values must be finite")
     # [bias | weights]: column 0 of the design is the constant 1, unpenalised
@@ -512,12 +528,7 @@ def fit_logistic_calibration(
             break
     if not np.all(np.isfinite(beta)):
         raise ValueError("the logistic fit did not converge")
-    provenance = dict(fitted_on) if fitted_on is not None else {"questions": int(y.size)}
-    calibration = LogisticCalibration(
-        names, tuple(float(b) for b in beta[1:]), float(beta[0]), provenance
-    )
-    calibration.validate()
-    return calibration
+    return float(beta[0]), [float(b) for b in beta[1:]]
 
 
 def confidences(

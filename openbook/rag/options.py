@@ -88,6 +88,9 @@ class Hypothesis:
     doc_posterior: list[float] | None = None
     tokens: list[str] | None = None
     token_doc_posteriors: list[list[float]] | None = None
+    # RAG-Token: log p(y_i|x,y_<i) = log sum_z p(z|x) p(y_i|x,z,y_<i) of each token (they sum to
+    # ``log_prob``); None for RAG-Sequence, whose marginal is over whole answers, not tokens
+    token_log_probs: list[float] | None = None
     # "stop": the model ended it (EOS or a stop string); "length": max_new_tokens ran out
     finish_reason: str = "stop"
     # exp(log_prob / scored_tokens), and the model's calibration of it (the raw value when it

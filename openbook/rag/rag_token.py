@@ -117,6 +117,7 @@ def _with_provenance(
                     doc_posterior=None,
                     tokens=backend.token_strings(h.tokens),
                     token_doc_posteriors=token_posteriors(chosen, lp).tolist(),
+                    token_log_probs=marginal.tolist(),
                 )
             )
         out.append(res)

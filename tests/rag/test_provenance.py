@@ -38,8 +38,10 @@ def test_rag_token_provenance(dirs, load, num_beams):
     for h in res.hypotheses:
         lp = _doc_token_logprobs(gen, passages, h.token_ids)
         # log p(y|x) = sum_i log sum_z p(z|x) p(y_i | x, z, y_<i)
-        expected = torch.logsumexp(lp + prior.log()[:, None], 0).sum()
-        assert h.log_prob == pytest.approx(float(expected), abs=1e-4)
+        per_token = torch.logsumexp(lp + prior.log()[:, None], 0)
+        assert h.log_prob == pytest.approx(float(per_token.sum()), abs=1e-4)
+        # each token's own term of that sum, in order
+        assert h.token_log_probs == pytest.approx(per_token.tolist(), abs=1e-4)
         assert h.tokens == [gen.tokenizer.decode([t]) for t in h.token_ids]
         assert len(h.token_doc_posteriors) == len(h.token_ids)
         # recursive normalisation: p(z|x,y_<=i) ∝ p(z|x,y_<i) p(y_i|x,z,y_<i)
@@ -64,6 +66,7 @@ def test_rag_sequence_posterior(dirs, load, mode):
     for h in res.hypotheses:
         assert sum(h.doc_posterior) == pytest.approx(1.0, abs=1e-5)
         assert h.tokens is None and h.token_doc_posteriors is None
+        assert h.token_log_probs is None  # a whole-answer marginal has no per-token terms
         if mode == "rag-sequence-thorough":
             joint = prior * _doc_token_logprobs(gen, passages, h.token_ids).sum(1).exp()
             assert h.doc_posterior == pytest.approx((joint / joint.sum()).tolist(), abs=1e-5)

@@ -11,6 +11,7 @@ from openbook_trainer.evaluation.statistics import (
     auroc,
     bootstrap_ci,
     expected_calibration_error,
+    measure_ci,
     paired_difference_ci,
     precision_at_coverage,
     reliability_bins,
@@ -86,3 +87,20 @@ def test_precision_at_coverage_keeps_the_most_confident() -> None:
     assert threshold_for_coverage(conf, 0.5) == 0.8
     with pytest.raises(ValueError):
         precision_at_coverage(conf, correct, 0.0)
+
+
+def test_measure_ci_bootstraps_any_measure_by_group() -> None:
+    rng = np.random.default_rng(1)
+    groups = [f"a{i % 8}" for i in range(400)]
+    y = (rng.random(400) < 0.4).astype(float)
+    c = np.clip(0.3 * y + rng.random(400) * 0.7, 0, 1)  # right answers a little more confident
+    ci = measure_ci(auroc, c, y, groups)
+    assert ci.mean == pytest.approx(auroc(c, y))
+    assert ci.low < ci.mean < ci.high <= 1.0
+    # resamples where the measure is undefined are left out, not propagated as nan
+    one_right = [0.0] * 9 + [1.0]  # the most confident answer is the right one
+    partial = measure_ci(auroc, np.linspace(0, 1, 10), one_right, [str(i) for i in range(10)])
+    assert not math.isnan(partial.low) and partial.mean == 1.0
+    assert math.isnan(measure_ci(auroc, [0.2, 0.3], [1, 1]).low)  # never defined
+    with pytest.raises(ValueError):
+        measure_ci(auroc, [0.2], [1, 0])

@@ -5,7 +5,11 @@ articles, readers with EM intervals and confidence measures, pictures, and resum
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 from openbook.index import build_index
 from openbook.index.spec import BuildOptions, IndexSpec
@@ -143,3 +147,75 @@ def test_the_calibration_is_cross_fitted_by_article_and_saved(tmp_path: Path) ->
     wrong = [{**r, "em": 0.0} for r in rows]
     assert set(trust.cross_fitted_confidence(features, wrong)) == {0.0}
     assert trust.save_calibration(system, features, wrong, tmp_path / "none") is None
+
+
+def test_a_candidate_without_adapters_is_refused_before_any_work(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from openbook_trainer.experiments.cli import app
+
+    candidate = tmp_path / "candidate"
+    (candidate / "gemma-3-270m-squad").mkdir(parents=True)
+    (candidate / "gemma-3-270m-squad" / "adapter_config.json").write_text("{}")
+    res = CliRunner().invoke(
+        app, ["trust", "--candidate", str(candidate), "--out", str(tmp_path / "out")]
+    )
+    assert res.exit_code == 2, res.output
+    # the error box wraps long paths: read its words without the frame
+    words = "".join(c for c in res.output if c.isalnum() or c in "-:")
+    assert "--candidate" in words and "noadapterminilm-squad-query" in words
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_decoder_signals_of_a_logged_answer() -> None:
+    row = {
+        "token_log_probs": [-0.1, -80.0, -0.3],
+        "token_doc_posteriors": [[0.5, 0.3, 0.2], [0.7, 0.2, 0.1]],
+    }
+    signals = trust.decoder_signals(row, [True, False, True])
+    assert signals["min_token_log_prob"] == trust.LOG_PROB_FLOOR  # floored, like log_prob
+    assert signals["first_token_log_prob"] == -0.1
+    assert signals["posterior_with_answer"] == pytest.approx(0.8)  # the *final* posterior
+    assert signals["posterior_entropy"] == pytest.approx(
+        -sum(p * math.log(p) for p in (0.7, 0.2, 0.1))
+    )
+    # an answer logged before the signals were (or an empty one): floor and zeros
+    assert trust.decoder_signals({}, [True]) == {
+        "min_token_log_prob": trust.LOG_PROB_FLOOR,
+        "first_token_log_prob": trust.LOG_PROB_FLOOR,
+        "posterior_with_answer": 0.0,
+        "posterior_entropy": 0.0,
+    }
+
+
+def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
+    """Right answers differ from wrong ones only by their weakest token: the calibration's
+    features alone rank at chance, with that signal nearly perfectly; cross-fitting by article
+    is the calibration's own (one fit per held-out article)."""
+    from openbook.rag.confidence import DEFAULT_FEATURES, calibrate_row, fit_logistic_calibration
+
+    rng = np.random.default_rng(0)
+    rows, features = [], []
+    for n in range(200):
+        right = n % 2 == 0
+        rows.append({"title": f"article {n % 5}", "em": float(right)})
+        features.append(
+            {
+                **{name: float(rng.normal()) for name in DEFAULT_FEATURES},
+                "min_token_log_prob": (-0.5 if right else -4.0) + float(rng.normal()) * 0.3,
+                "first_token_log_prob": float(rng.normal()),
+                "posterior_with_answer": float(rng.random()),
+                "posterior_entropy": float(rng.random()),
+            }
+        )
+    ablation = trust.signal_ablation(features, rows)
+    assert ablation["calibration's features"]["mean"] < 0.65
+    assert ablation["+ min_token_log_prob"]["mean"] > 0.95
+    assert ablation["+ all four"]["mean"] > 0.9
+    # the cross-fitted confidence is the shipped calibration's, fitted without the article
+    conf = trust.cross_fitted_confidence(features, rows)
+    held = [i for i, r in enumerate(rows) if r["title"] == "article 0"]
+    rest = [i for i, r in enumerate(rows) if r["title"] != "article 0"]
+    fitted = fit_logistic_calibration([features[i] for i in rest], [rows[i]["em"] for i in rest])
+    for i in held:
+        assert conf[i] == pytest.approx(calibrate_row(fitted, features[i]), abs=1e-9)

@@ -14,13 +14,16 @@ Confidence measures, for predictions with a confidence in [0, 1] and a 0/1 corre
 * :func:`auroc`: the probability that a right answer gets a higher confidence than a wrong one
   (ties count a half; Mann-Whitney U / (n_right x n_wrong));
 * :func:`precision_at_coverage`: the accuracy of the most confident ``coverage`` share of the
-  answers, the rest abstained on.
+  answers, the rest abstained on;
+
+and :func:`measure_ci` puts a bootstrap interval on any of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -93,6 +96,31 @@ def paired_difference_ci(
     if x.shape != y.shape:
         raise ValueError(f"paired values of different lengths: {x.size} and {y.size}")
     return bootstrap_ci(x - y, groups, seed)
+
+
+def measure_ci(
+    # called with two float arrays; typed loosely so that measures over sequences fit
+    measure: Callable[[Any, Any], float],
+    confidence: Sequence[float],
+    correct: Sequence[float],
+    groups: Sequence[str] | None = None,
+    seed: int = BOOTSTRAP_SEED,
+) -> Interval:
+    """``measure(confidence, correct)`` (e.g. :func:`auroc`) on every answer, with its 95%
+    percentile-bootstrap interval (by ``groups`` if given: module docstring). A resample where
+    the measure is undefined (nan: all right or all wrong) is left out; the interval is nan
+    when every one is."""
+    c = np.asarray(confidence, dtype=np.float64)
+    y = np.asarray(correct, dtype=np.float64)
+    if c.size == 0 or c.shape != y.shape:
+        raise ValueError("confidence and correct must be non-empty and of the same length")
+    if groups is not None and len(groups) != c.size:
+        raise ValueError("groups must label every value")
+    rng = np.random.default_rng(seed)
+    values = np.array([measure(c[idx], y[idx]) for idx in _resample_indices(c.size, groups, rng)])
+    values = values[~np.isnan(values)]
+    low, high = np.percentile(values, [2.5, 97.5]) if values.size else (np.nan, np.nan)
+    return Interval(float(measure(c, y)), float(low), float(high))
 
 
 @dataclass(frozen=True)

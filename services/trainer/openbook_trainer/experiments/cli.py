@@ -268,6 +268,7 @@ def retrain(
 TRUST_SECTIONS = {
     "trust": "Answers you can trust: hybrid retrieval, held-out EM and confidence",
     "retrain": "Retraining the default's adapter: every training question, hybrid in the loop",
+    "default": "The shipped default on every development question",
 }
 
 
@@ -315,6 +316,19 @@ def trust(
         run_trust,
     )
 
+    if candidate is not None:
+        # checked here, not an hour in when system 5 loads its adapter
+        missing = [
+            name
+            for name in ("gemma-3-270m-squad", "minilm-squad-query")
+            if not (candidate / name / "adapter_config.json").is_file()
+        ]
+        if missing:
+            raise typer.BadParameter(
+                f"{candidate} has no adapter {', '.join(missing)} (adapter_config.json): "
+                "a folder in data/adapters' layout is expected",
+                param_hint="--candidate",
+            )
     systems = default_systems(adapters or default_data_dir() / "adapters", candidate)
     if only:
         try:

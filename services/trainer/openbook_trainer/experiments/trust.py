@@ -20,7 +20,8 @@ Protocol (nothing here is tuned on what it measures):
   system's paired difference to the few-shot prompt with dense retrieval, the baseline the
   shipped adapters replaced.
 * Confidence (:mod:`openbook.rag.confidence`): expected calibration error, a reliability
-  diagram, AUROC of right vs wrong and EM at 100/80/60/50% coverage.
+  diagram, AUROC of right vs wrong and EM at 100/80/60/50% coverage (AUROC and EM at 50%
+  with 95% intervals over articles).
 
 Every prediction is logged as it is made (``ResultLog``), so an interrupted run resumes.
 """
@@ -34,8 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from openbook.answers import normalize_answer
 from openbook.artifacts import sha256_file
 from openbook.index import open_index
 from openbook.index.encoders import load_adapted_encoder
@@ -49,9 +52,10 @@ from openbook.index.fusion import (
 )
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.confidence import (
+    DEFAULT_FEATURES,
     LOG_PROB_FLOOR,
     answer_features,
-    calibrate_row,
+    fit_logistic,
     fit_logistic_calibration,
     normalized_texts,
     raw_confidence,
@@ -63,6 +67,7 @@ from openbook_trainer.evaluation.statistics import (
     auroc,
     bootstrap_ci,
     expected_calibration_error,
+    measure_ci,
     paired_difference_ci,
     precision_at_coverage,
     reliability_bins,
@@ -239,8 +244,6 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
     are computed once for every question; each fold fits its two weights
     (``fusion.fit_weights``, what ``fit_fusion`` runs) on the other folds' candidates and
     ranks its own with them (``fusion.top_k``, what hybrid search runs)."""
-    import numpy as np
-
     if config.folds < 2 or len(index.views) < 2:
         return
     rows = sorted(_rows(config.questions), key=lambda r: r["id"])
@@ -336,6 +339,9 @@ def _answer_rows(
                         log_prob=best.log_prob,
                         num_tokens=len(best.token_ids),
                         finish_reason=best.finish_reason,
+                        # the decoder's own signals, for confidence features beyond the mean
+                        token_log_probs=best.token_log_probs,
+                        token_doc_posteriors=best.token_doc_posteriors,
                     )
                     log.add(f"{system.name}|{version}|{q['id']}", row)
                 bar.update(len(batch))
@@ -352,14 +358,41 @@ def adapter_version(adapter: str | None) -> str:
     return f"{Path(adapter).name}@{digest}"
 
 
+# Signals of the decoder beyond the shipped calibration's features (:data:`DEFAULT_FEATURES`),
+# measured here, not served: does adding one separate right from wrong answers better on
+# articles the calibration never saw? (docs/results.md reports the answer.)
+DECODER_SIGNALS = (
+    "min_token_log_prob",
+    "first_token_log_prob",
+    "posterior_with_answer",
+    "posterior_entropy",
+)
+
+
+def decoder_signals(row: dict, holds: Sequence[bool]) -> dict[str, float]:
+    """:data:`DECODER_SIGNALS` of one logged answer: the weakest and the first token's
+    log p(y_i|x,y_<i) under the RAG marginal (RAG-Token's ``token_log_probs``, floored at
+    :data:`LOG_PROB_FLOOR`), and of the final passage posterior p(z|x,y) the mass of the
+    passages holding the answer (``holds``, one per passage) and its entropy (nats). An answer
+    logged without them (an older log, an empty answer) gets the floor and zeros."""
+    token_lp = [max(LOG_PROB_FLOOR, v) for v in row.get("token_log_probs") or []]
+    posteriors = row.get("token_doc_posteriors") or []
+    final = posteriors[-1] if posteriors else []
+    return {
+        "min_token_log_prob": min(token_lp, default=LOG_PROB_FLOOR),
+        "first_token_log_prob": token_lp[0] if token_lp else LOG_PROB_FLOOR,
+        "posterior_with_answer": sum((p for p, h in zip(final, holds, strict=False) if h), 0.0),
+        "posterior_entropy": -sum(p * math.log(p) for p in final if p > 0),
+    }
+
+
 def answer_feature_rows(
     system: ReaderSystem, config: TrustConfig, index, rows: list[dict]
 ) -> list[dict[str, float]]:
     """Each answer's calibration features (:func:`openbook.rag.confidence.answer_features`),
     from its logged values and its passages retrieved again (retrieval is deterministic) with
-    the prior the generator computes from them, p(z|x) = softmax of the passage scores."""
-    import numpy as np
-
+    the prior the generator computes from them, p(z|x) = softmax of the passage scores; and its
+    :func:`decoder_signals` beside them."""
     encoder = _encoder(system.query_encoder_adapter)
     passages = index.search(
         [r["question"] for r in rows], config.k, encoder=encoder, retrieval=system.retrieval
@@ -370,46 +403,74 @@ def answer_feature_rows(
         prior = np.exp(scores - scores.max())
         prior /= prior.sum()
         raw = confidence_of(row)
-        out.append(
-            answer_features(
-                text=row["answer"],
-                log_prob=row["log_prob"],
-                mean_log_prob=math.log(raw) if raw > 0 else LOG_PROB_FLOOR,
-                finish_reason=row["finish_reason"],
-                normalized=normalized_texts(hits),
-                doc_prior=prior.tolist(),
-            )
+        normalized = normalized_texts(hits)
+        features = answer_features(
+            text=row["answer"],
+            log_prob=row["log_prob"],
+            mean_log_prob=math.log(raw) if raw > 0 else LOG_PROB_FLOOR,
+            finish_reason=row["finish_reason"],
+            normalized=normalized,
+            doc_prior=prior.tolist(),
         )
+        answer = normalize_answer(row["answer"])
+        holds = [bool(answer) and answer in t for t in normalized]
+        out.append({**features, **decoder_signals(row, holds)})
     return out
 
 
-def cross_fitted_confidence(features: list[dict[str, float]], rows: list[dict]) -> list[float]:
-    """Each answer's confidence under a logistic calibration fitted on the *other* articles'
-    answers (leave one article out): how the calibration does on an article it never saw."""
-    titles = [r["title"] for r in rows]
-    out = [0.0] * len(rows)
+def cross_fitted_confidence(
+    features: list[dict[str, float]],
+    rows: list[dict],
+    names: Sequence[str] = DEFAULT_FEATURES,
+) -> list[float]:
+    """Each answer's confidence under a logistic calibration over ``names`` fitted on the
+    *other* articles' answers (leave one article out): how the calibration does on an article
+    it never saw."""
+    x = np.array([[f[n] for n in names] for f in features], dtype=np.float64)
+    x = x.reshape(len(rows), len(names))
+    titles = np.array([r["title"] for r in rows])
+    em = np.array([r["em"] for r in rows], dtype=np.float64)
+    out = np.zeros(len(rows))
     for held in sorted(set(titles)):
-        train = [i for i, t in enumerate(titles) if t != held]
-        correct = [rows[i]["em"] for i in train]
-        if len(set(correct)) < 2:  # nothing to separate: the base rate is the best guess
-            calibration = None
-        else:
-            calibration = fit_logistic_calibration([features[i] for i in train], correct)
-        for i, t in enumerate(titles):
-            if t == held:
-                out[i] = (
-                    calibrate_row(calibration, features[i])
-                    if calibration is not None
-                    else (sum(correct) / len(correct) if correct else 0.0)
-                )
-    return out
+        test = titles == held
+        correct = em[~test]
+        if len(set(correct.tolist())) < 2:  # nothing to separate: the base rate is the best guess
+            out[test] = correct.mean() if correct.size else 0.0
+            continue
+        bias, weights = fit_logistic(x[~test], correct)
+        out[test] = 1.0 / (1.0 + np.exp(-(bias + x[test] @ np.asarray(weights))))
+    return out.tolist()
+
+
+def signal_ablation(features: list[dict[str, float]], rows: list[dict]) -> dict[str, dict]:
+    """Leave-one-article-out AUROC (95% interval over articles) of the calibration's features
+    alone, with each decoder signal added, and with all of them."""
+    articles = [r["title"] for r in rows]
+    em = [r["em"] for r in rows]
+    sets = {"calibration's features": list(DEFAULT_FEATURES)}
+    sets.update({f"+ {s}": [*DEFAULT_FEATURES, s] for s in DECODER_SIGNALS})
+    sets["+ all four"] = [*DEFAULT_FEATURES, *DECODER_SIGNALS]
+    return {
+        label: measure_ci(
+            auroc, cross_fitted_confidence(features, rows, names), em, articles
+        ).as_dict()
+        for label, names in sets.items()
+    }
+
+
+def _em_at_half(conf: Sequence[float], em: Sequence[float]) -> float:
+    return precision_at_coverage(conf, em, 0.5)
 
 
 def confidence_metrics(conf: list[float], rows: list[dict]) -> dict:
     em = [r["em"] for r in rows]
+    articles = [r["title"] for r in rows]
     return {
         "ece": expected_calibration_error(conf, em),
         "auroc": auroc(conf, em),
+        # the issue's two targets, with 95% intervals over articles
+        "auroc_interval": measure_ci(auroc, conf, em, articles).as_dict(),
+        "em_at_half_interval": measure_ci(_em_at_half, conf, em, articles).as_dict(),
         "em_at_coverage": {str(c): precision_at_coverage(conf, em, c) for c in COVERAGES},
         "threshold_at_coverage": {str(c): threshold_for_coverage(conf, c) for c in COVERAGES},
         "reliability": [asdict(b) for b in reliability_bins(conf, em)],
@@ -494,6 +555,8 @@ def run_trust(
                 features = answer_feature_rows(system, config, index, rows)
                 calibrated = cross_fitted_confidence(features, rows)
                 metrics["calibrated"] = confidence_metrics(calibrated, rows)
+                if len({r["em"] for r in rows}) == 2:  # AUROC needs right and wrong answers
+                    metrics["signal_ablation"] = signal_ablation(features, rows)
                 for row, c in zip(rows, calibrated, strict=True):
                     row["calibrated_confidence"] = c  # for the pictures; not logged
                 save_calibration(system, features, rows, out)
@@ -501,8 +564,8 @@ def run_trust(
     return result, by_system
 
 
-def _interval(d: dict, scale: float = 100.0) -> str:
-    return Interval(d["mean"], d["low"], d["high"]).text(scale)
+def _interval(d: dict, scale: float = 100.0, digits: int = 1) -> str:
+    return Interval(d["mean"], d["low"], d["high"]).text(scale, digits)
 
 
 def _gain_row(gain: dict[str, dict], ks: list[str]) -> list[str]:
@@ -569,8 +632,8 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
             "",
             "| system | confidence | AUROC | ECE | "
             + " | ".join(f"EM at {int(cv * 100)}%" for cv in COVERAGES)
-            + " | threshold for 50% |",
-            "|---|---|---|---|" + "---|" * len(COVERAGES) + "---|",
+            + " | EM at 50% (95% interval) | threshold for 50% |",
+            "|---|---|---|---|" + "---|" * len(COVERAGES) + "---|---|",
         ]
         for name, m in result.readers.items():
             for kind, cm in (("raw", m), ("calibrated", m.get("calibrated"))):
@@ -578,9 +641,29 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
                     continue
                 cov = " | ".join(f"{100 * cm['em_at_coverage'][str(cv)]:.1f}" for cv in COVERAGES)
                 lines.append(
-                    f"| {name} | {kind} | {cm['auroc']:.3f} | {cm['ece']:.3f} | {cov} | "
+                    f"| {name} | {kind} | {_interval(cm['auroc_interval'], 1, 3)} | "
+                    f"{cm['ece']:.3f} | {cov} | {_interval(cm['em_at_half_interval'])} | "
                     f"{cm['threshold_at_coverage']['0.5']:.3f} |"
                 )
+    ablations = {
+        n: m["signal_ablation"] for n, m in result.readers.items() if "signal_ablation" in m
+    }
+    if ablations:
+        labels = list(next(iter(ablations.values())))
+        lines += [
+            "",
+            "AUROC of the calibrated confidence with the decoder's own signals added to the "
+            "calibration's features (leave one article out; 95% intervals over articles): the "
+            "weakest and the first answer token's log-probability under the RAG marginal, and "
+            "of the final passage posterior p(z|x,y) the mass on passages holding the answer "
+            "and its entropy:",
+            "",
+            "| system | " + " | ".join(labels) + " |",
+            "|---|" + "---|" * len(labels),
+        ]
+        for name, ablation in ablations.items():
+            cells = " | ".join(_interval(ablation[label], 1, 3) for label in labels)
+            lines.append(f"| {name} | {cells} |")
     for title, path in (pictures or {}).items():
         lines += ["", f"![{title}]({path})"]
     return "\n".join(lines)
