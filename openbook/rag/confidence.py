@@ -38,10 +38,10 @@ bad file stops the load with an error naming it. Two kinds exist, told apart by 
   named features of the answer (:func:`confidence_features`), fitted with
   :func:`fit_logistic_calibration` (L2-penalised logistic regression by Newton's method). It
   uses what the generator knows beyond the answer's probability: how peaked the passage prior
-  is, whether the answer is written in the passages and how much prior mass those carry, and
-  whether ``max_new_tokens`` cut the answer; so it can separate right from wrong answers
-  better than any map of raw confidence. The engine computes the features only for a model
-  whose calibration reads them (``needs_features``).
+  is, whether the answer is written in the passages and how much prior and posterior mass
+  those carry, and whether ``max_new_tokens`` cut the answer; so it can separate right from
+  wrong answers better than any map of raw confidence. The engine computes the features only
+  for a model whose calibration reads them (``needs_features``).
 
 Features
 --------
@@ -59,7 +59,13 @@ Features
   text of the passage with the highest prior (the first one on ties), else 0.0;
 * ``prior_with_answer``: the sum of p(z|x) over the passages whose normalised text contains
   the normalised (non-empty) answer, in [0, 1];
-* ``cut_by_length``: 1.0 when the answer's ``finish_reason`` is ``"length"``, else 0.0.
+* ``cut_by_length``: 1.0 when the answer's ``finish_reason`` is ``"length"``, else 0.0;
+* ``posterior_with_answer``: the same sum over the passage *posterior* p(z|x,y), the passages
+  the answer was written from (:func:`answer_posterior`: RAG-Sequence's ``doc_posterior``,
+  RAG-Token's posterior after the last token; the prior where a hypothesis has neither), in
+  [0, 1]. Added after ``openbook experiments trust`` measured it on held-out articles
+  (docs/results.md): the model leaning on passages that do not hold its answer is a sign the
+  answer is made up.
 
 A passage's text is its ``text`` (not its title). :func:`calibrate_row` applies any calibration
 to a row of these features (a piecewise-linear one reads ``exp(mean_log_prob)``), so a fitted
@@ -106,6 +112,7 @@ FEATURES = (
     "answer_in_top_passage",
     "prior_with_answer",
     "cut_by_length",
+    "posterior_with_answer",
 )
 DEFAULT_FEATURES = FEATURES
 
@@ -380,6 +387,17 @@ def normalized_texts(passages: Sequence[Passage | str]) -> list[str]:
     return [normalize_answer(p if isinstance(p, str) else p.text) for p in passages]
 
 
+def answer_posterior(hypothesis: Hypothesis) -> list[float] | None:
+    """p(z|x,y) of a hypothesis' passages: RAG-Sequence's ``doc_posterior``, RAG-Token's
+    posterior after its last token (``token_doc_posteriors[-1]``), or None (neither: e.g. an
+    answer with no token)."""
+    if hypothesis.doc_posterior is not None:
+        return list(hypothesis.doc_posterior)
+    if hypothesis.token_doc_posteriors:
+        return list(hypothesis.token_doc_posteriors[-1])
+    return None
+
+
 def confidence_features(
     hypothesis: Hypothesis,
     passages: Sequence[Passage | str],
@@ -399,6 +417,7 @@ def confidence_features(
         finish_reason=hypothesis.finish_reason,
         normalized=normalized if normalized is not None else normalized_texts(passages),
         doc_prior=doc_prior,
+        posterior=answer_posterior(hypothesis),
     )
 
 
@@ -410,16 +429,23 @@ def answer_features(
     finish_reason: str,
     normalized: Sequence[str],
     doc_prior: Sequence[float],
+    posterior: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """:func:`confidence_features` from plain values: what a client of ``/answer`` has (its
     ``mean_log_prob`` is ``log(raw_confidence)``, or :data:`LOG_PROB_FLOOR` for 0).
-    ``normalized``: the passages' :func:`normalized_texts`. Raises ``ValueError`` when
-    ``normalized`` and ``doc_prior`` differ in length."""
+    ``normalized``: the passages' :func:`normalized_texts`; ``posterior``: p(z|x,y) over them
+    (:func:`answer_posterior`; None: the prior stands in). Raises ``ValueError`` when
+    ``normalized``, ``doc_prior`` and ``posterior`` differ in length."""
     if len(normalized) != len(doc_prior):
         raise ValueError(
             f"passages and doc_prior differ in length ({len(normalized)} vs {len(doc_prior)})"
         )
+    if posterior is not None and len(posterior) != len(doc_prior):
+        raise ValueError(
+            f"posterior and doc_prior differ in length ({len(posterior)} vs {len(doc_prior)})"
+        )
     prior = [float(p) for p in doc_prior]
+    post = [float(p) for p in posterior] if posterior is not None else prior
     answer = normalize_answer(text)
     holds = [bool(answer) and answer in t for t in normalized]
     top = max(range(len(prior)), key=prior.__getitem__) if prior else None
@@ -434,6 +460,9 @@ def answer_features(
             1.0, sum((p for p, h in zip(prior, holds, strict=True) if h), 0.0)
         ),
         "cut_by_length": 1.0 if finish_reason == "length" else 0.0,
+        "posterior_with_answer": min(
+            1.0, max(0.0, sum((p for p, h in zip(post, holds, strict=True) if h), 0.0))
+        ),
     }
 
 

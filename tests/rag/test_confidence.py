@@ -212,7 +212,26 @@ def test_the_features_of_a_hand_made_hypothesis():
         "answer_in_top_passage": 1.0,
         "prior_with_answer": pytest.approx(0.7),  # passages a and b hold it
         "cut_by_length": 0.0,
+        # no posterior on the hypothesis: the prior stands in
+        "posterior_with_answer": pytest.approx(0.7),
     }
+    # the answer's passage posterior p(z|x,y): RAG-Sequence's, or RAG-Token's after its last
+    # token (an earlier token's is not the answer's)
+    hyp.doc_posterior = [0.1, 0.1, 0.8]
+    assert confidence_features(hyp, PASSAGES, prior)["posterior_with_answer"] == pytest.approx(0.2)
+    hyp.doc_posterior = None
+    hyp.token_doc_posteriors = [[0.0, 0.0, 1.0], [0.6, 0.3, 0.1]]
+    assert confidence_features(hyp, PASSAGES, prior)["posterior_with_answer"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="posterior and doc_prior differ"):
+        answer_features(
+            text="Goethe",
+            log_prob=-1.0,
+            mean_log_prob=-1.0,
+            finish_reason="stop",
+            normalized=normalized_texts(PASSAGES),
+            doc_prior=prior,
+            posterior=[1.0],
+        )
     # an answer only the third passage holds; cut by max_new_tokens
     goethe = confidence_features(_hypothesis("Goethe", -1.0, 2, "length"), PASSAGES, prior)
     assert goethe["answer_in_top_passage"] == 0.0 and goethe["prior_with_answer"] == 0.3
@@ -324,11 +343,12 @@ def _synthetic(n: int, seed: int) -> tuple[list[dict[str, float]], np.ndarray]:
             "answer_in_top_passage": float(rng.uniform() < 0.5),
             "prior_with_answer": float(rng.uniform()),
             "cut_by_length": float(rng.uniform() < 0.1),
+            "posterior_with_answer": float(rng.uniform()),
         }
         for _ in range(n)
     ]
     x = np.array([[r[f] for f in FEATURES] for r in rows])
-    z = x @ np.array([0.05, 1.0, 1.5, 1.2, 2.0, -1.5]) - 1.0
+    z = x @ np.array([0.05, 1.0, 1.5, 1.2, 2.0, -1.5, 1.0]) - 1.0
     return rows, (rng.uniform(size=n) < 1 / (1 + np.exp(-z))).astype(float)
 
 
@@ -391,7 +411,7 @@ def test_the_logistic_fit_survives_separable_and_constant_features_and_refuses_b
 def test_a_models_logistic_calibration_gives_every_hypothesis_its_sigmoid(dirs, tmp_path, mode):
     model = tmp_path / "bart"
     shutil.copytree(dirs.bart(0), model)
-    cal = LogisticCalibration(FEATURES, (0.02, 0.8, 1.5, 2.0, 1.0, -1.0), 0.3)
+    cal = LogisticCalibration(FEATURES, (0.02, 0.8, 1.5, 2.0, 1.0, -1.0, 0.9), 0.3)
     cal.save(model)
     gen = RagGenerator.load(model, device="cpu")
     assert gen.calibration == cal

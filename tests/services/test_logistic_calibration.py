@@ -14,7 +14,7 @@ from openbook_trainer.evaluation.runner import features_of_answer
 
 # every feature weighs in; the bias lifts the tiny random BART's unsure answers off 0
 CALIBRATION = LogisticCalibration(
-    FEATURES, (0.05, 0.9, 2.0, 1.5, 1.0, -0.7), 1.2, {"note": "hand-made for the test"}
+    FEATURES, (0.05, 0.9, 2.0, 1.5, 1.0, -0.7, 0.8), 1.2, {"note": "hand-made for the test"}
 )
 ASK = {"question": "Who wrote Hamlet?", "k": 3, "max_new_tokens": 3, "use_cache": False}
 

@@ -174,6 +174,11 @@ class _FakeGateway:
                     hypothesis["log_prob"] = -3.0 if entity == "e0" else -0.5
                     hypothesis["finish_reason"] = "length" if entity == "e0" else "stop"
                     passages[0]["prior"], passages[1]["prior"] = 0.75, 0.25
+                    # RAG-Token's per-token posteriors: the last one is the answer's
+                    hypothesis["tokens"] = [
+                        {"token": "c", "posterior": [0.9, 0.1]},
+                        {"token": answer, "posterior": [0.4, 0.6]},
+                    ]
                 data = json.dumps(
                     {
                         "answer": "" if abstained else answer,
@@ -245,11 +250,13 @@ def test_eval_fits_a_logistic_calibration_on_the_answers_features(task, tmp_path
         "answer_in_top_passage": 0.0,
         "prior_with_answer": 0.0,
         "cut_by_length": 1.0,
+        "posterior_with_answer": 0.0,
     }
     right = [f for f in features if f is not wrong]
     assert len(right) == 7
     for f in right:  # written in the second passage only ("The code of e3 is c3.")
         assert (f["answer_in_top_passage"], f["prior_with_answer"]) == (0.0, 0.25)
+        assert f["posterior_with_answer"] == pytest.approx(0.6)  # its last token's posterior
         assert f["log_prob"] == -0.5 and f["mean_log_prob"] == pytest.approx(math.log(0.9))
 
     calibration = load_calibration(model)

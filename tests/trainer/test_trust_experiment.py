@@ -133,6 +133,7 @@ def test_the_calibration_is_cross_fitted_by_article_and_saved(tmp_path: Path) ->
                 "answer_in_top_passage": float(right),
                 "prior_with_answer": 0.5 * right,
                 "cut_by_length": 0.0,
+                "posterior_with_answer": 0.7 * right,
             }
         )
     conf = trust.cross_fitted_confidence(features, rows)
@@ -172,18 +173,18 @@ def test_decoder_signals_of_a_logged_answer() -> None:
         "token_log_probs": [-0.1, -80.0, -0.3],
         "token_doc_posteriors": [[0.5, 0.3, 0.2], [0.7, 0.2, 0.1]],
     }
-    signals = trust.decoder_signals(row, [True, False, True])
+    assert trust.logged_posterior(row) == [0.7, 0.2, 0.1]  # the posterior after the last token
+    signals = trust.decoder_signals(row)
     assert signals["min_token_log_prob"] == trust.LOG_PROB_FLOOR  # floored, like log_prob
     assert signals["first_token_log_prob"] == -0.1
-    assert signals["posterior_with_answer"] == pytest.approx(0.8)  # the *final* posterior
     assert signals["posterior_entropy"] == pytest.approx(
         -sum(p * math.log(p) for p in (0.7, 0.2, 0.1))
     )
-    # an answer logged before the signals were (or an empty one): floor and zeros
-    assert trust.decoder_signals({}, [True]) == {
+    # an answer logged before the signals were (or an empty one): floor and zero
+    assert trust.logged_posterior({}) is None
+    assert trust.decoder_signals({}) == {
         "min_token_log_prob": trust.LOG_PROB_FLOOR,
         "first_token_log_prob": trust.LOG_PROB_FLOOR,
-        "posterior_with_answer": 0.0,
         "posterior_entropy": 0.0,
     }
 
@@ -204,14 +205,20 @@ def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
                 **{name: float(rng.normal()) for name in DEFAULT_FEATURES},
                 "min_token_log_prob": (-0.5 if right else -4.0) + float(rng.normal()) * 0.3,
                 "first_token_log_prob": float(rng.normal()),
-                "posterior_with_answer": float(rng.random()),
                 "posterior_entropy": float(rng.random()),
             }
         )
     ablation = trust.signal_ablation(features, rows)
-    assert ablation["calibration's features"]["mean"] < 0.65
-    assert ablation["+ min_token_log_prob"]["mean"] > 0.95
-    assert ablation["+ all four"]["mean"] > 0.9
+    assert ablation["calibration's features"]["auroc"]["mean"] < 0.65
+    assert ablation["without posterior_with_answer"]["auroc"]["mean"] < 0.65
+    assert ablation["+ min_token_log_prob"]["auroc"]["mean"] > 0.95
+    assert ablation["+ all three"]["auroc"]["mean"] > 0.9
+    gain = ablation["+ min_token_log_prob"]["vs_features"]  # paired, on the same answers
+    assert gain["low"] > 0.2 and gain["mean"] == pytest.approx(
+        ablation["+ min_token_log_prob"]["auroc"]["mean"]
+        - ablation["calibration's features"]["auroc"]["mean"]
+    )
+    assert ablation["calibration's features"]["vs_features"]["mean"] == 0.0
     # the cross-fitted confidence is the shipped calibration's, fitted without the article
     conf = trust.cross_fitted_confidence(features, rows)
     held = [i for i, r in enumerate(rows) if r["title"] == "article 0"]

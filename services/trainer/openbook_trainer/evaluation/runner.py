@@ -86,8 +86,9 @@ def features_of_answer(
 ) -> dict[str, float] | None:
     """The confidence features (:func:`openbook.rag.confidence.confidence_features`) of a
     ``/answer`` reply's hypothesis, from what the reply carries: its ``text``, ``log_prob``,
-    ``raw_confidence`` (``mean_log_prob`` is its log) and ``finish_reason``, and the passages'
-    ``text`` and ``prior``. None when the reply lacks any of them (an older gateway)."""
+    ``raw_confidence`` (``mean_log_prob`` is its log), ``finish_reason`` and passage posterior
+    (``doc_posterior``, or its last token's ``posterior``), and the passages' ``text`` and
+    ``prior``. None when the reply lacks any of them (an older gateway)."""
     # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag.confidence import LOG_PROB_FLOOR, answer_features, normalized_texts
 
@@ -96,6 +97,9 @@ def features_of_answer(
     if log_prob is None or raw is None or any(v is None for v in priors):
         return None
     mean = math.log(raw) if raw > 0 else LOG_PROB_FLOOR
+    # p(z|x,y): RAG-Sequence's doc_posterior, RAG-Token's posterior after the last token
+    tokens = hypothesis.get("tokens") or []
+    posterior = hypothesis.get("doc_posterior") or (tokens[-1]["posterior"] if tokens else None)
     return answer_features(
         text=hypothesis.get("text", ""),
         log_prob=float(log_prob),
@@ -103,6 +107,7 @@ def features_of_answer(
         finish_reason=hypothesis.get("finish_reason") or "stop",
         normalized=normalized_texts([p.get("text", "") for p in passages]),
         doc_prior=[float(v) for v in priors if v is not None],  # none is None: see above
+        posterior=posterior,
     )
 
 

@@ -16,7 +16,8 @@ Confidence measures, for predictions with a confidence in [0, 1] and a 0/1 corre
 * :func:`precision_at_coverage`: the accuracy of the most confident ``coverage`` share of the
   answers, the rest abstained on;
 
-and :func:`measure_ci` puts a bootstrap interval on any of them.
+and :func:`measure_ci` puts a bootstrap interval on any of them (:func:`paired_measure_ci` on
+the difference of two confidences of the same answers).
 """
 
 from __future__ import annotations
@@ -121,6 +122,36 @@ def measure_ci(
     values = values[~np.isnan(values)]
     low, high = np.percentile(values, [2.5, 97.5]) if values.size else (np.nan, np.nan)
     return Interval(float(measure(c, y)), float(low), float(high))
+
+
+def paired_measure_ci(
+    measure: Callable[[Any, Any], float],
+    confidence_a: Sequence[float],
+    confidence_b: Sequence[float],
+    correct: Sequence[float],
+    groups: Sequence[str] | None = None,
+    seed: int = BOOTSTRAP_SEED,
+) -> Interval:
+    """``measure(a, correct) - measure(b, correct)``: two confidences of the same answers
+    compared, with the 95% interval of the difference from one bootstrap of those answers
+    (both measured on each resample, so what the answers share cancels out)."""
+    a = np.asarray(confidence_a, dtype=np.float64)
+    b = np.asarray(confidence_b, dtype=np.float64)
+    y = np.asarray(correct, dtype=np.float64)
+    if a.size == 0 or a.shape != b.shape or a.shape != y.shape:
+        raise ValueError("confidences and correct must be non-empty and of the same length")
+    if groups is not None and len(groups) != a.size:
+        raise ValueError("groups must label every value")
+    rng = np.random.default_rng(seed)
+    diffs = np.array(
+        [
+            measure(a[idx], y[idx]) - measure(b[idx], y[idx])
+            for idx in _resample_indices(a.size, groups, rng)
+        ]
+    )
+    diffs = diffs[~np.isnan(diffs)]
+    low, high = np.percentile(diffs, [2.5, 97.5]) if diffs.size else (np.nan, np.nan)
+    return Interval(float(measure(a, y) - measure(b, y)), float(low), float(high))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from openbook.answers import normalize_answer
 from openbook.artifacts import sha256_file
 from openbook.index import open_index
 from openbook.index.encoders import load_adapted_encoder
@@ -69,6 +68,7 @@ from openbook_trainer.evaluation.statistics import (
     expected_calibration_error,
     measure_ci,
     paired_difference_ci,
+    paired_measure_ci,
     precision_at_coverage,
     reliability_bins,
     threshold_for_coverage,
@@ -361,27 +361,29 @@ def adapter_version(adapter: str | None) -> str:
 # Signals of the decoder beyond the shipped calibration's features (:data:`DEFAULT_FEATURES`),
 # measured here, not served: does adding one separate right from wrong answers better on
 # articles the calibration never saw? (docs/results.md reports the answer.)
-DECODER_SIGNALS = (
-    "min_token_log_prob",
-    "first_token_log_prob",
-    "posterior_with_answer",
-    "posterior_entropy",
-)
+DECODER_SIGNALS = ("min_token_log_prob", "first_token_log_prob", "posterior_entropy")
+# The feature this ablation once added to the calibration's (docs/results.md): the ablation
+# also measures the calibration without it.
+ADDED_FEATURE = "posterior_with_answer"
 
 
-def decoder_signals(row: dict, holds: Sequence[bool]) -> dict[str, float]:
+def logged_posterior(row: dict) -> list[float] | None:
+    """p(z|x,y) of a logged RAG-Token answer: the passage posterior after its last token
+    (None for a row logged without posteriors, or an answer with no token)."""
+    posteriors = row.get("token_doc_posteriors") or []
+    return list(posteriors[-1]) if posteriors else None
+
+
+def decoder_signals(row: dict) -> dict[str, float]:
     """:data:`DECODER_SIGNALS` of one logged answer: the weakest and the first token's
     log p(y_i|x,y_<i) under the RAG marginal (RAG-Token's ``token_log_probs``, floored at
-    :data:`LOG_PROB_FLOOR`), and of the final passage posterior p(z|x,y) the mass of the
-    passages holding the answer (``holds``, one per passage) and its entropy (nats). An answer
-    logged without them (an older log, an empty answer) gets the floor and zeros."""
+    :data:`LOG_PROB_FLOOR`), and the entropy (nats) of its final passage posterior p(z|x,y).
+    An answer logged without them (an older log, an empty answer) gets the floor and 0."""
     token_lp = [max(LOG_PROB_FLOOR, v) for v in row.get("token_log_probs") or []]
-    posteriors = row.get("token_doc_posteriors") or []
-    final = posteriors[-1] if posteriors else []
+    final = logged_posterior(row) or []
     return {
         "min_token_log_prob": min(token_lp, default=LOG_PROB_FLOOR),
         "first_token_log_prob": token_lp[0] if token_lp else LOG_PROB_FLOOR,
-        "posterior_with_answer": sum((p for p, h in zip(final, holds, strict=False) if h), 0.0),
         "posterior_entropy": -sum(p * math.log(p) for p in final if p > 0),
     }
 
@@ -403,18 +405,16 @@ def answer_feature_rows(
         prior = np.exp(scores - scores.max())
         prior /= prior.sum()
         raw = confidence_of(row)
-        normalized = normalized_texts(hits)
         features = answer_features(
             text=row["answer"],
             log_prob=row["log_prob"],
             mean_log_prob=math.log(raw) if raw > 0 else LOG_PROB_FLOOR,
             finish_reason=row["finish_reason"],
-            normalized=normalized,
+            normalized=normalized_texts(hits),
             doc_prior=prior.tolist(),
+            posterior=logged_posterior(row),
         )
-        answer = normalize_answer(row["answer"])
-        holds = [bool(answer) and answer in t for t in normalized]
-        out.append({**features, **decoder_signals(row, holds)})
+        out.append({**features, **decoder_signals(row)})
     return out
 
 
@@ -443,19 +443,28 @@ def cross_fitted_confidence(
 
 
 def signal_ablation(features: list[dict[str, float]], rows: list[dict]) -> dict[str, dict]:
-    """Leave-one-article-out AUROC (95% interval over articles) of the calibration's features
-    alone, with each decoder signal added, and with all of them."""
+    """Leave-one-article-out AUROC of the calibration's features (:data:`DEFAULT_FEATURES`),
+    of them without :data:`ADDED_FEATURE`, with each decoder signal added, and with all:
+    each as ``{"auroc": interval, "vs_features": paired difference}`` (95% intervals over
+    articles; the difference to the calibration's features on the same answers)."""
     articles = [r["title"] for r in rows]
     em = [r["em"] for r in rows]
-    sets = {"calibration's features": list(DEFAULT_FEATURES)}
-    sets.update({f"+ {s}": [*DEFAULT_FEATURES, s] for s in DECODER_SIGNALS})
-    sets["+ all four"] = [*DEFAULT_FEATURES, *DECODER_SIGNALS]
-    return {
-        label: measure_ci(
-            auroc, cross_fitted_confidence(features, rows, names), em, articles
-        ).as_dict()
-        for label, names in sets.items()
+    base = list(DEFAULT_FEATURES)
+    sets = {
+        "calibration's features": base,
+        f"without {ADDED_FEATURE}": [n for n in base if n != ADDED_FEATURE],
+        **{f"+ {s}": [*base, s] for s in DECODER_SIGNALS},
+        "+ all three": [*base, *DECODER_SIGNALS],
     }
+    reference = cross_fitted_confidence(features, rows, base)
+    out = {}
+    for label, names in sets.items():
+        conf = cross_fitted_confidence(features, rows, names)
+        out[label] = {
+            "auroc": measure_ci(auroc, conf, em, articles).as_dict(),
+            "vs_features": paired_measure_ci(auroc, conf, reference, em, articles).as_dict(),
+        }
+    return out
 
 
 def _em_at_half(conf: Sequence[float], em: Sequence[float]) -> float:
@@ -649,21 +658,23 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
         n: m["signal_ablation"] for n, m in result.readers.items() if "signal_ablation" in m
     }
     if ablations:
-        labels = list(next(iter(ablations.values())))
         lines += [
             "",
-            "AUROC of the calibrated confidence with the decoder's own signals added to the "
-            "calibration's features (leave one article out; 95% intervals over articles): the "
-            "weakest and the first answer token's log-probability under the RAG marginal, and "
-            "of the final passage posterior p(z|x,y) the mass on passages holding the answer "
-            "and its entropy:",
+            "AUROC of the calibrated confidence over other features (leave one article out; "
+            "95% intervals over articles, and the paired difference to the calibration's "
+            f"features): without `{ADDED_FEATURE}`, and with the decoder's own signals added "
+            "(the weakest and the first answer token's log-probability under the RAG marginal, "
+            "the entropy of the final passage posterior p(z|x,y)):",
             "",
-            "| system | " + " | ".join(labels) + " |",
-            "|---|" + "---|" * len(labels),
+            "| system | features | AUROC | − calibration's features (paired) |",
+            "|---|---|---|---|",
         ]
         for name, ablation in ablations.items():
-            cells = " | ".join(_interval(ablation[label], 1, 3) for label in labels)
-            lines.append(f"| {name} | {cells} |")
+            for label, m in ablation.items():
+                diff = (
+                    "—" if label == "calibration's features" else _interval(m["vs_features"], 1, 3)
+                )
+                lines.append(f"| {name} | {label} | {_interval(m['auroc'], 1, 3)} | {diff} |")
     for title, path in (pictures or {}).items():
         lines += ["", f"![{title}]({path})"]
     return "\n".join(lines)
