@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -22,6 +23,18 @@ app = typer.Typer(
 
 
 SECRET_PARAMS = {"admin_token"}
+
+# Options several experiments share: one spelling, one help text.
+IndexRoot = Annotated[
+    Path | None, typer.Option(help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)")
+]
+HybridIndex = Annotated[str, typer.Option(help="an index with a dense and a BM25 view")]
+BaseGenerator = Annotated[Path, typer.Option(help="the base generator's directory")]
+Questions = Annotated[
+    Path | None, typer.Option(help="SQuAD questions JSONL (default: the demo data's)")
+]
+Results = Annotated[Path, typer.Option(help="where the result JSON and pictures are written")]
+Report = Annotated[Path, typer.Option(help="the Markdown report whose section is written")]
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -45,7 +58,7 @@ def hot_swap(
     decoding: str = typer.Option("rag-token"),
     limit: int = typer.Option(0, help="use only the first N questions (0: all)"),
     out: Path = typer.Option(Path("docs/results"), help="folder for the JSON results"),
-    report: Path = typer.Option(Path("docs/results.md")),
+    report: Report = Path("docs/results.md"),
 ) -> None:
     """Ask the leader questions on wiki-2016 and wiki-2018, swapping the live index."""
     questions = questions or default_data_dir() / "leaders" / "questions.jsonl"
@@ -75,18 +88,16 @@ def hot_swap(
 @app.command("qa")
 def open_qa(
     ctx: typer.Context,
-    index_root: Path = typer.Option(
-        None, help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)"
-    ),
-    generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="generator directory"),
-    questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
+    index_root: IndexRoot = None,
+    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
+    questions: Questions = None,
     n: int = typer.Option(100, min=1, help="questions in the fixed subset"),
     seed: int = typer.Option(0),
     prior_scale: float = typer.Option(
         1.0, help="extra factor on the retriever scores before the prior's softmax (> 0)"
     ),
     out: Path = typer.Option(Path("docs/results")),
-    report: Path = typer.Option(Path("docs/results.md")),
+    report: Report = Path("docs/results.md"),
 ) -> None:
     """Closed book vs RAG-Token vs RAG-Sequence, dense vs BM25, EM vs k (Figure 3)."""
     if prior_scale <= 0:
@@ -143,11 +154,9 @@ def open_qa(
 @app.command("finetune")
 def finetune(
     ctx: typer.Context,
-    index_root: Path = typer.Option(
-        None, help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)"
-    ),
-    generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="base generator"),
-    questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
+    index_root: IndexRoot = None,
+    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
+    questions: Questions = None,
     out: Path = typer.Option(Path("var/experiments/finetune"), help="checkpoints, predictions"),
     dev_articles: int = typer.Option(10, min=1, help="articles held out for development"),
     dev_examples: int = typer.Option(100, min=1, help="development questions scored"),
@@ -162,8 +171,8 @@ def finetune(
     k: int = typer.Option(5, min=1, max=100),
     lora_rank: int = typer.Option(16, min=1, max=256),
     seed: int = typer.Option(0),
-    results: Path = typer.Option(Path("docs/results")),
-    report: Path = typer.Option(Path("docs/results.md")),
+    results: Results = Path("docs/results"),
+    report: Report = Path("docs/results.md"),
 ) -> None:
     """Few-shot default vs a LoRA-tuned generator vs joint training, on unseen articles."""
     # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
@@ -206,15 +215,13 @@ def finetune(
 
 @app.command("retrain")
 def retrain(
-    index_root: Path = typer.Option(
-        None, help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)"
-    ),
-    index: str = typer.Option("wiki-2018", help="an index with a dense and a BM25 view"),
-    generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="base generator"),
+    index_root: IndexRoot = None,
+    index: HybridIndex = "wiki-2018",
+    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
     query_encoder_adapter: Path = typer.Option(
         None, help="the frozen query encoder adapter (default: the demo data's)"
     ),
-    questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
+    questions: Questions = None,
     out: Path = typer.Option(Path("var/experiments/retrain"), help="checkpoints, train.jsonl"),
     export: Path = typer.Option(
         Path("var/experiments/retrain/adapters"),
@@ -275,15 +282,13 @@ TRUST_SECTIONS = {
 @app.command("trust")
 def trust(
     ctx: typer.Context,
-    index_root: Path = typer.Option(
-        None, help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)"
-    ),
-    index: str = typer.Option("wiki-2018", help="an index with a dense and a BM25 view"),
-    generator: Path = typer.Option(Path("var/models/gemma-3-270m"), help="base generator"),
+    index_root: IndexRoot = None,
+    index: HybridIndex = "wiki-2018",
+    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
     adapters: Path = typer.Option(
         None, help="the shipped adapters' folder (default: the demo data's adapters)"
     ),
-    questions: Path = typer.Option(None, help="SQuAD questions JSONL (default: demo data)"),
+    questions: Questions = None,
     out: Path = typer.Option(Path("var/experiments/trust"), help="predictions, result.json"),
     dev_examples: int = typer.Option(0, min=0, help="development questions (0: all)"),
     folds: int = typer.Option(10, min=0, help="k-fold over articles for the fusion (0: skip)"),
@@ -296,8 +301,8 @@ def trust(
     ),
     batch_size: int = typer.Option(8, min=1),
     seed: int = typer.Option(0),
-    results: Path = typer.Option(Path("docs/results")),
-    report: Path = typer.Option(Path("docs/results.md")),
+    results: Results = Path("docs/results"),
+    report: Report = Path("docs/results.md"),
     section: str = typer.Option(
         "trust", help=f"the section of --report written: {', '.join(TRUST_SECTIONS)}"
     ),

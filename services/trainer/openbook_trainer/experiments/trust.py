@@ -577,6 +577,20 @@ def _interval(d: dict, scale: float = 100.0, digits: int = 1) -> str:
     return Interval(d["mean"], d["low"], d["high"]).text(scale, digits)
 
 
+def _recall_table(
+    recall: dict[str, dict[str, dict]], gain: dict[str, dict], ks: list[str]
+) -> list[str]:
+    """A Markdown table of recall@k per retrieval mode, then hybrid's gain (a blank line first)."""
+    lines = [
+        "",
+        "| retrieval | " + " | ".join(f"k={k}" for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+    ]
+    for label, by_k in recall.items():
+        lines.append(f"| {label} | " + " | ".join(_interval(by_k[k]) for k in ks) + " |")
+    return lines + _gain_row(gain, ks)
+
+
 def _gain_row(gain: dict[str, dict], ks: list[str]) -> list[str]:
     if not gain:
         return []
@@ -593,26 +607,16 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
         f"`{c['index']}`; 95% intervals from a bootstrap over articles.",
         "",
         "Answer found in the top k passages (%):",
-        "",
-        "| retrieval | " + " | ".join(f"k={k}" for k in ks) + " |",
-        "|---|" + "---|" * len(ks),
+        *_recall_table(result.recall, result.recall_gain, ks),
     ]
-    for label, by_k in result.recall.items():
-        lines.append(f"| {label} | " + " | ".join(_interval(by_k[k]) for k in ks) + " |")
-    lines += _gain_row(result.recall_gain, ks)
     if result.recall_kfold:
         n = sum(f["questions"] for f in result.fusion_folds)
         lines += [
             "",
             f"{c['folds']}-fold over all articles ({n} questions; each fold's fusion fitted on "
             "the other folds' articles):",
-            "",
-            "| retrieval | " + " | ".join(f"k={k}" for k in ks) + " |",
-            "|---|" + "---|" * len(ks),
+            *_recall_table(result.recall_kfold, result.recall_gain_kfold, ks),
         ]
-        for label, by_k in result.recall_kfold.items():
-            lines.append(f"| {label} | " + " | ".join(_interval(by_k[k]) for k in ks) + " |")
-        lines += _gain_row(result.recall_gain_kfold, ks)
     if result.readers:
         lines += [
             "",
