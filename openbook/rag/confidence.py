@@ -65,7 +65,13 @@ Features
   RAG-Token's posterior after the last token; the prior where a hypothesis has neither), in
   [0, 1]. Added after ``openbook experiments trust`` measured it on held-out articles
   (docs/results.md): the model leaning on passages that do not hold its answer is a sign the
-  answer is made up.
+  answer is made up;
+* ``question_near_answer``: the largest share of the question's content words (its
+  SQuAD-normalised words less :data:`QUESTION_STOPWORDS`, English function words) found within
+  :data:`NEAR_ANSWER_WORDS` words of an occurrence of the normalised answer in a passage, in
+  [0, 1]; 0 when no passage holds the answer or the question has no content word. A check from
+  outside the model: an answer found next to what was asked about is more often the right one
+  (measured in docs/results.md, like the feature above).
 
 A passage's text is its ``text`` (not its title). :func:`calibrate_row` applies any calibration
 to a row of these features (a piecewise-linear one reads ``exp(mean_log_prob)``), so a fitted
@@ -113,8 +119,18 @@ FEATURES = (
     "prior_with_answer",
     "cut_by_length",
     "posterior_with_answer",
+    "question_near_answer",
 )
 DEFAULT_FEATURES = FEATURES
+
+# question_near_answer: how near (in words, either side) the question's words must be to the
+# answer, and the words that say nothing about what is asked (English: the demo's language; in
+# another language they simply count as content words)
+NEAR_ANSWER_WORDS = 20
+_STOPWORDS = """a an the of in on at to for by with from and or is are was were be been being
+what which who whom whose when where why how did do does that this these those it its as into
+than then there their they he she his her i you we not no"""
+QUESTION_STOPWORDS = frozenset(_STOPWORDS.split())
 
 
 def raw_confidence(log_prob: float, scored_tokens: int) -> float:
@@ -398,17 +414,37 @@ def answer_posterior(hypothesis: Hypothesis) -> list[float] | None:
     return None
 
 
+def question_near_answer(question: str, answer: str, normalized: Sequence[str]) -> float:
+    """The ``question_near_answer`` feature (module docstring): ``normalized`` are the passages'
+    :func:`normalized_texts`."""
+    asked = {w for w in normalize_answer(question).split() if w not in QUESTION_STOPWORDS}
+    words = normalize_answer(answer).split()
+    n = len(words)
+    if not asked or not n:
+        return 0.0
+    best = 0
+    for text in normalized:
+        tokens = text.split()
+        for i in range(len(tokens) - n + 1):
+            if tokens[i : i + n] == words:
+                near = tokens[max(0, i - NEAR_ANSWER_WORDS) : i + n + NEAR_ANSWER_WORDS]
+                best = max(best, len(asked.intersection(near)))
+    return best / len(asked)
+
+
 def confidence_features(
     hypothesis: Hypothesis,
     passages: Sequence[Passage | str],
     doc_prior: Sequence[float],
     *,
+    question: str = "",
     normalized: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """The features (:data:`FEATURES`, module docstring) of one hypothesis of a request whose
     passages, in the generator's order, had the prior ``doc_prior`` (p(z|x), one per passage).
 
-    ``passages``: the request's passages (or their texts); ``normalized``: their
+    ``passages``: the request's passages (or their texts); ``question``: the request's question
+    (empty: ``question_near_answer`` is 0); ``normalized``: the passages'
     :func:`normalized_texts` when already computed (then ``passages`` is not read again)."""
     return answer_features(
         text=hypothesis.text,
@@ -418,6 +454,7 @@ def confidence_features(
         normalized=normalized if normalized is not None else normalized_texts(passages),
         doc_prior=doc_prior,
         posterior=answer_posterior(hypothesis),
+        question=question,
     )
 
 
@@ -430,11 +467,13 @@ def answer_features(
     normalized: Sequence[str],
     doc_prior: Sequence[float],
     posterior: Sequence[float] | None = None,
+    question: str = "",
 ) -> dict[str, float]:
     """:func:`confidence_features` from plain values: what a client of ``/answer`` has (its
     ``mean_log_prob`` is ``log(raw_confidence)``, or :data:`LOG_PROB_FLOOR` for 0).
     ``normalized``: the passages' :func:`normalized_texts`; ``posterior``: p(z|x,y) over them
-    (:func:`answer_posterior`; None: the prior stands in). Raises ``ValueError`` when
+    (:func:`answer_posterior`; None: the prior stands in); ``question``: the request's (empty:
+    ``question_near_answer`` is 0). Raises ``ValueError`` when
     ``normalized``, ``doc_prior`` and ``posterior`` differ in length."""
     if len(normalized) != len(doc_prior):
         raise ValueError(
@@ -463,6 +502,7 @@ def answer_features(
         "posterior_with_answer": min(
             1.0, max(0.0, sum((p for p, h in zip(post, holds, strict=True) if h), 0.0))
         ),
+        "question_near_answer": question_near_answer(question, text, normalized),
     }
 
 

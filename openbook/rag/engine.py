@@ -462,7 +462,13 @@ class DecodingEngine:
         for hyp in result.hypotheses:
             hyp.finish_reason = self._finish_reason(hyp.token_ids, request.options)
             features = (
-                confidence_features(hyp, request.passages, result.doc_prior, normalized=normalized)
+                confidence_features(
+                    hyp,
+                    request.passages,
+                    result.doc_prior,
+                    question=request.question,
+                    normalized=normalized,
+                )
                 if normalized is not None
                 else None
             )

@@ -19,6 +19,7 @@ from openbook.rag.confidence import (
     CALIBRATION_FILE,
     FEATURES,
     LOG_PROB_FLOOR,
+    NEAR_ANSWER_WORDS,
     Calibration,
     LogisticCalibration,
     answer_features,
@@ -29,6 +30,7 @@ from openbook.rag.confidence import (
     fit_logistic_calibration,
     load_calibration,
     normalized_texts,
+    question_near_answer,
     raw_confidence,
 )
 from openbook.rag.options import Hypothesis
@@ -214,6 +216,7 @@ def test_the_features_of_a_hand_made_hypothesis():
         "cut_by_length": 0.0,
         # no posterior on the hypothesis: the prior stands in
         "posterior_with_answer": pytest.approx(0.7),
+        "question_near_answer": 0.0,  # no question given
     }
     # the answer's passage posterior p(z|x,y): RAG-Sequence's, or RAG-Token's after its last
     # token (an earlier token's is not the answer's)
@@ -344,11 +347,12 @@ def _synthetic(n: int, seed: int) -> tuple[list[dict[str, float]], np.ndarray]:
             "prior_with_answer": float(rng.uniform()),
             "cut_by_length": float(rng.uniform() < 0.1),
             "posterior_with_answer": float(rng.uniform()),
+            "question_near_answer": float(rng.uniform()),
         }
         for _ in range(n)
     ]
     x = np.array([[r[f] for f in FEATURES] for r in rows])
-    z = x @ np.array([0.05, 1.0, 1.5, 1.2, 2.0, -1.5, 1.0]) - 1.0
+    z = x @ np.array([0.05, 1.0, 1.5, 1.2, 2.0, -1.5, 1.0, 0.8]) - 1.0
     return rows, (rng.uniform(size=n) < 1 / (1 + np.exp(-z))).astype(float)
 
 
@@ -411,7 +415,7 @@ def test_the_logistic_fit_survives_separable_and_constant_features_and_refuses_b
 def test_a_models_logistic_calibration_gives_every_hypothesis_its_sigmoid(dirs, tmp_path, mode):
     model = tmp_path / "bart"
     shutil.copytree(dirs.bart(0), model)
-    cal = LogisticCalibration(FEATURES, (0.02, 0.8, 1.5, 2.0, 1.0, -1.0, 0.9), 0.3)
+    cal = LogisticCalibration(FEATURES, (0.02, 0.8, 1.5, 2.0, 1.0, -1.0, 0.9, 1.1), 0.3)
     cal.save(model)
     gen = RagGenerator.load(model, device="cpu")
     assert gen.calibration == cal
@@ -423,7 +427,9 @@ def test_a_models_logistic_calibration_gives_every_hypothesis_its_sigmoid(dirs, 
     for _ in range(6):
         result = gen.generate(QUESTION, passages, options)
         best = result.hypotheses[0]
-        if confidence_features(best, passages, result.doc_prior)["answer_in_top_passage"]:
+        if confidence_features(best, passages, result.doc_prior, question=QUESTION)[
+            "answer_in_top_passage"
+        ]:
             break
         top = int(np.argmax(result.doc_prior))
         passages[top] = dataclasses.replace(passages[top], text=f"{passages[top].text} {best.text}")
@@ -431,10 +437,38 @@ def test_a_models_logistic_calibration_gives_every_hypothesis_its_sigmoid(dirs, 
         pytest.fail("the model never answered with its top passage's words")
     assert len(result.hypotheses) == 2
     for hyp in result.hypotheses:
-        features = confidence_features(hyp, passages, result.doc_prior)
+        features = confidence_features(hyp, passages, result.doc_prior, question=QUESTION)
         assert features["max_prior"] == pytest.approx(max(result.doc_prior))
         assert features["cut_by_length"] == (1.0 if hyp.finish_reason == "length" else 0.0)
         assert hyp.confidence == pytest.approx(cal(features), abs=1e-12)
         assert hyp.raw_confidence == pytest.approx(math.exp(features["mean_log_prob"]))
-    best_features = confidence_features(result.hypotheses[0], passages, result.doc_prior)
+    best_features = confidence_features(
+        result.hypotheses[0], passages, result.doc_prior, question=QUESTION
+    )
     assert best_features["prior_with_answer"] >= best_features["max_prior"] > 0
+
+
+def test_question_near_answer_counts_the_questions_words_beside_the_answer():
+    normalized = normalized_texts(PASSAGES)
+    # "who wrote hamlet": content words {wrote, hamlet}; "hamlet" is beside Shakespeare in
+    # passage a, "wrote" nowhere
+    assert question_near_answer("Who wrote Hamlet?", "Shakespeare", normalized) == 0.5
+    tragedy = question_near_answer("Who wrote the tragedy Hamlet?", "W. Shakespeare", normalized)
+    assert tragedy == 0.0  # "w shakespeare" is in no passage: the whole answer must be there
+    two_of_three = question_near_answer("Who wrote the tragedy Hamlet?", "Shakespeare", normalized)
+    assert two_of_three == pytest.approx(2 / 3)
+    # the best passage counts, not the sum: "macbeth" and "written" are only in passage b
+    assert question_near_answer("Macbeth was written by whom?", "Shakespeare", normalized) == 1.0
+    # nothing holds the answer, or nothing is asked: 0
+    assert question_near_answer("Who wrote Hamlet?", "Marlowe", normalized) == 0.0
+    assert question_near_answer("Who is it?", "Shakespeare", normalized) == 0.0
+    assert question_near_answer("Who wrote Hamlet?", " the ", normalized) == 0.0
+    # the window: a word farther than NEAR_ANSWER_WORDS from the answer does not count
+    far = normalized_texts(["alpha " + "filler " * (NEAR_ANSWER_WORDS + 1) + "omega"])
+    assert question_near_answer("alpha?", "omega", far) == 0.0
+    near = normalized_texts(["alpha " + "filler " * (NEAR_ANSWER_WORDS - 1) + "omega"])
+    assert question_near_answer("alpha?", "omega", near) == 1.0
+    # through the features: the engine passes the request's question
+    hyp = _hypothesis("Shakespeare", -1.0, 2)
+    features = confidence_features(hyp, PASSAGES, [0.2, 0.5, 0.3], question="Who wrote Hamlet?")
+    assert features["question_near_answer"] == 0.5

@@ -14,7 +14,7 @@ from openbook_trainer.evaluation.runner import features_of_answer
 
 # every feature weighs in; the bias lifts the tiny random BART's unsure answers off 0
 CALIBRATION = LogisticCalibration(
-    FEATURES, (0.05, 0.9, 2.0, 1.5, 1.0, -0.7, 0.8), 1.2, {"note": "hand-made for the test"}
+    FEATURES, (0.05, 0.9, 2.0, 1.5, 1.0, -0.7, 0.8, 0.6), 1.2, {"note": "hand-made for the test"}
 )
 ASK = {"question": "Who wrote Hamlet?", "k": 3, "max_new_tokens": 3, "use_cache": False}
 
@@ -39,7 +39,7 @@ def test_the_served_models_logistic_calibration_gives_the_confidence(url, decodi
     assert len(answer["passages"]) == 3 and len(answer["hypotheses"]) == 2
     priors = [p["prior"] for p in answer["passages"]]
     for h in answer["hypotheses"]:
-        features = features_of_answer(h, answer["passages"])
+        features = features_of_answer(h, answer["passages"], ASK["question"])
         assert features is not None and features["max_prior"] == pytest.approx(max(priors))
         assert features["cut_by_length"] == (1.0 if h["finish_reason"] == "length" else 0.0)
         # the wire carries float32s: the recomputed value agrees to their precision

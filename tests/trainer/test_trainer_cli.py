@@ -251,12 +251,15 @@ def test_eval_fits_a_logistic_calibration_on_the_answers_features(task, tmp_path
         "prior_with_answer": 0.0,
         "cut_by_length": 1.0,
         "posterior_with_answer": 0.0,
+        "question_near_answer": 0.0,
     }
     right = [f for f in features if f is not wrong]
     assert len(right) == 7
     for f in right:  # written in the second passage only ("The code of e3 is c3.")
         assert (f["answer_in_top_passage"], f["prior_with_answer"]) == (0.0, 0.25)
         assert f["posterior_with_answer"] == pytest.approx(0.6)  # its last token's posterior
+        # "what is the code of e3 ?": both content words sit next to the answer
+        assert f["question_near_answer"] == 1.0
         assert f["log_prob"] == -0.5 and f["mean_log_prob"] == pytest.approx(math.log(0.9))
 
     calibration = load_calibration(model)

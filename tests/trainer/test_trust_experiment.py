@@ -134,6 +134,7 @@ def test_the_calibration_is_cross_fitted_by_article_and_saved(tmp_path: Path) ->
                 "prior_with_answer": 0.5 * right,
                 "cut_by_length": 0.0,
                 "posterior_with_answer": 0.7 * right,
+                "question_near_answer": 0.5,
             }
         )
     conf = trust.cross_fitted_confidence(features, rows)
@@ -211,6 +212,7 @@ def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
     ablation = trust.signal_ablation(features, rows)
     assert ablation["calibration's features"]["auroc"]["mean"] < 0.65
     assert ablation["without posterior_with_answer"]["auroc"]["mean"] < 0.65
+    assert ablation["without question_near_answer"]["auroc"]["mean"] < 0.65
     assert ablation["+ min_token_log_prob"]["auroc"]["mean"] > 0.95
     assert ablation["+ all three"]["auroc"]["mean"] > 0.9
     gain = ablation["+ min_token_log_prob"]["vs_features"]  # paired, on the same answers

@@ -82,13 +82,14 @@ def per_example_correct(
 
 
 def features_of_answer(
-    hypothesis: dict[str, Any], passages: Sequence[dict[str, Any]]
+    hypothesis: dict[str, Any], passages: Sequence[dict[str, Any]], question: str
 ) -> dict[str, float] | None:
     """The confidence features (:func:`openbook.rag.confidence.confidence_features`) of a
     ``/answer`` reply's hypothesis, from what the reply carries: its ``text``, ``log_prob``,
     ``raw_confidence`` (``mean_log_prob`` is its log), ``finish_reason`` and passage posterior
     (``doc_posterior``, or its last token's ``posterior``), and the passages' ``text`` and
-    ``prior``. None when the reply lacks any of them (an older gateway)."""
+    ``prior``; ``question``: the question asked. None when the reply lacks any of them (an
+    older gateway)."""
     # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
     from openbook.rag.confidence import LOG_PROB_FLOOR, answer_features, normalized_texts
 
@@ -108,6 +109,7 @@ def features_of_answer(
         normalized=normalized_texts([p.get("text", "") for p in passages]),
         doc_prior=[float(v) for v in priors if v is not None],  # none is None: see above
         posterior=posterior,
+        question=question,
     )
 
 
@@ -134,7 +136,7 @@ def predict_local(
         results = generator.generate_batch(
             [(q, h, options) for q, h in zip(questions, hits, strict=True)]
         )
-        for h, r in zip(hits, results, strict=True):
+        for q, h, r in zip(questions, hits, results, strict=True):
             best = r.hypotheses[0] if r.hypotheses else None
             out.append(
                 Prediction(
@@ -145,7 +147,9 @@ def predict_local(
                     confidence=best.confidence if best is not None else 0.0,
                     raw_confidence=best.raw_confidence if best is not None else 0.0,
                     features=(
-                        confidence_features(best, h, r.doc_prior) if best is not None else None
+                        confidence_features(best, h, r.doc_prior, question=q)
+                        if best is not None
+                        else None
                     ),
                 )
             )
@@ -210,7 +214,7 @@ def predict_http(
                 data.get("model_version", ""),
                 confidence=data.get("confidence"),
                 raw_confidence=best.get("raw_confidence"),
-                features=features_of_answer(best, passages),
+                features=features_of_answer(best, passages, e.question),
             )
 
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:

@@ -362,9 +362,9 @@ def adapter_version(adapter: str | None) -> str:
 # measured here, not served: does adding one separate right from wrong answers better on
 # articles the calibration never saw? (docs/results.md reports the answer.)
 DECODER_SIGNALS = ("min_token_log_prob", "first_token_log_prob", "posterior_entropy")
-# The feature this ablation once added to the calibration's (docs/results.md): the ablation
-# also measures the calibration without it.
-ADDED_FEATURE = "posterior_with_answer"
+# The features this ablation once added to the calibration's (docs/results.md): the ablation
+# also measures the calibration without each.
+ADDED_FEATURES = ("posterior_with_answer", "question_near_answer")
 
 
 def logged_posterior(row: dict) -> list[float] | None:
@@ -413,6 +413,7 @@ def answer_feature_rows(
             normalized=normalized_texts(hits),
             doc_prior=prior.tolist(),
             posterior=logged_posterior(row),
+            question=row["question"],
         )
         out.append({**features, **decoder_signals(row)})
     return out
@@ -444,7 +445,7 @@ def cross_fitted_confidence(
 
 def signal_ablation(features: list[dict[str, float]], rows: list[dict]) -> dict[str, dict]:
     """Leave-one-article-out AUROC of the calibration's features (:data:`DEFAULT_FEATURES`),
-    of them without :data:`ADDED_FEATURE`, with each decoder signal added, and with all:
+    of them without each of :data:`ADDED_FEATURES`, with each decoder signal added, and with all:
     each as ``{"auroc": interval, "vs_features": paired difference}`` (95% intervals over
     articles; the difference to the calibration's features on the same answers)."""
     articles = [r["title"] for r in rows]
@@ -452,7 +453,7 @@ def signal_ablation(features: list[dict[str, float]], rows: list[dict]) -> dict[
     base = list(DEFAULT_FEATURES)
     sets = {
         "calibration's features": base,
-        f"without {ADDED_FEATURE}": [n for n in base if n != ADDED_FEATURE],
+        **{f"without {a}": [n for n in base if n != a] for a in ADDED_FEATURES},
         **{f"+ {s}": [*base, s] for s in DECODER_SIGNALS},
         "+ all three": [*base, *DECODER_SIGNALS],
     }
@@ -666,7 +667,9 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
             "",
             "AUROC of the calibrated confidence over other features (leave one article out; "
             "95% intervals over articles, and the paired difference to the calibration's "
-            f"features): without `{ADDED_FEATURE}`, and with the decoder's own signals added "
+            "features): without each feature added since the first calibration ("
+            + ", ".join(f"`{a}`" for a in ADDED_FEATURES)
+            + "), and with the decoder's own signals added "
             "(the weakest and the first answer token's log-probability under the RAG marginal, "
             "the entropy of the final passage posterior p(z|x,y)):",
             "",
