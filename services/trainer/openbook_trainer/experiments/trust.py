@@ -460,7 +460,8 @@ def signal_ablation(features: list[dict[str, float]], rows: list[dict]) -> dict[
     reference = cross_fitted_confidence(features, rows, base)
     out = {}
     for label, names in sets.items():
-        conf = cross_fitted_confidence(features, rows, names)
+        # the reference is the first set's confidence: fitted once, not again
+        conf = reference if names is base else cross_fitted_confidence(features, rows, names)
         out[label] = {
             "auroc": measure_ci(auroc, conf, em, articles).as_dict(),
             "vs_features": paired_measure_ci(auroc, conf, reference, em, articles).as_dict(),
