@@ -14,7 +14,6 @@ from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from pydantic import SecretStr
 
 from openbook.auth import bearer_token, token_matches
@@ -23,6 +22,7 @@ from openbook.logs import request_id_var
 from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.handlers import wrap_handler
 from openbook.serving.metrics import ServiceMetrics
+from openbook.serving.reflection import enable_server_reflection
 from openbook.serving.threads import in_passing_thread
 from openbook.serving.tracing import server_interceptors
 from openbook.settings import GrpcServiceSettings
@@ -318,11 +318,10 @@ class GrpcService:
         )
         add_servicers(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        # Server reflection (grpcurl, gRPC UIs): the service, health and reflection itself,
-        # described from the generated stubs' descriptors, which add_servicers imported.
-        reflection.enable_server_reflection(
-            (name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        # Server reflection (grpcurl, gRPC UIs), v1 and v1alpha: the service, health and
+        # reflection itself, described from the generated stubs' descriptors, which
+        # add_servicers imported.
+        enable_server_reflection((name, health.SERVICE_NAME), self.server)
         # grpc's health servicer starts out SERVING for the server as a whole.
         self.set_serving(False)
         try:
