@@ -30,7 +30,8 @@ DECODING_MODES: tuple[str, ...] = get_args(DecodingMode)
 
 # How passages are retrieved (openbook.index.fusion): the dense view (query encoder + FAISS),
 # the BM25 view, or both fused into one score. A request that names none gets its index's
-# default (LoadedIndex.default_retrieval: "hybrid" where both views exist).
+# default (Manifest.default_retrieval: "hybrid" where both views exist, dense for the
+# paper's DPR / RAG encoders).
 RetrievalMode = Literal["dense", "bm25", "hybrid"]
 RETRIEVAL_MODES: tuple[str, ...] = get_args(RetrievalMode)
 # The views of an index each mode reads.
@@ -43,6 +44,17 @@ RETRIEVAL_VIEWS: dict[str, tuple[str, ...]] = {
 # Characters in a question (code points): the gateway's question, each retriever query and
 # the generator's question.
 MAX_QUESTION_CHARS = 2000
+# Conversations (openbook_gateway.conversation): a /v1 ``messages`` or ``input`` list, or
+# /answer's ``history`` with its question, holds at most MAX_CONVERSATION_MESSAGES messages
+# (more: refused naming the field). Of the turns before the question only the last
+# CONVERSATION_USER_TURNS user messages and the last assistant message are read, each cut to
+# CONVERSATION_TURN_CHARS characters; the question they expand (what retrieval and the
+# generator get) is still at most MAX_QUESTION_CHARS, so a long conversation costs no more.
+MAX_CONVERSATION_MESSAGES = 256
+CONVERSATION_USER_TURNS = 2
+CONVERSATION_TURN_CHARS = 300
+# One message of /answer's history (an earlier question or answer; only its start is read).
+MAX_HISTORY_MESSAGE_CHARS = 8192
 # Passages per question: retrieved (k), and handed to the generator.
 MAX_K = 100
 # Queries in one Retrieve call.
@@ -179,15 +191,6 @@ def check_retrieval(field: str, value: str) -> str:
             f"{field}: must be one of {', '.join(RETRIEVAL_MODES)}, got {value!r}"
         )
     return value
-
-
-def default_retrieval(views: tuple[str, ...] | list[str]) -> str:
-    """The mode of a request naming none on an index holding ``views``: "hybrid" where both
-    views exist, else the one view's (``LoadedIndex.default_retrieval``, for an index listed
-    without loading it)."""
-    if set(views) >= set(RETRIEVAL_VIEWS["hybrid"]):
-        return "hybrid"
-    return views[0] if views else ""  # no views: nothing to retrieve with (never a manifest's)
 
 
 def check_retrieval_views(field: str, mode: str, index: str, views: tuple[str, ...]) -> str:

@@ -14,9 +14,11 @@ model's ``generate`` from the question's input ids (question encoding, retrieval
 building and decoding all inside transformers).
 
 openbook's side is what its README tells a user to do: ``openbook index build`` over the same
-passages with the DPR context encoder and the RAG directory as query encoder (flat, score scale
-1), the retriever with ``OPENBOOK_RETRIEVER_QUERY_ENCODER`` and the generator with
-``OPENBOOK_GENERATOR_MODEL`` pointing at the RAG directory, the real gateway, ``POST /answer``.
+passages with the DPR context encoder and the RAG directory as query encoder (``--type hnsw``, as
+the README writes it, and nothing it does not write: the BM25 view it builds by default is there,
+and the paper's encoders make dense its default retrieval), the retriever with
+``OPENBOOK_RETRIEVER_QUERY_ENCODER`` and the generator with ``OPENBOOK_GENERATOR_MODEL`` pointing
+at the RAG directory, the real gateway, ``POST /answer`` with no field the README does not show.
 
 One deviation from stock transformers 5: ``RagSequenceForGeneration``'s per-passage beam search
 gets its padding mask back (``_mask_padding_in_generator``), as transformers 4.x had it.
@@ -37,6 +39,7 @@ import torch
 from typer.testing import CliRunner
 
 from openbook.index.cli import app as index_cli
+from openbook.index.manifest import Manifest
 from openbook_testkit.index import FACTS, make_tiny_dpr_encoders, write_facts
 from openbook_testkit.rag import make_tiny_rag_checkpoint, strip_trailing
 from openbook_testkit.stack import serving_gateway
@@ -193,9 +196,6 @@ class Openbook:
                 "max_new_tokens": MAX_NEW_TOKENS,
                 "min_new_tokens": min_new,
                 "use_cache": False,
-                # the paper's retriever: the index also holds a BM25 view, whose hybrid
-                # default would rank otherwise
-                "retrieval": "dense",
             },
             timeout=60,
         )
@@ -263,13 +263,14 @@ def openbook(models, tmp_path_factory, redis_server) -> Iterator[Openbook]:
             "--query-encoder",
             str(token_dir),
             "--type",
-            "flat",
-            "--score-scale",
-            "1",
+            "hnsw",
             "--no-progress",
         ],
     )
     assert built.exit_code == 0, built.output
+    manifest = Manifest.from_file(work / "indexes" / INDEX / "manifest.json")
+    # the README's build gives the index a BM25 view; the paper's encoders keep dense its default
+    assert (manifest.views, manifest.default_retrieval) == (["dense", "bm25"], "dense")
     common = dict(redis_url=redis_server.url, checkpoint_dir=work / "checkpoints")
     retriever, _, stop_following = build_retriever(
         RetrieverSettings(
@@ -333,6 +334,7 @@ def test_openbook_serves_the_papers_model(paper: Paper, openbook: Openbook, kind
         expected = paper.generate(kind, question, num_beams, min_new)
         got = openbook.answer(kind, question, num_beams, min_new)
 
+        assert got["retrieval"] == "dense", question  # the paper's, though a BM25 view exists
         assert [p["id"] for p in got["passages"]] == ids, question
         np.testing.assert_allclose(
             [p["score"] for p in got["passages"]], scores, rtol=0, atol=1e-4, err_msg=question

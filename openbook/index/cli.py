@@ -393,8 +393,8 @@ def _views_line(m: Manifest) -> str:
             else "default, not fitted"
         )
         line += (
-            f"; default retrieval hybrid: s = {f.dense_weight:.4g}*dense + "
-            f"{f.bm25_weight:.4g}*bm25 over {f.candidates} candidates per view, {how}"
+            f"; default retrieval {m.default_retrieval}; hybrid: s = {f.dense_weight:.4g}*dense"
+            f" + {f.bm25_weight:.4g}*bm25 over {f.candidates} candidates per view, {how}"
         )
     return line
 

@@ -104,7 +104,7 @@ class EmptyBase:
 
     @property
     def default_retrieval(self) -> str:
-        return "hybrid" if len(self.views) > 1 else self.views[0]
+        return self.manifest.default_retrieval
 
     @property
     def fusion(self) -> Fusion:

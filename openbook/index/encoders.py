@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from openbook.index.manifest import is_dpr_checkpoint
 from openbook.index.rag_encoder import load_rag_question_encoder
 
 if TYPE_CHECKING:  # transformers is imported when a model loads, not with openbook.index
@@ -394,7 +395,7 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
         return load_adapted_encoder(name_or_path, role=role, cached=cached)
     path = resolve_encoder_path(name_or_path)
     # Only a DPR (or RAG) checkpoint can become a different model depending on the role.
-    key = (str(path), role if _is_dpr(path) else "*")
+    key = (str(path), role if is_dpr_checkpoint(str(path)) else "*")
     if cached:
         with _cache_lock:
             enc = _cache.get(key)
@@ -452,11 +453,6 @@ def load_adapted_encoder(
         with _cache_lock:
             encoder = _cache.setdefault(key, encoder)
     return encoder
-
-
-def _is_dpr(path: Path) -> bool:
-    cfg = path / "config.json"
-    return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") in ("dpr", "rag")
 
 
 def clear_encoder_cache() -> None:

@@ -217,9 +217,9 @@ class LoadedIndex:
 
     @property
     def default_retrieval(self) -> str:
-        """What ``search`` does without ``retrieval``: "hybrid" where both views exist (with
-        the fitted fusion, else ``Fusion.default``), else the one view."""
-        return "hybrid" if len(self.views) > 1 else self.views[0]
+        """What ``search`` does without ``retrieval``: ``Manifest.default_retrieval`` (hybrid
+        with the fitted fusion, else ``Fusion.default``, where both views exist)."""
+        return self.manifest.default_retrieval
 
     @property
     def fusion(self) -> Fusion:

@@ -6,6 +6,7 @@ Shared: the write side writes it, the read side verifies it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -72,6 +73,19 @@ class Manifest:
     def dense(self) -> bool:
         return self.index_type != "bm25"
 
+    @property
+    def default_retrieval(self) -> str:
+        """What a request naming no ``retrieval`` gets: "hybrid" where both views exist, except
+        on an index encoded by a DPR or RAG checkpoint, which gets the paper's retriever, dense
+        (Lewis et al. retrieve by MIPS alone: serving facebook/rag-*-nq any other way changes its
+        passages and answers); such an index serves hybrid only when a request asks for it.
+        With one view, that view."""
+        if len(self.views) == 1:
+            return self.views[0]
+        if any(is_dpr_checkpoint(e) for e in (self.query_encoder, self.encoder) if e):
+            return "dense"
+        return "hybrid"
+
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         if data["shard"] is None:
@@ -124,6 +138,17 @@ class Manifest:
 
 
 VIEWS = ("dense", "bm25")
+
+
+@functools.lru_cache(maxsize=256)
+def is_dpr_checkpoint(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a local DPR or RAG checkpoint (its config's ``model_type``):
+    the paper's encoders, whose roles (question / context) and retrieval (dense MIPS) are fixed."""
+    config = Path(name_or_path).expanduser() / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type") in ("dpr", "rag")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def default_views(index_type: str) -> list[str]:

@@ -304,7 +304,7 @@ def test_cli_fit_fusion_info_and_search(hybrid_dir: Path, tmp_path: Path) -> Non
     r = runner.invoke(app, ["info", str(hybrid_dir), "--verify"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["views"] == ["dense", "bm25"]
-    assert "views: dense, bm25; default retrieval hybrid: s = " in r.stderr
+    assert "views: dense, bm25; default retrieval hybrid; hybrid: s = " in r.stderr
     assert "fitted on 6 questions" in r.stderr
 
     r = runner.invoke(app, ["search", str(hybrid_dir), "Who wrote Hamlet?", "-k", "1"])

@@ -103,13 +103,19 @@ def test_limits_name_the_index_layers_modes():
 
 def test_the_shared_rule_for_modes_views_and_defaults():
     from openbook.errors import InvalidArgument
-    from openbook.limits import check_retrieval, check_retrieval_views, default_retrieval
+    from openbook.index.manifest import Manifest
+    from openbook.limits import check_retrieval, check_retrieval_views
 
     assert [check_retrieval("retrieval", m) for m in RETRIEVAL_MODES] == list(RETRIEVAL_MODES)
     with pytest.raises(InvalidArgument, match="^retrieval: must be one of dense, bm25, hybrid"):
         check_retrieval("retrieval", "rrf")
-    assert default_retrieval(("dense", "bm25")) == "hybrid"
-    assert (default_retrieval(("dense",)), default_retrieval(("bm25",))) == ("dense", "bm25")
+
+    def default(views: list[str]) -> str:
+        index_type = "bm25" if views == ["bm25"] else "flat"
+        return Manifest("x", None, None, 0, 0, index_type, views=views).default_retrieval
+
+    assert default(["dense", "bm25"]) == "hybrid"
+    assert (default(["dense"]), default(["bm25"])) == ("dense", "bm25")
     for mode in RETRIEVAL_MODES:
         assert check_retrieval_views("retrieval", mode, "x", ("dense", "bm25")) == mode
     with pytest.raises(InvalidArgument) as err:

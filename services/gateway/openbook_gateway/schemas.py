@@ -6,7 +6,7 @@ generator enforce at their own boundaries, so a request accepted here is one the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,9 +15,11 @@ from openbook.limits import (
     MAX_BATCH_DOCUMENTS,
     MAX_BEAMS,
     MAX_CHECKPOINT_CHARS,
+    MAX_CONVERSATION_MESSAGES,
     MAX_DOCUMENT_ID_CHARS,
     MAX_DOCUMENT_TEXT_CHARS,
     MAX_DOCUMENT_TITLE_CHARS,
+    MAX_HISTORY_MESSAGE_CHARS,
     MAX_K,
     MAX_LENGTH_PENALTY,
     MAX_NEW_TOKENS,
@@ -76,6 +78,18 @@ class RetrievalFilter(BaseModel):
     def metadata_filter(self) -> MetadataFilter | None:
         """The filter, parsed (None: none, or ``{}``)."""
         return parse_filter(self.filter, "filter")
+
+
+class HistoryMessage(BaseModel):
+    """An earlier turn of a conversation, as ``/answer``'s ``history`` takes it."""
+
+    model_config = STRICT_REQUEST
+
+    role: Literal["user", "assistant"]
+    content: str = Field(
+        max_length=MAX_HISTORY_MESSAGE_CHARS,
+        description="its text (an abstained answer's may be empty); only its start is read",
+    )
 
 
 class AnswerRequest(RetrievalFilter):
@@ -142,7 +156,8 @@ class AnswerRequest(RetrievalFilter):
         None,
         description="how passages are retrieved: 'dense' (query encoder), 'bm25', or 'hybrid' "
         "(both, fused into one fitted score); default: the index's default_retrieval ('hybrid' "
-        "where it holds both views). A mode the index has no view for is a 422 naming retrieval",
+        "where it holds both views, 'dense' for the paper's DPR / RAG encoders). A mode the "
+        "index has no view for is a 422 naming retrieval",
     )
     use_cache: bool = True
     min_confidence: float | None = Field(
@@ -157,6 +172,14 @@ class AnswerRequest(RetrievalFilter):
         False,
         description="answer as Server-Sent Events: token events as the answer is written, then "
         "an answer event with this response's body (docs/api.md)",
+    )
+    history: list[HistoryMessage] | None = Field(
+        None,
+        max_length=MAX_CONVERSATION_MESSAGES - 1,
+        description="the conversation before question, oldest first: a follow-up is retrieved "
+        "and answered with the question expanded by the last user turns and the last answer "
+        "(openbook_gateway.conversation; question_used in the reply says what was asked). "
+        "Default: none, the question alone",
     )
 
     @field_validator("question")
@@ -267,6 +290,11 @@ class AnswerResponse(BaseModel):
     prompt_tokens: int | None = Field(
         None, description="tokens the generator read: the k passage inputs together"
     )
+    question_used: str | None = Field(
+        None,
+        description="the question passages were retrieved and the answer generated for: the "
+        "question, expanded from the conversation's earlier turns when there are any",
+    )
 
 
 class SwapIndexRequest(BaseModel):
@@ -310,7 +338,8 @@ class IndexOut(BaseModel):
     default_retrieval: str | None = Field(
         None,
         description="the retrieval mode of a request that names none: 'hybrid' where it holds "
-        "both views, else its one view's (null when its manifest is unreadable)",
+        "both views (but 'dense' where a DPR or RAG checkpoint encodes it, the paper's "
+        "retrieval), else its one view's (null when its manifest is unreadable)",
     )
     version: int = Field(
         0,

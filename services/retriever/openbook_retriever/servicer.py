@@ -55,7 +55,6 @@ from openbook.limits import (
     check_range,
     check_retrieval,
     check_retrieval_views,
-    default_retrieval,
 )
 from openbook.metadata_filter import MetadataFilter, parse_filter_json
 from openbook.serving.batcher import Batcher
@@ -538,7 +537,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             info.checksum = m.checksum or ""
             info.score_scale = float(m.score_scale)
             info.views.extend(m.views)
-            info.default_retrieval = default_retrieval(tuple(m.views))
+            info.default_retrieval = m.default_retrieval
         self._live_info(name, info)
         return info
 
