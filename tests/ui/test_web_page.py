@@ -5,7 +5,10 @@ Ask with RAG-Token and k=3 and watch the answer being written (the page asks wit
 answer, the passages with prior/posterior bars and the heat map are those of the ``answer``
 event. Swap the index with the admin token, see the label change. Errors before and during the
 stream are shown. Upload a PDF into an index from the Documents panel (the admin token asked
-once), see it listed, ask about it (its passage names its page), delete it. Screenshots (one
+once), see it listed, ask about it (its passage names its page), delete it. Over an active
+index of more than 1,000 documents at 1280×900: the answer is drawn in view, right under the
+question box; the Documents panel shows the active index 50 ids a page, and an upload whose id
+sorts past the first 1,000 is listed as soon as it is done. Screenshots (one
 mid-stream) go to ``artifacts/`` (kept by CI). Needs Debian's ``chromium`` and
 ``chromium-driver`` and the ``selenium`` package (``scripts/install-browser.sh``); without
 them the test is skipped, or fails where ``OPENBOOK_REQUIRE_BROWSER=1`` says the browser must
@@ -31,6 +34,8 @@ CHROMIUM = os.environ.get("OPENBOOK_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("OPENBOOK_CHROMEDRIVER", "/usr/bin/chromedriver")
 TOKEN = "ui-admin-token"
 WAIT_S = 30
+MANY = "wiki-many"  # an index of more documents than the page once listed (the fixture's)
+MANY_DOCS = 1_201
 NEW_TOKENS = 16  # the tiny random BART writes every one of them: several token events
 
 # Watches the page write its answer. Every DOM change is a mutation record, however many
@@ -171,11 +176,30 @@ def driver():
 def gateway_url(tmp_path_factory, redis_server):
     redis_server.flush()
     workdir = tmp_path_factory.mktemp("ui")
+    _build_many_documents_index(workdir / "indexes")
     with running_backends(workdir, redis_server.url, admin_token=TOKEN) as backends:
         settings = backends.gateway_settings(redis_server.url, admin_token=TOKEN)
         with serving_gateway(settings, timeout_s=WAIT_S) as url:
             yield url
     redis_server.flush()  # leave no active index behind for other modules
+
+
+def _build_many_documents_index(root: Path) -> None:
+    """``MANY``: a BM25 index of ``MANY_DOCS`` one-passage documents, ``doc-00000`` on. More
+    than the 1,000 ids the page once listed in one go, above the ask form's answer; ids that sort
+    before an upload's ``sha256-...``, so an upload lands past the first 1,000."""
+    from openbook.index import build_index
+    from openbook.index.spec import BuildOptions, IndexSpec
+    from openbook_testkit.index import random_rows, write_jsonl
+
+    rows = [
+        {**row, "id": f"doc-{i:05d}", "title": f"Document {i}"}
+        for i, row in enumerate(random_rows(MANY_DOCS, words=12, seed=7))
+    ]
+    source = write_jsonl(root / f"{MANY}.jsonl", rows)
+    build_index(
+        [source], root / MANY, IndexSpec(name=MANY, index_type="bm25"), BuildOptions(progress=False)
+    )
 
 
 def _screenshot(driver, name: str, width: int = 1280) -> Path:
@@ -231,6 +255,10 @@ def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
     assert "openbook" in driver.title
     badge = driver.find_element(By.ID, "active-index")
     wait.until(lambda d: badge.text == "facts-a")
+    # the Documents panel shows the active index's documents (all 30 on one page)
+    docs_index = driver.find_element(By.ID, "docs-index")
+    assert docs_index.get_attribute("value") == "facts-a"
+    wait.until(lambda d: len(_listed(d)) == 30 and _listed(d)[0] == "p00")
 
     # --- ask: question, RAG-Token, k = 3, 16 tokens; watch the answer being written
     question = driver.find_element(By.ID, "question")
@@ -384,7 +412,7 @@ def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
         o.get_attribute("value")
         for o in driver.find_elements(By.CSS_SELECTOR, "#swap-index option")
     ]
-    assert set(options) == {"facts-a", "facts-b"}
+    assert set(options) == {"facts-a", "facts-b", MANY}
     Select(driver.find_element(By.ID, "swap-index")).select_by_value("facts-b")
     token = driver.find_element(By.ID, "admin-token")
     assert token.get_attribute("type") == "password"
@@ -399,6 +427,9 @@ def test_ask_see_answer_and_heatmap_then_swap_index(driver, gateway_url):
     token.send_keys(TOKEN + Keys.ENTER)
     wait.until(lambda d: badge.text == "facts-b")
     assert dialog.get_attribute("open") is None
+    # the Documents panel follows the swap (the reader never chose another index there)
+    wait.until(lambda d: docs_index.get_attribute("value") == "facts-b")
+    wait.until(lambda d: _listed(d)[:1] == ["b-p00"])
 
     # --- the next answer comes from the new index
     driver.find_element(By.ID, "ask-button").click()
@@ -581,3 +612,111 @@ def test_upload_a_file_see_it_ask_about_it_and_delete_it(driver, gateway_url, tm
     gone = httpx.get(f"{gateway_url}/indexes/uploads/documents/{doc_id}")
     assert gone.status_code == 404
     assert httpx.delete(f"{gateway_url}/indexes/uploads", headers=auth).status_code == 200
+
+
+def _listed(driver) -> list[str]:
+    """The document ids the Documents panel lists, in order."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#docs-list > li')].map(li => li.dataset.docId)"
+    )
+
+
+def test_the_answer_is_in_view_and_the_documents_are_paged(driver, gateway_url, tmp_path):
+    """Over an active index of more documents than the page once listed (1,201), at 1280×900:
+    after Ask, the answer and its first passage are drawn right under the question box, with no
+    scrolling; the Documents panel shows the active index, a page of 50 ids at a time, with next
+    and previous; a file uploaded into it (its id past the first 1,000) is listed, marked, as
+    soon as the upload is done."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    wait = WebDriverWait(driver, WAIT_S)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    was_active = httpx.get(f"{gateway_url}/indexes").json()["active"]
+    swapped = httpx.post(f"{gateway_url}/admin/swap-index", json={"index": MANY}, headers=auth)
+    assert swapped.status_code == 200, swapped.text
+    try:
+        driver.set_window_size(1280, 900)
+        driver.get(gateway_url + "/")
+        badge = driver.find_element(By.ID, "active-index")
+        wait.until(lambda d: badge.text == MANY)
+
+        # --- ask: the answer and its passages where the question was asked, not 50,000 px down
+        driver.find_element(By.ID, "question").send_keys("w1 w2 w3 w4")
+        max_tokens = driver.find_element(By.ID, "max-new-tokens")
+        max_tokens.clear()
+        max_tokens.send_keys("4")
+        driver.find_element(By.ID, "ask-button").click()
+        wait.until(_answered)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#passages > li.passage"))
+        seen = driver.execute_script(
+            "const top = (el) => el.getBoundingClientRect().top;"
+            "return {result: top(document.getElementById('result')),"
+            " answer: document.getElementById('answer').getBoundingClientRect().bottom,"
+            " passage: top(document.querySelector('#passages > li.passage')),"
+            " height: window.innerHeight, scrolled: window.scrollY}"
+        )
+        ARTIFACTS.mkdir(exist_ok=True)
+        assert driver.save_screenshot(str(ARTIFACTS / "ui-answer-in-view.png"))  # the viewport
+        assert 0 < seen["height"] <= 900, seen
+        assert 0 <= seen["result"] < seen["height"], seen
+        assert seen["answer"] < seen["height"], seen
+        assert seen["passage"] < seen["height"], seen
+        assert seen["scrolled"] == 0, seen  # drawn there, not scrolled to
+
+        # --- the Documents panel: the active index, 50 ids a page, next and previous
+        docs_index = Select(driver.find_element(By.ID, "docs-index"))
+        assert docs_index.first_selected_option.get_attribute("value") == MANY
+        summary = driver.find_element(By.ID, "docs-summary")
+        assert f"{MANY_DOCS:,} passages" in summary.text, summary.text
+        page = [f"doc-{i:05d}" for i in range(MANY_DOCS)]
+        wait.until(lambda d: _listed(d) == page[:50])
+        shown = driver.find_element(By.ID, "docs-range")
+        previous = driver.find_element(By.ID, "docs-prev")
+        following = driver.find_element(By.ID, "docs-next")
+        assert shown.text == "1–50" and not previous.is_enabled() and following.is_enabled()
+        following.click()
+        wait.until(lambda d: _listed(d) == page[50:100])
+        assert shown.text == "51–100" and previous.is_enabled()
+        following.click()
+        wait.until(lambda d: _listed(d) == page[100:150])
+        previous.click()
+        wait.until(lambda d: _listed(d) == page[50:100])
+        assert shown.text == "51–100"
+        previous.click()
+        wait.until(lambda d: _listed(d) == page[:50])
+        assert not previous.is_enabled()
+
+        # --- upload into it: the new id sorts after all 1,201 and is shown once uploaded
+        note = tmp_path / "ferry.txt"
+        note.write_text("The quindle harbour ferry leaves at noon.\n")
+        driver.find_element(By.ID, "docs-file").send_keys(str(note))
+        driver.find_element(By.ID, "docs-token").send_keys(TOKEN)
+        driver.find_element(By.ID, "docs-upload").click()
+        status = driver.find_element(By.ID, "docs-status")
+        wait.until(lambda d: status.text.startswith("Uploaded"))
+        fresh = driver.find_elements(By.CSS_SELECTOR, "#docs-list > li.is-new")
+        assert len(fresh) == 1
+        doc_id = fresh[0].get_attribute("data-doc-id")
+        assert doc_id.startswith("sha256-") and doc_id > page[-1], doc_id
+        assert doc_id in status.text and doc_id in _listed(driver)
+        in_box = driver.execute_script(
+            "const [li] = arguments; const r = li.getBoundingClientRect();"
+            "const box = li.closest('.docs-scroll').getBoundingClientRect();"
+            "return r.top >= box.top && r.bottom <= box.bottom",
+            fresh[0],
+        )
+        assert in_box  # scrolled to inside the list's box
+        _screenshot(driver, "ui-documents-paged.png")
+        driver.set_window_size(1280, 900)
+
+        # delete it: gone from the list; previous leads back to the first page
+        driver.find_element(By.CSS_SELECTOR, f'#docs-list button[data-doc-id="{doc_id}"]').click()
+        wait.until(lambda d: status.text == f"Deleted {doc_id}.")
+        assert doc_id not in _listed(driver)
+        if previous.is_enabled():
+            previous.click()
+        wait.until(lambda d: _listed(d) == page[:50])
+        assert httpx.get(f"{gateway_url}/indexes/{MANY}/documents/{doc_id}").status_code == 404
+    finally:
+        httpx.post(f"{gateway_url}/admin/swap-index", json={"index": was_active}, headers=auth)

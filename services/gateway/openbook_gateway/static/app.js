@@ -320,6 +320,7 @@
   function startWriting(request) {
     $("empty").hidden = true;
     result.hidden = false;
+    showResult();
     document.body.classList.remove("is-busy"); // nothing old left to dim
     askButton.textContent = "Writing…";
 
@@ -426,9 +427,19 @@
 
   // ------------------------------------------------------------------ rendering
 
+  // The result is laid out right under the question box (the Documents panel comes after it),
+  // so it is in view when the question box is. A reader asking from elsewhere on the page has
+  // its top brought into view; once there, the page is not moved again while it is written.
+  function showResult() {
+    const top = result.getBoundingClientRect().top;
+    if (top < 0 || top > window.innerHeight - 96) result.scrollIntoView({ block: "start" });
+  }
+
   function render(data) {
     $("empty").hidden = true;
+    const shown = !result.hidden;
     result.hidden = false;
+    if (!shown) showResult(); // a plain JSON answer: no startWriting before it
 
     const answer = answerNode;
     answer.classList.remove("is-writing", "is-incomplete");
@@ -649,6 +660,7 @@
     try {
       const data = await adminCall(token, "POST", "/admin/swap-index", { index: name });
       setActiveIndex(data.active, "ok");
+      afterSwap();
       dialog.close();
       $("swap-open").focus();
     } catch (err) {
@@ -667,7 +679,23 @@
   const docsStatus = $("docs-status");
   const docsError = $("docs-error");
   const docsList = $("docs-list");
+  const docsScroll = docsList.parentElement;
+  const docsRange = $("docs-range");
+  const docsPrev = $("docs-prev");
+  const docsNext = $("docs-next");
   const uploadButton = $("docs-upload");
+
+  // Ids per page of the list: the documents API pages by cursor (the last id of the page
+  // before), so the panel never asks for, nor draws, more than this at once.
+  const DOCS_PAGE = 50;
+
+  // The page shown: `cursor` the API's ("" the first page), `before` the cursors of the pages
+  // that led here (Previous pops one), `offset` how many ids come before it (null when not
+  // known: a page opened at a just-uploaded id), `next` the API's next_cursor (null: the last).
+  let docsPage = { index: "", cursor: "", before: [], offset: 0, next: null, ids: [] };
+  // The panel shows the active index until the reader picks another one.
+  let docsFollowsActive = true;
+  let docsRequest = 0; // the latest listing: an older reply arriving late is dropped
 
   // The admin token is asked once: by the swap dialog or here, whichever comes first.
   function docsTokenShown() {
@@ -689,8 +717,13 @@
     }
   }
 
-  // Both selects list every index; the ask form's keeps its choice, the documents panel
-  // preselects the first index that is not active (where documents usually go).
+  function activeIndexName() {
+    const active = knownIndexes.find((ix) => ix.active);
+    return active ? active.name : "";
+  }
+
+  // Both selects list every index; the ask form's keeps its choice, the documents panel shows
+  // the active index (GET /indexes says which) unless the reader chose another.
   function fillIndexSelects() {
     const names = knownIndexes.map((ix) => ix.name);
     const asked = $("ask-index").value;
@@ -700,32 +733,110 @@
     );
     if (names.includes(asked)) $("ask-index").value = asked;
     const chosen = docsIndex.value;
-    docsIndex.replaceChildren(...names.map((name) => el("option", { value: name }, name)));
-    const target = names.includes(chosen) ? chosen : (knownIndexes.find((ix) => !ix.active) || knownIndexes[0] || {}).name;
+    docsIndex.replaceChildren(
+      ...knownIndexes.map((ix) => el("option", { value: ix.name }, ix.active ? `${ix.name} (active)` : ix.name))
+    );
+    const active = activeIndexName();
+    let target = docsFollowsActive && active ? active : chosen;
+    if (!names.includes(target)) target = active || names[0];
     if (target) docsIndex.value = target;
+    docsSummary();
   }
 
-  async function listDocuments() {
+  // What GET /indexes says of the panel's index: active or not, how many passages it holds.
+  function docsSummary() {
+    const ix = knownIndexes.find((i) => i.name === docsIndex.value);
+    const parts = [];
+    if (ix) {
+      parts.push(ix.active ? `${ix.name} (active)` : ix.name);
+      if (Number.isFinite(ix.count)) parts.push(`${ix.count.toLocaleString("en-US")} passages`);
+    }
+    $("docs-summary").textContent = parts.join(" · ");
+  }
+
+  function docsPager() {
+    const { ids, offset, next, before } = docsPage;
+    docsPrev.disabled = before.length === 0;
+    docsNext.disabled = !next;
+    if (!ids.length) docsRange.textContent = "none";
+    else if (offset === null) docsRange.textContent = `from ${ids[0]}`;
+    else docsRange.textContent = `${offset + 1}–${offset + ids.length}`;
+  }
+
+  // Lists one page of the panel's index: the ids after `cursor`. `marked`: an id to show as
+  // just uploaded, scrolled to inside the list's box.
+  async function listDocuments(cursor = "", before = [], offset = 0, marked = null) {
     const index = docsIndex.value;
-    if (!index) return docsList.replaceChildren();
+    const request = ++docsRequest;
+    if (!index) {
+      docsPage = { index, cursor: "", before: [], offset: 0, next: null, ids: [] };
+      docsList.replaceChildren();
+      return docsPager();
+    }
+    const query = new URLSearchParams({ limit: String(DOCS_PAGE) });
+    if (cursor) query.set("cursor", cursor);
     try {
-      const data = await api("GET", `/indexes/${encodeURIComponent(index)}/documents?limit=1000`);
+      const data = await api("GET", `/indexes/${encodeURIComponent(index)}/documents?${query}`);
+      if (request !== docsRequest) return;
+      // A page emptied by a delete: the one before it, if there is one.
+      if (!data.ids.length && before.length) {
+        const back = before.slice(0, -1);
+        const known = back.length === 0 ? 0 : offset === null ? null : Math.max(0, offset - DOCS_PAGE);
+        return listDocuments(before[before.length - 1], back, known, marked);
+      }
+      docsPage = { index, cursor, before, offset, next: data.next_cursor || null, ids: data.ids };
       docsList.replaceChildren(
         ...data.ids.map((id) =>
           el(
             "li",
-            { "data-doc-id": id },
+            { "data-doc-id": id, class: id === marked ? "is-new" : null },
             el("span", { class: "doc-id", text: id }),
+            id === marked ? el("span", { class: "doc-new", text: "just uploaded" }) : null,
             el("button", { type: "button", class: "btn btn-quiet doc-delete", "data-doc-id": id, "aria-label": `Delete ${id}` }, "Delete")
           )
         )
       );
-      if (!data.ids.length) docsStatus.textContent = `No documents in ${index} yet.`;
+      docsScroll.scrollTop = 0;
+      // the list's own box scrolls to it; the page stays where it is
+      const fresh = docsList.querySelector("li.is-new");
+      if (fresh) docsScroll.scrollTop = Math.max(0, fresh.offsetTop - docsList.offsetTop - fresh.offsetHeight);
+      docsPager();
+      if (!data.ids.length && !cursor) docsStatus.textContent = `No documents in ${index} yet.`;
     } catch (err) {
+      if (request !== docsRequest) return;
+      docsPage = { index, cursor: "", before: [], offset: 0, next: null, ids: [] };
       docsList.replaceChildren();
+      docsPager();
       docsStatus.textContent = `${index}: ${err.message}`;
     }
   }
+
+  // The page that holds `id`: the ids after a cursor just below it. The cursor is `id` less its
+  // last character (a whole code point): every id between that and `id` sorts right before it,
+  // so the page starts at most a few ids early. Previous leads from there to the first page.
+  // A cursor the API would refuse (blank) is the first page instead.
+  function listDocumentsAt(id) {
+    const cursor = Array.from(id).slice(0, -1).join("");
+    if (!cursor.trim()) return listDocuments("", [], 0, id);
+    return listDocuments(cursor, [""], null, id);
+  }
+
+  docsNext.addEventListener("click", () => {
+    const { cursor, before, offset, ids, next } = docsPage;
+    if (!next) return;
+    docsStatus.textContent = "";
+    listDocuments(next, [...before, cursor], offset === null ? null : offset + ids.length);
+  });
+
+  docsPrev.addEventListener("click", () => {
+    const { before, offset } = docsPage;
+    if (!before.length) return;
+    docsStatus.textContent = "";
+    const back = before.slice(0, -1);
+    // Back on the first page the offset is known again (0); a page before one opened at an
+    // upload is the first page (listDocumentsAt).
+    listDocuments(before[before.length - 1], back, back.length === 0 ? 0 : offset === null ? null : Math.max(0, offset - DOCS_PAGE));
+  });
 
   // The token of a write from the documents panel: the one kept, else the panel's field.
   function writeToken() {
@@ -750,7 +861,9 @@
       const data = await adminCall(token, "POST", `/indexes/${encodeURIComponent(index)}/documents`, formData);
       $("ask-index").value = index; // ask about it next
       docsFile.value = "";
-      await listDocuments();
+      // Its id may sort anywhere: show the page that holds it, marked, whatever page was shown.
+      await listDocumentsAt(data.id);
+      refreshIndexes().then(docsSummary); // its passages in the count
       const pages = data.pages ? `, ${data.pages} pages` : "";
       docsStatus.textContent = `Uploaded "${data.title}" (${data.type}${pages}) as ${data.id}: ${data.passages} passages.`;
     } catch (err) {
@@ -769,7 +882,10 @@
     try {
       const token = writeToken();
       await adminCall(token, "DELETE", `/indexes/${encodeURIComponent(docsIndex.value)}/documents/${encodeURIComponent(id)}`);
-      await listDocuments();
+      // The same page again, less the id (or the page before, where it was the last one).
+      const { cursor, before, offset } = docsPage;
+      await listDocuments(cursor, before, offset);
+      refreshIndexes().then(docsSummary);
       docsStatus.textContent = `Deleted ${id}.`;
     } catch (err) {
       showError(docsError, err.message);
@@ -777,9 +893,22 @@
   });
 
   docsIndex.addEventListener("change", () => {
+    docsFollowsActive = docsIndex.value === activeIndexName();
     docsStatus.textContent = "";
+    docsSummary();
     listDocuments();
   });
+
+  // After a swap the panel follows the new active index, unless the reader chose another.
+  async function afterSwap() {
+    const shown = docsIndex.value;
+    await refreshIndexes();
+    fillIndexSelects();
+    if (docsIndex.value !== shown) {
+      docsStatus.textContent = "";
+      listDocuments();
+    }
+  }
 
   refreshIndexes().then(() => {
     fillIndexSelects();
