@@ -155,9 +155,25 @@ def passage_id(doc_id: str, n: int) -> str:
     return f"{doc_id}{PASSAGE_ID_SEPARATOR}{n}"
 
 
+def built_document_id(passage_id: str) -> str:
+    """The document a *built* index's passage belongs to: its id without every trailing
+    numeric ``#<n>``. A build names the pieces of a corpus row ``<row>#<n>`` (a one-piece row
+    keeps ``<row>``), and a row is often itself one paragraph ``<doc>#<n>`` of a document
+    (``data/squad/paragraphs.jsonl``): ``1973_oil_crisis#0``, too long for one passage, is
+    built as ``1973_oil_crisis#0#0`` and ``#0#1`` beside a short ``1973_oil_crisis#1``; all
+    of them are passages of ``1973_oil_crisis``. A live document's passages are always
+    ``<doc_id>#<n>`` of an id that may itself end in ``#<n>``: those take
+    :func:`document_id_of`."""
+    doc = passage_id
+    while (head := document_id_of(doc)) != doc:
+        doc = head
+    return doc
+
+
 __all__ = [
     "Document",
     "MetadataValue",
+    "built_document_id",
     "check_document_id",
     "check_metadata",
     "document_id_of",

@@ -79,6 +79,7 @@ from openbook.index.compaction import BaseInputs, build_base
 from openbook.index.document_store import DOCUMENTS_FILE, BaseRow, DocumentStore, StoredDocument
 from openbook.index.documents import (
     Document,
+    built_document_id,
     check_document_id,
     document_id_of,
     passage_number,
@@ -922,14 +923,18 @@ class LiveIndex:
         self._store.apply(record.version, puts, deletes)
 
     def _record_base(self, base: BaseIndex, base_version: int, *, adopt: bool) -> None:
-        """Record which rows of ``base`` belong to which document, from its passage ids
-        (``<doc>#<n>``); ``adopt``: its documents become the index's (a new live index)."""
+        """Record which rows of ``base`` belong to which document, from its passage ids:
+        base 0, a built index's, as its documents were read before the adoption
+        (``built_document_id``: ``<doc>#<n>#<m>`` is ``<doc>``'s), a later one (a compaction's
+        whose rows went unrecorded) as live passages are named (``<doc_id>#<n>``);
+        ``adopt``: its documents become the index's (a new live index)."""
+        document_of = built_document_id if base_version == 0 else document_id_of
         rows: NewRows = []
         by_doc: dict[str, PassageList] = {}
         for start in range(0, len(base), 10_000):
             chunk = base.get_passages(range(start, min(start + 10_000, len(base))))
             for row, p in enumerate(chunk, start):
-                doc_id = document_id_of(p.id)
+                doc_id = document_of(p.id)
                 rows.append(BaseRow(doc_id, row, p.id))
                 if adopt:
                     by_doc.setdefault(doc_id, []).append(p)

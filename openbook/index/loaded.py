@@ -15,7 +15,7 @@ import numpy as np
 from openbook.artifacts import verify_files
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
-from openbook.index.documents import document_id_of
+from openbook.index.documents import built_document_id
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.filtering import (
     MetadataColumns,
@@ -455,7 +455,8 @@ class LoadedIndex:
     def metadata_columns(self) -> MetadataColumns:
         """What a filter sees of this index's rows, built on first use from the passage store
         (one pass over ids and titles): a built index stores no metadata, so each passage has
-        the built-in ``_id`` (its document: ``<doc>`` of ``<doc>#<n>``) and ``_title`` only."""
+        the built-in ``_id`` (its document: ``<doc>`` of ``<doc>#<n>``, of ``<doc>#<n>#<m>``:
+        ``built_document_id``, as GetDocument and an adoption group it) and ``_title`` only."""
         with self._columns_lock:
             if self._columns is None:
                 # Plain lists and dicts in the loop (~1 us per row): numpy per row is slower.
@@ -464,7 +465,7 @@ class LoadedIndex:
                 rows: list[int] = []
                 for chunk in self._store.iter_ids_titles():
                     for _, pid, title in chunk:  # every row, in row order
-                        doc = document_id_of(pid)
+                        doc = built_document_id(pid)
                         at = ordinal.setdefault(doc, len(ordinal))
                         if at == len(titles):
                             titles.append(title)
