@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from openbook.index.encoders import Encoder
-from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion
+from openbook.index.engine import check_retrieval
+from openbook.index.fusion import Candidates, Fusion
 from openbook.index.loaded import check_query_encoder, index_query_encoder
 from openbook.index.manifest import Manifest
 from openbook.index.spec import IndexSpec
@@ -114,20 +115,7 @@ class EmptyBase:
 
     def retrieval_mode(self, retrieval: str | None) -> str:
         """As ``LoadedIndex.retrieval_mode``: ValueError starting "retrieval: "."""
-        if not retrieval:
-            return self.default_retrieval
-        if retrieval not in RETRIEVAL_MODES:
-            raise ValueError(
-                f"retrieval: unknown mode {retrieval!r} for index {self.name!r}; expected one "
-                f"of {', '.join(RETRIEVAL_MODES)}"
-            )
-        needs = ("dense", "bm25") if retrieval == "hybrid" else (retrieval,)
-        if not set(needs) <= set(self.views):
-            raise ValueError(
-                f"retrieval: index {self.name!r} has no {retrieval} retrieval (its views: "
-                f"{', '.join(self.views)})"
-            )
-        return retrieval
+        return check_retrieval(self.name, self.views, self.default_retrieval, retrieval)
 
     @property
     def query_encoder(self) -> Encoder:
