@@ -9,14 +9,16 @@ reads the same file.
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr
+from pydantic import BeforeValidator, Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from openbook import redis_endpoint
 from openbook.sealing import load_sealer
 from openbook.secrets import read_secret
 
@@ -27,6 +29,11 @@ def _none_if_blank(value: object) -> object:
 
 # An optional path setting: unset, or set to "" (compose's way to turn a default off), is None.
 OptionalPath = Annotated[Path | None, BeforeValidator(_none_if_blank)]
+OptionalPort = Annotated[
+    Annotated[int, Field(ge=1, le=65535)] | None, BeforeValidator(_none_if_blank)
+]
+
+log = logging.getLogger(__name__)
 
 
 def shared(default: Any, env: str, **constraints: Any) -> Any:
@@ -53,7 +60,11 @@ class CommonSettings(BaseSettings):
     # Bearer token of the gateway's /admin/* and of the services' admin RPCs (SwapIndex,
     # ReloadModel, ...), which the gateway forwards. Unset: admin off everywhere.
     admin_token: SecretStr | None = shared(None, "OPENBOOK_ADMIN_TOKEN")
-    redis_url: str = shared("redis://127.0.0.1:6379/0", "OPENBOOK_REDIS_URL")
+    # Unset: the Redis `openbook up` recorded under OPENBOOK_VAR_DIR, else 127.0.0.1 on
+    # OPENBOOK_REDIS_PORT (default 6379); openbook.redis_endpoint says why, in that order.
+    redis_url: str = shared(redis_endpoint.default_url(), "OPENBOOK_REDIS_URL")
+    redis_port: OptionalPort = shared(None, "OPENBOOK_REDIS_PORT")
+    var_dir: OptionalPath = shared(None, "OPENBOOK_VAR_DIR")  # None: ./var, as compose
     redis_timeout_s: float = shared(0.5, "OPENBOOK_REDIS_TIMEOUT_S", gt=0)
     # Redis's ACL user and the file holding its password (openbook-secrets makes both; compose,
     # `openbook up` and k8s set the file). Unset file: the URL's own credentials, if any.
@@ -65,6 +76,59 @@ class CommonSettings(BaseSettings):
     server_key_file: OptionalPath = shared(None, "OPENBOOK_SERVER_KEY_FILE")
     access_log: bool = shared(True, "OPENBOOK_ACCESS_LOG")  # one log line per request / RPC
     log_level: str = shared("INFO", "OPENBOOK_LOG_LEVEL")
+    # Where redis_url came from, for messages: the variable, the record, or the default.
+    _redis_source: str = PrivateAttr(redis_endpoint.URL_VARIABLE)
+
+    @model_validator(mode="after")
+    def _find_redis(self) -> CommonSettings:
+        """Without an explicit URL, the Redis that `openbook up` recorded (its password and
+        server key files too, where not set), else 127.0.0.1 on the port variable."""
+        if self.redis_url and "redis_url" in self.model_fields_set:
+            return self
+        record = redis_endpoint.record_path(self.var_dir)
+        try:
+            recorded = redis_endpoint.read_record(record)
+        except ValueError as exc:  # a record damaged by hand: said, then as if absent
+            log.warning("%s", exc)
+            recorded = None
+        url, recorded, self._redis_source = redis_endpoint.resolve(
+            self.redis_port, recorded, record
+        )
+        self.redis_url = url
+        if recorded is not None:
+            explicit = self.model_fields_set
+            if recorded.username and "redis_username" not in explicit:
+                self.redis_username = recorded.username
+            for name in ("redis_password_file", "server_key_file", "redis_tls_ca_file"):
+                value = getattr(recorded, name.removeprefix("redis_"))
+                if value and name not in explicit:
+                    setattr(self, name, Path(value))
+        return self
+
+    @property
+    def redis_source(self) -> str:
+        """Where ``redis_url`` came from (the variable, `openbook up`'s record, the default)."""
+        return self._redis_source
+
+    def redis_problem(self) -> redis_endpoint.Problem | None:
+        """None if Redis answers as the services will talk to it; else why not, in one line
+        naming it, where its URL came from and the variable to set."""
+        options = self.redis_options()
+        return redis_endpoint.problem(
+            options.url, self.redis_source, options.client_kwargs(), options.username
+        )
+
+    def check_redis(self, program: str) -> None:
+        """At start: a warning naming Redis and the variable to set when it cannot be reached
+        (the service runs on without it, as when Redis goes away later: answers uncached,
+        nothing shared until it answers); exit with a message if the URL is no Redis URL."""
+        problem = self.redis_problem()
+        if problem is None:
+            return
+        if problem.bad_url:
+            print(f"{program}: {problem.message}", file=sys.stderr)
+            raise SystemExit(2)
+        log.warning("%s; serving without Redis until it answers", problem.message)
 
     def redis_options(self) -> RedisOptions:
         """How to reach Redis; ``ValueError`` naming the file if the password cannot be read

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +20,13 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # weights in float32, even on a CPU with native bf16, where the service's "auto" would pick
 # bf16. A test of the precision policy itself passes its own dtype.
 os.environ.setdefault("OPENBOOK_GENERATOR_DTYPE", "float32")
+
+# Settings without OPENBOOK_REDIS_URL use the Redis that `openbook up` recorded under
+# OPENBOOK_VAR_DIR (openbook.redis_endpoint): the suite must never find a developer's running
+# stack in ./var, so its own var/ is an empty folder (a stack a test starts names its own).
+_VAR = tempfile.mkdtemp(prefix="openbook-tests-var-")
+atexit.register(shutil.rmtree, _VAR, ignore_errors=True)
+os.environ["OPENBOOK_VAR_DIR"] = _VAR
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,16 @@ import httpx
 import pytest
 import yaml
 
-from openbook_cli.launcher import Backoff, ComposeProject, LaunchError, Stack, interpolate
-from openbook_testkit.stack import REPO_ROOT, free_port
+from openbook.redis_endpoint import port_of, read_record, record_path
+from openbook_cli.launcher import (
+    Backoff,
+    ComposeProject,
+    LaunchError,
+    Stack,
+    interpolate,
+    local_stack,
+)
+from openbook_testkit.stack import REPO_ROOT, compose_with_redis_default, foreign_redis, free_port
 
 
 def test_interpolation_follows_compose_rules():
@@ -320,7 +328,7 @@ def _redis_stack(tmp_path: Path, port: int) -> Stack:
         "OPENBOOK_VAR_DIR": str(tmp_path / "var"),
         "OPENBOOK_REDIS_PORT": str(port),
     }
-    return Stack(ComposeProject(REPO_ROOT / "docker-compose.yml", env), ["redis"])
+    return local_stack(REPO_ROOT / "docker-compose.yml", ["redis"], env)
 
 
 def test_openbook_up_runs_redis_with_the_secrets_it_makes_on_first_start(tmp_path, capsys):
@@ -374,3 +382,97 @@ def test_openbook_up_never_reuses_a_redis_without_the_password(tmp_path):
     finally:
         other.terminate()
         other.wait(10)
+
+
+def _unset_redis_env(**extra: str) -> dict[str, str]:
+    """This environment without anything that says where Redis is (or where var/ is)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("OPENBOOK_REDIS_") and k not in ("OPENBOOK_VAR_DIR",)
+    }
+    return {**env, **extra}
+
+
+def _openbook_redis(cwd: Path) -> subprocess.CompletedProcess:
+    """`openbook redis` run from ``cwd`` with no Redis variable and no OPENBOOK_VAR_DIR."""
+    return subprocess.run(
+        [sys.executable, "-m", "openbook_cli", "redis"],
+        cwd=cwd,
+        env=_unset_redis_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_openbook_up_moves_off_a_default_port_another_redis_holds(tmp_path, capsys):
+    import redis
+
+    taken = free_port()
+    compose = compose_with_redis_default(tmp_path, taken)  # compose's default: `taken`
+    var = tmp_path / "var"
+    env = _unset_redis_env(OPENBOOK_VAR_DIR=str(var))
+    with foreign_redis(taken) as foreign:
+        stack = local_stack(compose, ["redis"], env)
+        try:
+            stack.start()
+            out = capsys.readouterr().out
+            assert f"port(s) {taken} held by another program" in out
+            record = read_record(record_path(var))
+            assert record is not None, out
+            port = port_of(record.url)
+            assert port is not None and port != taken
+            password = (var / "secrets" / "redis-password").read_text().strip()
+            assert record.password_file == str(var / "secrets" / "redis-password")
+            ours = redis.Redis(port=port, username="openbook", password=password)
+            assert ours.execute_command("ACL", "WHOAMI") == b"openbook"
+            # The services were given that endpoint (compose's URL, on the chosen port).
+            gateway = stack.project.services["gateway"]
+            assert gateway.env["OPENBOOK_REDIS_URL"] == f"redis://127.0.0.1:{port}/0"
+            # A command run here with no variable at all finds the stack's Redis.
+            found = _openbook_redis(tmp_path)
+            assert found.returncode == 0, found.stderr
+            assert f"redis://127.0.0.1:{port}/0" in found.stdout
+            assert "answers as user openbook" in found.stdout
+            # The next `openbook up` takes the recorded port again and reuses its Redis.
+            again = local_stack(compose, ["redis"], env)
+            again.start()
+            assert "redis" not in again.processes
+            assert "redis already running, reusing it" in capsys.readouterr().out
+            assert again.project.env["OPENBOOK_REDIS_PORT"] == str(port)
+            # The other Redis: never written to, still nobody's but its owner's.
+            assert foreign.dbsize() == 0
+            assert foreign.ping()
+        finally:
+            stack.stop()
+
+
+def test_openbook_up_with_nothing_set_comes_up_whatever_holds_6379(tmp_path):
+    # The real case: compose's default 6379, which the machine's own Redis (or anything) may
+    # hold, or not. Nothing but var/ is set.
+    import redis
+
+    from openbook_cli.launcher import _port_free
+
+    held_before = not _port_free(6379)
+    var = tmp_path / "var"
+    stack = local_stack(
+        REPO_ROOT / "docker-compose.yml", ["redis"], _unset_redis_env(OPENBOOK_VAR_DIR=str(var))
+    )
+    try:
+        stack.start()
+        record = read_record(record_path(var))
+        assert record is not None
+        port = port_of(record.url)
+        assert port is not None
+        if held_before:  # not ours (a fresh var/ has no Redis yet): left alone
+            assert port != 6379
+        password = (var / "secrets" / "redis-password").read_text().strip()
+        ours = redis.Redis(port=port, username="openbook", password=password)
+        assert ours.execute_command("ACL", "WHOAMI") == b"openbook"
+        found = _openbook_redis(tmp_path)
+        assert found.returncode == 0, found.stderr
+        assert f":{port}/0" in found.stdout
+    finally:
+        stack.stop()

@@ -19,6 +19,7 @@ import httpx
 import typer
 from typer.core import TyperGroup
 
+from openbook.redis_endpoint import redacted
 from openbook_cli.ask import AskOptions, ask, render
 from openbook_cli.docs_commands import docs_app
 from openbook_cli.launcher import LaunchError, run_stack
@@ -122,6 +123,22 @@ def mcp_command(
     except Exception as exc:  # noqa: BLE001 - a start that fails says why on stderr, not a trace
         typer.echo(f"openbook mcp: gateway at {options.endpoint}: {first_cause(exc)}", err=True)
         raise typer.Exit(1) from None
+
+
+@app.command("redis")
+def redis_command() -> None:
+    """Say which Redis the services and commands run here use (OPENBOOK_REDIS_URL, else the
+    one `openbook up` recorded under var/, else 127.0.0.1:6379) and whether it answers."""
+    # why: pydantic settings and redis-py load only for this command
+    from openbook.settings import CommonSettings
+
+    settings = CommonSettings()
+    problem = settings.redis_problem()
+    if problem is not None:
+        typer.echo(f"openbook redis: {problem.message}", err=True)
+        raise typer.Exit(1)
+    who = f" as user {settings.redis_username}" if settings.redis_password_file else ""
+    typer.echo(f"{redacted(settings.redis_url)} ({settings.redis_source}): answers{who}")
 
 
 @app.command()

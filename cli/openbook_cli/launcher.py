@@ -2,14 +2,25 @@
 
 The compose file stays the single source of truth: this reads each service's ``command``,
 ``environment``, ``depends_on``, ``healthcheck``, ``restart`` and ``volumes`` and reproduces
-them without Docker. Three translations make container settings work on the host:
+them without Docker. Four translations make container settings work on the host:
 
 - service host names (``retriever:8051``, ``redis://redis:6379``) become ``127.0.0.1``;
 - the wildcard bind address ``0.0.0.0`` becomes ``127.0.0.1``: inside a container it is the
   container's own network, which ``ports:`` decides what to publish from; on the host it
   would be every interface, so local processes (Redis, the gRPC services) bind loopback;
 - container paths of bind mounts (``/var/openbook/indexes``) become the host paths, in a
-  shell health check (``CMD-SHELL``) too.
+  shell health check (``CMD-SHELL``) too;
+- Redis's port: in the compose network nothing else is on ``redis:6379``, but on the host
+  another program may hold 6379 (a Redis of the machine's, anything). With
+  ``OPENBOOK_REDIS_PORT`` unset, ``openbook up`` sets it, for the interpolation, to the first
+  port that is free or already serves this deployment's Redis (its health check passes),
+  trying the port it recorded last time, then compose's default
+  (``${OPENBOOK_REDIS_PORT:-6379}``), then the ones after it. Compose's command, health check
+  and ``OPENBOOK_REDIS_URL`` all follow that one variable. Once Redis is healthy, the
+  endpoint the services were given is recorded in ``<var>/redis-endpoint.json``, where
+  services and commands run by hand from this checkout find it (openbook.redis_endpoint). A
+  port the user sets is taken as it is, as before: a Redis there without this deployment's
+  ACL user is refused, never reused.
 
 A service that dies is restarted per its ``restart`` policy after an exponential, capped
 delay (``Backoff``), forgotten once it has been healthy for a while, never in a tight loop.
@@ -27,6 +38,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,10 +49,18 @@ from pathlib import Path
 
 import yaml
 
+from openbook import redis_endpoint
+
 # Printed once every service is up and healthy; from then on the launcher restarts what dies.
 SUPERVISING_LINE = "openbook up: all services started"
 WILDCARD_ADDRESS = "0.0.0.0"
 LOOPBACK_ADDRESS = "127.0.0.1"
+# openbook's Redis: its compose service and the variable of its port.
+REDIS_SERVICE = "redis"
+REDIS_PORT_VARIABLE = redis_endpoint.PORT_VARIABLE
+# How many ports after compose's default are tried: all below the kernel's ephemeral range
+# (32768-60999), as the defaults are, so no client socket can hold it while Redis restarts.
+REDIS_PORTS_TRIED = 100
 
 log = logging.getLogger(__name__)
 
@@ -372,14 +392,17 @@ class Stack:
         services: list[str] | None = None,
         backoff: Backoff | None = None,
         poll_s: float = 0.5,
+        on_healthy: Callable[[str], None] | None = None,
     ) -> None:
         """``backoff`` is the restart policy every service gets a copy of; ``poll_s`` how
-        often the supervisor looks at the processes."""
+        often the supervisor looks at the processes; ``on_healthy(name)`` is called when a
+        service is found healthy at start (started by us or reused)."""
         self.project = project
         self.order = project.resolve_order(services)
         self.processes: dict[str, _Process] = {}
         self.backoff = backoff or Backoff()
         self.poll_s = poll_s
+        self.on_healthy = on_healthy or (lambda _name: None)
         self._stop = threading.Event()
 
     def _wait_condition(self, name: str, condition: str) -> None:
@@ -406,11 +429,18 @@ class Stack:
                     hint = (
                         f" (is another {spec.name} already running on its port? one that fails"
                         " its health check, e.g. a Redis without this deployment's ACL user"
-                        " and password, is never reused: stop it)"
+                        " and password, is never reused: stop it"
+                        + (
+                            f", or leave {REDIS_PORT_VARIABLE} unset: openbook up then takes a"
+                            " free port)"
+                            if spec.name == REDIS_SERVICE
+                            else ")"
+                        )
                     )
                 raise LaunchError(f"{spec.name} exited with status {proc.popen.returncode}{hint}")
             if proc.healthy():
                 print(f"openbook up: {spec.name} is healthy", flush=True)
+                self.on_healthy(spec.name)
                 return
             if time.monotonic() > deadline:
                 raise LaunchError(f"{spec.name} not healthy in time")
@@ -427,6 +457,7 @@ class Stack:
             )
             if spec.external and spec.healthcheck and proc.healthy():
                 print(f"openbook up: {name} already running, reusing it", flush=True)
+                self.on_healthy(name)
                 continue
             print(f"openbook up: starting {name}: {shlex.join(spec.argv)}", flush=True)
             proc.start()
@@ -493,8 +524,127 @@ class Stack:
             self.processes[name].stop()
 
 
+def _port_free(port: int) -> bool:
+    """Whether a server could listen on loopback ``port`` now (SO_REUSEADDR, as Redis binds:
+    a connection of its last run in TIME_WAIT does not hold the port)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((LOOPBACK_ADDRESS, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class LocalRedis:
+    """openbook's own Redis under ``openbook up``: its port and where its endpoint is recorded."""
+
+    port: int
+    chosen: bool  # by the launcher; False: the user's OPENBOOK_REDIS_PORT, taken as it is
+    record: Path
+
+    @classmethod
+    def plan(cls, compose_file: Path, env: dict[str, str]) -> LocalRedis | None:
+        """Redis's port, set into ``env`` (the interpolation's) unless the user set it: the
+        first of the recorded port, compose's default and the ones after it that is free or
+        already serves this deployment's Redis. None when the compose file runs no Redis
+        whose port ``OPENBOOK_REDIS_PORT`` sets (nothing to choose or record)."""
+        path = Path(compose_file).resolve()
+        if not path.is_file():
+            return None  # ComposeProject says so
+        text = path.read_text()
+        default = re.search(r"\$\{" + REDIS_PORT_VARIABLE + r":?-(\d+)\}", text)
+        services = (yaml.safe_load(text) or {}).get("services") or {}
+        if default is None or REDIS_SERVICE not in services:
+            return None
+        var = path.parent / Path(interpolate("${OPENBOOK_VAR_DIR:-./var}", env)).expanduser()
+        record = redis_endpoint.record_path(var.resolve())
+        if env.get(REDIS_PORT_VARIABLE):
+            try:
+                return cls(int(env[REDIS_PORT_VARIABLE]), chosen=False, record=record)
+            except ValueError:
+                raise LaunchError(
+                    f"{REDIS_PORT_VARIABLE}={env[REDIS_PORT_VARIABLE]!r}: not a port number"
+                ) from None
+        try:
+            recorded = redis_endpoint.read_record(record)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+        first = int(default.group(1))
+        candidates = list(range(first, first + REDIS_PORTS_TRIED))
+        recorded_port = redis_endpoint.port_of(recorded.url) if recorded else None
+        if recorded_port is not None:
+            candidates.insert(0, recorded_port)
+        taken: list[int] = []
+        for port in dict.fromkeys(candidates):
+            trial = {**env, REDIS_PORT_VARIABLE: str(port)}
+            if _port_free(port) or _serves_this_redis(path, trial):
+                env.update(trial)
+                if taken:
+                    print(
+                        f"openbook up: port(s) {', '.join(map(str, taken))} held by another "
+                        f"program (not this deployment's Redis, left alone): openbook's Redis "
+                        f"takes {LOOPBACK_ADDRESS}:{port}",
+                        flush=True,
+                    )
+                return cls(port, chosen=True, record=record)
+            taken.append(port)
+        raise LaunchError(
+            f"no port for Redis: {first}-{first + REDIS_PORTS_TRIED - 1} are all held by other "
+            f"programs; set {REDIS_PORT_VARIABLE} to a free port"
+        )
+
+    def write_record(self, project: ComposeProject) -> None:
+        """Record how the stack's services reach Redis (their translated OPENBOOK_REDIS_*
+        and server key settings), for services and commands run by hand."""
+        for spec in project.services.values():
+            env = spec.env
+            if env.get(redis_endpoint.URL_VARIABLE):
+                endpoint = redis_endpoint.RedisEndpoint(
+                    url=env[redis_endpoint.URL_VARIABLE],
+                    username=env.get("OPENBOOK_REDIS_USERNAME") or None,
+                    password_file=env.get("OPENBOOK_REDIS_PASSWORD_FILE") or None,
+                    server_key_file=env.get("OPENBOOK_SERVER_KEY_FILE") or None,
+                    tls_ca_file=env.get("OPENBOOK_REDIS_TLS_CA_FILE") or None,
+                )
+                redis_endpoint.write_record(self.record, endpoint)
+                print(
+                    f"openbook up: Redis at {redis_endpoint.redacted(endpoint.url)}, recorded "
+                    f"in {self.record} for commands run here",
+                    flush=True,
+                )
+                return
+
+
+def _serves_this_redis(compose_file: Path, env: Mapping[str, str]) -> bool:
+    """Whether the Redis compose describes with ``env`` is running: its health check passes
+    (this deployment's ACL user and password get in), as `openbook up` reuses one."""
+    project = ComposeProject(compose_file, env)
+    spec = project.services[REDIS_SERVICE]
+    if not spec.healthcheck:
+        return False  # nothing tells ours from another
+    return _Process(spec, project.env, project.base_dir).healthy()
+
+
+def local_stack(
+    compose_file: Path, services: list[str] | None = None, env: Mapping[str, str] | None = None
+) -> Stack:
+    """The stack `openbook up` runs: Redis's port chosen where the user did not choose it
+    (``LocalRedis.plan``), its endpoint recorded once it is healthy."""
+    environment = dict(os.environ if env is None else env)
+    local_redis = LocalRedis.plan(Path(compose_file), environment)
+    project = ComposeProject(compose_file, environment)
+
+    def on_healthy(name: str) -> None:
+        if local_redis is not None and name == REDIS_SERVICE:
+            local_redis.write_record(project)
+
+    return Stack(project, services, on_healthy=on_healthy)
+
+
 def run_stack(compose_file: Path, services: list[str] | None = None) -> None:
-    stack = Stack(ComposeProject(compose_file), services)
+    stack = local_stack(compose_file, services)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stack._stop.set())
     try:

@@ -121,6 +121,49 @@ class RedisServer:
             client.unlink(*keys)
 
 
+@contextmanager
+def foreign_redis(port: int) -> Iterator[redis.Redis]:
+    """Someone else's Redis on ``port``: password-less, no openbook ACL user (the machine's
+    own Redis, as on many hosts). Yields a client of it, to check openbook left it alone."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server not found: install Debian's redis-server (.ci/run does)")
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port, decode_responses=True)
+    try:
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            raise RuntimeError(f"foreign redis-server on {port} did not start")
+        yield client
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def compose_with_redis_default(directory: Path, port: int) -> Path:
+    """docker-compose.yml, copied into ``directory`` with its default Redis port
+    (``${OPENBOOK_REDIS_PORT:-6379}``) made ``port``: what `openbook up` meets on a machine
+    where its default port is taken, without touching the machine's real 6379. ``./data``
+    is the repository's."""
+    text = (REPO_ROOT / "docker-compose.yml").read_text()
+    default = "${OPENBOOK_REDIS_PORT:-6379}"
+    assert default in text, "docker-compose.yml no longer defaults Redis's port this way"
+    compose = directory / "docker-compose.yml"
+    compose.write_text(text.replace(default, f"${{OPENBOOK_REDIS_PORT:-{port}}}"))
+    if not (directory / "data").exists():
+        (directory / "data").symlink_to(REPO_ROOT / "data")
+    return compose
+
+
 def build_fact_indexes(root: Path) -> tuple[str, str]:
     """Two small real indexes (MiniLM, flat) under ``root``: ``facts-a`` and ``facts-b``.
 
@@ -534,6 +577,8 @@ class LocalStack:
         }
         self.proc: subprocess.Popen | None = None
         self.log_path = self.var / "stack.log"
+        # Another compose file (e.g. compose_with_redis_default); None: the repository's.
+        self.compose_file: Path | None = None
 
     @property
     def url(self) -> str:
@@ -571,8 +616,9 @@ class LocalStack:
         import httpx
 
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        compose = ["--file", str(self.compose_file)] if self.compose_file else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openbook_cli", "up"],
+            [sys.executable, "-m", "openbook_cli", "up", *compose],
             cwd=REPO_ROOT,
             env=self.env,
             stdout=self._log,

@@ -12,6 +12,7 @@ def main() -> None:
     settings = GeneratorSettings()
     setup_logging(settings.log_level)
     settings.check_secrets("openbook-generator")
+    settings.check_redis("openbook-generator")  # unreachable: one line naming it, not a trace
     setup_tracing("openbook-generator")  # before the server exists: its interceptors depend on it
     serve(settings)
 
