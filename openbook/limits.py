@@ -86,6 +86,11 @@ MAX_DOCUMENT_TEXT_CHARS = 1_000_000
 MAX_METADATA_KEYS = 64
 MAX_METADATA_KEY_CHARS = 128
 MAX_METADATA_VALUE_CHARS = 4096
+# The largest magnitude of an integer in metadata or a filter: 2**53 - 1 (JavaScript's
+# Number.MAX_SAFE_INTEGER), below which every integer is exactly a float64. JSON has one number
+# type, so 2018 and 2018.0 are one value; a larger integer is another number to a client that
+# reads JSON numbers as doubles, and one past float64's range (10**400) is no float at all.
+MAX_SAFE_INTEGER = 2**53 - 1
 # A retrieval filter (openbook.metadata_filter): conditions (key tests) in all, nesting of
 # $and/$or, values of one $in, and the size of its JSON text (the retriever's filter_json).
 MAX_FILTER_CONDITIONS = 64
@@ -328,9 +333,21 @@ def parse_page_words(field: str, value: object) -> tuple[int, ...]:
     return tuple(int(count) for count in counts)
 
 
+def check_integer(field: str, value: int) -> int:
+    """``value`` (an int, not a bool) if its magnitude is at most :data:`MAX_SAFE_INTEGER`;
+    else an error naming ``field`` (without the digits, which may be thousands)."""
+    if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+        return value
+    raise InvalidArgument(
+        f"{field} must be an integer from -{MAX_SAFE_INTEGER} to {MAX_SAFE_INTEGER} "
+        f"(2**53 - 1), got one of {value.bit_length()} bits"
+    )
+
+
 def check_metadata(field: str, value: object) -> None:
-    """A flat map of string keys to scalars (str, int, finite float, bool, None): no lists, no
-    nested objects; at most :data:`MAX_METADATA_KEYS` keys."""
+    """A flat map of string keys to scalars (str, int of at most :data:`MAX_SAFE_INTEGER`,
+    finite float, bool, None): no lists, no nested objects; at most :data:`MAX_METADATA_KEYS`
+    keys."""
     if not isinstance(value, Mapping):
         raise InvalidArgument(f"{field} must be an object, got {type(value).__name__}")
     if len(value) > MAX_METADATA_KEYS:
@@ -344,7 +361,10 @@ def check_metadata(field: str, value: object) -> None:
                 f"got {key!r}"
             )
         where = f"{field}.{key}"
-        if item is None or isinstance(item, bool | int):
+        if item is None or isinstance(item, bool):
+            continue
+        if isinstance(item, int):
+            check_integer(where, item)
             continue
         if isinstance(item, float):
             if not math.isfinite(item):

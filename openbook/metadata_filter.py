@@ -19,13 +19,17 @@ Grammar (``filter`` is an object; ``scalar`` a string, number, boolean or null):
 Invariants:
   * A :class:`MetadataFilter` that exists has passed :func:`parse_filter`: a non-empty key of at
     most ``MAX_METADATA_KEY_CHARS`` characters not starting with ``$``, scalar values only (a
-    list or object where a value belongs is an :class:`InvalidArgument` naming ``filter...``),
+    list or object where a value belongs is an :class:`InvalidArgument` naming ``filter...``;
+    so is an integer past ``MAX_SAFE_INTEGER``, 2**53 - 1, or a non-finite float),
     non-empty ``$and``/``$or``/``$in`` lists, at most ``MAX_FILTER_CONDITIONS`` conditions,
     ``MAX_FILTER_DEPTH`` levels and ``MAX_FILTER_IN_VALUES`` values per ``$in``.
   * Matching is exact and typed: ``true`` never equals ``1`` (Python's ``True == 1`` does not
     leak through), ``2018`` equals ``2018.0`` (JSON has one number type), ``null`` matches a
     key set to null, and a key the record lacks matches nothing: a filter on a key no document
     has keeps no passage, which is an empty result, not an error.
+  * Matching never raises on what a record holds: a stored number no filter can hold (an
+    integer past ``MAX_SAFE_INTEGER``, written before metadata was bounded, or a non-finite
+    float) is :data:`UNMATCHABLE` and matches nothing.
   * :meth:`MetadataFilter.canonical` is the same string for filters that mean the same up to
     the order of keys, list items and ``$in`` values (cache keys, the retriever's
     ``filter_json``); :func:`parse_filter_json` of it has the same canonical form.
@@ -52,6 +56,8 @@ from openbook.limits import (
     MAX_FILTER_IN_VALUES,
     MAX_FILTER_JSON_CHARS,
     MAX_METADATA_KEY_CHARS,
+    MAX_SAFE_INTEGER,
+    check_integer,
 )
 
 Scalar = str | int | float | bool | None
@@ -63,18 +69,26 @@ BUILTIN_TITLE = "_title"
 BUILTIN_FIELDS = (BUILTIN_ID, BUILTIN_TITLE)
 OPERATORS = ("$and", "$or")
 VALUE_OPERATORS = ("$eq", "$in")
+# The key of a stored number no filter value can equal (value_key): a filter's values are
+# checked by _scalar, so none has this kind.
+UNMATCHABLE: ValueKey = ("unmatchable", None)
 
 
 def value_key(value: Scalar) -> ValueKey:
     """``value`` tagged by type: numbers compare by value (2018 == 2018.0), booleans, strings
-    and null only with their own kind."""
+    and null only with their own kind. Never raises: an integer past ``MAX_SAFE_INTEGER``
+    (10**400 would overflow a float) or a non-finite float is :data:`UNMATCHABLE`."""
     if value is None:
         return ("null", None)
     if isinstance(value, bool):
         return ("bool", value)
-    if isinstance(value, int | float):
+    if isinstance(value, int):
+        return ("number", value) if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER else UNMATCHABLE
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return UNMATCHABLE
         # int(2018.0) hashes and compares as 2018.0 does; keep the int for a stable canonical form
-        return ("number", int(value) if float(value).is_integer() else float(value))
+        return ("number", int(value) if value.is_integer() else value)
     return ("string", value)
 
 
@@ -242,8 +256,10 @@ def _parse_values(item: Any, where: str) -> frozenset[ValueKey]:
 
 
 def _scalar(value: Any, where: str) -> ValueKey:
-    if value is None or isinstance(value, str | bool | int):
+    if value is None or isinstance(value, str | bool):
         return value_key(value)
+    if isinstance(value, int):
+        return value_key(check_integer(where, value))
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidArgument(f"{where} must be a finite number, got {value!r}")
@@ -283,6 +299,7 @@ __all__ = [
     "AnyOf",
     "Condition",
     "MetadataFilter",
+    "UNMATCHABLE",
     "Node",
     "parse_filter",
     "parse_filter_json",

@@ -15,12 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from openbook import limits
 from openbook.errors import InvalidArgument
 from openbook.index import filtering, open_index
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex
 from openbook.index.shard import split_index
-from openbook.metadata_filter import MetadataFilter, parse_filter, parse_filter_json
+from openbook.metadata_filter import (
+    UNMATCHABLE,
+    MetadataFilter,
+    parse_filter,
+    parse_filter_json,
+    value_key,
+)
 from openbook.types import Passage
 from openbook_testkit.index import random_vectors, write_vector_index
 from openbook_testkit.live import make_live_index, random_document
@@ -90,6 +97,9 @@ def test_equal_meanings_have_one_canonical_form() -> None:
         ({"$or": ["lang"]}, "filter.$or[0] must be an object"),
         ({"$not": {"a": 1}}, "filter.$not: unknown operator"),
         ({"x": float("nan")}, "filter.x must be a finite number"),
+        ({"x": 10**400}, "filter.x must be an integer from -9007199254740991 to"),
+        ({"x": -(2**53)}, "filter.x must be an integer from"),
+        ({"x": {"$in": [1, 2**53]}}, "filter.x.$in[1] must be an integer from"),
         ({"x" * 200: 1}, "filter: keys must be strings of 1 to 128 characters"),
         ({"": 1}, "filter: keys must be strings of 1 to 128 characters"),
         ({f"k{i}": i for i in range(65)}, "filter: at most 64 conditions"),
@@ -98,6 +108,28 @@ def test_equal_meanings_have_one_canonical_form() -> None:
 def test_a_bad_filter_is_refused_naming_where(value: object, field: str) -> None:
     with pytest.raises(InvalidArgument, match=field.replace("$", r"\$").replace("[", r"\[")):
         parse_filter(value)
+
+
+def test_an_integer_is_bounded_to_what_a_float64_holds_exactly() -> None:
+    with pytest.raises(InvalidArgument, match="filter.x must be an integer"):
+        parse_filter_json(json.dumps({"x": 10**400}))  # the retriever's filter_json
+    edge = 2**53 - 1
+    assert _f({"x": edge}).matches({"x": float(edge)})
+    assert _f({"x": -edge}).matches({"x": -edge})
+
+
+def test_a_stored_value_no_filter_can_hold_matches_nothing_and_never_raises() -> None:
+    # Metadata written before integers were bounded: 10**400 overflows a float.
+    assert value_key(10**400) == value_key(-(2**53)) == value_key(float("inf")) == UNMATCHABLE
+    record = {"big": 10**400, "lang": "en", "edge": 2**53}
+    for where in ({"big": 1}, {"big": 1e308}, {"edge": 2.0**53}, {"lang": "fr"}):
+        assert not _f(where).matches(record), where
+    assert _f({"lang": "en"}).matches(record)
+    columns = filtering.MetadataColumns(
+        np.array([0, 1]), ["a", "b"], ["A", "B"], [record, {"big": 1, "lang": "fr"}]
+    )
+    assert columns.mask(_f({"big": 1})).tolist() == [False, True]
+    assert columns.mask(_f({"lang": "en"})).tolist() == [True, False]
 
 
 def test_filter_json_that_does_not_parse_names_filter() -> None:
@@ -268,6 +300,39 @@ def test_live_base_and_segment_with_deletions_return_the_k_best_matching(
         assert live.search(QUERIES, 4, retrieval=modes[0], where=_f({"nope": 1})) == [[], [], []]
         live.compact()
     live.close()
+
+
+def test_a_live_index_holding_an_oversized_integer_still_filters(
+    live_dirs: dict[str, Path], tmp_path: Path, monkeypatch
+) -> None:
+    """A document whose metadata holds 10**400, stored before integers were bounded: every
+    filtered search after a restart (the base's columns read from the store) and after a
+    compaction still answers; the value matches nothing."""
+    live = LiveIndex.create(tmp_path / "live", live_dirs["bm25"])
+    with pytest.raises(InvalidArgument, match="documents.metadata.big must be an integer"):
+        Document.create("big", "Big", "tea coffee big", {"big": 10**400}, field="documents")
+    monkeypatch.setattr(limits, "MAX_SAFE_INTEGER", 10**500)  # as an older release wrote it
+    live.put_many(
+        [
+            Document.create("big", "Big", "tea coffee big", {"big": 10**400, "lang": "en"}),
+            Document.create("small", "Small", "tea coffee small", {"big": 1, "lang": "en"}),
+        ]
+    )
+    monkeypatch.undo()
+    live.compact()  # into the base: its metadata columns come from the document store
+    live.close()
+    for _ in range(2):  # reopened (a restart), then after another write and compaction
+        live = LiveIndex(tmp_path / "live")
+        for where, want in (
+            ({"big": 1}, {"small"}),
+            ({"lang": "en"}, {"big", "small"}),
+            ({"$or": [{"big": 1e308}, {"big": 2**53 - 1}]}, set()),
+        ):
+            hits = live.search(["tea coffee"], 5, retrieval="bm25", where=_f(where))
+            assert {_doc(p) for p in hits[0]} == want, where
+        live.put(Document.create("other", "Other", "tea other", {"lang": "fr"}))
+        live.compact()
+        live.close()
 
 
 def _doc_of(pid: str) -> str:

@@ -10,10 +10,13 @@ facts, MiniLM, dense + BM25), the gateway in a TestClient, documents written thr
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from fastapi.testclient import TestClient
 
+from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_testkit.stack import running_backends
@@ -125,6 +128,73 @@ def test_a_bad_filter_is_a_422_naming_filter(client, where, says):
     detail = reply.json()["detail"][0]
     assert detail["loc"][-1] == "filter"
     assert says in detail["msg"]
+
+
+BIG = 10**400  # no float holds it: a float() of it raised OverflowError, a 500
+
+
+@pytest.mark.parametrize(
+    ("where", "field"),
+    [
+        ({"year": BIG}, "filter.year"),
+        ({"year": {"$in": [1606, -BIG]}}, "filter.year.$in[1]"),
+        ({"$or": [{"lang": "en"}, {"year": {"$eq": 2**53}}]}, "filter.$or[1].year.$eq"),
+    ],
+)
+def test_a_big_integer_in_a_filter_is_refused_on_every_route(client, where, field):
+    says = f"{field} must be an integer from -9007199254740991 to 9007199254740991"
+    reply = client.post("/answer", json={"question": QUESTION, "filter": where})
+    assert reply.status_code == 422, reply.text
+    detail = reply.json()["detail"][0]
+    assert detail["loc"][-1] == "filter" and says in detail["msg"], detail
+    chat = {"model": "openbook/facts-a", "messages": [{"role": "user", "content": QUESTION}]}
+    reply = client.post("/v1/chat/completions", json={**chat, "filter": where})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "filter" and says in reply.text
+    ask = {"model": "openbook/facts-a", "input": QUESTION}
+    reply = client.post("/v1/responses", json={**ask, "filter": where})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "filter" and says in reply.text
+
+
+def test_a_big_integer_in_metadata_is_refused_naming_metadata(client, backends):
+    doc = {"title": "Big", "text": "A document with a very large number."}
+    reply = client.put(
+        "/indexes/facts-a/documents/big", json={**doc, "metadata": {"n": BIG}}, headers=AUTH
+    )
+    assert reply.status_code == 422, reply.text
+    detail = reply.json()["detail"][0]
+    assert "metadata" in detail["loc"] and "metadata.n must be an integer" in detail["msg"]
+    batch = {"documents": [{**doc, "id": "big", "metadata": {"n": -(2**53)}}]}
+    reply = client.post("/indexes/facts-a/documents:batch", json=batch, headers=AUTH)
+    assert reply.status_code == 422 and "metadata.n must be an integer" in reply.text
+    assert client.get("/indexes/facts-a/documents/big").status_code == 404
+    edge = {**doc, "metadata": {"n": 2**53 - 1}}  # the largest: kept, and filtered on
+    assert client.put("/indexes/facts-a/documents/edge", json=edge, headers=AUTH).is_success
+    assert _docs(_answer(client, {"n": 2**53 - 1})) == ["edge"]
+    assert client.delete("/indexes/facts-a/documents/edge", headers=AUTH).is_success
+
+    # The retriever refuses it too, to a caller that is not the gateway.
+    with grpc.insecure_channel(f"127.0.0.1:{backends.retriever_port}") as channel:
+        stub = retriever_pb2_grpc.RetrieverStub(channel)
+        document = retriever_pb2.Document(
+            id="big", title="Big", text=doc["text"], metadata_json=json.dumps({"n": BIG})
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PutDocuments(
+                retriever_pb2.PutDocumentsRequest(index="facts-a", documents=[document]),
+                metadata=bearer_metadata(TOKEN),
+                timeout=30,
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("documents[0].metadata.n must be an integer")
+        request = retriever_pb2.RetrieveRequest(
+            queries=["q"], k=2, filter_json=json.dumps({"n": BIG})
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Retrieve(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("filter.n must be an integer")
 
 
 def test_chat_completions_take_filter_as_an_extra_body_field(client):
