@@ -7,7 +7,10 @@ document, else the file's name; id from the content when absent, so uploading ag
 idempotent); a PDF's passages never span pages and each cites its page, in ``/answer`` and in
 ``/v1``'s citations; every bad file is a 4xx naming the reason and leaves the index unchanged;
 the size limit cuts the body while it streams; ``openbook docs upload`` takes a directory and a
-zip, skips what is already there, and refuses a zip bomb.
+zip, skips what is already there, and refuses a zip bomb; words stay apart as each format
+renders them (Markdown's soft and hard breaks, HTML's blocks and inline elements, a PDF's line
+ends and hyphens); a PDF whose pages share one content stream is parsed once; a client gone
+before the write gets nothing written.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import json
 import tarfile
 import zipfile
 
+import httpx
 import pytest
+from crafted_pdf import shared_stream_pdf, text_operations
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -284,3 +289,119 @@ def test_extraction_stops_at_the_text_limit_page_by_page():
         extract(data, "r.pdf", ExtractionLimits(max_chars=2000))
     assert refused.value.status == 413
     assert extract(data, "r.pdf").pages == 6
+
+
+def _uploaded_text(client, data: bytes, name: str) -> str:
+    reply = send(client, data, name)
+    assert reply.status_code == 200, reply.text
+    document = client.get(f"/indexes/{INDEX}/documents/{reply.json()['id']}")
+    assert document.status_code == 200, document.text
+    return document.json()["text"]
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "text"),
+    [
+        # CommonMark: a soft break is a space, two trailing spaces or a backslash a hard one.
+        ("s.md", b"# Soft\n\nalpha\nbeta gamma\n", "Soft\n\nalpha beta gamma"),
+        (
+            "h.md",
+            b"Skarvik.\nIt was  \nhere\\\nand *also*\nkept.\n\n- one\n- two\nlines\n",
+            "Skarvik. It was\nhere\nand also kept.\n\none\n\ntwo lines",
+        ),
+        (
+            "t.md",
+            b"| a | b |\n|---|---|\n| c | d |\n\n```\nx = 1\n\ny = 2\n```\n",
+            "a\tb\nc\td\n\nx = 1\n\ny = 2",
+        ),
+        # HTML: blocks start lines, <br> ends one, inline elements keep words whole.
+        (
+            "p.html",
+            b"<html><body><div>Skarvik.</div><div>It was<br>here</div>"
+            b"<p>ex<b>am</b>ple and <a href='/x'>link</a>s</p>"
+            b"<div>outer<div>inner</div>tail</div><ul><li>also</li><li>kept</li></ul>"
+            b"<table><tr><td>a</td><th>b</th></tr><tr><td>c</td><td>d</td></tr></table>"
+            b"<h2>Head</h2><blockquote>Quote</blockquote><pre>code\n  indented</pre>"
+            b"<section>one</section><section>two</section></body></html>",
+            "Skarvik.\nIt was\nhere\nexample and links\nouter\ninner\ntail\nalso\nkept\n"
+            "a\tb\nc\td\nHead\nQuote\ncode\n  indented\none\ntwo",
+        ),
+    ],
+)
+def test_words_stay_apart_as_markdown_and_html_render_them(client, name, data, text):
+    assert _uploaded_text(client, data, name) == text
+
+
+def test_a_pdfs_line_ends_are_spaces_and_its_hyphenated_words_whole(client):
+    pages = [
+        "The granite quay was exam-\nined at dawn by the\nharbour master. Well-\nKnown ferries.",
+        "Second page.",
+    ]
+    text = _uploaded_text(client, files.pdf_bytes(pages, header="", footer=False), "h.pdf")
+    assert text == (
+        "The granite quay was examined at dawn by the harbour master. Well- Known ferries."
+        "\n\nSecond page."
+    )
+
+
+def test_a_content_stream_shared_by_all_pages_is_parsed_once(client, monkeypatch):
+    from pypdf.generic import ContentStream
+
+    parses = []
+    parse = ContentStream._parse_content_stream
+
+    def counted(self, stream):
+        parses.append(1)
+        return parse(self, stream)
+
+    monkeypatch.setattr(ContentStream, "_parse_content_stream", counted)
+    data = shared_stream_pdf(15, text_operations("Shared quay words", 2000))
+    reply = send(client, data, "shared.pdf")
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["pages"] == 15
+    assert len(parses) == 1  # pypdf alone: one parse per page
+    text = client.get(f"/indexes/{INDEX}/documents/{reply.json()['id']}").json()["text"]
+    assert text == "\n\n".join(["Shared quay words"] * 15)
+
+
+def test_a_client_gone_before_the_write_gets_nothing_written(client):
+    """The client's connection closes right after its body: the file is read, its document
+    is not written."""
+    data = b"A document nobody waits for: the lantern of the gone client."
+    request = httpx.Request(
+        "POST",
+        f"http://testserver/indexes/{INDEX}/documents",
+        files={"file": ("gone.txt", data)},
+        headers=AUTH,
+    )
+    body = request.read()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": request.url.path,
+        "raw_path": request.url.raw_path,
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower(), v) for k, v in request.headers.raw],
+        "client": ("testclient", 50000),
+        "server": ("testserver", 80),
+    }
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send_message(message: dict) -> None:
+        sent.append(message)
+
+    before = version(client)
+    client.portal.call(client.app, scope, receive, send_message)
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert starts and starts[0]["status"] == 499, sent
+    assert version(client) == before
+    doc_id, _ = content_id(data)
+    assert client.get(f"/indexes/{INDEX}/documents/{doc_id}").status_code == 404

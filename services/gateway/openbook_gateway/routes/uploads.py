@@ -10,6 +10,9 @@ Invariants:
     handler, not by FastAPI's parameters, which would read it before any dependency runs).
   * The body is bounded while it streams: ``BodySizeLimit`` cuts any body under ``/indexes/``
     past ``OPENBOOK_GATEWAY_MAX_DOCUMENT_BODY_BYTES`` with a 413, before the form is whole.
+  * Extraction is bounded (``ExtractionLimits``: a deadline, PDF work budgets) and stops once
+    the client goes away (a watcher sets its cancel event); a client gone by the end of the
+    extraction gets nothing written (answered 499, which nobody reads but the log).
   * Every refusal comes before the write, so a refused file leaves the index unchanged: a bad
     form field is a 422 naming it (``id``, ``title``, ``metadata``, ``file``); a file that
     gives no document a 415 (not a type openbook reads, by content), 413 (past the limits) or
@@ -24,9 +27,11 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
+import threading
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -43,6 +48,7 @@ from openbook.limits import (
 )
 from openbook.v1 import retriever_pb2
 from openbook_gateway.extraction import (
+    CANCELLED_STATUS,
     Extracted,
     ExtractionError,
     ExtractionLimits,
@@ -57,6 +63,8 @@ from openbook_gateway.services import ServicesDep
 
 log = logging.getLogger(__name__)
 
+# How often the client's connection is looked at while its file is read.
+DISCONNECT_POLL_S = 0.25
 # The form's fields; anything else is refused, naming it.
 FORM_FIELDS = ("file", "id", "title", "metadata")
 CONTENT_ID_PREFIX = "sha256-"
@@ -110,6 +118,13 @@ def _text_field(form: Any, name: str) -> str | None:
     if not isinstance(value, str):
         raise _refused(name, f"{name} must be a text field, not a file")
     return value
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set ``cancel`` once the client has gone, so a long extraction stops at its next check."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    cancel.set()
 
 
 def _metadata(raw: str | None) -> dict[str, Any]:
@@ -187,13 +202,22 @@ async def _upload(index: str, form: Any, request: Request, services: ServicesDep
     data = await upload.read()
     filename = upload.filename or "upload"
     limits = ExtractionLimits(max_pages=services.settings.upload_max_pages)
+    cancel = threading.Event()
+    watcher = asyncio.create_task(_watch_disconnect(request, cancel))
     try:
         # CPU-bound (a PDF's pages, an HTML parse): off the event loop.
-        extracted = await run_in_threadpool(extract, data, filename, limits)
+        extracted = await run_in_threadpool(extract, data, filename, limits, cancel)
     except ExtractionError as exc:
         if exc.status == 422:
             raise _refused("file", str(exc), filename) from None
         raise HTTPException(exc.status, str(exc)) from None
+    finally:
+        watcher.cancel()
+    if cancel.is_set() or await request.is_disconnected():
+        log.info("upload of %s into %s: the client went away, nothing written", filename, index)
+        raise HTTPException(
+            CANCELLED_STATUS, "file: the client went away while it was read; nothing was written"
+        )
     digest = hashlib.sha256(data).hexdigest()
     doc_id = doc_id or content_id(digest)
     # The form's title, else the document's own, else the file's name.

@@ -1,0 +1,42 @@
+"""PDFs written byte by byte, for what a PDF library would not write: every page drawing one
+shared content stream (what made pypdf parse that stream once per page)."""
+
+from __future__ import annotations
+
+import zlib
+
+
+def shared_stream_pdf(n_pages: int, content: bytes) -> bytes:
+    """A PDF of ``n_pages`` pages whose ``/Contents`` are all one stream (object 4, deflated),
+    drawn with Helvetica as ``/F1``."""
+    stream = zlib.compress(content)
+    kids = " ".join(f"{5 + i} 0 R" for i in range(n_pages))
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        f"<< /Type /Pages /Kids [{kids}] /Count {n_pages} >>".encode(),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream",
+    ] + [
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 3 0 R >> >> >>"
+    ] * n_pages
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    for offset in offsets:
+        out += b"%010d 00000 n \n" % offset
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(objects) + 1,
+        xref,
+    )
+    return bytes(out)
+
+
+def text_operations(words: str, repeat: int) -> bytes:
+    """A content stream that writes ``words`` once, then runs ``repeat`` more text operators
+    that draw nothing new (each one interpreted by a text extractor)."""
+    return b"BT /F1 12 Tf 72 720 Td (" + words.encode() + b") Tj ET\n" + b"BT ET\n" * repeat
