@@ -31,9 +31,12 @@ the strings ``openbook.limits.RETRIEVAL_MODES`` and ``spec.INDEX_TYPES`` list
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
+
+from openbook.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import numpy as np
@@ -113,6 +116,19 @@ def check_retrieval(
             f"retrieval: index {index!r} has no {mode} retrieval (its views: {', '.join(views)})"
         )
     return mode
+
+
+def check_milvus_uri(uri: str) -> str:
+    """``uri`` as ``OPENBOOK_MILVUS_URI`` takes it: ``http(s)://``, ``tcp://`` or ``unix:``
+    to a server, or a local path ending in ``.db`` (Milvus Lite); InvalidArgument otherwise."""
+    if re.match(r"^(https?|tcp)://[^/\s]+", uri) or uri.startswith("unix:"):
+        return uri
+    if uri.endswith(".db") and len(uri) > 3:
+        return uri
+    raise InvalidArgument(
+        "OPENBOOK_MILVUS_URI: expected http(s)://host:port of a Milvus server or a local "
+        f"path ending in .db (Milvus Lite), got {uri!r}"
+    )
 
 
 class SearchableIndex(Protocol):
@@ -222,5 +238,6 @@ __all__ = [
     "RetrievalMode",
     "SearchableIndex",
     "View",
+    "check_milvus_uri",
     "check_retrieval",
 ]

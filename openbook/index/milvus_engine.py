@@ -67,6 +67,7 @@ from openbook.index.engine import (
     IndexType,
     RetrievalMode,
     View,
+    check_milvus_uri,
     check_retrieval,
 )
 from openbook.index.live import MAX_LIST_LIMIT, DocumentNotFound, DocumentPage, WriteResult
@@ -335,19 +336,6 @@ class MilvusEngine:
 
     def close(self) -> None:
         self.client.close()
-
-
-def check_milvus_uri(uri: str) -> str:
-    """``uri`` as ``OPENBOOK_MILVUS_URI`` takes it: ``http(s)://``, ``tcp://`` or ``unix:``
-    to a server, or a local path ending in ``.db`` (Milvus Lite); InvalidArgument otherwise."""
-    if re.match(r"^(https?|tcp)://[^/\s]+", uri) or uri.startswith("unix:"):
-        return uri
-    if uri.endswith(".db") and len(uri) > 3:
-        return uri
-    raise InvalidArgument(
-        "OPENBOOK_MILVUS_URI: expected http(s)://host:port of a Milvus server or a local "
-        f"path ending in .db (Milvus Lite), got {uri!r}"
-    )
 
 
 def _document_rows(doc: Document, version: int) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in
 from openbook.compute_threads import ComputeThreadsOptions
 from openbook.index import Encoder, load_encoder
 from openbook.index.encoders import load_adapted_encoder
+from openbook.index.engine import EngineKind
 from openbook.rag.adapters import AdapterMismatch
 from openbook.sealing import load_sealer
 from openbook.serving.grpc_server import (
@@ -84,6 +85,14 @@ def load(
 ) -> RetrieverServicer:
     """Load the initial index, encoder and checkpoint (the slow part); follow the shared
     active index until ``stop`` is set."""
+    if settings.index_engine is not EngineKind.FILES:
+        # The registry and servicer hold files indexes only: serving files while the
+        # operator asked for Milvus would write documents where no other replica reads them.
+        raise RuntimeError(
+            f"OPENBOOK_INDEX_ENGINE={settings.index_engine}: the retriever serves the files "
+            "engine only so far (issue 41); openbook.index.milvus_engine holds indexes in "
+            "Milvus for the library and the tests"
+        )
     registry = IndexRegistry(settings.index_root, max_loaded=settings.max_loaded_indexes)
     shared = ActiveIndexStore(
         redis_client(settings.redis_options()), load_sealer(settings.server_key_file)

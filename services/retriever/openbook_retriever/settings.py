@@ -8,6 +8,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from openbook.index.encoders import DEFAULT_ENCODER
+from openbook.index.engine import EngineKind, check_milvus_uri
 from openbook.index.spec import INDEX_TYPES
 from openbook.settings import GrpcServiceSettings, OptionalPath, shared
 
@@ -43,6 +44,18 @@ class RetrieverSettings(GrpcServiceSettings):
     # encoder (a name or directory; the query encoder is the same) and an index type.
     new_index_encoder: str = DEFAULT_ENCODER
     new_index_type: str = "flat"
+    # Where indexes live (issue 41, openbook/index/engine.py): "files", directories under
+    # index_root; "milvus", collections in the Milvus at milvus_uri (milvus_engine.py), which
+    # the retriever does not serve yet: it refuses to start with it rather than serve files.
+    index_engine: EngineKind = shared(EngineKind.FILES, "OPENBOOK_INDEX_ENGINE")
+    # A Milvus server (http(s)://host:port: a cluster, or `milvus-lite server`) or a local
+    # path ending in .db, opened as Milvus Lite in this process.
+    milvus_uri: str = shared("var/milvus/openbook.db", "OPENBOOK_MILVUS_URI")
+
+    @field_validator("milvus_uri")
+    @classmethod
+    def _milvus_uri(cls, value: str) -> str:
+        return check_milvus_uri(value)
 
     @field_validator("new_index_type")
     @classmethod
