@@ -6,6 +6,10 @@ an expression selects."""
 from __future__ import annotations
 
 import re
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,3 +235,49 @@ def test_uri_and_index_type_are_checked(engine: MilvusEngine, built: LoadedIndex
     hnsw = engine.create("hnsw", template_of(built.manifest, name="hnsw", index_type="hnsw"))
     hnsw.put(Document.create("a", "T", "tower paris moon", {}))
     assert _ids(hnsw.search(["tower"], 3)[0]) == ["a#0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_clients_share_a_milvus_lite_server(built: LoadedIndex, tmp_path: Path) -> None:
+    """``milvus-lite server`` speaks Milvus's protocol: two engines (two replicas) over one
+    http URI read each other's writes, as they would on a cluster."""
+    port = _free_port()
+    command = [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(tmp_path)]
+    server = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        first = _connect(uri, server)
+        second = MilvusEngine(uri)
+        a = first.create("shared", template_of(built.manifest, name="shared"))
+        doc = Document.create("x", "X", "tower paris moon", {"lang": "en"})
+        assert a.put(doc).version == 1
+        b = second.open("shared")
+        assert b.version == 1 and b.get("x").document == doc
+        assert _ids(b.search(["tower"], 3, where=parse_filter({"lang": "en"}))[0]) == ["x#0"]
+        assert b.delete("x").version == 2
+        assert a.catch_up() and a.version == 2 and a.list().ids == ()
+        first.close()
+        second.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _connect(uri: str, server: subprocess.Popen) -> MilvusEngine:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return MilvusEngine(uri, timeout_s=5)
+        except Exception:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
