@@ -20,14 +20,16 @@ What replicas agree on through Redis, and who writes / reads it:
   removed or replaced out of band (:func:`openbook.shared_state.index_vanished`), read by
   every gateway (part of the answer-cache key, so
   a new index of a deleted one's name never serves the old one's answers);
-- cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's.
+- cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's;
+- stored responses (sealed, under ``response_key(response_id)``, with a TTL): the conversation
+  state a ``/v1/responses`` call's ``previous_response_id`` continues, the gateway's.
 
 Invariants: this module does no I/O and imports no Redis client; the sync half
 (:mod:`openbook.shared_state`, the services) and the async half
 (:mod:`openbook.shared_state_aio`, the gateway) execute these over their clients, so changing
 a key or an encoding is a change here only. Values whose trust matters (the active index, the
-answers) are sealed (:mod:`openbook.sealing`) bound to their key: opening anything not sealed
-with the server key gives ``None``, read as absent.
+answers, the stored responses) are sealed (:mod:`openbook.sealing`) bound to their key:
+opening anything not sealed with the server key gives ``None``, read as absent.
 """
 
 from __future__ import annotations
@@ -195,3 +197,51 @@ def open_answer(sealer: Sealer, key: str, raw: str | bytes | None) -> dict[str, 
     """The answer stored under ``key`` as ``raw``; None if absent or not genuine."""
     payload = sealer.open(key, raw)
     return json.loads(payload) if payload else None
+
+
+# --- stored responses -----------------------------------------------------------------------
+#
+# What ``POST /v1/responses`` keeps of a response so that a later one can name it as its
+# ``previous_response_id``: not the response, only the conversation state the next question is
+# expanded from (a few turns, each cut short: openbook_gateway.conversation.recent) and the
+# owner it belongs to (a hash of the API key that made it; "" when /v1 has no keys). Sealed
+# like an answer: an entry written or moved by anyone else reads as absent.
+
+RESPONSE_KEY_PREFIX = "openbook:response:"
+
+
+class StoredConversation(TypedDict):
+    owner: str
+    turns: list[dict[str, str]]  # {"role": "user" | "assistant", "content": text}, oldest first
+
+
+def response_key(response_id: str) -> str:
+    return RESPONSE_KEY_PREFIX + response_id
+
+
+def seal_conversation(sealer: Sealer, key: str, state: StoredConversation) -> str:
+    return sealer.seal(key, json.dumps(state, ensure_ascii=False))
+
+
+def open_conversation(
+    sealer: Sealer, key: str, raw: str | bytes | None
+) -> StoredConversation | None:
+    """The state stored under ``key`` as ``raw``; None if absent, not genuine or not a state."""
+    payload = sealer.open(key, raw)
+    if not payload:
+        return None
+    try:
+        state = json.loads(payload)
+    except ValueError:
+        return None
+    if not (isinstance(state, dict) and isinstance(state.get("owner"), str)):
+        return None
+    turns = state.get("turns")
+    if not isinstance(turns, list) or not all(
+        isinstance(t, dict)
+        and t.get("role") in ("user", "assistant")
+        and isinstance(t.get("content"), str)
+        for t in turns
+    ):
+        return None
+    return StoredConversation(owner=state["owner"], turns=turns)

@@ -1,6 +1,7 @@
 """The async half of the Redis protocol (:mod:`openbook.redis_protocol`), as the gateway speaks
 it over ``redis.asyncio.Redis``: what is served now (the active index, the model and index
-versions, the index epochs), cached answers, the desired model and the replicas' states.
+versions, the index epochs), cached answers, stored responses, the desired model and the
+replicas' states.
 
 Invariants: key names and encodings are the protocol module's only; this module only executes
 them. Every function raises ``RedisError`` / ``OSError`` when Redis cannot be reached: what to
@@ -25,13 +26,17 @@ from openbook.redis_protocol import (
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
     REPLICA_KEY_PATTERN,
+    StoredConversation,
     decode_replica_state,
     desired_model_record,
     index_version_members,
     index_version_of,
     open_active_index,
     open_answer,
+    open_conversation,
+    response_key,
     seal_answer,
+    seal_conversation,
 )
 from openbook.sealing import Sealer
 from openbook.settings import RedisOptions
@@ -94,6 +99,25 @@ async def write_answer(
     client: aioredis.Redis, sealer: Sealer, key: str, answer: dict[str, Any], ttl_s: int
 ) -> None:
     await client.set(key, seal_answer(sealer, key, answer), ex=ttl_s)
+
+
+async def read_conversation(
+    client: aioredis.Redis, sealer: Sealer, response_id: str
+) -> StoredConversation | None:
+    """The conversation state stored for ``response_id``; None if absent or not genuine."""
+    key = response_key(response_id)
+    return open_conversation(sealer, key, await client.get(key))
+
+
+async def write_conversation(
+    client: aioredis.Redis,
+    sealer: Sealer,
+    response_id: str,
+    state: StoredConversation,
+    ttl_s: int,
+) -> None:
+    key = response_key(response_id)
+    await client.set(key, seal_conversation(sealer, key, state), ex=ttl_s)
 
 
 async def list_replicas(client: aioredis.Redis) -> list[dict[str, Any]]:

@@ -31,8 +31,10 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from openbook import telemetry
+from openbook.limits import check_question
 from openbook.v1 import generator_pb2, retriever_pb2
 from openbook_gateway.cache import answer_params
+from openbook_gateway.conversation import Turn, contextual_question
 from openbook_gateway.mapping import (
     answer_response,
     cached_answer,
@@ -104,6 +106,7 @@ async def answer_events(
 
     ``request`` is the HTTP request being answered: its id, and whether its client is still
     there (a gone client cancels the generation)."""
+    body = with_conversation(body)
     metrics = services.metrics
     request_id = request.state.request_id
     timer = metrics.stages()
@@ -124,6 +127,8 @@ async def answer_events(
         if cached is not None:
             # Validated when it was stored: sent as it is, not validated again.
             answer = cached_answer(cached, request_id, timer.done())
+            # an answer stored before replies said so: the question of the key that found it
+            answer["question_used"] = body.question
             if stream:
                 for event in _replayed(answer):
                     yield event
@@ -196,6 +201,19 @@ async def answer_events(
         if rest:
             yield TokenOut(rest, None)
     yield AnswerOut(with_threshold(answer, threshold))
+
+
+def with_conversation(body: AnswerRequest) -> AnswerRequest:
+    """``body`` as answered: with a ``history``, its question expanded from the earlier turns
+    (:func:`~openbook_gateway.conversation.contextual_question`), the history then spent; the
+    question, the cache key and ``question_used`` are that text. Without one, ``body``."""
+    if not body.history:
+        return body
+    turns = [Turn(message.role, message.content) for message in body.history]
+    question = contextual_question(body.question, turns)
+    # bounded and cleaned by contextual_question; checked again as every question is
+    check_question("question", question)
+    return body.model_copy(update={"question": question, "history": None})
 
 
 def retrieval_attributes(k: int) -> dict[str, AttributeValue]:

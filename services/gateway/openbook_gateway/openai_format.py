@@ -21,6 +21,7 @@ from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
 from openbook_gateway.answering import AnswerOut, TokenOut
+from openbook_gateway.conversation import ABSTENTION_PREFIX
 from openbook_gateway.events import sse
 from openbook_gateway.openai_schemas import ChatCompletionRequest
 
@@ -241,6 +242,8 @@ class Completion:
 
 _CITED = ("id", "document", "title", "page", "text", "score", "prior", "posterior")
 _PROVENANCE = (
+    # what was retrieved and answered: the question, expanded from the conversation
+    "question_used",
     "index",
     "index_version",
     "retrieval",
@@ -263,7 +266,7 @@ def abstention(confidence: float, threshold: float) -> str:
     while digits < 6 and f"{confidence:.{digits}f}" == f"{threshold:.{digits}f}":
         digits += 1  # 0.499 < 0.5 must not read "0.50 < 0.50"
     shown, limit = f"{confidence:.{digits}f}", f"{threshold:.{digits}f}"
-    return f"I am not confident enough to answer (confidence {shown} < {limit})."
+    return f"{ABSTENTION_PREFIX} (confidence {shown} < {limit})."
 
 
 def _delta(index: int, delta: dict, finish: str | None = None) -> dict:

@@ -7,19 +7,26 @@ every rule of the chat completions API (the bounds of its fields, the sampling p
 accepts, openbook's extra body fields, the limits ``/answer`` enforces) is defined once, there,
 and applies here unchanged. Its errors are renamed to this API's parameters on the way out.
 
-What the Responses API adds that openbook cannot honour (tools, reasoning, a stored previous
-response, background runs, JSON output) is refused with a 400 naming the field; what it adds
-that changes nothing here (``instructions``, ``metadata``, ``store``, ``truncation``) is
+The conversation a response follows is the user and assistant messages of ``input`` before
+its question, after those of the response ``previous_response_id`` names (its stored state,
+:mod:`openbook_gateway.stored_responses`): the chat completion gets them as its earlier
+messages, and reads them as it reads its own (:mod:`openbook_gateway.conversation`).
+
+What the Responses API adds that openbook cannot honour (tools, reasoning, a stored
+conversation object, background runs, JSON output) is refused with a 400 naming the field;
+what it adds that changes nothing here (``instructions``, ``metadata``, ``truncation``) is
 accepted and not read, as a chat completion's system messages are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from openbook.limits import MAX_QUERIES, MAX_QUESTION_CHARS
+from openbook_gateway.conversation import Turn, recent
 from openbook_gateway.openai_schemas import (
     MAX_MESSAGES,
     MODEL,
@@ -96,7 +103,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None
     reasoning: dict[str, Any] | None = None
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, max_length=256)
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None
@@ -132,8 +139,11 @@ class ResponsesRequest(BaseModel):
                     "unsupported_parameter",
                 )
         for name, why in (
-            ("previous_response_id", "responses are not stored: send the question as input"),
-            ("conversation", "conversations are not stored: send the question as input"),
+            (
+                "conversation",
+                "conversation objects are not stored: send the earlier turns in input, or "
+                "previous_response_id",
+            ),
             ("prompt", "stored prompt templates are not supported"),
             ("reasoning", "openbook's models do not reason in hidden steps"),
         ):
@@ -164,6 +174,30 @@ class ResponsesRequest(BaseModel):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
 
+    def _question_at(self) -> int | None:
+        """Where the question is in ``input`` (None: ``input`` is the question)."""
+        if isinstance(self.input, str):
+            return None
+        for i in range(len(self.input) - 1, -1, -1):
+            item = self.input[i]
+            if item.type == "message" and item.role == "user":
+                return i
+        return None
+
+    def history(self, prior: Sequence[Turn] = ()) -> list[Turn]:
+        """The conversation before the question: ``prior`` (the stored state of
+        ``previous_response_id``), then the user and assistant messages of ``input`` before
+        the question (text parts joined, other parts and items skipped: earlier turns are
+        context, not input to refuse), the recent ones only
+        (:func:`~openbook_gateway.conversation.recent`)."""
+        turns = list(prior)
+        at = self._question_at()
+        if at is not None and not isinstance(self.input, str):
+            for item in self.input[:at]:
+                if item.type == "message" and item.role in ("user", "assistant"):
+                    turns.append(Turn(item.role, _text_of(item.content)))
+        return recent(turns)
+
     def question(self) -> tuple[str, str]:
         """The question (``input`` itself, or the last user message's text) and the parameter
         that names it in errors."""
@@ -193,16 +227,18 @@ class ResponsesRequest(BaseModel):
             "input: no user message; the last user message is the question", "input"
         )
 
-    def to_chat_request(self) -> ChatCompletionRequest:
+    def to_chat_request(self, prior: Sequence[Turn] = ()) -> ChatCompletionRequest:
         """The chat completion this request asks for, checked as one (module docstring):
-        one user message, the question; ``max_output_tokens`` as ``max_tokens``; every field
-        the two APIs share, as sent. A shared field the chat completions API does not take
-        (yet) is refused naming it."""
+        the conversation's recent turns (:meth:`history`, after ``prior``) then one user
+        message, the question; ``max_output_tokens`` as ``max_tokens``; every field the two
+        APIs share, as sent. A shared field the chat completions API does not take (yet) is
+        refused naming it."""
         self.check_supported()
         question, _ = self.question()
+        earlier = [ChatMessage(role=t.role, content=t.text) for t in self.history(prior)]
         fields: dict[str, Any] = {
             "model": self.model,
-            "messages": [ChatMessage(role="user", content=question)],
+            "messages": [*earlier, ChatMessage(role="user", content=question)],
             "stream": self.stream,
         }
         if self.max_output_tokens is not None:
@@ -243,6 +279,12 @@ class ResponsesRequest(BaseModel):
         if message.startswith(error.param):
             message = param + message[len(error.param) :]
         return OpenAIRequestError(message, param, error.code, error.status)
+
+
+def _text_of(content: str | list[InputPart] | None) -> str:
+    if isinstance(content, list):
+        return "\n".join(part.text for part in content if part.text is not None)
+    return content or ""
 
 
 # ResponsesRequest's fields that are not a chat completion's (mapped, or checked above).

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from openbook.limits import (
     INDEX_NAME_PATTERN,
     MAX_BEAMS,
+    MAX_CONVERSATION_MESSAGES,
     MAX_K,
     MAX_LENGTH_PENALTY,
     MAX_NEW_TOKENS,
@@ -29,11 +30,13 @@ from openbook.limits import (
     DecodingMode,
     RetrievalMode,
 )
+from openbook_gateway.conversation import Turn, recent
 from openbook_gateway.schemas import AnswerRequest, RetrievalFilter
 
-# Messages in one conversation; only the last user message is read, but a client may send its
-# whole history.
-MAX_MESSAGES = 256
+# Messages in one conversation: the last user message is the question, the user and assistant
+# messages before it the conversation it follows (openbook_gateway.conversation reads the
+# last few of them).
+MAX_MESSAGES = MAX_CONVERSATION_MESSAGES
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 MAX_STOP_CHARS = 64
 # Prefix of the model ids that name an index: "openbook/<index>". "openbook": the active index.
@@ -261,6 +264,23 @@ class ChatCompletionRequest(SamplingParams, RetrievalFilter):
             "messages: no user message; the last user message is the question", "messages"
         )
 
+    def history(self, before: int) -> list[Turn]:
+        """The conversation before ``messages[before]`` (the question) that a follow-up may
+        refer to: its user and assistant messages' text (text parts joined, other parts
+        skipped: an earlier turn is context, not input to refuse), the recent ones only
+        (:func:`~openbook_gateway.conversation.recent`)."""
+        turns = []
+        for message in self.messages[:before]:
+            if message.role in ("user", "assistant"):
+                turns.append(Turn(message.role, _text_of(message.content)))
+        return recent(turns)
+
+
+def _text_of(content: str | list[TextPart] | None) -> str:
+    if isinstance(content, list):
+        return "\n".join(part.text for part in content if part.text is not None)
+    return content or ""
+
 
 def refuse_penalties(body: ChatCompletionRequest) -> None:
     """Frequency and presence penalties are not applied: only 0 (or unset) is accepted."""
@@ -283,9 +303,12 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
     """The ``/answer`` request this chat completion asks for, on ``index`` (None: active).
 
     ``n`` > 1 answers are the n best hypotheses of beam search (``num_beams`` defaults to n),
-    or, when sampling, n independent samples (``num_beams`` 1).
+    or, when sampling, n independent samples (``num_beams`` 1). The user and assistant
+    messages before the question are its ``history`` (the recent ones: a follow-up is
+    expanded from them, :mod:`openbook_gateway.conversation`).
     """
     question, at = body.question()
+    history = [{"role": t.role, "content": t.text} for t in body.history(at)]
     beams = body.num_beams or (1 if body.sampling else body.n)
     fields = {
         "question": question,
@@ -302,6 +325,7 @@ def to_answer_request(body: ChatCompletionRequest, index: str | None) -> AnswerR
         "use_cache": body.use_cache,
         "min_confidence": body.min_confidence,
         "stream": body.stream,
+        "history": history or None,
         **body.sampling_fields(),
     }
     try:

@@ -34,6 +34,7 @@ from openbook_gateway.events import sse
 from openbook_gateway.openai_format import Completion, _before_stop, _markers, error_body
 from openbook_gateway.openai_responses import ResponsesRequest
 from openbook_gateway.openai_schemas import ChatCompletionRequest
+from openbook_gateway.stored_responses import new_response_id
 
 
 class ResponseReply:
@@ -50,7 +51,11 @@ class ResponseReply:
         a confidence threshold applies, so a stream sends no text before the end."""
         self.body = body
         self.completion = Completion(chat, request_id, holds_text=holds_text)
-        self.id = f"resp_{request_id}"
+        # random, not the request id a client may choose: a stored response is found by it
+        self.id = new_response_id()
+        # whether its conversation was kept for a later previous_response_id (set by the route
+        # once the answer is in, before the response that says so is written)
+        self.stored = False
         self.item_id = f"msg_{request_id}"
         self.created = int(time.time())
         self._sequence = 0
@@ -192,7 +197,8 @@ class ResponseReply:
             "truncation": "disabled",
             "usage": usage,
             "metadata": body.metadata or {},
-            "store": False,
+            "store": self.stored,
+            "previous_response_id": body.previous_response_id,
             "user": body.user,
             **extras,
         }

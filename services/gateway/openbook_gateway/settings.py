@@ -35,6 +35,9 @@ class GatewaySettings(CommonSettings):
     max_header_bytes: int = Field(default=16 * 1024, ge=1024)
     max_header_count: int = Field(default=100, ge=16)
     cache_ttl_s: int = Field(default=24 * 3600, gt=0)
+    # How long POST /v1/responses keeps a response's conversation state for a later
+    # previous_response_id (openbook_gateway.stored_responses).
+    response_ttl_s: int = Field(default=24 * 3600, gt=0)
     # How long POST /admin/reload-model waits for every replica to report the desired model
     # (converged or refused) before answering 202 with the replicas still loading.
     reload_wait_s: float = Field(default=600.0, gt=0)

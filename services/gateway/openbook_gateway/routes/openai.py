@@ -3,8 +3,13 @@
 agent frameworks and chat front-ends work unchanged. Any other ``/v1`` path is an OpenAI-style
 404 saying it is not supported (:func:`openbook_gateway.errors.http_error`).
 
-* The last user message is the question; earlier turns are not read (openbook answers one
-  question from the passages it retrieves).
+* The last user message is the question. The conversation before it (the user and assistant
+  messages of ``messages`` / ``input``, after the stored state of a ``previous_response_id``)
+  expands a follow-up before retrieval and generation (:mod:`openbook_gateway.conversation`):
+  the last user turns and the last answer, bounded; ``openbook.question_used`` says what was
+  asked. A response is kept (its conversation state only, for
+  ``OPENBOOK_GATEWAY_RESPONSE_TTL_S``) unless ``store`` is false
+  (:mod:`openbook_gateway.stored_responses`).
 * Models: ``openbook`` answers from the active index, ``openbook/<index>`` from that index.
 * Decoding is greedy, or beam search (``num_beams``; ``n`` > 1 answers are the n best beams),
   or, with ``temperature`` > 0, sampling (``top_p``, ``top_k``, ``seed``; ``n`` > 1 answers are
@@ -48,6 +53,7 @@ from openbook_gateway.answering import (
     unless_disconnected,
 )
 from openbook_gateway.bodies import JSONBodyRoute
+from openbook_gateway.conversation import Turn
 from openbook_gateway.events import STREAMED, EventStream
 from openbook_gateway.openai_format import PREFIX, Completion
 from openbook_gateway.openai_responses import EmbeddingsRequest, ResponsesRequest
@@ -60,6 +66,7 @@ from openbook_gateway.openai_schemas import (
 from openbook_gateway.responses_format import ResponseReply
 from openbook_gateway.services import Services, ServicesDep
 from openbook_gateway.settings import GatewaySettings
+from openbook_gateway.stored_responses import load_turns, owner_of, save_turns
 
 
 def api_keys(settings: GatewaySettings) -> list[str]:
@@ -155,11 +162,23 @@ async def chat_completions(
 
 
 @router.post("/responses", responses=STREAMED)
-async def responses(body: ResponsesRequest, request: Request, services: ServicesDep) -> Response:
+async def responses(
+    body: ResponsesRequest,
+    request: Request,
+    services: ServicesDep,
+    authorization: str | None = Header(default=None),
+) -> Response:
     """The Responses API: the chat completion the request amounts to
-    (:meth:`~openbook_gateway.openai_responses.ResponsesRequest.to_chat_request`), its
-    citations as the annotations of its text (:mod:`openbook_gateway.responses_format`)."""
-    chat = body.to_chat_request()
+    (:meth:`~openbook_gateway.openai_responses.ResponsesRequest.to_chat_request`), after the
+    conversation of ``previous_response_id`` if it names one; its citations as the annotations
+    of its text (:mod:`openbook_gateway.responses_format`); its conversation kept for the next
+    one unless ``store`` is false."""
+    body.check_supported()
+    owner = owner_of(authorization, services)
+    prior: list[Turn] = []
+    if body.previous_response_id is not None:
+        prior = await load_turns(services, body.previous_response_id, owner)
+    chat = body.to_chat_request(prior)
     request_id = request.state.request_id
     try:
         question = to_answer_request(chat, await index_of(chat, services, request_id))
@@ -168,7 +187,26 @@ async def responses(body: ResponsesRequest, request: Request, services: Services
     threshold = confidence_threshold(chat.min_confidence, services)
     reply = ResponseReply(body, chat, request_id, holds_text=threshold is not None)
     events = answer_events(question, services, request, stream=body.stream)
+    if body.store is not False:
+        said, _ = body.question()
+        turns = [*body.history(prior), Turn("user", said)]
+        events = _storing(events, services, reply, owner, turns)
     return await _reply(events, request, services, reply.whole, reply.events, body.stream)
+
+
+async def _storing(
+    events: AnswerEvents, services: Services, reply: ResponseReply, owner: str, turns: list[Turn]
+) -> AnswerEvents:
+    """``events``, the response's conversation (``turns`` and the answer) kept under its id
+    once the answer is in, before the answer goes on to be written (it says ``store``)."""
+    try:
+        async for event in events:
+            if isinstance(event, AnswerOut):
+                answered = [*turns, Turn("assistant", event.body.get("answer") or "")]
+                reply.stored = await save_turns(services, reply.id, owner, answered)
+            yield event
+    finally:
+        await events.aclose()
 
 
 @router.post("/embeddings")
