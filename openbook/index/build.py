@@ -16,6 +16,7 @@ from openbook.index.manifest import Manifest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.stages import BuildSource, build_lock, check_inputs, stage_and_publish
 from openbook.index.vectors import (
+    VectorDonors,
     VectorSource,
     default_score_scale,
     document_encoder,
@@ -49,7 +50,12 @@ def build_index(
     source: VectorSource | None = None
     if spec.dense:
         doc_enc, q_name, precision = document_encoder(spec, options)
-        source = encoder_source(doc_enc, q_name, options.batch_size, precision)
+        donors = None
+        if options.reuse_vectors_from:
+            donors = VectorDonors.open(
+                options.reuse_vectors_from, doc_enc, options.batch_size, precision
+            )
+        source = encoder_source(doc_enc, q_name, options.batch_size, precision, donors)
         if spec.score_scale is None:
             spec = replace(spec, score_scale=default_score_scale(doc_enc))
     elif spec.score_scale is None:

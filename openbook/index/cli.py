@@ -129,6 +129,13 @@ def build(
             help="Give a dense index a BM25 view of the same passages too (hybrid retrieval)"
         ),
     ] = True,
+    reuse_vectors_from: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A dense index of the same encoder whose vectors identical passages take "
+            "instead of being encoded again (checked on a sample; repeatable)"
+        ),
+    ] = None,
 ) -> None:
     """Build an index from passage files (resumes an interrupted build of the same inputs).
 
@@ -166,6 +173,7 @@ def build(
             progress=progress,
             overwrite=overwrite,
             input_format=format.value,
+            reuse_vectors_from=tuple(reuse_vectors_from or ()),
         )
     except ValueError as e:
         raise _fail(str(e)) from None

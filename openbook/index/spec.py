@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from openbook.errors import InvalidArgument
@@ -185,6 +186,9 @@ class BuildOptions:
     progress: bool = True  # progress bars
     overwrite: bool = False  # replace an existing index at the output directory
     input_format: str = "auto"  # passages.FORMATS
+    # Dense indexes of the same document encoder whose vectors are taken for identical
+    # passages instead of encoding them again (vectors.VectorDonors checks they still match).
+    reuse_vectors_from: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         _at_least("batch_size", self.batch_size, 1)

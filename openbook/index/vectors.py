@@ -12,7 +12,7 @@ weights, another precision, other files), so that a resumed build never mixes sh
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from openbook.index.encoders import Encoder, encoder_id, load_encoder, resolve_precision
-from openbook.index.manifest import Manifest
+from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
+from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.store import PassageStore
 
@@ -137,10 +138,88 @@ class VectorSource:
         )
 
 
+class VectorDonors:
+    """Vectors already computed by this encoder for identical passages, in other dense indexes
+    (``BuildOptions.reuse_vectors_from``): a build encodes only the passages they lack.
+
+    A donor gives its vectors only where they are what the encoder computes now: same document
+    encoder, normalisation and dimension in its manifest, and a sample of its passages
+    re-encoded here within float tolerance of its stored vectors (a retrained encoder saved
+    at the same path gives nothing). Keys are the exact (title, text) the encoder reads.
+    """
+
+    SAMPLE = 8  # passages re-encoded per donor to check its vectors
+    TOLERANCE = 1e-4  # max abs difference of a re-encoded sample (float32 batches differ ~1e-6)
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[str, str], tuple[int, int]] = {}  # key -> (donor, row)
+        self._vectors: list[np.ndarray] = []
+
+    @classmethod
+    def open(
+        cls, paths: Sequence[Path], enc: Encoder, batch_size: int, precision: str
+    ) -> VectorDonors:
+        donors = cls()
+        for path in paths:
+            donors._add(Path(path), enc, batch_size, precision)
+        return donors
+
+    def _add(self, path: Path, enc: Encoder, batch_size: int, precision: str) -> None:
+        try:
+            manifest = Manifest.from_file(path / MANIFEST)
+        except (IndexLoadError, OSError):
+            return  # not (yet) an index: nothing to reuse
+        if (manifest.encoder, manifest.dim, manifest.normalize) != (
+            enc.name,
+            enc.dim,
+            bool(enc.normalize),
+        ) or not (path / VECTORS_FILE).is_file():
+            return
+        vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
+        store = PassageStore(path / PASSAGES_FILE)
+        try:
+            keys = [tuple(r) for batch in store.iter_batches(0, len(store)) for r in batch]
+        finally:
+            store.close()
+        if len(keys) != vectors.shape[0] or not keys:
+            return
+        step = max(1, len(keys) // self.SAMPLE)
+        sample = list(range(0, len(keys), step))[: self.SAMPLE]
+        again = enc.encode(
+            [keys[r][1] for r in sample],
+            batch_size,
+            titles=[keys[r][0] for r in sample],
+            precision=precision,
+        )
+        if not np.allclose(again, vectors[sample], rtol=0, atol=self.TOLERANCE):
+            return
+        donor = len(self._vectors)
+        self._vectors.append(vectors)
+        for row, key in enumerate(keys):
+            self._rows.setdefault((key[0], key[1]), (donor, row))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def lookup(self, keys: Sequence[tuple[str, str]]) -> dict[int, np.ndarray]:
+        """Index in ``keys`` -> its donated float32 vector, for the keys a donor holds."""
+        out: dict[int, np.ndarray] = {}
+        for i, key in enumerate(keys):
+            hit = self._rows.get(key)
+            if hit is not None:
+                out[i] = np.asarray(self._vectors[hit[0]][hit[1]], dtype=np.float32)
+        return out
+
+
 def encoder_source(
-    enc: Encoder, q_name: str | None, batch_size: int, precision: str = "float32"
+    enc: Encoder,
+    q_name: str | None,
+    batch_size: int,
+    precision: str = "float32",
+    donors: VectorDonors | None = None,
 ) -> VectorSource:
-    """Vectors from ``enc`` run over the passages in ``precision`` (a resolved name)."""
+    """Vectors from ``enc`` run over the passages in ``precision`` (a resolved name); those of
+    passages ``donors`` hold are taken from them instead."""
 
     def produce(
         store: PassageStore,
@@ -151,15 +230,26 @@ def encoder_source(
         for i in todo:
             a, b = spans[i]
             rows = [row for batch in store.iter_batches(a, b) for row in batch]
+            donated = donors.lookup([(r[0], r[1]) for r in rows]) if donors else {}
+            if donated:
+                update(len(donated))
+            todo_rows = [j for j in range(len(rows)) if j not in donated]
             # One call per embedding shard: the encoder sorts by length across the whole shard
             # (fuller batches than a smaller window) and tokenizes ahead of the model.
-            vecs = enc.encode(
-                [r[1] for r in rows],
+            encoded = enc.encode(
+                [rows[j][1] for j in todo_rows],
                 batch_size,
-                titles=[r[0] for r in rows],
+                titles=[rows[j][0] for j in todo_rows],
                 precision=precision,
                 on_progress=update,
             )
+            if not donated:
+                yield i, encoded
+                continue
+            vecs = np.empty((len(rows), enc.dim), dtype=np.float32)
+            vecs[todo_rows] = encoded
+            for j, vec in donated.items():
+                vecs[j] = vec
             yield i, vecs
 
     def digest() -> str:

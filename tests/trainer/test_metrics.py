@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from openbook_trainer.evaluation.metrics import (
     accuracy,
@@ -55,3 +57,20 @@ def test_accuracy_and_recall():
 def test_length_mismatch_is_an_error():
     with pytest.raises(ValueError, match="2 predictions for 1 references"):
         qa_scores(["a", "b"], [["a"]])
+
+
+@given(
+    st.lists(st.sampled_from(["a1", "b", "c", "dd"]), max_size=12),
+    st.lists(st.lists(st.sampled_from(["a1", "b", "c", "dd"]), max_size=3), max_size=3),
+)
+def test_the_joined_token_test_is_dprs_token_run_test(tokens, answers):
+    """``tokens_have_answer`` (a substring search on space-joined tokens) decides exactly as
+    DPR's loop over token positions."""
+    from openbook.answers import tokens_have_answer
+
+    def by_positions(t: list[str], golds: list[list[str]]) -> bool:
+        return any(
+            a and any(t[i : i + len(a)] == a for i in range(len(t) - len(a) + 1)) for a in golds
+        )
+
+    assert tokens_have_answer(tokens, answers) == by_positions(tokens, answers)

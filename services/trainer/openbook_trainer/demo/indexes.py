@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from openbook.index import (
     DEFAULT_ENCODER,
     build_index,
@@ -62,10 +64,18 @@ def index_is_complete(path: Path, snapshot: Snapshot) -> bool:
     )
 
 
-def fit_demo_fusion(path: Path, data_dir: Path) -> bool:
+# (query encoder's name, question file's sha256) -> the questions' vectors: the demo's dense
+# indexes share an encoder, so their fits encode the same questions once.
+QuestionVectors = dict[tuple[str, str], np.ndarray]
+
+
+def fit_demo_fusion(
+    path: Path, data_dir: Path, question_vectors: QuestionVectors | None = None
+) -> bool:
     """Fit the hybrid fusion of the dense demo index at ``path`` on the SQuAD questions of
     the training articles (module docstring) and record it in its manifest. False (nothing
-    done) where the questions have too few articles to hold out the dev ones."""
+    done) where the questions have too few articles to hold out the dev ones.
+    ``question_vectors``: encodings of earlier fits, reused and added to."""
     questions = Path(data_dir) / SQUAD_QUESTIONS
     try:
         _, dev_titles = split_by_article(questions, FUSION_DEV_ARTICLES, FUSION_SEED)
@@ -74,6 +84,13 @@ def fit_demo_fusion(path: Path, data_dir: Path) -> bool:
     qs, sha = read_questions(questions, exclude_titles=dev_titles)
     with open_index(path, verify=False) as index:
         encoder = _served_query_encoder(index, Path(data_dir))
+        served = encoder or index.query_encoder
+        key = (served.name, sha)
+        vectors = None if question_vectors is None else question_vectors.get(key)
+        if vectors is None:
+            vectors = served.encode([q.question for q in qs])
+            if question_vectors is not None:
+                question_vectors[key] = vectors
         fusion = fit_fusion(
             index,
             qs,
@@ -89,6 +106,7 @@ def fit_demo_fusion(path: Path, data_dir: Path) -> bool:
                     else "the index's own"
                 ),
             },
+            query_vectors=vectors,
         )
     store_fusion(path, fusion)
     return True
@@ -134,12 +152,16 @@ def prepare_demo_indexes(
     index_root = Path(index_root)
     data_dir = Path(data_dir)
     built: list[str] = []
+    question_vectors: QuestionVectors = {}
+    # The snapshots share most of their passages (the SQuAD paragraphs): each dense one takes
+    # the vectors of those the others already hold instead of encoding them again.
+    dense_dirs = [index_root / s.name for s in DEMO_SNAPSHOTS if s.index_type != "bm25"]
     for snap in snapshots:
         out_dir = index_root / snap.name
         if index_is_complete(out_dir, snap):
             _log(progress, f"index {snap.name}: already built at {out_dir}")
             if _fusion_missing(out_dir, snap):  # e.g. interrupted between build and fit
-                _fit(out_dir, data_dir, snap, progress)
+                _fit(out_dir, data_dir, snap, progress, question_vectors)
             continue
         if missing := missing_files(data_dir, snap.inputs):
             raise FileNotFoundError(f"demo data missing: {', '.join(map(str, missing))}")
@@ -154,23 +176,34 @@ def prepare_demo_indexes(
                 index_type=snap.index_type,
                 encoder=encoder if encoder and snap.index_type != "bm25" else DEFAULT_ENCODER,
             ),
-            BuildOptions(input_format="auto", progress=progress, overwrite=out_dir.exists()),
+            BuildOptions(
+                input_format="auto",
+                progress=progress,
+                overwrite=out_dir.exists(),
+                reuse_vectors_from=tuple(d for d in dense_dirs if d != out_dir),
+            ),
         )
         _log(
             progress,
             f"index {snap.name}: {manifest.count} passages in {time.monotonic() - start:.0f} s",
         )
         if snap.index_type != "bm25":
-            _fit(out_dir, data_dir, snap, progress)
+            _fit(out_dir, data_dir, snap, progress, question_vectors)
         built.append(snap.name)
     return built
 
 
-def _fit(out_dir: Path, data_dir: Path, snap: Snapshot, progress: bool) -> None:
+def _fit(
+    out_dir: Path,
+    data_dir: Path,
+    snap: Snapshot,
+    progress: bool,
+    question_vectors: QuestionVectors,
+) -> None:
     if missing_files(data_dir, (SQUAD_QUESTIONS,)):
         _log(progress, f"index {snap.name}: no {SQUAD_QUESTIONS}; hybrid uses the default fusion")
         return
-    if fit_demo_fusion(out_dir, data_dir):
+    if fit_demo_fusion(out_dir, data_dir, question_vectors):
         _log(progress, f"index {snap.name}: hybrid fusion fitted on the training articles")
     else:
         _log(progress, f"index {snap.name}: too few articles to fit; default fusion")
