@@ -70,7 +70,7 @@ def test_put_replace_delete_are_visible_to_the_next_search(
         _assert_segment_exact(hits, want)
         if index_type == "flat":  # approximate types may over-score base passages
             assert "new-1#0" in _ids(hits)
-        hybrid = live.search([_tag("new-1")], 5)[0]  # the default: hybrid
+        hybrid = live.search([_tag("new-1")], 5, retrieval="hybrid")[0]
         assert doc.passages()[-1].id in _ids(hybrid)
 
     # Replace: the old passages go, the new come, in one step.
@@ -294,7 +294,9 @@ def test_an_index_created_empty_takes_writes_and_compacts_into_its_first_base(
     assert len(live) == 0 and live.version == 0 and live.list().ids == ()
     assert live.search(["tower"], 3, retrieval="bm25") == [[]]
     if dense:
-        assert live.search(["tower"], 3) == [[]]  # hybrid, the default
+        # DPR encoders: the paper's dense retrieval is the default, hybrid on request
+        assert live.default_retrieval == "dense"
+        assert live.search(["tower"], 3, retrieval="hybrid") == [[]]
     rng = np.random.default_rng(11)
     docs = [random_document(rng, f"e{i}") for i in range(40)]
     assert live.put_many(docs).version == 1
@@ -311,7 +313,8 @@ def test_an_index_created_empty_takes_writes_and_compacts_into_its_first_base(
             max(float(vecs[0] @ v) * scale for v in _all_vectors(dpr_dirs, docs, skip="e3")),
             rel=1e-4,
         )
-        assert docs[5].passages()[-1].id in _ids(live.search([_tag("e5")], 5)[0])  # hybrid
+        hybrid = live.search([_tag("e5")], 5, retrieval="hybrid")[0]
+        assert docs[5].passages()[-1].id in _ids(hybrid)
     result = live.compact()
     assert result is not None and result.version == 2
     assert live.manifest.index_type == (index_type or like_type) and live.manifest.count == len(
