@@ -169,6 +169,21 @@ def append_slots(cache: Cache, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) 
     return out
 
 
+def drop_trailing(cache: Cache, count: int) -> None:
+    """In place: remove the last ``count`` slots of every (self-attention) layer: the rejected
+    tail of a drafted step (:meth:`GrowingLayer.drop_trailing` rewinds its buffer, so the next
+    step writes over those slots instead of copying the cache)."""
+    if count <= 0:
+        return
+    target = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    for layer in target.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.drop_trailing(count)
+        elif _layer_has_data(layer):
+            layer.keys = layer.keys[:, :, :-count]
+            layer.values = layer.values[:, :, :-count]
+
+
 def drop_leading(cache: Cache, count: int) -> None:
     """In place: remove the first ``count`` slots (padding no row attends to) of every layer."""
     if count <= 0:
@@ -194,7 +209,38 @@ class GrowingLayer(DynamicLayer):
     the mark: the first of two sharers to append writes slots nobody else sees; the second finds
     the mark past its view and copies. So no view ever changes under its holder, as with
     transformers' layer.
+
+    :meth:`drop_trailing` (a drafted step's rejected slots) moves the mark back only while no
+    copy of the layer was ever made (a copy's view may reach past the new mark, and later
+    appends would write under it); otherwise it only shortens the view, and the next append
+    copies.
     """
+
+    def __copy__(self) -> GrowingLayer:
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        slots: _Slots | None = getattr(self, "_slots", None)
+        if slots is not None:
+            slots.shared = True  # a view of the buffer now has two holders: never rewind it
+        return new
+
+    def drop_trailing(self, count: int) -> None:
+        """Remove the last ``count`` slots (rewinding the buffer when that is safe)."""
+        keys, values = self.keys, self.values
+        if count <= 0 or keys is None or values is None:
+            return
+        slots: _Slots | None = getattr(self, "_slots", None)
+        length = keys.shape[-2] - count
+        if (
+            slots is not None
+            and not slots.shared
+            and _is_prefix_view(keys, slots.keys, slots.filled)
+            and _is_prefix_view(values, slots.values, slots.filled)
+        ):
+            slots.filled = length
+            self.keys, self.values = slots.keys[:, :, :length], slots.values[:, :, :length]
+            return
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -216,7 +262,7 @@ class GrowingLayer(DynamicLayer):
 class _Slots:
     """Key/value buffers (rows, heads, capacity, d); the first ``filled`` slots hold data."""
 
-    __slots__ = ("filled", "keys", "values")
+    __slots__ = ("filled", "keys", "shared", "values")
 
     def __init__(
         self,
@@ -230,6 +276,8 @@ class _Slots:
         self.keys = _buffer(keys, new_keys, held + spare)
         self.values = _buffer(values, new_values, held + spare)
         self.filled = held
+        # whether a copy of a layer holding these buffers was made (GrowingLayer.__copy__)
+        self.shared = False
 
     def appendable(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> bool:
         """Whether ``keys``/``values`` are exactly the filled slots and ``new`` more fit."""

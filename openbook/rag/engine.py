@@ -28,6 +28,11 @@ ends. Searches never see each other's rows, so every request decodes exactly as 
 (temperature > 0) has one row per sample where a beam would be, and its own random generator
 (:mod:`openbook.rag.sampling`): with a seed, it draws the same answers in any batch.
 
+Drafting (``draft_tokens`` > 0, :mod:`openbook.rag.drafting`): a step where some greedy
+RAG-Token request has a draft feeds every row its token plus that request's draft (others:
+padding) in one pass; each search consumes as many positions as it accepts, and the rejected
+tokens leave the cache (``backend.drop_fed``), so a request decodes exactly as undrafted.
+
 Invariants: ``_groups`` lists the live searches in the order of their rows in ``_state``; a
 request still prefilling has no rows there (``enc`` is None); a request is returned exactly once,
 by the :meth:`~DecodingEngine.step` after it finished (or was abandoned); the engine is used by one
@@ -53,6 +58,7 @@ from openbook.rag.confidence import (
     confidences,
     normalized_texts,
 )
+from openbook.rag.drafting import PassageDrafter
 from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import doc_log_prior
 from openbook.rag.options import DecodingOptions, GenerationResult, Hypothesis
@@ -192,8 +198,17 @@ class DecodingEngine:
         stop_strings: Sequence[str] = (),
         answer_prefix: str = "",
         calibration: AnyCalibration | None = None,
+        draft_tokens: int = 0,
     ) -> None:
         self.backend = backend
+        # tokens a greedy RAG-Token request drafts per step (openbook/rag/drafting.py); 0: none.
+        # Only where the family verifies drafts (``backend.drafts()``).
+        self.draft_tokens = draft_tokens if backend.drafts() else 0
+        # drafted steps, tokens drafted and tokens of those accepted, since the engine started
+        # (the benchmark's tokens per step)
+        self.drafted_steps = 0
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
         self.calibration = calibration
         self.settings_for = settings_for
         self.stop = stop
@@ -320,7 +335,15 @@ class DecodingEngine:
         generator = request_generator(options.seed) if options.sampling else None
         groups: list[Rows]
         if options.mode == "rag-token":
-            groups = [RagTokenRows(enc, request.log_prior, request.settings, self.stop, generator)]
+            drafter = None
+            if self.draft_tokens and not options.sampling and options.num_beams == 1:
+                sources = self.backend.draft_sources(request.question, request.passages)
+                drafter = PassageDrafter(sources)
+            groups = [
+                RagTokenRows(
+                    enc, request.log_prior, request.settings, self.stop, generator, drafter
+                )
+            ]
         else:
             groups = [
                 rag_sequence.PassageRows(
@@ -384,6 +407,14 @@ class DecodingEngine:
         return done
 
     def _advance(self) -> None:
+        if self.draft_tokens:
+            drafts = [
+                group.draft(self.draft_tokens) if isinstance(group, RagTokenRows) else []
+                for _, group in self._groups
+            ]
+            if any(drafts):
+                self._advance_drafted(drafts)
+                return
         tokens: list[Tensor] = []
         order: list[Tensor] = []
         reordered = False
@@ -411,6 +442,52 @@ class DecodingEngine:
                 streaming.setdefault(id(request), (request, []))[1].append(group)
         for request, groups in streaming.values():
             request.emit(groups)
+
+    def _advance_drafted(self, drafts: list[list[int]]) -> None:
+        """One forward pass over the decided token and the draft of every drafting request
+        (other rows: their token, then padding), each search advanced position by position
+        (:meth:`RagTokenRows.advance_drafted`), then the rejected tokens leave the cache."""
+        fed = 1 + max(len(d) for d in drafts)
+        tokens: list[Tensor] = []
+        order: list[Tensor] = []
+        reordered = False
+        at = 0
+        for (_, group), draft in zip(self._groups, drafts, strict=True):
+            token, rows = group.feed()
+            row = token.new_full((group.rows, fed), self.backend.pad_token_id)
+            row[:, 0] = token
+            if draft:
+                row[:, 1 : 1 + len(draft)] = torch.tensor(draft, device=token.device)
+            tokens.append(row)
+            if rows is None:
+                rows = torch.arange(group.rows, device=token.device)
+            else:
+                reordered = True
+            order.append(rows + at)
+            at += group.rows
+        assert self._state is not None
+        if reordered:
+            self.backend.reorder(self._state, torch.cat(order))
+        lp = self.backend.step_many(self._state, torch.cat(tokens))  # (N, fed, V)
+        kept: list[Tensor] = []
+        at = 0
+        for (request, group), draft in zip(self._groups, drafts, strict=True):
+            mine = lp[at : at + group.rows]
+            at += group.rows
+            stream = request.stream
+            emit = None if stream is None else (lambda r=request, g=group: r.emit([g]))
+            if draft and isinstance(group, RagTokenRows):
+                used = group.advance_drafted(mine, draft, emit)
+                self.drafted_steps += 1
+                self.drafted_tokens += len(draft)
+                self.accepted_tokens += used - 1
+            else:
+                group.advance(mine[:, 0])
+                used = 1
+                if emit is not None:
+                    emit()
+            kept.append(torch.full((group.rows,), used, dtype=torch.long))
+        self.backend.drop_fed(self._state, fed, torch.cat(kept))
 
     def _leave(self) -> None:
         """Rows of finished searches leave; finished requests are finalised."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,17 @@ class RagGenerator:
         self._measuring = measuring_twin(backend)
         self._measuring_lock = threading.Lock()
         self._lock = threading.Lock()
+        # tokens greedy RAG-Token requests draft per step (openbook/rag/drafting.py); 0: off
+        self.draft_tokens = 0
+
+    def set_draft_tokens(self, tokens: int) -> None:
+        """Draft up to ``tokens`` tokens per step of greedy RAG-Token decoding, verified in one
+        forward pass (:mod:`openbook.rag.drafting`; answers unchanged); 0 turns drafting off.
+        The memory model then counts the drafted positions' logits."""
+        if tokens < 0:
+            raise ValueError(f"draft tokens must be >= 0, got {tokens}")
+        self.draft_tokens = tokens if self.backend.drafts() else 0
+        self.memory = replace(memory_model(self.backend), draft_tokens=self.draft_tokens)
 
     @classmethod
     def load(
@@ -167,6 +179,7 @@ class RagGenerator:
             self.stop_strings(),
             answer_prefix=backend.spec.answer_prefix if isinstance(backend, CausalBackend) else "",
             calibration=self.calibration,
+            draft_tokens=self.draft_tokens,
         )
 
     def stop_strings(self) -> list[str]:

@@ -88,6 +88,9 @@ class MemoryModel:
     score_bytes_cap: int = 0
     # reduced precision: bytes of one logit in the model's dtype (0: float32, in LOGIT_COPIES)
     model_logit_bytes: int = 0
+    # tokens drafted per step (openbook/rag/drafting.py): a drafted step has the logits of
+    # 1 + draft_tokens positions per decoding row
+    draft_tokens: int = 0
 
     def batch_bytes(self, shapes: Sequence[RequestShape]) -> int:
         """Estimated peak bytes of decoding ``shapes`` as one batch (prompts padded to the
@@ -119,7 +122,7 @@ class MemoryModel:
         decoded = (
             CACHE_COPIES * rows_dec * (context + new + GROWTH_SLOTS) * self.kv_bytes_per_token
             + cross_rows * prompt * self.cross_bytes_per_token
-            + rows_dec * self.vocab * logit_bytes
+            + rows_dec * (1 + self.draft_tokens) * self.vocab * logit_bytes
         )
         # Teacher-forced scoring: a chunk's logits and log-softmax, and its forked cache. At most
         # every decoded hypothesis is scored under every passage of its request.

@@ -4,15 +4,22 @@ Sampling (temperature > 0) draws every token from that same marginal, eq. 2 of t
 p(y_i|x,y_<i) = sum_z p(z|x) p(y_i|x,z,y_<i), transformed by temperature, then top-k, then
 top-p (:mod:`openbook.rag.sampling`); each of the request's samples is one "beam" slot of rows
 ``z * n + j``, decoded independently.
+
+Greedy decoding may be drafted (:mod:`openbook.rag.drafting`): :meth:`RagTokenRows.draft`
+proposes tokens, :meth:`RagTokenRows.advance_drafted` takes the log-probs of the fed draft's
+positions one at a time through :meth:`RagTokenRows.advance`, the undrafted step's own code.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from openbook.rag.backends import Encoded, GeneratorBackend
-from openbook.rag.beam import Finished, SearchSettings, StopFn, new_search
+from openbook.rag.beam import Finished, GreedySearch, SearchSettings, StopFn, new_search
+from openbook.rag.drafting import PassageDrafter
 from openbook.rag.marginalize import token_marginal, token_posteriors
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
@@ -32,6 +39,7 @@ class RagTokenRows:
         settings: SearchSettings,
         stop: StopFn | None,
         generator: torch.Generator | None = None,
+        drafter: PassageDrafter | None = None,
     ) -> None:
         # beams, or independent samples when sampling (rows never move between them)
         k, beams = enc.k, settings.rows_per_item
@@ -44,12 +52,19 @@ class RagTokenRows:
         # per-passage log p(y_i | x, z, y_<i) of the current step, (1, k, beams, V)
         self._current = enc.first_logprobs.view(1, k, 1, vocab).expand(1, k, beams, vocab)
         self.search = new_search(1, settings, device, stop, self._per_passage, generator)
+        self.settings = settings
+        # the request's passages' n-gram index when it drafts (greedy only)
+        self.drafter = drafter if isinstance(self.search, GreedySearch) else None
+        # log p(z|x) + sum_i log p(y_i|x,z,y_<i): the unnormalised posterior p(z|x,y_<=i) of
+        # greedy decoding (draft choice only; provenance comes from the search's payload)
+        self._log_posterior = self.prior[0].clone()
         # transformers' beam search log-softmaxes the already-normalised marginal once more;
         # doing the same keeps scores bit-compatible.
         first = torch.log_softmax(
             token_marginal(enc.first_logprobs.view(1, k, vocab), self.prior), dim=-1
         )
         self.live = self.search.start(first)
+        self._follow_posterior()
 
     def feed(self) -> tuple[Tensor, Tensor | None]:
         """The token of every row (its beam's) and, after beam moves, the rows to reorder to."""
@@ -64,7 +79,45 @@ class RagTokenRows:
         self._current = lp.view(1, self.k, self.beams, self.vocab)
         marginal = torch.log_softmax(token_marginal(self._current, self.prior), dim=-1)
         self.live = self.search.advance(marginal.view(self.beams, self.vocab))
+        self._follow_posterior()
         return self.live
+
+    def draft(self, limit: int) -> list[int]:
+        """Tokens to feed after the decided one (at most ``limit``, and never past the answer's
+        ``max_new_tokens``); empty without a drafter or a match."""
+        if self.drafter is None or not self.live:
+            return []
+        search = self.search
+        if not isinstance(search, GreedySearch):
+            return []
+        seq = search.seq
+        decided = int(seq.shape[1])
+        room = self.settings.max_new_tokens - decided - 1
+        posterior = self._log_posterior.tolist()
+        return self.drafter.propose(seq[0].tolist(), min(limit, room), posterior)
+
+    def advance_drafted(
+        self, lp: Tensor, draft: Sequence[int], on_decided: Callable[[], None] | None = None
+    ) -> int:
+        """lp: (k, 1 + len(draft), V) per-passage log-probs after the decided token and after
+        each drafted one. Advances the search position by position while the token it decides
+        is the drafted one (``on_decided`` after each); returns the positions it consumed, the
+        fed tokens to keep in the cache (the decided one and the accepted drafts)."""
+        used = 0
+        for i in range(len(draft) + 1):
+            self.advance(lp[:, i])
+            used += 1
+            if on_decided is not None:
+                on_decided()
+            if not self.live or i == len(draft) or int(self.search.tokens[0]) != draft[i]:
+                break
+        return used
+
+    def _follow_posterior(self) -> None:
+        if self.drafter is None:
+            return
+        token = int(self.search.tokens[0])
+        self._log_posterior += self._current[0, :, 0, token]
 
     def decided(self) -> tuple[int, Tensor]:
         """Greedy: the token the latest step decided and its per-passage log-probs (k,)."""

@@ -107,6 +107,32 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
     def reorder(self, state: StateT, rows: Tensor) -> None:
         """Row i of ``state`` becomes its row ``rows[i]`` (N,) (beams move within their passage)."""
 
+    def drafts(self) -> bool:
+        """Whether :meth:`step_many` and :meth:`drop_fed` are implemented: the engine may then
+        verify drafted tokens (:mod:`openbook.rag.drafting`) in one forward pass."""
+        return False
+
+    def step_many(self, state: StateT, tokens: Tensor) -> Tensor:
+        """Feed ``tokens`` (N, L), L consecutive tokens per row, in one forward pass ->
+        next-token log-probs (N, L, V) float32, entry [r, i] after tokens[r, : i + 1] (each
+        exactly what :meth:`step` would give fed them one at a time, to float tolerance)."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify drafts")
+
+    def drop_fed(self, state: StateT, fed: int, kept: Tensor) -> None:
+        """After :meth:`step_many` fed ``fed`` tokens per row: row r keeps only the first
+        ``kept[r]`` (N,) (>= 1) of them; the others (rejected drafts) leave its cache, as if
+        they had never been fed."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify drafts")
+
+    def draft_sources(self, question: str, passages: Sequence[Passage]) -> list[list[int]]:
+        """Per passage, the token ids drafts are looked up in (:mod:`openbook.rag.drafting`):
+        by default the passage's title and text as the tokenizer splits them."""
+        out = []
+        for p in passages:
+            text = f"{p.title}\n{p.text}" if p.title else p.text
+            out.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return out
+
     # Whether :meth:`join` accepts states that have decoded different numbers of tokens (the
     # decoding engine then admits new requests into a running batch between steps).
     joins_running: bool = True

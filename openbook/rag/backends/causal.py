@@ -37,6 +37,7 @@ from openbook.rag.cache import (
     append_slots,
     broadcast_rows,
     drop_leading,
+    drop_trailing,
     growing,
     join_rows,
     reorder_self_attention,
@@ -68,7 +69,8 @@ class CausalEncoded(Encoded):
 
 @dataclass
 class CausalDecodeState(DecodeState):
-    """N decoding rows: cache and kv_pos (N, P + L + t) after t answer tokens."""
+    """N decoding rows: cache and kv_pos (N, P + L + t) after t answer tokens (and slots of
+    drafted tokens that some rows rejected and others kept: kv_pos -1, as padding)."""
 
     cache: Cache
     kv_pos: Tensor
@@ -399,18 +401,46 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         return CausalDecodeState(select_rows(enc.cache, rows), enc.kv_pos[rows])
 
     def step(self, state: CausalDecodeState, tokens: Tensor) -> Tensor:
-        q_pos = state.kv_pos[:, -1:] + 1  # (N, 1): right after the last cached token
+        return self.step_many(state, tokens[:, None])[:, 0]
+
+    def drafts(self) -> bool:
+        return True
+
+    def step_many(self, state: CausalDecodeState, tokens: Tensor) -> Tensor:
+        # right after the row's last real token: the max, not the last slot, which is a hole
+        # (kv_pos -1) in a row that kept fewer drafted tokens than another (drop_fed)
+        last = state.kv_pos.amax(dim=1, keepdim=True)
+        q_pos = last + 1 + torch.arange(tokens.shape[1], device=tokens.device)  # (N, L)
         state.kv_pos = torch.cat([state.kv_pos, q_pos], dim=1)
         growing(state.cache)  # append in place, not one copy of the cache per step
         out = self.model(
-            input_ids=tokens[:, None],
+            input_ids=tokens,
             attention_mask=self._mask(state.kv_pos, q_pos),
             position_ids=q_pos,
             past_key_values=state.cache,
             use_cache=True,
         )
         state.cache = out.past_key_values
-        return log_softmax(out.logits[:, -1])
+        return log_softmax(out.logits)
+
+    def drop_fed(self, state: CausalDecodeState, fed: int, kept: Tensor) -> None:
+        """The slots every row rejected leave the cache (its buffer rewound, no copy); the
+        slots only some rows rejected stay as holes: kv_pos -1, masked like padding."""
+        most = int(kept.max())
+        drop_trailing(state.cache, fed - most)
+        kv_pos = state.kv_pos[:, : state.kv_pos.shape[1] - (fed - most)]
+        rejected = (
+            torch.arange(most, device=kv_pos.device)[None, :] >= kept.to(kv_pos.device)[:, None]
+        )
+        if bool(rejected.any()):
+            kv_pos = kv_pos.clone()
+            kv_pos[:, -most:] = kv_pos[:, -most:].masked_fill(rejected, -1)
+        state.kv_pos = kv_pos
+
+    def draft_sources(self, question: str, passages: Sequence[Passage]) -> list[list[int]]:
+        """Each passage's prompt after the prefix (its title, text and the question), as the
+        model reads it: a copied span tokenises as it does there."""
+        return [self.prompt_ids(question, p) for p in passages]
 
     def reorder(self, state: CausalDecodeState, rows: Tensor) -> None:
         # beams stay within their passage, whose rows share kv_pos
