@@ -195,6 +195,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         scheduling: SchedulingOptions | None = None,
         memory_budget_bytes: int | None = None,
         passage_cache_bytes: int | None = None,
+        draft_tokens: int = 0,
         max_request_s: float | None = None,
         metrics: ServiceMetrics | None = None,
         checkpoint_root: Path | None = None,
@@ -206,9 +207,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         hold (:mod:`openbook.rag.memory`); None: unbounded. ``max_request_s``: the longest any
         request is worked on or waited for, whatever deadline its caller sets. ``base_model``:
         the configured model, onto which a checkpoint that holds only an adapter is loaded.
+        ``draft_tokens``: tokens greedy RAG-Token requests draft per step
+        (:mod:`openbook.rag.drafting`), on every model this servicer loads; 0: off.
         ``compute_threads``: how the decoding thread sizes its torch threads
         (:mod:`openbook.compute_threads`); None: torch's default, untouched."""
         self.passage_cache_bytes = passage_cache_bytes
+        self.draft_tokens = draft_tokens
         self.generator = self._configured(generator)
         self.on_model = on_model
         self.metrics = metrics
@@ -387,6 +391,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def _configured(self, generator: RagGenerator) -> RagGenerator:
         if self.passage_cache_bytes is not None:
             generator.backend.set_passage_cache(self.passage_cache_bytes)
+        generator.set_draft_tokens(self.draft_tokens)
         return generator
 
     def _announce(self) -> None:

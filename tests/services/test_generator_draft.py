@@ -1,0 +1,86 @@
+"""OPENBOOK_GENERATOR_DRAFT_TOKENS through the generator service: greedy RAG-Token replies (and
+their streams) are the undrafted library's, token for token, with drafts accepted and
+rejected on the way; other decodings are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook.v1 import common_pb2, generator_pb2
+from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
+from openbook_testkit.stack import generator_service
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("draft") / "gemma3")
+
+
+@pytest.fixture(scope="module")
+def service(model, tmp_path_factory, redis_server):
+    with generator_service(
+        model, tmp_path_factory.mktemp("draft_svc"), redis_server.url, draft_tokens=8
+    ) as (settings, servicer, stub):
+        yield settings, servicer, stub
+
+
+def _request(passages, **options) -> generator_pb2.GenerateRequest:
+    return generator_pb2.GenerateRequest(
+        question=QUESTION,
+        passages=[
+            common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in passages
+        ],
+        options=generator_pb2.DecodingOptions(**options),
+    )
+
+
+def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
+    settings, servicer, stub = service
+    assert settings.draft_tokens == 8 and servicer.generator.draft_tokens == 8
+    plain = RagGenerator.load(model, device="cpu")
+    backend = servicer.generator.backend
+    own = type(backend).draft_sources
+    engines = []
+    original_engine = type(servicer.generator).engine
+
+    def engine(self, *args, **kwargs):  # to read the engines' draft counters
+        made = original_engine(self, *args, **kwargs)
+        engines.append(made)
+        return made
+
+    monkeypatch.setattr(type(servicer.generator), "engine", engine)
+    for seed in range(4):
+        passages = make_passages(3, seed=seed)
+        options = dict(max_new_tokens=12)
+        want = plain.generate(QUESTION, passages, DecodingOptions(**options)).hypotheses[0]
+        answer = list(want.token_ids)
+        wrong = answer[:4] + [(t + 5) % 250 + 3 for t in answer[4:]]
+        # the passages hold the answer (as the model's token ids), or a wrong one
+        copied = answer if seed % 2 == 0 else wrong
+        monkeypatch.setattr(
+            backend, "draft_sources", lambda q, ps, c=copied: [i + c for i in own(backend, q, ps)]
+        )
+        reply = stub.Generate(_request(passages, **options), timeout=60)
+        got = reply.hypotheses[0]
+        assert got.text == want.text
+        assert got.num_tokens == len(answer)
+        assert [t.token for t in got.tokens] == want.tokens
+        assert got.log_prob == pytest.approx(want.log_prob, rel=1e-5, abs=1e-4)
+        for token, posterior in zip(got.tokens, want.token_doc_posteriors, strict=True):
+            assert list(token.doc_posterior) == pytest.approx(posterior, abs=1e-4)
+        events = list(stub.GenerateStream(_request(passages, **options), timeout=60))
+        streamed = [e.token.token_id for e in events if e.WhichOneof("event") == "token"]
+        assert streamed == answer
+    drafted = sum(e.drafted_tokens for e in engines)
+    accepted = sum(e.accepted_tokens for e in engines)
+    assert 0 < accepted < drafted
+
+
+def test_beam_search_is_unchanged_with_drafting_on(service, model):
+    _, _, stub = service
+    plain = RagGenerator.load(model, device="cpu")
+    passages = make_passages(2, seed=9)
+    want = plain.generate(QUESTION, passages, DecodingOptions(num_beams=2, max_new_tokens=6))
+    reply = stub.Generate(_request(passages, num_beams=2, max_new_tokens=6), timeout=60)
+    assert [h.text for h in reply.hypotheses] == [h.text for h in want.hypotheses]
