@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from openbook.errors import OpenbookError
 from openbook.index.build import build_index
 from openbook.index.fusion import Fusion, fit_fusion, read_questions, store_fusion
 from openbook.index.importer import import_embeddings
@@ -19,6 +20,7 @@ from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import SET_MANIFEST, build_slice, read_index_set
 from openbook.index.shard import split_index
 from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
+from openbook.limits import check_index_name
 from openbook.metadata_filter import parse_filter_json
 
 app = typer.Typer(help="Build and inspect indexes", no_args_is_help=True)
@@ -405,6 +407,55 @@ def _views_line(m: Manifest) -> str:
             f" + {f.bm25_weight:.4g}*bm25 over {f.candidates} candidates per view, {how}"
         )
     return line
+
+
+@app.command("to-milvus")
+def to_milvus(
+    path: Annotated[Path, typer.Argument(help="A built index directory")],
+    uri: Annotated[
+        str,
+        typer.Option(
+            envvar="OPENBOOK_MILVUS_URI",
+            help="The Milvus: http(s)://host:port of a server, or a local path ending in .db "
+            "(Milvus Lite, in this process; no retriever may hold it open meanwhile)",
+        ),
+    ],
+    name: Annotated[
+        str, typer.Option(help="The index's name in Milvus (default: the directory's name)")
+    ] = "",
+    index_type: Annotated[
+        IndexType | None,
+        typer.Option(
+            "--type",
+            help="Milvus's index of the vectors: flat, hnsw or hnsw-sq8 (default: "
+            "the source's type)",
+        ),
+    ] = None,
+) -> None:
+    """Copy a built files index into Milvus (OPENBOOK_INDEX_ENGINE=milvus) with its stored
+    vectors, nothing re-encoded: its passages become documents as the files engine adopts a
+    built index, version 0. The index must not exist there yet."""
+    target = name or path.name
+    try:
+        check_index_name("--name", target)
+        # why: pymilvus (and Milvus Lite) stay out of every other `openbook index` command
+        from openbook.index.milvus_engine import MilvusEngine
+
+        with open_index(path, verify=True, name=target) as source:
+            engine = MilvusEngine(uri)
+            try:
+                copied = engine.copy_index(
+                    target, source, index_type=index_type.value if index_type else None
+                )
+                count, m = len(copied), copied.manifest
+            finally:
+                engine.close()
+    except (IndexLoadError, OpenbookError, OSError) as e:
+        raise _fail(str(e)) from None
+    typer.echo(
+        f"copied {count} passages of {path} into Milvus at {uri} as {target!r} "
+        f"({m.index_type}, dim {m.dim}, views: {', '.join(m.views)})"
+    )
 
 
 @app.command()

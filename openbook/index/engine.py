@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from openbook.errors import InvalidArgument
 
@@ -231,6 +231,30 @@ class DocumentIndex(SearchableIndex, Protocol):
         ...
 
 
+# What a class must offer, beyond a SearchableIndex, to take documents (DocumentIndex).
+_DOCUMENT_MEMBERS = (
+    "version",
+    "catch_up",
+    "get",
+    "list",
+    "passage_pages",
+    "put",
+    "put_many",
+    "delete",
+)
+
+
+def as_document_index(index: SearchableIndex) -> DocumentIndex | None:
+    """``index`` as a :class:`DocumentIndex` when its class offers the documents API (a files
+    live index, a Milvus index), else None (a built files index: read-only until adopted).
+    Looks at the class only: a runtime-checkable Protocol's ``isinstance`` would evaluate
+    every property (a query encoder loaded, a count read) on Python 3.11."""
+    cls = type(index)
+    if all(hasattr(cls, member) for member in _DOCUMENT_MEMBERS):
+        return cast("DocumentIndex", index)
+    return None
+
+
 __all__ = [
     "DocumentIndex",
     "EngineKind",
@@ -238,6 +262,7 @@ __all__ = [
     "RetrievalMode",
     "SearchableIndex",
     "View",
+    "as_document_index",
     "check_milvus_uri",
     "check_retrieval",
 ]

@@ -31,15 +31,22 @@ brackets and keywords. Document ids, the one user string an expression compares
 Invariants: ``version`` grows by one per acknowledged write; a search returns passages by
 ``score_scale`` x inner product, best first, as the files engine's flat index does.
 
+Errors. Every call to Milvus goes through :class:`GuardedClient`: a Milvus that cannot be
+reached (down, restarting, refusing connections) raises :class:`~openbook.errors.Unavailable`
+and one past its deadline :class:`~openbook.errors.DeadlineExceeded`, each naming the URI, so
+a service answers UNAVAILABLE / DEADLINE_EXCEEDED (the gateway's 503 / 504), never INTERNAL;
+the client reconnects by itself once Milvus is back.
+
 What this slice does not do yet (issue 41): a BM25 view and hybrid retrieval on Milvus (the
 manifest's views are ``["dense"]``), atomic writes across replicas (the version is read and
 raised by one writer per process; Milvus has no transactions, so a write that fails half way
-can leave some of its passages), UNAVAILABLE mapping of a Milvus that is down.
+can leave some of its passages).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -47,10 +54,19 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
-from pymilvus import DataType, MilvusClient
+from pymilvus import DataType, MilvusClient, MilvusException
+from pymilvus.client.types import Status
 
-from openbook.errors import AlreadyExists, InvalidArgument, NotFound
+from openbook.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    OpenbookError,
+    Unavailable,
+)
 from openbook.index.document_store import StoredDocument
 from openbook.index.documents import (
     Document,
@@ -189,13 +205,80 @@ def milvus_manifest(manifest: Manifest) -> Manifest:
     )
 
 
+def unreachable(exc: BaseException, uri: str) -> OpenbookError | None:
+    """What ``exc``, raised by a Milvus call, is to a caller when it says Milvus could not be
+    reached (:class:`Unavailable`) or did not answer in time (:class:`DeadlineExceeded`);
+    None for any other error (a bug, or a schema problem: it stays what it is)."""
+    if isinstance(exc, grpc.RpcError):
+        code: Any = exc.code()
+    elif isinstance(exc, MilvusException):
+        code = exc.code
+    else:
+        return None
+    if code == Status.CONNECT_FAILED or code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"the index engine (Milvus at {uri}) is unavailable: retry later")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"the index engine (Milvus at {uri}) did not answer in time")
+    return None
+
+
+# Milvus's CollectionNotLoaded: a Milvus (Lite) started afresh holds its collections released.
+_COLLECTION_NOT_LOADED = 101
+
+
+class GuardedClient:
+    """A ``MilvusClient`` whose calls raise openbook's errors where Milvus is down or slow
+    (:func:`unreachable`, module docstring); anything else passes through unchanged. A call
+    on a collection Milvus holds released (a Milvus Lite restarted, or opened afresh by
+    another process) loads it and is made again, once."""
+
+    def __init__(self, client: MilvusClient, uri: str) -> None:
+        self._client = client
+        self._uri = uri
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        @functools.wraps(attribute)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return self._translated(attribute, *args, **kwargs)
+            except MilvusException as exc:
+                collection = args[0] if args else kwargs.get("collection_name")
+                if exc.code != _COLLECTION_NOT_LOADED or not isinstance(collection, str):
+                    raise
+            self._translated(self._client.load_collection, collection)
+            return self._translated(attribute, *args, **kwargs)
+
+        return call
+
+    def _translated(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except (MilvusException, grpc.RpcError) as exc:
+            mapped = unreachable(exc, self._uri)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+
 class MilvusEngine:
-    """A connection to one Milvus (module docstring); thread-safe."""
+    """A connection to one Milvus (module docstring); thread-safe. Opening it reaches Milvus
+    (:class:`Unavailable` when it cannot)."""
 
     def __init__(self, uri: str, *, token: str = "", timeout_s: float | None = 30.0) -> None:
         check_milvus_uri(uri)
         self.uri = uri
-        self.client = MilvusClient(uri=uri, token=token, timeout=timeout_s)
+        try:
+            client = MilvusClient(uri=uri, token=token, timeout=timeout_s)
+        except (MilvusException, grpc.RpcError) as exc:
+            mapped = unreachable(exc, uri)
+            if mapped is None:
+                raise
+            raise mapped from exc
+        self.client: Any = GuardedClient(client, uri)
         self._lock = threading.Lock()
         if not self.client.has_collection(META_COLLECTION):
             schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
@@ -273,6 +356,14 @@ class MilvusEngine:
         )
         return dict(rows[0]) if rows else None
 
+    def describe(self, name: str) -> tuple[Manifest, int] | None:
+        """Index ``name``'s manifest and version as every replica reads them; None if this
+        Milvus holds no such index. Opens nothing (a listing reads it)."""
+        meta = self._meta(name)
+        if meta is None:
+            return None
+        return Manifest(**json.loads(meta["manifest"])), int(meta["version"])
+
     def open(self, name: str) -> MilvusIndex:
         """The index ``name``; NotFound if this Milvus holds none, IndexLoadError if its
         collections do not match its manifest (as a corrupt files index is refused)."""
@@ -305,14 +396,24 @@ class MilvusEngine:
             self.client.delete(META_COLLECTION, filter=f"name == {milvus_string(name)}")
 
     def copy_index(
-        self, name: str, source: LoadedIndex, *, batch: int = _WRITE_BATCH
+        self,
+        name: str,
+        source: LoadedIndex,
+        *,
+        batch: int = _WRITE_BATCH,
+        index_type: str | None = None,
     ) -> MilvusIndex:
         """A new index ``name`` holding the built files index ``source``'s passages with their
         stored vectors (nothing re-encoded), each a passage of the document its id names
-        (``built_document_id``, as the files engine adopts a built index), version 0."""
+        (``built_document_id``, as the files engine adopts a built index), version 0.
+        ``index_type``: the Milvus index of the vectors (``flat``, ``hnsw``, ``hnsw-sq8``;
+        None: the source's type, refused if Milvus does not offer it here)."""
         if not source.dense:
             raise InvalidArgument(f"index {source.name!r} is bm25: the milvus engine is dense")
-        index = self.create(name, source.manifest)
+        manifest = source.manifest
+        if index_type is not None:
+            manifest = dataclasses.replace(manifest, index_type=index_type)
+        index = self.create(name, manifest)
         docs: dict[str, list[Passage]] = {}
         for start in range(0, len(source), batch):
             rows = range(start, min(start + batch, len(source)))

@@ -1,16 +1,18 @@
 """OPENBOOK_INDEX_ENGINE and OPENBOOK_MILVUS_URI (issue 41): read and checked by the retriever's
-settings, and a retriever asked for an engine it does not serve yet refuses to start instead of
-serving (and writing) files."""
+settings, and the retriever opens the registry of the engine asked for (serving from Milvus:
+tests/services/test_milvus_serving.py)."""
 
 from __future__ import annotations
 
-import threading
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from openbook.index.engine import EngineKind
-from openbook_retriever.server import load
+from openbook_retriever.milvus_registry import MilvusRegistry
+from openbook_retriever.registry import IndexRegistry
+from openbook_retriever.server import open_registry
 from openbook_retriever.settings import RetrieverSettings
 
 
@@ -32,8 +34,14 @@ def test_the_engine_settings_are_read_and_checked(monkeypatch: pytest.MonkeyPatc
         RetrieverSettings()
 
 
-def test_a_retriever_refuses_an_engine_it_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_retriever_opens_the_configured_engine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("OPENBOOK_INDEX_ENGINE", raising=False)
+    files = open_registry(RetrieverSettings(index_root=tmp_path / "indexes"))
+    assert isinstance(files, IndexRegistry)
     monkeypatch.setenv("OPENBOOK_INDEX_ENGINE", "milvus")
-    monkeypatch.setenv("OPENBOOK_MILVUS_URI", "var/milvus.db")
-    with pytest.raises(RuntimeError, match="^OPENBOOK_INDEX_ENGINE=milvus: the retriever serves"):
-        load(RetrieverSettings(), None, threading.Event())
+    monkeypatch.setenv("OPENBOOK_MILVUS_URI", str(tmp_path / "milvus.db"))
+    milvus = open_registry(RetrieverSettings(index_root=tmp_path / "indexes"))
+    assert isinstance(milvus, MilvusRegistry) and milvus.available() == []
+    assert not (tmp_path / "indexes").exists()  # the engine holds the indexes

@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 
+from openbook.index.engine import DocumentIndex
 from openbook.index.live import LiveIndex
-from openbook_retriever.registry import IndexRegistry
+from openbook_retriever.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 class BackgroundCompactor:
-    def __init__(self, registry: IndexRegistry, threshold_passages: int) -> None:
+    def __init__(self, registry: Registry, threshold_passages: int) -> None:
         self.registry = registry
         self.threshold_passages = threshold_passages
         self._lock = threading.Lock()
@@ -32,9 +33,10 @@ class BackgroundCompactor:
     def due(self, live: LiveIndex) -> bool:
         return max(live.segment_size, live.hidden_size) >= self.threshold_passages
 
-    def after_write(self, name: str, live: LiveIndex) -> None:
-        """Start compacting ``name`` in the background if it is due and not compacting."""
-        if not self.due(live):
+    def after_write(self, name: str, live: DocumentIndex) -> None:
+        """Start compacting ``name`` in the background if it is due and not compacting. Only
+        a files live index compacts here: another engine (Milvus) compacts its own storage."""
+        if not isinstance(live, LiveIndex) or not self.due(live):
             return
         with self._lock:
             if name in self._running:
@@ -48,6 +50,7 @@ class BackgroundCompactor:
     def _compact(self, name: str) -> None:
         try:
             with self.registry.writer(name) as live:
+                assert isinstance(live, LiveIndex)  # after_write starts only these
                 result = live.compact()
             if result is not None:
                 log.info(

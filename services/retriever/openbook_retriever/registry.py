@@ -32,6 +32,9 @@ write through any replica succeeds and versions never collide. Before every requ
 index, the lease brings it up to the disk (``LiveIndex.catch_up``: a few ``stat`` calls when
 nothing changed, else the log's new records), so a request that starts after a write was
 acknowledged by any replica sees it.
+
+:class:`Registry` declares what the servicer asks of a registry, whichever engine holds the
+indexes: :class:`IndexRegistry` here (files), ``milvus_registry.MilvusRegistry`` (Milvus).
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from openbook.errors import (
     AlreadyExists,
@@ -63,6 +67,7 @@ from openbook.index import (
     read_index_manifest,
 )
 from openbook.index.empty_base import TEMPLATE_FILE
+from openbook.index.engine import DocumentIndex, SearchableIndex
 from openbook.index.live import LiveIndex, LiveOptions, disk_stamp, is_live_index, newest_base
 from openbook.limits import check_index_name
 
@@ -93,6 +98,51 @@ class IndexStatus:
 
 # What the registry serves: a built index as it was built, or a live one (module docstring).
 ServedIndex = LoadedIndex | LiveIndex
+
+
+class Registry(Protocol):
+    """The indexes a retriever serves, whichever engine holds them (module docstring): what
+    the servicer, the server and the compactor use, and all they use."""
+
+    active: str | None
+    # Called with an index before it becomes active; raising refuses the swap.
+    before_activate: Callable[[SearchableIndex], None] | None
+
+    def available(self) -> list[str]:
+        """The indexes that can be named, sorted."""
+        ...
+
+    def vanished(self) -> list[str]:
+        """The indexes removed out of band since the last call (the first call only looks)."""
+        ...
+
+    def status(self, name: str) -> IndexStatus: ...
+
+    def manifest(self, name: str) -> Manifest: ...
+
+    def live_state(self, name: str) -> tuple[int, int] | None:
+        """(version, passages) of ``name`` where known without loading a files index."""
+        ...
+
+    def is_loaded(self, name: str) -> bool: ...
+
+    def swap(self, name: str) -> tuple[str | None, SearchableIndex]: ...
+
+    def lease(self, name: str | None = None) -> AbstractContextManager[SearchableIndex]:
+        """Hold ``name`` (default: the active index) for one request, caught up with every
+        write acknowledged anywhere."""
+        ...
+
+    def writer(self, name: str) -> AbstractContextManager[DocumentIndex]:
+        """Hold ``name`` for one write."""
+        ...
+
+    def create(self, name: str, template: Manifest) -> None: ...
+
+    def delete(self, name: str) -> None: ...
+
+    def close(self) -> None: ...
+
 
 _ADOPTING = ".{}.adopting"  # a built index's live copy, being made (adoption)
 _RETIRED = ".{}.retired-"  # a directory renamed away (adopted or deleted), removed when unused
@@ -134,7 +184,7 @@ class IndexRegistry:
         self.recover()
         # Called with a loaded index before it becomes active; raising refuses the swap (the
         # retriever checks that some query encoder pairs with the index).
-        self.before_activate: Callable[[ServedIndex], None] | None = None
+        self.before_activate: Callable[[SearchableIndex], None] | None = None
 
     def recover(self) -> None:
         """Finish what a crash interrupted: an adoption renamed halfway (its built directory
@@ -617,3 +667,7 @@ def _described(exc: BaseException) -> str:
     if isinstance(exc, IndexLoadError | InvalidArgument):
         return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# Conformance, checked by mypy.
+FILES_REGISTRY: type[Registry] = IndexRegistry

@@ -32,7 +32,7 @@ from openbook.shared_state import (
 )
 from openbook.v1 import retriever_pb2_grpc
 from openbook_retriever.documents import NewIndexDefaults
-from openbook_retriever.registry import IndexRegistry
+from openbook_retriever.registry import IndexRegistry, Registry
 from openbook_retriever.servicer import RetrieverServicer
 from openbook_retriever.settings import RetrieverSettings
 
@@ -80,20 +80,28 @@ def bind(settings: RetrieverSettings) -> tuple[GrpcService, DeferredServicer]:
     )
 
 
+def open_registry(settings: RetrieverSettings) -> Registry:
+    """The indexes of the configured engine (``OPENBOOK_INDEX_ENGINE``): directories under the
+    index root, or the collections of the Milvus at ``OPENBOOK_MILVUS_URI`` (a local ``.db``
+    path starts Milvus Lite in this process). A Milvus that cannot be reached at start is
+    :class:`~openbook.errors.Unavailable`: the retriever does not start serving without it."""
+    if settings.index_engine is EngineKind.FILES:
+        return IndexRegistry(settings.index_root, max_loaded=settings.max_loaded_indexes)
+    # why: pymilvus (and Milvus Lite) stay out of a retriever serving the files engine
+    from openbook.index.milvus_engine import MilvusEngine
+    from openbook_retriever.milvus_registry import MilvusRegistry
+
+    engine = MilvusEngine(settings.milvus_uri)
+    log.info("serving the indexes of Milvus at %s", settings.milvus_uri)
+    return MilvusRegistry(engine, max_loaded=settings.max_loaded_indexes)
+
+
 def load(
     settings: RetrieverSettings, metrics: ServiceMetrics | None, stop: threading.Event
 ) -> RetrieverServicer:
     """Load the initial index, encoder and checkpoint (the slow part); follow the shared
     active index until ``stop`` is set."""
-    if settings.index_engine is not EngineKind.FILES:
-        # The registry and servicer hold files indexes only: serving files while the
-        # operator asked for Milvus would write documents where no other replica reads them.
-        raise RuntimeError(
-            f"OPENBOOK_INDEX_ENGINE={settings.index_engine}: the retriever serves the files "
-            "engine only so far (issue 41); openbook.index.milvus_engine holds indexes in "
-            "Milvus for the library and the tests"
-        )
-    registry = IndexRegistry(settings.index_root, max_loaded=settings.max_loaded_indexes)
+    registry = open_registry(settings)
     shared = ActiveIndexStore(
         redis_client(settings.redis_options()), load_sealer(settings.server_key_file)
     )
@@ -124,7 +132,12 @@ def load(
         except Exception as exc:  # noqa: BLE001 - serve admin calls so a good index can be swapped in
             log.error("cannot load initial index %r: %s", initial, exc)
     else:
-        log.warning("no index under %s yet: build one, then swap to it", settings.index_root)
+        where = (
+            settings.index_root
+            if settings.index_engine is EngineKind.FILES
+            else f"Milvus at {settings.milvus_uri}"
+        )
+        log.warning("no index in %s yet: build or copy one, then swap to it", where)
 
     if settings.load_latest_checkpoint:
         try:

@@ -40,7 +40,8 @@ from openbook.index.built_documents import built_document, built_document_page
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.empty_base import template_for, template_of
 from openbook.index.encoders import DEFAULT_ENCODER, load_encoder
-from openbook.index.live import LiveIndex
+from openbook.index.engine import DocumentIndex, SearchableIndex, as_document_index
+from openbook.index.loaded import LoadedIndex
 from openbook.index.pairing import (
     QueryEncoderOverride,
     checkpoint_override,
@@ -77,7 +78,7 @@ from openbook_retriever.documents import (
     validate_list_documents,
     validate_put_documents,
 )
-from openbook_retriever.registry import IndexRegistry, ServedIndex
+from openbook_retriever.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def validate_embed(
     return queries, index
 
 
-def retrieval_for(valid: ValidRetrieveRequest, index: ServedIndex) -> str:
+def retrieval_for(valid: ValidRetrieveRequest, index: SearchableIndex) -> str:
     """The retrieval mode that serves ``valid`` on ``index``: the request's, else the index's
     default; :class:`InvalidArgument` naming ``retrieval`` (or ``return_vectors``) when the index
     cannot serve it as asked. Checked here, before the batch: the index's own ValueError for a
@@ -167,7 +168,7 @@ class PairingError(FailedPrecondition, ValueError):
 class _Search:
     """One Retrieve call waiting to be batched."""
 
-    index: ServedIndex
+    index: SearchableIndex
     encoder: Encoder | None  # None: the index's own query encoder (or none: bm25)
     queries: list[str]
     k: int
@@ -256,7 +257,7 @@ def retrieval_span_attributes(k: int, index: str, retrieval: str) -> dict[str, s
 class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def __init__(
         self,
-        registry: IndexRegistry,
+        registry: Registry,
         shared: ActiveIndexStore | None = None,
         query_encoder: Encoder | None = None,
         metrics: ServiceMetrics | None = None,
@@ -336,7 +337,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             return self.encoder_version
         return self.query_encoder.name if self.query_encoder is not None else "index-default"
 
-    def _pairing(self, index: ServedIndex) -> tuple[Encoder | None, str]:
+    def _pairing(self, index: SearchableIndex) -> tuple[Encoder | None, str]:
         """The encoder to search ``index`` with (None: its own, or bm25) and the model
         version that names it: the override only where it pairs with the index."""
         override = self.override
@@ -346,7 +347,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             return override.encoder, override.version
         return None, "index-default"
 
-    def _check_pairing(self, index: ServedIndex) -> None:
+    def _check_pairing(self, index: SearchableIndex) -> None:
         """Refuse to activate a dense index that neither the override pairs with nor its own
         query encoder can search (the registry's ``before_activate``)."""
         if not index.dense:
@@ -381,7 +382,8 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                 valid.where,
             )
             # Read before the search: every write acknowledged by then is in its results.
-            version = index.version if isinstance(index, LiveIndex) else 0
+            documents = as_document_index(index)
+            version = documents.version if documents is not None else 0
             # the GenAI retrieval span (a child of the RPC's server span, with tracing on)
             with telemetry.span(
                 f"retrieval {index.name}", retrieval_span_attributes(valid.k, index.name, retrieval)
@@ -392,8 +394,8 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             # A passage of an uploaded PDF names its page (the citation's), from its
             # document's metadata: one metadata read for the request's passages.
             pages: dict[str, int] = {}
-            if isinstance(index, LiveIndex):
-                pages = index.passage_pages(p.id for passages in results for p in passages)
+            if documents is not None:
+                pages = documents.passage_pages(p.id for passages in results for p in passages)
         self._record_version(name, version)
         return retriever_pb2.RetrieveResponse(
             results=[
@@ -439,7 +441,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             model_version=model_version,
         )
 
-    def _search(self, index: ServedIndex, queries: list[str], k: int, vectors: bool):
+    def _search(self, index: SearchableIndex, queries: list[str], k: int, vectors: bool):
         """Search ``index`` through the batch thread, as a request would (the warm-up: so that
         the thread that will encode has its kernels warm and its compute threads sized)."""
         encoder, _ = self._pairing(index)
@@ -600,7 +602,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         if self.metrics is not None:
             self.metrics.set_index_version(index, version)
 
-    def _acknowledge(self, index: str, live: LiveIndex, version: int) -> None:
+    def _acknowledge(self, index: str, live: DocumentIndex, version: int) -> None:
         """After a write is durable: the metric, and the version in Redis, where every gateway
         keys its cached answers by it (so none outlives this write). A shard publishes under
         its own label; the gateway sums an index's shards."""
@@ -633,19 +635,23 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def GetDocument(self, request, context):
         ref = validate_document_ref(request)
         with self.registry.lease(ref.index) as index:
-            if isinstance(index, LiveIndex):
-                stored = index.get(ref.id)
+            documents = as_document_index(index)
+            if documents is not None:
+                stored = documents.get(ref.id)
             else:  # a built index: its passages grouped as its adoption would group them
+                assert isinstance(index, LoadedIndex)
                 stored = built_document(index, ref.id)
         return document_to_proto(stored)
 
     def ListDocuments(self, request, context):
         valid = validate_list_documents(request)
         with self.registry.lease(valid.index) as index:
-            if isinstance(index, LiveIndex):
-                version = index.version  # before the page: it holds at least this version
-                page = index.list(valid.cursor, valid.limit)
-            else:
+            documents = as_document_index(index)
+            if documents is not None:
+                version = documents.version  # before the page: it holds at least this version
+                page = documents.list(valid.cursor, valid.limit)
+            else:  # a built index
+                assert isinstance(index, LoadedIndex)
                 version, page = 0, built_document_page(index, valid.cursor, valid.limit)
         return retriever_pb2.ListDocumentsResponse(
             ids=list(page.ids), next_cursor=page.next_cursor or "", version=version

@@ -45,8 +45,8 @@ class RetrieverSettings(GrpcServiceSettings):
     new_index_encoder: str = DEFAULT_ENCODER
     new_index_type: str = "flat"
     # Where indexes live (issue 41, openbook/index/engine.py): "files", directories under
-    # index_root; "milvus", collections in the Milvus at milvus_uri (milvus_engine.py), which
-    # the retriever does not serve yet: it refuses to start with it rather than serve files.
+    # index_root; "milvus", collections in the Milvus at milvus_uri (milvus_engine.py, served
+    # by milvus_registry.py; index_root is then unused).
     index_engine: EngineKind = shared(EngineKind.FILES, "OPENBOOK_INDEX_ENGINE")
     # A Milvus server (http(s)://host:port: a cluster, or `milvus-lite server`) or a local
     # path ending in .db, opened as Milvus Lite in this process.
