@@ -24,6 +24,11 @@ class TrainerSettings(CommonSettings):
     # What `demo prepare` (the init step) prepares: "indexes,models", "indexes", "models" or
     # "none".
     prepare: str = "indexes,models"
+    # Which demo indexes `demo prepare` builds: comma-separated names, "" for all of them. The
+    # init step builds the one the retriever serves first (the stack answers as soon as it and
+    # the model are ready); init-more builds the rest while the stack serves. A name that is
+    # no demo index (a deployment serving its own) prepares nothing.
+    prepare_indexes: str = ""
     # torch/OpenMP threads of training (openbook/compute_threads.py). 0: sized to the CPU the
     # process gets, shared by torchrun's processes on the node; an explicit OMP_NUM_THREADS
     # also fixes it (torchrun sets OMP_NUM_THREADS=1 itself when it starts several processes
@@ -43,3 +48,8 @@ class TrainerSettings(CommonSettings):
 
     def prepares(self, part: str) -> bool:
         return part in {p.strip() for p in self.prepare.split(",")}
+
+    def index_names(self) -> list[str] | None:
+        """The demo indexes to prepare (``prepare_indexes``): None for all."""
+        names = [n.strip() for n in self.prepare_indexes.split(",") if n.strip()]
+        return names or None

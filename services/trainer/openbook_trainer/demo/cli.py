@@ -14,7 +14,7 @@ import typer
 from pydantic import ValidationError
 
 from openbook.index.encoders import DEFAULT_ENCODER, encoder_weights_dir
-from openbook_trainer.demo.data import default_data_dir
+from openbook_trainer.demo.data import DEMO_SNAPSHOTS, default_data_dir
 from openbook_trainer.settings import TrainerSettings
 
 app = typer.Typer(help="Offline demo data, indexes and default models.", no_args_is_help=True)
@@ -70,7 +70,13 @@ def prepare(
     did: list[str] = []
 
     if not skip_indexes:
-        built = prepare_demo_indexes(index_root, data_dir, progress=True)
+        names = settings.index_names()
+        if names is not None:
+            known = {s.name for s in DEMO_SNAPSHOTS}
+            if other := [n for n in names if n not in known]:
+                typer.echo(f"not demo indexes, left to their owner: {', '.join(other)}", err=True)
+            names = [n for n in names if n in known]
+        built = prepare_demo_indexes(index_root, data_dir, progress=True, names=names)
         did += [f"index {name}" for name in built]
     if not skip_models:
         model_dir = models_dir / DEFAULT_MODEL_DIRNAME
