@@ -9,17 +9,17 @@ What replicas agree on through Redis, and who writes / reads it:
 - the desired model (hash ``DESIRED_MODEL_KEY``: ``id``, ``checkpoint``, ``at`` and, once a
   replica pinned it, ``resolved``; announced on ``MODEL_RELOAD_CHANNEL``): written by the
   gateway's ``POST /admin/reload-model``, followed by every retriever and generator replica;
-- each replica's state (JSON under ``replica_key(service, replica)``, with a TTL): written by
-  the replica, listed by the gateway;
-- each index's version (sorted set ``INDEX_VERSIONS_KEY``: member ``index_version_member(index,
-  shard)``, score the version; only ever raised): written by the retriever that acknowledged a
-  document write (:func:`openbook.shared_state.publish_index_version`), read by the gateway
-  (part of the answer-cache key);
-- each index name's epoch (hash ``INDEX_EPOCHS_KEY``: index -> count of its deletions): raised
-  by the gateway that deleted an index, or by a retriever that found an index's directory
-  removed or replaced out of band (:func:`openbook.shared_state.index_vanished`), read by
-  every gateway (part of the answer-cache key, so
-  a new index of a deleted one's name never serves the old one's answers);
+- each replica's state (sealed JSON under ``replica_key(service, replica)``, with a TTL):
+  written by the replica, listed and waited on by the gateway (a record not sealed for its key
+  is no replica);
+- each index's state (hash ``INDEX_STATE_KEY``: index -> sealed :class:`IndexState`, a random
+  epoch and each shard's version; versions only ever raised): written by the retriever that
+  acknowledged a document write or serves the index
+  (:func:`openbook.shared_state.publish_index_version`), made afresh (a new epoch) by the
+  gateway that deleted an index or a retriever that found an index's directory removed or
+  replaced out of band (:func:`openbook.shared_state.index_vanished`), read by every gateway
+  (part of the answer-cache key, so a new index of a deleted one's name never serves the old
+  one's answers);
 - cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's;
 - stored responses (sealed, under ``response_key(response_id)``, with a TTL): the conversation
   state a ``/v1/responses`` call's ``previous_response_id`` continues, the gateway's.
@@ -28,14 +28,16 @@ Invariants: this module does no I/O and imports no Redis client; the sync half
 (:mod:`openbook.shared_state`, the services) and the async half
 (:mod:`openbook.shared_state_aio`, the gateway) execute these over their clients, so changing
 a key or an encoding is a change here only. Values whose trust matters (the active index, the
-answers, the stored responses) are sealed (:mod:`openbook.sealing`) bound to their key:
-opening anything not sealed with the server key gives ``None``, read as absent.
+index states, the replicas' states, the answers, the stored responses) are sealed
+(:mod:`openbook.sealing`) bound to their key: opening anything not sealed with the server key
+gives ``None``, read as absent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
@@ -121,59 +123,122 @@ class ReplicaState(TypedDict):
     updated: float  # time.time() of this state
 
 
-def encode_replica_state(state: ReplicaState) -> str:
-    return json.dumps(state)
+def encode_replica_state(sealer: Sealer, key: str, state: ReplicaState) -> str:
+    """``state`` as stored under ``key`` (its :func:`replica_key`; sealed: bound to it)."""
+    return sealer.seal(key, json.dumps(state))
 
 
-def decode_replica_state(raw: str | bytes | None) -> dict[str, Any] | None:
-    """A replica's state as stored; None if absent or not a JSON object. Not sealed: a
-    listing to show and wait on, never a source of what to load."""
-    if raw is None:
+_REPLICA_STR_FIELDS = ("service", "replica", "version", "state", "request", "checkpoint", "error")
+
+
+def decode_replica_state(sealer: Sealer, key: str, raw: str | bytes | None) -> ReplicaState | None:
+    """The replica's state stored under ``key`` as ``raw``; None if absent, not sealed with the
+    server key for that key, or not a state of the replica the key names. A forged record is
+    no replica: never listed, never waited on."""
+    payload = sealer.open(key, raw)
+    if not payload:
         return None
     try:
-        state = json.loads(raw)
+        state = json.loads(payload)
     except ValueError:
         return None
-    return state if isinstance(state, dict) else None
+    if not (
+        isinstance(state, dict)
+        and all(isinstance(state.get(name), str) for name in _REPLICA_STR_FIELDS)
+        and state["state"] in (CONVERGED, FAILED, LOADING)
+        and isinstance(state.get("updated"), int | float)
+        and key == replica_key(state["service"], state["replica"])
+    ):
+        return None
+    return ReplicaState(
+        service=state["service"],
+        replica=state["replica"],
+        version=state["version"],
+        state=state["state"],
+        request=state["request"],
+        checkpoint=state["checkpoint"],
+        error=state["error"],
+        updated=float(state["updated"]),
+    )
 
 
-# --- each index's version -------------------------------------------------------------------
+# --- each index's state: its epoch and version ----------------------------------------------
 #
 # An index's version grows by one with every acknowledged document write. The gateway looks a
 # cached answer up before it retrieves, so it must know the version then: the retriever that
 # acknowledged a write publishes it here, and the answer-cache key holds it, so no cached answer
-# outlives the knowledge it came from. A sorted set, so a publish is one ``ZADD GT`` (only ever
-# raising a version: two writers publishing out of order cannot move it back; scripts are not
-# in the ACL). A sharded index's shards publish each under their own member; its version is
-# the sum of theirs (every write lands in one shard and raises it by one).
+# outlives the knowledge it came from. A sharded index's shards publish each under their own
+# label; its version is the sum of theirs (every write lands in one shard and raises it by one).
+#
+# One sealed record per index name (hash ``INDEX_STATE_KEY``: index -> sealed
+# :class:`IndexState`), bound to the index's name: its ``epoch``, a random token made afresh
+# whenever the record is made (the index deleted, its directory replaced out of band, or the
+# record gone or not genuine), and its shards' versions under that epoch. The answer-cache key
+# holds both. A record that is absent or not sealed with the server key is no state at all:
+# the gateway neither looks answers up nor stores them for that index until a retriever
+# writes a new record, under a new epoch, which no cached answer was ever keyed by. So an
+# insider's forged, lowered or deleted version or epoch can only cause misses. Writers raise
+# a shard's version only (compare-and-set over ``WATCH``; scripts are not in the ACL).
 
-INDEX_VERSIONS_KEY = "openbook:index-versions"
-# Separates an index's name from its shard's label in a member (neither can hold it).
-SHARD_SEPARATOR = "|"
-
-
-def index_version_member(index: str, shard: str = "") -> str:
-    """The member of :data:`INDEX_VERSIONS_KEY` that holds ``index``'s version on ``shard``
-    (``""``: an unsharded index)."""
-    return f"{index}{SHARD_SEPARATOR}{shard}" if shard else index
-
-
-# Hash: index name -> how many times an index of that name was deleted. A new index of a deleted
-# one's name counts its versions from 0 again, so (name, version) alone would meet the old
-# index's cached answers: the epoch tells the two apart.
-INDEX_EPOCHS_KEY = "openbook:index-epochs"
+INDEX_STATE_KEY = "openbook:index-state"
 
 
-def index_version_members(index: str, members: list[str]) -> list[str]:
-    """Those of ``members`` (of :data:`INDEX_VERSIONS_KEY`) that hold ``index``'s versions."""
-    prefix = index + SHARD_SEPARATOR
-    return [member for member in members if member == index or member.startswith(prefix)]
+class IndexState(TypedDict):
+    epoch: str  # random hex, new with every record made afresh
+    versions: dict[str, int]  # shard label ("": unsharded) -> version
 
 
-def index_version_of(index: str, entries: Mapping[str, float]) -> int:
-    """``index``'s version from :data:`INDEX_VERSIONS_KEY`'s ``entries`` (member -> score):
-    the sum over its shards (0 when none published one)."""
-    return int(sum(entries[member] for member in index_version_members(index, list(entries))))
+def index_state_seal_key(index: str) -> str:
+    """What an index's record is sealed for: the hash and the field (a record cannot be moved
+    to another index)."""
+    return f"{INDEX_STATE_KEY}[{index}]"
+
+
+def new_index_state() -> IndexState:
+    return IndexState(epoch=secrets.token_hex(16), versions={})
+
+
+def seal_index_state(sealer: Sealer, index: str, state: IndexState) -> str:
+    return sealer.seal(index_state_seal_key(index), json.dumps(state, sort_keys=True))
+
+
+def open_index_state(sealer: Sealer, index: str, raw: str | bytes | None) -> IndexState | None:
+    """``index``'s state stored as ``raw``; None if absent, not genuine or not a state."""
+    payload = sealer.open(index_state_seal_key(index), raw)
+    if not payload:
+        return None
+    try:
+        state = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(state, dict):
+        return None
+    epoch, versions = state.get("epoch"), state.get("versions")
+    if not (
+        isinstance(epoch, str)
+        and epoch
+        and isinstance(versions, dict)
+        and all(
+            isinstance(shard, str) and type(v) is int and v >= 0 for shard, v in versions.items()
+        )
+    ):
+        return None
+    return IndexState(epoch=epoch, versions=versions)
+
+
+def index_version_of(state: IndexState) -> int:
+    """The index's version: the sum over its shards (0 when none published one)."""
+    return sum(state["versions"].values())
+
+
+def raised_index_state(state: IndexState | None, shard: str, version: int) -> IndexState | None:
+    """``state`` with ``shard`` at ``version`` (a new epoch if ``state`` is None); None when
+    it already holds that version or a later one (nothing to write)."""
+    if state is None:
+        state = new_index_state()
+    elif state["versions"].get(shard, -1) >= version:
+        return None
+    return IndexState(epoch=state["epoch"], versions={**state["versions"], shard: version})
 
 
 # --- cached answers -------------------------------------------------------------------------

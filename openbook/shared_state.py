@@ -28,9 +28,8 @@ from openbook.redis_protocol import (
     CONVERGED,
     DESIRED_MODEL_KEY,
     FAILED,
-    INDEX_EPOCHS_KEY,
+    INDEX_STATE_KEY,
     INDEX_SWAP_CHANNEL,
-    INDEX_VERSIONS_KEY,
     LOADING,
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
@@ -40,11 +39,13 @@ from openbook.redis_protocol import (
     ReplicaState,
     desired_checkpoint,
     encode_replica_state,
-    index_version_member,
-    index_version_members,
+    new_index_state,
     open_active_index,
+    open_index_state,
+    raised_index_state,
     replica_key,
     seal_active_index,
+    seal_index_state,
 )
 from openbook.sealing import Sealer, default_sealer
 from openbook.settings import RedisOptions
@@ -59,31 +60,50 @@ def publish_model_version(client: redis.Redis, service: str, version: str) -> No
         log.warning("redis unavailable, %s version %r not shared: %s", service, version, exc)
 
 
-def publish_index_version(client: redis.Redis, index: str, version: int, shard: str = "") -> None:
-    """Share ``index``'s version (on ``shard``; ``""``: unsharded) after an acknowledged write:
-    the gateway keys cached answers by it. Only ever raised (``ZADD GT``); without Redis there is
-    no answer cache to invalidate, so a failure is logged, never raised."""
+def publish_index_version(
+    client: redis.Redis, index: str, version: int, shard: str = "", sealer: Sealer | None = None
+) -> None:
+    """Share ``index``'s version (on ``shard``; ``""``: unsharded) after an acknowledged write,
+    or as the version a replica serves: the gateway keys cached answers by it. Only ever raised
+    (compare-and-set); a record that is absent or not genuine is made afresh under a new epoch.
+    Without Redis there is no answer cache to invalidate, so a failure is logged, never
+    raised."""
+    sealer = sealer or default_sealer()
     try:
-        client.zadd(INDEX_VERSIONS_KEY, {index_version_member(index, shard): version}, gt=True)
+        for _ in range(_CAS_TRIES):
+            with client.pipeline() as pipe:
+                try:
+                    pipe.watch(INDEX_STATE_KEY)
+                    raw = cast(str | None, pipe.hget(INDEX_STATE_KEY, index))
+                    current = open_index_state(sealer, index, raw)
+                    raised = raised_index_state(current, shard, version)
+                    if raised is None:
+                        return
+                    pipe.multi()
+                    pipe.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, raised))
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue  # another writer came first: read again
+        log.warning("index %r version %d not shared: too many concurrent writers", index, version)
     except redis.RedisError as exc:
         log.warning("redis unavailable, index %r version %d not shared: %s", index, version, exc)
 
 
-def index_vanished(client: redis.Redis, index: str) -> None:
-    """``index``'s directory was removed out of band (not through DeleteIndex): raise its
-    name's epoch and drop its published versions, as the gateway's ``index_deleted`` does for
-    a deletion through the API, so no gateway serves a cached answer from it again. Logged,
-    never raised, without Redis (no cache to invalidate)."""
+# Compare-and-set retries before giving up on sharing a version (writers of one index are few).
+_CAS_TRIES = 16
+
+
+def index_vanished(client: redis.Redis, index: str, sealer: Sealer | None = None) -> None:
+    """``index``'s directory was removed out of band (not through DeleteIndex): make its state
+    afresh (a new epoch, no versions), as the gateway's ``index_deleted`` does for a deletion
+    through the API, so no gateway serves a cached answer from it again. Logged, never raised,
+    without Redis (no cache to invalidate)."""
+    sealer = sealer or default_sealer()
     try:
-        published = cast(list[str], client.zrange(INDEX_VERSIONS_KEY, 0, -1))
-        members = index_version_members(index, [_text(m) for m in published])
-        with client.pipeline(transaction=True) as pipe:
-            pipe.hincrby(INDEX_EPOCHS_KEY, index, 1)
-            if members:
-                pipe.zrem(INDEX_VERSIONS_KEY, *members)
-            pipe.execute()
+        client.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, new_index_state()))
     except redis.RedisError as exc:
-        log.warning("redis unavailable, index %r gone but its epoch not raised: %s", index, exc)
+        log.warning("redis unavailable, index %r gone but its epoch not renewed: %s", index, exc)
 
 
 def _text(value: str | bytes) -> str:
@@ -215,8 +235,10 @@ class ModelFollower:
         poll_s: float = 0.5,
         ttl_s: int = REPLICA_TTL_S,
         on_state: Callable[[ReplicaState], None] | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.client = client
+        self.sealer = sealer or default_sealer()
         self.service = service
         self.replica = replica or new_replica_id()
         self._load, self._resolve, self._version = load, resolve, version
@@ -247,9 +269,8 @@ class ModelFollower:
         state = self.snapshot()
         if self.on_state is not None:
             self.on_state(state)
-        self.client.set(
-            replica_key(self.service, self.replica), encode_replica_state(state), ex=self.ttl_s
-        )
+        key = replica_key(self.service, self.replica)
+        self.client.set(key, encode_replica_state(self.sealer, key, state), ex=self.ttl_s)
 
     # -- following ----------------------------------------------------------------------
     def sync(self) -> bool:

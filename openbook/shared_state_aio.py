@@ -21,22 +21,25 @@ from redis.typing import EncodableT
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
     DESIRED_MODEL_KEY,
-    INDEX_EPOCHS_KEY,
-    INDEX_VERSIONS_KEY,
+    INDEX_STATE_KEY,
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
     REPLICA_KEY_PATTERN,
+    IndexState,
+    ReplicaState,
     StoredConversation,
     decode_replica_state,
     desired_model_record,
-    index_version_members,
     index_version_of,
+    new_index_state,
     open_active_index,
     open_answer,
     open_conversation,
+    open_index_state,
     response_key,
     seal_answer,
     seal_conversation,
+    seal_index_state,
 )
 from openbook.sealing import Sealer
 from openbook.settings import RedisOptions
@@ -54,40 +57,48 @@ class ServingState:
 
     active_index: str | None  # None: unknown, or not genuine
     model_versions: dict[str, str]  # service -> the model version it serves
-    index_versions: dict[str, float]  # INDEX_VERSIONS_KEY: member -> version
-    index_epochs: dict[str, str]  # INDEX_EPOCHS_KEY: index -> deletions of that name
+    index_states: dict[str, str]  # INDEX_STATE_KEY: index -> its sealed state, unopened
+    sealer: Sealer | None = None  # opens index_states (None: nothing was read)
 
-    def index_version(self, index: str) -> int:
-        return index_version_of(index, self.index_versions)
+    def index_state(self, index: str) -> IndexState | None:
+        """``index``'s epoch and versions; None if unknown or not genuine (logged by the
+        sealer, rate-limited)."""
+        raw = self.index_states.get(index)
+        if raw is None or self.sealer is None:
+            return None
+        return open_index_state(self.sealer, index, raw)
 
-    def index_epoch(self, index: str) -> int:
-        raw = self.index_epochs.get(index, "0")
-        return int(raw) if raw.isdigit() else 0
+    @staticmethod
+    def version(state: IndexState) -> int:
+        return index_version_of(state)
 
 
 async def read_serving(client: aioredis.Redis, sealer: Sealer) -> ServingState:
-    """The active index, the model versions and the index versions and epochs, in one round
-    trip."""
+    """The active index, the model versions and the index states, in one round trip."""
     async with client.pipeline(transaction=False) as pipe:
         pipe.get(ACTIVE_INDEX_KEY)
         pipe.hgetall(MODEL_VERSIONS_KEY)
-        pipe.zrange(INDEX_VERSIONS_KEY, 0, -1, withscores=True)
-        pipe.hgetall(INDEX_EPOCHS_KEY)
-        index, versions, index_versions, epochs = await pipe.execute()
-    return ServingState(open_active_index(sealer, index), versions, dict(index_versions), epochs)
+        pipe.hgetall(INDEX_STATE_KEY)
+        index, versions, states = await pipe.execute()
+    return ServingState(open_active_index(sealer, index), versions, states, sealer)
 
 
-async def index_deleted(client: aioredis.Redis, index: str) -> None:
-    """``index`` was deleted: raise its name's epoch and drop its published versions (a new
-    index of that name starts from version 0)."""
-    # decode_responses=True (RedisOptions): members are str, as in desired_model.
-    published = cast(list[str], await client.zrange(INDEX_VERSIONS_KEY, 0, -1))
-    members = index_version_members(index, published)
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.hincrby(INDEX_EPOCHS_KEY, index, 1)
-        if members:
-            pipe.zrem(INDEX_VERSIONS_KEY, *members)
-        await pipe.execute()
+async def index_deleted(client: aioredis.Redis, sealer: Sealer, index: str) -> None:
+    """``index`` was deleted: its state is made afresh (a new epoch, no versions), so a new
+    index of that name never meets the old one's cached answers."""
+    await client.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, new_index_state()))
+
+
+async def first_index_state(
+    client: aioredis.Redis, sealer: Sealer, index: str
+) -> IndexState | None:
+    """``index``'s state, made afresh (a new epoch, no versions) if Redis holds none: nothing
+    was cached under a new epoch, and retrievers raise its versions as they serve and write it.
+    None if what is there now is not genuine."""
+    fresh = new_index_state()
+    if await client.hsetnx(INDEX_STATE_KEY, index, seal_index_state(sealer, index, fresh)):
+        return fresh
+    return open_index_state(sealer, index, await client.hget(INDEX_STATE_KEY, index))
 
 
 async def read_answer(client: aioredis.Redis, sealer: Sealer, key: str) -> dict[str, Any] | None:
@@ -120,16 +131,24 @@ async def write_conversation(
     await client.set(key, seal_conversation(sealer, key, state), ex=ttl_s)
 
 
-async def list_replicas(client: aioredis.Redis) -> list[dict[str, Any]]:
-    """Every live replica's own state, by service then replica id."""
+async def list_replicas(client: aioredis.Redis, sealer: Sealer) -> list[ReplicaState]:
+    """Every live replica's own state, by service then replica id. A record not sealed with
+    the server key for its key (forged, altered, moved, or of the wrong shape) is left out and
+    logged (rate-limited): it is no replica."""
     keys = [key async for key in client.scan_iter(match=REPLICA_KEY_PATTERN, count=500)]
     if not keys:
         return []
-    # An entry that expired between SCAN and MGET, or is not a state, is left out.
+    # An entry that expired between SCAN and MGET, or is not genuine, is left out.
     replicas = [
-        state for raw in await client.mget(keys) if (state := decode_replica_state(raw)) is not None
+        state
+        for key, raw in zip(keys, await client.mget(keys), strict=True)
+        if (state := decode_replica_state(sealer, _text(key), raw)) is not None
     ]
-    return sorted(replicas, key=lambda r: (r.get("service", ""), r.get("replica", "")))
+    return sorted(replicas, key=lambda r: (r["service"], r["replica"]))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 async def desired_model(client: aioredis.Redis) -> dict[str, str]:

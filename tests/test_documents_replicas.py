@@ -32,7 +32,8 @@ from typing import Any
 import httpx
 import pytest
 
-from openbook.redis_protocol import INDEX_EPOCHS_KEY
+from openbook.redis_protocol import INDEX_STATE_KEY, open_index_state
+from openbook.sealing import default_sealer
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import (
     RetrieverProcess,
@@ -212,9 +213,17 @@ def test_an_index_removed_out_of_band_never_answers_from_the_cache(replicas: Rep
     question = "Which ledger is qzscratchx?"
     assert _ask(gw[1], question, index="scratch")["cached"] is False
     assert _ask(gw[1], question, index="scratch")["cached"] is True
+
+    def epoch() -> str | None:
+        raw = replicas.redis.hget(INDEX_STATE_KEY, "scratch")
+        state = open_index_state(default_sealer(), "scratch", raw)
+        return state["epoch"] if state is not None else None
+
+    before = epoch()
+    assert before is not None
     shutil.rmtree(replicas.index_root / "scratch")  # an operator's rm -rf, not the API
     deadline = time.monotonic() + 60  # the retrievers' watch looks every 2 s
-    while not replicas.redis.hget(INDEX_EPOCHS_KEY, "scratch"):
+    while epoch() == before:
         logs = "\n".join(r.log_tail() for r in replicas.retrievers)
         assert time.monotonic() < deadline, f"no epoch raised:\n{logs}"
         time.sleep(0.1)

@@ -126,7 +126,7 @@ def test_unknown_index_is_422_naming_it(client):
 def test_readiness_reports_both_services(client, monkeypatch):
     # No replica state in Redis (these backends' replicas publish theirs every 0.5 s): the
     # body is exactly what it always was.
-    async def no_replicas(redis_client) -> list[dict]:
+    async def no_replicas(redis_client, sealer) -> list[dict]:
         return []
 
     monkeypatch.setattr(health_routes, "list_replicas", no_replicas)

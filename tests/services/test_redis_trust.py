@@ -2,19 +2,31 @@
 
 Real services over a real Redis started as compose starts it (the test kit's, with the ACL
 file openbook-secrets makes). The attacks of the issue, by a process without the password and
-by an insider with it: neither changes what is served.
+by an insider with it: neither changes what is served. Issue 42's: an insider's forged index
+epochs and versions never serve deleted content, forged replica records never break or hold
+an admin call.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from openbook.redis_protocol import ACTIVE_INDEX_KEY, ANSWER_KEY_PREFIX, INDEX_SWAP_CHANNEL
+from openbook.redis_protocol import (
+    ACTIVE_INDEX_KEY,
+    ANSWER_KEY_PREFIX,
+    INDEX_STATE_KEY,
+    INDEX_SWAP_CHANNEL,
+    encode_replica_state,
+    open_index_state,
+    replica_key,
+    seal_index_state,
+)
 from openbook.sealing import load_sealer
 from openbook.shared_state import ActiveIndexStore
 from openbook_gateway.app import create_app
@@ -167,3 +179,164 @@ def test_an_index_the_registry_refuses_is_logged_once_and_not_served(
     finally:
         store.set("facts-a")
         servicer.follow_shared_active()
+
+
+# --- index states: epochs and versions (issue 42, item 4) --------------------------------
+
+ZORBLAX = {"title": "Zorblax", "text": "The zorblax ledger is kept in the vault of Quentar."}
+OTHER = {"title": "Other", "text": "A different zorblax ledger, kept in Ulmor."}
+ZORBLAX_Q = {"question": "Where is the zorblax ledger kept?", "k": 1}
+
+
+def _ask(client, index: str) -> dict:
+    reply = client.post("/answer", json={**ZORBLAX_Q, "index": index})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _index_state(redis_server, index: str):
+    raw = redis_server.client().hget(INDEX_STATE_KEY, index)
+    return open_index_state(load_sealer(redis_server.secrets.server_key), index, raw)
+
+
+def _forgeries(redis_server, index: str, genuine: dict) -> list[tuple[str, str]]:
+    """What an insider with the password can write for ``index``'s state: the issue's plain
+    values, a state sealed for another index (moved), a genuine one with its versions altered."""
+    sealer = load_sealer(redis_server.secrets.server_key)
+    sealed = json.loads(redis_server.client().hget(INDEX_STATE_KEY, index))
+    lowered = {**genuine, "versions": {"": 0}}
+    return [
+        ("plain", "0"),
+        ("plain json", json.dumps(lowered)),
+        ("altered", json.dumps({**sealed, "v": json.dumps(lowered)})),
+        ("moved", seal_index_state(sealer, "facts-a", lowered)),
+    ]
+
+
+@pytest.mark.parametrize("forgery", range(4))
+def test_a_forged_epoch_never_serves_a_deleted_indexs_answer(
+    backends, client, redis_server, caplog, forgery
+):
+    """Delete and recreate an index, then roll its epoch back (the issue's ``HSET
+    openbook:index-epochs <index> 0``): the old index's cached answer stays gone."""
+    assert client.post("/indexes", json={"name": "trust-x"}, headers=AUTH).status_code == 201
+    client.put("/indexes/trust-x/documents/zorblax", json=ZORBLAX, headers=AUTH)
+    old = _ask(client, "trust-x")
+    assert _ask(client, "trust-x")["cached"] is True
+    old_state = _index_state(redis_server, "trust-x")
+    assert client.delete("/indexes/trust-x", headers=AUTH).status_code == 200
+    assert client.post("/indexes", json={"name": "trust-x"}, headers=AUTH).status_code == 201
+    client.put("/indexes/trust-x/documents/other", json=OTHER, headers=AUTH)
+    insider = redis_server.client()
+    insider.hset("openbook:index-epochs", "trust-x", 0)  # the old key: read by no one now
+    name, forged = _forgeries(redis_server, "trust-x", old_state)[forgery]
+    insider.hset(INDEX_STATE_KEY, "trust-x", forged)
+    try:
+        with caplog.at_level(logging.WARNING, logger="openbook.sealing"):
+            for _ in range(2):
+                again = _ask(client, "trust-x")
+                assert again["cached"] is False, name
+                assert again["passages"][0]["id"] == "other#0" != old["passages"][0]["id"]
+        assert any("openbook:index-state[trust-x]" in r.getMessage() for r in caplog.records)
+        # The retriever's watch makes the state afresh: a new epoch, caching again.
+        backends.retriever_servicer.follow_shared_state()
+        state = _index_state(redis_server, "trust-x")
+        assert state is not None and state["epoch"] != old_state["epoch"]
+        assert _ask(client, "trust-x")["cached"] is False
+        assert _ask(client, "trust-x")["passages"][0]["id"] == "other#0"
+    finally:
+        client.delete("/indexes/trust-x", headers=AUTH)
+
+
+@pytest.mark.parametrize("forgery", range(4))
+def test_a_lowered_version_never_serves_a_deleted_document_after_a_restart(
+    backends, client, redis_server, redis_url, forgery
+):
+    """Delete a document, lower the index's version (the issue's ``ZADD
+    openbook:index-versions <index> 2``) or delete its state, restart the gateway: the
+    deleted document's passage is not served."""
+    assert client.post("/indexes", json={"name": "trust-y"}, headers=AUTH).status_code == 201
+    try:
+        client.put("/indexes/trust-y/documents/zorblax", json=ZORBLAX, headers=AUTH)
+        client.put("/indexes/trust-y/documents/other", json=OTHER, headers=AUTH)
+        before = _ask(client, "trust-y")
+        assert before["passages"][0]["id"] == "zorblax#0"
+        assert _ask(client, "trust-y")["cached"] is True
+        state = _index_state(redis_server, "trust-y")
+        assert state is not None and state["versions"] == {"": 2}
+        assert client.delete("/indexes/trust-y/documents/zorblax", headers=AUTH).status_code == 200
+        insider = redis_server.client()
+        insider.zadd("openbook:index-versions", {"trust-y": 2})  # the old key: read by no one
+        name, forged = _forgeries(redis_server, "trust-y", state)[forgery]
+        insider.hset(INDEX_STATE_KEY, "trust-y", forged)
+        with TestClient(create_app(backends.gateway_settings(redis_server.url))) as restarted:
+            for _ in range(2):
+                again = _ask(restarted, "trust-y")
+                assert again["cached"] is False, name
+                assert again["passages"][0]["id"] == "other#0", name
+            insider.hdel(INDEX_STATE_KEY, "trust-y")  # deleted: made afresh, a new epoch
+        with TestClient(create_app(backends.gateway_settings(redis_server.url))) as restarted:
+            for _ in range(2):
+                assert _ask(restarted, "trust-y")["passages"][0]["id"] == "other#0"
+    finally:
+        client.delete("/indexes/trust-y", headers=AUTH)
+
+
+# --- replica records (issue 42, item 5) --------------------------------------------------
+
+
+def _fake_replicas(redis_server) -> dict[str, str]:
+    """An insider's replica records: wrong types, a fake one stuck loading (plain, and with a
+    genuine seal moved from another key)."""
+    sealer = load_sealer(redis_server.secrets.server_key)
+    loading = {
+        "service": "generator",
+        "replica": "fake-loading",
+        "version": "v9",
+        "state": "loading",
+        "request": "",
+        "checkpoint": "",
+        "error": "",
+        "updated": time.time(),
+    }
+    moved_key = replica_key("generator", "fake-moved")
+    return {
+        replica_key("retriever", "fake-types"): json.dumps(
+            {"service": 1, "replica": ["x"], "version": None, "state": {}, "updated": "now"}
+        ),
+        replica_key("generator", "fake-loading"): json.dumps(loading),
+        moved_key: encode_replica_state(
+            sealer, replica_key("generator", "elsewhere"), {**loading, "replica": "fake-moved"}
+        ),
+        replica_key("generator", "fake-garbage"): "not json at all",
+    }
+
+
+def test_forged_replica_records_are_not_listed_and_do_not_break_the_listing(
+    client, redis_server, caplog
+):
+    insider = redis_server.client()
+    for key, value in _fake_replicas(redis_server).items():
+        insider.set(key, value, ex=600)
+    with caplog.at_level(logging.WARNING, logger="openbook.sealing"):
+        reply = client.get("/admin/replicas", headers=AUTH)
+        assert reply.status_code == 200, reply.text
+        listed = {r["replica"] for r in reply.json()["replicas"]}
+        assert not any(name.startswith("fake") for name in listed), listed
+        assert listed  # the genuine replicas are still there
+        ready = client.get("/readyz").json()
+        assert not any(r["replica"].startswith("fake") for r in ready.get("replicas", []))
+    assert any("openbook:replica:" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fake_loading_replica_does_not_hold_a_reload(client, redis_server):
+    insider = redis_server.client()
+    for key, value in _fake_replicas(redis_server).items():
+        insider.set(key, value, ex=600)
+    # No checkpoint in the root: every genuine replica refuses at once. A fake replica counted
+    # as loading would hold the call until reload_wait_s, then report it as loading.
+    reply = client.post("/admin/reload-model", json={}, headers=AUTH)
+    assert reply.status_code in (200, 409, 422), reply.text
+    body = reply.json()
+    assert not any(r["replica"].startswith("fake") for r in body.get("replicas", [])), body
+    assert all(r["state"] != "loading" for r in body.get("replicas", [])), body

@@ -14,7 +14,14 @@ from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
-from openbook.redis_protocol import DESIRED_MODEL_KEY, MODEL_VERSIONS_KEY, answer_key
+from openbook.redis_protocol import (
+    DESIRED_MODEL_KEY,
+    INDEX_STATE_KEY,
+    MODEL_VERSIONS_KEY,
+    answer_key,
+    open_index_state,
+)
+from openbook.sealing import default_sealer
 from openbook.v1 import generator_pb2, generator_pb2_grpc, retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.cache import ANSWER_PARAMS
@@ -222,7 +229,10 @@ def test_cache_never_files_an_answer_under_a_version_that_did_not_compute_it(sys
     assert first["model_version"] == "step-000001"  # computed by the replica behind the channel
     assert first["cached"] is False
     params = AnswerRequest(**question).model_dump(include=set(ANSWER_PARAMS))
-    params |= {"index_version": 0, "index_epoch": 0}  # an index never written to nor deleted
+    raw = redis.hget(INDEX_STATE_KEY, first["index"])
+    state = open_index_state(default_sealer(), first["index"], raw)
+    assert state is not None
+    params |= {"index_version": 0, "index_epoch": state["epoch"]}  # never written to
     models = {"retriever": first["retriever_version"]}
     stored = answer_key(
         first["index"], {**params, "models": {**models, "generator": "step-000001"}}

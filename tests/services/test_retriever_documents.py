@@ -15,7 +15,8 @@ from prometheus_client import generate_latest
 
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex
-from openbook.redis_protocol import INDEX_EPOCHS_KEY, INDEX_VERSIONS_KEY
+from openbook.redis_protocol import INDEX_STATE_KEY, open_index_state
+from openbook.sealing import default_sealer
 from openbook.serving.grpc_server import bearer_metadata
 from openbook.shared_state import redis_client
 from openbook.v1 import retriever_pb2
@@ -453,13 +454,19 @@ def test_an_index_removed_out_of_band_raises_its_cache_epoch(retriever, index_ro
     stub, _, servicer = retriever
     client = redis_client(redis_url)
     put(stub, "facts-b", document("zorblax", ZORBLAX))
-    before = int(client.hget(INDEX_EPOCHS_KEY, "facts-b") or 0)
+
+    def state():
+        raw = client.hget(INDEX_STATE_KEY, "facts-b")
+        return open_index_state(default_sealer(), "facts-b", raw)
+
+    before = state()
+    assert before is not None and before["versions"] == {"": 1}
     servicer.notice_vanished_indexes()  # nothing gone
-    assert int(client.hget(INDEX_EPOCHS_KEY, "facts-b") or 0) == before
+    assert state() == before
     shutil.rmtree(index_root / "facts-b")  # an operator's rm -rf, not DeleteIndex
     servicer.notice_vanished_indexes()  # what the retriever's watch does every 2 s
-    assert int(client.hget(INDEX_EPOCHS_KEY, "facts-b") or 0) == before + 1
-    assert client.zscore(INDEX_VERSIONS_KEY, "facts-b") is None
+    after = state()
+    assert after is not None and after["epoch"] != before["epoch"] and after["versions"] == {}
     err = rpc_error(
         stub.Retrieve, retriever_pb2.RetrieveRequest(queries=["q"], k=1, index="facts-b")
     )

@@ -5,15 +5,20 @@ newly active index) can never return an answer computed on the other one; and th
 versions that computed it, so a reloaded model never serves the old one's answers; and the
 index's version (its count of acknowledged document writes), so no cached answer outlives the
 knowledge it came from. The lookup happens before retrieval, so the version it keys by is the
-one known then: the highest of what the retrievers published in Redis (``INDEX_VERSIONS_KEY``)
-and what this gateway saw last (its own writes' replies, its answers' ``index_version``).
-Versions only grow, so either source can only make a lookup newer: a lookup can miss an
-answer still good, never hit one computed on fewer writes than it knows of. An answer is
-stored under the version that computed it (``RetrieveResponse.index_version``). The key also
-holds the index name's epoch (how many times an index of that name was deleted, raised by the
-gateway that deleted it): a new index of a deleted one's name counts versions from 0 again and
-must not meet the old one's answers. When Redis is unreachable the cache is skipped, never an
-error.
+one known then: the highest of what the retrievers published in Redis (the index's sealed
+state, ``INDEX_STATE_KEY``) and what this gateway saw last (its own writes' replies, its
+answers' ``index_version``). Versions only grow, so either source can only make a lookup
+newer: a lookup can miss an answer still good, never hit one computed on fewer writes than it
+knows of. The key also holds the index's epoch, a random token made afresh whenever its state
+is (the index deleted, its directory replaced, its state in Redis gone or not genuine): a new
+index of a deleted one's name counts versions from 0 again and must not meet the old one's
+answers. An answer is stored under the epoch its lookup read, and only when the published
+version it read is the one that computed it (``RetrieveResponse.index_version``): a state
+made afresh after a loss holds a sharded index's versions only as its shards publish them
+again, and until then keys nothing. A state Redis does not hold is made afresh (a new epoch,
+no versions); one that is not genuine is ignored, logged, and the index neither looked up nor
+stored until a retriever makes it afresh: an insider's forged, lowered or deleted version or
+epoch only causes misses. When Redis is unreachable the cache is skipped, never an error.
 
 Entries are sealed with the server key (openbook.sealing), bound to their key: one written or
 altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
@@ -29,12 +34,13 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from openbook.redis_protocol import answer_key
+from openbook.redis_protocol import IndexState, answer_key, index_version_of
 from openbook.sealing import Sealer
 from openbook.settings import RedisOptions
 from openbook.shared_state_aio import (
     ServingState,
     async_redis_client,
+    first_index_state,
     index_deleted,
     read_answer,
     read_serving,
@@ -91,28 +97,52 @@ class AnswerCache:
         self.last_versions: dict[str, str] = {}
         # Each index's version as this gateway last saw it (module docstring).
         self.last_index_versions: dict[str, int] = {}
-        # Each index name's epoch as last read from Redis: what an answer is stored under.
-        self.index_epochs: dict[str, int] = {}
+        # Each index's (epoch, version) its last lookup keyed by, when its state in Redis was
+        # genuine: what a computed answer is stored under (module docstring). Absent: no store.
+        self.index_keys: dict[str, tuple[str, int]] = {}
+        # The indexes whose state the last lookup found not genuine: nothing stored for them.
+        self._forged: set[str] = set()
 
     async def lookup(self, index: str | None, params: dict[str, Any]) -> dict[str, Any] | None:
         """The stored answer for ``params`` on ``index`` (None: the active index), if any.
 
         Keyed by the index and model versions that would answer now: Redis is the shared
         truth (the active index, the versions the services announced), what this gateway saw
-        last fills in what Redis does not know."""
+        last fills in what Redis does not know. An index whose state in Redis is not genuine
+        is not looked up (nor its answers stored) until a retriever makes it afresh, under a
+        new epoch; one Redis does not hold is made afresh here."""
         serving = await self.serving()
         index = index or serving.active_index or self.last_index
         versions = {**self.last_versions, **serving.model_versions}
-        if not (index and versions):
+        if not index:
             return None
-        self.index_epochs[index] = serving.index_epoch(index)
-        index_version = max(serving.index_version(index), self.last_index_versions.get(index, 0))
+        state = serving.index_state(index)
+        if state is None and index not in serving.index_states and serving.sealer is not None:
+            state = await self._first_state(index)  # Redis lost it, or never had it
+        if state is None:
+            self.index_keys.pop(index, None)
+            self._forged.add(index)
+            return None
+        self._forged.discard(index)
+        published = serving.version(state)
+        self.index_keys[index] = (state["epoch"], published)
+        if not versions:
+            return None
+        index_version = max(published, self.last_index_versions.get(index, 0))
         return await self.get(
-            index, {**params, "models": versions, **self._index_key(index, index_version)}
+            index, {**params, "models": versions, **self._index_key(state["epoch"], index_version)}
         )
 
-    def _index_key(self, index: str, version: int) -> dict[str, int]:
-        return {"index_version": version, "index_epoch": self.index_epochs.get(index, 0)}
+    async def _first_state(self, index: str) -> IndexState | None:
+        try:
+            return await first_index_state(self.client, self.sealer, index)
+        except (RedisError, OSError) as exc:
+            log.warning("redis unavailable: %s", exc)
+            return None
+
+    @staticmethod
+    def _index_key(epoch: str, version: int) -> dict[str, Any]:
+        return {"index_version": version, "index_epoch": epoch}
 
     def answered(
         self, index: str, index_version: int, versions: dict[str, str], active: bool
@@ -133,12 +163,12 @@ class AnswerCache:
         self.last_index_versions.pop(index, None)
 
     async def deleted(self, index: str) -> None:
-        """``index`` was deleted: no gateway's lookup meets its answers again (a raised epoch
-        in Redis; without Redis there is no cache to meet)."""
+        """``index`` was deleted: no gateway's lookup meets its answers again (its state in
+        Redis made afresh, under a new epoch; without Redis there is no cache to meet)."""
         self.forget(index)
-        self.index_epochs.pop(index, None)
+        self.index_keys.pop(index, None)
         try:
-            await index_deleted(self.client, index)
+            await index_deleted(self.client, self.sealer, index)
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable, deletion of index %r not shared: %s", index, exc)
 
@@ -153,11 +183,19 @@ class AnswerCache:
         versions: dict[str, str],
         answer: dict[str, Any],
     ) -> None:
-        """File ``answer`` under the index, its version and the model versions that computed
-        it."""
-        await self.put(
-            index, {**params, "models": versions, **self._index_key(index, index_version)}, answer
-        )
+        """File ``answer`` under the index's epoch, its version and the model versions that
+        computed it: only when the lookup found the index's state genuine and at the version
+        that computed the answer (a state that lags behind, or a sharded index's state made
+        afresh before every shard published again, keys no answer)."""
+        key = self.index_keys.get(index)
+        if key is None and index not in self._forged:
+            # No lookup named this index (the active one, before this gateway or Redis knew
+            # which it is): its state now.
+            state = await self._first_state(index)
+            key = (state["epoch"], index_version_of(state)) if state is not None else None
+        if key is None or key[1] != index_version:
+            return
+        await self.put(index, {**params, "models": versions, **self._index_key(*key)}, answer)
 
     async def serving(self) -> ServingState:
         """What the services announced (nothing when Redis is unreachable)."""
@@ -165,7 +203,7 @@ class AnswerCache:
             return await read_serving(self.client, self.sealer)
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable: %s", exc)
-            return ServingState(None, {}, {}, {})
+            return ServingState(None, {}, {})
 
     async def get(self, index: str, params: dict[str, Any]) -> dict[str, Any] | None:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,15 @@ import redis.asyncio as aioredis
 from fastapi import HTTPException
 from redis.exceptions import RedisError
 
-from openbook.redis_protocol import CONVERGED, FAILED, LOADING, REQUEST_FIELD, RESOLVED_FIELD
+from openbook.redis_protocol import (
+    CONVERGED,
+    FAILED,
+    LOADING,
+    REQUEST_FIELD,
+    RESOLVED_FIELD,
+    ReplicaState,
+)
+from openbook.sealing import Sealer
 from openbook.shared_state_aio import desired_model, list_replicas, set_desired
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.retrieval import Retrieval
@@ -35,8 +44,10 @@ SERVICES = ("retriever", "generator")
 POLL_S = 0.2
 
 
-def outcome(replica: dict[str, Any], request: str) -> dict[str, Any]:
-    """One replica's result for ``request``: converged, failed (with the reason) or loading."""
+def outcome(replica: Mapping[str, Any], request: str) -> dict[str, Any]:
+    """One replica's result for ``request``: converged, failed (with the reason) or loading.
+    Only genuine records get here (:func:`list_replicas` leaves out the others): a forged
+    one is never a replica the reload waits on."""
     mine = replica.get("request") == request
     state = replica.get("state") if mine else LOADING
     return {
@@ -55,17 +66,17 @@ class SharedReload:
     request: str  # its id
     desired: dict[str, str]  # the desired record (with the checkpoint the replicas resolved)
     outcomes: list[dict[str, Any]]  # each replica's (``outcome``)
-    before: list[dict[str, Any]]  # each replica's state before the request
+    before: list[ReplicaState]  # each replica's state before the request
 
 
 async def reload_everywhere(
-    client: aioredis.Redis, checkpoint: str, wait_s: float
+    client: aioredis.Redis, sealer: Sealer, checkpoint: str, wait_s: float
 ) -> SharedReload | None:
     """Set the desired model and wait (at most ``wait_s``) until every live replica reports on
     it. None when Redis cannot be reached or no replica follows shared reloads (the caller
     falls back to RPCs)."""
     try:
-        before = await list_replicas(client)
+        before = await list_replicas(client, sealer)
         if not before:
             log.warning("no replica follows shared reloads: reloading over RPC only")
             return None
@@ -78,7 +89,7 @@ async def reload_everywhere(
     desired: dict[str, str] = {}
     while True:
         try:
-            replicas = await list_replicas(client)
+            replicas = await list_replicas(client, sealer)
             desired = await desired_model(client)
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable while waiting for replicas: %s", exc)
@@ -128,6 +139,7 @@ async def reload_models(
     retrieval: Retrieval,
     generator: GeneratorClient,
     client: aioredis.Redis,
+    sealer: Sealer,
     checkpoint: str,
     request_id: str,
     timeout_s: float,
@@ -139,7 +151,7 @@ async def reload_models(
     are still loading after ``wait_s``, 422 when the checkpoint was refused and every replica
     serves what it served before (the ones that had switched were put back), 409 when the
     replicas now disagree (a refusal, and the others could not be put back)."""
-    shared = await reload_everywhere(client, checkpoint, wait_s)
+    shared = await reload_everywhere(client, sealer, checkpoint, wait_s)
     if shared is None:
         log.warning("model reload without shared state: other replicas keep their model")
         versions = await reload_over_rpc(retrieval, generator, checkpoint, request_id, timeout_s)
@@ -182,7 +194,7 @@ async def reload_models(
         len(moved),
         target,
     )
-    back = await reload_everywhere(client, target, wait_s)
+    back = await reload_everywhere(client, sealer, target, wait_s)
     mine = {(o["service"], o["replica"]) for o in moved}
     stuck = [
         o

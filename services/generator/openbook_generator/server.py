@@ -14,6 +14,7 @@ from openbook.compute_threads import ComputeThreadsOptions
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
 from openbook.rag.checkpoint import load_generator
+from openbook.sealing import load_sealer
 from openbook.serving import allocator
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,
@@ -127,6 +128,7 @@ def follow_reloads(
         resolve=lambda requested: locate_in_root(settings.checkpoint_dir, requested),
         version=lambda: servicer.generator.model_version,
         on_state=replica_metrics(metrics),
+        sealer=load_sealer(settings.server_key_file),
     )
     follower.sync()
     follower.start(servicer.stop_following)

@@ -175,6 +175,7 @@ def follow_reloads(
         resolve=lambda requested: locate_in_root(settings.checkpoint_dir, requested),
         version=lambda: servicer.model_version,
         on_state=replica_metrics(metrics),
+        sealer=servicer.shared.sealer,
     )
     follower.sync()
     follower.start(stop)

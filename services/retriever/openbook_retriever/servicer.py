@@ -294,6 +294,8 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         self._swap_lock = threading.Lock()
         # The last shared active index this replica refused: logged once, then left alone.
         self._refused_shared: str | None = None
+        # The indexes whose version this replica shared since it started (Retrieve).
+        self._versions_shared: set[str] = set()
         self.compute: ComputeThreads | None = None
         if compute_threads is not None:
             self.compute = ComputeThreads(
@@ -397,6 +399,11 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             if documents is not None:
                 pages = documents.passage_pages(p.id for passages in results for p in passages)
         self._record_version(name, version)
+        if name not in self._versions_shared:
+            # The first search of an index here: gateways cache its answers from now, not
+            # from the next tick of the shared state's watch (share_index_versions).
+            self._versions_shared.add(name)
+            self.share_index_versions(only=name)
         return retriever_pb2.RetrieveResponse(
             results=[
                 retriever_pb2.QueryResult(
@@ -610,7 +617,9 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         if self.shared is not None:
             shard = live.manifest.shard
             label = f"{shard['index']}-of-{shard['count']}" if shard else ""
-            publish_index_version(self.shared.client, index, version, shard=label)
+            publish_index_version(
+                self.shared.client, index, version, shard=label, sealer=self.shared.sealer
+            )
 
     def PutDocuments(self, request, context):
         valid = validate_put_documents(request)
@@ -659,9 +668,32 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
 
     def follow_shared_state(self) -> None:
         """What the retriever does on every tick of the shared state's watch (every 2 s, and
-        on each swap announcement): follow the active index, and notice indexes gone."""
+        on each swap announcement): follow the active index, notice indexes gone, and share
+        the versions of the indexes it serves."""
         self.follow_shared_active()
         self.notice_vanished_indexes()
+        self.share_index_versions()
+
+    def share_index_versions(self, only: str | None = None) -> None:
+        """Each loaded index's version on this shard, in Redis (raised only): a state gone
+        (Redis restarted) or not genuine (forged) is made afresh, under a new epoch, and
+        gateways cache its answers again. Until then they neither look up nor store them."""
+        if self.shared is None:
+            return
+        for name in [only] if only is not None else self.registry.available():
+            if not self.registry.is_loaded(name):
+                continue
+            try:
+                shard = self.registry.manifest(name).shard
+                state = self.registry.live_state(name)
+            except Exception as exc:  # noqa: BLE001 - one unreadable index must not stop the rest
+                log.warning("index %s: version not shared: %s", name, exc)
+                continue
+            label = f"{shard['index']}-of-{shard['count']}" if shard else ""
+            version = state[0] if state is not None else 0
+            publish_index_version(
+                self.shared.client, name, version, shard=label, sealer=self.shared.sealer
+            )
 
     def notice_vanished_indexes(self) -> None:
         """An index directory removed (or replaced) out of band: stop serving it from memory
@@ -669,7 +701,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         for name in self.registry.vanished():
             log.warning("index %s: its directory was removed or replaced out of band", name)
             if self.shared is not None:
-                index_vanished(self.shared.client, name)
+                index_vanished(self.shared.client, name, self.shared.sealer)
             if self.metrics is not None:
                 self.metrics.forget_index(name)
 

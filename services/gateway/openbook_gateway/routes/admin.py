@@ -79,6 +79,7 @@ async def reload_model(
         services.retrieval,
         services.generator,
         services.cache.client,
+        services.cache.sealer,
         body.checkpoint or "",
         request.state.request_id,
         timeout_s=max(settings.generate_timeout_s, ADMIN_MIN_TIMEOUT_S),
@@ -94,7 +95,7 @@ async def replicas(services: ServicesDep) -> dict:
     client = services.cache.client
     try:
         desired = await desired_model(client)
-        listed = await list_replicas(client)
+        listed = await list_replicas(client, services.cache.sealer)
     except (RedisError, OSError) as exc:
         raise HTTPException(503, f"redis unavailable: replicas unknown: {exc}") from None
     request_id = desired.get("id", "")

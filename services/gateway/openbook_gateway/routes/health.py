@@ -39,7 +39,7 @@ async def readyz(services: ServicesDep, response: Response) -> dict:
         body["retriever_shards"] = shards
     if redis_ok:
         try:
-            listed = await list_replicas(services.cache.client)
+            listed = await list_replicas(services.cache.client, services.cache.sealer)
         except (RedisError, OSError):
             listed = []
         if listed:  # the replicas that follow shared reloads, and the version each serves
