@@ -434,6 +434,21 @@ class Sample:
     busy_s: float = 0.0  # wall time of the measured windows
     answers_text: list[str] = field(default_factory=list)
     by_index: dict[int, str] = field(default_factory=dict)  # request index -> answer
+    # The server process's own work in the measured windows, read from /proc: CPU seconds
+    # (user + system) and minor page faults. Unlike latency they hardly move when other
+    # processes share the machine: what a serving change costs per answer, measured exactly.
+    cpu_s: float = 0.0
+    system_s: float = 0.0
+    minor_faults: int = 0
+
+
+def process_counters(pid: int) -> tuple[float, float, int]:
+    """(user seconds, system seconds, minor faults) of process ``pid`` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    # after the command: state(0) ppid pgrp session tty tpgid flags minflt(7) cminflt majflt
+    # cmajflt utime(11) stime(12)
+    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
 
 
 class Client:
@@ -442,6 +457,8 @@ class Client:
 
         from openbook.v1 import generator_pb2_grpc
 
+        assert server.proc is not None
+        self.pid = server.proc.pid
         self.grpc = grpc
         self.channel = grpc.insecure_channel(server.addr)
         self.stub = generator_pb2_grpc.GeneratorStub(self.channel)
@@ -496,12 +513,17 @@ def run_window(
             progress.update(1)
 
     t0 = time.perf_counter()
+    user0, system0, faults0 = process_counters(client.pid)
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     sample.busy_s += time.perf_counter() - t0
+    user1, system1, faults1 = process_counters(client.pid)
+    sample.cpu_s += (user1 - user0) + (system1 - system0)
+    sample.system_s += system1 - system0
+    sample.minor_faults += faults1 - faults0
     for i, latency, error, text in results:
         if error is None:
             sample.latencies.append(latency)
@@ -552,8 +574,15 @@ def summarize(sample: Sample) -> dict:
         "mean_ms": ms(sum(sample.latencies) / len(sample.latencies)) if sample.latencies else None,
         "answers_per_s": round(sample.answers / sample.busy_s, 3) if sample.busy_s else None,
         "wall_s": round(sample.busy_s, 2),
+        "server_cpu_s_per_answer": per_answer(sample.cpu_s, sample.answers, 3),
+        "server_system_s_per_answer": per_answer(sample.system_s, sample.answers, 3),
+        "minor_faults_per_answer": per_answer(sample.minor_faults, sample.answers, 0),
         "example_answers": sample.answers_text,
     }
+
+
+def per_answer(total: float, answers: int, digits: int) -> float | None:
+    return round(total / answers, digits) if answers else None
 
 
 def ms(x: float | None) -> float | None:
@@ -622,7 +651,20 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "bf16_flags": bf16_flags(),
     }
+
+
+def bf16_flags() -> list[str]:
+    """The processor's bfloat16 matrix flags: what bf16 speed (and ``auto`` precision) hangs on
+    (AMX on some machines of this workplace, AVX512-BF16 only on others)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    lines = [ln for ln in text.splitlines() if ln.startswith("flags")]
+    flags = lines[0].split(":", 1)[1].split() if lines else []
+    return [f for f in ("amx_bf16", "amx_tile", "avx512_bf16") if f in flags]
 
 
 def cpu_model() -> str:
@@ -648,7 +690,8 @@ def report(result: dict) -> str:
     lines = [
         f"# generator engine: baseline {result['baseline']['ref']} vs current",
         "",
-        f"{m['date']} · {m['platform']} · {m['processor']} · {m['cpu_count']} CPUs "
+        f"{m['date']} · {m['platform']} · {m['processor']} "
+        f"({', '.join(m.get('bf16_flags') or ['no bf16 flags'])}) · {m['cpu_count']} CPUs "
         f"({m['cpus_usable']} usable) · Python {m['python']} · torch {m['torch']} "
         f"({m['torch_threads']} threads)",
         "",
@@ -692,6 +735,25 @@ def report(result: dict) -> str:
             f"| {ratio(k.get('answers_per_s'), b.get('answers_per_s'))} "
             f"| {b.get('answers', '-')}/{k.get('answers', '-')} "
             f"| {b.get('errors', '-')}/{k.get('errors', '-')} | {same_cell} |"
+        )
+    lines += [
+        "",
+        "The server's own work per answer (/proc: CPU seconds, of them system, minor page "
+        "faults; little moved by other load on the machine):",
+        "",
+        "| clients | base CPU s | cur CPU s | CPU ratio (base/cur) | base system s "
+        "| cur system s | base faults | cur faults |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c, row in result["levels"].items():
+        b, k = row.get("baseline", {}), row.get("current", {})
+        lines.append(
+            f"| {c} | {fmt(b.get('server_cpu_s_per_answer'), 2)} "
+            f"| {fmt(k.get('server_cpu_s_per_answer'), 2)} "
+            f"| {ratio(b.get('server_cpu_s_per_answer'), k.get('server_cpu_s_per_answer'))} "
+            f"| {fmt(b.get('server_system_s_per_answer'), 2)} "
+            f"| {fmt(k.get('server_system_s_per_answer'), 2)} "
+            f"| {fmt(b.get('minor_faults_per_answer'))} | {fmt(k.get('minor_faults_per_answer'))} |"
         )
     for c, row in result["levels"].items():
         for name in ("baseline", "current"):

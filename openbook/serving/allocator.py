@@ -2,22 +2,32 @@
 
 Why: torch takes tensors from the C library's ``malloc``. glibc serves a block of at least its
 mmap threshold with a mapping of its own, unmapped when freed, and everything smaller from heap
-arenas, whose freed pages stay resident. It also raises that threshold to the size of every
-mapped block freed (up to 32 MiB), so once a request has freed its first large tensor, most of
-what the next requests allocate (a layer's keys/values, a step's logits, prefill activations)
-comes from the arenas and stays resident after them. Measured on the default generator
-(docs/benchmarks.md, "Generator working memory"): one k=100 request left 2.8 GB of its 4.2 GB
-peak resident, and RSS only grew from request to request. Two settings give it back:
+arenas, whose freed pages stay resident (and are reused, without a page fault). It also raises
+that threshold to the size of every mapped block freed (up to 32 MiB), so once a request has
+freed its first large tensor, most of what the next requests allocate comes from the arenas
+and stays resident after them. Measured on the default generator (docs/benchmarks.md,
+"Generator working memory"): one k=100 request left 2.8 GB of its 4.2 GB peak resident, and
+RSS only grew from request to request.
 
-* :func:`configure`: a fixed mmap threshold (:data:`MMAP_THRESHOLD_BYTES`, which also stops the
-  raising): a request's large tensors are unmapped as they are freed;
+Two settings give it back, and one keeps the common answer fast:
+
+* the mmap threshold is fixed (which stops glibc's raising) and follows the size of the work
+  running (:class:`MemoryReleaser`): while every running request is small (estimated below
+  :data:`LARGE_REQUEST_BYTES`, e.g. the default k=5 answer) it is :data:`SMALL_WORK_THRESHOLD`
+  (32 MiB, glibc's own ceiling): a decoding step's tensors (its logits, a layer's keys/values)
+  reuse freed arena pages instead of faulting fresh pages in on every step — the fixed 256 KiB
+  of before cost a fifth of a single answer's latency and half the 8-client throughput
+  (docs/benchmarks.md, "The allocator's toll"). Once a large request runs it is
+  :data:`LARGE_WORK_THRESHOLD` (256 KiB): a large request's tensors are unmapped as they are
+  freed, which also lowered a k=100 request's peak by 1.4 GB (freed arena pages were not reused
+  across arenas and sizes);
 * :func:`release` (``malloc_trim(0)``): returns the free pages of every arena, what the smaller
-  blocks left; :class:`MemoryReleaser` calls it when the generator goes idle and after large
-  requests, outside any decoding step.
+  blocks left; :class:`MemoryReleaser` calls it when the generator goes idle, after enough work
+  ended, and before the threshold drops for a large request, outside any decoding step.
 
-Only glibc has these; with another C library (musl, macOS) both do nothing. glibc's own
-environment settings (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``, ...) win over
-:func:`configure`: a deployment that sets one keeps it.
+Only glibc has these; with another C library (musl, macOS) all do nothing. glibc's own
+environment settings (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) win over
+:func:`configure`: a deployment that sets one keeps it, and the threshold is never changed then.
 """
 
 from __future__ import annotations
@@ -28,18 +38,27 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from functools import cache
 
 log = logging.getLogger(__name__)
 
-# Blocks from this size up get a mapping of their own: large enough that the many small blocks
-# of Python and the tokenizers stay in the arenas, small enough that every tensor of a batch
-# (one layer's keys/values of one row of Gemma 3 270M: 18 KiB per token) that outlives a step
-# is unmapped when freed. 1 MiB kept 0.5 GB more resident after a crowd of k=20 requests than
-# this, at the same peaks. The cost: freed tensors' pages are faulted in again when the next
-# ones are allocated, 4x the minor page faults of glibc's default on a k=30 request (+1.1 s of
-# system time on 24-68 s of compute, measured on a shared 2-CPU machine).
-MMAP_THRESHOLD_BYTES = 256 * 2**10
+# While a large request runs, blocks from this size up get a mapping of their own: large enough
+# that the many small blocks of Python and the tokenizers stay in the arenas, small enough that
+# every tensor of a batch (one layer's keys/values of one row of Gemma 3 270M: 18 KiB per token)
+# that outlives a step is unmapped when freed. 1 MiB kept 0.5 GB more resident after a crowd of
+# k=20 requests than this, at the same peaks. The cost: freed tensors' pages are faulted in
+# again when the next ones are allocated (4x the minor page faults of glibc's default on a k=30
+# request), a toll on every decoding step that only large work is made to pay.
+LARGE_WORK_THRESHOLD = 256 * 2**10
+# While only small requests run: glibc's own ceiling for its raised threshold (64-bit), so the
+# step's tensors (a k=5 step's float32 logits: 5 MiB) come from arena pages already resident.
+SMALL_WORK_THRESHOLD = 32 * 2**20
+# A request estimated (openbook/rag/memory.py) at this much or more is large: the default answer
+# (k=5, bf16: ~480 MiB) is not, k=20 (~1.2 GiB) or k=5 x 16 beams (~2.3 GiB) are. What small
+# requests leave in the arenas is bounded by their own estimates and given back when the
+# generator goes idle or the threshold drops.
+LARGE_REQUEST_BYTES = 768 * 2**20
 # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 # The environment variables that set the same (glibc reads them at start; they win).
@@ -66,9 +85,10 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def configure() -> bool:
-    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (module docstring), unless
+    """Fix glibc's mmap threshold at :data:`SMALL_WORK_THRESHOLD` (module docstring), unless
     the environment sets it; call once, at the start of a serving process, before its model
-    loads. Returns whether the threshold was set here."""
+    loads. Returns whether the threshold is ours to set (then :func:`set_mmap_threshold`
+    moves it)."""
     libc = _glibc()
     if libc is None:
         log.info("not glibc: the C allocator keeps its own settings")
@@ -76,7 +96,19 @@ def configure() -> bool:
     if any(name in os.environ for name in _ENV_MMAP_THRESHOLD):
         log.info("glibc's mmap threshold is set by the environment; left as it is")
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return set_mmap_threshold(SMALL_WORK_THRESHOLD)
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` (blocks from that size up are mapped on their
+    own and unmapped when freed); False where there is no glibc or it refused."""
+    libc = _glibc()
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
+
+
+def owns_mmap_threshold() -> bool:
+    """Whether this process may move the threshold: glibc, and no environment setting."""
+    return _glibc() is not None and not any(name in os.environ for name in _ENV_MMAP_THRESHOLD)
 
 
 def release() -> bool:
@@ -87,29 +119,76 @@ def release() -> bool:
 
 
 class MemoryReleaser:
-    """Gives freed memory back (:func:`release`) once enough work has ended.
+    """Gives freed memory back (:func:`release`) once enough work has ended, and moves the mmap
+    threshold with the size of the work running (module docstring).
 
-    Told of every request that ends (:meth:`finished`) with its estimated working memory and
-    whether the generator is idle now: it releases when the generator goes idle after any work,
-    and, under a load that never leaves it idle, once the requests ended since the last release
-    add up to ``every_bytes`` (their memory was freed piecemeal, between other requests'
-    steps). A release walks the arenas' free blocks (~50-200 ms after large requests, measured),
-    so it is not done after every small request of a busy generator.
+    Told of every request that starts (:meth:`started`) and ends (:meth:`finished`) with its
+    estimated working memory and, at the end, whether the generator is idle now: it releases
+    when the generator goes idle after any work, and, under a load that never leaves it idle,
+    once the requests ended since the last release add up to ``every_bytes`` (their memory was
+    freed piecemeal, between other requests' steps). A release walks the arenas' free blocks
+    (~50-200 ms after large requests, measured), so it is not done after every small request of
+    a busy generator.
+
+    Invariant: the threshold is :data:`LARGE_WORK_THRESHOLD` exactly while at least one started
+    request estimated at ``large_bytes`` or more has not finished, else
+    :data:`SMALL_WORK_THRESHOLD`; before it drops, the arenas are released (what small work
+    left resident is not kept beside a large request's peak). With ``set_threshold`` None (not
+    glibc, or the environment set it) the threshold is left alone.
     """
 
-    def __init__(self, every_bytes: int, release_fn=release) -> None:
+    def __init__(
+        self,
+        every_bytes: int,
+        release_fn: Callable[[], object] = release,
+        *,
+        large_bytes: int = LARGE_REQUEST_BYTES,
+        set_threshold: Callable[[int], object] | None = None,
+    ) -> None:
         self.every_bytes = every_bytes
+        self.large_bytes = large_bytes
         self._release = release_fn
+        self._set_threshold = set_threshold
         self._ended = 0  # estimated bytes of requests ended since the last release
+        self._large_running = 0  # started, unfinished requests of at least large_bytes
         self._lock = threading.Lock()
         self.releases = 0
 
-    def finished(self, estimate_bytes: int, idle: bool) -> None:
+    @classmethod
+    def for_this_process(cls, every_bytes: int) -> MemoryReleaser:
+        """Moving the threshold where :func:`owns_mmap_threshold`, else only releasing."""
+        return cls(every_bytes, set_threshold=set_mmap_threshold if owns_mmap_threshold() else None)
+
+    def started(self, estimate_bytes: int) -> None:
+        """A request of ``estimate_bytes`` is about to run (before any of its tensors exist)."""
+        if estimate_bytes < self.large_bytes:
+            return
         with self._lock:
+            self._large_running += 1
+            first = self._large_running == 1
+        if first and self._set_threshold is not None:
+            self._timed_release()
+            self._set_threshold(LARGE_WORK_THRESHOLD)
+
+    def finished(self, estimate_bytes: int, idle: bool) -> None:
+        """A request of ``estimate_bytes`` ended and its tensors are dropped; ``idle``: nothing
+        runs or waits now."""
+        with self._lock:
+            last_large = False
+            if estimate_bytes >= self.large_bytes and self._large_running:
+                self._large_running -= 1
+                last_large = self._large_running == 0
             self._ended += max(0, estimate_bytes)
-            if not (self._ended and (idle or self._ended >= self.every_bytes)):
-                return
-            self._ended = 0
+            due = bool(self._ended and (idle or self._ended >= self.every_bytes))
+            if due:
+                self._ended = 0
+        if due:
+            self._timed_release()
+        if last_large and self._set_threshold is not None:
+            self._set_threshold(SMALL_WORK_THRESHOLD)
+
+    def _timed_release(self) -> None:
+        with self._lock:
             self.releases += 1
         started = time.perf_counter()
         self._release()

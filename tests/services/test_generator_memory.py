@@ -92,6 +92,41 @@ def test_the_releaser_releases_when_idle_or_after_enough_work():
     assert len(calls) == 2  # nothing ended since: nothing to give back
 
 
+def test_the_threshold_follows_the_size_of_the_work_running():
+    """Small requests keep the high threshold (their steps reuse arena pages); the first large
+    one releases the arenas, then drops it; it rises again when the last large one ends."""
+    events: list[object] = []
+    releaser = MemoryReleaser(
+        every_bytes=10_000,
+        release_fn=lambda: events.append("release"),
+        large_bytes=100,
+        set_threshold=events.append,
+    )
+    releaser.started(50)
+    assert events == []  # small: nothing moves
+    releaser.started(200)
+    assert events == ["release", allocator.LARGE_WORK_THRESHOLD]
+    releaser.started(300)  # a second large one: already low
+    releaser.finished(200, idle=False)
+    assert events == ["release", allocator.LARGE_WORK_THRESHOLD]  # one large still runs
+    releaser.finished(300, idle=False)
+    assert events[-1] == allocator.SMALL_WORK_THRESHOLD
+    releaser.finished(50, idle=True)
+    assert events[-1] == "release"  # idle: given back; the threshold stays high
+    unmanaged = MemoryReleaser(every_bytes=10, release_fn=lambda: None, large_bytes=1)
+    unmanaged.started(5)
+    unmanaged.finished(5, idle=True)  # the environment's threshold: never moved
+
+
+@glibc
+def test_the_service_moves_the_threshold_only_when_it_owns_it(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert MemoryReleaser.for_this_process(1)._set_threshold is allocator.set_mmap_threshold
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert MemoryReleaser.for_this_process(1)._set_threshold is None
+
+
 def _request(k: int, **options) -> generator_pb2.GenerateRequest:
     passages = [
         common_pb2.Passage(id=str(i), title=f"t{i}", text=f"passage {i} about Paris", score=1)
@@ -113,9 +148,11 @@ def test_the_service_releases_memory_once_decoding_goes_idle(tmp_path, redis_ser
         stub,
     ):
         told: list[tuple[int, bool]] = []
+        started: list[int] = []
         released = threading.Event()
         releaser = servicer.releaser
         original = releaser.finished
+        releaser.started = started.append  # type: ignore[method-assign]
 
         def finished(estimate_bytes: int, idle: bool) -> None:
             told.append((estimate_bytes, idle))
@@ -133,6 +170,7 @@ def test_the_service_releases_memory_once_decoding_goes_idle(tmp_path, redis_ser
         while len(told) < len(threads) and time.monotonic() < deadline:
             time.sleep(0.01)  # told from the decoding thread, just after each reply
         assert len(told) == len(threads)
+        assert sorted(started) == sorted(estimate for estimate, _ in told)  # each started once
         assert released.is_set()
         assert all(estimate > 0 for estimate, _ in told)
         assert told[-1][1]  # the last one left the generator idle

@@ -167,7 +167,8 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
     ``current()`` is the model new requests start on. ``fits(shapes)`` says whether requests of
     those shapes may run together (the memory budget). ``on_step(requests, queued)`` is told the
     requests of every decoding step, ``on_drop(where, n)`` of requests dropped because their
-    caller gave up (``where``: "queued" or "running"), ``on_finish(shape, idle)`` of every request
+    caller gave up (``where``: "queued" or "running"), ``on_admit(shape)`` of every request about
+    to start (before its first tensor), ``on_finish(shape, idle)`` of every request
     that ended (answered or failed) once its memory is dropped, with whether nothing runs or waits
     now (called by the decoding thread). ``submit`` (:class:`WaitingLine`) blocks
     for a result; :meth:`stream` yields tokens as they are decided, then the result;
@@ -182,6 +183,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         fits: Callable[[list[RequestShape]], bool],
         on_step: Callable[[int, int], None] | None = None,
         on_drop: Callable[[str, int], None] | None = None,
+        on_admit: Callable[[RequestShape], None] | None = None,
         on_finish: Callable[[RequestShape, bool], None] | None = None,
         compute: ComputeThreads | None = None,
     ) -> None:
@@ -197,6 +199,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         self._fits = fits
         self._on_step = on_step
         self._on_running_drop = on_drop
+        self._on_admit = on_admit
         self._on_finish = on_finish
         # sized on the decoding thread (torch's OpenMP size is per thread), between two pieces
         # of work; None: the thread keeps torch's default
@@ -642,6 +645,8 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         batch = admitted.batch
         assert batch is not None
         chunk = max(1, self.options.chunk_tokens // max(1, item.shape.prompt_tokens))
+        if self._on_admit is not None:
+            self._on_admit(item.shape)  # every admitted request reaches _finish: on_finish
         try:
             running = batch.engine.add(
                 item.question,

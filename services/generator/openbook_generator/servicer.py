@@ -223,8 +223,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self._reload_lock = threading.Lock()
         self.stop_following = threading.Event()
         self.follower: ModelFollower | None = None  # once following reloads
-        # gives the C allocator's freed pages back when decoding goes idle / after large work
-        self.releaser = MemoryReleaser(RELEASE_AFTER_BYTES)
+        # gives the C allocator's freed pages back when decoding goes idle / after large work,
+        # and moves its mmap threshold with the size of the requests running
+        self.releaser = MemoryReleaser.for_this_process(RELEASE_AFTER_BYTES)
         self.compute: ComputeThreads | None = None
         if compute_threads is not None:
             self.compute = ComputeThreads(
@@ -237,6 +238,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             fits=self._fits,
             on_step=self._on_step,
             on_drop=self._on_drop,
+            on_admit=self._on_admit,
             on_finish=self._on_finish,
             compute=self.compute,
         )
@@ -253,6 +255,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def _on_drop(self, where: str, count: int) -> None:
         if self.metrics is not None:
             self.metrics.observe_dropped(where, count)
+
+    def _on_admit(self, shape: RequestShape) -> None:
+        self.releaser.started(self.generator.memory.batch_bytes([shape]))
 
     def _on_finish(self, shape: RequestShape, idle: bool) -> None:
         self.releaser.finished(self.generator.memory.batch_bytes([shape]), idle)
