@@ -139,6 +139,23 @@ def verify_files(
 # ----------------------------------------------------------------------------- writing
 
 
+# Hex digits of the digest that tells apart two directories of one name (public_name).
+PUBLIC_DIGEST_HEX = 8
+
+
+def public_name(name: str) -> str:
+    """``name`` (a model or encoder version, an encoder's name) as a reply may show it: a
+    filesystem path becomes its directory's name and the first hex digits of the path's
+    SHA-256 (``all-MiniLM-L6-v2-squad-query-lora-1a2b3c4d``), stable for as long as the path
+    is, distinct for two directories of one name, and telling no client where the models
+    live (issue 42); any other name is returned as it is."""
+    if "/" not in name and os.sep not in name and not name.startswith("~"):
+        return name
+    base = Path(name.rstrip("/" + os.sep)).name or "model"
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{base}-{digest[:PUBLIC_DIGEST_HEX]}"
+
+
 @functools.lru_cache(maxsize=1)
 def machine_tag() -> str:
     """This kernel: the Linux boot id (shared by every container on the machine, new after a

@@ -109,6 +109,62 @@ QUESTION_CONTROLS = "\t\n\r"
 CONTROL_NAMES = {"\t": "tab", "\n": "newline", "\r": "carriage return"}
 # Characters that show nothing: a question made only of these is blank.
 INVISIBLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+# Code points that render as nothing though their category is a letter, mark or symbol:
+# Unicode's Default_Ignorable_Code_Point outside Cc/Cf (the Hangul fillers, the combining
+# grapheme joiner, variation selectors, Mongolian and Khmer inherent vowels) and the blank
+# Braille pattern. Pairs of (first, last), inclusive.
+_BLANK_RANGES = (
+    (0x034F, 0x034F),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x2800, 0x2800),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFFA0, 0xFFA0),
+    (0xE0100, 0xE01EF),
+)
+
+
+def is_invisible(char: str) -> bool:
+    """Whether ``char`` shows nothing, or shows as something it is not: a control (Cc), a
+    format character (Cf: zero-width spaces and joiners, bidi embeddings, overrides and
+    isolates, the BOM, tags), a separator (Zs, Zl, Zp, the plain space included), a
+    surrogate, or one of the blank code points above."""
+    category = unicodedata.category(char)
+    if category in INVISIBLE or category == "Cs":
+        return True
+    point = ord(char)
+    return any(first <= point <= last for first, last in _BLANK_RANGES)
+
+
+def refuse_invisible(field: str, value: str) -> str:
+    """``value`` if every character of it shows as itself, but for plain spaces between
+    others; else an error naming ``field`` and the first one that does not (issue 42: an id
+    holding U+202E shows reversed, one holding U+200B looks like another).
+
+    The rule for a name a person reads and types: a document id and a metadata key. Control
+    characters are named as :func:`refuse_controls` names them (NUL first)."""
+    refuse_controls(field, value)
+    for at, char in enumerate(value):
+        if char == " " or not is_invisible(char):
+            continue
+        name = unicodedata.name(char, "")
+        what = f"U+{ord(char):04X}{' ' + name if name else ''} at index {at}"
+        raise InvalidArgument(
+            f"{field} must not contain invisible, format, bidi-control or separator "
+            f"characters other than the space ({what})"
+        )
+    if value != value.strip(" "):
+        raise InvalidArgument(f"{field} must not start or end with a space")
+    return value
+
+
+def has_visible(value: str) -> bool:
+    """Whether ``value`` holds a character that shows (not only whitespace, controls, format
+    or blank characters)."""
+    return not all(char.isspace() or is_invisible(char) for char in value)
+
 
 _INDEX_NAME = re.compile(INDEX_NAME_PATTERN)
 
@@ -139,7 +195,7 @@ def check_question(field: str, value: str) -> str:
         raise InvalidArgument(
             f"{field} must be at most {MAX_QUESTION_CHARS} characters, got {len(value)}"
         )
-    if all(ch.isspace() or unicodedata.category(ch) in INVISIBLE for ch in value):
+    if not has_visible(value):
         raise InvalidArgument(
             f"{field} must not be blank: it holds only whitespace, control or format characters"
         )
@@ -279,9 +335,25 @@ def check_sampling(temperature: object, top_p: object, top_k: object, seed: obje
 # (openbook.index.documents, the retriever's boundary) both call these.
 
 
-def check_document_id(field: str, value: object) -> str:
-    """A document id: a non-blank string of at most :data:`MAX_DOCUMENT_ID_CHARS` characters,
-    without ``/`` (it is a URL path segment) or control characters."""
+def check_document_id(field: str, value: object, *, stored: bool = False) -> str:
+    """A new document's id: a document reference (:func:`check_document_ref`) whose every
+    character shows as itself (:func:`refuse_invisible`: no format, bidi-control or invisible
+    characters, no separator but the plain space, none at its ends), so two ids that look
+    alike are one id, and an id shows in a list as what it is.
+
+    ``stored`` (here, in :func:`check_document_text` and :func:`check_metadata`): a document
+    read back from a write-ahead log, held to the rules of before issue 42 (a reference's),
+    so that one written then still loads, and can be read and deleted."""
+    ref = check_document_ref(field, value)
+    return ref if stored else refuse_invisible(field, ref)
+
+
+def check_document_ref(field: str, value: object) -> str:
+    """An id naming a document that may already exist (a read, a delete, a listing's
+    cursor): a non-blank string of at most :data:`MAX_DOCUMENT_ID_CHARS` characters, without
+    ``/`` (it is a URL path segment) or control characters. Laxer than
+    :func:`check_document_id` only so that a document written before its rule (issue 42)
+    can still be read and deleted."""
     if not isinstance(value, str):
         raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
     if not value.strip():
@@ -307,8 +379,9 @@ def check_document_title(field: str, value: object) -> str:
     return refuse_controls(field, value)
 
 
-def check_document_text(field: str, value: object) -> str:
-    """A document's text: at least one word, at most :data:`MAX_DOCUMENT_TEXT_CHARS`
+def check_document_text(field: str, value: object, *, stored: bool = False) -> str:
+    """A document's text: at least one word and one visible character (:func:`has_visible`;
+    ``stored``: see :func:`check_document_id`), at most :data:`MAX_DOCUMENT_TEXT_CHARS`
     characters, whose only control characters are tab, newline and carriage return."""
     if not isinstance(value, str):
         raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
@@ -318,6 +391,11 @@ def check_document_text(field: str, value: object) -> str:
         )
     if not value.split():
         raise InvalidArgument(f"{field} must not be empty: it holds no words")
+    if not stored and not has_visible(value):
+        raise InvalidArgument(
+            f"{field} must hold a visible character: it holds only whitespace, control, "
+            "format or other invisible characters"
+        )
     return refuse_controls(field, value, QUESTION_CONTROLS)
 
 
@@ -344,10 +422,11 @@ def check_integer(field: str, value: int) -> int:
     )
 
 
-def check_metadata(field: str, value: object) -> None:
+def check_metadata(field: str, value: object, *, stored: bool = False) -> None:
     """A flat map of string keys to scalars (str, int of at most :data:`MAX_SAFE_INTEGER`,
     finite float, bool, None): no lists, no nested objects; at most :data:`MAX_METADATA_KEYS`
-    keys."""
+    keys, each a name that shows as itself (:func:`refuse_invisible`: no NUL, no bidi control,
+    no invisible character; ``stored``: see :func:`check_document_id`)."""
     if not isinstance(value, Mapping):
         raise InvalidArgument(f"{field} must be an object, got {type(value).__name__}")
     if len(value) > MAX_METADATA_KEYS:
@@ -358,8 +437,10 @@ def check_metadata(field: str, value: object) -> None:
         if not isinstance(key, str) or not key or len(key) > MAX_METADATA_KEY_CHARS:
             raise InvalidArgument(
                 f"{field} keys must be strings of 1 to {MAX_METADATA_KEY_CHARS} characters, "
-                f"got {key!r}"
+                f"got {key[:MAX_METADATA_KEY_CHARS] if isinstance(key, str) else key!r}"
             )
+        if not stored:
+            refuse_invisible(f"{field} key {key!r}", key)
         where = f"{field}.{key}"
         if item is None or isinstance(item, bool):
             continue

@@ -21,7 +21,7 @@ from openbook.index.documents import (
     PASSAGE_ID_SEPARATOR,
     Document,
     built_document_id,
-    check_document_id,
+    check_document_ref,
 )
 from openbook.index.live import MAX_LIST_LIMIT, DocumentNotFound, DocumentPage
 from openbook.index.loaded import LoadedIndex
@@ -34,7 +34,7 @@ _SCAN = 1000
 def built_document(index: LoadedIndex, doc_id: str) -> StoredDocument:
     """The document ``doc_id`` of the built ``index``; :class:`DocumentNotFound` if no passage
     belongs to it."""
-    check_document_id("id", doc_id)
+    check_document_ref("id", doc_id)
     found = index.passage_store.with_id_prefix(doc_id + PASSAGE_ID_SEPARATOR, doc_id)
     passages = [p for p in found if built_document_id(p.id) == doc_id]
     if not passages:

@@ -30,6 +30,7 @@ from openbook.index.passages import split_passages
 from openbook.limits import (
     PAGE_WORDS_KEY,
     check_document_id,
+    check_document_ref,
     check_document_text,
     check_document_title,
     check_metadata,
@@ -59,20 +60,24 @@ class Document:
         metadata: Mapping[str, Any] | None = None,
         *,
         field: str = "",
+        stored: bool = False,
     ) -> Document:
         # Anything but a map is kept as given, for validate() to refuse naming the field.
         meta: Any = dict(metadata) if isinstance(metadata, Mapping) else metadata
         doc = cls(id, title, text, {} if meta is None else meta)
-        doc.validate(field)
+        doc.validate(field, stored=stored)
         return doc
 
-    def validate(self, field: str = "") -> None:
-        """Raise InvalidArgument naming the first bad field (prefixed by ``field.``)."""
+    def validate(self, field: str = "", *, stored: bool = False) -> None:
+        """Raise InvalidArgument naming the first bad field (prefixed by ``field.``).
+        ``stored``: a document read back from a log, held to the rules of the time it was
+        written (``openbook.limits``: without issue 42's visible-character rules), so that a
+        document written before them still loads."""
         at = f"{field}." if field else ""
-        check_document_id(f"{at}id", self.id)
+        check_document_id(f"{at}id", self.id, stored=stored)
         check_document_title(f"{at}title", self.title)
-        check_document_text(f"{at}text", self.text)
-        check_metadata(f"{at}metadata", self.metadata)
+        check_document_text(f"{at}text", self.text, stored=stored)
+        check_metadata(f"{at}metadata", self.metadata, stored=stored)
         if PAGE_WORDS_KEY in self.metadata:
             where = f"{at}metadata.{PAGE_WORDS_KEY}"
             pages = parse_page_words(where, self.metadata[PAGE_WORDS_KEY])
@@ -114,8 +119,11 @@ class Document:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, field: str = "") -> Document:
-        """A document from a JSON object (a request body, a log record), validated."""
+    def from_dict(
+        cls, data: Mapping[str, Any], *, field: str = "", stored: bool = False
+    ) -> Document:
+        """A document from a JSON object (a request body, a log record: ``stored``),
+        validated."""
         at = f"{field}." if field else ""
         if not isinstance(data, Mapping):
             raise InvalidArgument(f"{field or 'document'} must be an object")
@@ -123,7 +131,12 @@ class Document:
             if key not in data:
                 raise InvalidArgument(f"{at}{key} is required")
         return cls.create(
-            data["id"], data["title"], data["text"], data.get("metadata"), field=field
+            data["id"],
+            data["title"],
+            data["text"],
+            data.get("metadata"),
+            field=field,
+            stored=stored,
         )
 
 
@@ -175,6 +188,7 @@ __all__ = [
     "MetadataValue",
     "built_document_id",
     "check_document_id",
+    "check_document_ref",
     "check_metadata",
     "document_id_of",
     "passage_id",

@@ -80,7 +80,7 @@ from openbook.index.document_store import DOCUMENTS_FILE, BaseRow, DocumentStore
 from openbook.index.documents import (
     Document,
     built_document_id,
-    check_document_id,
+    check_document_ref,
     document_id_of,
     passage_number,
     passage_page,
@@ -530,7 +530,7 @@ class LiveIndex:
 
     def get(self, doc_id: str) -> StoredDocument:
         """The live document ``doc_id``; :class:`DocumentNotFound` if there is none."""
-        check_document_id("id", doc_id)
+        check_document_ref("id", doc_id)
         found = self._store.get(doc_id)
         if found is None:
             raise DocumentNotFound(f"document {doc_id!r} not found in index {self.name!r}")
@@ -829,7 +829,7 @@ class LiveIndex:
 
     def delete(self, doc_id: str) -> WriteResult:
         """Delete the document ``doc_id``; :class:`DocumentNotFound` if there is none."""
-        check_document_id("id", doc_id)
+        check_document_ref("id", doc_id)
         record = self._commit((DeleteOp(doc_id),))
         return WriteResult(record.version)
 

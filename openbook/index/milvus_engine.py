@@ -71,7 +71,7 @@ from openbook.index.document_store import StoredDocument
 from openbook.index.documents import (
     Document,
     built_document_id,
-    check_document_id,
+    check_document_ref,
     document_id_of,
     passage_number,
     passage_page,
@@ -616,7 +616,7 @@ class MilvusIndex:
     # ------------------------------------------------------------------ documents
 
     def get(self, doc_id: str) -> StoredDocument:
-        check_document_id("id", doc_id)
+        check_document_ref("id", doc_id)
         key = milvus_string(doc_id)
         chunks = self.client.query(
             self.documents,
@@ -739,7 +739,7 @@ class MilvusIndex:
         return WriteResult(version, written)
 
     def delete(self, doc_id: str) -> WriteResult:
-        check_document_id("id", doc_id)
+        check_document_ref("id", doc_id)
         key = milvus_string(doc_id)
         with self._write_lock:
             found = self.client.query(

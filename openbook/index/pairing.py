@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from openbook.artifacts import public_name
 from openbook.index.encoders import _ALIASES, DEFAULT_ENCODER, ENCODER_CONFIG, Encoder
 from openbook.index.manifest import Manifest
 from openbook.rag.adapters import ADAPTER_FILE
@@ -140,7 +141,9 @@ def configured_override(encoder: Encoder, name: str | None = None) -> QueryEncod
     """``OPENBOOK_RETRIEVER_QUERY_ENCODER``: pairs with indexes whose manifest names it (or what
     it was saved from) as query or document encoder, and, for a DPR question encoder or a RAG
     directory, with DPR context-encoder indexes; always of its dimension."""
-    return QueryEncoderOverride(encoder, "OPENBOOK_RETRIEVER_QUERY_ENCODER", [name], encoder.name)
+    return QueryEncoderOverride(
+        encoder, "OPENBOOK_RETRIEVER_QUERY_ENCODER", [name], public_name(encoder.name)
+    )
 
 
 def checkpoint_override(

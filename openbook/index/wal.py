@@ -92,7 +92,7 @@ def _decode_payload(payload: bytes) -> WalRecord:
             if vecs is not None:
                 raw = base64.b64decode(vecs["data"])
                 arr = np.frombuffer(raw, dtype="<f4").reshape(vecs["shape"]).astype(np.float32)
-            ops.append(PutOp(Document.from_dict(op["document"]), arr))
+            ops.append(PutOp(Document.from_dict(op["document"], stored=True), arr))
         elif op["op"] == "delete":
             ops.append(DeleteOp(str(op["id"])))
         else:

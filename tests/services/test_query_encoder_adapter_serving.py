@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from openbook.artifacts import public_name
 from openbook.index import load_encoder
 from openbook.index.encoders import encoder_weights_dir, load_adapted_encoder
 from openbook.rag import RagGenerator
@@ -107,7 +108,9 @@ def test_the_configured_adapter_searches_its_lineage(retriever, world):
     assert np.abs(adapted.encode(ASK) - plain.encode(ASK)).max() > 1e-3
     for name in ("facts-a", "facts-b"):  # both MiniLM indexes: the adapter's base lineage
         reply = stub.Retrieve(retriever_pb2.RetrieveRequest(queries=ASK, k=3, index=name))
-        assert reply.model_version == str(world["adapter"].resolve())
+        # by name, not by path (issue 42): the adapter directory's name and a digest
+        assert reply.model_version == public_name(str(world["adapter"].resolve()))
+        assert reply.model_version.startswith("minilm-lora-") and "/" not in reply.model_version
         assert_same_hits(reply, _search(servicer, name, adapted))
     assert reply_hits(reply)[1] != _search(servicer, "facts-b", plain)[1]
 

@@ -3,8 +3,9 @@
 
 FastAPI parses a JSON body with ``json.loads`` and answers a 422 for a body that is truncated
 or not JSON, but a bare "400 There was an error parsing the body" for the two failures that are
-not ``JSONDecodeError``s: bytes that are not UTF-8 (``UnicodeDecodeError``) and nesting deeper
-than the interpreter's recursion limit (``RecursionError``, around 1,000 levels).
+not ``JSONDecodeError``s: bytes that are not UTF-8 (``UnicodeDecodeError``), nesting deeper
+than the interpreter's recursion limit (``RecursionError``, around 1,000 levels) and an integer
+of more digits than Python converts (a plain ``ValueError``, past 4,300 digits; issue 42).
 :class:`JSONBodyRequest` turns both into ``JSONDecodeError``s that say what is wrong, so FastAPI
 reports them as it reports every other malformed body. A body sent with another content type
 than JSON is not parsed by FastAPI at all: :class:`JSONBodyRoute` refuses it first, naming the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import email.message
 import json
+import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -44,6 +46,16 @@ class JSONBodyRequest(Request):
             except RecursionError:
                 raise json.JSONDecodeError(
                     "nested too deeply to parse", body.decode("utf-8", "replace"), 0
+                ) from None
+            except json.JSONDecodeError:
+                raise
+            except ValueError:
+                # int() refuses more digits than sys.get_int_max_str_digits(): a number no
+                # field takes, said as what it is rather than FastAPI's bare 400.
+                raise json.JSONDecodeError(
+                    f"an integer of more than {sys.get_int_max_str_digits()} digits",
+                    body.decode("utf-8", "replace"),
+                    0,
                 ) from None
         return self._json
 

@@ -3,13 +3,17 @@
 Invariants: under ``/v1`` every error is OpenAI's error object (``openai_format``); elsewhere
 a client's mistake is FastAPI's ``{"detail": ...}`` and a failure (5xx, here or in a service)
 adds the request id, which finds it in the logs. A 422 echoes back what the client sent, as
-ASCII JSON that renders whatever that was (:class:`AsciiJSONResponse`).
+ASCII JSON that renders whatever that was (:class:`AsciiJSONResponse`), but never more than a
+prefix of it (:func:`bounded`: at most :data:`MAX_ECHO_CHARS` characters of each bad value, its
+JSON text cut where it is longer, and of each name in ``loc``; issue 42: a 31 MB body was sent
+back whole), so a refusal costs no more to send than the request's first bytes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request, Response
@@ -49,9 +53,58 @@ def _finite(value: Any) -> Any:
     return value
 
 
+# The most characters of a bad value, a name in an error's loc, or a message a 422 echoes.
+MAX_ECHO_CHARS = 256
+MAX_MESSAGE_CHARS = 1024
+TRUNCATED = "..."
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + TRUNCATED
+
+
+def _bounded_input(value: Any) -> tuple[Any, bool]:
+    """``value`` if it is short, else a prefix of it (of its JSON text, for anything but a
+    string), and whether it was cut."""
+    if isinstance(value, str):
+        return (value, False) if len(value) <= MAX_ECHO_CHARS else (value[:MAX_ECHO_CHARS], True)
+    if value is None or isinstance(value, bool | float):
+        return value, False
+    try:
+        text = json.dumps(jsonable_encoder(value), separators=(",", ":"))
+    except (RecursionError, ValueError, TypeError):
+        return "", True  # nested past what can be rendered: nothing of it
+    if len(text) <= MAX_ECHO_CHARS:
+        return value, False
+    return text[:MAX_ECHO_CHARS], True
+
+
+def bounded(errors: Sequence[dict]) -> list[dict]:
+    """``errors`` with each ``input`` at most :data:`MAX_ECHO_CHARS` characters (a cut one
+    is the prefix of its JSON text, marked ``input_truncated``), each string of ``loc`` (an
+    unknown key is named by itself) at most that too, and each ``msg`` at most
+    :data:`MAX_MESSAGE_CHARS`."""
+    out = []
+    for error in errors:
+        error = dict(error)
+        if "loc" in error:
+            error["loc"] = tuple(
+                _cut(part, MAX_ECHO_CHARS) if isinstance(part, str) else part
+                for part in error["loc"]
+            )
+        if isinstance(error.get("msg"), str):
+            error["msg"] = _cut(error["msg"], MAX_MESSAGE_CHARS)
+        if "input" in error:
+            error["input"], cut = _bounded_input(error["input"])
+            if cut:
+                error["input_truncated"] = True
+        out.append(error)
+    return out
+
+
 async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     """A body or parameter that failed validation: 422 (OpenAI's 400 under ``/v1``)."""
-    errors = readable(exc.errors())
+    errors = bounded(readable(exc.errors()))
     if openai_format.is_openai_path(request.url.path):
         return openai_format.validation_error_response(errors)
     try:

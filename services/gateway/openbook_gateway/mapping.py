@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Sequence
 
+from openbook.artifacts import public_name
 from openbook.types import document_id_of
 from openbook.v1 import common_pb2, generator_pb2, retriever_pb2
 from openbook_gateway.schemas import (
@@ -65,8 +66,9 @@ def answer_response(
         index_version=retrieved.index_version,
         # a retriever from before RetrieveResponse.retrieval existed says nothing: null
         retrieval=retrieved.retrieval or None,
-        model_version=generated.model_version,
-        retriever_version=retrieved.model_version,
+        # by name, never a filesystem path (issue 42), whatever a service reports
+        model_version=public_name(generated.model_version),
+        retriever_version=public_name(retrieved.model_version),
         decoding=body.decoding,
         passages=passages_out(retrieved.results[0].passages, generated),
         hypotheses=hypotheses_out(generated),
@@ -167,7 +169,7 @@ def indexes_response(listed: retriever_pb2.ListIndexesResponse) -> dict:
         "indexes": [
             IndexOut(
                 name=i.name,
-                encoder=i.encoder,
+                encoder=public_name(i.encoder),
                 dim=i.dim,
                 count=i.count,
                 index_type=i.index_type,

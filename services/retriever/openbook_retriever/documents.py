@@ -15,9 +15,14 @@ from dataclasses import dataclass
 from openbook.errors import InvalidArgument
 from openbook.index import INDEX_TYPES
 from openbook.index.document_store import StoredDocument
-from openbook.index.documents import Document, check_document_id
+from openbook.index.documents import Document
 from openbook.index.live import MAX_LIST_LIMIT
-from openbook.limits import MAX_BATCH_DOCUMENTS, check_index_name, check_range
+from openbook.limits import (
+    MAX_BATCH_DOCUMENTS,
+    check_document_ref,
+    check_index_name,
+    check_range,
+)
 from openbook.v1 import retriever_pb2
 
 DEFAULT_LIST_LIMIT = 100
@@ -91,14 +96,14 @@ def validate_document_ref(
     request: retriever_pb2.GetDocumentRequest | retriever_pb2.DeleteDocumentRequest,
 ) -> DocumentRef:
     return DocumentRef(
-        check_index_name("index", request.index), check_document_id("id", request.id)
+        check_index_name("index", request.index), check_document_ref("id", request.id)
     )
 
 
 def validate_list_documents(request: retriever_pb2.ListDocumentsRequest) -> ValidListDocuments:
     index = check_index_name("index", request.index)
     limit = check_range("limit", request.limit or DEFAULT_LIST_LIMIT, 1, MAX_LIST_LIMIT)
-    cursor = check_document_id("cursor", request.cursor) if request.cursor else None
+    cursor = check_document_ref("cursor", request.cursor) if request.cursor else None
     return ValidListDocuments(index, cursor, limit)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from openbook import telemetry
+from openbook.artifacts import public_name
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
@@ -337,7 +338,10 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def model_version(self) -> str:
         if self.encoder_version:
             return self.encoder_version
-        return self.query_encoder.name if self.query_encoder is not None else "index-default"
+        # An encoder loaded from a directory is named by its path: replies name it by
+        # public_name (its directory's name and a digest), never the path (issue 42).
+        encoder = self.query_encoder
+        return public_name(encoder.name) if encoder is not None else "index-default"
 
     def _pairing(self, index: SearchableIndex) -> tuple[Encoder | None, str]:
         """The encoder to search ``index`` with (None: its own, or bm25) and the model

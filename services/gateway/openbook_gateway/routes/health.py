@@ -11,6 +11,7 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from openbook.artifacts import public_name
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.replicas import list_replicas
 from openbook_gateway.services import ServicesDep
@@ -43,8 +44,12 @@ async def readyz(services: ServicesDep, response: Response) -> dict:
         except (RedisError, OSError):
             listed = []
         if listed:  # the replicas that follow shared reloads, and the version each serves
+            # each version by name: a record may name a path (issue 42), a reply never does
             body["replicas"] = [
-                {key: r.get(key, "") for key in ("service", "replica", "version", "state")}
+                {
+                    **{key: r.get(key, "") for key in ("service", "replica", "state")},
+                    "version": public_name(str(r.get("version", ""))),
+                }
                 for r in listed
             ]
     return body
