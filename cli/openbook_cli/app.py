@@ -22,6 +22,7 @@ from typer.core import TyperGroup
 from openbook.redis_endpoint import redacted
 from openbook_cli.ask import AskOptions, ask, render
 from openbook_cli.docs_commands import docs_app
+from openbook_cli.keys_commands import keys_app
 from openbook_cli.launcher import LaunchError, run_stack
 
 if TYPE_CHECKING:  # typer vendors click: its groups take and return typer's own click objects
@@ -52,6 +53,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(docs_app, name="docs")
+app.add_typer(keys_app, name="keys")
 
 
 class ServiceName(StrEnum):

@@ -627,6 +627,14 @@ def _serves_this_redis(compose_file: Path, env: Mapping[str, str]) -> bool:
     return _Process(spec, project.env, project.base_dir).healthy()
 
 
+def access_line(env: Mapping[str, str]) -> str:
+    """The line saying whether the gateway asks every route for a key."""
+    closed = env.get("OPENBOOK_GATEWAY_REQUIRE_KEYS", "").strip().lower() in ("1", "true", "on")
+    if closed:
+        return "openbook up: gateway requires keys (all but health, metrics and the page)"
+    return "openbook up: gateway open: no key needed to ask (OPENBOOK_GATEWAY_REQUIRE_KEYS=false)"
+
+
 def local_stack(
     compose_file: Path, services: list[str] | None = None, env: Mapping[str, str] | None = None
 ) -> Stack:
@@ -639,6 +647,8 @@ def local_stack(
     def on_healthy(name: str) -> None:
         if local_redis is not None and name == REDIS_SERVICE:
             local_redis.write_record(project)
+        if name == "gateway":  # which door it has (issue 43)
+            print(access_line({**environment, **project.services[name].env}), flush=True)
 
     return Stack(project, services, on_healthy=on_healthy)
 

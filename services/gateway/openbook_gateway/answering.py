@@ -41,6 +41,7 @@ from openbook_gateway.mapping import (
     stored_answer,
     with_threshold,
 )
+from openbook_gateway.principal import principal_of
 from openbook_gateway.schemas import AnswerRequest
 from openbook_gateway.services import Services
 
@@ -107,6 +108,11 @@ async def answer_events(
     ``request`` is the HTTP request being answered: its id, and whether its client is still
     there (a gone client cancels the generation)."""
     body = with_conversation(body)
+    # The index it may be answered from: a key held to indexes names only those, and a
+    # request naming none gets its first (a 404 otherwise, before the cache is looked at).
+    index = principal_of(request).index_for(body.index)
+    if index != body.index:
+        body = body.model_copy(update={"index": index})
     metrics = services.metrics
     request_id = request.state.request_id
     timer = metrics.stages()

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
@@ -22,6 +22,7 @@ from starlette.routing import Route
 from openbook.sealing import Sealer, load_sealer
 from openbook.settings import RedisOptions
 from openbook_gateway import errors
+from openbook_gateway.access import check_access
 from openbook_gateway.metrics import GatewayMetrics
 from openbook_gateway.middleware import BodySizeLimit, RequestContext
 from openbook_gateway.openai_schemas import OpenAIRequestError
@@ -31,6 +32,7 @@ from openbook_gateway.routes import (
     documents,
     health,
     indexes,
+    keys,
     mcp,
     openai,
     pages,
@@ -77,6 +79,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         title="openbook",
         version="0.1.0",
         description="Retrieval-Augmented Generation (Lewis et al., 2020) as a service.",
+        # Who a request is and whether its route lets it in (issue 43), decided once for every
+        # route (access.RULES); /mcp, an ASGI route of its own, asks the same door.
+        dependencies=[Depends(check_access)],
+        # FastAPI's own pages are routes no key could open: off when every route needs one.
+        docs_url=None if settings.require_keys else "/docs",
+        redoc_url=None if settings.require_keys else "/redoc",
+        openapi_url=None if settings.require_keys else "/openapi.json",
         lifespan=partial(
             lifespan,
             settings=settings,
@@ -92,7 +101,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     # Every router that takes a body reads it as JSON (bodies.JSONBodyRoute), but uploads'
     # (a multipart form, parsed by its handler).
-    for module in (pages, openai, health, answer, indexes, documents, uploads, admin):
+    for module in (pages, openai, health, answer, indexes, documents, uploads, admin, keys):
         app.include_router(module.router)
     # An ASGI app of its own (the MCP SDK's transport), at /mcp exactly: a Mount would answer
     # /mcp with a redirect to /mcp/.

@@ -14,15 +14,20 @@ Invariants:
 * A tool works on the gateway's own :class:`~openbook_gateway.services.Services`, through the
   code the HTTP routes run (``answering.answer_events``, the documents and indexes handlers),
   never HTTP to itself: the same cache, limits, metrics and errors as ``/answer``.
-* Arguments are validated once, by the request models of the HTTP API (``schemas``: the rules
-  of ``openbook.limits``). A bad argument, or anything the services refuse (an unknown index,
-  an index without the asked retrieval view), is a tool error (``isError``) whose text names
-  the argument; the session goes on. An unexpected failure is a tool error naming the request
-  id, never a crashed session.
-* A write tool runs only when the HTTP request that carries the call presents the admin token
-  as its bearer token (as ``/admin`` and the documents API take it); without it, or with the
-  admin API off (no ``OPENBOOK_ADMIN_TOKEN``), it is refused before anything is written.
-  Reaching ``/mcp`` at all takes an API key when ``OPENBOOK_GATEWAY_API_KEYS`` is set
+* Arguments are validated as the HTTP API validates a body: strictly (``"5"`` is not an
+  integer, ``"true"`` not a boolean) and with unknown arguments refused (:func:`strict_arguments`:
+  each tool's argument model, the SDK's lax one otherwise, made ``STRICT_REQUEST``; its schema
+  then says ``additionalProperties: false``), then by the request models of the HTTP API
+  (``schemas``: the rules of ``openbook.limits``). A bad argument, or anything the services
+  refuse (an unknown index, an index without the asked retrieval view), is a tool error
+  (``isError``) whose text names the argument; the session goes on. An unexpected failure
+  is a tool error naming the request id, never a crashed session.
+* A write tool runs only when the HTTP request that carries the call presents a key with the
+  scope its HTTP route needs (``put_document``, ``delete_document``: ``write``, into an index
+  the key may name; ``create_index``: ``admin``; the admin token has both), as the door found
+  it (``openbook_gateway.access``); without it, or with the admin API off (no
+  ``OPENBOOK_ADMIN_TOKEN``), it is refused before anything is written. A key held to indexes
+  names only those in every tool. Reaching ``/mcp`` at all is the door's to decide
   (:mod:`openbook_gateway.routes.mcp`).
 """
 
@@ -37,9 +42,8 @@ from fastapi.exceptions import RequestValidationError
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
-from openbook.auth import bearer_matches
 from openbook.errors import InvalidArgument
 from openbook.limits import (
     MAX_K,
@@ -51,10 +55,17 @@ from openbook.limits import (
 )
 from openbook.logs import request_id_var
 from openbook.types import document_id_of
+from openbook_gateway.access import Refused, require_scope
 from openbook_gateway.answering import AnswerOut, answer_events
+from openbook_gateway.principal import ADMIN, WRITE, principal_of
 from openbook_gateway.routes import documents as documents_routes
 from openbook_gateway.routes import indexes as indexes_routes
-from openbook_gateway.schemas import AnswerRequest, CreateIndexRequest, DocumentBody
+from openbook_gateway.schemas import (
+    STRICT_REQUEST,
+    AnswerRequest,
+    CreateIndexRequest,
+    DocumentBody,
+)
 from openbook_gateway.services import Services, get_services
 
 log = logging.getLogger(__name__)
@@ -64,7 +75,8 @@ INSTRUCTIONS = (
     "openbook answers questions from the passages it retrieves from its indexes (Retrieval-"
     "Augmented Generation). Use `search` to find passages, `answer` for an answer with its "
     "citations and confidence, `list_indexes` to see which indexes exist. The write tools "
-    "(`create_index`, `put_document`, `delete_document`) need the admin token."
+    "(`create_index`, `put_document`, `delete_document`) need a key with the scope to write "
+    "(or the admin token)."
 )
 
 READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, openWorldHint=False)
@@ -120,17 +132,16 @@ class _Call:
     async def services(self) -> Services:
         return await get_services(self.request)
 
-    def require_admin(self, services: Services) -> None:
-        """The admin token as the carrying request's bearer token, or a refusal."""
-        admin_token = services.settings.admin_token
-        expected = admin_token.get_secret_value() if admin_token else ""
-        if not expected:
-            raise ToolError("write tools are disabled: the gateway has no OPENBOOK_ADMIN_TOKEN")
-        if not bearer_matches(self.request.headers.get("authorization"), [expected]):
-            raise ToolError(
-                "this tool writes and needs the admin token: connect to /mcp with "
-                "'Authorization: Bearer <OPENBOOK_ADMIN_TOKEN>'"
-            )
+    def require(self, scope: str, services: Services, index: str | None = None) -> None:
+        """The carrying request's key has ``scope`` (``write``, ``admin``: as the HTTP route
+        the tool stands for needs) and may name ``index``, or a refusal before anything is
+        done (``openbook_gateway.access``)."""
+        try:
+            principal = require_scope(self.request, scope, services)
+        except Refused as refused:
+            raise ToolError(refused.message) from None
+        if index is not None and not principal.sees(index):
+            raise ToolError(principal.unknown_index(index))
 
 
 def _argument_errors(exc: ValidationError, renamed: dict[str, str] | None = None) -> ToolError:
@@ -184,6 +195,7 @@ async def search(
         raise _argument_errors(exc, {"question": "query"}) from None
     services = await call.services()
     try:
+        index = principal_of(call.request).index_for(index)  # a key held to indexes
         retrieved = await services.retrieval.retrieve(
             query, k, index, call.request_id, retrieval=retrieval, where=body.metadata_filter()
         )
@@ -312,7 +324,7 @@ async def create_index(
     except ValidationError as exc:
         raise _argument_errors(exc) from None
     services = await call.services()
-    call.require_admin(services)
+    call.require(ADMIN, services)
     try:
         return await documents_routes.create_index(body, call.request, services)
     except (HTTPException, RequestValidationError) as exc:
@@ -342,7 +354,7 @@ async def put_document(
     except ValidationError as exc:
         raise _argument_errors(exc) from None
     services = await call.services()
-    call.require_admin(services)
+    call.require(WRITE, services, index)
     try:
         return await documents_routes.put_document(index, doc_id, body, call.request, services)
     except (HTTPException, RequestValidationError) as exc:
@@ -362,7 +374,7 @@ async def delete_document(
     except InvalidArgument as exc:
         raise ToolError(f"invalid argument: {exc}") from None
     services = await call.services()
-    call.require_admin(services)
+    call.require(WRITE, services, index)
     try:
         return await documents_routes.delete_document(index, doc_id, call.request, services)
     except (HTTPException, RequestValidationError) as exc:
@@ -378,4 +390,20 @@ def build_server() -> MCPServer:
     server.add_tool(create_index, title="Create an index", annotations=ADDITIVE)
     server.add_tool(put_document, title="Write a document", annotations=DESTRUCTIVE)
     server.add_tool(delete_document, title="Delete a document", annotations=DESTRUCTIVE)
+    strict_arguments(server)
     return server
+
+
+def strict_arguments(server: MCPServer) -> None:
+    """Make every tool's arguments as strict as an HTTP body (``schemas.STRICT_REQUEST``):
+    the SDK builds each tool's argument model lax (``k: "5"`` read as 5) and ignoring unknown
+    arguments (a misspelt ``filtr`` silently dropped); this swaps in a subclass that refuses
+    both, which the SDK reports as a tool error naming the argument. A JSON string where a list
+    or object belongs is still read as that JSON, before validation (the SDK does it for
+    clients that send objects as strings)."""
+    for tool in server._tool_manager.list_tools():
+        metadata = tool.fn_metadata
+        lax = metadata.arg_model
+        config = ConfigDict(**{**lax.model_config, **STRICT_REQUEST})
+        metadata.arg_model = type(lax.__name__, (lax,), {"model_config": config})
+        tool.parameters = metadata.arg_model.model_json_schema(by_alias=True)

@@ -6,7 +6,7 @@ generator enforce at their own boundaries, so a request accepted here is one the
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -41,6 +41,7 @@ from openbook.limits import (
     check_question,
 )
 from openbook.metadata_filter import MetadataFilter, parse_filter
+from openbook_gateway.api_keys import KEY_NAME_PATTERN, MAX_KEY_INDEXES, SCOPES, Scope
 
 # Passages per answer when neither the request nor the served generator names a number (a RAG
 # checkpoint's config n_docs is the generator's own default).
@@ -539,3 +540,60 @@ class DocumentListResponse(BaseModel):
         None, description="the cursor of the next page; null when this page is the last"
     )
     version: int
+
+
+class CreateKeyRequest(BaseModel):
+    """``POST /admin/keys`` (issue 43; openbook_gateway.api_keys)."""
+
+    model_config = STRICT_REQUEST
+
+    name: str = Field(
+        pattern=KEY_NAME_PATTERN,
+        description="the key's name: 1 to 64 of a-z, 0-9, '_' and '-', starting with a letter "
+        "or digit; shown in listings and logs, never secret",
+    )
+    scopes: list[Scope] = Field(
+        min_length=1,
+        max_length=len(SCOPES),
+        description="'ask' (answers, chat, responses, embeddings, MCP reads, reading documents), "
+        "'write' (documents and uploads), 'admin' (everything the admin token does)",
+    )
+    indexes: list[Annotated[str, Field(pattern=INDEX_NAME_PATTERN)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_KEY_INDEXES,
+        description="the only indexes the key may name (others are 404 to it); a request "
+        "naming none gets the first. Unset: every index",
+    )
+
+    @model_validator(mode="after")
+    def _admin_is_everywhere(self) -> CreateKeyRequest:
+        if "admin" in self.scopes and self.indexes is not None:
+            raise ValueError(
+                "indexes: a key with the 'admin' scope cannot be held to indexes (it could "
+                "make itself a key that is not)"
+            )
+        return self
+
+
+class CreatedKey(BaseModel):
+    name: str
+    key: str = Field(description="the secret: shown this once, kept only as a salted hash")
+
+
+class KeyOut(BaseModel):
+    name: str
+    scopes: list[str]
+    indexes: list[str] | None
+    created: float = Field(description="Unix time")
+    last_used: float | None = Field(
+        description="Unix time of its latest use, to within a minute; null: never used"
+    )
+
+
+class KeysResponse(BaseModel):
+    keys: list[KeyOut]
+
+
+class DeletedKey(BaseModel):
+    name: str

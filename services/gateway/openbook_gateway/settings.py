@@ -41,10 +41,14 @@ class GatewaySettings(CommonSettings):
     # How long POST /admin/reload-model waits for every replica to report the desired model
     # (converged or refused) before answering 202 with the replicas still loading.
     reload_wait_s: float = Field(default=600.0, gt=0)
-    # Keys of the OpenAI-compatible API (/v1/*), comma-separated: each call then needs
-    # "Authorization: Bearer <one of them>". Unset: /v1 is open, as /answer is. Not the admin
-    # token, which only opens /admin.
+    # Keys with the "ask" scope (openbook_gateway.access), comma-separated: while set, /v1 and
+    # /mcp need a key (one of these, one made with POST /admin/keys, or the admin token).
+    # Unset: /v1 is open, as /answer is.
     api_keys: SecretStr | None = None
+    # Every route but /healthz, /readyz, /metrics and the page needs a key (issue 43;
+    # openbook_gateway.access): 401 without one, 403 for a key without the route's scope.
+    # False: /answer, reads and (without api_keys) /v1 and /mcp are open, as in the demo.
+    require_keys: bool = False
     # Answers whose confidence (openbook/rag/confidence.py) is below this abstain: an empty
     # answer with "abstained": true. A request's min_confidence overrides it. Unset: never.
     min_confidence: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)

@@ -10,7 +10,7 @@ Invariants:
   sealed with the server key: an entry written, altered or moved by anyone else reads as absent.
 * A response id is random (:func:`new_response_id`, 128 bits), never the client's request id,
   so no client can pick the id another's conversation is stored under.
-* An entry belongs to the API key that made it (a hash of it; with no keys configured, to
+* An entry belongs to the key that made it (a hash of it; made without a known key, to
   everyone): another key's request naming it is told it does not exist, as for an unknown,
   expired or forged id (a 400 naming ``previous_response_id``).
 * ``store: false`` keeps nothing. Redis down: nothing is kept (the reply says ``store``
@@ -19,7 +19,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import uuid
@@ -30,6 +29,7 @@ from openbook.redis_protocol import StoredConversation
 from openbook.shared_state_aio import read_conversation, write_conversation
 from openbook_gateway.conversation import Turn, recent
 from openbook_gateway.openai_schemas import OpenAIRequestError
+from openbook_gateway.principal import Principal
 from openbook_gateway.services import Services
 
 log = logging.getLogger(__name__)
@@ -42,13 +42,10 @@ def new_response_id() -> str:
     return f"{RESPONSE_PREFIX}{uuid.uuid4().hex}"
 
 
-def owner_of(authorization: str | None, services: Services) -> str:
-    """Whom a stored response belongs to: a hash of the API key presented (checked already by
-    ``require_api_key``), or "" when ``/v1`` takes no keys."""
-    if services.settings.api_keys is None or not authorization:
-        return ""
-    key = authorization.partition(" ")[2]
-    return hashlib.sha256(key.encode()).hexdigest()
+def owner_of(principal: Principal) -> str:
+    """Whom a stored response belongs to: a hash of the key that made it (as the door found it,
+    ``openbook_gateway.access``), or "" for a request no key was known for."""
+    return principal.owner
 
 
 async def load_turns(services: Services, response_id: str, owner: str) -> list[Turn]:

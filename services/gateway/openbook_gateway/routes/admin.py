@@ -1,21 +1,21 @@
 """The admin API under ``/admin``: swap the active index, reload the model, list replicas.
 
-Invariant: every route here is behind :func:`require_admin` (a router-level dependency), which
-runs before the body is read: without ``OPENBOOK_ADMIN_TOKEN`` set the admin API is off (401),
-and a request without that token as its bearer token is refused (401). The gateway forwards
-the token on the admin RPCs, which the retriever and generator check again.
+Invariant: every route here needs the ``admin`` scope (``openbook_gateway.access.RULES``: the
+admin token, or a key made with it that has ``admin``): without ``OPENBOOK_ADMIN_TOKEN`` set the
+admin API is off (401), a request with no known credential is refused (401), one whose key
+lacks the scope too (403). The gateway forwards the token on the admin RPCs, which the
+retriever and generator check again.
 """
 
 from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from openbook.auth import bearer_matches
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.replicas import desired_model, list_replicas, outcome, reload_models
 from openbook_gateway.schemas import (
@@ -34,23 +34,7 @@ log = logging.getLogger(__name__)
 ADMIN_MIN_TIMEOUT_S = 600.0
 
 
-async def require_admin(
-    services: ServicesDep, authorization: str | None = Header(default=None)
-) -> None:
-    """The admin token as the request's bearer token, or 401."""
-    admin_token = services.settings.admin_token
-    expected = admin_token.get_secret_value() if admin_token else ""
-    if not expected:
-        raise HTTPException(401, "admin API disabled: set OPENBOOK_ADMIN_TOKEN")
-    if not bearer_matches(authorization, [expected]):
-        raise HTTPException(
-            401, "missing or wrong admin token", headers={"WWW-Authenticate": "Bearer"}
-        )
-
-
-router = APIRouter(
-    prefix="/admin", dependencies=[Depends(require_admin)], route_class=JSONBodyRoute
-)
+router = APIRouter(prefix="/admin", route_class=JSONBodyRoute)
 
 
 @router.post("/swap-index", response_model=SwapIndexResponse)

@@ -3,9 +3,10 @@ live index (issue 32; docs/api.md, "Documents").
 
 Invariants:
 
-* Every write (creating or deleting an index, putting or deleting documents) is behind the
-  admin token (:func:`~openbook_gateway.routes.admin.require_admin`, run before the body is
-  read); reads are open, as ``GET /indexes`` is.
+* Every write is behind a scope (``openbook_gateway.access.RULES``): putting and deleting
+  documents ``write``, creating and deleting indexes ``admin``; reads need ``ask`` where keys
+  are required, else are open, as ``GET /indexes`` is. A key held to indexes gets a 404 for
+  any other (the door checks the path's ``index``).
 * A body or path is checked here first, with ``openbook.limits``' rules (``schemas``): bad input
   is a 422 naming the field and never reaches the retriever. What only the retriever can
   know maps from its gRPC code: NOT_FOUND -> 404, ALREADY_EXISTS and FAILED_PRECONDITION (the
@@ -17,13 +18,20 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Annotated
+from urllib.parse import unquote_to_bytes
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from openbook.errors import InvalidArgument
-from openbook.limits import INDEX_NAME_PATTERN, MAX_DOCUMENT_ID_CHARS, check_document_id
+from openbook.limits import (
+    INDEX_NAME_PATTERN,
+    MAX_DOCUMENT_ID_CHARS,
+    check_document_id,
+    check_document_ref,
+)
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.mapping import (
     document_proto,
@@ -31,7 +39,6 @@ from openbook_gateway.mapping import (
     index_out,
     put_document_response,
 )
-from openbook_gateway.routes.admin import require_admin
 from openbook_gateway.schemas import (
     CreateIndexRequest,
     DeleteDocumentResponse,
@@ -53,14 +60,40 @@ DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 
 
-def _checked_id(where: str, name: str, value: str) -> str:
-    """``value`` if it is a document id, else the 422 a body's bad field gets, naming ``name``
-    (a path or query parameter is checked here: FastAPI's own constraints cannot say why)."""
+def _checked_id(
+    where: str,
+    name: str,
+    value: str,
+    request: Request | None = None,
+    check: Callable[[str, object], str] = check_document_id,
+) -> str:
+    """``value`` if it is a document id (``check``: a new one's rule, or
+    :func:`check_document_ref` for one that may exist), else the 422 a body's bad field gets,
+    naming ``name`` (a path or query parameter is checked here: FastAPI's own constraints
+    cannot say why). With ``request``, the id came from its path: bytes there that are not
+    UTF-8 are refused rather than read as U+FFFD, which would make ``%FF%FE`` and ``%FE%FF``
+    one id."""
     try:
-        return check_document_id(name, value)
+        if request is not None:
+            _utf8_path(name, request)
+        return check(name, value)
     except InvalidArgument as exc:
         raise RequestValidationError(
-            [{"type": "value_error", "loc": (where, name), "msg": str(exc), "input": value}]
+            [{"type": "value_error", "loc": (where, name), "msg": str(exc), "input": value[:64]}]
+        ) from None
+
+
+def _utf8_path(name: str, request: Request) -> None:
+    """Raise naming ``name`` unless the request's path, percent-decoded, is UTF-8 (the server
+    decodes it with replacement, so the path parameters cannot tell)."""
+    raw = request.scope.get("raw_path") or request.scope.get("path", "").encode("utf-8")
+    decoded = unquote_to_bytes(raw)
+    try:
+        decoded.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(
+            f"{name} must be UTF-8 (percent-encoded): byte 0x{decoded[exc.start]:02x} at "
+            f"offset {exc.start} of the decoded path is not"
         ) from None
 
 
@@ -69,11 +102,11 @@ DocumentId = Annotated[
     str,
     Path(
         max_length=MAX_DOCUMENT_ID_CHARS,
-        description="the document's id: not empty, no '/', no control characters (one with "
-        "a '/' reaches the route, to be refused naming doc_id, not a 404)",
+        description="the document's id, UTF-8: not empty, no '/', no control, format, bidi or "
+        "invisible characters, no separator but the space, none at its ends (one with a '/' "
+        "reaches the route, to be refused naming doc_id, not a 404)",
     ),
 ]
-AdminOnly = [Depends(require_admin)]
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -83,7 +116,7 @@ def _wrote(services: Services, index: str, version: int) -> None:
     services.metrics.index_version(index, version)
 
 
-@router.post("/indexes", status_code=201, response_model=IndexOut, dependencies=AdminOnly)
+@router.post("/indexes", status_code=201, response_model=IndexOut)
 async def create_index(body: CreateIndexRequest, request: Request, services: ServicesDep) -> dict:
     """An empty index: the default encoder and type, or those of the index named by ``like``."""
     info = await services.retrieval.create_index(
@@ -96,7 +129,7 @@ async def create_index(body: CreateIndexRequest, request: Request, services: Ser
     return index_out(info)
 
 
-@router.delete("/indexes/{name}", response_model=DeleteIndexResponse, dependencies=AdminOnly)
+@router.delete("/indexes/{name}", response_model=DeleteIndexResponse)
 async def delete_index(name: IndexName, request: Request, services: ServicesDep) -> dict:
     """Delete an index and its files; refused (409) for the active index."""
     await services.retrieval.delete_index(name, request.state.request_id)
@@ -109,7 +142,6 @@ async def delete_index(name: IndexName, request: Request, services: ServicesDep)
 @router.put(
     "/indexes/{index}/documents/{doc_id:path}",
     response_model=PutDocumentResponse,
-    dependencies=AdminOnly,
 )
 async def put_document(
     index: IndexName,
@@ -120,7 +152,7 @@ async def put_document(
 ) -> dict:
     """Insert or replace one document: split into passages, embedded, searchable once this
     answers."""
-    doc_id = _checked_id("path", "doc_id", doc_id)
+    doc_id = _checked_id("path", "doc_id", doc_id, request)
     reply = await services.retrieval.put_documents(
         index, [document_proto(doc_id, body)], request.state.request_id
     )
@@ -131,7 +163,6 @@ async def put_document(
 @router.post(
     "/indexes/{index}/documents:batch",
     response_model=PutDocumentsResponse,
-    dependencies=AdminOnly,
 )
 async def put_documents(
     index: IndexName, body: PutDocumentsRequest, request: Request, services: ServicesDep
@@ -146,13 +177,12 @@ async def put_documents(
 @router.delete(
     "/indexes/{index}/documents/{doc_id:path}",
     response_model=DeleteDocumentResponse,
-    dependencies=AdminOnly,
 )
 async def delete_document(
     index: IndexName, doc_id: DocumentId, request: Request, services: ServicesDep
 ) -> dict:
     """Delete a document (404 when absent): its passages are never served once this answers."""
-    doc_id = _checked_id("path", "doc_id", doc_id)
+    doc_id = _checked_id("path", "doc_id", doc_id, request, check_document_ref)
     reply = await services.retrieval.delete_document(index, doc_id, request.state.request_id)
     _wrote(services, index, reply.version)
     return {"version": reply.version}
@@ -163,7 +193,7 @@ async def get_document(
     index: IndexName, doc_id: DocumentId, request: Request, services: ServicesDep
 ) -> dict:
     """A document, its metadata and its passage ids (404 when absent)."""
-    doc_id = _checked_id("path", "doc_id", doc_id)
+    doc_id = _checked_id("path", "doc_id", doc_id, request, check_document_ref)
     document = await services.retrieval.get_document(index, doc_id, request.state.request_id)
     return document_response(index, document)
 
@@ -184,7 +214,7 @@ async def list_documents(
 ) -> dict:
     """A page of document ids, in id order, after ``cursor``."""
     if cursor:
-        _checked_id("query", "cursor", cursor)
+        _checked_id("query", "cursor", cursor, check=check_document_ref)
     listed = await services.retrieval.list_documents(index, cursor, limit, request.state.request_id)
     services.metrics.index_version(index, listed.version)
     return {

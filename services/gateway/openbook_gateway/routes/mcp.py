@@ -2,12 +2,15 @@
 
 Invariants:
 
-* Same door as ``/v1``: with ``OPENBOOK_GATEWAY_API_KEYS`` set, every request needs
-  ``Authorization: Bearer <one of them>``, or the admin token (which also opens the write
-  tools); anything else is a 401 before the MCP layer reads the body. Unset: ``/mcp`` is open,
-  as ``/answer`` is, and only the write tools ask for the admin token.
+* Same door as ``/v1`` (``openbook_gateway.access``): with ``OPENBOOK_GATEWAY_API_KEYS`` or
+  ``OPENBOOK_GATEWAY_REQUIRE_KEYS`` set, every request needs a key with the ``ask`` scope (or
+  the admin token); anything else is a 401 before the MCP layer reads the body. Otherwise
+  ``/mcp`` is open, as ``/answer`` is. The write tools ask for their own scope (``write``;
+  ``admin`` to create an index).
 * Stateless: every POST is answered on its own (JSON, no server-side session), so any gateway
-  replica behind a load balancer can serve any call, and nothing is kept between calls.
+  replica behind a load balancer can serve any call, and nothing is kept between calls. So
+  there is no stream for the server to push on: ``GET /mcp`` (which the SDK would answer with an
+  SSE stream that never closes) is a 405 naming POST (issue 42).
 * The SDK's session manager needs a task group of its own for as long as the app serves:
   :meth:`McpEndpoint.running` is entered in the gateway's lifespan (``app.create_app``), one
   session manager per run of the lifespan (the SDK's runs once); a request before it is a 503.
@@ -23,12 +26,12 @@ from contextlib import asynccontextmanager
 from fastapi.responses import JSONResponse
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
-from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from openbook.auth import bearer_matches
+from openbook_gateway.access import Refused, admit, rule_of
 from openbook_gateway.mcp_tools import build_server
-from openbook_gateway.routes.openai import api_keys
+from openbook_gateway.services import get_services
 from openbook_gateway.settings import GatewaySettings
 
 PATH = "/mcp"
@@ -80,28 +83,32 @@ class McpEndpoint:
             finally:
                 self.manager = None
 
-    def allowed(self, authorization: str | None) -> bool:
-        """Whether a request may reach the tools: no API keys set, or one of them (or the admin
-        token) as its bearer token."""
-        keys = api_keys(self.settings)
-        if not keys:
-            return True
-        token = self.settings.admin_token
-        admin = [token.get_secret_value()] if token else []
-        return bearer_matches(authorization, [*keys, *admin])
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # FastAPI's routes put themselves in the scope, where middleware.RequestContext reads
         # the route's path for its access log and metrics; a plain ASGI route does not.
         scope.setdefault("route", self)
-        if not self.allowed(Headers(scope=scope).get("authorization")):
+        # The door every route goes through (openbook_gateway.access), before the MCP layer
+        # reads a byte; the tools read the principal it found from the request's state.
+        request = Request(scope)
+        try:
+            principal = await admit(
+                rule_of(scope["method"], PATH),
+                request.headers.get("authorization"),
+                await get_services(request),
+                {},
+            )
+        except Refused as refused:
+            await refused.response(scope["path"])(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        if scope.get("method") == "GET":
             response = JSONResponse(
                 {
-                    "detail": "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                    "with one of OPENBOOK_GATEWAY_API_KEYS (or the admin token)"
+                    "detail": "GET /mcp opens a server-to-client stream, which this stateless "
+                    "server never sends on: send each call as a POST"
                 },
-                401,
-                headers={"WWW-Authenticate": "Bearer"},
+                405,
+                headers={"Allow": "POST, DELETE"},
             )
             await response(scope, receive, send)
             return

@@ -26,8 +26,9 @@ agent frameworks and chat front-ends work unchanged. Any other ``/v1`` path is a
   was sent): it comes whole, or the abstention does, in the last content chunk.
 * Errors are OpenAI's error objects (``{"error": {"message", "type", "param", "code"}}``); a
   stream that fails after it began ends with such an object as its last event.
-* With ``OPENBOOK_GATEWAY_API_KEYS`` set, every ``/v1`` call needs ``Authorization: Bearer
-  <one of them>`` (not the admin token, which is for ``/admin``).
+* With ``OPENBOOK_GATEWAY_API_KEYS`` set (or ``OPENBOOK_GATEWAY_REQUIRE_KEYS``), every ``/v1``
+  call needs a key with the ``ask`` scope (``openbook_gateway.access``); a key held to indexes
+  is offered and may name only those (``openbook`` is then its first).
 
 The answer itself comes from the same pipeline as ``POST /answer``
 (:mod:`openbook_gateway.answering`): the same cache, limits and errors. The reply's wire
@@ -41,10 +42,9 @@ import struct
 from collections.abc import AsyncGenerator, Callable, Sequence
 from functools import partial
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from openbook.auth import bearer_matches
 from openbook_gateway.answering import (
     AnswerOut,
     TokenOut,
@@ -63,42 +63,15 @@ from openbook_gateway.openai_schemas import (
     OpenAIRequestError,
     to_answer_request,
 )
+from openbook_gateway.principal import principal_of
 from openbook_gateway.responses_format import ResponseReply
 from openbook_gateway.services import Services, ServicesDep
-from openbook_gateway.settings import GatewaySettings
 from openbook_gateway.stored_responses import load_turns, owner_of, save_turns
-
-
-def api_keys(settings: GatewaySettings) -> list[str]:
-    """The keys ``/v1`` accepts; none: ``/v1`` is open.
-
-    The list is comma-separated (a key has no spaces or commas): spaces around a comma are
-    the list's formatting, not part of a key."""
-    listed = settings.api_keys.get_secret_value() if settings.api_keys else ""
-    return [key.strip() for key in listed.split(",") if key.strip()]
-
-
-async def require_api_key(
-    services: ServicesDep, authorization: str | None = Header(default=None)
-) -> None:
-    """Every ``/v1`` call's check: a presented key must match one exactly."""
-    keys = api_keys(services.settings)
-    if keys and not bearer_matches(authorization, keys):
-        raise OpenAIRequestError(
-            "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
-            "OPENBOOK_GATEWAY_API_KEYS",
-            None,
-            "invalid_api_key",
-            status=401,
-        )
-
 
 # What answer_events yields: token events as the answer is written, then the answer.
 AnswerEvents = AsyncGenerator[TokenOut | AnswerOut, None]
 
-router = APIRouter(
-    prefix=PREFIX, dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute
-)
+router = APIRouter(prefix=PREFIX, route_class=JSONBodyRoute)
 
 
 def model_card(model_id: str, services: Services) -> dict:
@@ -110,33 +83,35 @@ def model_card(model_id: str, services: Services) -> dict:
     }
 
 
-async def model_ids(services: Services, request_id: str) -> list[str]:
+async def model_ids(services: Services, request: Request) -> list[str]:
     """``openbook`` and ``openbook/<index>`` for every index that can be loaded: a model
-    that names an index the retriever says is broken (``problem``) is not offered."""
-    listed = await services.retrieval.list_indexes(request_id)
-    usable = [index.name for index in listed.indexes if not index.problem]
+    that names an index the retriever says is broken (``problem``) is not offered, nor one
+    the request's key may not name."""
+    listed = await services.retrieval.list_indexes(request.state.request_id)
+    principal = principal_of(request)
+    usable = [i.name for i in listed.indexes if not i.problem and principal.sees(i.name)]
     return [MODEL, *(f"{MODEL}/{name}" for name in usable)]
 
 
 @router.get("/models")
 async def models(request: Request, services: ServicesDep) -> dict:
     """``openbook`` (the active index) and ``openbook/<index>`` for every loadable index."""
-    ids = await model_ids(services, request.state.request_id)
+    ids = await model_ids(services, request)
     return {"object": "list", "data": [model_card(m, services) for m in ids]}
 
 
 @router.get("/models/{model_id:path}")
 async def model(model_id: str, request: Request, services: ServicesDep) -> dict:
-    if model_id not in await model_ids(services, request.state.request_id):
+    if model_id not in await model_ids(services, request):
         raise _unknown_model(model_id)
     return model_card(model_id, services)
 
 
-async def index_of(body: ChatCompletionRequest, services: Services, request_id: str) -> str | None:
+async def index_of(body: ChatCompletionRequest, services: Services, request: Request) -> str | None:
     """The index the model (and the ``index`` extra field) name; None: the active one."""
     index: str | None = None
     if body.model != MODEL:
-        if body.model not in await model_ids(services, request_id):
+        if body.model not in await model_ids(services, request):
             raise _unknown_model(body.model)
         index = body.model.removeprefix(MODEL + "/")
     if body.index is not None:
@@ -154,7 +129,7 @@ async def chat_completions(
 ) -> Response:
     body.check_supported()
     request_id = request.state.request_id
-    question = to_answer_request(body, await index_of(body, services, request_id))
+    question = to_answer_request(body, await index_of(body, services, request))
     threshold = confidence_threshold(body.min_confidence, services)
     reply = Completion(body, request_id, holds_text=threshold is not None)
     events = answer_events(question, services, request, stream=body.stream)
@@ -166,7 +141,6 @@ async def responses(
     body: ResponsesRequest,
     request: Request,
     services: ServicesDep,
-    authorization: str | None = Header(default=None),
 ) -> Response:
     """The Responses API: the chat completion the request amounts to
     (:meth:`~openbook_gateway.openai_responses.ResponsesRequest.to_chat_request`), after the
@@ -174,14 +148,14 @@ async def responses(
     of its text (:mod:`openbook_gateway.responses_format`); its conversation kept for the next
     one unless ``store`` is false."""
     body.check_supported()
-    owner = owner_of(authorization, services)
+    owner = owner_of(principal_of(request))
     prior: list[Turn] = []
     if body.previous_response_id is not None:
         prior = await load_turns(services, body.previous_response_id, owner)
     chat = body.to_chat_request(prior)
     request_id = request.state.request_id
     try:
-        question = to_answer_request(chat, await index_of(chat, services, request_id))
+        question = to_answer_request(chat, await index_of(chat, services, request))
     except OpenAIRequestError as exc:
         raise body.renamed(exc) from None
     threshold = confidence_threshold(chat.min_confidence, services)
@@ -217,9 +191,10 @@ async def embeddings(body: EmbeddingsRequest, request: Request, services: Servic
     request_id = request.state.request_id
     index: str | None = None
     if body.model != MODEL:
-        if body.model not in await model_ids(services, request_id):
+        if body.model not in await model_ids(services, request):
             raise _unknown_model(body.model)
         index = body.model.removeprefix(MODEL + "/")
+    index = principal_of(request).index_for(index)  # a key held to indexes: its first
     try:
         reply = await services.retrieval.embed_queries(texts, index, request_id)
     except HTTPException as exc:

@@ -6,8 +6,10 @@ PDF), then written as one document through the documents API's path (the retriev
 ``PutDocuments``, the shard ``crc32(id) mod n`` picks), so an upload answers as a ``PUT`` does.
 
 Invariants:
-  * Behind the admin token, checked before the body is read (the form is parsed by the
-    handler, not by FastAPI's parameters, which would read it before any dependency runs).
+  * Behind the ``write`` scope (``openbook_gateway.access``: a key with it, or the admin
+    token), checked before the body is read (the form is parsed by the handler, not by
+    FastAPI's parameters, which would read it before any dependency runs); a key held to
+    indexes gets a 404 for any other.
   * The body is bounded while it streams: ``BodySizeLimit`` cuts any body under ``/indexes/``
     past ``OPENBOOK_GATEWAY_MAX_DOCUMENT_BODY_BYTES`` with a 413, before the form is whole.
   * Extraction is bounded (``ExtractionLimits``: a deadline, PDF work budgets) and stops once
@@ -22,7 +24,11 @@ Invariants:
     ``openbook docs upload`` knows the id of a file before sending it. The document's metadata
     holds the client's keys and the upload's facts, which win over them: ``sha256`` (the
     whole digest), ``source`` (the file's name), ``type`` and, for a PDF, ``pages`` and
-    ``page_words`` (how its passages are cut page by page, and so their pages).
+    ``page_words`` (how its passages are cut page by page, and so their pages). Only the
+    upload says where pages are: a client's ``page_words`` is refused (422 naming it; kept, it
+    made a plain-text file cite pages it does not have, issue 42).
+  * The extracted text must hold a visible character (``openbook.limits.check_document_text``,
+    the documents API's rule): a file of only bidi controls and zero-width spaces is a 422.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import logging
 import threading
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -43,6 +49,7 @@ from openbook.errors import InvalidArgument
 from openbook.limits import (
     PAGE_WORDS_KEY,
     check_document_id,
+    check_document_text,
     check_document_title,
     check_metadata,
 )
@@ -56,7 +63,6 @@ from openbook_gateway.extraction import (
     extract,
 )
 from openbook_gateway.mapping import put_document_response
-from openbook_gateway.routes.admin import require_admin
 from openbook_gateway.routes.documents import IndexName, _wrote
 from openbook_gateway.schemas import UploadResponse
 from openbook_gateway.services import ServicesDep
@@ -139,6 +145,13 @@ def _metadata(raw: str | None) -> dict[str, Any]:
         check_metadata("metadata", value)
     except InvalidArgument as exc:
         raise _refused("metadata", str(exc), raw[:200]) from None
+    if PAGE_WORDS_KEY in value:
+        raise _refused(
+            "metadata",
+            f"metadata.{PAGE_WORDS_KEY} is the upload's own (a PDF's words per page, which cut "
+            "its passages page by page): leave it out",
+            raw[:200],
+        )
     return value
 
 
@@ -160,7 +173,6 @@ def _document_metadata(
 @router.post(
     "/indexes/{index}/documents",
     response_model=UploadResponse,
-    dependencies=[Depends(require_admin)],
     openapi_extra=_UPLOAD_BODY,
 )
 async def upload_document(index: IndexName, request: Request, services: ServicesDep) -> dict:
@@ -218,6 +230,10 @@ async def _upload(index: str, form: Any, request: Request, services: ServicesDep
         raise HTTPException(
             CANCELLED_STATUS, "file: the client went away while it was read; nothing was written"
         )
+    try:
+        check_document_text("file", extracted.text)
+    except InvalidArgument as exc:
+        raise _refused("file", f"{exc} (the text of {filename[:100]!r})", filename) from None
     digest = hashlib.sha256(data).hexdigest()
     doc_id = doc_id or content_id(digest)
     # The form's title, else the document's own, else the file's name.

@@ -1,0 +1,76 @@
+"""The API keys' part of the Redis protocol (issue 43): key names and codecs, no I/O.
+
+Kept beside :mod:`openbook.redis_protocol` (same rules: names and encodings here only, the
+Redis calls in :mod:`openbook.api_keys_state_aio`), for the keys an admin makes with ``POST
+/admin/keys``: one sealed record per key under :func:`api_key_key` of its name, holding the
+key's scopes, its indexes, when it was made, and a salted hash of its secret (never the
+secret). Sealed bound to its Redis key (:mod:`openbook.sealing`): an entry written, altered or
+moved by anyone without the server key (Redis's password is not enough) opens as None, and is
+no key. When a key was last used is kept apart, unsealed (hash :data:`API_KEYS_LAST_USED_KEY`:
+name -> Unix time): a forged value there only shows a wrong time, and never opens anything.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TypedDict
+
+from openbook.sealing import Sealer
+
+API_KEY_PREFIX = "openbook:api-key:"
+# Every key's record (a SCAN pattern).
+API_KEY_PATTERN = API_KEY_PREFIX + "*"
+API_KEYS_LAST_USED_KEY = "openbook:api-keys-last-used"
+
+
+class ApiKeyRecord(TypedDict):
+    name: str
+    scopes: list[str]
+    indexes: list[str] | None  # None: every index
+    created: float  # time.time() when it was made
+    salt: str  # hex
+    digest: str  # hex: SHA-256 of salt + secret (openbook_gateway.api_keys)
+
+
+def api_key_key(name: str) -> str:
+    return API_KEY_PREFIX + name
+
+
+def seal_api_key(sealer: Sealer, record: ApiKeyRecord) -> str:
+    """``record`` as stored under :func:`api_key_key` of its name (sealed: bound to it)."""
+    return sealer.seal(api_key_key(record["name"]), json.dumps(record))
+
+
+def open_api_key(sealer: Sealer, name: str, raw: str | bytes | None) -> ApiKeyRecord | None:
+    """The record of key ``name`` stored as ``raw``; None if absent, not genuine (not sealed
+    with the server key, or sealed for another name) or not a record."""
+    payload = sealer.open(api_key_key(name), raw)
+    if not payload:
+        return None
+    try:
+        record = json.loads(payload)
+    except ValueError:
+        return None
+    indexes = record.get("indexes") if isinstance(record, dict) else None
+    if not (
+        isinstance(record, dict)
+        and record.get("name") == name
+        and isinstance(record.get("scopes"), list)
+        and all(isinstance(scope, str) for scope in record["scopes"])
+        and (
+            indexes is None
+            or (isinstance(indexes, list) and all(isinstance(i, str) for i in indexes))
+        )
+        and isinstance(record.get("created"), int | float)
+        and isinstance(record.get("salt"), str)
+        and isinstance(record.get("digest"), str)
+    ):
+        return None
+    return ApiKeyRecord(
+        name=name,
+        scopes=record["scopes"],
+        indexes=indexes,
+        created=float(record["created"]),
+        salt=record["salt"],
+        digest=record["digest"],
+    )

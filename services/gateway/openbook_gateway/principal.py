@@ -1,0 +1,62 @@
+"""Who a request is, as the door (:mod:`openbook_gateway.access`) found it: the principal a
+route reads from ``request.state`` to narrow what it shows, and :meth:`Principal.index_for`,
+the one rule for the index a request may name (issue 43).
+
+Kept apart from the door so that the answer pipeline can ask it without importing the door's
+dependencies (no cycle: this module imports nothing of the gateway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import HTTPException, Request
+
+ASK, WRITE, ADMIN = "ask", "write", "admin"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request is: a key's name (None: anonymous), its scopes and indexes, and the owner
+    its stored responses belong to (a hash of its token; "" anonymous)."""
+
+    name: str | None
+    scopes: frozenset[str] = frozenset()
+    indexes: tuple[str, ...] | None = None  # None: every index
+    owner: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.name is not None
+
+    def can(self, scope: str) -> bool:
+        return ADMIN in self.scopes or scope in self.scopes
+
+    def sees(self, index: str) -> bool:
+        return self.indexes is None or index in self.indexes
+
+    def index_for(self, index: str | None) -> str | None:
+        """The index a request naming ``index`` (None: the default) is answered from; a
+        404 for an index the key may not name, as for one that does not exist."""
+        if self.indexes is None:
+            return index
+        if index is None:
+            return self.indexes[0]
+        if index not in self.indexes:
+            raise HTTPException(404, self.unknown_index(index))
+        return index
+
+    def unknown_index(self, index: str) -> str:
+        # the retriever's words for an index it does not have, listing only this key's
+        return f"index: unknown index {index!r} (available: {', '.join(self.indexes or ())})"
+
+
+ANONYMOUS = Principal(None)
+ADMIN_TOKEN_NAME = "admin-token"
+API_KEY_NAME = "api-key"
+
+
+def principal_of(request: Request) -> Principal:
+    """Who ``request`` is, as the door found (anonymous if it let it in without asking)."""
+    principal = getattr(request.state, "principal", None)
+    return principal if isinstance(principal, Principal) else ANONYMOUS
