@@ -69,7 +69,7 @@ from openbook_gateway.principal import (
     Principal,
     principal_of,
 )
-from openbook_gateway.services import Services, ServicesDep
+from openbook_gateway.services import Services, get_services
 from openbook_gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -255,11 +255,16 @@ async def admit(
     return principal
 
 
-async def check_access(request: Request, services: ServicesDep) -> None:
+async def check_access(request: Request) -> None:
     """The app's dependency (every FastAPI route's): :func:`admit`, the principal then in
-    ``request.state``."""
+    ``request.state``. A route open to all (the page, its static files, health) is let in
+    before the services are looked up: serving a file needs no Redis or gRPC client."""
     route = request.scope.get("route")
     rule = rule_of(request.method, getattr(route, "path", ""))
+    if rule.scope is None:
+        request.state.principal = ANONYMOUS
+        return
+    services = await get_services(request)
     try:
         principal = await admit(
             rule, request.headers.get("authorization"), services, request.path_params
