@@ -32,7 +32,12 @@ def _record(var: Path, port: int) -> Path:
 
 
 def test_explicit_url_then_the_record_then_the_port_then_6379(tmp_path, monkeypatch):
-    for name in ("OPENBOOK_REDIS_URL", "OPENBOOK_REDIS_PORT", "OPENBOOK_REDIS_PASSWORD_FILE"):
+    for name in (
+        "OPENBOOK_REDIS_URL",
+        "OPENBOOK_REDIS_PORT",
+        "OPENBOOK_REDIS_PASSWORD_FILE",
+        "OPENBOOK_SERVER_KEY_FILE",  # the suite's Redis fixture sets it for its services
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OPENBOOK_VAR_DIR", str(tmp_path))
     assert CommonSettings().redis_url == "redis://127.0.0.1:6379/0"  # nothing recorded

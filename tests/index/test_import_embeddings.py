@@ -108,11 +108,12 @@ def test_import_dpr_pickle_shards(tsv: Path, tmp_path: Path, dpr_dirs: tuple[Pat
     _assert_searchable(out, vecs)
     with open_index(out) as idx:
         assert idx.query_encoder.dim == DIM  # the retriever can load what was recorded
-        # The passages get a bm25 view too, as a build's do: hybrid retrieval by default.
-        assert m.views == ["dense", "bm25"] and idx.default_retrieval == "hybrid"
+        # The passages get a bm25 view too, as a build's do; DPR's vectors keep the paper's
+        # dense retrieval as the default, hybrid on request.
+        assert m.views == ["dense", "bm25"] and idx.default_retrieval == "dense"
         (bm25,) = idx.search(["python moon planet hamlet"], 3, retrieval="bm25")
         assert bm25[0].text == "python moon planet hamlet"
-        (hybrid,) = idx.search(["python moon planet hamlet"], 3)
+        (hybrid,) = idx.search(["python moon planet hamlet"], 3, retrieval="hybrid")
         scores = [p.score for p in hybrid]  # random vectors: the dense part decides the order
         assert len(hybrid) == 3 and scores == sorted(scores, reverse=True)
     assert not (tmp_path / ".idx.partial").exists()

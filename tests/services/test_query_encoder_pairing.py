@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from openbook.artifacts import public_name
 from openbook.index import Manifest, build_index, load_encoder
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.pairing import checkpoint_override, configured_override
@@ -114,7 +115,7 @@ def test_each_index_is_searched_by_its_paired_encoder(retriever, world):
     assert_same_hits(a, expected(servicer, "facts-a", minilm))
 
     d = retrieve(stub, "dpr-32")  # a DPR context-encoder index: the DPR override pairs with it
-    assert d.index == "dpr-32" and d.model_version == override.name
+    assert d.index == "dpr-32" and d.model_version == public_name(override.name)
     assert_same_hits(d, expected(servicer, "dpr-32", override))
     assert reply_hits(d)[1] != expected(servicer, "dpr-32", own_dpr)[1]  # not its own encoder's
 
@@ -158,7 +159,9 @@ def test_checkpoint_against_another_index_is_refused(retriever, world):
     for part in ("step-000001", "'facts-a'", "'dpr-32'", "dim 384", "index dim 32"):
         assert part in details, details
     d = retrieve(stub)  # the configured override keeps serving dpr-32
-    assert d.index == "dpr-32" and d.model_version == load_encoder(str(world["q2"])).name
+    assert d.index == "dpr-32" and d.model_version == public_name(
+        load_encoder(str(world["q2"])).name
+    )
     assert_same_hits(d, expected(servicer, "dpr-32", load_encoder(str(world["q2"]))))
 
 

@@ -21,7 +21,9 @@ def test_hybrid_scores_carry_the_dense_gradient(task: SyntheticTask, hybrid_inde
     with open_index(hybrid_index) as index:
         enc = load_encoder(str(task.query_encoder), role="query", cached=False)
         enc.model.eval()  # no dropout: the scores below are compared with a search
-        retrieval = make_retrieval(index, enc, 3)
+        # a DPR-encoded index trains as it serves: dense by default (the paper's), hybrid asked
+        assert isinstance(make_retrieval(index, enc, 3), DenseRetrieval)
+        retrieval = make_retrieval(index, enc, 3, "hybrid")
         assert isinstance(retrieval, HybridRetrieval)
         hits, scores = retrieval.retrieve_with_scores(QUESTIONS, grad=True)
         assert scores.shape == (2, 3) and scores.requires_grad
@@ -60,7 +62,8 @@ def test_training_loop_uses_the_hybrid_prior(make_cfg, hybrid_index: Path) -> No
     from openbook_trainer.config import ConfigError
     from openbook_trainer.loop import Trainer
 
-    trainer = Trainer(make_cfg(index=hybrid_index, steps=3, dev=None))  # default: hybrid
+    # the synthetic index is DPR-encoded, whose default is dense: hybrid is asked for
+    trainer = Trainer(make_cfg(index=hybrid_index, steps=3, dev=None, retrieval="hybrid"))
     losses: list[float] = []
     try:
         assert isinstance(trainer.retrieval, HybridRetrieval)
