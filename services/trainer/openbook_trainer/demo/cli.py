@@ -7,6 +7,7 @@ complete and does nothing, saying so.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
@@ -69,22 +70,33 @@ def prepare(
     start = time.monotonic()
     did: list[str] = []
 
-    if not skip_indexes:
-        names = settings.index_names()
-        if names is not None:
-            known = {s.name for s in DEMO_SNAPSHOTS}
-            if other := [n for n in names if n not in known]:
-                typer.echo(f"not demo indexes, left to their owner: {', '.join(other)}", err=True)
-            names = [n for n in names if n in known]
-        built = prepare_demo_indexes(index_root, data_dir, progress=True, names=names)
-        did += [f"index {name}" for name in built]
-    if not skip_models:
+    # The generator's conversion (a minute of GGUF dequantization) runs beside the index
+    # builds instead of after them: the first start waits for the longer of the two, not the
+    # sum (docs/benchmarks.md, "First answer"). Both release the GIL for their heavy work
+    # (numpy, torch, the tokenizers), so a thread is enough.
+    with ThreadPoolExecutor(1, thread_name_prefix="prepare-generator") as pool:
+        converting: Future[Path] | None = None
         model_dir = models_dir / DEFAULT_MODEL_DIRNAME
-        if is_prepared(model_dir):
-            typer.echo(f"generator: already prepared at {model_dir}", err=True)
-        else:
-            prepare_default_generator(model_dir, progress=True)
+        if not skip_models:
+            if is_prepared(model_dir):
+                typer.echo(f"generator: already prepared at {model_dir}", err=True)
+            else:
+                converting = pool.submit(prepare_default_generator, model_dir, progress=True)
+        if not skip_indexes:
+            names = settings.index_names()
+            if names is not None:
+                known = {s.name for s in DEMO_SNAPSHOTS}
+                if other := [n for n in names if n not in known]:
+                    typer.echo(
+                        f"not demo indexes, left to their owner: {', '.join(other)}", err=True
+                    )
+                names = [n for n in names if n in known]
+            built = prepare_demo_indexes(index_root, data_dir, progress=True, names=names)
+            did += [f"index {name}" for name in built]
+        if converting is not None:
+            converting.result()
             did.append(f"generator {model_dir}")
+    if not skip_models:
         adapter_dir = models_dir / DEFAULT_ADAPTER_DIRNAME
         shipped = data_dir / "adapters"
         if install_shipped_adapter(shipped / DEFAULT_ADAPTER, model_dir, adapter_dir):
