@@ -107,6 +107,12 @@ async def answer_events(
 
     ``request`` is the HTTP request being answered: its id, and whether its client is still
     there (a gone client cancels the generation)."""
+    # A follow-up is retrieved with the question expanded from the conversation (the cache key
+    # and question_used hold that text, which starts with the question as asked), and answered
+    # as asked: the generator reads the question the user wrote over the passages the
+    # conversation found (docs/benchmarks.md, "Conversations": the expanded text as the
+    # generator's question lost every answer of a conversation that changed topic).
+    asked = body.question
     body = with_conversation(body)
     # The index it may be answered from: a key held to indexes names only those, and a
     # request naming none gets its first (a 404 otherwise, before the cache is looked at).
@@ -120,6 +126,10 @@ async def answer_events(
     # model's default share the key.
     k = body.k if body.k is not None else await services.default_k.get(request_id)
     params = answer_params(body, k)
+    if asked != body.question:
+        # what the generator reads, beside what retrieval searched: the expanded text asked
+        # outright is generated from itself, and must not share this answer's entry
+        params["asked"] = asked
     # not part of the cache key: applied to the answer, cached or not, on its way out
     threshold = confidence_threshold(body.min_confidence, services)
 
@@ -170,12 +180,13 @@ async def answer_events(
         timer.stage("generate"),
         telemetry.span("text_completion", requested, SpanKind.CLIENT) as span,
     ):
+        as_asked = body if body.question == asked else body.model_copy(update={"question": asked})
         if not stream:
             generated = await unless_disconnected(
-                request, services.generator.generate(body, passages, request_id)
+                request, services.generator.generate(as_asked, passages, request_id)
             )
         else:
-            async for event in services.generator.generate_stream(body, passages, request_id):
+            async for event in services.generator.generate_stream(as_asked, passages, request_id):
                 if event.WhichOneof("event") == "done":
                     generated = event.done
                     break
