@@ -290,7 +290,10 @@ def test_a_shard_down_is_503_naming_it_then_answers_come_back(system):
     down = system.shards[1]
     question = "Who wrote Hamlet?"
     want = _passages(_answer(system.unsharded_url, question, 5))
-    assert _passages(_answer(system.sharded_url, question, 5)) == want
+    ids, scores = _passages(_answer(system.sharded_url, question, 5))
+    # the same passages; scores to float32 precision: two processes, whose compute-thread
+    # counts (and so the query encoder's last bits) may differ (as after the restart below)
+    assert ids == want[0] and scores == pytest.approx(want[1], rel=1e-5)
     down.stop()
 
     for _ in range(3):
