@@ -19,7 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from openbook.index.passages import split_passages
 
 # The rules are the core's (the gateway checks a document with the same ones); re-exported.
 from openbook.limits import (
+    MAX_BATCH_DOCUMENTS,
     PAGE_WORDS_KEY,
     check_document_id,
     check_document_ref,
@@ -195,3 +196,28 @@ __all__ = [
     "passage_number",
     "passage_page",
 ]
+
+
+def validated_batch(documents: Sequence[Document], field: str = "documents") -> list[Document]:
+    """``documents`` as one write takes them: 1 to ``MAX_BATCH_DOCUMENTS`` valid documents of
+    distinct ids; InvalidArgument naming the field (``field[i]``, or ``field`` itself for a
+    single ``document``). What every engine's ``put_many`` checks before writing anything."""
+    if isinstance(documents, Document):
+        raise TypeError("put_many takes a sequence of documents")
+    docs = list(documents)
+    if not docs:
+        raise InvalidArgument(f"{field} must not be empty")
+    if len(docs) > MAX_BATCH_DOCUMENTS:
+        raise InvalidArgument(
+            f"{field} must hold at most {MAX_BATCH_DOCUMENTS} documents, got {len(docs)}"
+        )
+    seen: set[str] = set()
+    for i, doc in enumerate(docs):
+        at = field if field == "document" else f"{field}[{i}]"
+        if not isinstance(doc, Document):
+            raise InvalidArgument(f"{at} must be a Document")
+        doc.validate(at)
+        if doc.id in seen:
+            raise InvalidArgument(f"{at}.id: {doc.id!r} appears twice in the batch")
+        seen.add(doc.id)
+    return docs

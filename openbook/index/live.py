@@ -84,6 +84,7 @@ from openbook.index.documents import (
     document_id_of,
     passage_number,
     passage_page,
+    validated_batch,
 )
 from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
@@ -103,7 +104,7 @@ from openbook.index.wal import (
     read_log_from,
 )
 from openbook.index.writer_lock import COMPACTION_LOCK_FILE, WriterLock, WriterLockHeld
-from openbook.limits import MAX_BATCH_DOCUMENTS, check_range
+from openbook.limits import check_range
 from openbook.metadata_filter import MetadataFilter, record_of
 from openbook.types import Passage
 
@@ -802,24 +803,7 @@ class LiveIndex:
 
     def put_many(self, documents: Sequence[Document], *, field: str = "documents") -> WriteResult:
         """Insert or replace ``documents`` as one write: one version, all or nothing."""
-        if isinstance(documents, Document):
-            raise TypeError("put_many takes a sequence of documents")
-        docs = list(documents)
-        if not docs:
-            raise InvalidArgument(f"{field} must not be empty")
-        if len(docs) > MAX_BATCH_DOCUMENTS:
-            raise InvalidArgument(
-                f"{field} must hold at most {MAX_BATCH_DOCUMENTS} documents, got {len(docs)}"
-            )
-        seen: set[str] = set()
-        for i, doc in enumerate(docs):
-            at = field if field == "document" else f"{field}[{i}]"
-            if not isinstance(doc, Document):
-                raise InvalidArgument(f"{at} must be a Document")
-            doc.validate(at)
-            if doc.id in seen:
-                raise InvalidArgument(f"{at}.id: {doc.id!r} appears twice in the batch")
-            seen.add(doc.id)
+        docs = validated_batch(documents, field)
         max_words = self._view.base.manifest.max_words
         ops = tuple(self._put_op(doc, max_words) for doc in docs)
         record = self._commit(ops)

@@ -422,16 +422,7 @@ class LoadedIndex:
         if not self.dense:
             raise ValueError(f"index {self.name!r} is bm25; search it by text")
         # Dense retrieval only: hybrid needs the query text too (``search(query_vectors=)``).
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        q = np.asarray(query_vectors, dtype=np.float32)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[1] != self.manifest.dim:
-            raise ValueError(
-                f"index {self.name!r}: query vectors of shape {q.shape}, "
-                f"expected (n, {self.manifest.dim})"
-            )
+        q = query_matrix(self.name, query_vectors, self.manifest.dim, k)
         if len(q) == 0:
             return []
         m = self.manifest
@@ -541,3 +532,16 @@ class LoadedIndex:
         self._faiss = None
         self._bm25 = None
         self._vectors = None
+
+
+def query_matrix(name: str, query_vectors: np.ndarray, dim: int, k: int) -> np.ndarray:
+    """``query_vectors`` as the float32 ``(n, dim)`` matrix a dense search of index ``name``
+    takes (one vector: one row), with ``k`` >= 1; ValueError naming what is wrong."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    q = np.asarray(query_vectors, dtype=np.float32)
+    if q.ndim == 1:
+        q = q[None, :]
+    if q.ndim != 2 or q.shape[1] != dim:
+        raise ValueError(f"index {name!r}: query vectors of shape {q.shape}, expected (n, {dim})")
+    return q

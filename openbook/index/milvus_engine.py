@@ -75,6 +75,7 @@ from openbook.index.documents import (
     document_id_of,
     passage_number,
     passage_page,
+    validated_batch,
 )
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.engine import (
@@ -87,9 +88,14 @@ from openbook.index.engine import (
     check_retrieval,
 )
 from openbook.index.live import MAX_LIST_LIMIT, DocumentNotFound, DocumentPage, WriteResult
-from openbook.index.loaded import LoadedIndex, check_query_encoder, index_query_encoder
+from openbook.index.loaded import (
+    LoadedIndex,
+    check_query_encoder,
+    index_query_encoder,
+    query_matrix,
+)
 from openbook.index.manifest import IndexLoadError, Manifest
-from openbook.limits import MAX_BATCH_DOCUMENTS, MAX_METADATA_KEYS, check_range
+from openbook.limits import MAX_METADATA_KEYS, check_range
 from openbook.metadata_filter import (
     AllOf,
     AnyOf,
@@ -575,16 +581,7 @@ class MilvusIndex:
         *,
         where: MetadataFilter | None = None,
     ) -> list[list[Passage]]:
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        q = np.asarray(query_vectors, dtype=np.float32)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[1] != self._manifest.dim:
-            raise ValueError(
-                f"index {self.name!r}: query vectors of shape {q.shape}, "
-                f"expected (n, {self._manifest.dim})"
-            )
+        q = query_matrix(self.name, query_vectors, self._manifest.dim, k)
         if len(q) == 0:
             return []
         params: dict[str, Any] = {"metric_type": "IP"}
@@ -686,24 +683,7 @@ class MilvusIndex:
     def put_many(self, documents: Sequence[Document], *, field: str = "documents") -> WriteResult:
         """Insert or replace ``documents`` as one write (one version). Validated as a live
         index validates them; the passages are encoded before anything is written."""
-        if isinstance(documents, Document):
-            raise TypeError("put_many takes a sequence of documents")
-        docs = list(documents)
-        if not docs:
-            raise InvalidArgument(f"{field} must not be empty")
-        if len(docs) > MAX_BATCH_DOCUMENTS:
-            raise InvalidArgument(
-                f"{field} must hold at most {MAX_BATCH_DOCUMENTS} documents, got {len(docs)}"
-            )
-        seen: set[str] = set()
-        for i, doc in enumerate(docs):
-            at = field if field == "document" else f"{field}[{i}]"
-            if not isinstance(doc, Document):
-                raise InvalidArgument(f"{at} must be a Document")
-            doc.validate(at)
-            if doc.id in seen:
-                raise InvalidArgument(f"{at}.id: {doc.id!r} appears twice in the batch")
-            seen.add(doc.id)
+        docs = validated_batch(documents, field)
         max_words = self._manifest.max_words
         for i, doc in enumerate(docs):
             _check_fits(field if field == "document" else f"{field}[{i}]", doc, max_words)
