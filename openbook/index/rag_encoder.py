@@ -31,16 +31,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
 
-def is_rag_dir(path: Path) -> bool:
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "rag"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _weight_shards(root: Path) -> list[Path]:
     for name in WEIGHT_FILES:
         weights = root / name

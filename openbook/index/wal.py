@@ -221,17 +221,6 @@ def open_log(path: Path) -> tuple[WriteAheadLog, list[WalRecord]]:
     return WriteAheadLog(path, spans), records
 
 
-def read_log(path: Path) -> list[WalRecord]:
-    """The whole records of the log at ``path``, changing nothing: what a reader that is not
-    the writer sees (an append in progress is a torn tail, left alone); [] when absent."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    return _scan(path, data)[0]
-
-
 @dataclass(frozen=True)
 class LogPosition:
     """Where a reader's view of a log ends: the file (its inode) and the end of the last whole

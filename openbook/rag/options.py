@@ -60,17 +60,6 @@ class DecodingOptions:
             seed=self.seed,
         )
 
-    def key(self) -> tuple[str, int, int, int, float, int]:
-        """Hashable identity, used to group requests that can share a forward pass."""
-        return (
-            self.mode,
-            self.num_beams,
-            self.max_new_tokens,
-            self.min_new_tokens,
-            float(self.length_penalty),
-            self.num_return_sequences,
-        )
-
 
 @dataclass
 class Hypothesis:
