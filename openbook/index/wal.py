@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from openbook.artifacts import fsync_dir, temp_sibling
+from openbook.artifacts import clean_stale_partials, fsync_dir, temp_sibling
 from openbook.index.documents import Document
 
 WAL_FILE = "wal.log"
@@ -206,6 +206,10 @@ def open_log(path: Path) -> tuple[WriteAheadLog, list[WalRecord]]:
     """Open (or create) the log at ``path``: its whole records in order, a torn last record
     dropped and cut off the file. Only the index's writer may open it (it cuts the file)."""
     path = Path(path)
+    # A writer killed while :meth:`WriteAheadLog.drop_through` rewrote the log left its copy
+    # beside it. Only the index's writer opens the log, under the writer lock, so no copy can
+    # be in progress now: every one is abandoned, whatever its age.
+    clean_stale_partials(path.parent, name=path.name, grace_s=0.0, max_age_s=0.0)
     if not path.exists():
         with open(path, "wb") as f:
             os.fsync(f.fileno())

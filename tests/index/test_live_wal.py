@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from openbook.artifacts import temp_sibling
 from openbook.index.documents import Document
 from openbook.index.wal import (
     DeleteOp,
@@ -98,4 +99,19 @@ def test_drop_through_keeps_later_records_and_appends(tmp_path: Path) -> None:
     wal, _ = open_log(path)
     wal.drop_through(6)
     assert wal.last_version is None and path.stat().st_size == 0
+    wal.close()
+
+
+def test_a_rewrite_cut_short_by_a_kill_is_removed_when_the_log_is_opened(tmp_path: Path) -> None:
+    """kill -9 during drop_through leaves its copy of the log beside it; the next writer to
+    open the log (the only one, under the writer lock) removes it, however young."""
+    path = tmp_path / "wal.log"
+    _write(path, 2)
+    left = temp_sibling(path)
+    left.write_bytes(path.read_bytes()[:7])  # a copy written halfway
+    other = tmp_path / ".base-000000000001.tmp-x-1-deadbeef"  # not the log's: not touched
+    other.mkdir()
+    wal, records = open_log(path)
+    assert [r.version for r in records] == [1, 2]
+    assert not left.exists() and other.exists()
     wal.close()
