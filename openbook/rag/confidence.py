@@ -31,17 +31,19 @@ bad file stops the load with an error naming it. Two kinds exist, told apart by 
 ``"kind"`` (:data:`AnyCalibration` is either):
 
 * ``"piecewise-linear"`` (:class:`Calibration`): a monotone piecewise-linear map of raw
-  confidence, fitted with :func:`fit_calibration` (isotonic regression by pooled adjacent
-  violators). Being monotone, it makes confidences probabilities but cannot rank right answers
-  above wrong ones any better than raw confidence does (same AUROC).
+  confidence, fitted by isotonic regression. Being monotone, it makes confidences
+  probabilities but cannot rank right answers above wrong ones any better than raw confidence
+  does (same AUROC).
 * ``"logistic"`` (:class:`LogisticCalibration`): ``sigmoid(bias + sum_i w_i * f_i)`` over
-  named features of the answer (:func:`confidence_features`), fitted with
-  :func:`fit_logistic_calibration` (L2-penalised logistic regression by Newton's method). It
-  uses what the generator knows beyond the answer's probability: how peaked the passage prior
-  is, whether the answer is written in the passages and how much prior and posterior mass
-  those carry, and whether ``max_new_tokens`` cut the answer; so it can separate right from
-  wrong answers better than any map of raw confidence. The engine computes the features only
-  for a model whose calibration reads them (``needs_features``).
+  named features of the answer (:func:`confidence_features`), fitted by L2-penalised logistic
+  regression. It uses what the generator knows beyond the answer's probability: how peaked
+  the passage prior is, whether the answer is written in the passages and how much prior and
+  posterior mass those carry, and whether ``max_new_tokens`` cut the answer; so it can
+  separate right from wrong answers better than any map of raw confidence. The engine
+  computes the features only for a model whose calibration reads them (``needs_features``).
+
+This module applies a fitted file; fitting is an offline job, the trainer's
+(``openbook_trainer.calibration``, with scikit-learn), which writes the same files.
 
 Features
 --------
@@ -351,42 +353,6 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number")
 
 
-def fit_calibration(raw: Sequence[float], correct: Sequence[bool | float]) -> Calibration:
-    """Isotonic regression of ``correct`` (1/0, or a score in [0, 1]) on ``raw`` confidence by
-    pooled adjacent violators: the non-decreasing step function closest to the outcomes in
-    squared error. Its knots are the first and last raw value of each pooled block, at the
-    block's mean outcome, so the map is flat within a block and linear between blocks.
-
-    Raises ``ValueError`` for empty or mismatched inputs or values outside [0, 1]."""
-    xs = np.asarray(raw, dtype=np.float64)
-    ys = np.asarray(correct, dtype=np.float64)
-    if xs.ndim != 1 or xs.shape != ys.shape or xs.size == 0:
-        raise ValueError("raw and correct must be non-empty sequences of the same length")
-    for name, values in (("raw", xs), ("correct", ys)):
-        if not np.all(np.isfinite(values)) or values.min() < 0 or values.max() > 1:
-            raise ValueError(f"{name} must hold numbers in [0, 1]")
-    # equal raw values form one point of weight = their count
-    ux, inverse, counts = np.unique(xs, return_inverse=True, return_counts=True)
-    sums = np.bincount(inverse, weights=ys)
-    # blocks: [mean, weight, first point, last point]; merge while the last two decrease
-    blocks: list[list[float]] = []
-    for i in range(ux.size):
-        blocks.append([sums[i] / counts[i], float(counts[i]), i, i])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, _, last = blocks.pop()
-            m1, w1, first, _ = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, first, last])
-    kx: list[float] = []
-    ky: list[float] = []
-    for mean, _, first, last in blocks:
-        for point in (first, last) if last != first else (first,):
-            kx.append(float(ux[int(point)]))
-            ky.append(min(1.0, max(0.0, float(mean))))
-    calibration = Calibration(tuple(kx), tuple(ky), int(xs.size))
-    calibration.validate()
-    return calibration
-
-
 def mean_log_prob(log_prob: float, scored_tokens: int) -> float:
     """``log_prob / scored_tokens`` clipped to [:data:`LOG_PROB_FLOOR`, 0]; the floor for an
     answer with no scored token or a non-finite ``log_prob``. Its exp is
@@ -514,90 +480,6 @@ def calibrate_row(calibration: AnyCalibration, features: Mapping[str, float]) ->
         return calibration(features)
     mlp = float(features["mean_log_prob"])
     return calibration(math.exp(mlp) if mlp > LOG_PROB_FLOOR else 0.0)
-
-
-def fit_logistic_calibration(
-    feature_rows: Sequence[Mapping[str, float]],
-    correct: Sequence[bool | float],
-    features: Sequence[str] = DEFAULT_FEATURES,
-    l2: float = 1.0,
-    fitted_on: Mapping[str, Any] | None = None,
-) -> LogisticCalibration:
-    """The logistic calibration over the named ``features`` of each row (:data:`FEATURES`),
-    fitted by :func:`fit_logistic` to ``correct`` (1/0, or a score in [0, 1]). ``fitted_on``:
-    provenance stored with it (default: the number of rows).
-
-    Raises ``ValueError`` for an unknown feature, a row without a feature, and whatever
-    :func:`fit_logistic` refuses."""
-    names = tuple(features)
-    for name in names:
-        if name not in FEATURES:
-            raise ValueError(f"unknown feature {name!r}: one of {', '.join(FEATURES)}")
-    if len(feature_rows) != len(correct):
-        raise ValueError("feature_rows and correct must be non-empty and of the same length")
-    try:
-        x = np.array([[float(row[n]) for n in names] for row in feature_rows], dtype=np.float64)
-    except KeyError as e:
-        raise ValueError(f"a feature row has no {e.args[0]!r}") from None
-    bias, weights = fit_logistic(x.reshape(len(feature_rows), len(names)), correct, l2)
-    provenance = dict(fitted_on) if fitted_on is not None else {"questions": len(correct)}
-    calibration = LogisticCalibration(names, tuple(weights), bias, provenance)
-    calibration.validate()
-    return calibration
-
-
-def fit_logistic(
-    x: np.ndarray, correct: Sequence[bool | float], l2: float = 1.0
-) -> tuple[float, list[float]]:
-    """(bias, weights) of the L2-penalised logistic regression of ``correct`` (1/0, or a score
-    in [0, 1]) on the columns of ``x`` (n, d), by Newton's method (IRLS). Minimises
-    ``sum_i logloss_i + l2/2 * |w|^2`` (the bias is not penalised): scikit-learn's
-    ``LogisticRegression(C=1/l2)``.
-
-    Raises ``ValueError`` for empty or mismatched inputs, values out of range, or outcomes
-    that are all right or all wrong (the bias would be infinite)."""
-    if not l2 > 0 or not math.isfinite(l2):
-        raise ValueError(f"l2 must be a positive number, got {l2!r}")
-    y = np.asarray(correct, dtype=np.float64)
-    x = np.asarray(x, dtype=np.float64)
-    if y.ndim != 1 or y.size == 0 or x.ndim != 2 or x.shape[0] != y.size:
-        raise ValueError("feature_rows and correct must be non-empty and of the same length")
-    if not np.all(np.isfinite(y)) or y.min() < 0 or y.max() > 1:
-        raise ValueError("correct must hold numbers in [0, 1]")
-    if not 0 < y.mean() < 1:
-        raise ValueError("correct must hold both right and wrong answers")
-    if not np.all(np.isfinite(x)):
-        raise ValueError("feature values must be finite")
-    # [bias | weights]: column 0 of the design is the constant 1, unpenalised
-    design = np.hstack([np.ones((y.size, 1)), x])
-    penalty = np.full(design.shape[1], float(l2))
-    penalty[0] = 0.0
-
-    def loss(b: np.ndarray) -> float:
-        z = design @ b
-        # log(1 + e^z) - y z, stable for either sign of z
-        return float(np.sum(np.logaddexp(0.0, z) - y * z) + 0.5 * penalty @ (b * b))
-
-    beta = np.zeros(design.shape[1])
-    beta[0] = math.log(y.mean() / (1 - y.mean()))  # the intercept-only optimum
-    current = loss(beta)
-    for _ in range(100):
-        p = 0.5 * (1.0 + np.tanh(0.5 * (design @ beta)))  # sigmoid, without overflow
-        gradient = design.T @ (p - y) + penalty * beta
-        hessian = (design * (p * (1 - p))[:, None]).T @ design + np.diag(penalty)
-        # a tiny ridge keeps a constant feature column (singular Hessian) solvable
-        step = np.linalg.solve(hessian + 1e-12 * np.eye(beta.size), gradient)
-        # halve a step that would not lower the (convex) loss: Newton can overshoot far out
-        t = 1.0
-        while t > 1e-6 and loss(beta - t * step) > current:
-            t /= 2
-        beta = beta - t * step
-        current = loss(beta)
-        if np.max(np.abs(t * step)) < 1e-10:
-            break
-    if not np.all(np.isfinite(beta)):
-        raise ValueError("the logistic fit did not converge")
-    return float(beta[0]), [float(b) for b in beta[1:]]
 
 
 def confidences(

@@ -194,7 +194,8 @@ def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
     """Right answers differ from wrong ones only by their weakest token: the calibration's
     features alone rank at chance, with that signal nearly perfectly; cross-fitting by article
     is the calibration's own (one fit per held-out article)."""
-    from openbook.rag.confidence import DEFAULT_FEATURES, calibrate_row, fit_logistic_calibration
+    from openbook.rag.confidence import DEFAULT_FEATURES, calibrate_row
+    from openbook_trainer.calibration import fit_logistic_calibration
 
     rng = np.random.default_rng(0)
     rows, features = [], []

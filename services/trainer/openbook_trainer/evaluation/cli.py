@@ -191,8 +191,9 @@ def _fit_calibration(
     """Fit the answers of ``preds`` (their features, or their raw confidence) to whether each
     is right; write the calibration into ``directory``. Raises ValueError when it cannot be
     fitted."""
-    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
-    from openbook.rag.confidence import fit_calibration, fit_logistic_calibration
+    # why: transformers and scikit-learn stay out of the CLI's startup (`openbook --help`
+    # imports every command)
+    from openbook_trainer.calibration import fit_calibration, fit_logistic_calibration
 
     if task is Task.generation:
         raise ValueError(

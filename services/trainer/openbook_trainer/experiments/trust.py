@@ -54,12 +54,11 @@ from openbook.rag.confidence import (
     DEFAULT_FEATURES,
     LOG_PROB_FLOOR,
     answer_features,
-    fit_logistic,
-    fit_logistic_calibration,
     normalized_texts,
     raw_confidence,
 )
 from openbook.types import Passage
+from openbook_trainer.calibration import fit_logistic, fit_logistic_calibration
 from openbook_trainer.evaluation.metrics import has_answer
 from openbook_trainer.evaluation.statistics import (
     Interval,
