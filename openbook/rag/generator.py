@@ -13,7 +13,7 @@ import torch
 from openbook.errors import InvalidArgument
 from openbook.limits import check_finite
 from openbook.rag.adapters import check_base, merged
-from openbook.rag.backends import CausalBackend, GeneratorBackend
+from openbook.rag.backends import GeneratorBackend
 from openbook.rag.beam import SearchSettings, StopFn
 from openbook.rag.confidence import AnyCalibration, load_calibration
 from openbook.rag.engine import DecodingEngine, GaveUp
@@ -177,14 +177,14 @@ class RagGenerator:
             self._stop_fn(),
             max_rows,
             self.stop_strings(),
-            answer_prefix=backend.spec.answer_prefix if isinstance(backend, CausalBackend) else "",
+            answer_prefix=backend.answer_prefix,
             calibration=self.calibration,
             draft_tokens=self.draft_tokens,
         )
 
     def stop_strings(self) -> list[str]:
-        """Strings at which the model family's decoding cuts an answer (causal prompts)."""
-        return list(self.backend.spec.stop) if isinstance(self.backend, CausalBackend) else []
+        """Strings at which the model family's decoding cuts an answer (prompted families)."""
+        return self.backend.stop_strings()
 
     def generate_batch(
         self, requests: Sequence[Request], gave_up: Sequence[GaveUp] | None = None
@@ -245,7 +245,7 @@ class RagGenerator:
 
     def _stop_fn(self) -> StopFn | None:
         b = self.backend
-        if not isinstance(b, CausalBackend):
+        if not b.prompted:
             return None
         stops = self.stop_strings()
         extra = {t for t in self.generation.get("extra_eos_token_ids", []) if t != b.eos_token_id}

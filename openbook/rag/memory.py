@@ -15,7 +15,7 @@ beyond the weights, by design of the code paths it describes:
   few float32 distributions over the vocabulary per decoding row and step
   (:data:`LOGIT_COPIES`: the model's logits, their log-softmax, the mixture / beam scores).
 * **score** (RAG-Sequence thorough, provenance): chunks of at most
-  ``backends.base.SCORE_LOGIT_ELEMENTS`` logits (twice: logits and log-softmax) and their
+  :data:`SCORE_LOGIT_ELEMENTS` logits (twice: logits and log-softmax) and their
   forked cache.
 * **copies**: what the code holds twice for a moment. Joining caches (prefill groups into one
   encoded state, a new request into the running batch) and dropping rows (finished searches)
@@ -27,21 +27,34 @@ beyond the weights, by design of the code paths it describes:
 Everything is summed (see :meth:`MemoryModel.batch_bytes` for why not the larger of prefill and
 decode).
 
+Each model family states its own :class:`MemoryModel` (``GeneratorBackend.memory_model``, from
+its config, with the helpers at the end of this module) and the input lengths a request's shape
+is measured from (``GeneratorBackend.input_lengths``); this module names no family.
+
 Numbers for the default model are in docs/benchmarks.md; ``bench/load --real`` measures them.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedModel
 
 from openbook.rag import attention
-from openbook.rag.backends import BartBackend, CausalBackend, GeneratorBackend, Seq2SeqBackend
-from openbook.rag.backends.base import SCORE_LOGIT_ELEMENTS
 from openbook.rag.cache import GROWTH_SLOTS
 from openbook.rag.options import DecodingOptions
 from openbook.types import Passage
+
+if TYPE_CHECKING:  # the families import this module (they state their memory model with it)
+    from openbook.rag.backends.base import GeneratorBackend
+
+# Upper bound on logit elements (rows x positions x vocabulary) one teacher-forcing forward pass
+# materialises: 2**24 float32 = 64 MiB, plus its log-softmax. With Gemma's 262k vocabulary a
+# whole-sequence forward of a few rows would otherwise hold gigabytes. The families read it
+# through ``openbook.rag.backends.base`` at call time, so one setting bounds them all.
+SCORE_LOGIT_ELEMENTS = 1 << 24
 
 # float32 distributions over the vocabulary alive per decoding row during one step.
 LOGIT_COPIES = 4
@@ -140,66 +153,39 @@ class MemoryModel:
 
 
 def memory_model(backend: GeneratorBackend) -> MemoryModel:
-    """The :class:`MemoryModel` of a loaded backend, from its config and parameter dtype."""
-    cfg = backend.model.config
-    elt = next(backend.model.parameters()).element_size()
-    vocab = backend.vocab_size
-    if isinstance(backend, CausalBackend):
-        hidden = int(cfg.hidden_size)
-        heads = int(cfg.num_attention_heads)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-        inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
-        layer_types = 2 if backend.sliding_window else 1
-        return MemoryModel(
-            vocab=vocab,
-            prefix_tokens=backend.prefix_len,
-            kv_bytes_per_token=int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * elt,
-            cross_bytes_per_token=0,
-            # residual, normed input, q/k/v/attention output, MLP gate + up + activation
-            activation_bytes_per_token=(4 * hidden + 2 * heads * head_dim + 3 * inter) * elt,
-            score_bytes_per_pair=heads * _score_bytes(backend, elt),
-            shared_cross=False,
-            mask_bytes_per_pair=layer_types * elt,  # one mask per attention layer type
-            score_bytes_cap=_score_bytes_cap(backend),
-            model_logit_bytes=_model_logit_bytes(elt),
-        )
-    d = int(cfg.d_model)
-    heads = max(int(cfg.encoder_attention_heads), int(cfg.decoder_attention_heads))
-    ffn = max(int(cfg.encoder_ffn_dim), int(cfg.decoder_ffn_dim))
-    decoder_layers = int(cfg.decoder_layers)
-    return MemoryModel(
-        vocab=vocab,
-        prefix_tokens=0,
-        kv_bytes_per_token=decoder_layers * 2 * d * elt,
-        # encoder output kept + every decoder layer's cross keys and values
-        cross_bytes_per_token=(1 + decoder_layers * 2) * d * elt,
-        activation_bytes_per_token=(6 * d + 2 * ffn) * elt,
-        score_bytes_per_pair=heads * _score_bytes(backend, elt),
-        shared_cross=isinstance(backend, BartBackend),
-        score_bytes_cap=_score_bytes_cap(backend),
-        model_logit_bytes=_model_logit_bytes(elt),
-    )
+    """The :class:`MemoryModel` of a loaded backend: its family states it
+    (:meth:`GeneratorBackend.memory_model`), from its config and parameter dtype."""
+    return backend.memory_model()
 
 
-def _model_logit_bytes(elt: int) -> int:
+# ------------------------------------------------------------------ what the families share
+# Each family builds its MemoryModel from its own config (GeneratorBackend.memory_model) with
+# these: what depends on the dtype and the attention, not on the family.
+
+
+def parameter_bytes(model: PreTrainedModel) -> int:
+    """Bytes of one of ``model``'s parameters (its dtype's element size)."""
+    return next(model.parameters()).element_size()
+
+
+def model_logit_bytes(elt: int) -> int:
     """Bytes of a logit in the model's dtype where it is not float32 (module docstring)."""
     return 0 if elt >= _F32 else elt
 
 
-def _matmul_attention(backend: GeneratorBackend) -> bool:
-    return getattr(backend.model.config, "_attn_implementation", None) == attention.NAME
+def _matmul_attention(model: PreTrainedModel) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == attention.NAME
 
 
-def _score_bytes(backend: GeneratorBackend, elt: int) -> int:
+def score_bytes(model: PreTrainedModel, elt: int) -> int:
     """Prefill attention bytes per (query, key) pair and head: a score and its softmax, or the
     matmul attention's float32 passes (openbook/rag/attention.py)."""
-    return attention.MATMUL_SCORE_BYTES if _matmul_attention(backend) else 2 * elt
+    return attention.MATMUL_SCORE_BYTES if _matmul_attention(model) else 2 * elt
 
 
-def _score_bytes_cap(backend: GeneratorBackend) -> int:
+def score_bytes_cap(model: PreTrainedModel) -> int:
     """The matmul attention's scores of one query chunk (float32) and their other copies."""
-    if not _matmul_attention(backend):
+    if not _matmul_attention(model):
         return 0
     return attention.MAX_SCORE_BYTES * attention.MATMUL_SCORE_BYTES // 4
 
@@ -213,11 +199,7 @@ def measuring_twin(backend: GeneratorBackend) -> GeneratorBackend:
     beside a batch's padded call could leave the batch's tensors unpadded. The twin's tokenizers
     are its own; use it from one thread at a time (one twin per generator, under a lock).
     """
-    twin = copy.copy(backend)
-    twin.tokenizer = copy.deepcopy(backend.tokenizer)
-    if isinstance(twin, Seq2SeqBackend) and twin.question_tokenizer is not None:
-        twin.question_tokenizer = copy.deepcopy(twin.question_tokenizer)
-    return twin
+    return backend.measuring_twin()
 
 
 def request_shape(
@@ -229,14 +211,7 @@ def request_shape(
     """Tokenise the request's passage inputs (nothing else) to get its :class:`RequestShape`.
 
     ``backend`` is a :func:`measuring_twin` when this runs beside decoding in another thread."""
-    if isinstance(backend, CausalBackend):
-        lengths = [len(backend.prompt_ids(question, p)) for p in passages]
-    elif isinstance(backend, Seq2SeqBackend):
-        texts = backend.input_strings([(question, p) for p in passages])
-        enc = backend.tokenizer(texts, max_length=backend.max_combined_length, truncation=True)
-        lengths = [len(ids) for ids in enc["input_ids"]]
-    else:  # a new family describes its inputs here (openbook/rag/README.md)
-        raise TypeError(f"request_shape: no input shape for {type(backend).__name__}")
+    lengths = backend.input_lengths(question, passages)
     return RequestShape(
         passages=len(passages),
         beams=options.rows_per_passage,  # beams, or samples

@@ -90,6 +90,7 @@ class BartBackend(Seq2SeqBackend):
     """
 
     model: BartForConditionalGeneration
+    shares_cross_attention = True  # bart_decoding keeps one cross cache per encoded row
 
     @classmethod
     def supports(cls, model: torch.nn.Module) -> bool:

@@ -12,6 +12,14 @@ interface of :class:`GeneratorBackend`:
 * :meth:`~GeneratorBackend.score` teacher-forces whole candidate sequences, again reusing the
   encoded state; :meth:`~GeneratorBackend.target_logits` gives differentiable training logits.
 
+Each family also states what the code around decoding must know about it, so that nothing
+outside ``backends/`` tests which family it holds: its memory model
+(:meth:`~GeneratorBackend.memory_model`, :mod:`openbook.rag.memory`) and its inputs' lengths
+(:meth:`~GeneratorBackend.input_lengths`), a copy to measure requests with in another thread
+(:meth:`~GeneratorBackend.measuring_twin`), and its capabilities: :attr:`joins_running`,
+:meth:`drafts`, :meth:`concats_encoded`, :attr:`prompted` (with :attr:`answer_prefix` and
+:meth:`stop_strings`).
+
 Invariants every family keeps: rows are always ordered (request, passage slot[, copy]); requests
 with fewer passages than the batch's slot count are padded by repeating a passage (callers give
 such slots a log prior of -inf); a state is only ever handed back to the backend that made it.
@@ -24,22 +32,22 @@ The families live beside this module, one each (``seq2seq.py``, ``bart.py``, ``c
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar, cast
+from typing import Generic, Self, TypeVar, cast
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+# SCORE_LOGIT_ELEMENTS: the bound on logit elements one teacher-forcing pass materialises
+# (defined with the memory estimate that counts it). The families read it through this module
+# at call time, so one setting bounds them all.
+from openbook.rag.memory import SCORE_LOGIT_ELEMENTS as SCORE_LOGIT_ELEMENTS
+from openbook.rag.memory import MemoryModel
 from openbook.types import Passage
-
-# Upper bound on logit elements (rows x positions x vocabulary) one teacher-forcing forward pass
-# materialises: 2**24 float32 = 64 MiB, plus its log-softmax. With Gemma's 262k vocabulary a
-# whole-sequence forward of a few rows would otherwise hold gigabytes (see openbook/rag/memory.py).
-# The families read it through this module at call time, so one setting bounds them all.
-SCORE_LOGIT_ELEMENTS = 1 << 24
 
 Items = Sequence[tuple[str, Sequence[Passage]]]  # (question, passages) per request
 
@@ -180,6 +188,40 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
     def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
         """(n, T) loss targets: ``target_start_id``, answer tokens, EOS; right-padded."""
 
+    # Whether answers continue a text prompt (a decoder-only LM): the answer then follows
+    # :attr:`answer_prefix` and decoding stops at :meth:`stop_strings` and at the generation
+    # config's extra EOS ids (:class:`~openbook.rag.generator.RagGenerator`).
+    prompted: bool = False
+
+    @property
+    def answer_prefix(self) -> str:
+        """Text the prompt puts before every answer, cut from decoded answers ("": none)."""
+        return ""
+
+    def stop_strings(self) -> list[str]:
+        """Strings at which decoding cuts an answer (prompted families; none by default)."""
+        return []
+
+    # ---------------------------------------------------------------- memory
+
+    @abstractmethod
+    def memory_model(self) -> MemoryModel:
+        """The family's :class:`~openbook.rag.memory.MemoryModel`: bytes per unit of decoding
+        work of this model, from its config and parameter dtype (:mod:`openbook.rag.memory`)."""
+
+    @abstractmethod
+    def input_lengths(self, question: str, passages: Sequence[Passage]) -> list[int]:
+        """Tokens of each passage's input as this family builds it (what a request's
+        :class:`~openbook.rag.memory.RequestShape` is measured from); tokenises, nothing more."""
+
+    def measuring_twin(self) -> Self:
+        """A copy sharing the model but owning copies of the tokenizers, to measure requests
+        (:meth:`input_lengths`) in another thread while a batch tokenises in its own (a fast
+        tokenizer is not thread-safe: :func:`openbook.rag.memory.measuring_twin`)."""
+        twin = copy.copy(self)
+        twin.tokenizer = copy.deepcopy(self.tokenizer)
+        return twin
+
     def refresh(self) -> None:
         """Rebuild state derived from the weights (call after they change); none by default."""
         return None
@@ -187,6 +229,11 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
     def set_passage_cache(self, max_bytes: int) -> None:
         """Bound the keys/values of passage prompts kept across requests (0: keep none). A
         family that reuses nothing across requests ignores it."""
+        return None
+
+    def clear_passage_cache(self) -> None:
+        """Drop the passage keys/values kept across requests (those of passages nobody will
+        ask about again, e.g. a speed calibration's); none by default."""
         return None
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -20,6 +20,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicCache
 
+from openbook.rag import memory
 from openbook.rag.backends import base
 from openbook.rag.backends.base import (
     DecodeState,
@@ -44,6 +45,7 @@ from openbook.rag.cache import (
     select_rows,
     share_rows,
 )
+from openbook.rag.memory import MemoryModel
 from openbook.rag.passage_cache import HeadKV, PassageCache
 from openbook.rag.prompting import PromptSpec
 from openbook.types import Passage
@@ -142,6 +144,9 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
     def set_passage_cache(self, max_bytes: int) -> None:
         self.passage_cache = PassageCache(max_bytes)
 
+    def clear_passage_cache(self) -> None:
+        self.passage_cache.clear()
+
     def refresh(self) -> None:
         """Recompute the cached prefix keys/values (call after the weights change)."""
         with torch.no_grad():
@@ -179,7 +184,46 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
     def prefix_len(self) -> int:
         return len(self.prefix_ids)
 
+    # ---------------------------------------------------------------- what it states
+
+    prompted = True
+
+    @property
+    def answer_prefix(self) -> str:
+        return self.spec.answer_prefix
+
+    def stop_strings(self) -> list[str]:
+        return list(self.spec.stop)
+
+    def memory_model(self) -> MemoryModel:
+        """The shared prefix forked into every row, then the passage prompt; no cross-attention;
+        the prefill builds one attention mask per attention layer type."""
+        cfg = self.model.config
+        elt = memory.parameter_bytes(self.model)
+        hidden = int(cfg.hidden_size)
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+        inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
+        layer_types = 2 if self.sliding_window else 1
+        return MemoryModel(
+            vocab=self.vocab_size,
+            prefix_tokens=self.prefix_len,
+            kv_bytes_per_token=int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * elt,
+            cross_bytes_per_token=0,
+            # residual, normed input, q/k/v/attention output, MLP gate + up + activation
+            activation_bytes_per_token=(4 * hidden + 2 * heads * head_dim + 3 * inter) * elt,
+            score_bytes_per_pair=heads * memory.score_bytes(self.model, elt),
+            shared_cross=False,
+            mask_bytes_per_pair=layer_types * elt,  # one mask per attention layer type
+            score_bytes_cap=memory.score_bytes_cap(self.model),
+            model_logit_bytes=memory.model_logit_bytes(elt),
+        )
+
     # ---------------------------------------------------------------- input
+
+    def input_lengths(self, question: str, passages: Sequence[Passage]) -> list[int]:
+        return [len(self.prompt_ids(question, p)) for p in passages]
 
     def prompt_ids(self, question: str, passage: Passage) -> list[int]:
         """Token ids of the passage part of the prompt, as they appear after the prefix."""

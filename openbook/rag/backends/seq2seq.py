@@ -10,8 +10,10 @@ A family with a faster path of its own subclasses it (:mod:`openbook.rag.backend
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -19,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutput
 
+from openbook.rag import memory
 from openbook.rag.backends import base
 from openbook.rag.backends.base import (
     DecodeState,
@@ -33,6 +36,7 @@ from openbook.rag.backends.base import (
     right_pad,
 )
 from openbook.rag.cache import join_rows, reorder_self_attention, select_rows
+from openbook.rag.memory import MemoryModel
 from openbook.rag.prompting import seq2seq_input
 from openbook.types import Passage
 
@@ -102,7 +106,46 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
         pad = first_id(cfg.pad_token_id, tokenizer.pad_token_id)
         self.pad_token_id = 0 if pad is None else pad
 
+    # ---------------------------------------------------------------- what it states
+
+    # Whether beams share their encoded row's cross-attention keys/values (BART's own decoding)
+    # instead of each holding a copy (transformers' forward).
+    shares_cross_attention = False
+
+    def memory_model(self) -> MemoryModel:
+        """The encoder's output and every decoder layer's cross keys/values per encoder token,
+        the decoder's self-attention cache per answer token; no shared prefix."""
+        cfg = self.model.config
+        elt = memory.parameter_bytes(self.model)
+        d = int(cfg.d_model)
+        heads = max(int(cfg.encoder_attention_heads), int(cfg.decoder_attention_heads))
+        ffn = max(int(cfg.encoder_ffn_dim), int(cfg.decoder_ffn_dim))
+        decoder_layers = int(cfg.decoder_layers)
+        return MemoryModel(
+            vocab=self.vocab_size,
+            prefix_tokens=0,
+            kv_bytes_per_token=decoder_layers * 2 * d * elt,
+            # encoder output kept + every decoder layer's cross keys and values
+            cross_bytes_per_token=(1 + decoder_layers * 2) * d * elt,
+            activation_bytes_per_token=(6 * d + 2 * ffn) * elt,
+            score_bytes_per_pair=heads * memory.score_bytes(self.model, elt),
+            shared_cross=self.shares_cross_attention,
+            score_bytes_cap=memory.score_bytes_cap(self.model),
+            model_logit_bytes=memory.model_logit_bytes(elt),
+        )
+
+    def measuring_twin(self) -> Self:
+        twin = super().measuring_twin()
+        if twin.question_tokenizer is not None:
+            twin.question_tokenizer = copy.deepcopy(twin.question_tokenizer)
+        return twin
+
     # ---------------------------------------------------------------- input
+
+    def input_lengths(self, question: str, passages: Sequence[Passage]) -> list[int]:
+        texts = self.input_strings([(question, p) for p in passages])
+        enc = self.tokenizer(texts, max_length=self.max_combined_length, truncation=True)
+        return [len(ids) for ids in enc["input_ids"]]
 
     def question_text(self, question: str) -> str:
         """The question as the generator reads it.
