@@ -18,7 +18,9 @@ from openbook.api_keys_protocol import (
     API_KEY_PREFIX,
     API_KEYS_LAST_USED_KEY,
     ApiKeyRecord,
+    api_key_generations_key,
     api_key_key,
+    api_key_requests_key,
     open_api_key,
     seal_api_key,
 )
@@ -38,12 +40,64 @@ async def create_api_key(client: aioredis.Redis, sealer: Sealer, record: ApiKeyR
 
 
 async def delete_api_key(client: aioredis.Redis, name: str) -> bool:
-    """Remove key ``name`` (and when it was last used); whether there was one."""
+    """Remove key ``name`` (and when it was last used, and its counters); whether there was
+    one."""
     async with client.pipeline(transaction=True) as pipe:
         pipe.delete(api_key_key(name))
         pipe.hdel(API_KEYS_LAST_USED_KEY, name)
-        deleted, _ = await pipe.execute()
+        pipe.delete(api_key_requests_key(name), api_key_generations_key(name))
+        deleted, _, _ = await pipe.execute()
     return bool(deleted)
+
+
+# No script does this (openbook's Redis user may run none: openbook.secrets.ACL_RULES), but
+# transactions (MULTI/EXEC): each is applied at once, with no other client's command between.
+
+
+async def count_request(client: aioredis.Redis, name: str, window_ms: int) -> tuple[int, int]:
+    """Count one request of key ``name``: how many its window holds now (this one included)
+    and the milliseconds until the window ends (when the count starts again from 0). The
+    window opens with the first request (a counter made with its expiry), and ends when the
+    counter expires."""
+    key = api_key_requests_key(name)
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.set(key, 0, px=window_ms, nx=True)
+        pipe.incr(key)
+        pipe.pttl(key)
+        _, count, left = await pipe.execute()
+    if left < 0:  # a counter without an expiry (it should not be): never locked for ever
+        await client.pexpire(key, window_ms)
+        left = window_ms
+    return int(count), int(left)
+
+
+async def take_generation(
+    client: aioredis.Redis, name: str, limit: int, lease: str, lease_ms: int, now_ms: int
+) -> bool:
+    """Take ``lease`` on one of key ``name``'s ``limit`` concurrent generations, until
+    ``lease_ms`` after ``now_ms`` (it expires by itself: a gateway that dies holding it holds
+    it no longer); False when all are taken.
+
+    Leases past their expiry are dropped, this one added, and all counted in one transaction;
+    one too many is given back at once. Two gateways taking the last lease at the same instant
+    may then both give theirs back: the limit is never exceeded, at worst a request is told to
+    retry."""
+    key = api_key_generations_key(name)
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.zremrangebyscore(key, "-inf", now_ms)
+        pipe.zadd(key, {lease: now_ms + lease_ms})
+        pipe.pexpire(key, lease_ms)
+        pipe.zcard(key)
+        *_, held = await pipe.execute()
+    if held > limit:
+        await client.zrem(key, lease)
+        return False
+    return True
+
+
+async def give_back_generation(client: aioredis.Redis, name: str, lease: str) -> None:
+    """A generation of key ``name`` is over: its lease is free."""
+    await client.zrem(api_key_generations_key(name), lease)
 
 
 async def list_api_keys(

@@ -313,7 +313,9 @@ def _refusals(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     counts = {}
     for line in text.splitlines():
-        if line.startswith('openbook_gateway_requests_total{route="(request head)"'):
+        if line.startswith("openbook_gateway_requests_total{") and (
+            'route="(request head)"' in line
+        ):
             status = line.split('status="')[1].split('"')[0]
             counts[status] = float(line.rsplit(" ", 1)[1])
     return counts

@@ -56,7 +56,9 @@ from redis.exceptions import RedisError
 
 from openbook.api_keys_state_aio import read_api_key, touch_api_key
 from openbook.auth import bearer_token, token_matches
-from openbook_gateway import api_keys, openai_format
+from openbook.errors import InvalidArgument
+from openbook.metadata_filter import parse_filter
+from openbook_gateway import api_keys, key_limits, openai_format
 from openbook_gateway.api_keys import LastUsed
 from openbook_gateway.openai_schemas import OpenAIRequestError
 from openbook_gateway.principal import (
@@ -65,6 +67,7 @@ from openbook_gateway.principal import (
     ANONYMOUS,
     API_KEY_NAME,
     ASK,
+    INDEXES_CREATE,
     WRITE,
     Principal,
     principal_of,
@@ -92,6 +95,7 @@ _PUBLIC = Rule(None, Door.PUBLIC)
 _READ = Rule(ASK, Door.OPEN)
 _API = Rule(ASK, Door.API)
 _WRITE = Rule(WRITE, Door.CLOSED)
+_CREATE = Rule(INDEXES_CREATE, Door.CLOSED)
 _ADMIN = Rule(ADMIN, Door.CLOSED)
 _DOCUMENT = "/indexes/{index}/documents/{doc_id:path}"
 
@@ -115,7 +119,7 @@ RULES: dict[tuple[str, str], Rule] = {
     ("DELETE", _DOCUMENT): _WRITE,
     ("POST", "/indexes/{index}/documents:batch"): _WRITE,
     ("POST", "/indexes/{index}/documents"): _WRITE,  # an upload
-    ("POST", "/indexes"): _ADMIN,
+    ("POST", "/indexes"): _CREATE,
     ("DELETE", "/indexes/{name}"): _ADMIN,
     ("POST", "/admin/swap-index"): _ADMIN,
     ("POST", "/admin/reload-model"): _ADMIN,
@@ -179,20 +183,30 @@ async def identify(
         with contextlib.suppress(RedisError, OSError):
             await touch_api_key(cache.client, record["name"], time.time())
     indexes = tuple(record["indexes"]) if record["indexes"] is not None else None
-    return Principal(record["name"], frozenset(record["scopes"]), indexes, owner)
+    try:
+        tenant = parse_filter(record["filter"], "filter")
+    except InvalidArgument as exc:  # sealed by us, so never; a key held to what it cannot say
+        log.warning("key %s: its filter does not parse, refused: %s", record["name"], exc)
+        return ANONYMOUS
+    return Principal(
+        record["name"], frozenset(record["scopes"]), indexes, owner, tenant, record["rate"]
+    )
 
 
 class Refused(Exception):
     """The door's refusal: a status, what to tell the client, and OpenAI's error code."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, retry_after: int = 1
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.retry_after = retry_after
 
     def headers(self) -> dict[str, str]:
         if self.status == 401:
             return {"WWW-Authenticate": "Bearer"}
-        return {"Retry-After": "1"} if self.status == 503 else {}
+        return {"Retry-After": str(self.retry_after)} if self.status in (429, 503) else {}
 
     def response(self, path: str) -> JSONResponse:
         """As a response of its own (an ASGI route's: ``/mcp``)."""
@@ -205,7 +219,9 @@ class Refused(Exception):
     def exception(self, path: str) -> Exception:
         """As what a FastAPI dependency raises (OpenAI's error object under ``/v1``)."""
         if openai_format.is_openai_path(path):
-            return OpenAIRequestError(self.message, None, self.code, status=self.status)
+            return OpenAIRequestError(
+                self.message, None, self.code, status=self.status, headers=self.headers() or None
+            )
         return HTTPException(self.status, self.message, headers=self.headers() or None)
 
 
@@ -235,7 +251,7 @@ async def admit(
         log.warning("cannot check a key: redis unavailable: %s", exc)
         raise Refused(503, "keys cannot be checked now: Redis is unreachable") from None
     if shut and not principal.known:
-        if rule.scope in (WRITE, ADMIN) and not admin_token(settings):
+        if rule.scope != ASK and not admin_token(settings):
             raise Refused(401, "admin API disabled: set OPENBOOK_ADMIN_TOKEN")
         raise Refused(
             401,
@@ -252,6 +268,11 @@ async def admit(
     index = path_params.get("index")
     if isinstance(index, str) and not principal.sees(index):
         raise Refused(404, principal.unknown_index(index))
+    try:
+        await key_limits.count_request(principal, services)
+    except key_limits.Limited as limited:
+        code = "rate_limit_exceeded" if limited.status == 429 else None
+        raise Refused(limited.status, limited.message, code, limited.retry_after) from None
     return principal
 
 

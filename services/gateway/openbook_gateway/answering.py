@@ -33,6 +33,7 @@ from opentelemetry.util.types import AttributeValue
 from openbook import telemetry
 from openbook.limits import check_question
 from openbook.v1 import generator_pb2, retriever_pb2
+from openbook_gateway import key_limits
 from openbook_gateway.cache import answer_params
 from openbook_gateway.conversation import Turn, contextual_question
 from openbook_gateway.mapping import (
@@ -116,7 +117,11 @@ async def answer_events(
     body = with_conversation(body)
     # The index it may be answered from: a key held to indexes names only those, and a
     # request naming none gets its first (a 404 otherwise, before the cache is looked at).
-    index = principal_of(request).index_for(body.index)
+    principal = principal_of(request)
+    index = principal.index_for(body.index)
+    # What retrieval searches: a key's tenant filter AND the request's (issue 43: no request
+    # field widens it); it keys the cached answer too.
+    where = principal.where(body.metadata_filter())
     if index != body.index:
         body = body.model_copy(update={"index": index})
     metrics = services.metrics
@@ -125,7 +130,7 @@ async def answer_events(
     # Resolved before the cache key is built: a request without k and one naming the
     # model's default share the key.
     k = body.k if body.k is not None else await services.default_k.get(request_id)
-    params = answer_params(body, k)
+    params = answer_params(body, k, where)
     if asked != body.question:
         # what the generator reads, beside what retrieval searched: the expanded text asked
         # outright is generated from itself, and must not share this answer's entry
@@ -153,7 +158,6 @@ async def answer_events(
     else:
         metrics.cache_skipped()
 
-    where = body.metadata_filter()
     with (
         timer.stage("retrieve"),
         telemetry.span("retrieval", retrieval_attributes(k), SpanKind.CLIENT) as span,
@@ -176,28 +180,42 @@ async def answer_events(
     generated: generator_pb2.GenerateResponse | None = None
     sent = ""  # the answer text streamed so far
     requested = generation_attributes(body, stream)
-    with (
-        timer.stage("generate"),
-        telemetry.span("text_completion", requested, SpanKind.CLIENT) as span,
-    ):
-        as_asked = body if body.question == asked else body.model_copy(update={"question": asked})
-        if not stream:
-            generated = await unless_disconnected(
-                request, services.generator.generate(as_asked, passages, request_id)
+    try:
+        # one of the key's concurrent generations (key_limits), held until the answer is in
+        lease = await key_limits.generation(principal, services)
+    except key_limits.Limited as limited:
+        raise HTTPException(limited.status, limited.message, limited.headers()) from None
+    try:
+        with (
+            timer.stage("generate"),
+            telemetry.span("text_completion", requested, SpanKind.CLIENT) as span,
+        ):
+            as_asked = (
+                body if body.question == asked else body.model_copy(update={"question": asked})
             )
-        else:
-            async for event in services.generator.generate_stream(as_asked, passages, request_id):
-                if event.WhichOneof("event") == "done":
-                    generated = event.done
-                    break
-                token = event.token
-                passage = token.passage if token.HasField("passage") else None
-                if passage is None:
-                    sent += token.text
-                yield TokenOut(token.text, token.token, passage, list(token.doc_posterior) or None)
-        if generated is not None:
-            span.update_name(f"text_completion {generated.model_version}")
-            span.set_attributes(generated_attributes(generated))
+            if not stream:
+                generated = await unless_disconnected(
+                    request, services.generator.generate(as_asked, passages, request_id)
+                )
+            else:
+                async for event in services.generator.generate_stream(
+                    as_asked, passages, request_id
+                ):
+                    if event.WhichOneof("event") == "done":
+                        generated = event.done
+                        break
+                    token = event.token
+                    passage = token.passage if token.HasField("passage") else None
+                    if passage is None:
+                        sent += token.text
+                    yield TokenOut(
+                        token.text, token.token, passage, list(token.doc_posterior) or None
+                    )
+            if generated is not None:
+                span.update_name(f"text_completion {generated.model_version}")
+                span.set_attributes(generated_attributes(generated))
+    finally:
+        await lease.release()
     if generated is None:
         raise HTTPException(502, "generator ended the stream without an answer")
 

@@ -18,8 +18,10 @@ key (:func:`openbook.api_keys_protocol.seal_api_key`). So:
   stops working at every gateway at once (well within the second issue 43 asks for).
 
 Invariants: names follow :data:`KEY_NAME_PATTERN` (a path segment, and no ``.``); a record's
-scopes are a subset of :data:`SCOPES`; a key with ``admin`` names no indexes (it could make
-itself a key that names none).
+scopes are a subset of :data:`SCOPES`; a key with ``admin`` names no indexes and has no filter
+(it could make itself a key that is held to neither). A record's ``filter`` parses
+(:func:`openbook.metadata_filter.parse_filter`): the gateway refuses it at ``POST /admin/keys``,
+and treats a stored one that does not as no key (``access.identify``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from openbook.api_keys_protocol import ApiKeyRecord
+from openbook.api_keys_protocol import ApiKeyRecord, KeyRate
 
-Scope = Literal["ask", "write", "admin"]
-SCOPES: tuple[Scope, ...] = ("ask", "write", "admin")
+Scope = Literal["ask", "write", "indexes:create", "admin"]
+SCOPES: tuple[Scope, ...] = ("ask", "write", "indexes:create", "admin")
 KEY_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 SECRET_PREFIX = "obk_"
 # Indexes one key may be held to.
@@ -85,8 +87,14 @@ def matches(record: ApiKeyRecord | None, presented: PresentedKey) -> bool:
     return same and record is not None
 
 
-def new_key(name: str, scopes: list[str], indexes: list[str] | None) -> tuple[str, ApiKeyRecord]:
-    """A new key's secret (to show once) and the record to store."""
+def new_key(
+    name: str,
+    scopes: list[str],
+    indexes: list[str] | None,
+    tenant: dict[str, Any] | None = None,
+    rate: KeyRate | None = None,
+) -> tuple[str, ApiKeyRecord]:
+    """A new key's secret (to show once) and the record to store (``tenant``: its filter)."""
     secret = f"{SECRET_PREFIX}{name}.{secrets.token_urlsafe(_SECRET_BYTES)}"
     salt = secrets.token_bytes(_SALT_BYTES).hex()
     record = ApiKeyRecord(
@@ -94,6 +102,8 @@ def new_key(name: str, scopes: list[str], indexes: list[str] | None) -> tuple[st
         scopes=[scope for scope in SCOPES if scope in scopes],  # canonical order, no repeats
         indexes=sorted(set(indexes)) if indexes is not None else None,
         created=time.time(),
+        filter=tenant or None,
+        rate=rate,
         salt=salt,
         digest=digest(salt, secret),
     )

@@ -30,10 +30,11 @@ this module holds the gateway's policy (what keys an answer, what to do without 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
+from openbook.metadata_filter import MetadataFilter
 from openbook.redis_protocol import IndexState, answer_key, index_version_of
 from openbook.sealing import Sealer
 from openbook.settings import RedisOptions
@@ -72,13 +73,21 @@ ANSWER_PARAMS = (
 SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "seed")
 
 
-def answer_params(body: AnswerRequest, k: int) -> dict[str, Any]:
+def answer_params(
+    body: AnswerRequest, k: int, where: MetadataFilter | None | Literal["body"] = "body"
+) -> dict[str, Any]:
     """What decides an answer, with ``k`` resolved (a request naming no k and one naming the
     model's default share their key) and the metadata filter in its canonical form (filters
-    that mean the same share their key; no filter and ``{}`` share the unfiltered one's)."""
+    that mean the same share their key; no filter and ``{}`` share the unfiltered one's).
+
+    ``where`` is the filter retrieval runs with, when it is not the body's alone: a key's
+    tenant filter ANDed with it (issue 43). It, not the body's, keys the answer, so an answer
+    computed from one tenant's passages is never found by another's lookup; with the index
+    the key names (the answer key's index), the whole of what a key may read is in the key."""
     fields = set(ANSWER_PARAMS) | (set(SAMPLING_PARAMS) if body.sampling else set())
     params = {**body.model_dump(include=fields), "k": k}
-    where = body.metadata_filter()
+    if where == "body":
+        where = body.metadata_filter()
     if where is not None:
         params["filter"] = where.canonical()
     return params

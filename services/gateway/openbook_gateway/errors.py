@@ -120,7 +120,7 @@ async def invalid_request(request: Request, exc: RequestValidationError) -> JSON
 
 async def openai_request_error(request: Request, exc: OpenAIRequestError) -> JSONResponse:
     """A request the OpenAI-compatible API refuses, as OpenAI's error object."""
-    return openai_format.error_response(exc.status, exc, exc.param, exc.code)
+    return openai_format.error_response(exc.status, exc, exc.param, exc.code, exc.headers)
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

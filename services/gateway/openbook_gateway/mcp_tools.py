@@ -24,9 +24,10 @@ Invariants:
   is a tool error naming the request id, never a crashed session.
 * A write tool runs only when the HTTP request that carries the call presents a key with the
   scope its HTTP route needs (``put_document``, ``delete_document``: ``write``, into an index
-  the key may name; ``create_index``: ``admin``; the admin token has both), as the door found
-  it (``openbook_gateway.access``); without it, or with the admin API off (no
-  ``OPENBOOK_ADMIN_TOKEN``), it is refused before anything is written. A key held to indexes
+  the key may name; ``create_index``: ``indexes:create``; the admin token has both), as the
+  door found it (``openbook_gateway.access``); without it, or with the admin API off (no
+  ``OPENBOOK_ADMIN_TOKEN``), it is refused before anything is written. Each write tool's call
+  is audited (``openbook_gateway.audit``), whatever its outcome. A key held to indexes
   names only those in every tool. Reaching ``/mcp`` at all is the door's to decide
   (:mod:`openbook_gateway.routes.mcp`).
 """
@@ -34,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Coroutine
 from typing import Annotated, Any
 
 from fastapi import HTTPException, Request
@@ -55,9 +57,10 @@ from openbook.limits import (
 )
 from openbook.logs import request_id_var
 from openbook.types import document_id_of
+from openbook_gateway import audit
 from openbook_gateway.access import Refused, require_scope
 from openbook_gateway.answering import AnswerOut, answer_events
-from openbook_gateway.principal import ADMIN, WRITE, principal_of
+from openbook_gateway.principal import INDEXES_CREATE, WRITE, principal_of
 from openbook_gateway.routes import documents as documents_routes
 from openbook_gateway.routes import indexes as indexes_routes
 from openbook_gateway.schemas import (
@@ -132,6 +135,36 @@ class _Call:
     async def services(self) -> Services:
         return await get_services(self.request)
 
+    async def write(
+        self,
+        tool: str,
+        scope: str,
+        services: Services,
+        index: str | None,
+        work: Coroutine[Any, Any, dict],
+        **fields: Any,
+    ) -> dict:
+        """Run a write tool's ``work`` if the carrying request's key may (:meth:`require`),
+        its audit line logged whatever the outcome (``openbook_gateway.audit``)."""
+        principal = principal_of(self.request)
+        if index is not None:
+            fields["index"] = index
+        try:
+            self.require(scope, services, index)
+        except ToolError as exc:
+            work.close()  # never awaited: nothing is done
+            audit.tool(principal, tool, "refused", str(exc), **fields)
+            raise
+        try:
+            result = await work
+        except (HTTPException, RequestValidationError) as exc:
+            status = exc.status_code if isinstance(exc, HTTPException) else 422
+            error = _service_error(exc, self)
+            audit.tool(principal, tool, audit.outcome(status), str(error), **fields)
+            raise error from None
+        audit.tool(principal, tool, "ok", **fields)
+        return result
+
     def require(self, scope: str, services: Services, index: str | None = None) -> None:
         """The carrying request's key has ``scope`` (``write``, ``admin``: as the HTTP route
         the tool stands for needs) and may name ``index``, or a refusal before anything is
@@ -195,9 +228,12 @@ async def search(
         raise _argument_errors(exc, {"question": "query"}) from None
     services = await call.services()
     try:
-        index = principal_of(call.request).index_for(index)  # a key held to indexes
+        principal = principal_of(call.request)
+        index = principal.index_for(index)  # a key held to indexes
+        # a key's tenant filter AND the argument's (issue 43)
+        where = principal.where(body.metadata_filter())
         retrieved = await services.retrieval.retrieve(
-            query, k, index, call.request_id, retrieval=retrieval, where=body.metadata_filter()
+            query, k, index, call.request_id, retrieval=retrieval, where=where
         )
     except HTTPException as exc:
         raise _service_error(exc, call) from None
@@ -317,18 +353,22 @@ async def create_index(
         str | None, Field(description="an index whose encoders and type the new one takes")
     ] = None,
 ) -> dict[str, Any]:
-    """Create an empty live index that documents can be written to (admin token)."""
+    """Create an empty live index that documents can be written to (a key with
+    ``indexes:create``, or the admin token)."""
     call = _Call(ctx)
     try:
         body = CreateIndexRequest(name=name, type=type, like=like)
     except ValidationError as exc:
         raise _argument_errors(exc) from None
     services = await call.services()
-    call.require(ADMIN, services)
-    try:
-        return await documents_routes.create_index(body, call.request, services)
-    except (HTTPException, RequestValidationError) as exc:
-        raise _service_error(exc, call) from None
+    return await call.write(
+        "create_index",
+        INDEXES_CREATE,
+        services,
+        None,
+        documents_routes.create_index(body, call.request, services),
+        name=name,
+    )
 
 
 async def put_document(
@@ -354,11 +394,14 @@ async def put_document(
     except ValidationError as exc:
         raise _argument_errors(exc) from None
     services = await call.services()
-    call.require(WRITE, services, index)
-    try:
-        return await documents_routes.put_document(index, doc_id, body, call.request, services)
-    except (HTTPException, RequestValidationError) as exc:
-        raise _service_error(exc, call) from None
+    return await call.write(
+        "put_document",
+        WRITE,
+        services,
+        index,
+        documents_routes.put_document(index, doc_id, body, call.request, services),
+        ids=[doc_id],
+    )
 
 
 async def delete_document(
@@ -374,11 +417,14 @@ async def delete_document(
     except InvalidArgument as exc:
         raise ToolError(f"invalid argument: {exc}") from None
     services = await call.services()
-    call.require(WRITE, services, index)
-    try:
-        return await documents_routes.delete_document(index, doc_id, call.request, services)
-    except (HTTPException, RequestValidationError) as exc:
-        raise _service_error(exc, call) from None
+    return await call.write(
+        "delete_document",
+        WRITE,
+        services,
+        index,
+        documents_routes.delete_document(index, doc_id, call.request, services),
+        ids=[doc_id],
+    )
 
 
 def build_server() -> MCPServer:

@@ -21,8 +21,9 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "openbook_gateway_requests_total",
-            "HTTP requests by route and status code",
-            ["route", "status"],
+            "HTTP requests by route, status code and the name of the key that sent them "
+            "(anonymous: none; admin-token, api-key: the admin token, the static list)",
+            ["route", "status", "key"],
             registry=self.registry,
         )
         self.stage_seconds = Histogram(

@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openbook import telemetry
 from openbook.logs import request_id_var
-from openbook_gateway import openai_format
+from openbook_gateway import audit, openai_format
 from openbook_gateway.metrics import GatewayMetrics, ms_since
+from openbook_gateway.principal import ANONYMOUS, Principal
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,14 @@ class RequestContext:
                 body = openai_format.error_body(500, f"internal error (request {request_id})")
             await JSONResponse(body, 500)(scope, receive, send_with_id)
         route = getattr(scope.get("route"), "path", "unmatched")
-        self.metrics.requests.labels(route, status).inc()
+        state = scope.get("state") or {}
+        principal = state.get("principal")
+        key = audit.key_label(principal if isinstance(principal, Principal) else ANONYMOUS)
+        self.metrics.requests.labels(route, status, key).inc()
+        if audit.audited(scope["method"], route):
+            audit.record(
+                state, f"{scope['method']} {route}", scope.get("path_params") or {}, status
+            )
         if span is not None:
             span.update_name(f"{scope['method']} {route}")
             span.set_attributes({"http.route": route, "http.response.status_code": status})

@@ -49,12 +49,18 @@ class OpenAIRequestError(ValueError):
     """A request openbook refuses: a 400 (404 for an unknown model) naming ``param``."""
 
     def __init__(
-        self, message: str, param: str | None, code: str | None = None, status: int = 400
+        self,
+        message: str,
+        param: str | None,
+        code: str | None = None,
+        status: int = 400,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
         self.status = status
+        self.headers = headers  # a 429's Retry-After
 
 
 class TextPart(BaseModel):

@@ -12,18 +12,24 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-ASK, WRITE, ADMIN = "ask", "write", "admin"
+from openbook.api_keys_protocol import KeyRate
+from openbook.metadata_filter import AllOf, MetadataFilter
+
+ASK, WRITE, INDEXES_CREATE, ADMIN = "ask", "write", "indexes:create", "admin"
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request is: a key's name (None: anonymous), its scopes and indexes, and the owner
-    its stored responses belong to (a hash of its token; "" anonymous)."""
+    """Who a request is: a key's name (None: anonymous), its scopes and indexes, the owner
+    its stored responses belong to (a hash of its token; "" anonymous), its tenant's filter
+    and its limits."""
 
     name: str | None
     scopes: frozenset[str] = frozenset()
     indexes: tuple[str, ...] | None = None  # None: every index
     owner: str = ""
+    tenant: MetadataFilter | None = None  # None: every document
+    rate: KeyRate | None = None  # None: no limits
 
     @property
     def known(self) -> bool:
@@ -45,6 +51,17 @@ class Principal:
         if index not in self.indexes:
             raise HTTPException(404, self.unknown_index(index))
         return index
+
+    def where(self, requested: MetadataFilter | None) -> MetadataFilter | None:
+        """The filter a retrieval asking for ``requested`` runs with: the key's tenant filter
+        AND ``requested``. An AND only narrows: nothing a request sends (an ``$or`` naming the
+        tenant's field, another tenant's value) reaches a document the tenant filter
+        excludes."""
+        if self.tenant is None:
+            return requested
+        if requested is None:
+            return self.tenant
+        return MetadataFilter(AllOf((self.tenant.root, requested.root)))
 
     def unknown_index(self, index: str) -> str:
         # the retriever's words for an index it does not have, listing only this key's

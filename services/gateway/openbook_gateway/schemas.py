@@ -21,6 +21,8 @@ from openbook.limits import (
     MAX_DOCUMENT_TITLE_CHARS,
     MAX_HISTORY_MESSAGE_CHARS,
     MAX_K,
+    MAX_KEY_CONCURRENT_GENERATIONS,
+    MAX_KEY_REQUESTS_PER_MINUTE,
     MAX_LENGTH_PENALTY,
     MAX_NEW_TOKENS,
     MAX_QUESTION_CHARS,
@@ -542,6 +544,28 @@ class DocumentListResponse(BaseModel):
     version: int
 
 
+class KeyRateIn(BaseModel):
+    """A key's limits (``openbook_gateway.key_limits``), counted across gateway replicas."""
+
+    model_config = STRICT_REQUEST
+
+    requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_KEY_REQUESTS_PER_MINUTE,
+        description="requests of any route in one minute (a window that starts with the first "
+        "request); past it, 429 with Retry-After: the seconds until the window ends. Unset: "
+        "no limit",
+    )
+    concurrent_generations: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_KEY_CONCURRENT_GENERATIONS,
+        description="answers being generated at once (answer, chat, responses, MCP answer; a "
+        "cached answer is none); past it, 429. Unset: no limit",
+    )
+
+
 class CreateKeyRequest(BaseModel):
     """``POST /admin/keys`` (issue 43; openbook_gateway.api_keys)."""
 
@@ -556,7 +580,8 @@ class CreateKeyRequest(BaseModel):
         min_length=1,
         max_length=len(SCOPES),
         description="'ask' (answers, chat, responses, embeddings, MCP reads, reading documents), "
-        "'write' (documents and uploads), 'admin' (everything the admin token does)",
+        "'write' (documents and uploads), 'indexes:create' (creating indexes: of the key's "
+        "indexes only if it is held to some), 'admin' (everything the admin token does)",
     )
     indexes: list[Annotated[str, Field(pattern=INDEX_NAME_PATTERN)]] | None = Field(
         None,
@@ -565,12 +590,31 @@ class CreateKeyRequest(BaseModel):
         description="the only indexes the key may name (others are 404 to it); a request "
         "naming none gets the first. Unset: every index",
     )
+    filter: dict[str, Any] | None = Field(
+        None,
+        description="the tenant: a metadata filter (the grammar of /answer's filter) ANDed into "
+        "every retrieval made with the key, which no request field can widen; documents it "
+        "writes get the filter's equality fields in their metadata (a write that contradicts "
+        "them is 403), documents it cannot see are 404 to it. Unset: every document",
+    )
+    rate: KeyRateIn | None = Field(None, description="the key's limits; unset: none")
+
+    @field_validator("filter")
+    @classmethod
+    def filter_is_valid(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        parse_filter(value, "filter")
+        return value or None
 
     @model_validator(mode="after")
     def _admin_is_everywhere(self) -> CreateKeyRequest:
         if "admin" in self.scopes and self.indexes is not None:
             raise ValueError(
                 "indexes: a key with the 'admin' scope cannot be held to indexes (it could "
+                "make itself a key that is not)"
+            )
+        if "admin" in self.scopes and self.filter:
+            raise ValueError(
+                "filter: a key with the 'admin' scope cannot be held to a filter (it could "
                 "make itself a key that is not)"
             )
         return self
@@ -581,10 +625,17 @@ class CreatedKey(BaseModel):
     key: str = Field(description="the secret: shown this once, kept only as a salted hash")
 
 
+class KeyRateOut(BaseModel):
+    requests_per_minute: int | None
+    concurrent_generations: int | None
+
+
 class KeyOut(BaseModel):
     name: str
     scopes: list[str]
     indexes: list[str] | None
+    filter: dict[str, Any] | None = Field(None, description="the tenant's filter; null: none")
+    rate: KeyRateOut | None = Field(None, description="the key's limits; null: none")
     created: float = Field(description="Unix time")
     last_used: float | None = Field(
         description="Unix time of its latest use, to within a minute; null: never used"

@@ -42,7 +42,7 @@ def uvicorn_config(settings: GatewaySettings, app: ASGIApp | None = None) -> uvi
     def count_refusal(status: int) -> None:
         # refused before a route was read: counted under the route "(request head)"
         if metrics is not None:
-            metrics.requests.labels(HEAD_ROUTE, status).inc()
+            metrics.requests.labels(HEAD_ROUTE, status, "anonymous").inc()
 
     return uvicorn.Config(
         app,

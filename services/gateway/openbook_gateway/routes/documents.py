@@ -11,6 +11,11 @@ Invariants:
   is a 422 naming the field and never reaches the retriever. What only the retriever can
   know maps from its gRPC code: NOT_FOUND -> 404, ALREADY_EXISTS and FAILED_PRECONDITION (the
   active index) -> 409, INVALID_ARGUMENT -> 422, UNAVAILABLE -> 503.
+* A key with a tenant filter (``openbook_gateway.tenancy``) writes its fields into what it
+  writes, never over a document it cannot see, and reads and lists only what its filter
+  keeps (404 for the rest, as for a document that does not exist).
+* Every write is audited (``openbook_gateway.audit``: the middleware logs the request, the
+  batch routes note their document ids).
 * Each acknowledged write's version is remembered by the answer cache and the metrics: this
   gateway never serves a cached answer computed on fewer writes than it has acknowledged.
 """
@@ -22,7 +27,7 @@ from collections.abc import Callable
 from typing import Annotated
 from urllib.parse import unquote_to_bytes
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from openbook.errors import InvalidArgument
@@ -32,6 +37,8 @@ from openbook.limits import (
     check_document_id,
     check_document_ref,
 )
+from openbook.v1 import retriever_pb2
+from openbook_gateway import audit, tenancy
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.mapping import (
     document_proto,
@@ -39,6 +46,7 @@ from openbook_gateway.mapping import (
     index_out,
     put_document_response,
 )
+from openbook_gateway.principal import Principal, principal_of
 from openbook_gateway.schemas import (
     CreateIndexRequest,
     DeleteDocumentResponse,
@@ -118,7 +126,17 @@ def _wrote(services: Services, index: str, version: int) -> None:
 
 @router.post("/indexes", status_code=201, response_model=IndexOut)
 async def create_index(body: CreateIndexRequest, request: Request, services: ServicesDep) -> dict:
-    """An empty index: the default encoder and type, or those of the index named by ``like``."""
+    """An empty index: the default encoder and type, or those of the index named by ``like``.
+    A key held to indexes (with ``indexes:create``) creates only those."""
+    principal = principal_of(request)
+    if not principal.sees(body.name):
+        raise HTTPException(
+            403,
+            f"name: key {principal.name!r} may create only its indexes "
+            f"({', '.join(principal.indexes or ())})",
+        )
+    if body.like is not None and not principal.sees(body.like):
+        raise HTTPException(404, principal.unknown_index(body.like))
     info = await services.retrieval.create_index(
         body.name, body.type or "", body.like or "", request.state.request_id
     )
@@ -153,8 +171,15 @@ async def put_document(
     """Insert or replace one document: split into passages, embedded, searchable once this
     answers."""
     doc_id = _checked_id("path", "doc_id", doc_id, request)
+    principal = principal_of(request)
+    request_id = request.state.request_id
+    if principal.tenant is not None:
+        # the tenant's fields stamped in, and never over another tenant's document
+        metadata = tenancy.stamped(principal, doc_id, body.title, body.metadata)
+        body = body.model_copy(update={"metadata": metadata})
+        await tenancy.check_overwrites(principal, services.retrieval, index, [doc_id], request_id)
     reply = await services.retrieval.put_documents(
-        index, [document_proto(doc_id, body)], request.state.request_id
+        index, [document_proto(doc_id, body)], request_id
     )
     _wrote(services, index, reply.version)
     return put_document_response(index, doc_id, reply)
@@ -168,8 +193,29 @@ async def put_documents(
     index: IndexName, body: PutDocumentsRequest, request: Request, services: ServicesDep
 ) -> dict:
     """Insert or replace many documents under one version, all or nothing (per shard)."""
-    documents = [document_proto(document.id, document) for document in body.documents]
-    reply = await services.retrieval.put_documents(index, documents, request.state.request_id)
+    principal = principal_of(request)
+    request_id = request.state.request_id
+    given = body.documents
+    if principal.tenant is not None:
+        given = [
+            document.model_copy(
+                update={
+                    "metadata": tenancy.stamped(
+                        principal,
+                        document.id,
+                        document.title,
+                        document.metadata,
+                        f"documents[{at}].metadata",
+                    )
+                }
+            )
+            for at, document in enumerate(given)
+        ]
+        ids = [document.id for document in given]
+        await tenancy.check_overwrites(principal, services.retrieval, index, ids, request_id)
+    audit.note(request, ids=[document.id for document in given])
+    documents = [document_proto(document.id, document) for document in given]
+    reply = await services.retrieval.put_documents(index, documents, request_id)
     _wrote(services, index, reply.version)
     return {"index": index, "version": reply.version, "passages": list(reply.passages)}
 
@@ -183,6 +229,10 @@ async def delete_document(
 ) -> dict:
     """Delete a document (404 when absent): its passages are never served once this answers."""
     doc_id = _checked_id("path", "doc_id", doc_id, request, check_document_ref)
+    principal = principal_of(request)
+    if principal.tenant is not None:
+        # another tenant's document is one this key does not have
+        await _visible_document(principal, index, doc_id, request, services)
     reply = await services.retrieval.delete_document(index, doc_id, request.state.request_id)
     _wrote(services, index, reply.version)
     return {"version": reply.version}
@@ -194,8 +244,19 @@ async def get_document(
 ) -> dict:
     """A document, its metadata and its passage ids (404 when absent)."""
     doc_id = _checked_id("path", "doc_id", doc_id, request, check_document_ref)
-    document = await services.retrieval.get_document(index, doc_id, request.state.request_id)
+    document = await _visible_document(principal_of(request), index, doc_id, request, services)
     return document_response(index, document)
+
+
+async def _visible_document(
+    principal: Principal, index: str, doc_id: str, request: Request, services: Services
+) -> retriever_pb2.Document:
+    """Document ``doc_id``, a 404 when there is none or the key's tenant cannot see it (the
+    same words: whether another tenant has it does not show)."""
+    document = await services.retrieval.get_document(index, doc_id, request.state.request_id)
+    if not tenancy.visible(principal, document):
+        raise HTTPException(404, f"document {doc_id!r} not found in index {index!r}")
+    return document
 
 
 @router.get("/indexes/{index}/documents", response_model=DocumentListResponse)
@@ -215,7 +276,14 @@ async def list_documents(
     """A page of document ids, in id order, after ``cursor``."""
     if cursor:
         _checked_id("query", "cursor", cursor, check=check_document_ref)
-    listed = await services.retrieval.list_documents(index, cursor, limit, request.state.request_id)
+    principal = principal_of(request)
+    request_id = request.state.request_id
+    if principal.tenant is not None:
+        listed = await tenancy.visible_page(
+            principal, services.retrieval, index, cursor, limit, request_id
+        )
+    else:
+        listed = await services.retrieval.list_documents(index, cursor, limit, request_id)
     services.metrics.index_version(index, listed.version)
     return {
         "index": index,

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path
+from fastapi import APIRouter, HTTPException, Path, Request
 from redis.exceptions import RedisError
 
+from openbook.api_keys_protocol import KeyRate
 from openbook.api_keys_state_aio import create_api_key, delete_api_key, list_api_keys
+from openbook_gateway import audit
 from openbook_gateway.api_keys import KEY_NAME_PATTERN, new_key
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.schemas import CreatedKey, CreateKeyRequest, DeletedKey, KeysResponse
@@ -34,10 +36,19 @@ def _unavailable(exc: Exception) -> HTTPException:
 
 
 @router.post("", status_code=201, response_model=CreatedKey)
-async def create_key(body: CreateKeyRequest, services: ServicesDep) -> dict:
+async def create_key(body: CreateKeyRequest, request: Request, services: ServicesDep) -> dict:
     """A new key with ``scopes`` (and, if given, only ``indexes``): its secret is in this
     reply only. A name already taken is a 409."""
-    secret, record = new_key(body.name, list(body.scopes), body.indexes)
+    audit.note(request, name=body.name, scopes=list(body.scopes), indexes=body.indexes)
+    rate = (
+        KeyRate(
+            requests_per_minute=body.rate.requests_per_minute,
+            concurrent_generations=body.rate.concurrent_generations,
+        )
+        if body.rate is not None
+        else None
+    )
+    secret, record = new_key(body.name, list(body.scopes), body.indexes, body.filter, rate)
     cache = services.cache
     try:
         created = await create_api_key(cache.client, cache.sealer, record)
@@ -45,7 +56,6 @@ async def create_key(body: CreateKeyRequest, services: ServicesDep) -> dict:
         raise _unavailable(exc) from None
     if not created:
         raise HTTPException(409, f"name: a key named {body.name!r} exists (delete it first)")
-    log.info("key created %s scopes=%s indexes=%s", body.name, record["scopes"], body.indexes)
     return {"name": body.name, "key": secret}
 
 
@@ -63,6 +73,8 @@ async def list_keys(services: ServicesDep) -> dict:
                 "name": record["name"],
                 "scopes": record["scopes"],
                 "indexes": record["indexes"],
+                "filter": record["filter"],
+                "rate": record["rate"],
                 "created": record["created"],
                 "last_used": last_used,
             }
@@ -80,5 +92,4 @@ async def delete_key(name: KeyName, services: ServicesDep) -> dict:
         raise _unavailable(exc) from None
     if not deleted:
         raise HTTPException(404, f"name: no key named {name!r}")
-    log.info("key deleted %s", name)
     return {"name": name}

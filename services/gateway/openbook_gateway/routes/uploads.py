@@ -54,6 +54,7 @@ from openbook.limits import (
     check_metadata,
 )
 from openbook.v1 import retriever_pb2
+from openbook_gateway import audit, tenancy
 from openbook_gateway.extraction import (
     CANCELLED_STATUS,
     Extracted,
@@ -63,6 +64,7 @@ from openbook_gateway.extraction import (
     extract,
 )
 from openbook_gateway.mapping import put_document_response
+from openbook_gateway.principal import principal_of
 from openbook_gateway.routes.documents import IndexName, _wrote
 from openbook_gateway.schemas import UploadResponse
 from openbook_gateway.services import ServicesDep
@@ -239,6 +241,14 @@ async def _upload(index: str, form: Any, request: Request, services: ServicesDep
     # The form's title, else the document's own, else the file's name.
     title = title or extracted.title or clean_title(filename)
     metadata = _document_metadata(given, extracted, digest, filename)
+    principal = principal_of(request)
+    if principal.tenant is not None:
+        # the tenant's fields stamped in (issue 43), and never over another tenant's document
+        metadata = tenancy.stamped(principal, doc_id, title, metadata) or {}
+        await tenancy.check_overwrites(
+            principal, services.retrieval, index, [doc_id], request.state.request_id
+        )
+    audit.note(request, ids=[doc_id])
     document = retriever_pb2.Document(
         id=doc_id,
         title=title,

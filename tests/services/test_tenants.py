@@ -1,0 +1,350 @@
+"""Tenants, limits per key and the audit log (issue 43) through the real gateway (uvicorn),
+retriever, generator and Redis: two tenants' keys on one live index never see each other's
+documents, whatever a request sends (a filter, an ``$or`` with the tenant's field, another
+index), on every route that retrieves or reads documents, nor through the answer cache;
+documents they write carry their tenant; a key's rate is counted in Redis and answered with a
+429 and a truthful ``Retry-After``; every write is audited under the key's name, and requests
+are counted under it."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+
+from openbook_testkit.stack import running_backends, serving_gateway
+
+INDEX = "tenants"
+MCP_HEADERS = {
+    "Accept": "application/json, text/event-stream",
+    "MCP-Protocol-Version": "2025-06-18",
+}
+A_DOC = {"title": "Alpha plan", "text": "The alpha launch code is ORCHID. It opens the vault."}
+B_DOC = {"title": "Beta plan", "text": "The beta launch code is TULIP. It opens the vault."}
+QUESTION = "What is the launch code that opens the vault?"
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory, redis_server):
+    redis_server.flush()
+    with running_backends(tmp_path_factory.mktemp("tenants"), redis_server.url) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def url(backends, redis_server):
+    settings = backends.gateway_settings(redis_server.url, require_keys=True)
+    with serving_gateway(settings) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def admin(backends) -> dict[str, str]:
+    return {"Authorization": f"Bearer {backends.admin_token}"}
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _create(url: str, admin: dict, name: str, scopes: list[str], **extra) -> str:
+    reply = httpx.post(
+        f"{url}/admin/keys", json={"name": name, "scopes": scopes, **extra}, headers=admin
+    )
+    assert reply.status_code == 201, reply.text
+    return reply.json()["key"]
+
+
+@pytest.fixture(scope="module")
+def tenants(url, admin) -> dict[str, str]:
+    """An index two tenants write to, each with its document, and their keys."""
+    made = httpx.post(
+        f"{url}/indexes", json={"name": INDEX, "like": "facts-b"}, headers=admin, timeout=60
+    )
+    assert made.status_code == 201, made.text
+    keys = {
+        tenant: _create(
+            url,
+            admin,
+            f"tenant-{tenant}",
+            ["ask", "write"],
+            indexes=[INDEX],
+            filter={"tenant": tenant},
+        )
+        for tenant in ("a", "b")
+    }
+    for tenant, doc_id, document in (("a", "a-doc", A_DOC), ("b", "b-doc", B_DOC)):
+        written = httpx.put(
+            f"{url}/indexes/{INDEX}/documents/{doc_id}",
+            json={**document, "metadata": {"lang": "en"}},
+            headers=_bearer(keys[tenant]),
+            timeout=60,
+        )
+        assert written.status_code == 200, written.text
+    return keys
+
+
+def _answer(url: str, key: str, **body) -> httpx.Response:
+    return httpx.post(
+        f"{url}/answer",
+        json={"question": QUESTION, "max_new_tokens": 2, "use_cache": False, **body},
+        headers=_bearer(key),
+        timeout=60,
+    )
+
+
+def _mcp(url: str, key: str, name: str, **arguments) -> dict:
+    reply = httpx.post(
+        f"{url}/mcp",
+        json={
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": name, "arguments": arguments},
+        },
+        headers={**MCP_HEADERS, **_bearer(key)},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["result"]
+
+
+def _never_b(text: str) -> None:
+    for trace in ("TULIP", "b-doc", "Beta plan", "beta launch"):
+        assert trace not in text
+
+
+def test_written_documents_carry_their_tenant(url, admin, tenants):
+    stored = httpx.get(f"{url}/indexes/{INDEX}/documents/a-doc", headers=admin).json()
+    assert stored["metadata"] == {"lang": "en", "tenant": "a"}
+    a = _bearer(tenants["a"])
+    base = f"{url}/indexes/{INDEX}/documents"
+    # metadata naming another tenant: 403 naming the field, nothing written
+    other = httpx.put(
+        f"{base}/a-2", json={**A_DOC, "metadata": {"tenant": "b"}}, headers=a, timeout=60
+    )
+    assert other.status_code == 403 and "metadata.tenant" in other.text
+    batch = httpx.post(
+        f"{base}:batch",
+        json={
+            "documents": [
+                {"id": "a-3", **A_DOC},
+                {"id": "a-4", **A_DOC, "metadata": {"tenant": "b"}},
+            ]
+        },
+        headers=a,
+        timeout=60,
+    )
+    assert batch.status_code == 403 and "documents[1].metadata.tenant" in batch.text
+    assert httpx.get(f"{base}/a-3", headers=admin).status_code == 404
+    # another tenant's id: neither overwritten, read nor deleted
+    over = httpx.put(f"{base}/b-doc", json=A_DOC, headers=a, timeout=60)
+    assert over.status_code == 403 and "doc_id" in over.text
+    for method in ("GET", "DELETE"):
+        refused = httpx.request(method, f"{base}/b-doc", headers=a, timeout=60)
+        assert refused.status_code == 404, method
+        _never_b(refused.text.replace("'b-doc'", ""))
+    assert httpx.get(f"{base}/b-doc", headers=_bearer(tenants["b"])).json()["text"] == B_DOC["text"]
+    # an upload is stamped too, and refused with another tenant's metadata
+    upload = f"{url}/indexes/{INDEX}/documents"
+    files = {"file": ("alpha.txt", b"Alpha notes: the code is ORCHID.", "text/plain")}
+    refused = httpx.post(
+        upload, files=files, data={"metadata": '{"tenant": "b"}'}, headers=a, timeout=60
+    )
+    assert refused.status_code == 403 and "metadata.tenant" in refused.text
+    uploaded = httpx.post(upload, files=files, data={"id": "a-upload"}, headers=a, timeout=60)
+    assert uploaded.status_code == 200, uploaded.text
+    stored = httpx.get(f"{base}/a-upload", headers=admin).json()
+    assert stored["metadata"]["tenant"] == "a"
+    # a listing shows only the tenant's ids
+    listed = httpx.get(base, headers=a, params={"limit": 1}).json()
+    ids = list(listed["ids"])
+    while listed["next_cursor"]:
+        listed = httpx.get(
+            base, headers=a, params={"limit": 1, "cursor": listed["next_cursor"]}
+        ).json()
+        ids += listed["ids"]
+    assert ids == ["a-doc", "a-upload"]
+    everyone = httpx.get(base, headers=admin).json()["ids"]
+    assert {"a-doc", "a-upload", "b-doc"} <= set(everyone)
+
+
+def test_no_request_field_widens_a_tenant(url, tenants):
+    key = tenants["a"]
+    for widened in (
+        None,
+        {"tenant": "b"},
+        {"$or": [{"tenant": "b"}, {"tenant": "a"}]},
+        {"$or": [{"tenant": "b"}, {"lang": "en"}]},
+        {"_id": "b-doc"},
+    ):
+        reply = _answer(url, key, filter=widened, k=5)
+        assert reply.status_code == 200, reply.text
+        _never_b(reply.text)
+        assert {p["document"] for p in reply.json()["passages"]} <= {"a-doc", "a-upload"}
+    assert _answer(url, key, index="facts-a").status_code == 404
+    # the OpenAI API, with the filter as an extra body field
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": f"openbook/{INDEX}",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 2,
+            "filter": {"$or": [{"tenant": "b"}, {"tenant": "a"}]},
+        },
+        headers=_bearer(key),
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    _never_b(chat.text)
+    responses = httpx.post(
+        f"{url}/v1/responses",
+        json={"model": f"openbook/{INDEX}", "input": QUESTION, "max_output_tokens": 2},
+        headers=_bearer(key),
+        timeout=60,
+    )
+    assert responses.status_code == 200, responses.text
+    _never_b(responses.text)
+    # MCP: search and answer, and another index
+    found = _mcp(url, key, "search", query=QUESTION, k=5, filter={"tenant": "b"})
+    assert found.get("isError") is not True
+    _never_b(str(found))
+    found = _mcp(url, key, "search", query=QUESTION, k=5)
+    assert "ORCHID" in str(found)
+    _never_b(str(found))
+    answered = _mcp(url, key, "answer", question=QUESTION, filter={"$or": [{"tenant": "b"}]})
+    _never_b(str(answered))
+    elsewhere = _mcp(url, key, "search", query=QUESTION, index="facts-b")
+    assert elsewhere["isError"] is True
+
+
+def test_the_cache_never_crosses_tenants(url, tenants):
+    # B asks first, and its answer is cached; A asking the same gets its own
+    asked = {"question": "Which launch code opens the vault?", "use_cache": True, "k": 5}
+    b = _answer(url, tenants["b"], **asked)
+    assert b.status_code == 200 and "b-doc" in {p["document"] for p in b.json()["passages"]}
+    again = _answer(url, tenants["b"], **asked)
+    assert again.json()["cached"] is True
+    a = _answer(url, tenants["a"], **asked)
+    assert a.status_code == 200
+    assert a.json()["cached"] is False
+    _never_b(a.text)
+    assert _answer(url, tenants["a"], **asked).json()["cached"] is True  # its own, now
+    # ... even naming B's filter itself
+    a = _answer(url, tenants["a"], **asked, filter={"tenant": "b"})
+    assert a.json()["cached"] is False and a.json()["passages"] == []
+
+
+def test_a_key_is_held_to_its_rate(url, admin, redis_server, tenants):
+    key = _create(url, admin, "limited", ["ask"], rate={"requests_per_minute": 2})
+    assert _answer(url, key).status_code == 200
+    assert httpx.get(f"{url}/indexes", headers=_bearer(key)).status_code == 200
+    refused = _answer(url, key)
+    assert refused.status_code == 429 and "2 requests a minute" in refused.text
+    retry_after = int(refused.headers["Retry-After"])
+    # truthful: the window ends then (the counter expires), not before
+    left_ms = redis_server.client().pttl("openbook:api-key-requests:limited")
+    assert 0 < left_ms <= retry_after * 1000 <= 60_000
+    models = httpx.get(f"{url}/v1/models", headers=_bearer(key))
+    assert models.status_code == 429 and models.headers["Retry-After"]
+    assert models.json()["error"]["code"] == "rate_limit_exceeded"
+    # counted in Redis, for every gateway: a new window lets it in again
+    redis_server.client().delete("openbook:api-key-requests:limited")
+    assert _answer(url, key).status_code == 200
+    # other keys are not held to it
+    assert _answer(url, tenants["a"]).status_code == 200
+
+
+def test_concurrent_generations_are_counted_across_replicas(url, admin, redis_server):
+    key = _create(url, admin, "one-at-a-time", ["ask"], rate={"concurrent_generations": 1})
+    leases = "openbook:api-key-generations:one-at-a-time"
+    client = redis_server.client()
+    # a generation of this key running on another gateway replica
+    client.zadd(leases, {"other-replica": 2**50})
+    busy = _answer(url, key)
+    assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+    assert "1 answers being generated" in busy.text
+    # a replica that died with its lease: expired, it holds nothing
+    client.zadd(leases, {"other-replica": 1})
+    assert _answer(url, key).status_code == 200
+    assert client.zcard(leases) == 0  # given back once answered
+
+
+def test_writes_and_key_changes_are_audited(url, admin, tenants, caplog):
+    caplog.set_level(logging.INFO, logger="openbook.audit")
+    a = _bearer(tenants["a"])
+    base = f"{url}/indexes/{INDEX}/documents"
+    assert httpx.put(f"{base}/a-5", json=A_DOC, headers=a, timeout=60).status_code == 200
+    assert httpx.delete(f"{base}/b-doc", headers=a, timeout=60).status_code == 404
+    batch = {"documents": [{"id": "a-6", **A_DOC}, {"id": "a-7", **A_DOC}]}
+    assert httpx.post(f"{base}:batch", json=batch, headers=a, timeout=60).status_code == 200
+    made = _create(url, admin, "audited", ["ask"])
+    assert httpx.delete(f"{url}/admin/keys/audited", headers=admin).status_code == 200
+    put = _mcp(url, tenants["a"], "put_document", index=INDEX, doc_id="a-8", text=A_DOC["text"])
+    assert put.get("isError") is not True, put
+    lines = [r.fields for r in caplog.records if r.name == "openbook.audit"]
+    assert {
+        "key": "tenant-a",
+        "index": INDEX,
+        "ids": ["a-5"],
+        "outcome": "ok",
+        "status": 200,
+    }.items() <= next(f for f in lines if f.get("ids") == ["a-5"]).items()
+    deleted = next(f for f in lines if f.get("ids") == ["b-doc"])
+    assert deleted["outcome"] == "refused" and deleted["status"] == 404
+    assert deleted["action"].startswith("DELETE ")
+    assert next(f for f in lines if f.get("ids") == ["a-6", "a-7"])["key"] == "tenant-a"
+    created = next(f for f in lines if f["action"] == "POST /admin/keys")
+    assert created["name"] == "audited" and created["key"] == "admin-token"
+    assert next(f for f in lines if f["action"] == "DELETE /admin/keys/{name}")["name"] == "audited"
+    mcp = next(f for f in lines if f["action"] == "mcp:put_document")
+    assert mcp["ids"] == ["a-8"] and mcp["outcome"] == "ok" and mcp["key"] == "tenant-a"
+    # never a secret
+    text = caplog.text + str(lines)
+    for secret in (made, tenants["a"], tenants["a"].split(".", 1)[1]):
+        assert secret not in text
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'key="tenant-a"' in metrics and 'key="admin-token"' in metrics
+
+
+def test_indexes_create_scope(url, admin):
+    made = httpx.post(
+        f"{url}/indexes", json={"name": "team-one", "like": "facts-b"}, headers=admin, timeout=60
+    )
+    assert made.status_code == 201, made.text
+    creator = _create(
+        url, admin, "creator", ["write", "indexes:create"], indexes=["team-one", "team-two"]
+    )
+    writer = _create(url, admin, "writer-only", ["write"], indexes=["team-one", "team-two"])
+    body = {"name": "team-two", "like": "team-one"}
+    assert httpx.post(f"{url}/indexes", json=body, headers=_bearer(writer)).status_code == 403
+    # an index it may not name is as unknown to it as ever, even as a template
+    like = httpx.post(
+        f"{url}/indexes", json={"name": "team-two", "like": "facts-b"}, headers=_bearer(creator)
+    )
+    assert like.status_code == 404 and "facts-b" in like.text
+    made = httpx.post(f"{url}/indexes", json=body, headers=_bearer(creator), timeout=60)
+    assert made.status_code == 201, made.text
+    other = httpx.post(
+        f"{url}/indexes", json={"name": "not-mine", "like": "team-one"}, headers=_bearer(creator)
+    )
+    assert other.status_code == 403 and "name" in other.text
+    gone = httpx.delete(f"{url}/indexes/team-two", headers=_bearer(creator))
+    assert gone.status_code == 403  # deleting an index stays admin's
+
+
+def test_bad_tenant_and_rate_requests_name_the_field(url, admin, tenants):
+    for body, field in (
+        ({"name": "x", "scopes": ["ask"], "filter": {"tenant": ["a"]}}, "filter"),
+        ({"name": "x", "scopes": ["admin"], "filter": {"tenant": "a"}}, "filter"),
+        ({"name": "x", "scopes": ["ask"], "rate": {"requests_per_minute": 0}}, "rate"),
+        ({"name": "x", "scopes": ["ask"], "rate": {"per_second": 1}}, "rate"),
+        ({"name": "x", "scopes": ["ask"], "rate": {"concurrent_generations": "2"}}, "rate"),
+    ):
+        reply = httpx.post(f"{url}/admin/keys", json=body, headers=admin)
+        assert reply.status_code == 422, body
+        assert field in reply.text
+    listed = httpx.get(f"{url}/admin/keys", headers=admin).json()["keys"]
+    (a,) = [k for k in listed if k["name"] == "tenant-a"]
+    assert a["filter"] == {"tenant": "a"} and a["rate"] is None
