@@ -191,8 +191,7 @@ def _fit_calibration(
     """Fit the answers of ``preds`` (their features, or their raw confidence) to whether each
     is right; write the calibration into ``directory``. Raises ValueError when it cannot be
     fitted."""
-    # why: transformers and scikit-learn stay out of the CLI's startup (`openbook --help`
-    # imports every command)
+    # why: scikit-learn and transformers stay out of `openbook --help` (it imports every command)
     from openbook_trainer.calibration import fit_calibration, fit_logistic_calibration
 
     if task is Task.generation:
