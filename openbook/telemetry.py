@@ -1,28 +1,31 @@
 """OpenTelemetry traces of every service: the one place tracing is set up.
 
-Each service calls :func:`setup_tracing` once at start, before it serves; everything else
-(spans in the gateway's pipeline, the gRPC interceptors of :mod:`openbook.serving.tracing`,
-the generator's stages) goes through :func:`span`, :func:`past_span` and :func:`enabled`.
+Each service calls :func:`setup_tracing` once at start, before it serves. The spans of the
+RPCs and HTTP requests are the OpenTelemetry instrumentations' (``opentelemetry-instrumentation-
+grpc`` on the retriever's and generator's servers, :mod:`openbook.serving.tracing`;
+``-fastapi`` on the gateway's app); openbook's own spans, the GenAI ones and the stages of a
+request (the gateway's pipeline, the generator's admission and queueing), go through
+:func:`span`, :func:`past_span` and :func:`enabled`.
 
-Configured by the standard ``OTEL_*`` variables only, read at start:
+Configured by the standard ``OTEL_*`` variables, which the SDK reads itself (the OTLP endpoint
+and its ``/v1/traces``, headers and timeout, ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES``, the sampler, ``OTEL_BSP_*``, ``OTEL_PROPAGATORS``). Only whether
+to trace at all is decided here, before the SDK is imported:
 
 - ``OTEL_SDK_DISABLED=true``: off, whatever else is set.
 - ``OTEL_TRACES_EXPORTER``: ``otlp`` (OTLP over HTTP/protobuf), ``console`` (spans on stdout)
   or ``none``; unset or empty, tracing is on only if ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` names a collector (then ``otlp``).
-- ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (used as is) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (its
-  ``/v1/traces``), default ``http://localhost:4318/v1/traces``;
-  ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` must be ``http/protobuf`` (the default) if set.
-- ``OTEL_SERVICE_NAME`` (default: the service's own, ``openbook-gateway`` ...),
-  ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER[_ARG]``, ``OTEL_BSP_*``,
-  ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`` / ``TIMEOUT``: as the SDK defines them.
+- ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` must be ``http/protobuf`` (the default) if set: the
+  gRPC exporter is not installed.
+- ``service.name``: the service's own (``openbook-gateway`` ...) unless the variables name one.
 
-Invariant: off (the default) costs nothing. The tracing SDK and the exporter are not even
-imported, no tracer provider is installed (the API's tracer is a no-op), no export thread
-runs, no gRPC interceptor is added and :func:`span` returns a shared no-op context. An empty
-variable (compose's ``${VAR:-}``) counts as unset. A misconfiguration (an unknown exporter or
-protocol) fails the start with :class:`~openbook.errors.InvalidArgument` naming the variable,
-rather than tracing nothing silently.
+Invariant: off (the default) costs nothing. The tracing SDK, the exporter and the
+instrumentations are not even imported, no tracer provider is installed (the API's tracer is a
+no-op), no export thread runs, no gRPC interceptor is added and :func:`span` returns a shared
+no-op context. An empty variable (compose's ``${VAR:-}``) counts as unset. A misconfiguration
+(an unknown exporter or protocol) fails the start with :class:`~openbook.errors.InvalidArgument`
+naming the variable, rather than tracing nothing silently.
 
 Spans are flushed by the SDK's exit hook when the process ends (SIGTERM included: every
 service exits normally on it), and every few seconds while it runs (``OTEL_BSP_SCHEDULE_DELAY``).
@@ -48,7 +51,6 @@ PROVIDER = "openbook"
 # The request id (the gateway's X-Request-ID, carried to the services as gRPC metadata).
 REQUEST_ID_ATTRIBUTE = "openbook.request_id"
 
-DEFAULT_OTLP_ENDPOINT = "http://localhost:4318"
 SUPPORTED_EXPORTERS = ("otlp", "console", "none")
 SUPPORTED_PROTOCOL = "http/protobuf"
 
@@ -91,23 +93,12 @@ def exporters_from_env(environ: Mapping[str, str]) -> list[str]:
     return [name for name in named if name != "none"]
 
 
-def otlp_traces_endpoint(environ: Mapping[str, str]) -> str:
-    """Where OTLP/HTTP spans go: the traces endpoint as given, else the base endpoint's
-    ``/v1/traces`` (the OTLP exporter specification's rule)."""
-    traces = _env(environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    if traces:
-        return traces
-    base = _env(environ, "OTEL_EXPORTER_OTLP_ENDPOINT") or DEFAULT_OTLP_ENDPOINT
-    return base.rstrip("/") + "/v1/traces"
-
-
-def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -> bool:
+def setup_tracing(service_name: str) -> bool:
     """Set up tracing for this process as the ``OTEL_*`` variables say (module docstring);
-    True if spans are now exported. ``service_name`` is the default ``service.name``
-    (``OTEL_SERVICE_NAME`` overrides it). Call once, at start."""
+    True if spans are now exported. ``service_name`` is the default ``service.name``. Call
+    once, at start."""
     global _enabled, _provider
-    environ = os.environ if environ is None else environ
-    exporters = exporters_from_env(environ)
+    exporters = exporters_from_env(os.environ)
     if not exporters:
         return False
     # why: the SDK and its exporter thread exist only in a process that traces
@@ -120,21 +111,27 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -
         SimpleSpanProcessor,
     )
 
-    if environ is os.environ:
-        # The SDK reads its own variables (sampler, batching, headers) from os.environ, where
-        # compose's ${VAR:-} leaves empty values that it would warn about or misread.
-        for var in [k for k, v in os.environ.items() if k.startswith("OTEL_") and not v.strip()]:
-            del os.environ[var]
-    name = _env(environ, "OTEL_SERVICE_NAME") or service_name
-    # Resource.create adds OTEL_RESOURCE_ATTRIBUTES and the SDK's own attributes.
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    # The SDK reads its variables from os.environ, where compose's ${VAR:-} leaves empty
+    # values that it would misread (an empty endpoint is used as the URL).
+    for var in [k for k, v in os.environ.items() if k.startswith("OTEL_") and not v.strip()]:
+        del os.environ[var]
+    # The HTTP instrumentation's stable attribute names (http.response.status_code, ...).
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
+    # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; without either it
+    # names the service "unknown_service...": ours then.
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
+    provider = TracerProvider(resource=resource)
     for exporter in exporters:
         if exporter == "otlp":
-            endpoint = otlp_traces_endpoint(environ)
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-            log.info("tracing: spans of %s go to %s", name, endpoint)
+            # the endpoint, headers and timeout: the OTEL_EXPORTER_OTLP_* variables
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         else:
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    log.info(
+        "tracing: spans of %s go to %s", resource.attributes[SERVICE_NAME], ", ".join(exporters)
+    )
     trace.set_tracer_provider(provider)
     _provider, _enabled = provider, True
     return True

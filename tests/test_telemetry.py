@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from openbook.errors import InvalidArgument
-from openbook.telemetry import exporters_from_env, otlp_traces_endpoint
+from openbook.telemetry import exporters_from_env
 
 
 @pytest.mark.parametrize(
@@ -60,23 +60,11 @@ def test_a_configuration_openbook_cannot_honour_fails_naming_the_variable(env, v
         exporters_from_env(env)
 
 
-def test_the_traces_endpoint_follows_the_otlp_rules():
-    assert otlp_traces_endpoint({}) == "http://localhost:4318/v1/traces"
-    assert otlp_traces_endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}) == (
-        "http://c:4318/v1/traces"
-    )
-    traces = {
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:9/x",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://b:4318",
-    }
-    assert otlp_traces_endpoint(traces) == "http://t:9/x"
-
-
 OFF_PROBE = """
 import json, sys, threading
 from opentelemetry import trace
 from openbook import telemetry
-from openbook.serving.tracing import aio_client_interceptors, server_interceptors
+from openbook.serving.tracing import server_interceptors, trace_metadata
 from openbook_gateway.app import create_app
 on = telemetry.setup_tracing("openbook-gateway")
 create_app()
@@ -87,18 +75,21 @@ print(json.dumps({
     # (redis-py imports the SDK's metrics when it is installed: its own, unused)
     "sdk": sorted(m for m in sys.modules if m.startswith("opentelemetry.sdk.trace")),
     "exporter": sorted(m for m in sys.modules if m.startswith("opentelemetry.exporter")),
+    "instrumentation": sorted(
+        m for m in sys.modules if m.startswith("opentelemetry.instrumentation")
+    ),
     "provider": type(trace.get_tracer_provider()).__name__,
     "threads": [t.name for t in threading.enumerate()],
     "server": len(server_interceptors()),
-    "client": aio_client_interceptors(),
+    "client": trace_metadata(),
     "recording": recording,
 }))
 """
 
 
 def test_tracing_is_off_by_default_at_no_cost():
-    """Without OTEL_* variables: no tracing SDK, no exporter or its thread, the API's no-op
-    provider, no interceptor, no span."""
+    """Without OTEL_* variables: no tracing SDK, no exporter or its thread, no
+    instrumentation, the API's no-op provider, no interceptor, no trace metadata, no span."""
     env = {"PATH": "/usr/bin:/bin", "OPENBOOK_LOG_LEVEL": "WARNING"}
     probe = subprocess.run(
         [sys.executable, "-c", OFF_PROBE], env=env, capture_output=True, text=True, timeout=120
@@ -109,9 +100,10 @@ def test_tracing_is_off_by_default_at_no_cost():
         "on": False,
         "sdk": [],
         "exporter": [],
+        "instrumentation": [],
         "provider": "ProxyTracerProvider",
         "threads": ["MainThread"],
         "server": 0,
-        "client": None,
+        "client": [],
         "recording": False,
     }

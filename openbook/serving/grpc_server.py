@@ -296,12 +296,12 @@ class GrpcService:
         self.health = health.HealthServicer()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
-            # Outermost first: auth refusals are counted and logged like every other status;
-            # the trace span (only with tracing on) sees the error the servicer raised before
-            # it becomes a status.
+            # Outermost first: the trace span (only with tracing on) holds the whole call and
+            # records the status an error becomes; auth refusals are counted and logged like
+            # every other status.
             interceptors=[
-                ErrorInterceptor(metrics, access_log),
                 *server_interceptors(),
+                ErrorInterceptor(metrics, access_log),
                 AdminAuthInterceptor(admin_methods, admin_token),
             ],
             # Calls beyond this many (running + waiting for a worker) are refused at once with

@@ -1,5 +1,5 @@
 """Running a gRPC method handler inside a context manager: what a server interceptor that
-observes every call (``grpc_server.ErrorInterceptor``, ``tracing.TracingServerInterceptor``)
+observes every call (``grpc_server.ErrorInterceptor``, ``tracing.RequestIdInterceptor``)
 does to the handler it is given.
 
 The unary-unary and unary-stream handlers (every RPC of ``proto/openbook/v1``) are wrapped; a

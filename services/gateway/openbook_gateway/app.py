@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from openbook import telemetry
 from openbook.sealing import Sealer, load_sealer
 from openbook.settings import RedisOptions
 from openbook_gateway import errors
@@ -41,6 +42,9 @@ from openbook_gateway.routes import (
 from openbook_gateway.routes.mcp import McpEndpoint
 from openbook_gateway.services import running_services
 from openbook_gateway.settings import GatewaySettings
+
+# Probes and scrapes: not requests anyone follows in a trace (regular expressions of the URL).
+UNTRACED_URLS = "/healthz$,/readyz$,/metrics$"
 
 
 @asynccontextmanager
@@ -116,6 +120,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
     # Outermost (added last): every response, a 413 from BodySizeLimit too, gets a request id.
     app.add_middleware(RequestContext, metrics=metrics, access_log=settings.access_log)
+    if telemetry.enabled():
+        # why: the instrumentation is imported only in a process that traces
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        # Each request's SERVER span (``POST /answer``, continuing the client's traceparent),
+        # outside every middleware; the send/receive spans of each message add nothing.
+        FastAPIInstrumentor.instrument_app(
+            app, excluded_urls=UNTRACED_URLS, exclude_spans=["receive", "send"]
+        )
 
     # Registered as the decorator would: Starlette types add_exception_handler's handler as
     # taking any Exception, and each of these takes only the one it is registered for.

@@ -25,7 +25,7 @@ from openbook.serving.grpc_server import (
     bearer_metadata,
     deadline_metadata,
 )
-from openbook.serving.tracing import aio_client_interceptors
+from openbook.serving.tracing import trace_metadata
 from openbook.v1 import (
     common_pb2,
     generator_pb2,
@@ -134,8 +134,6 @@ class ServiceClient:
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2000),
             ],
-            # with tracing on, every call carries the current span (W3C traceparent)
-            interceptors=aio_client_interceptors(),
         )
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.stub = self.stub_class(self.channel)
@@ -152,7 +150,8 @@ class ServiceClient:
         statuses: dict[grpc.StatusCode, int] = _HTTP_STATUS,
     ) -> T:
         timeout_s = timeout_s or self.timeout_s
-        metadata: tuple[tuple[str, str], ...] = (deadline_metadata(timeout_s),)
+        # with tracing on, every call carries the current span (W3C traceparent)
+        metadata = (deadline_metadata(timeout_s), *trace_metadata())
         if request_id:
             metadata += ((REQUEST_ID_HEADER, request_id),)
         if id(method) in self._admin_calls:
@@ -196,7 +195,7 @@ class GeneratorClient(ServiceClient):
     ) -> AsyncIterator[generator_pb2.GenerateEvent]:
         """GenerateStream's events; leaving the iteration early cancels the call (the
         generator then drops the request from its batch)."""
-        metadata: tuple[tuple[str, str], ...] = (deadline_metadata(self.timeout_s),)
+        metadata = (deadline_metadata(self.timeout_s), *trace_metadata())
         if request_id:
             metadata += ((REQUEST_ID_HEADER, request_id),)
         call = self.stub.GenerateStream(

@@ -14,7 +14,7 @@ import uuid
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -38,9 +38,6 @@ DRAIN_MAX_BYTES = 32 * 1024 * 1024
 # tool carries an article (routes/mcp.py): their bodies get the larger limit.
 DOCUMENT_PATH_PREFIX = "/indexes/"
 MCP_PATH = "/mcp"
-
-# Probes and scrapes: not requests anyone follows in a trace.
-UNTRACED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 class BodySizeLimit:
@@ -123,8 +120,8 @@ class BodySizeLimit:
 class RequestContext:
     """Request id (the client's ``x-request-id`` or a new one) in the log context, in
     ``request.state`` and on the response; request count, and one access-log line; with
-    tracing on, the request's root span (``POST /answer``: a SERVER span that continues the
-    client's ``traceparent`` if it sent one, with the request id, route and status).
+    tracing on, the request id on the request's root span (``POST /answer``, the FastAPI
+    instrumentation's SERVER span, outside every middleware: ``app.create_app``).
 
     A plain ASGI middleware: no extra task per request, and the handler runs in this context,
     so everything it logs carries the request id. An unhandled error becomes a JSON 500 that
@@ -145,31 +142,14 @@ class RequestContext:
             request_id = uuid.uuid4().hex  # it goes into logs and gRPC metadata: keep it sane
         scope.setdefault("state", {})["request_id"] = request_id
         token = request_id_var.set(request_id)
-        if not telemetry.enabled() or scope["path"] in UNTRACED_PATHS:
-            try:
-                await self._handle(scope, receive, send, request_id, None)
-            finally:
-                request_id_var.reset(token)
-            return
-        method = scope["method"]
-        with telemetry.tracer().start_as_current_span(
-            f"{method} {scope['path']}",
-            context=propagate.extract(Headers(scope=scope)),
-            kind=trace.SpanKind.SERVER,
-            attributes={
-                "http.request.method": method,
-                "url.path": scope["path"],
-                telemetry.REQUEST_ID_ATTRIBUTE: request_id,
-            },
-        ) as span:
-            try:
-                await self._handle(scope, receive, send, request_id, span)
-            finally:
-                request_id_var.reset(token)
+        if telemetry.enabled():
+            trace.get_current_span().set_attribute(telemetry.REQUEST_ID_ATTRIBUTE, request_id)
+        try:
+            await self._handle(scope, receive, send, request_id)
+        finally:
+            request_id_var.reset(token)
 
-    async def _handle(
-        self, scope: Scope, receive: Receive, send: Send, request_id: str, span: trace.Span | None
-    ) -> None:
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         started = time.perf_counter()
         status = 500
         response_started = False
@@ -201,11 +181,6 @@ class RequestContext:
             audit.record(
                 state, f"{scope['method']} {route}", scope.get("path_params") or {}, status
             )
-        if span is not None:
-            span.update_name(f"{scope['method']} {route}")
-            span.set_attributes({"http.route": route, "http.response.status_code": status})
-            if status >= 500:
-                span.set_status(trace.Status(trace.StatusCode.ERROR))
         if self.access_log:
             # Never the headers: the Authorization header carries the admin token.
             method = scope["method"]
