@@ -29,7 +29,8 @@ from openbook_cli.docs_upload import upload
 
 docs_app = typer.Typer(
     help="Documents of live indexes: put, upload, rm, get, ls, create-index (the gateway's "
-    "documents API; writes need OPENBOOK_ADMIN_TOKEN).",
+    "documents API; writes need a key with the write scope, OPENBOOK_API_KEY, or "
+    "OPENBOOK_ADMIN_TOKEN).",
     no_args_is_help=True,
 )
 
@@ -41,7 +42,20 @@ TOKEN = typer.Option(
     help="the admin token (writes)",
     show_default=False,
 )
+KEY = typer.Option(
+    None,
+    "--key",
+    envvar="OPENBOOK_API_KEY",
+    help="a key of the gateway (openbook keys create): sent instead of the admin token",
+    show_default=False,
+)
 TIMEOUT = typer.Option(300.0, "--timeout", help="seconds per HTTP call")
+
+
+def _target(url: str, admin_token: str | None, key: str | None, timeout_s: float) -> GatewayTarget:
+    """The gateway, and the credential to send it: the key if one is given (what it may do is
+    what its scopes, indexes and tenant allow), else the admin token."""
+    return GatewayTarget(url, key or admin_token, timeout_s)
 
 
 def _done(reply: Any) -> None:
@@ -84,10 +98,11 @@ def put_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     url: str = URL,
     admin_token: str | None = TOKEN,
+    key: str | None = KEY,
     timeout_s: float = TIMEOUT,
 ) -> None:
     """Insert or replace documents: a JSONL FILE in batches, or one given by --id/--text."""
-    target = GatewayTarget(url, admin_token, timeout_s)
+    target = _target(url, admin_token, key, timeout_s)
     try:
         if file is not None:
             if doc_id is not None or text is not None or metadata is not None:
@@ -114,11 +129,12 @@ def upload_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     url: str = URL,
     admin_token: str | None = TOKEN,
+    key: str | None = KEY,
     timeout_s: float = TIMEOUT,
 ) -> None:
     """Upload files, one document each; files already in the index (same content) are
     skipped, so running it again resumes a run that stopped."""
-    target = GatewayTarget(url, admin_token, timeout_s)
+    target = _target(url, admin_token, key, timeout_s)
     try:
         meta = _metadata(metadata)
         report = upload(target, index, paths, metadata=meta, progress=not no_progress)
@@ -136,11 +152,12 @@ def rm_command(
     doc_id: str = typer.Argument(..., metavar="ID"),
     url: str = URL,
     admin_token: str | None = TOKEN,
+    key: str | None = KEY,
     timeout_s: float = TIMEOUT,
 ) -> None:
     """Delete a document (its passages are never served once this returns)."""
     try:
-        _done(remove_document(GatewayTarget(url, admin_token, timeout_s), index, doc_id))
+        _done(remove_document(_target(url, admin_token, key, timeout_s), index, doc_id))
     except DocsError as exc:
         raise _fail("rm", exc) from None
 
@@ -150,11 +167,13 @@ def get_command(
     index: str,
     doc_id: str = typer.Argument(..., metavar="ID"),
     url: str = URL,
+    admin_token: str | None = TOKEN,
+    key: str | None = KEY,
     timeout_s: float = TIMEOUT,
 ) -> None:
     """A document, its metadata and its passage ids."""
     try:
-        _done(get_document(GatewayTarget(url, None, timeout_s), index, doc_id))
+        _done(get_document(_target(url, admin_token, key, timeout_s), index, doc_id))
     except DocsError as exc:
         raise _fail("get", exc) from None
 
@@ -165,11 +184,13 @@ def ls_command(
     cursor: str | None = typer.Option(None, help="the next_cursor of the previous page"),
     limit: int | None = typer.Option(None, min=1, help="ids per page (default: the gateway's)"),
     url: str = URL,
+    admin_token: str | None = TOKEN,
+    key: str | None = KEY,
     timeout_s: float = TIMEOUT,
 ) -> None:
     """A page of document ids, in id order, and the cursor of the next page."""
     try:
-        _done(list_documents(GatewayTarget(url, None, timeout_s), index, cursor, limit))
+        _done(list_documents(_target(url, admin_token, key, timeout_s), index, cursor, limit))
     except DocsError as exc:
         raise _fail("ls", exc) from None
 
@@ -183,10 +204,11 @@ def create_index_command(
     like: str | None = typer.Option(None, help="an index whose encoders and type to take"),
     url: str = URL,
     admin_token: str | None = TOKEN,
+    key: str | None = KEY,
     timeout_s: float = TIMEOUT,
 ) -> None:
     """Create an empty index."""
     try:
-        _done(create_index(GatewayTarget(url, admin_token, timeout_s), name, index_type, like))
+        _done(create_index(_target(url, admin_token, key, timeout_s), name, index_type, like))
     except DocsError as exc:
         raise _fail("create-index", exc) from None

@@ -17,7 +17,8 @@ import typer
 from openbook_cli.docs import DocsError, GatewayTarget, call
 
 keys_app = typer.Typer(
-    help="Keys with scopes (ask, write, admin), optionally held to indexes: create, ls, rm "
+    help="Keys with scopes (ask, write, indexes:create, admin), optionally held to indexes, a "
+    "tenant's filter and a rate: create, ls, rm "
     "(the gateway's /admin/keys; needs OPENBOOK_ADMIN_TOKEN).",
     no_args_is_help=True,
 )
@@ -46,10 +47,22 @@ def _fail(command: str, exc: Exception) -> typer.Exit:
 def create_command(
     name: str = typer.Argument(..., help="the key's name (a-z, 0-9, '_', '-')"),
     scopes: list[str] = typer.Option(
-        ..., "--scope", help="ask | write | admin (repeat for several)"
+        ..., "--scope", help="ask | write | indexes:create | admin (repeat for several)"
     ),
     indexes: list[str] | None = typer.Option(
         None, "--index", help="the only indexes the key may name (repeat); default: every one"
+    ),
+    tenant: str | None = typer.Option(
+        None,
+        "--filter",
+        help='the tenant: a metadata filter as JSON ({"tenant": "acme"}) ANDed into every '
+        "retrieval, stamped into every document the key writes",
+    ),
+    requests_per_minute: int | None = typer.Option(
+        None, "--requests-per-minute", help="at most this many requests a minute (429 past it)"
+    ),
+    concurrent_generations: int | None = typer.Option(
+        None, "--concurrent-generations", help="at most this many answers generated at once"
     ),
     url: str = URL,
     admin_token: str | None = TOKEN,
@@ -59,7 +72,22 @@ def create_command(
     body: dict[str, Any] = {"name": name, "scopes": scopes}
     if indexes:
         body["indexes"] = indexes
+    rate = {
+        field: value
+        for field, value in (
+            ("requests_per_minute", requests_per_minute),
+            ("concurrent_generations", concurrent_generations),
+        )
+        if value is not None
+    }
+    if rate:
+        body["rate"] = rate
     try:
+        if tenant is not None:
+            try:
+                body["filter"] = json.loads(tenant)
+            except ValueError as exc:
+                raise DocsError(f"--filter is not JSON: {exc}") from None
         _done(call(GatewayTarget(url, admin_token, timeout_s), "POST", ("admin", "keys"), body))
     except DocsError as exc:
         raise _fail("create", exc) from None

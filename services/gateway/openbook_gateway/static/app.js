@@ -47,6 +47,27 @@
     return `the gateway answered HTTP ${status}`;
   }
 
+  // The key a deployment that requires one (OPENBOOK_GATEWAY_REQUIRE_KEYS) asks for: its field
+  // appears the first time the gateway answers 401 to a request sent without one. Kept in the
+  // page only (never in storage), sent as the bearer of every request that names no other.
+  const keyField = $("key-field");
+  const keyInput = $("api-key");
+
+  function withKey(headers) {
+    const key = keyInput.value.trim();
+    if (!key || (headers && headers.Authorization)) return headers || {};
+    return { Authorization: `Bearer ${key}`, ...headers };
+  }
+
+  // A 401 to a request sent without a credential of its own: show the key's field.
+  function askForKey(status, headers) {
+    if (status !== 401 || (headers && headers.Authorization)) return false;
+    keyField.hidden = false;
+    return true;
+  }
+
+  keyInput.addEventListener("change", () => refreshIndexes());
+
   // A call of the gateway's JSON API: body an object sent as JSON, or FormData (a file) sent as
   // multipart. Resolves to the reply's JSON; rejects with the gateway's message and .status.
   async function api(method, path, body, headers) {
@@ -56,7 +77,7 @@
       response = await fetch(path, {
         method,
         // No Content-Type for a form: the browser writes the multipart boundary.
-        headers: { Accept: "application/json", ...(body && !form ? { "Content-Type": "application/json" } : {}), ...headers },
+        headers: withKey({ Accept: "application/json", ...(body && !form ? { "Content-Type": "application/json" } : {}), ...headers }),
         body: form ? body : body ? JSON.stringify(body) : undefined,
       });
     } catch (err) {
@@ -69,7 +90,10 @@
       data = null;
     }
     if (!response.ok) {
-      const error = new Error(errorText(response.status, data));
+      const needed = askForKey(response.status, headers);
+      const error = new Error(
+        needed ? "this gateway needs a key: enter it in the Key field" : errorText(response.status, data)
+      );
       error.status = response.status;
       throw error;
     }
@@ -236,7 +260,7 @@
     try {
       response = await fetch("/answer", {
         method: "POST",
-        headers: { Accept: "text/event-stream, application/json", "Content-Type": "application/json" },
+        headers: withKey({ Accept: "text/event-stream, application/json", "Content-Type": "application/json" }),
         body: JSON.stringify({ ...body, stream: true }),
       });
     } catch (err) {
@@ -249,6 +273,10 @@
         data = await response.json();
       } catch (err) {
         data = null;
+      }
+      if (askForKey(response.status)) {
+        keyInput.focus();
+        throw new Error("this gateway needs a key: enter it in the Key field, then ask again");
       }
       if (!response.ok || !data) throw new Error(errorText(response.status, data));
       finish(data); // a plain JSON answer: a gateway that does not stream
