@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from tqdm.auto import tqdm
 
 from openbook.errors import OpenbookError
 from openbook.index.build import build_index
@@ -22,6 +23,7 @@ from openbook.index.shard import split_index
 from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 from openbook.limits import check_index_name
 from openbook.metadata_filter import parse_filter_json
+from openbook.secrets import read_secret
 
 app = typer.Typer(help="Build and inspect indexes", no_args_is_help=True)
 
@@ -431,10 +433,18 @@ def to_milvus(
             "the source's type)",
         ),
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="OPENBOOK_MILVUS_TOKEN_FILE",
+            help="A file holding the token of a Milvus that needs one (user:password or a key)",
+        ),
+    ] = None,
 ) -> None:
     """Copy a built files index into Milvus (OPENBOOK_INDEX_ENGINE=milvus) with its stored
-    vectors, nothing re-encoded: its passages become documents as the files engine adopts a
-    built index, version 0. The index must not exist there yet."""
+    vectors and BM25 weights, nothing re-encoded: its passages become documents as the files
+    engine adopts a built index, version 0. The index must not exist there yet, unless a copy
+    of the same index was cut short: the command then resumes it from its last batch."""
     target = name or path.name
     try:
         check_index_name("--name", target)
@@ -442,16 +452,27 @@ def to_milvus(
         from openbook.index.milvus_engine import MilvusEngine
 
         with open_index(path, verify=True, name=target) as source:
-            engine = MilvusEngine(uri)
+            token = read_secret(token_file, "Milvus token (--token-file)") if token_file else ""
+            engine = MilvusEngine(uri, token=token)
             try:
-                copied = engine.copy_index(
-                    target, source, index_type=index_type.value if index_type else None
-                )
-                count, m = len(copied), copied.manifest
+                with tqdm(total=len(source), unit="psg", desc=f"to Milvus: {target}") as bar:
+
+                    def progress(done: int, total: int) -> None:
+                        bar.update(done - bar.n)
+
+                    copied = engine.copy_index(
+                        target,
+                        source,
+                        index_type=index_type.value if index_type else None,
+                        progress=progress,
+                    )
+                count, m = len(copied.index), copied.index.manifest
             finally:
                 engine.close()
-    except (IndexLoadError, OpenbookError, OSError) as e:
+    except (IndexLoadError, OpenbookError, OSError, ValueError) as e:
         raise _fail(str(e)) from None
+    if copied.resumed_at:
+        typer.echo(f"resumed a copy cut short at passage {copied.resumed_at}")
     typer.echo(
         f"copied {count} passages of {path} into Milvus at {uri} as {target!r} "
         f"({m.index_type}, dim {m.dim}, views: {', '.join(m.views)})"

@@ -3,16 +3,22 @@
 Read side. :class:`MilvusEngine` opens a Milvus through the official ``pymilvus`` client: a
 local path ending in ``.db`` is Milvus Lite in this process (the ``milvus-lite`` package: one
 process per data directory), an ``http(s)://host:port`` URI a Milvus server (a cluster, or
-``milvus-lite server --data-dir D --host 127.0.0.1 --port P``). Each openbook index is two
+``milvus-lite server --data-dir D --host 127.0.0.1 --port P``). Each openbook index is three
 collections and one row of the ``openbook_indexes`` collection:
 
 * passages (``<slug>_p``): ``pid`` (primary), ``doc_id``, ``seq`` (the passage's place in its
   document), ``title``, ``text``, ``metadata`` (the document's, JSON), ``terms`` (what a filter
-  matches, below) and ``vector`` (the document encoder's, searched by inner product with the
+  matches, below), ``vector`` (the document encoder's, searched by inner product with the
   Milvus index the manifest's ``index_type`` maps to: ``flat`` FLAT, ``hnsw`` HNSW,
-  ``hnsw-sq8`` HNSW_SQ);
+  ``hnsw-sq8`` HNSW_SQ) and ``sparse``, its BM25 view: the passage's bm25s weights as a
+  sparse vector (``milvus_bm25.py``), searched by inner product (SPARSE_INVERTED_INDEX), so
+  ``bm25`` retrieval scores exactly as the files engine's and ``hybrid`` is openbook's
+  calibrated fusion of the two views (``fusion.py``: scores, not Milvus's rank fusion);
 * documents (``<slug>_d``): a document's title, metadata, version and text, the text in
   chunks of :data:`TEXT_CHUNK_CHARS` (a VARCHAR holds at most 65,535 bytes), one row per chunk;
+* BM25 terms (``<slug>_t``): each term dimension's document frequency and one row of the
+  index's BM25 statistics, with the state of a copy under way (``copy_index``: resumable,
+  not served until complete);
 * ``openbook_indexes``: the index's manifest (encoders, dim, ``score_scale``, views) and its
   ``version``, where every replica reads them.
 
@@ -37,10 +43,10 @@ and one past its deadline :class:`~openbook.errors.DeadlineExceeded`, each namin
 a service answers UNAVAILABLE / DEADLINE_EXCEEDED (the gateway's 503 / 504), never INTERNAL;
 the client reconnects by itself once Milvus is back.
 
-What this slice does not do yet (issue 41): a BM25 view and hybrid retrieval on Milvus (the
-manifest's views are ``["dense"]``), atomic writes across replicas (the version is read and
-raised by one writer per process; Milvus has no transactions, so a write that fails half way
-can leave some of its passages).
+What it does not do (issue 41): atomic writes across replicas (the version is read and raised
+by one writer per process; Milvus has no transactions, so a write that fails half way can
+leave some of its passages); BM25 statistics that follow the writes (they are the copied
+index's, frozen, as a files live index's are until it compacts: ``milvus_bm25.py``).
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ import functools
 import hashlib
 import json
 import re
+import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -67,6 +75,7 @@ from openbook.errors import (
     OpenbookError,
     Unavailable,
 )
+from openbook.index.bm25 import BM25_DIR, build_bm25
 from openbook.index.document_store import StoredDocument
 from openbook.index.documents import (
     Document,
@@ -87,6 +96,7 @@ from openbook.index.engine import (
     check_milvus_uri,
     check_retrieval,
 )
+from openbook.index.fusion import Fusion
 from openbook.index.live import MAX_LIST_LIMIT, DocumentNotFound, DocumentPage, WriteResult
 from openbook.index.loaded import (
     LoadedIndex,
@@ -95,6 +105,16 @@ from openbook.index.loaded import (
     query_matrix,
 )
 from openbook.index.manifest import IndexLoadError, Manifest
+from openbook.index.milvus_bm25 import (
+    BM25Statistics,
+    SparseVector,
+    StoredBM25,
+    df_batches,
+    passage_terms,
+    query_vectors,
+    sparse_score,
+    term_dim,
+)
 from openbook.limits import MAX_METADATA_KEYS, check_range
 from openbook.metadata_filter import (
     AllOf,
@@ -122,10 +142,15 @@ _INDEX_TYPES: dict[IndexType, tuple[str, dict[str, Any]]] = {
     IndexType.HNSW_SQ8: ("HNSW_SQ", {"M": 32, "efConstruction": 128, "sq_type": "SQ8"}),
 }
 _HNSW_EF_SEARCH = 128
+_SUFFIXES = ("_p", "_d", "_t")  # an index's collections: passages, documents, BM25 terms
+_STATS_KEY = -1  # the terms collection's row of the BM25 statistics (term dimensions are > 0)
+SPARSE_FIELD = "sparse"
 _PASSAGE_FIELDS = ["pid", "title", "text"]
 # Aliases: inside MilvusIndex, ``list`` is its method (the documents API's name).
 Fields = list[str]
 Rows = list[dict[str, Any]]
+Hits = list[list[dict[str, Any]]]  # per query, Milvus's hits
+SparseVectors = list[SparseVector]
 
 
 def milvus_string(value: str) -> str:
@@ -191,8 +216,10 @@ def collection_slug(name: str) -> str:
 
 
 def milvus_manifest(manifest: Manifest) -> Manifest:
-    """``manifest`` as a Milvus index holds it: the dense view only (no BM25 on this engine
-    yet), no files; refused (InvalidArgument) for a type the engine does not offer."""
+    """``manifest`` as a Milvus index holds it: both views (every passage has its BM25
+    weights, milvus_bm25.py), its fusion kept (the scores are the files engine's, so a fusion
+    fitted there holds here), no files; refused (InvalidArgument) for a type the engine does
+    not offer (``bm25`` too: every index here is dense, its BM25 view beside)."""
     if manifest.index_type not in _INDEX_TYPES:
         offered = ", ".join(_INDEX_TYPES)
         raise InvalidArgument(
@@ -201,8 +228,7 @@ def milvus_manifest(manifest: Manifest) -> Manifest:
         )
     return dataclasses.replace(
         manifest,
-        views=[View.DENSE.value],
-        fusion=None,
+        views=[View.DENSE.value, View.BM25.value],
         files={},
         sizes={},
         checksum="",
@@ -295,10 +321,19 @@ class MilvusEngine:
             self._create(META_COLLECTION, schema, "_v", "FLAT", {})
 
     def _create(
-        self, name: str, schema: Any, vector: str, index_type: str, params: dict[str, Any]
+        self,
+        name: str,
+        schema: Any,
+        vector: str,
+        index_type: str,
+        params: dict[str, Any],
+        *,
+        sparse: str | None = None,
     ) -> None:
         index = self.client.prepare_index_params()
         index.add_index(field_name=vector, index_type=index_type, metric_type="IP", params=params)
+        if sparse is not None:  # the BM25 view (milvus_bm25.py): ranked by inner product
+            index.add_index(field_name=sparse, index_type="SPARSE_INVERTED_INDEX", metric_type="IP")
         self.client.create_collection(
             name, schema=schema, index_params=index, consistency_level="Strong"
         )
@@ -310,9 +345,18 @@ class MilvusEngine:
         )
         return sorted(r["name"] for r in rows)
 
-    def create(self, name: str, manifest: Manifest) -> MilvusIndex:
+    def create(
+        self,
+        name: str,
+        manifest: Manifest,
+        *,
+        statistics: BM25Statistics | None = None,
+        copying: dict[str, Any] | None = None,
+    ) -> MilvusIndex:
         """A new, empty index ``name`` of ``manifest``'s encoders, dim, type and score scale
-        (``empty_base.template_for`` / ``template_of`` make one); AlreadyExists if it is."""
+        (``empty_base.template_for`` / ``template_of`` make one); AlreadyExists if it is.
+        ``statistics``: its BM25 statistics (default: of no passage); ``copying``: the copy
+        that fills it, under way (:meth:`copy_index`: not served until it is complete)."""
         held = milvus_manifest(dataclasses.replace(manifest, name=name))
         with self._lock:
             if self._meta(name) is not None:
@@ -320,10 +364,15 @@ class MilvusEngine:
             slug = collection_slug(name)
             self._create_passages(slug + "_p", held)
             self._create_documents(slug + "_d")
+            self._create_terms(slug + "_t")
+            stats = (statistics or BM25Statistics.empty()).to_dict()
+            self._set_stats(slug + "_t", {**stats, "copying": copying})
             self.client.insert(
                 META_COLLECTION,
                 [{"name": name, "manifest": held.to_json(), "version": 0, "_v": [0.0, 0.0]}],
             )
+        if copying is not None:  # not served until the copy completes
+            return MilvusIndex(self, name, held, 0)
         return self.open(name)
 
     def _create_passages(self, collection: str, manifest: Manifest) -> None:
@@ -339,8 +388,20 @@ class MilvusEngine:
             max_length=64,
         )  # fmt: skip
         s.add_field("vector", DataType.FLOAT_VECTOR, dim=manifest.dim)
+        s.add_field(SPARSE_FIELD, DataType.SPARSE_FLOAT_VECTOR)
         index_type, params = _INDEX_TYPES[IndexType(manifest.index_type)]
-        self._create(collection, s, "vector", index_type, params)
+        self._create(collection, s, "vector", index_type, params, sparse=SPARSE_FIELD)
+
+    def _create_terms(self, collection: str) -> None:
+        """The BM25 statistics (milvus_bm25.BM25Statistics): a row per term dimension with
+        its document frequency, and the row :data:`_STATS_KEY` with the rest (and the state
+        of a copy still under way)."""
+        s = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        s.add_field("h", DataType.INT64, is_primary=True)
+        s.add_field("df", DataType.INT64)
+        s.add_field("stats", DataType.JSON)
+        s.add_field("_v", DataType.FLOAT_VECTOR, dim=2)
+        self._create(collection, s, "_v", "FLAT", {})
 
     def _create_documents(self, collection: str) -> None:
         s = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
@@ -353,6 +414,18 @@ class MilvusEngine:
         s.add_field("version", DataType.INT64)
         s.add_field("_v", DataType.FLOAT_VECTOR, dim=2)
         self._create(collection, s, "_v", "FLAT", {})
+
+    def _set_stats(self, terms: str, stats: dict[str, Any]) -> None:
+        self.client.upsert(terms, [{"h": _STATS_KEY, "df": 0, "stats": stats, "_v": [0.0, 0.0]}])
+
+    def stats(self, name: str) -> dict[str, Any]:
+        """Index ``name``'s BM25 statistics row (and ``copying``: a copy under way, or None)."""
+        rows = self.client.query(
+            collection_slug(name) + "_t", filter=f"h == {_STATS_KEY}", output_fields=["stats"]
+        )
+        if not rows:
+            raise IndexLoadError(f"index {name!r}: its BM25 statistics are missing")
+        return dict(rows[0]["stats"])
 
     def _meta(self, name: str) -> dict[str, Any] | None:
         rows = self.client.query(
@@ -378,7 +451,7 @@ class MilvusEngine:
             raise NotFound(f"index {name!r} not found in Milvus at {self.uri}")
         manifest = Manifest(**json.loads(meta["manifest"]))
         slug = collection_slug(name)
-        for suffix in ("_p", "_d"):
+        for suffix in _SUFFIXES:
             if not self.client.has_collection(slug + suffix):
                 raise IndexLoadError(f"index {name!r}: collection {slug + suffix} missing")
         fields = {f["name"]: f for f in self.client.describe_collection(slug + "_p")["fields"]}
@@ -388,6 +461,15 @@ class MilvusEngine:
                 f"index {name!r}: collection {slug}_p vector dim {dim} != manifest dim "
                 f"{manifest.dim}"
             )
+        if SPARSE_FIELD not in fields:
+            raise IndexLoadError(f"index {name!r}: collection {slug}_p has no BM25 view")
+        copying = self.stats(name).get("copying")
+        if copying:
+            raise IndexLoadError(
+                f"index {name!r}: its copy from {copying.get('source')} is under way or was "
+                f"cut short ({copying.get('done', 0)} of {copying.get('passages')} passages): "
+                "run the copy again to finish it"
+            )
         return MilvusIndex(self, name, manifest, int(meta["version"]))
 
     def drop(self, name: str) -> None:
@@ -396,7 +478,7 @@ class MilvusEngine:
             if self._meta(name) is None:
                 raise NotFound(f"index {name!r} not found in Milvus at {self.uri}")
             slug = collection_slug(name)
-            for suffix in ("_p", "_d"):
+            for suffix in _SUFFIXES:
                 if self.client.has_collection(slug + suffix):
                     self.client.drop_collection(slug + suffix)
             self.client.delete(META_COLLECTION, filter=f"name == {milvus_string(name)}")
@@ -408,41 +490,108 @@ class MilvusEngine:
         *,
         batch: int = _WRITE_BATCH,
         index_type: str | None = None,
-    ) -> MilvusIndex:
-        """A new index ``name`` holding the built files index ``source``'s passages with their
-        stored vectors (nothing re-encoded), each a passage of the document its id names
-        (``built_document_id``, as the files engine adopts a built index), version 0.
-        ``index_type``: the Milvus index of the vectors (``flat``, ``hnsw``, ``hnsw-sq8``;
-        None: the source's type, refused if Milvus does not offer it here)."""
+        progress: Callable[[int, int], None] | None = None,
+    ) -> CopyResult:
+        """Index ``name`` holding the built files index ``source``'s passages with their
+        stored vectors (nothing re-encoded) and BM25 weights (milvus_bm25.py), each a passage
+        of the document its id names (``built_document_id``, as the files engine adopts a
+        built index), version 0. ``index_type``: the Milvus index of the vectors (``flat``,
+        ``hnsw``, ``hnsw-sq8``; None: the source's type, refused if Milvus does not offer it
+        here). ``progress(done, total)``: after each batch of passages.
+
+        Resumable: the index records the copy under way (its source's checksum and the
+        passages written, after each batch) and is not served until it is complete; a copy
+        cut short (killed, Milvus gone) is finished by calling this again with the same
+        source, from its last recorded batch (the batch after it is written again: upserts,
+        so nothing is doubled). AlreadyExists for a complete index of that name, or one
+        being copied from another source."""
         if not source.dense:
             raise InvalidArgument(f"index {source.name!r} is bm25: the milvus engine is dense")
         manifest = source.manifest
         if index_type is not None:
             manifest = dataclasses.replace(manifest, index_type=index_type)
-        index = self.create(name, manifest)
+        total = len(source)
+        bm25 = _stored_bm25(source)
+        copying = {
+            "source": str(source.path),
+            "checksum": source.manifest.checksum,
+            "passages": total,
+            "done": 0,
+        }
+        terms = collection_slug(name) + "_t"
+        if self._meta(name) is None:
+            self.create(name, manifest, statistics=bm25.statistics, copying=copying)
+            done = 0
+        else:
+            under_way = self.stats(name).get("copying")
+            if not under_way or under_way.get("checksum") != copying["checksum"]:
+                raise AlreadyExists(f"index {name!r} already exists")
+            done = int(under_way.get("done", 0))
+        described = self.describe(name)
+        assert described is not None
+        index = MilvusIndex(self, name, described[0], 0)
+        # The BM25 statistics, then the passages from the last recorded batch, then the
+        # documents (all of them again: upserts), then the copy is marked complete.
+        for pairs in df_batches(bm25.df, _WRITE_BATCH):
+            rows = [{"h": h, "df": n, "stats": {}, "_v": [0.0, 0.0]} for h, n in pairs]
+            self.client.upsert(terms, rows)
+        stats = {**bm25.statistics.to_dict(), "copying": copying}
+        for first in range(done - done % batch, total, batch):
+            rows_range = range(first, min(first + batch, total))
+            passages = source.get_passages(rows_range)
+            vectors = source.get_vectors(list(rows_range))
+            sparse = bm25.vectors(rows_range.start, rows_range.stop)
+            out = [
+                index.passage_row(p, built_document_id(p.id), row, {}, v, sp)
+                for row, p, v, sp in zip(rows_range, passages, vectors, sparse, strict=True)
+            ]
+            self.client.upsert(index.passages, out)
+            copying["done"] = rows_range.stop
+            self._set_stats(terms, stats)
+            if progress is not None:
+                progress(rows_range.stop, total)
         docs: dict[str, list[Passage]] = {}
-        for start in range(0, len(source), batch):
-            rows = range(start, min(start + batch, len(source)))
-            passages = source.get_passages(rows)
-            vectors = source.get_vectors(list(rows))
-            out = []
-            for p, v in zip(passages, vectors, strict=True):
-                doc_id = built_document_id(p.id)
-                seq = len(docs.setdefault(doc_id, []))
-                docs[doc_id].append(dataclasses.replace(p, score=0.0, vector=None))
-                out.append(index.passage_row(p, doc_id, seq, {}, v))
-            self.client.insert(index.passages, out)
+        for first in range(0, total, batch):
+            for p in source.get_passages(range(first, min(first + batch, total))):
+                docs.setdefault(built_document_id(p.id), []).append(p)
         documents = [
             Document(doc_id, ps[0].title, " ".join(p.text for p in ps), {})
             for doc_id, ps in docs.items()
         ]
-        for start in range(0, len(documents), batch):
-            rows_d = [r for d in documents[start : start + batch] for r in _document_rows(d, 0)]
-            self.client.insert(index.documents, rows_d)
-        return index
+        for first in range(0, len(documents), batch):
+            rows_d = [r for d in documents[first : first + batch] for r in _document_rows(d, 0)]
+            self.client.upsert(index.documents, rows_d)
+        self._set_stats(terms, {**bm25.statistics.to_dict(), "copying": None})
+        return CopyResult(self.open(name), resumed_at=done)
 
     def close(self) -> None:
         self.client.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyResult:
+    """A copied index, and the passage its copy resumed at (0: copied from the start)."""
+
+    index: MilvusIndex
+    resumed_at: int
+
+
+def _stored_bm25(source: LoadedIndex) -> StoredBM25:
+    """The BM25 weights and statistics of ``source``: its own BM25 view's, or, for an index
+    built without one, those bm25s gives its passages (indexed here, as a build would)."""
+    # The files engine's live layer solves avgdl from the same 16 passages (live.py).
+    first = source.get_passages(range(min(len(source), 16)))
+    sample = [(i, p.title, p.text) for i, p in enumerate(first)]
+    if View.BM25 in source.views:
+        return StoredBM25(source.path / BM25_DIR, sample)
+    with tempfile.TemporaryDirectory(prefix="openbook-bm25-") as tmp:
+        texts = [
+            f"{p.title} {p.text}"
+            for first in range(0, len(source), _WRITE_BATCH)
+            for p in source.get_passages(range(first, min(first + _WRITE_BATCH, len(source))))
+        ]
+        build_bm25(texts, Path(tmp))
+        return StoredBM25(Path(tmp), sample)
 
 
 def _document_rows(doc: Document, version: int) -> list[dict[str, Any]]:
@@ -476,6 +625,7 @@ class MilvusIndex:
         slug = collection_slug(name)
         self.passages = slug + "_p"
         self.documents = slug + "_d"
+        self.terms = slug + "_t"
         self._write_lock = threading.Lock()
         self._encoder_lock = threading.Lock()
         self._query_encoder: Encoder | None = None
@@ -552,14 +702,19 @@ class MilvusIndex:
         query_vectors: np.ndarray | None = None,
         where: MetadataFilter | None = None,
     ) -> list[list[Passage]]:
-        """Top-k passages per query, best first; as ``LoadedIndex.search`` (dense only)."""
+        """Top-k passages per query, best first, as ``LoadedIndex.search``: ``dense`` by
+        ``score_scale`` x inner product, ``bm25`` by the raw BM25 score (the sparse view,
+        milvus_bm25.py), ``hybrid`` by the fused score of both (``fusion.py``: the union of
+        each view's top N, both features exact for every candidate)."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings, not a string")
-        self.retrieval_mode(retrieval)  # dense: the one view this engine holds yet
+        mode = self.retrieval_mode(retrieval)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if not queries:
             return []
+        if mode is RetrievalMode.BM25:
+            return self._bm25_search(list(queries), k, return_vectors, where)
         if query_vectors is not None:
             q = np.asarray(query_vectors, dtype=np.float32)
             if q.shape != (len(queries), self._manifest.dim):
@@ -571,7 +726,94 @@ class MilvusIndex:
             enc = encoder or self.query_encoder
             self.check_encoder(enc)
             q = enc.encode(list(queries))
-        return self.search_vectors(q, k, return_vectors, where=where)
+        if mode is RetrievalMode.DENSE:
+            return self.search_vectors(q, k, return_vectors, where=where)
+        return self._hybrid_search(list(queries), q, k, return_vectors, where)
+
+    @property
+    def fusion(self) -> Fusion:
+        """The fusion hybrid search uses: the manifest's (fitted on the files engine, whose
+        scores these are), else the default."""
+        if self._manifest.fusion is not None:
+            return Fusion.from_dict(self._manifest.fusion)
+        return Fusion.default(self._manifest.score_scale)
+
+    def _bm25_search(
+        self, queries: list[str], k: int, return_vectors: bool, where: MetadataFilter | None
+    ) -> list[list[Passage]]:
+        """BM25 top-k: raw BM25 scores (the bm25 view of a dense index, as the files
+        engine serves it); a passage sharing no term with the query is no hit."""
+        hits = self._sparse_hits(queries, k, return_vectors, where)
+        return [
+            [self._passage(h["entity"], float(h["distance"]), return_vectors) for h in row]
+            for row in hits
+        ]
+
+    def _sparse_hits(
+        self, queries: list[str], n: int, with_fields: bool, where: MetadataFilter | None
+    ) -> Hits:
+        """Each query's top ``n`` hits of the sparse view (score > 0)."""
+        vectors = query_vectors(queries)
+        asked = [i for i, v in enumerate(vectors) if v]  # stop words only: nothing to match
+        out: Hits = [[] for _ in queries]
+        if not asked:
+            return out
+        fields = _PASSAGE_FIELDS + (["vector", SPARSE_FIELD] if with_fields else [])
+        found = self.client.search(
+            self.passages,
+            data=[vectors[i] for i in asked],
+            limit=n,
+            filter=filter_expression(where),
+            output_fields=fields,
+            search_params={"metric_type": "IP"},
+            anns_field=SPARSE_FIELD,
+        )
+        for i, hits in zip(asked, found, strict=True):
+            out[i] = [h for h in hits if float(h["distance"]) > 0]
+        return out
+
+    def _hybrid_search(
+        self,
+        queries: list[str],
+        q: np.ndarray,
+        k: int,
+        return_vectors: bool,
+        where: MetadataFilter | None,
+    ) -> list[list[Passage]]:
+        """The files engine's hybrid search (``LoadedIndex._candidates`` and
+        ``fusion.top_k``): the union of the dense and the BM25 top N (dense's first), each
+        candidate's exact inner product with its stored vector (float64, rounded once to
+        float32) and exact BM25 score, fused, the top k by the fused score."""
+        fusion = self.fusion
+        n = max(k, fusion.candidates)
+        q = query_matrix(self.name, q, self._manifest.dim, n)
+        dense_hits = self._dense_hits(q, n, True, where)
+        sparse_hits = self._sparse_hits(queries, n, True, where)
+        sparse_queries = query_vectors(queries)
+        out: list[list[Passage]] = []
+        for i in range(len(queries)):
+            candidates: dict[str, dict[str, Any]] = {}
+            for hit in (*dense_hits[i], *sparse_hits[i]):
+                candidates.setdefault(hit["entity"]["pid"], hit["entity"])
+            entities = list(candidates.values())
+            if not entities:
+                out.append([])
+                continue
+            vectors = np.asarray([e["vector"] for e in entities], dtype=np.float64)
+            dense = (vectors @ q[i].astype(np.float64)).astype(np.float32)
+            bm25 = np.asarray(
+                [sparse_score(sparse_queries[i], e[SPARSE_FIELD]) for e in entities],
+                dtype=np.float32,
+            )
+            fused = fusion.score(dense, bm25)
+            order = np.argsort(-fused, kind="stable")[:k]
+            out.append([self._passage(entities[j], float(fused[j]), return_vectors) for j in order])
+        return out
+
+    @staticmethod
+    def _passage(entity: dict[str, Any], score: float, return_vectors: bool) -> Passage:
+        vector = np.asarray(entity["vector"], np.float32) if return_vectors else None
+        return Passage(entity["pid"], entity["title"], entity["text"], score=score, vector=vector)
 
     def search_vectors(
         self,
@@ -584,11 +826,21 @@ class MilvusIndex:
         q = query_matrix(self.name, query_vectors, self._manifest.dim, k)
         if len(q) == 0:
             return []
+        scale = self._manifest.score_scale
+        return [
+            [self._passage(h["entity"], float(h["distance"]) * scale, return_vectors) for h in row]
+            for row in self._dense_hits(q, k, return_vectors, where)
+        ]
+
+    def _dense_hits(
+        self, q: np.ndarray, k: int, with_fields: bool, where: MetadataFilter | None
+    ) -> Hits:
+        """Each query vector's top ``k`` hits of the dense view (inner products)."""
         params: dict[str, Any] = {"metric_type": "IP"}
         if self._manifest.index_type != IndexType.FLAT:
             ef = int(self._manifest.index_params.get("ef_search", _HNSW_EF_SEARCH))
             params["params"] = {"ef": max(k, ef)}
-        fields = _PASSAGE_FIELDS + (["vector"] if return_vectors else [])
+        fields = _PASSAGE_FIELDS + (["vector", SPARSE_FIELD] if with_fields else [])
         found = self.client.search(
             self.passages,
             data=q.tolist(),
@@ -598,17 +850,7 @@ class MilvusIndex:
             search_params=params,
             anns_field="vector",
         )
-        scale = self._manifest.score_scale
-        out: list[list[Passage]] = []
-        for hits in found:
-            row = []
-            for hit in hits:
-                e = hit["entity"]
-                vector = np.asarray(e["vector"], np.float32) if return_vectors else None
-                score = float(hit["distance"]) * scale
-                row.append(Passage(e["pid"], e["title"], e["text"], score=score, vector=vector))
-            out.append(row)
-        return out
+        return [list(hits) for hits in found]
 
     # ------------------------------------------------------------------ documents
 
@@ -689,14 +931,17 @@ class MilvusIndex:
             _check_fits(field if field == "document" else f"{field}[{i}]", doc, max_words)
         written: dict[str, tuple[str, ...]] = {}
         rows: Rows = []
-        for doc in docs:
-            passages = doc.passages(max_words)
+        split = [(doc, doc.passages(max_words)) for doc in docs]
+        sparse: Iterator[SparseVector] = iter(
+            self._bm25_vectors([p for _, ps in split for p in ps])
+        )
+        for doc, passages in split:
             vectors = self._document_encoder().encode(
                 [p.text for p in passages], titles=[p.title for p in passages]
             )
             written[doc.id] = tuple(p.id for p in passages)
             rows.extend(
-                self.passage_row(p, doc.id, n, doc.metadata, v)
+                self.passage_row(p, doc.id, n, doc.metadata, v, next(sparse))
                 for n, (p, v) in enumerate(zip(passages, vectors, strict=True))
             )
         with self._write_lock:
@@ -740,8 +985,9 @@ class MilvusIndex:
         seq: int,
         metadata: Mapping[str, Any],
         vector: np.ndarray,
+        sparse: SparseVector,
     ) -> dict[str, Any]:
-        """A row of the passages collection."""
+        """A row of the passages collection (``sparse``: its BM25 weights)."""
         return {
             "pid": passage.id,
             "doc_id": doc_id,
@@ -751,7 +997,31 @@ class MilvusIndex:
             "metadata": dict(metadata),
             "terms": record_terms(record_of(doc_id, passage.title, metadata)),
             "vector": np.asarray(vector, np.float32).tolist(),
+            SPARSE_FIELD: sparse,
         }
+
+    def _bm25_vectors(self, passages: Sequence[Passage]) -> SparseVectors:
+        """New passages' BM25 weights, with the index's statistics (milvus_bm25.py): their
+        terms' document frequencies read from Milvus; an index of no passage yet takes this
+        write's mean passage length for avgdl, kept for later writes."""
+        terms = [passage_terms(p.title, p.text) for p in passages]
+        if not terms:
+            return []
+        raw = self.engine.stats(self.name)
+        statistics = BM25Statistics.from_dict(raw)
+        avgdl = statistics.avgdl
+        if avgdl is None:
+            avgdl = float(np.mean([t.length for t in terms])) or 1.0
+            self.engine._set_stats(self.terms, {**raw, "avgdl": avgdl})
+        dims = sorted({term_dim(t) for p in terms for t in p.counts})
+        df: dict[int, int] = {}
+        for first in range(0, len(dims), _SCAN_BATCH):
+            chunk = dims[first : first + _SCAN_BATCH]
+            found = self.client.query(
+                self.terms, filter=f"h in {chunk}", output_fields=["h", "df"], limit=len(chunk)
+            )
+            df.update({int(r["h"]): int(r["df"]) for r in found})
+        return statistics.vectors(terms, df, avgdl)
 
     def _next_version(self) -> int:
         self.catch_up()

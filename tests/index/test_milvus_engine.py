@@ -69,10 +69,11 @@ def _ids(hits: list) -> list[str]:
 
 
 def test_dense_search_is_the_files_flat_index(engine: MilvusEngine, built: LoadedIndex) -> None:
-    index = engine.copy_index("parity", built)
+    index = engine.copy_index("parity", built).index
     conforming: DocumentIndex = index  # the protocol the retriever talks to
     assert len(conforming) == len(built) == 150
-    assert conforming.views == ("dense",) and conforming.default_retrieval == "dense"
+    # DPR's encoders: the paper's retrieval, dense, by default; the BM25 view beside it.
+    assert conforming.views == ("dense", "bm25") and conforming.default_retrieval == "dense"
     assert conforming.manifest.score_scale == built.manifest.score_scale
     queries = np.random.default_rng(0).standard_normal((6, built.manifest.dim)).astype("f4")
     want = built.search_vectors(queries, 10)
@@ -90,8 +91,8 @@ def test_dense_search_is_the_files_flat_index(engine: MilvusEngine, built: Loade
     np.testing.assert_allclose(
         np.stack([p.vector for p in with_vectors]), built.get_vectors(_ids(with_vectors))
     )
-    with pytest.raises(ValueError, match=r"^retrieval: index 'parity' has no bm25 retrieval"):
-        index.search(texts, 5, retrieval="bm25")
+    with pytest.raises(ValueError, match=r"^retrieval: unknown mode 'sparse'"):
+        index.search(texts, 5, retrieval="sparse")
     # Built documents are read as the files engine reads them before an adoption.
     assert index.get("w7").document.text == built.get_passages([7])[0].text
     assert engine.open("parity").version == 0 and "parity" in engine.names()

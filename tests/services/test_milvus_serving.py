@@ -5,9 +5,9 @@
 retriever through the same servicer code paths as the files engine.
 
 * Through the gateway (a retriever on an in-process Milvus Lite, a ``.db`` path; the real tiny
-  generator): ``GET /indexes``, ``POST /answer`` with and without a ``filter``, the documents
-  API (batch, PUT, GET, list, DELETE with versions), a hot swap, and ``retrieval: hybrid`` (no
-  BM25 view on this engine) a 422 naming ``retrieval``.
+  generator): ``GET /indexes``, ``POST /answer`` with and without a ``filter``, in each
+  retrieval mode (the BM25 view is in the engine too), the documents API (batch, PUT, GET,
+  list, DELETE with versions), and a hot swap.
 * Two retrievers sharing one ``milvus-lite server`` (as replicas share a cluster): a write
   through one is read and searched through the other, indexes created through one are listed
   by the other; a Milvus that is down answers UNAVAILABLE (the gateway's 503), never INTERNAL,
@@ -101,7 +101,7 @@ def test_the_copy_command_refuses_what_milvus_cannot_hold(built, tmp_path):
     assert missing.exit_code == 2 and "error:" in missing.output
     hnsw = CliRunner().invoke(index_cli, [*args[:-1], "hnsw"])
     assert hnsw.exit_code == 0, hnsw.output
-    assert "as 'pq' (hnsw, dim 384, views: dense)" in hnsw.output
+    assert "as 'pq' (hnsw, dim 384, views: dense, bm25)" in hnsw.output
     again = CliRunner().invoke(index_cli, [*args[:-1], "hnsw"])
     assert again.exit_code == 2 and "already exists" in again.output
 
@@ -201,11 +201,11 @@ def test_the_gateway_serves_answers_documents_and_swaps_from_milvus(lite_client)
     assert _docs(_answer(client, filter={"lang": "en"})) == ["macbeth"]
     assert client.get("/indexes").json()["indexes"][0]["count"] == 33  # 30 facts + 3 plays
 
-    hybrid = client.post(
-        "/answer", json={"question": "Who wrote Hamlet?", "retrieval": "hybrid", **SHORT}
-    )
-    assert hybrid.status_code == 422, hybrid.text
-    assert "retrieval" in hybrid.text and "bm25" in hybrid.text
+    # Both views in the engine: BM25 and the fused hybrid, the filter applied to both.
+    for mode in ("bm25", "hybrid"):
+        found = _answer(client, retrieval=mode)
+        assert found["retrieval"] == mode and "p21" in _docs(found), found
+        assert _docs(_answer(client, retrieval=mode, filter={"lang": "en"})) == ["macbeth"]
 
     swapped = client.post("/admin/swap-index", json={"index": "facts-b"}, headers=AUTH)
     assert swapped.status_code == 200, swapped.text
@@ -313,12 +313,8 @@ def test_two_retrievers_share_one_milvus_lite_server(built, tmp_path, redis_url)
             )
             assert [p.id for p in reply.results[0].passages] == ["zorblax#0"]
             assert reply.index_version == 1
-            bad = _code(
-                two.Retrieve,
-                retriever_pb2.RetrieveRequest(queries=["x"], k=3, retrieval="bm25"),
-            )
-            assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert bad.details().startswith("retrieval: 'bm25' needs the bm25 view")
+            assert _top(two, question, retrieval="bm25")[0] == "zorblax#0"
+            assert _top(two, question, retrieval="hybrid")[0] == "zorblax#0"
 
             two.CreateIndex(
                 retriever_pb2.CreateIndexRequest(name="notes", like="facts-a"), metadata=ADMIN
