@@ -1,4 +1,4 @@
-"""Passage-drafted speculative decoding for greedy RAG-Token: drafts by n-gram lookup.
+"""Passage-drafted speculative decoding for greedy RAG-Token and RAG-Sequence: n-gram drafts.
 
 Answers are mostly copied from the retrieved passages, so the tokens after the latest generated
 n-gram in a passage are a good guess of the tokens the model will choose next (prompt-lookup
@@ -19,13 +19,26 @@ going to the passage of highest current posterior p(z | x, y_<=i) (the one the a
 following). One draft per request: all its passage rows are fed the same tokens, since the
 RAG-Token marginal needs every passage's distribution at every position.
 
-Only greedy RAG-Token drafts (one row per passage, ``temperature`` 0, ``num_beams`` 1); beam
-search, sampling and RAG-Sequence decode one token per step, in the same batch.
+RAG-Sequence (fast and thorough) drafts too: each passage's search is greedy under that passage
+alone, so it drafts from its own passage's tokens for its own hypothesis, and its one row is fed
+its own draft (:class:`openbook.rag.rag_sequence.PassageRows`). Its answer, token log-probs and
+the ranking over passages are those of the undrafted decode.
+
+Only greedy searches draft (``temperature`` 0, ``num_beams`` 1). Beam search keeps several
+hypotheses whose caches move between rows at every step; sampling would need speculative
+sampling's acceptance rule to keep its distribution: both decode one token per step, in the same
+batch, with drafting on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from openbook.rag.beam import GreedySearch, SearchSettings
 
 # The longest generated n-gram looked up (transformers' prompt_lookup max_matching_ngram_size
 # default is 2; 3 first keeps a short common token from pulling a draft from the wrong place).
@@ -64,3 +77,40 @@ class PassageDrafter:
             at = found[z]
             return self.sources[z][at : at + limit]
         return []
+
+
+class DraftedRows(Protocol):
+    """The rows of one greedy search that takes a drafted step position by position."""
+
+    live: bool
+
+    def advance(self, lp: Tensor) -> bool: ...
+
+    def decided(self) -> tuple[int, Tensor | None]: ...
+
+
+def room(search: GreedySearch, settings: SearchSettings, limit: int) -> int:
+    """How many tokens may be drafted after the one about to be fed: at most ``limit``, and
+    never past the answer's ``max_new_tokens``."""
+    return max(0, min(limit, settings.max_new_tokens - int(search.seq.shape[1]) - 1))
+
+
+def advance_drafted(
+    rows: DraftedRows,
+    lp: Tensor,
+    draft: Sequence[int],
+    on_decided: Callable[[], None] | None = None,
+) -> int:
+    """lp: (rows, 1 + len(draft), V) log-probs after the decided token and after each drafted
+    one. Advances ``rows`` position by position (its undrafted ``advance``) while the token it
+    decides is the drafted one (``on_decided`` after each); returns the positions it consumed:
+    the fed tokens to keep in the cache (the decided one and the accepted drafts)."""
+    used = 0
+    for i in range(len(draft) + 1):
+        rows.advance(lp[:, i])
+        used += 1
+        if on_decided is not None:
+            on_decided()
+        if not rows.live or i == len(draft) or rows.decided()[0] != draft[i]:
+            break
+    return used

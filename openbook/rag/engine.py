@@ -28,10 +28,11 @@ ends. Searches never see each other's rows, so every request decodes exactly as 
 (temperature > 0) has one row per sample where a beam would be, and its own random generator
 (:mod:`openbook.rag.sampling`): with a seed, it draws the same answers in any batch.
 
-Drafting (``draft_tokens`` > 0, :mod:`openbook.rag.drafting`): a step where some greedy
-RAG-Token request has a draft feeds every row its token plus that request's draft (others:
-padding) in one pass; each search consumes as many positions as it accepts, and the rejected
-tokens leave the cache (``backend.drop_fed``), so a request decodes exactly as undrafted.
+Drafting (``draft_tokens`` > 0, :mod:`openbook.rag.drafting`): a step where some greedy search
+(a RAG-Token request, or one passage of a RAG-Sequence request) has a draft feeds every row its
+token plus its search's draft (others: padding) in one pass; each search consumes as many
+positions as it accepts, and the rejected tokens leave the cache (``backend.drop_fed``), so a
+request decodes exactly as undrafted.
 
 Invariants: ``_groups`` lists the live searches in the order of their rows in ``_state``; a
 request still prefilling has no rows there (``enc`` is None); a request is returned exactly once,
@@ -88,6 +89,18 @@ class Rows(Protocol):
     def decided(self) -> tuple[int, Tensor | None]:
         """Greedy only: the token decided at the latest step and, for RAG-Token, its
         per-passage log-probs (k,) (:mod:`openbook.rag.streaming`)."""
+        ...
+
+    def draft(self, limit: int) -> list[int]:
+        """Tokens to feed after the decided one, at most ``limit`` (:mod:`openbook.rag.drafting`);
+        empty for a search that does not draft (beam search, sampling) or found no match."""
+        ...
+
+    def advance_drafted(
+        self, lp: Tensor, draft: Sequence[int], on_decided: Callable[[], None] | None = None
+    ) -> int:
+        """Take the log-probs (rows, 1 + len(draft), V) of a drafted step; the fed positions
+        consumed (:func:`openbook.rag.drafting.advance_drafted`)."""
         ...
 
 
@@ -201,7 +214,8 @@ class DecodingEngine:
         draft_tokens: int = 0,
     ) -> None:
         self.backend = backend
-        # tokens a greedy RAG-Token request drafts per step (openbook/rag/drafting.py); 0: none.
+        # tokens a greedy search (RAG-Token or RAG-Sequence) drafts per step
+        # (openbook/rag/drafting.py); 0: none.
         # Only where the family verifies drafts (``backend.drafts()``).
         self.draft_tokens = draft_tokens if backend.drafts() else 0
         # drafted steps, tokens drafted and tokens of those accepted, since the engine started
@@ -334,20 +348,24 @@ class DecodingEngine:
         # passage order at every step
         generator = request_generator(options.seed) if options.sampling else None
         groups: list[Rows]
+        drafts = self.draft_tokens > 0 and not options.sampling and options.num_beams == 1
+        sources = self.backend.draft_sources(request.question, request.passages) if drafts else None
         if options.mode == "rag-token":
-            drafter = None
-            if self.draft_tokens and not options.sampling and options.num_beams == 1:
-                sources = self.backend.draft_sources(request.question, request.passages)
-                drafter = PassageDrafter(sources)
+            drafter = PassageDrafter(sources) if sources is not None else None
             groups = [
                 RagTokenRows(
                     enc, request.log_prior, request.settings, self.stop, generator, drafter
                 )
             ]
         else:
+            # each passage's greedy search drafts from that passage alone
             groups = [
                 rag_sequence.PassageRows(
-                    enc.first_logprobs[z], request.settings, self.stop, generator
+                    enc.first_logprobs[z],
+                    request.settings,
+                    self.stop,
+                    generator,
+                    PassageDrafter([sources[z]]) if sources is not None else None,
                 )
                 for z in range(enc.k)
             ]
@@ -408,10 +426,7 @@ class DecodingEngine:
 
     def _advance(self) -> None:
         if self.draft_tokens:
-            drafts = [
-                group.draft(self.draft_tokens) if isinstance(group, RagTokenRows) else []
-                for _, group in self._groups
-            ]
+            drafts = [group.draft(self.draft_tokens) for _, group in self._groups]
             if any(drafts):
                 self._advance_drafted(drafts)
                 return
@@ -476,7 +491,7 @@ class DecodingEngine:
             at += group.rows
             stream = request.stream
             emit = None if stream is None else (lambda r=request, g=group: r.emit([g]))
-            if draft and isinstance(group, RagTokenRows):
+            if draft:
                 used = group.advance_drafted(mine, draft, emit)
                 self.drafted_steps += 1
                 self.drafted_tokens += len(draft)

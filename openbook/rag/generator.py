@@ -83,13 +83,14 @@ class RagGenerator:
         self._measuring = measuring_twin(backend)
         self._measuring_lock = threading.Lock()
         self._lock = threading.Lock()
-        # tokens greedy RAG-Token requests draft per step (openbook/rag/drafting.py); 0: off
+        # tokens greedy searches (RAG-Token, RAG-Sequence) draft per step
+        # (openbook/rag/drafting.py); 0: off
         self.draft_tokens = 0
 
     def set_draft_tokens(self, tokens: int) -> None:
-        """Draft up to ``tokens`` tokens per step of greedy RAG-Token decoding, verified in one
-        forward pass (:mod:`openbook.rag.drafting`; answers unchanged); 0 turns drafting off.
-        The memory model then counts the drafted positions' logits."""
+        """Draft up to ``tokens`` tokens per step of greedy RAG-Token or RAG-Sequence decoding,
+        verified in one forward pass (:mod:`openbook.rag.drafting`; answers unchanged); 0
+        turns drafting off. The memory model then counts the drafted positions' logits."""
         if tokens < 0:
             raise ValueError(f"draft tokens must be >= 0, got {tokens}")
         self.draft_tokens = tokens if self.backend.drafts() else 0

@@ -15,14 +15,15 @@ as above (:func:`choose_samples`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from openbook.rag.backends import Encoded, GeneratorBackend
-from openbook.rag.beam import Finished, SearchSettings, StopFn, new_search
+from openbook.rag.beam import Finished, GreedySearch, SearchSettings, StopFn, new_search
+from openbook.rag.drafting import PassageDrafter, advance_drafted, room
 from openbook.rag.marginalize import sequence_doc_logliks, sequence_log_marginal
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
@@ -34,6 +35,9 @@ class PassageRows:
     ``generate`` for ``num_return_sequences = num_beams``. Sampling: one row per sample j, drawn
     from p(y|x,z) of this passage alone (:func:`choose_samples` picks among the passages).
 
+    Greedy, it may draft (:mod:`openbook.rag.drafting`): ``drafter`` indexes this passage's
+    tokens alone, the text its hypothesis is decoded under.
+
     first_logprobs: (V,) log p(y_1 | x, z) of the passage.
     """
 
@@ -43,12 +47,15 @@ class PassageRows:
         settings: SearchSettings,
         stop: StopFn | None,
         generator: torch.Generator | None = None,
+        drafter: PassageDrafter | None = None,
     ):
         beams = settings.num_beams
         if beams > 1:
             settings = replace(settings, num_return_sequences=beams)
+        self.settings = settings
         self.rows = settings.rows_per_item  # beams, or samples
         self.search = new_search(1, settings, first_logprobs.device, stop, generator=generator)
+        self.drafter = drafter if isinstance(self.search, GreedySearch) else None
         self.live = self.search.start(first_logprobs[None, :])
 
     def feed(self) -> tuple[Tensor, Tensor | None]:
@@ -62,6 +69,21 @@ class PassageRows:
     def decided(self) -> tuple[int, None]:
         """Greedy: the token the latest step decided for this passage."""
         return int(self.search.tokens[0]), None
+
+    def draft(self, limit: int) -> list[int]:
+        """Tokens of this passage to feed after the decided one (at most ``limit``, never past
+        ``max_new_tokens``); empty without a drafter or a match."""
+        search = self.search
+        if self.drafter is None or not self.live or not isinstance(search, GreedySearch):
+            return []
+        history = search.seq[0].tolist()
+        return self.drafter.propose(history, room(search, self.settings, limit), (0.0,))
+
+    def advance_drafted(
+        self, lp: Tensor, draft: Sequence[int], on_decided: Callable[[], None] | None = None
+    ) -> int:
+        """lp: (1, 1 + len(draft), V): :func:`openbook.rag.drafting.advance_drafted`."""
+        return advance_drafted(self, lp, draft, on_decided)
 
     def hypotheses(self) -> list[Finished]:
         return self.search.result()[0]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from openbook.rag.backends import Encoded, GeneratorBackend
 from openbook.rag.beam import Finished, GreedySearch, SearchSettings, StopFn, new_search
-from openbook.rag.drafting import PassageDrafter
+from openbook.rag.drafting import PassageDrafter, advance_drafted, room
 from openbook.rag.marginalize import token_marginal, token_posteriors
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
@@ -85,33 +85,19 @@ class RagTokenRows:
     def draft(self, limit: int) -> list[int]:
         """Tokens to feed after the decided one (at most ``limit``, and never past the answer's
         ``max_new_tokens``); empty without a drafter or a match."""
-        if self.drafter is None or not self.live:
-            return []
         search = self.search
-        if not isinstance(search, GreedySearch):
+        if self.drafter is None or not self.live or not isinstance(search, GreedySearch):
             return []
-        seq = search.seq
-        decided = int(seq.shape[1])
-        room = self.settings.max_new_tokens - decided - 1
         posterior = self._log_posterior.tolist()
-        return self.drafter.propose(seq[0].tolist(), min(limit, room), posterior)
+        history = search.seq[0].tolist()
+        return self.drafter.propose(history, room(search, self.settings, limit), posterior)
 
     def advance_drafted(
         self, lp: Tensor, draft: Sequence[int], on_decided: Callable[[], None] | None = None
     ) -> int:
         """lp: (k, 1 + len(draft), V) per-passage log-probs after the decided token and after
-        each drafted one. Advances the search position by position while the token it decides
-        is the drafted one (``on_decided`` after each); returns the positions it consumed, the
-        fed tokens to keep in the cache (the decided one and the accepted drafts)."""
-        used = 0
-        for i in range(len(draft) + 1):
-            self.advance(lp[:, i])
-            used += 1
-            if on_decided is not None:
-                on_decided()
-            if not self.live or i == len(draft) or int(self.search.tokens[0]) != draft[i]:
-                break
-        return used
+        each drafted one: :func:`openbook.rag.drafting.advance_drafted`."""
+        return advance_drafted(self, lp, draft, on_decided)
 
     def _follow_posterior(self) -> None:
         if self.drafter is None:

@@ -112,6 +112,39 @@ def test_drafted_greedy_rag_token_is_the_undrafted_decode(dirs, load, kind, monk
     assert 0 < accepted < drafted
 
 
+@pytest.mark.parametrize("mode", ("rag-sequence-fast", "rag-sequence-thorough"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafted_greedy_rag_sequence_is_the_undrafted_decode(dirs, load, kind, mode, monkeypatch):
+    """Each passage drafts from its own text for its own hypothesis: the ranked answers, their
+    log-probs and passage posteriors are those of the undrafted decode."""
+    gen = load(dirs.causal(kind))
+    rnd = random.Random(f"{kind}{mode}")
+    drafted = accepted = 0
+    for seed in range(5):
+        k = rnd.choice((1, 2, 3, 4))
+        passages = make_passages(k, seed=seed)
+        options = DecodingOptions(mode=mode, max_new_tokens=rnd.choice((6, 12, 18)))
+        question = rnd.choice(QUESTIONS)
+        request = [(0, question, passages, options)]
+        (want,), _ = _decode(gen, request, 0)
+        # each passage's own greedy answer: its search decodes under it alone
+        own = [_decode(gen, [(0, question, [p], options)], 0)[0][0] for p in passages]
+        answers = [r.hypotheses[0].token_ids for r in own]
+        for continuations in (
+            [],
+            answers,
+            [_corrupted(a, rnd) for a in answers],
+            [a[: len(a) // 2] for a in answers],
+        ):
+            with monkeypatch.context() as patch:
+                _copying(gen, patch, continuations)
+                (got,), engine = _decode(gen, request, DRAFT)
+            _assert_same(got, want)
+            drafted += engine.drafted_tokens
+            accepted += engine.accepted_tokens
+    assert 0 < accepted < drafted
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_passages_holding_the_answer_text_decode_as_undrafted(dirs, load, kind):
     """Through the real draft sources (the passages' prompts): a passage that holds the answer
@@ -131,8 +164,9 @@ def test_passages_holding_the_answer_text_decode_as_undrafted(dirs, load, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_drafting_requests_in_a_continuous_batch_decode_as_alone(dirs, load, kind, monkeypatch):
-    """Drafting and undrafted requests (beam search, sampling, RAG-Sequence) join one running
-    batch at different steps; rows of different requests keep different numbers of tokens."""
+    """Drafting requests (greedy RAG-Token and RAG-Sequence) and undrafted ones (beam search,
+    sampling) join one running batch at different steps; rows of different requests keep
+    different numbers of tokens."""
     gen = load(dirs.causal(kind))
     greedy = DecodingOptions(max_new_tokens=14)
     arrivals = [

@@ -1,12 +1,14 @@
-"""OPENBOOK_GENERATOR_DRAFT_TOKENS through the generator service: greedy RAG-Token replies (and
-their streams) are the undrafted library's, token for token, with drafts accepted and
-rejected on the way; other decodings are unchanged."""
+"""OPENBOOK_GENERATOR_DRAFT_TOKENS through the generator service: greedy RAG-Token and
+RAG-Sequence replies (and their streams) are the undrafted library's, token for token, with
+drafts accepted and rejected on the way; other decodings are unchanged."""
 
 from __future__ import annotations
 
 import pytest
 
 from openbook.rag import DecodingOptions, RagGenerator
+from openbook.rag.rag_sequence import PassageRows
+from openbook.rag.rag_token import RagTokenRows
 from openbook.v1 import common_pb2, generator_pb2
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 from openbook_testkit.stack import generator_service
@@ -25,6 +27,22 @@ def service(model, tmp_path_factory, redis_server):
         yield settings, servicer, stub
 
 
+def _counting(rows: type, monkeypatch) -> dict[str, int]:
+    """Tokens drafted and accepted by the searches of class ``rows`` from now on (counted
+    there: the service's engine outlives a test)."""
+    counts = {"drafted": 0, "accepted": 0}
+    advance_drafted = rows.advance_drafted
+
+    def counting(self, lp, draft, on_decided=None):
+        used = advance_drafted(self, lp, draft, on_decided)
+        counts["drafted"] += len(draft)
+        counts["accepted"] += used - 1
+        return used
+
+    monkeypatch.setattr(rows, "advance_drafted", counting)
+    return counts
+
+
 def _request(passages, **options) -> generator_pb2.GenerateRequest:
     return generator_pb2.GenerateRequest(
         question=QUESTION,
@@ -41,15 +59,7 @@ def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
     plain = RagGenerator.load(model, device="cpu")
     backend = servicer.generator.backend
     own = type(backend).draft_sources
-    engines = []
-    original_engine = type(servicer.generator).engine
-
-    def engine(self, *args, **kwargs):  # to read the engines' draft counters
-        made = original_engine(self, *args, **kwargs)
-        engines.append(made)
-        return made
-
-    monkeypatch.setattr(type(servicer.generator), "engine", engine)
+    counts = _counting(RagTokenRows, monkeypatch)
     for seed in range(4):
         passages = make_passages(3, seed=seed)
         options = dict(max_new_tokens=12)
@@ -72,9 +82,7 @@ def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
         events = list(stub.GenerateStream(_request(passages, **options), timeout=60))
         streamed = [e.token.token_id for e in events if e.WhichOneof("event") == "token"]
         assert streamed == answer
-    drafted = sum(e.drafted_tokens for e in engines)
-    accepted = sum(e.accepted_tokens for e in engines)
-    assert 0 < accepted < drafted
+    assert 0 < counts["accepted"] < counts["drafted"]
 
 
 def test_beam_search_is_unchanged_with_drafting_on(service, model):
@@ -84,3 +92,44 @@ def test_beam_search_is_unchanged_with_drafting_on(service, model):
     want = plain.generate(QUESTION, passages, DecodingOptions(num_beams=2, max_new_tokens=6))
     reply = stub.Generate(_request(passages, num_beams=2, max_new_tokens=6), timeout=60)
     assert [h.text for h in reply.hypotheses] == [h.text for h in want.hypotheses]
+
+
+@pytest.mark.parametrize("mode", ("rag-sequence-fast", "rag-sequence-thorough"))
+def test_drafted_rag_sequence_replies_and_streams_are_the_undrafted_ones(
+    service, model, mode, monkeypatch
+):
+    """Each passage drafts from its own prompt (here followed by its own greedy answer's token
+    ids, or a corrupted copy): replies and the per-passage streamed tokens are the undrafted
+    ones."""
+    _, servicer, stub = service
+    plain = RagGenerator.load(model, device="cpu")
+    backend = servicer.generator.backend
+    own = type(backend).draft_sources
+    counts = _counting(PassageRows, monkeypatch)
+    for seed in range(4):
+        passages = make_passages(3, seed=seed)
+        options = dict(max_new_tokens=10, mode=mode)
+        # each passage's hypothesis is decoded under it alone
+        alone = [
+            list(plain.generate(QUESTION, [p], DecodingOptions(**options)).hypotheses[0].token_ids)
+            for p in passages
+        ]
+        copied = (
+            alone if seed % 2 == 0 else [a[:3] + [(t + 5) % 250 + 3 for t in a[3:]] for a in alone]
+        )
+        monkeypatch.setattr(
+            backend,
+            "draft_sources",
+            lambda q, ps, c=copied: [i + c[z] for z, i in enumerate(own(backend, q, ps))],
+        )
+        want = plain.generate(QUESTION, passages, DecodingOptions(**options))
+        reply = stub.Generate(_request(passages, **options), timeout=60)
+        assert [h.text for h in reply.hypotheses] == [h.text for h in want.hypotheses]
+        for got, hyp in zip(reply.hypotheses, want.hypotheses, strict=True):
+            assert got.log_prob == pytest.approx(hyp.log_prob, rel=1e-5, abs=1e-4)
+            assert list(got.doc_posterior) == pytest.approx(hyp.doc_posterior, abs=1e-4)
+        events = list(stub.GenerateStream(_request(passages, **options), timeout=60))
+        tokens = [e.token for e in events if e.WhichOneof("event") == "token"]
+        for z in range(len(passages)):
+            assert [t.token_id for t in tokens if t.passage == z] == alone[z]
+    assert 0 < counts["accepted"] < counts["drafted"]

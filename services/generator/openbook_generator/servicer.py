@@ -207,7 +207,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         hold (:mod:`openbook.rag.memory`); None: unbounded. ``max_request_s``: the longest any
         request is worked on or waited for, whatever deadline its caller sets. ``base_model``:
         the configured model, onto which a checkpoint that holds only an adapter is loaded.
-        ``draft_tokens``: tokens greedy RAG-Token requests draft per step
+        ``draft_tokens``: tokens greedy searches (RAG-Token, RAG-Sequence) draft per step
         (:mod:`openbook.rag.drafting`), on every model this servicer loads; 0: off.
         ``compute_threads``: how the decoding thread sizes its torch threads
         (:mod:`openbook.compute_threads`); None: torch's default, untouched."""

@@ -48,9 +48,10 @@ class GeneratorSettings(GrpcServiceSettings):
     # openbook/rag/passage_cache.py): a passage retrieved again costs only its question's
     # tokens. Held beyond memory_mb; 0 disables.
     passage_cache_mb: int = Field(256, ge=0)
-    # Tokens a greedy RAG-Token request drafts per step by n-gram lookup in its passages and
-    # verifies in one forward pass (openbook/rag/drafting.py): answers unchanged; 0: off.
-    # Sampling, beam search and RAG-Sequence never draft. Off by default (docs/benchmarks.md).
+    # Tokens a greedy search (RAG-Token, or each passage of RAG-Sequence) drafts per step by
+    # n-gram lookup in its passages and verifies in one forward pass (openbook/rag/drafting.py):
+    # answers unchanged; 0: off. Sampling and beam search never draft. Off by default
+    # (docs/benchmarks.md).
     draft_tokens: int = Field(0, ge=0, le=64)
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
     max_request_s: float = Field(300.0, gt=0)
