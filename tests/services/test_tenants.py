@@ -187,6 +187,12 @@ def test_no_request_field_widens_a_tenant(url, tenants):
         _never_b(reply.text)
         assert {p["document"] for p in reply.json()["passages"]} <= {"a-doc", "a-upload"}
     assert _answer(url, key, index="facts-a").status_code == 404
+    # a key is read from the Authorization header only: in the query string it is no key
+    for param in ("key", "api_key", "access_token"):
+        in_query = httpx.post(
+            f"{url}/answer", params={param: key}, json={"question": QUESTION}, timeout=60
+        )
+        assert in_query.status_code == 401, param
     # the OpenAI API, with the filter as an extra body field
     chat = httpx.post(
         f"{url}/v1/chat/completions",
