@@ -25,6 +25,19 @@ them without Docker. Four translations make container settings work on the host:
 A service that dies is restarted per its ``restart`` policy after an exponential, capped
 delay (``Backoff``), forgotten once it has been healthy for a while, never in a tight loop.
 
+Two compose features decide what runs:
+
+- profiles: a service behind ``profiles`` runs when named, or when one of its profiles is
+  active: those ``COMPOSE_PROFILES`` lists (as compose reads it), and the one named after the
+  index engine (``OPENBOOK_INDEX_ENGINE=milvus`` turns on ``milvus``, the engine's service).
+  A dependency marked ``required: false`` on a service that does not run is skipped, as
+  compose skips it;
+- ``x-openbook-up`` (:data:`LOCAL_KEY`): a service's keys (``command``, ``healthcheck``,
+  ``environment``) replaced when it runs as a local process. The ``milvus`` service's image
+  is Milvus standalone; on the host that role is Milvus Lite's own gRPC server
+  (``milvus-lite server``), which speaks the same protocol, so the retriever replicas share
+  one engine as they share a cluster.
+
 Variables are interpolated as compose does (``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``,
 ``$$``), from this process's environment.
 """
@@ -61,6 +74,10 @@ REDIS_PORT_VARIABLE = redis_endpoint.PORT_VARIABLE
 # How many ports after compose's default are tried: all below the kernel's ephemeral range
 # (32768-60999), as the defaults are, so no client socket can hold it while Redis restarts.
 REDIS_PORTS_TRIED = 100
+# A service's settings for running it as a local process (module docstring).
+LOCAL_KEY = "x-openbook-up"
+# The variable naming the index engine: the profile of that name is active.
+ENGINE_VARIABLE = "OPENBOOK_INDEX_ENGINE"
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +176,8 @@ class ServiceSpec:
     restart: str = "no"
     external: bool = False  # a third-party image (e.g. redis): reuse one already running
     profiles: list[str] = field(default_factory=list)
+    # dependencies marked ``required: false``: skipped when they do not run (a profile off)
+    optional: set[str] = field(default_factory=set)
 
 
 class ComposeProject:
@@ -176,7 +195,11 @@ class ComposeProject:
         names = list(doc.get("services", {}))
         self._host_names = names
         for name, svc in doc.get("services", {}).items():
+            local = svc.get(LOCAL_KEY) or {}
+            if local:
+                svc = {**svc, **local, "environment": _merged_env(svc, local)}
             self.services[name] = self._spec(name, svc)
+        self.profiles = active_profiles(self.env)
 
     def _mounts(self, svc: dict) -> list[tuple[str, str]]:
         """(container path, host path) for every volume of ``svc``.
@@ -243,11 +266,14 @@ class ComposeProject:
             k: self.translate("" if v is None else str(v), mounts) for k, v in environment.items()
         }
         for _, host in mounts:
-            Path(host).mkdir(parents=True, exist_ok=True)
+            if not Path(host).exists():  # a bound file (a config) is there already
+                Path(host).mkdir(parents=True, exist_ok=True)
         depends = svc.get("depends_on") or {}
+        optional: set[str] = set()
         if isinstance(depends, list):
             depends = {d: "service_started" for d in depends}
         else:
+            optional = {d for d, c in depends.items() if (c or {}).get("required") is False}
             depends = {d: (c or {}).get("condition", "service_started") for d, c in depends.items()}
         health = svc.get("healthcheck") or {}
         test = health.get("test")
@@ -270,7 +296,13 @@ class ComposeProject:
             restart=str(svc.get("restart", "no")),
             external="build" not in svc,
             profiles=list(svc.get("profiles", [])),
+            optional=optional,
         )
+
+    def enabled(self, name: str) -> bool:
+        """Whether service ``name`` runs without being named: no profile, or an active one."""
+        profiles = self.services[name].profiles
+        return not profiles or bool(self.profiles & set(profiles))
 
     def resolve_order(self, wanted: list[str] | None) -> list[str]:
         """Services to start, dependencies first (profiled ones only when named)."""
@@ -280,7 +312,7 @@ class ComposeProject:
                 raise LaunchError(f"unknown service(s): {', '.join(unknown)}")
             roots = wanted
         else:
-            roots = [n for n, s in self.services.items() if not s.profiles]
+            roots = [n for n in self.services if self.enabled(n)]
         order: list[str] = []
         visiting: set[str] = set()
 
@@ -290,9 +322,12 @@ class ComposeProject:
             if name in visiting:
                 raise LaunchError(f"dependency cycle through {name}")
             visiting.add(name)
-            for dep in self.services[name].depends_on:
+            spec = self.services[name]
+            for dep in spec.depends_on:
                 if dep not in self.services:
                     raise LaunchError(f"{name} depends on unknown service {dep}")
+                if dep in spec.optional and not self.enabled(dep) and dep not in (wanted or []):
+                    continue  # required: false, and its profile is off: compose skips it too
                 visit(dep)
             visiting.discard(name)
             order.append(name)
@@ -302,11 +337,35 @@ class ComposeProject:
         return order
 
 
+def _merged_env(svc: dict, local: dict) -> dict:
+    """A service's environment with its local (``x-openbook-up``) one over it."""
+
+    def as_dict(environment: object) -> dict:
+        if isinstance(environment, list):
+            return dict(item.split("=", 1) for item in environment)
+        return dict(environment or {})  # type: ignore[call-overload]
+
+    return {**as_dict(svc.get("environment")), **as_dict(local.get("environment"))}
+
+
+def active_profiles(env: Mapping[str, str]) -> set[str]:
+    """The profiles that are on: ``COMPOSE_PROFILES`` (comma-separated, as compose reads
+    it) and the one named after the index engine (``OPENBOOK_INDEX_ENGINE``)."""
+    profiles = {p.strip() for p in env.get("COMPOSE_PROFILES", "").split(",") if p.strip()}
+    engine = env.get(ENGINE_VARIABLE, "").strip()
+    return profiles | ({engine} if engine else set())
+
+
+# Commands installed with openbook (its own, and ``milvus-lite`` of its retriever) are found
+# beside this Python when its folder is not on PATH (an unactivated virtual environment).
+_INSTALLED_WITH_OPENBOOK = ("openbook", "milvus-lite")
+
+
 def _resolve(argv: list[str], env: Mapping[str, str], service: str) -> list[str]:
     """Find the executable; openbook's own commands (``openbook``, ``openbook-retriever``,
-    ``openbook-health``, ...) fall back to the ones beside this Python."""
+    ``openbook-health``, ...) and ``milvus-lite`` fall back to the ones beside this Python."""
     exe = shutil.which(argv[0], path=env.get("PATH"))
-    if exe is None and argv[0].startswith("openbook") and "/" not in argv[0]:
+    if exe is None and argv[0].startswith(_INSTALLED_WITH_OPENBOOK) and "/" not in argv[0]:
         sibling = Path(sys.executable).parent / argv[0]
         exe = str(sibling) if sibling.exists() else None
     if exe is None:

@@ -91,7 +91,7 @@ def open_registry(settings: RetrieverSettings) -> Registry:
     from openbook.index.milvus_engine import MilvusEngine
     from openbook_retriever.milvus_registry import MilvusRegistry
 
-    engine = MilvusEngine(settings.milvus_uri)
+    engine = MilvusEngine(settings.milvus_uri, token=settings.milvus_token())
     log.info("serving the indexes of Milvus at %s", settings.milvus_uri)
     return MilvusRegistry(engine, max_loaded=settings.max_loaded_indexes)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -10,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from openbook.index.encoders import DEFAULT_ENCODER
 from openbook.index.engine import EngineKind, check_milvus_uri
 from openbook.index.spec import INDEX_TYPES
+from openbook.secrets import read_secret
 from openbook.settings import GrpcServiceSettings, OptionalPath, shared
 
 
@@ -51,6 +53,25 @@ class RetrieverSettings(GrpcServiceSettings):
     # A Milvus server (http(s)://host:port: a cluster, or `milvus-lite server`) or a local
     # path ending in .db, opened as Milvus Lite in this process.
     milvus_uri: str = shared("var/milvus/openbook.db", "OPENBOOK_MILVUS_URI")
+    # The file holding the token of a Milvus that needs one ("user:password", or an API key),
+    # like the other secrets; unset or "": no token.
+    milvus_token_file: OptionalPath = shared(None, "OPENBOOK_MILVUS_TOKEN_FILE")
+
+    def milvus_token(self) -> str:
+        """The Milvus token ("" without a token file); ValueError naming the file when it
+        cannot be read: the retriever refuses to start rather than connect without it."""
+        if self.milvus_token_file is None:
+            return ""
+        return read_secret(self.milvus_token_file, "Milvus token (OPENBOOK_MILVUS_TOKEN_FILE)")
+
+    def check_secrets(self, program: str) -> None:
+        super().check_secrets(program)
+        if self.index_engine is EngineKind.MILVUS:
+            try:
+                self.milvus_token()
+            except ValueError as exc:
+                print(f"{program}: {exc}", file=sys.stderr)
+                raise SystemExit(2) from None
 
     @field_validator("milvus_uri")
     @classmethod
