@@ -15,13 +15,19 @@ from transformers.cache_utils import DynamicLayer
 from openbook.rag import DecodingOptions
 from openbook.rag.cache import GrowingLayer, drop_trailing, growing
 from openbook.rag.drafting import PassageDrafter
+from openbook.rag.rag_sequence import PassageRows
 from openbook.rag.rag_token import RagTokenRows
 from openbook.types import Passage
 from openbook_testkit.rag import QUESTION, make_passages
 
-KINDS = ("llama", "gemma3")
+KINDS = ("llama", "gemma3", "bart")
 QUESTIONS = (QUESTION, "Who wrote Hamlet?", "Where is the tower?", "How high is Everest?")
 DRAFT = 6
+
+
+def _model(dirs, kind):
+    """A tiny model of ``kind``: a causal architecture, or BART (its own decoding path)."""
+    return dirs.bart(0) if kind == "bart" else dirs.causal(kind)
 
 
 def _decode(gen, requests, draft_tokens, steps=None):
@@ -86,7 +92,7 @@ def _corrupted(ids, rnd):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_drafted_greedy_rag_token_is_the_undrafted_decode(dirs, load, kind, monkeypatch):
-    gen = load(dirs.causal(kind))
+    gen = load(_model(dirs, kind))
     rnd = random.Random(kind)
     drafted = accepted = 0
     for seed in range(8):
@@ -117,7 +123,7 @@ def test_drafted_greedy_rag_token_is_the_undrafted_decode(dirs, load, kind, monk
 def test_drafted_greedy_rag_sequence_is_the_undrafted_decode(dirs, load, kind, mode, monkeypatch):
     """Each passage drafts from its own text for its own hypothesis: the ranked answers, their
     log-probs and passage posteriors are those of the undrafted decode."""
-    gen = load(dirs.causal(kind))
+    gen = load(_model(dirs, kind))
     rnd = random.Random(f"{kind}{mode}")
     drafted = accepted = 0
     for seed in range(5):
@@ -149,7 +155,7 @@ def test_drafted_greedy_rag_sequence_is_the_undrafted_decode(dirs, load, kind, m
 def test_passages_holding_the_answer_text_decode_as_undrafted(dirs, load, kind):
     """Through the real draft sources (the passages' prompts): a passage that holds the answer
     the model gives without it."""
-    gen = load(dirs.causal(kind))
+    gen = load(_model(dirs, kind))
     options = DecodingOptions(max_new_tokens=16)
     for seed in range(4):
         passages = make_passages(3, seed=seed)
@@ -167,7 +173,7 @@ def test_drafting_requests_in_a_continuous_batch_decode_as_alone(dirs, load, kin
     """Drafting requests (greedy RAG-Token and RAG-Sequence) and undrafted ones (beam search,
     sampling) join one running batch at different steps; rows of different requests keep
     different numbers of tokens."""
-    gen = load(dirs.causal(kind))
+    gen = load(_model(dirs, kind))
     greedy = DecodingOptions(max_new_tokens=14)
     arrivals = [
         (0, QUESTION, 3, greedy),
@@ -192,8 +198,10 @@ def test_drafting_requests_in_a_continuous_batch_decode_as_alone(dirs, load, kin
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rejected_draft_leaves_neither_output_nor_cache(dirs, load, kind, monkeypatch):
     """After every step, the drafting engine's cache holds exactly the keys/values of the
-    tokens decided and fed so far: the undrafted engine's at the same point, slot for slot."""
-    gen = load(dirs.causal(kind))
+    tokens decided and fed so far: the undrafted engine's at the same point, slot for slot
+    (and, for BART, whose positions are per row, the same next positions)."""
+    gen = load(_model(dirs, kind))
+    real_slots = _real_bart_slots if kind == "bart" else _real_slots
     options = DecodingOptions(max_new_tokens=18, min_new_tokens=18)
     passages = make_passages(3, seed=2)
     request = [(0, QUESTION, passages, options)]
@@ -212,27 +220,25 @@ def test_a_rejected_draft_leaves_neither_output_nor_cache(dirs, load, kind, monk
                         break
                     ((_, group),) = engine._groups
                     decided = int(group.search.seq.shape[1])
-                    state = engine._state
-                    out.append((decided, state.kv_pos.clone(), _real_keys(state)))
+                    out.append((decided, *real_slots(engine._state)))
         finally:
             gen_.set_draft_tokens(0)
         return out, engine
 
     plain, _ = record(gen, 0)
-    for decided, kv_pos, keys in plain:
-        plain_states[decided] = (kv_pos, keys)
+    for decided, positions, keys in plain:
+        plain_states[decided] = (positions, keys)
     (want,), _ = _decode(gen, request, 0)
     answer = want.hypotheses[0].token_ids
     rnd = random.Random(3)
     _copying(gen, monkeypatch, [_corrupted(answer, rnd), _corrupted(answer, rnd)])
     drafted, engine = record(gen, DRAFT)
     assert engine.drafted_tokens > engine.accepted_tokens > 0  # rejections happened
-    for decided, kv_pos, keys in drafted:
+    for decided, positions, keys in drafted:
         want_pos, want_keys = plain_states[decided]
         # as many real slots, at the same positions, as the undrafted decode: the decided
         # tokens but the last (not fed yet) after the prompt
-        got_pos = [row[row >= 0].tolist() for row in kv_pos]
-        assert got_pos == [row[row >= 0].tolist() for row in want_pos]
+        assert positions == want_pos
         for got_layer, want_layer in zip(keys, want_keys, strict=True):
             for g, w in zip(got_layer, want_layer, strict=True):
                 torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
@@ -240,21 +246,35 @@ def test_a_rejected_draft_leaves_neither_output_nor_cache(dirs, load, kind, monk
     _assert_same(got, want)
 
 
-def _real_keys(state):
-    """Per layer, per row: the keys of its real (non-padding, non-hole) slots."""
+def _real_slots(state):
+    """A causal state's rows' real (non-padding, non-hole) slots: their positions, and per
+    layer, per row, their keys."""
     assert all(layer.keys.shape[-2] == state.kv_pos.shape[1] for layer in state.cache.layers), (
         "the cache and kv_pos disagree on the slots"
     )
     real = state.kv_pos >= 0
-    return [
+    positions = [row[row >= 0].tolist() for row in state.kv_pos]
+    keys = [
         [layer.keys[r][:, real[r]].clone() for r in range(real.shape[0])]
         for layer in state.cache.layers
     ]
+    return positions, keys
+
+
+def _real_bart_slots(state):
+    """A BART state's rows' next positions and real (unmasked) slots' keys per layer, per row."""
+    width = state.cache[0][0].shape[2]
+    mask = state.self_mask
+    if mask is None:
+        mask = torch.ones(state.positions.shape[0], width, dtype=torch.bool)
+    assert mask.shape[1] == width, "the cache and self_mask disagree on the slots"
+    keys = [[k[r][:, mask[r]].clone() for r in range(mask.shape[0])] for k, _ in state.cache]
+    return state.positions.tolist(), keys
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_drafted_stream_is_the_final_hypothesis(dirs, load, kind, monkeypatch):
-    gen = load(dirs.causal(kind))
+    gen = load(_model(dirs, kind))
     options = DecodingOptions(max_new_tokens=16)
     passages = make_passages(4, seed=3)
     want = gen.generate(QUESTION, passages, options)
@@ -272,33 +292,32 @@ def test_a_drafted_stream_is_the_final_hypothesis(dirs, load, kind, monkeypatch)
         assert event.doc_posterior == pytest.approx(posterior, abs=1e-5)
 
 
-def test_only_greedy_rag_token_drafts(dirs, load):
+def test_only_greedy_searches_draft(dirs, load):
     gen = load(dirs.causal("llama"))
     gen.set_draft_tokens(DRAFT)
     try:
         engine = gen.engine()
         passages = make_passages(2)
         with torch.inference_mode():
-            for options, drafts in (
-                (DecodingOptions(), True),
-                (DecodingOptions(num_beams=2), False),
-                (DecodingOptions(temperature=0.7, seed=1), False),
-            ):
-                running = engine.add(QUESTION, passages, options)
-                (group,) = running.groups
-                assert isinstance(group, RagTokenRows)
-                assert (group.drafter is not None) == drafts
-            running = engine.add(QUESTION, passages, DecodingOptions(mode="rag-sequence-fast"))
-            assert not any(isinstance(g, RagTokenRows) for g in running.groups)
+            for mode in ("rag-token", "rag-sequence-fast", "rag-sequence-thorough"):
+                for options, drafts in (
+                    (DecodingOptions(mode=mode), True),
+                    (DecodingOptions(mode=mode, num_beams=2), False),
+                    (DecodingOptions(mode=mode, temperature=0.7, seed=1), False),
+                ):
+                    running = engine.add(QUESTION, passages, options)
+                    kind = RagTokenRows if mode == "rag-token" else PassageRows
+                    assert all(isinstance(g, kind) for g in running.groups)
+                    assert all((g.drafter is not None) == drafts for g in running.groups)
     finally:
         gen.set_draft_tokens(0)
 
 
-def test_bart_does_not_draft(dirs, load):
+def test_bart_drafts_on_its_own_decoding_path(dirs, load):
     gen = load(dirs.bart(0))
     gen.set_draft_tokens(DRAFT)
     try:
-        assert gen.draft_tokens == 0 and gen.engine().draft_tokens == 0
+        assert gen.draft_tokens == DRAFT and gen.engine().draft_tokens == DRAFT
     finally:
         gen.set_draft_tokens(0)
 

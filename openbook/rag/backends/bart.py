@@ -183,6 +183,49 @@ class BartBackend(Seq2SeqBackend):
             state.self_mask = torch.cat([state.self_mask, own], dim=1)
         return self._decoding.log_probs(h)
 
+    def drafts(self) -> bool:
+        """BART's own decoding verifies drafts (at inference: training and autograd take
+        transformers' forward, which does not)."""
+        return not self.model.training
+
+    def step_many(self, state: AnyDecodeState, tokens: Tensor) -> Tensor:
+        if not isinstance(state, BartDecodeState):
+            raise NotImplementedError("drafts are verified by BART's own decoding only")
+        fed = tokens.shape[1]
+        h, state.cache = self._decoding.step_many(
+            tokens, state.positions, state.cache, state.self_mask, state.segments
+        )
+        state.positions = state.positions + fed
+        if state.self_mask is not None:
+            own = torch.ones_like(state.self_mask[:, :1]).expand(-1, fed)
+            state.self_mask = torch.cat([state.self_mask, own], dim=1)
+        return self._decoding.log_probs(h)
+
+    def drop_fed(self, state: AnyDecodeState, fed: int, kept: Tensor) -> None:
+        """The slots every row rejected leave the cache; the slots only some rows rejected stay
+        as holes (``self_mask`` False, masked like padding). Each row's next position follows
+        the tokens it kept: positions are the row's own, not its slot count."""
+        if not isinstance(state, BartDecodeState):
+            raise NotImplementedError("drafts are verified by BART's own decoding only")
+        kept = kept.to(state.positions.device)
+        most = int(kept.max())
+        drop = fed - most
+        if drop:
+            state.cache = [(k[:, :, :-drop], v[:, :, :-drop]) for k, v in state.cache]
+            if state.self_mask is not None:
+                state.self_mask = state.self_mask[:, :-drop]
+        state.positions = state.positions - fed + kept
+        rejected = torch.arange(most, device=kept.device)[None, :] >= kept[:, None]
+        if bool(rejected.any()):
+            mask = state.self_mask
+            if mask is None:
+                width = state.cache[0][0].shape[2]
+                mask = torch.ones(kept.shape[0], width, dtype=torch.bool, device=kept.device)
+            else:
+                mask = mask.clone()
+            mask[:, -most:] &= ~rejected
+            state.self_mask = mask
+
     def reorder(self, state: AnyDecodeState, rows: Tensor) -> None:
         if not isinstance(state, BartDecodeState):
             return super().reorder(state, rows)

@@ -102,25 +102,38 @@ class BartDecoding:
         segments: list[CrossSegment],
     ) -> tuple[Tensor, KV]:
         """Feed one token per decoder row: tokens (N,) at decoder positions ``positions`` (N,).
+        Returns the new hidden states (N, d) and the extended cache (:meth:`step_many`)."""
+        h, cache = self.step_many(tokens[:, None], positions, past, self_mask, segments)
+        return h[:, 0], cache
+
+    def step_many(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        past: KV | None,
+        self_mask: Tensor | None,
+        segments: list[CrossSegment],
+    ) -> tuple[Tensor, KV]:
+        """Feed L consecutive tokens per decoder row: tokens (N, L), the first at decoder
+        position ``positions`` (N,), each attending to the cache and to the row's tokens before
+        it (a drafted step, :mod:`openbook.rag.drafting`; L = 1: one decoding step).
 
         ``segments`` cover the N rows in order; in a segment of P passage rows with ``copies``
         rows each, decoder row ``p * copies + c`` (counted from the segment's first row) reads
         passage row p: its cross keys/values, per layer (P, H, S, dh), and mask (P, S) bool
         (True = attend) or None. past: self-attention cache of the N rows (left-padded when rows
-        started at different steps), or None at the decoder-start step; self_mask (N, L) bool
-        says which cached slots are real (None: all). Returns the new hidden states (N, d) and
-        the extended cache.
+        started at different steps), or None at the decoder-start step; self_mask (N, T) bool
+        says which cached slots are real (None: all). Returns the new hidden states (N, L, d)
+        and the cache extended by L slots.
         """
         dec = self._decoder
-        n = tokens.shape[0]
-        x = dec.embed_tokens(tokens[:, None])
-        pos = dec.embed_positions.weight[positions + dec.embed_positions.offset]
-        x = dec.layernorm_embedding(x + pos[:, None])
-        hidden_shape = (n, 1, -1, self.head_dim)
-        smask = None
-        if self_mask is not None:
-            own = torch.ones(n, 1, dtype=torch.bool, device=self_mask.device)
-            smask = torch.cat([self_mask, own], dim=1)[:, None, None, :]
+        n, length = tokens.shape
+        x = dec.embed_tokens(tokens)
+        at = positions[:, None] + torch.arange(length, device=positions.device)
+        pos = dec.embed_positions.weight[at + dec.embed_positions.offset]
+        x = dec.layernorm_embedding(x + pos)
+        hidden_shape = (n, length, -1, self.head_dim)
+        smask = _self_attention_mask(self_mask, past, n, length, tokens.device)
         new_cache: KV = []
         for i, layer in enumerate(dec.layers):
             attn = layer.self_attn
@@ -132,29 +145,34 @@ class BartDecoding:
                 v = torch.cat([past[i][1], v], dim=2)
             new_cache.append((k, v))
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=smask, scale=attn.scaling)
-            x = layer.self_attn_layer_norm(x + attn.out_proj(a.transpose(1, 2).reshape(n, 1, -1)))
+            a = a.transpose(1, 2).reshape(n, length, -1)
+            x = layer.self_attn_layer_norm(x + attn.out_proj(a))
 
             attn = layer.encoder_attn
             q_all = attn.q_proj(x)
             outs = []
-            at = 0
+            start = 0
             for seg in segments:
                 ck, cv = seg.cross[i]
-                rows = ck.shape[0] * seg.copies
-                # the `copies` queries of one passage row attend to its keys/values together
-                q = q_all[at : at + rows].view(-1, seg.copies, self.heads, self.head_dim)
+                passages = ck.shape[0]
+                rows = passages * seg.copies
+                # the `copies` rows of one passage row, all their positions, attend to its
+                # keys/values together (cross-attention has no causal structure)
+                q = q_all[start : start + rows].view(
+                    passages, seg.copies * length, self.heads, self.head_dim
+                )
                 xmask = None if seg.mask is None else seg.mask[:, None, None, :]
                 a = F.scaled_dot_product_attention(
                     q.transpose(1, 2), ck, cv, attn_mask=xmask, scale=attn.scaling
                 )
-                outs.append(a.transpose(1, 2).reshape(rows, 1, -1))
-                at += rows
+                outs.append(a.transpose(1, 2).reshape(rows, length, -1))
+                start += rows
             a = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = layer.encoder_attn_layer_norm(x + attn.out_proj(a))
 
             h = layer.fc2(layer.activation_fn(layer.fc1(x)))
             x = layer.final_layer_norm(x + h)
-        return x[:, 0], new_cache
+        return x, new_cache
 
     def forward_tree(
         self,
@@ -247,3 +265,27 @@ class BartDecoding:
             sel = ((nodes >= lo) & (nodes < lo + lp.shape[0])).nonzero().squeeze(1)
             out[sel] = lp[nodes[sel] - lo, tokens[sel]]
         return out
+
+
+def _self_attention_mask(
+    self_mask: Tensor | None, past: KV | None, rows: int, length: int, device: torch.device
+) -> Tensor | None:
+    """(N, 1, L, T + L) bool (True = attend) for L new tokens per row after T cached slots:
+    the real cached slots (``self_mask`` (N, T), None: all) and the new tokens up to each one's
+    own; None where that is every slot (one new token, nothing padded)."""
+    if length == 1:
+        if self_mask is None:
+            return None
+        own = torch.ones(rows, 1, dtype=torch.bool, device=device)
+        return torch.cat([self_mask, own], dim=1)[:, None, None, :]
+    cached = 0 if past is None else int(past[0][0].shape[2])
+    if self_mask is None:
+        self_mask = torch.ones(rows, cached, dtype=torch.bool, device=device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return torch.cat(
+        [
+            self_mask[:, None, None, :].expand(rows, 1, length, cached),
+            causal[None, None].expand(rows, 1, length, length),
+        ],
+        dim=3,
+    )
