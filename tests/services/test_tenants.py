@@ -290,6 +290,8 @@ def test_writes_and_key_changes_are_audited(url, admin, tenants, caplog):
     assert httpx.post(f"{base}:batch", json=batch, headers=a, timeout=60).status_code == 200
     made = _create(url, admin, "audited", ["ask"])
     assert httpx.delete(f"{url}/admin/keys/audited", headers=admin).status_code == 200
+    index = {"name": "audit-idx", "like": "no-such-index"}
+    assert httpx.post(f"{url}/indexes", json=index, headers=admin).status_code == 404
     put = _mcp(url, tenants["a"], "put_document", index=INDEX, doc_id="a-8", text=A_DOC["text"])
     assert put.get("isError") is not True, put
     lines = [r.fields for r in caplog.records if r.name == "openbook.audit"]
@@ -307,6 +309,8 @@ def test_writes_and_key_changes_are_audited(url, admin, tenants, caplog):
     created = next(f for f in lines if f["action"] == "POST /admin/keys")
     assert created["name"] == "audited" and created["key"] == "admin-token"
     assert next(f for f in lines if f["action"] == "DELETE /admin/keys/{name}")["name"] == "audited"
+    made_index = next(f for f in lines if f["action"] == "POST /indexes")
+    assert made_index["name"] == "audit-idx" and made_index["outcome"] == "refused"
     mcp = next(f for f in lines if f["action"] == "mcp:put_document")
     assert mcp["ids"] == ["a-8"] and mcp["outcome"] == "ok" and mcp["key"] == "tenant-a"
     # never a secret

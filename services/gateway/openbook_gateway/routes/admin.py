@@ -16,6 +16,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
+from openbook_gateway import audit
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.replicas import desired_model, list_replicas, outcome, reload_models
 from openbook_gateway.schemas import (
@@ -39,6 +40,7 @@ router = APIRouter(prefix="/admin", route_class=JSONBodyRoute)
 
 @router.post("/swap-index", response_model=SwapIndexResponse)
 async def swap_index(body: SwapIndexRequest, request: Request, services: ServicesDep) -> dict:
+    audit.note(request, index=body.index)
     timeout_s = max(services.settings.retrieve_timeout_s, ADMIN_MIN_TIMEOUT_S)
     previous, active = await services.retrieval.swap(
         body.index, request.state.request_id, timeout_s=timeout_s
@@ -58,6 +60,7 @@ async def reload_model(
     it is refused; if one service refuses it, the other is put back on the model it served
     (``rolled_back``). In-flight requests finish on the model they started with.
     """
+    audit.note(request, checkpoint=body.checkpoint)
     settings = services.settings
     status, result = await reload_models(
         services.retrieval,

@@ -128,6 +128,7 @@ def _wrote(services: Services, index: str, version: int) -> None:
 async def create_index(body: CreateIndexRequest, request: Request, services: ServicesDep) -> dict:
     """An empty index: the default encoder and type, or those of the index named by ``like``.
     A key held to indexes (with ``indexes:create``) creates only those."""
+    audit.note(request, name=body.name)
     principal = principal_of(request)
     if not principal.sees(body.name):
         raise HTTPException(
