@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions
+from openbook.rag.rag_sequence import PassageRows
+from openbook.rag.rag_token import RagTokenRows
 from openbook_testkit.rag import QUESTION, make_passages, strip_trailing
 
 SEEDS = (0, 1, 2)
@@ -97,3 +99,40 @@ def test_longer_generation_and_full_nbest(dirs, load, reference_for):
         opts = DecodingOptions(mode=mode, num_beams=4, max_new_tokens=20, num_return_sequences=4)
         ours = [h.token_ids for h in gen.generate(QUESTION, passages, opts).hypotheses]
         assert ours == _reference_ids(ref, mode, 3, passages, opts)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("k", (1, 3))
+@pytest.mark.parametrize("mode", ("rag-token", "rag-sequence-thorough"))
+def test_drafted_greedy_ids_match_transformers(
+    dirs, load, reference_for, seed, k, mode, monkeypatch
+):
+    """Passage-drafted decoding (openbook/rag/drafting.py) on the tiny RAG checkpoints: the
+    passages' draft sources hold transformers' own answer, so drafts are taken, and the ids
+    are still transformers'."""
+    bart = dirs.bart(seed)
+    gen = load(bart)
+    ref = reference_for(bart, gen)
+    passages = make_passages(k, seed)
+    opts = DecodingOptions(mode=mode, max_new_tokens=10)
+    want = _reference_ids(ref, mode, k, passages, opts)
+    own = type(gen.backend).draft_sources
+    monkeypatch.setattr(
+        gen.backend, "draft_sources", lambda q, ps: [i + want[0] for i in own(gen.backend, q, ps)]
+    )
+    accepted = []
+    for rows in (RagTokenRows, PassageRows):
+
+        def counting(self, lp, draft, on_decided=None, advance=rows.advance_drafted):
+            used = advance(self, lp, draft, on_decided)
+            accepted.append(used - 1)
+            return used
+
+        monkeypatch.setattr(rows, "advance_drafted", counting)
+    gen.set_draft_tokens(8)
+    try:
+        ours = [h.token_ids for h in gen.generate(QUESTION, passages, opts).hypotheses]
+    finally:
+        gen.set_draft_tokens(0)
+    assert ours == want
+    assert sum(accepted) > 0
