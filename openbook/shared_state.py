@@ -94,16 +94,25 @@ def publish_index_version(
 _CAS_TRIES = 16
 
 
-def index_vanished(client: redis.Redis, index: str, sealer: Sealer | None = None) -> None:
-    """``index``'s directory was removed out of band (not through DeleteIndex): make its state
-    afresh (a new epoch, no versions), as the gateway's ``index_deleted`` does for a deletion
-    through the API, so no gateway serves a cached answer from it again. Logged, never raised,
-    without Redis (no cache to invalidate)."""
+def index_renewed(client: redis.Redis, index: str, sealer: Sealer | None = None) -> None:
+    """``index`` was created or deleted by this retriever, or its directory removed or replaced
+    out of band: make its state afresh (a new epoch, no versions), as the gateway's
+    ``index_deleted`` does for a deletion through its API. The retriever is the authority on
+    an index's life: a deletion no gateway shared (its Redis down then, or the retriever's own
+    API called) still leaves no new index of that name at the old epoch, where it would meet
+    the old one's cached answers at the versions they share. Logged, never raised, without
+    Redis (no cache to invalidate)."""
     sealer = sealer or default_sealer()
     try:
         client.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, new_index_state()))
     except redis.RedisError as exc:
-        log.warning("redis unavailable, index %r gone but its epoch not renewed: %s", index, exc)
+        log.warning("redis unavailable, index %r: its epoch not renewed: %s", index, exc)
+
+
+def index_vanished(client: redis.Redis, index: str, sealer: Sealer | None = None) -> None:
+    """``index``'s directory was removed out of band (not through DeleteIndex): its state made
+    afresh (:func:`index_renewed`), so no gateway serves a cached answer from it again."""
+    index_renewed(client, index, sealer)
 
 
 def _text(value: str | bytes) -> str:

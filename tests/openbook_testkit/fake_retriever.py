@@ -15,7 +15,8 @@ Contract kept:
     index, NOT_FOUND when absent; DeleteDocument / GetDocument: NOT_FOUND when absent;
     an unknown index is NOT_FOUND everywhere;
   * with ``redis`` given, each write publishes the index's version
-    (:func:`openbook.shared_state.publish_index_version`), as the real retriever will.
+    (:func:`openbook.shared_state.publish_index_version`), and CreateIndex / DeleteIndex make
+    its state afresh (:func:`openbook.shared_state.index_renewed`), as the real retriever does.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from openbook.serving.grpc_server import (
     ErrorInterceptor,
     admin_methods,
 )
-from openbook.shared_state import publish_index_version
+from openbook.shared_state import index_renewed, publish_index_version
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 
 
@@ -111,6 +112,10 @@ class FakeRetriever(retriever_pb2_grpc.RetrieverServicer):
         index.version += 1
         if self.redis is not None:
             publish_index_version(self.redis, index.name, index.version)
+
+    def _renewed(self, name: str) -> None:
+        if self.redis is not None:
+            index_renewed(self.redis, name)
 
     # --- reads --------------------------------------------------------------------------
 
@@ -209,6 +214,7 @@ class FakeRetriever(retriever_pb2_grpc.RetrieverServicer):
             if request.like:
                 index_type = request.type or self._index(request.like, context).index_type
             index = self.indexes[request.name] = FakeIndex(request.name, index_type)
+            self._renewed(index.name)
             return self._info(index)
 
     def DeleteIndex(self, request, context):
@@ -220,6 +226,7 @@ class FakeRetriever(retriever_pb2_grpc.RetrieverServicer):
             if index.name == self.active:
                 raise FailedPrecondition(f"index {index.name!r} is active: swap to another first")
             del self.indexes[index.name]
+            self._renewed(index.name)
             return retriever_pb2.DeleteIndexResponse(name=index.name)
 
     def PutDocuments(self, request, context):

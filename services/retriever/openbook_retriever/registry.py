@@ -538,6 +538,10 @@ class IndexRegistry:
                 LiveIndex.create_empty(path, template).close()
             except FileExistsError:
                 raise AlreadyExists(f"name: index {name!r} exists already") from None
+            with self._lock, suppress(OSError):
+                # made here, not out of band: vanished() does not take it for a replacement
+                if self._known is not None:
+                    self._known[name] = _identity(path)
         log.info("index %s created empty (%s)", name, template.index_type)
 
     def delete(self, name: str) -> None:
@@ -553,6 +557,8 @@ class IndexRegistry:
                         f"name: index {name!r} is active; swap to another index first"
                     )
                 os.rename(path, retired)
+                if self._known is not None:
+                    self._known.pop(name, None)  # deleted here: vanished() does not report it
                 entry = self._loaded.pop(name, None)
                 self._attempts.pop(name, None)
                 if entry is not None:

@@ -64,6 +64,7 @@ from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.shared_state import (
     ActiveIndexStore,
+    index_renewed,
     index_vanished,
     publish_index_version,
     publish_model_version,
@@ -295,6 +296,11 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         self._swap_lock = threading.Lock()
         # The last shared active index this replica refused: logged once, then left alone.
         self._refused_shared: str | None = None
+        # Creating or deleting an index (and renewing its state in Redis) is serialised with
+        # the watch's sharing of versions and noticing of indexes gone: a version read of an
+        # index just deleted is never published into its successor's new epoch, and an index
+        # made here is never taken for one replaced out of band.
+        self._index_lives = threading.Lock()
         # The indexes whose version this replica shared since it started (Retrieve).
         self._versions_shared: set[str] = set()
         self.compute: ComputeThreads | None = None
@@ -599,15 +605,26 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                 template = template_of(manifest, name=valid.name, index_type=valid.index_type)
             except ValueError as exc:
                 raise InvalidArgument(f"type: {exc}") from None
-        self.registry.create(valid.name, template)
+        with self._index_lives:
+            self.registry.create(valid.name, template)
+            self._renew_state(valid.name)
         return self._info(valid.name)
 
     def DeleteIndex(self, request, context):
         name = check_index_name("name", request.name)
-        self.registry.delete(name)
+        with self._index_lives:
+            self.registry.delete(name)
+            self._renew_state(name)
+            self._versions_shared.discard(name)  # a new index of its name: shared afresh
         if self.metrics is not None:
             self.metrics.forget_index(name)
         return retriever_pb2.DeleteIndexResponse(name=name)
+
+    def _renew_state(self, index: str) -> None:
+        """``index`` created or deleted here: its state in Redis made afresh, a new epoch
+        (:func:`openbook.shared_state.index_renewed`), whether or not a gateway shares it."""
+        if self.shared is not None:
+            index_renewed(self.shared.client, index, self.shared.sealer)
 
     def _record_version(self, index: str, version: int) -> None:
         if self.metrics is not None:
@@ -685,27 +702,31 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         if self.shared is None:
             return
         for name in [only] if only is not None else self.registry.available():
-            if not self.registry.is_loaded(name):
-                continue
-            try:
-                shard = self.registry.manifest(name).shard
-                state = self.registry.live_state(name)
-            except Exception as exc:  # noqa: BLE001 - one unreadable index must not stop the rest
-                log.warning("index %s: version not shared: %s", name, exc)
-                continue
-            label = f"{shard['index']}-of-{shard['count']}" if shard else ""
-            version = state[0] if state is not None else 0
-            publish_index_version(
-                self.shared.client, name, version, shard=label, sealer=self.shared.sealer
-            )
+            with self._index_lives:
+                if not self.registry.is_loaded(name):
+                    continue
+                try:
+                    shard = self.registry.manifest(name).shard
+                    state = self.registry.live_state(name)
+                except Exception as exc:  # noqa: BLE001 - one unreadable index must not stop the rest
+                    log.warning("index %s: version not shared: %s", name, exc)
+                    continue
+                label = f"{shard['index']}-of-{shard['count']}" if shard else ""
+                version = state[0] if state is not None else 0
+                publish_index_version(
+                    self.shared.client, name, version, shard=label, sealer=self.shared.sealer
+                )
 
     def notice_vanished_indexes(self) -> None:
         """An index directory removed (or replaced) out of band: stop serving it from memory
         and raise its cache epoch in Redis, so no gateway serves a cached answer from it."""
-        for name in self.registry.vanished():
-            log.warning("index %s: its directory was removed or replaced out of band", name)
-            if self.shared is not None:
-                index_vanished(self.shared.client, name, self.shared.sealer)
+        with self._index_lives:
+            gone = self.registry.vanished()
+            for name in gone:
+                log.warning("index %s: its directory was removed or replaced out of band", name)
+                if self.shared is not None:
+                    index_vanished(self.shared.client, name, self.shared.sealer)
+        for name in gone:
             if self.metrics is not None:
                 self.metrics.forget_index(name)
 
