@@ -1,40 +1,26 @@
-"""The generator's continuous batching loop: admission by measured speed, fair scheduling.
+"""The generator's engine loop: the line, the decoding thread, the speed measurement.
 
-A bounded waiting line feeds one decoding thread, which owns the batches
-(:class:`openbook.rag.engine.DecodingEngine`) of every loaded model. Between any two pieces of
-work the thread admits waiting requests (while the running requests are fewer than
-``max_batch_size``, their estimated memory together stays within the budget
-(:mod:`openbook.rag.memory`) and a batch accepts their rows), then runs ONE piece of work:
+The generator's engine is three parts, as vLLM v1's (``EngineCore.step()`` runs the scheduler's
+``schedule()``, the model runner's ``execute_model()``, then ``update_from_output()``):
 
-* a **prefill chunk** of one admitted request (``chunk_tokens`` prompt tokens at most, whole
-  passages): a k=100 prompt is prefilled in many chunks, not in one pause of everything else;
-* or one **decoding step** of one batch, which answers every request that finished at it.
+* :mod:`openbook_generator.policy`: the scheduling policy, pure: admission by measured speed,
+  least-attained-service ordering, chunked prefill, solo batches (its docstring says how each
+  decides). It decides over typed requests and is tested without a model;
+* :mod:`openbook_generator.runner`: the model runner, the batches of the loaded models
+  (:class:`~openbook.rag.engine.DecodingEngine` s) and one piece of work executed on them;
+* this module, the loop that joins them: :class:`Scheduler` holds a bounded waiting line and
+  one decoding thread. Each turn of the thread (:meth:`Scheduler._run`) takes the waiting
+  requests that may start (:meth:`~Scheduler._take`, asking the policy), adds them to their
+  batches, asks the policy for the next piece of work (:meth:`~Scheduler._schedule`), has the
+  runner execute it and answers the callers from its output
+  (:meth:`~Scheduler._update_from_output`). It owns the speed model the policy plans with: it
+  times every turn (:mod:`openbook_generator.speed`) and calibrates it at load
+  (:meth:`~Scheduler.calibrate`).
 
-Requests of up to ``solo_rows`` decoder rows (passages x beams) share one batch per model, so
-that a short answer never waits for a whole batch to end; a larger request decodes in a batch
-of its own, so that its rows do not make every step of the small requests slow.
-
-Which piece runs next is decided by **least attained service**: the work of the request that
-has had the least engine time so far (a step counts for its batch's least-served request).
-A request that just arrived goes first, so a default question is answered in about the time it
-takes alone even while a k=100 request is running, and the large request runs in the gaps.
-So that the large request still finishes in time, a request whose deadline comes near (its
-estimated remaining work would take more than half of the time it has left) gets every other
-piece of work, and all of them once its remaining work fills the time left.
-
-**Admission by measured speed** (:mod:`openbook_generator.speed`): the engine's speed is
-measured on every piece of work, and every request's remaining work is estimated from it (its
-prefill tokens, its share of the steps of its batch for the tokens it is expected to decode).
-A request is refused at once (:class:`~openbook.errors.Overloaded`, the gateway's 429) when
-the work due before its deadline (that of every request with an earlier deadline, and its own)
-would not fit in the time it has, or when it would push an admitted request past its deadline;
-its ``Retry-After`` is how long that work takes to drain. One that could not finish in time
-even alone (at the worst case of its ``max_new_tokens``) is refused with
-:class:`~openbook.errors.TooLarge` (the gateway's 413), saying what to lower. The check and the
-entry into the line are one step under the lock (a crowd arriving together is checked one by
-one); every plan is scaled by :class:`Lateness` (the late tail of taken / planned); and a
-waiting request that can no longer make its deadline (the engine slowed down after it was
-admitted) is refused between two pieces of work instead of being started.
+A request is admitted as it enters the line, under the line's lock (the policy's
+:meth:`~openbook_generator.policy.SchedulingPolicy.admission`: a crowd arriving together is
+checked one by one), and a waiting request that can no longer make its deadline is refused
+between two pieces of work instead of being started.
 
 Invariants:
 * the line never holds more than ``max_queue`` requests: ``submit`` fails at once (backpressure);
@@ -42,19 +28,19 @@ Invariants:
   never run; once running, it leaves its batch before the next piece of work;
 * no wait is unbounded: every caller waits at most its own timeout;
 * a model reload never disturbs running requests: they finish on the engine of the model they
-  started on, while new requests start on the new model.
+  started on, while new requests start on the new model;
+* every request told to ``on_admit`` is told to ``on_finish`` once, after its result is set and
+  its engine state dropped (what the allocator's :class:`~openbook.serving.allocator.
+  MemoryReleaser` gives back);
+* the policy and the runner are only touched by the decoding thread, or under the line's lock.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import statistics
-import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -62,36 +48,40 @@ from dataclasses import dataclass, replace
 import torch
 
 from openbook.compute_threads import ComputeThreads
-from openbook.errors import DeadlineExceeded, Overloaded, TooLarge
+from openbook.errors import DeadlineExceeded, Overloaded
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
-from openbook.rag.engine import DecodingEngine, Running
+from openbook.rag.engine import Outcome, Running
 from openbook.rag.errors import Abandoned
 from openbook.rag.memory import RequestShape
 from openbook.rag.streaming import OnToken, TokenEvent
 from openbook.serving.batcher import Waiting, WaitingLine, bounded_timeout, resolve
 from openbook.types import Passage
+from openbook_generator.policy import (
+    BatchWork,
+    Lateness,
+    Request,
+    SchedulingOptions,
+    SchedulingPolicy,
+    Work,
+    WorkKind,
+)
+from openbook_generator.runner import Batch, ModelRunner, RunOutput
 from openbook_generator.speed import EngineSpeed
 
 log = logging.getLogger(__name__)
 
-Generated = tuple[GenerationResult, str]  # the result and the model version that produced it
+# The policy's names that callers of the engine use (the servicer, the tests).
+__all__ = [
+    "GenerateItem",
+    "Generated",
+    "Lateness",
+    "Scheduler",
+    "SchedulingOptions",
+    "StageTimes",
+    "WorkKind",
+]
 
-# Admission plans with this fraction of a deadline: the estimate is an estimate, and the
-# gateway's own work (retrieval, HTTP) comes out of the same deadline.
-DEADLINE_SHARE = 0.8
-# Weight of a finished request in the running estimate of the share of ``max_new_tokens`` that
-# answers use (stop strings and EOS end most answers early), and where it starts.
-STEPS_WEIGHT = 0.1
-INITIAL_STEPS_SHARE = 0.5
-# A waiting request is shed unless it is expected to finish this share of its whole time
-# (admission to deadline) before its deadline: a result that is ready just in time is still
-# late once the reply has crossed a starved process and the network (a 504, not an answer).
-SHED_MARGIN_SHARE = 0.1
-# Lateness: the quantile of taken/planned it plans with, over how many recent requests, and
-# which requests count (those whose plan filled at least this share of their time left).
-LATENESS_QUANTILE = 0.9
-LATENESS_SAMPLES = 32
-LATENESS_TIGHT_SHARE = 0.25
+Generated = tuple[GenerationResult, str]  # the result and the model version that produced it
 
 
 @dataclass
@@ -125,34 +115,14 @@ class GenerateItem:
     times: StageTimes | None = None
 
 
-@dataclass(frozen=True)
-class SchedulingOptions:
-    """How the decoding thread batches and orders work (the module docstring)."""
-
-    max_batch_size: int = 8  # requests admitted at once, over all batches
-    max_wait_ms: float = 5.0  # an idle engine waits this long for requests arriving together
-    max_queue: int = 32
-    solo_rows: int = 16  # requests with more decoder rows decode in a batch of their own
-    chunk_tokens: int = 1024  # prompt tokens per prefill chunk (whole passages; one at least)
-
-
-@dataclass(eq=False)
-class _Batch:
-    """One decoding batch: the engine of one model, shared by small requests or holding one
-    large request (``solo``)."""
-
-    generator: RagGenerator
-    engine: DecodingEngine
-    solo: bool
-
-
 @dataclass(eq=False)
 class _Admitted:
-    """A request taken from the line: its batch and engine entry once added."""
+    """A request taken from the line: the policy's view of it, its batch, and its engine entry
+    once added."""
 
     waiting: Waiting
-    seq: int  # arrival order, the tie-break of equal service
-    batch: _Batch | None = None
+    request: Request
+    batch: Batch
     running: Running | None = None
 
 
@@ -161,8 +131,8 @@ _RESOLVED = object()
 
 
 class Scheduler(WaitingLine[GenerateItem, Generated]):
-    """Continuous batching of generate requests with measured-speed admission (module
-    docstring).
+    """Continuous batching of generate requests with measured-speed admission: the loop of the
+    module docstring.
 
     ``current()`` is the model new requests start on. ``fits(shapes)`` says whether requests of
     those shapes may run together (the memory budget). ``on_step(requests, queued)`` is told the
@@ -192,11 +162,9 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             name="generate-scheduler",
             on_drop=None if on_drop is None else (lambda n: on_drop("queued", n)),
         )
-        self._current = current
-        self.options = options
-        self.max_batch_size = options.max_batch_size
         self.max_wait_s = options.max_wait_ms / 1000.0
-        self._fits = fits
+        self.policy = SchedulingPolicy(options, fits)
+        self.runner = ModelRunner(current, compute)
         self._on_step = on_step
         self._on_running_drop = on_drop
         self._on_admit = on_admit
@@ -204,28 +172,55 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         # sized on the decoding thread (torch's OpenMP size is per thread), between two pieces
         # of work; None: the thread keeps torch's default
         self._compute = compute
-        self._resizing: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models hooked
-        self._batches: list[_Batch] = []
         # id(waiting) -> the admitted request
         self._running: dict[int, _Admitted] = {}
         self._arrivals = 0
-        self._urgent_turn = False  # urgent requests get every other piece of work
         # run by the decoding thread between two pieces of work (calibration)
         self._jobs: list[Callable[[], None]] = []
-        self.speed = EngineSpeed()
-        self.lateness = Lateness()
-        self.steps_share = INITIAL_STEPS_SHARE
         self._start()
+
+    @property
+    def options(self) -> SchedulingOptions:
+        return self.policy.options
+
+    @property
+    def max_batch_size(self) -> int:
+        """Requests running at once, over all batches (the policy's; a test may lower it)."""
+        return self.policy.options.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, n: int) -> None:
+        self.policy.options = replace(self.policy.options, max_batch_size=n)
+
+    @property
+    def speed(self) -> EngineSpeed:
+        """The engine's speed model, measured by this loop, planned with by the policy."""
+        return self.policy.speed
+
+    @property
+    def lateness(self) -> Lateness:
+        return self.policy.lateness
 
     def running(self) -> int:
         with self._cond:
             return len(self._running)
 
     def slowdown(self, kind: str) -> float:
-        """The measured slowdown of ``kind`` ("prefill", "step") of work (speed.py)."""
+        """The measured slowdown of ``kind`` (:class:`WorkKind`) of work (speed.py)."""
         with self._cond:
             speed = self.speed
-            return (speed.prefill_slowdown if kind == "prefill" else speed.step_slowdown).factor
+            slowdown = speed.prefill_slowdown if kind == WorkKind.PREFILL else speed.step_slowdown
+            return slowdown.factor
+
+    # ------------------------------------------------------------------ the policy's view
+
+    def _started(self) -> list[Request]:
+        """The policy's view of the running requests. Under ``_cond``."""
+        return [a.request for a in self._running.values()]
+
+    def _waiting_requests(self) -> list[Request]:
+        """The policy's view of the waiting line, in order. Under ``_cond``."""
+        return [_request(w) for w in self._waiting]
 
     # ------------------------------------------------------------------ admission
 
@@ -233,75 +228,27 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         self, shape: RequestShape, options: DecodingOptions, time_left_s: float | None
     ) -> float:
         """Refuse a request of ``shape`` whose deadline is ``time_left_s`` from now if it cannot
-        finish in time (module docstring): :class:`TooLarge` if not even alone,
-        :class:`Overloaded` (with ``retry_after_s``) if not behind the work already here.
+        finish in time (:meth:`SchedulingPolicy.admission`): :class:`TooLarge` if not even
+        alone, :class:`Overloaded` (with ``retry_after_s``) if not behind the work already here.
         Returns the seconds it is expected to take before :class:`Lateness` scales them (what
         the lateness of this request is measured against; 0: not estimated)."""
         if time_left_s is None:
             return 0.0
         with self._cond:
-            if not self.speed.known:
-                return 0.0  # nothing measured yet: nothing to refuse on
-            now = time.monotonic()
-            allowed = time_left_s * DEADLINE_SHARE
-            lateness = self.lateness.factor
-            joins_shared = shape.rows <= self.options.solo_rows
-            alone = lateness * self._work_s(shape, options, shape.rows, 0, worst=True)
-            if alone > allowed:
-                raise TooLarge(
-                    f"this request would take about {alone:.0f}s of generation at the speed "
-                    f"measured now ({self.speed.describe()}; {shape.passages} passages x "
-                    f"{shape.beams} beams, {shape.input_tokens} prompt tokens, up to "
-                    f"{shape.new_tokens} new tokens) and its deadline allows {time_left_s:.0f}s: "
-                    "use fewer passages (k), beams or new tokens"
-                )
-            # the shared batch as it would be with this request in it
-            shared = self._shared_batch_rows(shape if joins_shared else None)
-            rows = shared if joins_shared else shape.rows
-            mine = lateness * self._work_s(shape, options, rows, 0)
-            deadline = now + time_left_s
-            work = [(d, lateness * w) for d, w in self._work_ahead(shared)]
-            due = sum(w for d, w in work if d <= deadline) + mine
-            late = due - allowed
-            # and no admitted request with a later deadline may be pushed past it
-            for d, _ in work:
-                if d > deadline:
-                    due_d = sum(w for e, w in work if e <= d) + mine
-                    late = max(late, due_d - (d - now) * DEADLINE_SHARE)
-            if late > 0:
-                raise Overloaded(
-                    f"the generator has about {due - mine:.0f}s of work due before this "
-                    f"request's deadline and this request needs about {mine:.1f}s more, which "
-                    f"does not fit in the {time_left_s:.0f}s it allows ({self.speed.describe()}); "
-                    f"retry in {math.ceil(late)}s",
-                    retry_after_s=late,
-                )
-            return due / lateness
-
-    def _work_ahead(self, shared: int) -> list[tuple[float, float]]:
-        """(deadline, estimated remaining seconds) of every request running or waiting, when
-        the shared batch decodes ``shared`` rows; a request with no deadline counts as due at
-        the end of time. Under ``_cond``."""
-        out = []
-        for admitted in self._running.values():
-            out.append((_deadline(admitted.waiting), self._remaining_s(admitted, shared)))
-        for waiting in self._waiting:
-            out.append((_deadline(waiting), self._waiting_work_s(waiting.payload, shared)))
-        return out
-
-    def _waiting_work_s(self, item: GenerateItem, shared: int) -> float:
-        """Estimated engine seconds of waiting ``item`` once started: in a batch of its own if
-        it is large, else in the shared batch of ``shared`` rows."""
-        rows = item.shape.rows if item.shape.rows > self.options.solo_rows else shared
-        return self._work_s(item.shape, item.options, rows, 0)
+            return self.policy.admission(
+                shape,
+                options,
+                time_left_s,
+                time.monotonic(),
+                self._started(),
+                self._waiting_requests(),
+            )
 
     def retry_after_s(self) -> float:
         """How long until a place in the line frees: the shortest remaining work of a running
         request (when it ends, a waiting one moves in)."""
         with self._cond:
-            shared = self._shared_batch_rows(None)
-            left = [self._remaining_s(a, shared) for a in self._running.values()]
-        return min(left, default=1.0)
+            return self.policy.retry_after_s(self._started(), self._waiting_requests())
 
     def _enqueue(self, payload, timeout_s, on_cancel):
         """Admit ``payload`` (:meth:`admission`, with ``timeout_s`` as its deadline) and put it
@@ -319,73 +266,6 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             if exc.retry_after_s is None:
                 exc.retry_after_s = self.retry_after_s()
             raise
-
-    # ------------------------------------------------------------------ estimates
-
-    def _shared_batch_rows(self, joining: RequestShape | None) -> int:
-        """Rows the shared batch is expected to decode while the work here (and ``joining``)
-        is done: as many of its requests at once as ``max_batch_size`` lets run, of their mean
-        rows. Under ``_cond``."""
-        rows = [
-            a.waiting.payload.shape.rows
-            for a in self._running.values()
-            if a.batch is not None and not a.batch.solo
-        ]
-        rows += [
-            w.payload.shape.rows
-            for w in self._waiting
-            if w.payload.shape.rows <= self.options.solo_rows
-        ]
-        if joining is not None:
-            rows.append(joining.rows)
-        if not rows:
-            return 1
-        together = min(len(rows), self.max_batch_size)
-        return max(1, round(sum(rows) / len(rows) * together))
-
-    def _steps(self, options: DecodingOptions, worst: bool) -> int:
-        """Decoding steps a request is expected to take (at most ``max_new_tokens``)."""
-        if worst:
-            return options.max_new_tokens
-        expected = math.ceil(self.steps_share * options.max_new_tokens)
-        return max(options.min_new_tokens, min(options.max_new_tokens, max(1, expected)))
-
-    def _work_s(
-        self,
-        shape: RequestShape,
-        options: DecodingOptions,
-        batch_rows: int,
-        steps_done: int,
-        worst: bool = False,
-        prefilled_share: float = 0.0,
-    ) -> float:
-        """Estimated engine seconds of a request of ``shape`` that decodes in a batch of
-        ``batch_rows`` rows: its prefill (what is left of it), its share of the steps of its
-        batch (what is left of them), RAG-Sequence thorough's scoring."""
-        speed = self.speed
-        rows = shape.rows
-        tokens_left = shape.input_tokens * (1.0 - prefilled_share)
-        chunks = max(1, math.ceil(tokens_left / max(1, self.options.chunk_tokens)))
-        prefill = chunks * speed.prefill_s(tokens_left / chunks) if tokens_left > 0 else 0.0
-        batch_rows = max(rows, batch_rows)
-        steps = max(1, self._steps(options, worst) - steps_done)
-        decode = steps * speed.step_s(batch_rows) * rows / batch_rows
-        scoring = 0.0
-        if options.mode == "rag-sequence-thorough":  # every hypothesis under every passage
-            scoring = speed.prefill_s(rows * shape.passages * self._steps(options, worst))
-        return prefill + decode + scoring
-
-    def _remaining_s(self, admitted: _Admitted, shared_rows: int) -> float:
-        item: GenerateItem = admitted.waiting.payload
-        running = admitted.running
-        solo = admitted.batch is not None and admitted.batch.solo
-        rows = item.shape.rows if solo else max(shared_rows, item.shape.rows)
-        if running is None:
-            return self._work_s(item.shape, item.options, rows, 0)
-        prefilled = running.prefilled / max(1, len(running.passages))
-        return self._work_s(
-            item.shape, item.options, rows, running.steps, prefilled_share=prefilled
-        )
 
     # ------------------------------------------------------------------ streaming
 
@@ -446,7 +326,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         done.result()
 
     def _calibrate(self, generator: RagGenerator) -> None:
-        self._resize_within(generator)
+        self.runner.resize_within(generator)
         prefills: dict[float, list[float]] = {}
         steps: dict[float, list[float]] = {}
         question = "What is measured when the generator starts?"
@@ -467,136 +347,13 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                         steps.setdefault(rows, []).append(engine.last_step_s)
                 if measured:
                     prefills.setdefault(shape.input_tokens, []).append(prefill_s)
-        cache = getattr(generator.backend, "passage_cache", None)
-        if cache is not None:
-            cache.clear()  # the calibration's passages are nobody's
+        generator.backend.clear_passage_cache()  # the calibration's passages are nobody's
         with self._cond:
-            self.speed.calibrate(_medians(prefills), _medians(steps))
-            self.lateness = Lateness()
+            self.policy.speed.calibrate(_medians(prefills), _medians(steps))
+            self.policy.lateness = Lateness()
         log.info("generator speed at start: %s", self.speed.describe())
 
     # ------------------------------------------------------------------ the decoding thread
-
-    def _take(self) -> tuple[list[_Admitted], float | None] | None:
-        """Waiting requests that may start now, and when the thread stopped idling if it had
-        nothing to do (None once closed and drained). Blocks while nothing runs and nothing
-        waits; when idle, waits ``max_wait_s`` after the first arrival so that requests
-        arriving together start together."""
-        woke = None
-        with self._cond:
-            while not self._waiting and not self._running and not self._jobs:
-                if self._closed:
-                    return None
-                self._cond.wait()
-                if self._waiting and self.max_wait_s > 0:
-                    self._cond.wait_for(
-                        lambda: len(self._waiting) >= self.max_batch_size or self._closed,
-                        timeout=self.max_wait_s,
-                    )
-                woke = time.perf_counter()
-            self._shed_hopeless()
-            taken: list[_Admitted] = []
-            joining: dict[int, int] = {}  # id(batch) -> rows taken into it now
-            shapes = [a.waiting.payload.shape for a in self._running.values()]
-            while self._waiting and len(self._running) < self.max_batch_size:
-                if self._expired_head():
-                    continue
-                head = self._waiting[0]
-                item: GenerateItem = head.payload
-                if (self._running or taken) and not self._fits([*shapes, item.shape]):
-                    break  # it starts when enough running requests have finished
-                batch = self._batch_for(item, joining)
-                if batch is None:
-                    break  # the shared batch is full of rows: it joins when some leave
-                joining[id(batch)] = joining.get(id(batch), 0) + item.shape.rows
-                self._waiting.popleft()
-                if item.times is not None:
-                    item.times.started_ns = time.time_ns()
-                self._arrivals += 1
-                admitted = _Admitted(head, self._arrivals, batch)
-                taken.append(admitted)
-                shapes.append(item.shape)
-                self._running[id(head)] = admitted
-            return taken, woke
-
-    def _shed_hopeless(self) -> None:
-        """Refuse (:class:`Overloaded`, the gateway's 429) every waiting request that can no
-        longer finish before its deadline at the speed measured now: the engine slowed down
-        after it was admitted (a neighbour took the CPU, a crowd arrived). It is told at once,
-        with the time the work ahead of it takes as its retry-after, instead of starting work
-        that runs into its deadline (a 504). Same model as :meth:`admission`: the work of the
-        running requests and of those ahead of it in the line, then its own, one after the
-        other, scaled by the lateness, with a margin of :data:`SHED_MARGIN_SHARE` of its time.
-        Under ``_cond``."""
-        if not self._waiting or not self.speed.known:
-            return
-        now = time.monotonic()
-        lateness = self.lateness.factor
-        shared = self._shared_batch_rows(None)
-        ahead = lateness * sum(self._remaining_s(a, shared) for a in self._running.values())
-        for waiting in list(self._waiting):
-            item: GenerateItem = waiting.payload
-            mine = lateness * self._waiting_work_s(item, shared)
-            if waiting.deadline is None:
-                ahead += mine
-                continue
-            margin = SHED_MARGIN_SHARE * (waiting.deadline - item.admitted_at)
-            if now + ahead + mine <= waiting.deadline - margin:
-                ahead += mine
-                continue
-            self._waiting.remove(waiting)
-            resolve(
-                waiting.future,
-                Overloaded(
-                    f"the generator slowed down after this request was admitted "
-                    f"({self.speed.describe()}): the work ahead of it would take about "
-                    f"{ahead:.1f}s and it needs {mine:.1f}s more, past its deadline; "
-                    f"retry in {math.ceil(ahead)}s",
-                    retry_after_s=ahead,
-                ),
-            )
-            self._dropped()
-
-    def _batch_for(self, item: GenerateItem, joining: dict[int, int]) -> _Batch | None:
-        """The batch ``item`` decodes in: a new one of its own when it is large, or when the
-        model family joins no running batch; else the current model's shared batch, if its
-        rows leave room (``joining``: rows taken into batches since they last ran). Under
-        ``_cond``."""
-        generator = self._current()
-        rows = item.shape.rows
-        if rows <= self.options.solo_rows:
-            for batch in self._batches:
-                if batch.generator is generator and not batch.solo:
-                    fits = batch.engine.accepts(rows, joining.get(id(batch), 0))
-                    return batch if fits else None
-        self._resize_within(generator)
-        batch = _Batch(generator, generator.engine(), solo=rows > self.options.solo_rows)
-        if not batch.solo and not generator.backend.joins_running:
-            batch.solo = True  # nothing can join it: it is this request's alone
-        self._batches.append(batch)
-        return batch
-
-    def _resize_within(self, generator: RagGenerator) -> None:
-        """Let the compute threads be resized between the layers of ``generator``'s forward
-        passes too, not only between pieces of work: a piece that a neighbour stalls may take
-        many seconds (a team of two on one core), and the first chance to give up the lost
-        core must not wait for its end. A forward pre-hook on every layer of the model's layer
-        lists calls ``maybe_resize`` (a clock read unless a second has passed) when it runs on
-        the decoding thread. Called by the decoding thread for each model it runs."""
-        model = generator.model
-        if self._compute is None or model in self._resizing:
-            return
-        compute, thread = self._compute, self._thread
-
-        def between_layers(module: torch.nn.Module, args: object) -> None:
-            if threading.current_thread() is thread:
-                compute.maybe_resize()
-
-        for module in model.modules():
-            if isinstance(module, torch.nn.ModuleList):
-                for layer in module:
-                    layer.register_forward_pre_hook(between_layers)
-        self._resizing.add(model)
 
     def _run(self) -> None:
         # The whole turn of the thread is timed, not only the model's forward pass: taking and
@@ -625,37 +382,91 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             with torch.inference_mode():
                 for admitted in taken:
                     self._admit(admitted)
-                work = self._next()
-                done = None if work is None else self._do(*work)
-                self._forget_idle_batches()
-            if done is not None:
-                kind, size = done
+                work = self._schedule()
+                output = None if work is None else self._execute(work)
+                if output is not None:
+                    self._update_from_output(output)
+                self.runner.forget_idle()
+            if output is not None and output.measured:
                 now = time.perf_counter()
                 with self._cond:
-                    if kind == "step":
-                        self.speed.observe_step(size, now - turn)
+                    if output.kind is WorkKind.STEP:
+                        self.speed.observe_step(output.size, now - turn)
                     else:
-                        self.speed.observe_prefill(size, now - turn)
+                        self.speed.observe_prefill(output.size, now - turn)
                 turn = now
+
+    def _take(self) -> tuple[list[_Admitted], float | None] | None:
+        """Waiting requests that may start now, each placed in its batch, and when the thread
+        stopped idling if it had nothing to do (None once closed and drained). Blocks while
+        nothing runs and nothing waits; when idle, waits ``max_wait_s`` after the first arrival
+        so that requests arriving together start together."""
+        woke = None
+        with self._cond:
+            while not self._waiting and not self._running and not self._jobs:
+                if self._closed:
+                    return None
+                self._cond.wait()
+                if self._waiting and self.max_wait_s > 0:
+                    self._cond.wait_for(
+                        lambda: len(self._waiting) >= self.max_batch_size or self._closed,
+                        timeout=self.max_wait_s,
+                    )
+                woke = time.perf_counter()
+            self._shed_hopeless()
+            taken: list[_Admitted] = []
+            joining: dict[int, int] = {}  # id(batch) -> rows taken into it now
+            shapes = [a.request.shape for a in self._running.values()]
+            while self._waiting and self.policy.room(len(self._running)):
+                if self._expired_head():
+                    continue
+                head = self._waiting[0]
+                item: GenerateItem = head.payload
+                if not self.policy.fits_beside(shapes, item.shape):
+                    break  # it starts when enough running requests have finished
+                shared = self.policy.joins_shared(item.shape)
+                batch = self.runner.place(item.shape.rows, shared, joining)
+                if batch is None:
+                    break  # the shared batch is full of rows: it joins when some leave
+                joining[id(batch)] = joining.get(id(batch), 0) + item.shape.rows
+                self._waiting.popleft()
+                if item.times is not None:
+                    item.times.started_ns = time.time_ns()
+                self._arrivals += 1
+                request = _request(head, seq=self._arrivals, solo=batch.solo)
+                admitted = _Admitted(head, request, batch)
+                taken.append(admitted)
+                shapes.append(item.shape)
+                self._running[id(head)] = admitted
+            return taken, woke
+
+    def _shed_hopeless(self) -> None:
+        """Refuse (:class:`Overloaded`, the gateway's 429) every waiting request that can no
+        longer finish before its deadline (:meth:`SchedulingPolicy.hopeless`). Under
+        ``_cond``."""
+        lined = list(self._waiting)
+        views = [_request(w) for w in lined]
+        by_view = {id(v): w for v, w in zip(views, lined, strict=True)}
+        for refusal in self.policy.hopeless(time.monotonic(), self._started(), views):
+            waiting = by_view[id(refusal.request)]
+            self._waiting.remove(waiting)
+            resolve(waiting.future, refusal.error)
+            self._dropped()
 
     def _admit(self, admitted: _Admitted) -> None:
         """Add a taken request to its batch's engine (nothing encoded yet)."""
         waiting = admitted.waiting
         item: GenerateItem = waiting.payload
         batch = admitted.batch
-        assert batch is not None
-        chunk = max(1, self.options.chunk_tokens // max(1, item.shape.prompt_tokens))
         if self._on_admit is not None:
             self._on_admit(item.shape)  # every admitted request reaches _finish: on_finish
         try:
-            running = batch.engine.add(
-                item.question,
-                item.passages,
-                item.options,
+            running = self.runner.add(
+                batch,
+                item,
                 tag=(waiting, batch.generator.model_version),
                 gave_up=waiting.gave_up,
-                on_token=item.on_token,
-                chunk_passages=chunk,
+                chunk_passages=self.policy.chunk_passages(item.shape),
             )
         except Exception as exc:  # noqa: BLE001 - fails this request only
             log.exception("admitting a request failed")
@@ -663,94 +474,51 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             return
         with self._cond:
             admitted.running = running
+            admitted.request.progress = running
 
-    def _next(self) -> tuple[_Batch, Running | None] | None:
-        """The next piece of work: (batch, request) for a prefill chunk of that request,
-        (batch, None) for a decoding step of that batch. Least attained service first; an
-        urgent request (module docstring) every other time, or always once it is critical."""
-        now = time.monotonic()
-        candidates: list[tuple[tuple, tuple[_Batch, Running | None]]] = []
+    def _schedule(self) -> Work[Batch] | None:
+        """The next piece of work, as the policy chooses it from what every batch has to do
+        (its requests' engine entries mapped to the policy's requests)."""
         with self._cond:
-            shared = self._shared_batch_rows(None)
             by_running = {id(a.running): a for a in self._running.values() if a.running is not None}
-            for batch in self._batches:
+            batches = []
+            for batch in self.runner.batches:
                 engine = batch.engine
-                for running in engine.prefilling:
-                    admitted = by_running.get(id(running))
-                    if admitted is not None:
-                        key = self._priority(admitted, running, now, shared)
-                        candidates.append((key, (batch, running)))
-                if engine.pending():
-                    keys = [
-                        self._priority(by_running[id(r)], r, now, shared)
-                        for r in engine.requests
-                        if r.enc is not None and id(r) in by_running
-                    ]
-                    candidates.append((min(keys, default=(0, 0.0, 0.0, 0)), (batch, None)))
-        if not candidates:
-            return None
-        candidates.sort(key=lambda c: c[0])
-        urgent = [c for c in candidates if c[0][0] < 2]
-        if urgent and (urgent[0][0][0] == 0 or self._urgent_turn):
-            self._urgent_turn = False
-            return urgent[0][1]
-        self._urgent_turn = bool(urgent)
-        # least attained service among all (urgent ones included, by their service)
-        return min(candidates, key=lambda c: (c[0][2], c[0][3]))[1]
+                prefilling = [
+                    by_running[id(r)].request for r in engine.prefilling if id(r) in by_running
+                ]
+                decoding = [
+                    by_running[id(r)].request
+                    for r in engine.requests
+                    if r.enc is not None and id(r) in by_running
+                ]
+                batches.append(BatchWork(batch, prefilling, decoding, engine.pending()))
+            return self.policy.choose(
+                batches, time.monotonic(), self._started(), self._waiting_requests()
+            )
 
-    def _priority(
-        self, admitted: _Admitted, running: Running, now: float, shared: int
-    ) -> tuple[int, float, float, int]:
-        """(urgency, deadline, attained service, arrival): urgency 0 when the remaining work
-        fills the time left (critical), 1 when it fills half of it, 2 otherwise."""
-        deadline = admitted.waiting.deadline
-        urgency = 2
-        if deadline is not None and self.speed.known:
-            left = (deadline - now) * DEADLINE_SHARE
-            remaining = self.lateness.factor * self._remaining_s(admitted, shared)
-            if remaining >= left:
-                urgency = 0
-            elif 2 * remaining >= left:
-                urgency = 1
-        return (urgency, deadline or math.inf, running.cost_s, admitted.seq)
+    def _execute(self, work: Work[Batch]) -> RunOutput:
+        """Have the runner execute ``work`` (a decoding step is told to ``on_step`` first)."""
+        running: Running | None = None
+        if work.kind is WorkKind.STEP:
+            if self._on_step is not None:
+                self._on_step(len(work.batch.engine), self.depth())
+        else:
+            assert work.request is not None
+            progress = work.request.progress  # the engine's entry of the request (_admit)
+            assert isinstance(progress, Running)
+            running = progress
+        return self.runner.execute(work, running)
 
-    def _do(self, batch: _Batch, running: Running | None) -> tuple[str, float] | None:
-        """Run one piece of work; what it was, for the speed model: ("step", rows) or
-        ("prefill", tokens); None if it failed or decoded nothing."""
-        engine = batch.engine
-        if running is not None:
-            return self._prefill(batch, running)
-        if self._on_step is not None:
-            self._on_step(len(engine), self.depth())
-        rows = engine.rows
-        try:
-            outcomes = engine.step()
-        except Exception as exc:  # noqa: BLE001 - the batch's state is lost: fail its requests
-            log.exception("decoding step failed; failing the %d requests of its batch", len(engine))
-            self._batches.remove(batch)
-            for waiting, _version in engine.abort():
-                self._finish(waiting, exc)
-            return None
-        self._resolve(outcomes)
-        if engine.last_step_s <= 0:
-            return None  # nothing decoded: answers returned, abandoned requests dropped
-        return ("step", rows)
+    def _update_from_output(self, output: RunOutput) -> None:
+        """Answer the callers of the requests the piece of work ended: failed, finished, or
+        given up by their caller (dropped from the batch)."""
+        for waiting, _version in output.failed:
+            assert output.error is not None
+            self._finish(waiting, output.error)
+        self._resolve(output.outcomes)
 
-    def _prefill(self, batch: _Batch, running: Running) -> tuple[str, float] | None:
-        waiting, _version = running.tag
-        item: GenerateItem = waiting.payload
-        before = running.prefilled
-        try:
-            batch.engine.prefill(running)
-        except Exception as exc:  # noqa: BLE001 - fails this request only
-            log.exception("prefilling a request failed")
-            batch.engine.abort_request(running)
-            self._finish(waiting, exc)
-            return None
-        passages = max(1, len(item.passages))
-        return ("prefill", item.shape.input_tokens * (running.prefilled - before) / passages)
-
-    def _resolve(self, outcomes) -> None:
+    def _resolve(self, outcomes: Sequence[Outcome]) -> None:
         for (waiting, version), outcome in outcomes:
             if isinstance(outcome, Abandoned):
                 if self._on_running_drop is not None:
@@ -759,77 +527,38 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             else:
                 self._finish(waiting, (outcome, version))
 
-    def _forget_idle_batches(self) -> None:
-        """Batches with nothing left go, except the current model's shared one."""
-        current = self._current()
-        with self._cond:
-            self._batches = [
-                b for b in self._batches if len(b.engine) or (b.generator is current and not b.solo)
-            ]
-
     def _finish(self, waiting: Waiting, result: object) -> None:
         with self._cond:
             admitted = self._running.pop(id(waiting), None)
-            running = None if admitted is None else admitted.running
-            if running is not None and not isinstance(result, Exception):
-                used = running.steps / max(1, running.options.max_new_tokens)
-                self.steps_share += STEPS_WEIGHT * (min(1.0, used) - self.steps_share)
-                item: GenerateItem = waiting.payload
-                if waiting.deadline is not None:
-                    self.lateness.observe(
-                        item.planned_s,
-                        time.monotonic() - item.admitted_at,
-                        waiting.deadline - item.admitted_at,
-                    )
+            if admitted is not None and not isinstance(result, Exception):
+                self.policy.finished(admitted.request, time.monotonic())
         times = waiting.payload.times
         if times is not None:
             times.finished_ns = time.time_ns()
         resolve(waiting.future, result)
         if self._on_finish is not None:
-            del admitted, running  # its caches: what on_finish may give back
+            del admitted  # its caches: what on_finish may give back
             with self._cond:
                 idle = not self._running and not self._waiting
             self._on_finish(waiting.payload.shape, idle)
 
 
-class Lateness:
-    """How much longer than planned admitted requests take to finish: a high quantile
-    (:data:`LATENESS_QUANTILE`) of taken / planned over the last :data:`LATENESS_SAMPLES`
-    requests whose plan was tight (it filled :data:`LATENESS_TIGHT_SHARE` of their time left or
-    more). Admission scales every plan by it.
-
-    It covers what the speed model does not see: the request threads' own work on a starved
-    CPU, a stopped process's quantum, the spread of answer lengths. A quantile, not a mean: a
-    crowd admitted up to its deadlines fails on the requests that run late, not on the average
-    one. Only tight plans count: a plan far inside its deadline cannot miss it, and its ratio is
-    mostly quantization (one scheduler period added to a plan of a few milliseconds). Never below
-    1: requests finishing early must not make admission promise more. With fewer than ten
-    samples the quantile is their maximum."""
-
-    def __init__(self) -> None:
-        self.ratios: deque[float] = deque(maxlen=LATENESS_SAMPLES)
-
-    @property
-    def factor(self) -> float:
-        if not self.ratios:
-            return 1.0
-        ordered = sorted(self.ratios)
-        at = min(len(ordered) - 1, math.ceil(LATENESS_QUANTILE * len(ordered)) - 1)
-        return max(1.0, ordered[at])
-
-    def observe(self, planned_s: float, taken_s: float, time_left_s: float) -> None:
-        """A request planned to take ``planned_s`` (before scaling) of the ``time_left_s`` it
-        had took ``taken_s``."""
-        if planned_s > 0 and planned_s >= LATENESS_TIGHT_SHARE * time_left_s:
-            self.ratios.append(taken_s / planned_s)
+def _request(waiting: Waiting, seq: int = 0, solo: bool = False) -> Request:
+    """The policy's view of a request of the line (``seq``, ``solo``: once it starts)."""
+    item: GenerateItem = waiting.payload
+    return Request(
+        item.shape,
+        item.options,
+        waiting.deadline,
+        admitted_at=item.admitted_at,
+        planned_s=item.planned_s,
+        seq=seq,
+        solo=solo,
+    )
 
 
 def _medians(samples: dict[float, list[float]]) -> list[tuple[float, float]]:
     return [(size, statistics.median(times)) for size, times in samples.items()]
-
-
-def _deadline(waiting: Waiting) -> float:
-    return math.inf if waiting.deadline is None else waiting.deadline
 
 
 # Words of the calibration passages (any text of ordinary words would do).

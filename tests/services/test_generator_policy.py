@@ -1,0 +1,279 @@
+"""The generator's scheduling policy alone (openbook_generator/policy.py): no model, no engine,
+no thread. Requests are the policy's typed requests with a stand-in for the engine's progress,
+batches are plain names, the speed model is set by hand and the clock is a number."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from openbook.errors import Overloaded, TooLarge
+from openbook.rag.memory import RequestShape
+from openbook.rag.options import DecodingOptions
+from openbook_generator.policy import (
+    DEADLINE_SHARE,
+    INITIAL_STEPS_SHARE,
+    BatchWork,
+    Request,
+    SchedulingOptions,
+    SchedulingPolicy,
+    WorkKind,
+)
+
+NOW = 1000.0
+OPTIONS = DecodingOptions(max_new_tokens=20, min_new_tokens=1)
+
+
+@dataclass
+class Progress:
+    """What the engine would report of a started request."""
+
+    cost_s: float = 0.0
+    steps: int = 0
+    prefilled: int = 0
+
+
+def shape(passages: int = 5, beams: int = 1, prompt: int = 200) -> RequestShape:
+    return RequestShape(
+        passages=passages,
+        beams=beams,
+        prompt_tokens=prompt,
+        new_tokens=OPTIONS.max_new_tokens,
+        input_tokens=passages * prompt,
+    )
+
+
+def started(
+    s: RequestShape,
+    *,
+    seq: int,
+    cost_s: float = 0.0,
+    deadline: float | None = None,
+    solo: bool = False,
+) -> Request:
+    return Request(
+        s, OPTIONS, deadline, admitted_at=NOW, seq=seq, solo=solo, progress=Progress(cost_s)
+    )
+
+
+def waiting(s: RequestShape, deadline: float | None, admitted_at: float = NOW) -> Request:
+    return Request(s, OPTIONS, deadline, admitted_at=admitted_at)
+
+
+def policy(fits=lambda shapes: True, **options) -> SchedulingPolicy:
+    return SchedulingPolicy(SchedulingOptions(**options), fits)
+
+
+def measured(**options) -> SchedulingPolicy:
+    """A policy whose engine prefills 1000 tokens/s and decodes a step in 10 ms + 1 ms a row."""
+    p = policy(**options)
+    p.speed.calibrate([(100, 0.1), (1000, 1.0)], [(1, 0.011), (101, 0.111)])
+    return p
+
+
+def test_work_kinds_are_an_enum_that_reads_as_the_metrics_label():
+    assert WorkKind("prefill") is WorkKind.PREFILL
+    assert WorkKind.STEP == "step" and str(WorkKind.PREFILL) == "prefill"
+
+
+# ------------------------------------------------------------------ starting requests
+
+
+def test_small_requests_share_a_batch_and_large_ones_decode_alone():
+    p = policy(solo_rows=16)
+    assert p.joins_shared(shape(passages=16))
+    assert not p.joins_shared(shape(passages=5, beams=4))
+
+
+def test_a_prompt_is_prefilled_in_chunks_of_whole_passages():
+    p = policy(chunk_tokens=1024)
+    assert p.chunk_passages(shape(prompt=300)) == 3
+    assert p.chunk_passages(shape(prompt=5000)) == 1  # one passage at least
+
+
+def test_the_memory_budget_holds_beside_others_but_a_request_alone_always_starts():
+    p = policy(fits=lambda shapes: len(shapes) < 3, max_batch_size=8)
+    assert p.fits_beside([], shape())
+    assert p.fits_beside([shape()], shape())
+    assert not p.fits_beside([shape(), shape()], shape())
+    assert p.room(7) and not p.room(8)
+
+
+# ------------------------------------------------------------------ ordering
+
+
+def test_the_least_served_request_goes_first():
+    p = policy()
+    served = started(shape(), seq=1, cost_s=2.0)
+    fresh = started(shape(), seq=2, cost_s=0.0)
+    batches = [
+        BatchWork("shared", prefilling=[], decoding=[served], steppable=True),
+        BatchWork("solo", prefilling=[fresh], decoding=[], steppable=False),
+    ]
+    work = p.choose(batches, NOW, [served, fresh], [])
+    assert work is not None
+    assert (work.kind, work.batch, work.request) == (WorkKind.PREFILL, "solo", fresh)
+    fresh.progress = Progress(cost_s=3.0)
+    work = p.choose(batches, NOW, [served, fresh], [])
+    assert work is not None
+    assert (work.kind, work.batch, work.request) == (WorkKind.STEP, "shared", None)
+
+
+def test_equal_service_goes_by_arrival():
+    p = policy()
+    first, second = started(shape(), seq=1), started(shape(), seq=2)
+    batches = [
+        BatchWork("b", prefilling=[second], decoding=[], steppable=False),
+        BatchWork("a", prefilling=[first], decoding=[], steppable=False),
+    ]
+    work = p.choose(batches, NOW, [first, second], [])
+    assert work is not None and work.request is first
+
+
+def test_nothing_to_do_is_none():
+    p = policy()
+    assert p.choose([BatchWork("idle", [], [], steppable=False)], NOW, [], []) is None
+
+
+def _urgent_and_small(p: SchedulingPolicy, share_of_time: float) -> tuple[Request, Request]:
+    """A large request whose remaining work takes ``share_of_time`` of the time it has left,
+    and a small one that has had less service."""
+    large = started(shape(passages=10), seq=1, cost_s=5.0, solo=True)
+    small = started(shape(passages=1), seq=2, cost_s=0.0)
+    shared = p.shared_batch_rows([large, small], [])
+    remaining = p.remaining_s(large, shared)
+    large.deadline = NOW + remaining / share_of_time / DEADLINE_SHARE
+    return large, small
+
+
+def _next(p: SchedulingPolicy, large: Request, small: Request) -> Request | None:
+    batches = [
+        BatchWork("solo", prefilling=[large], decoding=[], steppable=False),
+        BatchWork("shared", prefilling=[small], decoding=[], steppable=False),
+    ]
+    work = p.choose(batches, NOW, [large, small], [])
+    assert work is not None
+    return work.request
+
+
+def test_a_request_whose_deadline_nears_gets_every_other_piece_of_work():
+    p = measured()
+    large, small = _urgent_and_small(p, share_of_time=0.7)  # more than half its time left
+    assert [_next(p, large, small) for _ in range(4)] == [small, large, small, large]
+
+
+def test_a_critical_request_gets_every_piece_of_work():
+    p = measured()
+    large, small = _urgent_and_small(p, share_of_time=1.2)  # its work fills its time
+    assert [_next(p, large, small) for _ in range(3)] == [large, large, large]
+
+
+def test_without_a_measured_speed_nothing_is_urgent():
+    p = policy()
+    large, small = _urgent_and_small(measured(), share_of_time=1.2)
+    assert [_next(p, large, small) for _ in range(2)] == [small, small]
+
+
+# ------------------------------------------------------------------ admission
+
+
+def test_nothing_is_refused_before_the_speed_is_measured():
+    p = policy()
+    huge = shape(passages=100, prompt=500)
+    assert p.admission(huge, OPTIONS, 0.1, NOW, [], []) == 0.0
+    assert p.hopeless(NOW, [], [waiting(huge, NOW + 0.1)]) == []
+
+
+def test_a_request_that_fits_is_admitted_with_its_plan():
+    p = measured()
+    planned = p.admission(shape(), OPTIONS, 10.0, NOW, [], [])
+    assert planned == pytest.approx(p.work_s(shape(), OPTIONS, shape().rows, 0))
+    assert 0 < planned < 10.0
+
+
+def test_a_request_too_large_even_alone_is_too_large():
+    p = measured()
+    with pytest.raises(TooLarge, match="fewer passages"):
+        p.admission(shape(passages=100, prompt=200), OPTIONS, 5.0, NOW, [], [])
+
+
+def test_a_request_behind_too_much_earlier_work_is_overloaded_with_a_retry_after():
+    p = measured()
+    # 5 s of prefill left, due before the newcomer's deadline
+    ahead = started(shape(passages=10, prompt=500), seq=1, deadline=NOW + 4.0, solo=True)
+    with pytest.raises(Overloaded) as refused:
+        p.admission(shape(passages=1), OPTIONS, 5.0, NOW, [ahead], [])
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 0
+
+
+def test_a_request_that_would_push_an_admitted_one_past_its_deadline_is_refused():
+    p = measured()
+    admitted = started(shape(passages=10, prompt=500), seq=1, deadline=NOW + 6.5, solo=True)
+    # ~5.2 s of work left and 6.5 s x 0.8 = 5.2 s to do it in: no room for more before it
+    newcomer = shape(passages=1, prompt=400)
+    assert p.admission(newcomer, OPTIONS, 100.0, NOW, [], []) > 0  # alone it is fine
+    with pytest.raises(Overloaded):
+        p.admission(newcomer, OPTIONS, 1.0, NOW, [admitted], [])
+
+
+def test_a_waiting_request_that_can_no_longer_make_its_deadline_is_refused():
+    p = measured()
+    running = started(shape(passages=10, prompt=500), seq=1, solo=True)  # ~5 s left
+    late = waiting(shape(), NOW + 2.0, admitted_at=NOW - 1.0)
+    patient = waiting(shape(), None)
+    fine = waiting(shape(), NOW + 100.0)
+    refused = p.hopeless(NOW, [running], [late, patient, fine])
+    assert [r.request for r in refused] == [late]
+    retry = refused[0].error.retry_after_s
+    assert retry == pytest.approx(p.lateness.factor * p.remaining_s(running, 1), rel=0.01)
+
+
+def test_the_retry_after_is_the_shortest_remaining_work():
+    p = measured()
+    short = started(shape(passages=1), seq=1)
+    long = started(shape(passages=10, prompt=500), seq=2, solo=True)
+    shared = p.shared_batch_rows([short, long], [])
+    assert p.retry_after_s([short, long], []) == pytest.approx(p.remaining_s(short, shared))
+    assert p.retry_after_s([], []) == 1.0
+
+
+# ------------------------------------------------------------------ estimates and learning
+
+
+def test_remaining_work_shrinks_as_the_prompt_is_prefilled_and_steps_are_taken():
+    p = measured()
+    request = started(shape(passages=10), seq=1, solo=True)
+    whole = p.remaining_s(request, 1)
+    request.progress = Progress(prefilled=5)
+    half = p.remaining_s(request, 1)
+    request.progress = Progress(prefilled=10, steps=5)
+    decoding = p.remaining_s(request, 1)
+    assert whole > half > decoding > 0
+
+
+def test_the_shared_batch_counts_running_and_waiting_small_requests_only():
+    p = policy(solo_rows=16, max_batch_size=2)
+    small = started(shape(passages=4), seq=1)
+    solo = started(shape(passages=40), seq=2, solo=True)
+    queued_small, queued_large = waiting(shape(passages=8), None), waiting(shape(passages=40), None)
+    assert p.shared_batch_rows([], []) == 1
+    assert p.shared_batch_rows([small, solo], [queued_large]) == 4
+    # two of mean 6 rows run at once (max_batch_size 2)
+    assert p.shared_batch_rows([small, solo], [queued_small, queued_large]) == 12
+
+
+def test_a_finished_request_teaches_the_answer_length_and_the_lateness():
+    p = measured()
+    request = started(shape(), seq=1, deadline=NOW + 3.0)
+    request.progress = Progress(steps=OPTIONS.max_new_tokens)  # used every token
+    request.planned_s = 1.0
+    p.finished(request, NOW + 2.0)
+    assert p.steps_share > INITIAL_STEPS_SHARE
+    assert p.lateness.factor == pytest.approx(2.0)
+
+
+def test_a_request_never_started_teaches_nothing():
+    p = measured()
+    p.finished(waiting(shape(), NOW + 3.0), NOW + 2.0)
+    assert p.steps_share == INITIAL_STEPS_SHARE and p.lateness.factor == 1.0
