@@ -294,7 +294,9 @@ def test_writes_and_key_changes_are_audited(url, admin, tenants, caplog):
     assert httpx.post(f"{url}/indexes", json=index, headers=admin).status_code == 404
     put = _mcp(url, tenants["a"], "put_document", index=INDEX, doc_id="a-8", text=A_DOC["text"])
     assert put.get("isError") is not True, put
+    assert httpx.post(f"{url}/wp-login.php", headers=a).status_code == 404  # not audited
     lines = [r.fields for r in caplog.records if r.name == "openbook.audit"]
+    assert not [f for f in lines if "wp-login" in str(f) or f["action"].endswith("unmatched")]
     assert {
         "key": "tenant-a",
         "index": INDEX,

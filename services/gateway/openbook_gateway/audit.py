@@ -27,7 +27,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from openbook_gateway.access import rule_of
+from openbook_gateway.access import RULES, rule_of
 from openbook_gateway.principal import ANONYMOUS, ASK, Principal
 
 log = logging.getLogger("openbook.audit")
@@ -41,8 +41,10 @@ def key_label(principal: Principal) -> str:
 
 
 def audited(method: str, route: str) -> bool:
-    """Whether a request to ``route`` is audited: its rule needs more than ``ask``."""
-    return rule_of(method, route).scope not in (None, ASK)
+    """Whether a request to ``route`` is audited: a route of the table whose rule needs more
+    than ``ask`` (a path no route matched, a scanner's ``/wp-login.php``, is not)."""
+    known = ("GET" if method == "HEAD" else method, route) in RULES
+    return known and rule_of(method, route).scope not in (None, ASK)
 
 
 def note(request: Request, **fields: Any) -> None:
