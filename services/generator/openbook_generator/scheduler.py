@@ -30,8 +30,8 @@ Invariants:
 * a model reload never disturbs running requests: they finish on the engine of the model they
   started on, while new requests start on the new model;
 * every request told to ``on_admit`` is told to ``on_finish`` once, after its result is set and
-  its engine state dropped (what the allocator's :class:`~openbook.serving.allocator.
-  MemoryReleaser` gives back);
+  its engine state dropped (what the allocator's ``MemoryReleaser``,
+  :mod:`openbook.serving.allocator`, gives back);
 * the policy and the runner are only touched by the decoding thread, or under the line's lock.
 """
 
