@@ -26,15 +26,16 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
   "$VENV/bin/python" -m pip install -q torch==2.13.0
 fi
-# The core library, the four services, the `openbook` command and the test tools, editable, every
-# package at the exact version constraints.txt pins (scripts/update-constraints.sh). Each image
-# installs only its own service (services/*/Dockerfile, services/*/constraints.txt). The test kit
+# The core library, the four services, the deployment commands (deploy/: openbook-secrets), the
+# `openbook` command and the test tools, editable, every package at the exact version
+# constraints.txt pins (scripts/update-constraints.sh). Each image installs only its own service
+# (services/*/Dockerfile, services/*/constraints.txt; the gateway's the deployment commands too). The test kit
 # (tests/pyproject.toml) and the benchmarks (bench/pyproject.toml) are development-only packages,
 # installed here so that tests and benchmarks import them by name; no image installs them.
 "$VENV/bin/python" -m pip install -q -c constraints.txt \
   -e ".[test]" \
   -e services/gateway -e services/retriever -e services/generator -e services/trainer \
-  -e cli \
+  -e deploy -e cli \
   -e tests -e bench
 touch "$VENV/.installed"
 echo "openbook installed in $VENV"

@@ -24,6 +24,9 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("gateway", "retriever", "generator", "trainer")
 PINNED_ELSEWHERE = {"torch"}  # installed first, from a CPU or CUDA index (the Dockerfiles)
+# What an image installs beside its service: the gateway's runs the deployment commands too
+# (deploy/: openbook-secrets, for compose's `secrets` service and the k8s Job).
+ALSO_INSTALLED = {"gateway": ("openbook-deploy",)}
 HEADER = (
     "# Exact versions the {service} image installs: the part of ../../constraints.txt that\n"
     "# its dependency closure needs. Written by scripts/service_constraints.py; do not edit.\n"
@@ -67,6 +70,8 @@ def root_pins() -> dict[str, str]:
 
 def service_constraints(service: str, pins: dict[str, str]) -> str:
     needed = closure(f"openbook-{service}")
+    for extra in ALSO_INSTALLED.get(service, ()):
+        needed |= closure(extra)
     own = {n for n in needed if n == "openbook" or n.startswith("openbook-")}
     missing = sorted(needed - own - PINNED_ELSEWHERE - set(pins))
     if missing:

@@ -1,4 +1,5 @@
-"""openbook-secrets, the settings that read its files, and sealing (openbook.sealing)."""
+"""openbook-secrets (openbook.secrets, the command in openbook_deploy.secrets), the settings
+that read its files, and sealing (openbook.sealing)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from openbook.sealing import RateLimitedLog, Sealer, load_sealer
-from openbook.secrets import ACL_RULES, SecretFiles, acl_text, init, k8s_secret
+from openbook.secrets import ACL_RULES, SecretFiles, acl_text, init
 from openbook.settings import CommonSettings
+from openbook_deploy.secrets import k8s_secret
 
 
 def _contents(files: SecretFiles) -> dict[str, str]:
@@ -48,7 +50,12 @@ def test_concurrent_first_starts_agree_on_one_password(tmp_path):
 
 def test_the_command_line_makes_them_and_prints_no_secret(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "openbook.secrets", "init", "--dir", str(tmp_path / "s")],
+        [
+            str(Path(sys.executable).parent / "openbook-secrets"),
+            "init",
+            "--dir",
+            str(tmp_path / "s"),
+        ],
         capture_output=True,
         text=True,
         check=True,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from openbook.secrets import ACL_FILE, PASSWORD_FILE, SERVER_KEY_FILE, acl_text, main
+from openbook.secrets import ACL_FILE, PASSWORD_FILE, SERVER_KEY_FILE, acl_text
+from openbook_deploy.secrets import main
 
 TOKEN = "sa-token-123"
 
@@ -149,7 +150,7 @@ def test_without_an_api_url_it_needs_the_pods_environment(service_account, monke
 def test_the_installed_command_runs_it(api, service_account):
     """The console script the Job's container runs, as a process."""
     out = subprocess.run(
-        [sys.executable, "-m", "openbook.secrets", *_ensure(api, service_account)],
+        [str(Path(sys.executable).parent / "openbook-secrets"), *_ensure(api, service_account)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -34,7 +34,7 @@ def _package_of_module(module: str, subpackages: set[str]) -> str | None:
     parts = module.split(".")
     if parts[0] == CORE:
         return f"{CORE}.{parts[1]}" if len(parts) > 1 and parts[1] in subpackages else CORE
-    if parts[0] in SERVICES or parts[0] == "openbook_cli":
+    if parts[0] in SERVICES or parts[0] in ("openbook_cli", "openbook_deploy"):
         return parts[0]
     return None
 
@@ -45,6 +45,8 @@ def _package_of_file(path: Path, subpackages: set[str]) -> str:
         return rel.parts[2]
     if rel.parts[0] == "cli":
         return "openbook_cli"
+    if rel.parts[0] == "deploy":
+        return "openbook_deploy"
     return _package_of_module(".".join(rel.with_suffix("").parts), subpackages) or CORE
 
 
@@ -53,6 +55,7 @@ def _sources() -> list[Path]:
         *(ROOT / "openbook").rglob("*.py"),
         *(ROOT / "services").glob("*/openbook_*/**/*.py"),
         *(ROOT / "cli" / "openbook_cli").rglob("*.py"),
+        *(ROOT / "deploy" / "openbook_deploy").rglob("*.py"),
     ]
     return [p for p in files if not set(p.relative_to(ROOT).parts) & GENERATED]
 

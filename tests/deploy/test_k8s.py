@@ -776,7 +776,7 @@ def _secret_files(obj: dict, container: dict) -> dict[str, str]:
 
 
 def test_redis_lets_in_only_the_acl_user_of_the_secret(overlay, tmp_path):
-    from openbook.secrets import k8s_secret
+    from openbook_deploy.secrets import k8s_secret
 
     _, objs = overlay
     redis = by_kind(objs, "Deployment")["redis"]
@@ -801,7 +801,7 @@ def test_redis_lets_in_only_the_acl_user_of_the_secret(overlay, tmp_path):
 
 
 def test_every_service_reads_the_password_and_key_the_secret_mounts(overlay, tmp_path):
-    from openbook.secrets import k8s_secret
+    from openbook_deploy.secrets import k8s_secret
 
     _, objs = overlay
     written = set(k8s_secret(tmp_path / "s")["stringData"])

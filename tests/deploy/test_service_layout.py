@@ -52,10 +52,15 @@ def test_each_dockerfile_installs_only_its_service(service):
     copied = [line.split()[1] for line in text.splitlines() if line.startswith("COPY ")]
     assert not [c for c in copied if c.startswith("services") and c != f"services/{service}"]
     assert "constraints.txt" not in copied, "the root constraints pin every service's packages"
+    # the gateway's image runs the deployment commands too (openbook-secrets: compose, k8s)
+    deploy = " ./deploy" if service == "gateway" else ""
+    assert [c for c in copied if c.startswith("deploy")] == (
+        ["deploy/pyproject.toml", "deploy/openbook_deploy"] if deploy else []
+    )
     installs = [line for line in text.splitlines() if "pip install" in line]
     project = [line for line in installs if "torch==" not in line]
     assert project == [
-        f"RUN pip install -c services/{service}/constraints.txt . ./services/{service}"
+        f"RUN pip install -c services/{service}/constraints.txt . ./services/{service}{deploy}"
     ]
     assert any("torch==" in line for line in installs) == (service != "gateway")
 
