@@ -4,11 +4,14 @@ What replicas agree on through Redis, and who writes / reads it:
 
 - the active index (``ACTIVE_INDEX_KEY``, sealed; announced on ``INDEX_SWAP_CHANNEL``):
   written by the retriever that swapped, read by every retriever and the gateway's cache;
-- the model versions served (hash ``MODEL_VERSIONS_KEY``: service -> version): written by the
-  retriever and the generator, read by the gateway (part of the answer-cache key);
-- the desired model (hash ``DESIRED_MODEL_KEY``: ``id``, ``checkpoint``, ``at`` and, once a
-  replica pinned it, ``resolved``; announced on ``MODEL_RELOAD_CHANNEL``): written by the
-  gateway's ``POST /admin/reload-model``, followed by every retriever and generator replica;
+- the model versions served (hash ``MODEL_VERSIONS_KEY``: service -> sealed
+  :class:`ModelVersion`, its sequence number only raised): written by the retriever and the
+  generator, read by the gateway (part of the answer-cache key);
+- the desired model (hash ``DESIRED_MODEL_KEY``: the sealed request, :class:`DesiredModel`,
+  and, once a replica pinned it, the sealed checkpoint it resolved to; announced on
+  ``MODEL_RELOAD_CHANNEL``): written by the gateway's ``POST /admin/reload-model``, followed
+  by every retriever and generator replica (never back to an older request than one it
+  followed);
 - each replica's state (sealed JSON under ``replica_key(service, replica)``, with a TTL):
   written by the replica, listed and waited on by the gateway (a record not sealed for its key
   is no replica);
@@ -27,10 +30,12 @@ What replicas agree on through Redis, and who writes / reads it:
 Invariants: this module does no I/O and imports no Redis client; the sync half
 (:mod:`openbook.shared_state`, the services) and the async half
 (:mod:`openbook.shared_state_aio`, the gateway) execute these over their clients, so changing
-a key or an encoding is a change here only. Values whose trust matters (the active index, the
-index states, the replicas' states, the answers, the stored responses) are sealed
-(:mod:`openbook.sealing`) bound to their key: opening anything not sealed with the server key
-gives ``None``, read as absent.
+a key or an encoding is a change here only. Every value a service acts on (the active index,
+the index states, the model versions, the desired model, the replicas' states, the answers,
+the stored responses) is sealed (:mod:`openbook.sealing`) bound to its key: opening anything
+not sealed with the server key gives ``None``, read as absent. The records whose order
+matters (index states, model versions, the desired model) carry a number that only grows, so
+a reader that saw a record refuses an older genuine one written back (a replay).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import time
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
@@ -63,9 +69,54 @@ def open_active_index(sealer: Sealer, raw: str | bytes | None) -> str | None:
 
 # --- the model versions served --------------------------------------------------------------
 
-# Hash: service name ("retriever", "generator") -> model version it serves. Part of the
-# answer-cache key, so a reloaded model never serves answers computed by the old one.
+# Hash: service name ("retriever", "generator") -> the model version it serves, sealed
+# (:class:`ModelVersion`, bound to the hash and the field). Part of the answer-cache key, so a
+# reloaded model never serves answers computed by the old one. Each record carries a sequence
+# number that only grows (:func:`next_seq`): a gateway that saw a record never believes an
+# older genuine one written back (a replay that would key lookups by a model replaced since).
 MODEL_VERSIONS_KEY = "openbook:model-versions"
+
+
+class ModelVersion(TypedDict):
+    version: str
+    seq: int  # raised with every publication (next_seq): orders genuine records
+
+
+def next_seq(previous: int | None) -> int:
+    """The sequence number of a record replacing one numbered ``previous`` (None: none that
+    is genuine): above it, and at least the wall clock in nanoseconds, so a record made
+    afresh after its predecessor was lost still sorts after the ones a reader saw before."""
+    return max((previous or 0) + 1, time.time_ns())
+
+
+def model_version_seal_key(service: str) -> str:
+    return f"{MODEL_VERSIONS_KEY}[{service}]"
+
+
+def seal_model_version(sealer: Sealer, service: str, record: ModelVersion) -> str:
+    return sealer.seal(model_version_seal_key(service), json.dumps(record, sort_keys=True))
+
+
+def open_model_version(
+    sealer: Sealer, service: str, raw: str | bytes | None
+) -> ModelVersion | None:
+    """``service``'s model version stored as ``raw``; None if absent, not genuine or not a
+    record (an insider's plain ``HSET`` reads as no version: the cache is not looked up)."""
+    payload = sealer.open(model_version_seal_key(service), raw)
+    if not payload:
+        return None
+    try:
+        record = json.loads(payload)
+    except ValueError:
+        return None
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("version"), str)
+        and record["version"]
+        and type(record.get("seq")) is int
+    ):
+        return None
+    return ModelVersion(version=record["version"], seq=record["seq"])
 
 
 # --- model reloads that reach every replica -------------------------------------------------
@@ -78,6 +129,10 @@ MODEL_VERSIONS_KEY = "openbook:model-versions"
 # listing by itself.
 
 DESIRED_MODEL_KEY = "openbook:desired-model"
+# The desired-model hash's fields, each sealed bound to the hash and the field: the request
+# (:class:`DesiredModel`) and, once a replica pinned it, the checkpoint it resolved to
+# (:class:`PinnedModel`, naming its request so that no pin is carried over to another).
+DESIRED_RECORD_FIELD = "record"
 MODEL_RELOAD_CHANNEL = "openbook:model-reloads"
 REPLICA_KEY_PREFIX = "openbook:replica:"
 # Every replica's state key (a SCAN pattern).
@@ -100,7 +155,8 @@ def replica_key(service: str, replica: str) -> str:
 
 
 def desired_model_record(request: str, checkpoint: str, at: float) -> dict[str, str]:
-    """The desired-model hash of reload ``request`` (its id) asking for ``checkpoint``."""
+    """The desired model of reload ``request`` (its id) asking for ``checkpoint``, as the
+    gateway reports it (``GET /admin/replicas``)."""
     return {REQUEST_FIELD: request, CHECKPOINT_FIELD: checkpoint, AT_FIELD: str(at)}
 
 
@@ -108,6 +164,84 @@ def desired_checkpoint(desired: Mapping[str, str]) -> str:
     """What a replica loads for ``desired``: the checkpoint pinned by the first replica, else
     the one the client named ('' : the latest)."""
     return desired.get(RESOLVED_FIELD) or desired.get(CHECKPOINT_FIELD, "")
+
+
+class DesiredModel(TypedDict):
+    id: str  # the reload request's id
+    checkpoint: str  # as the client named it ('' : the latest)
+    at: float  # time.time() of the request
+    seq: int  # next_seq over the request before it: a replica never goes back to an older one
+
+
+def _desired_seal_key(field: str) -> str:
+    return f"{DESIRED_MODEL_KEY}[{field}]"
+
+
+def seal_desired_model(sealer: Sealer, record: DesiredModel) -> str:
+    """``record`` as stored in the desired-model hash's ``DESIRED_RECORD_FIELD``."""
+    return sealer.seal(_desired_seal_key(DESIRED_RECORD_FIELD), json.dumps(record, sort_keys=True))
+
+
+def seal_pinned_model(sealer: Sealer, request: str, resolved: str) -> str:
+    """The checkpoint ``request`` resolved to, as stored in ``RESOLVED_FIELD``."""
+    payload = json.dumps({"request": request, "resolved": resolved}, sort_keys=True)
+    return sealer.seal(_desired_seal_key(RESOLVED_FIELD), payload)
+
+
+def open_desired_model(sealer: Sealer, fields: Mapping[str, str]) -> DesiredModel | None:
+    """The desired model in the hash's ``fields``; None if absent, not genuine or not one
+    (an insider's plain ``HSET``: no reload to follow)."""
+    payload = sealer.open(_desired_seal_key(DESIRED_RECORD_FIELD), fields.get(DESIRED_RECORD_FIELD))
+    if not payload:
+        return None
+    try:
+        record = json.loads(payload)
+    except ValueError:
+        return None
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("id"), str)
+        and record["id"]
+        and isinstance(record.get("checkpoint"), str)
+        and isinstance(record.get("at"), int | float)
+        and type(record.get("seq")) is int
+    ):
+        return None
+    return DesiredModel(
+        id=record["id"], checkpoint=record["checkpoint"], at=float(record["at"]), seq=record["seq"]
+    )
+
+
+def open_pinned_model(sealer: Sealer, request: str, raw: str | bytes | None) -> str | None:
+    """The checkpoint pinned for ``request`` as stored in ``raw``; None if absent, not
+    genuine, or pinned for another request."""
+    payload = sealer.open(_desired_seal_key(RESOLVED_FIELD), raw)
+    if not payload:
+        return None
+    try:
+        pinned = json.loads(payload)
+    except ValueError:
+        return None
+    if not (
+        isinstance(pinned, dict)
+        and pinned.get("request") == request
+        and isinstance(pinned.get("resolved"), str)
+    ):
+        return None
+    return str(pinned["resolved"])
+
+
+def desired_fields(sealer: Sealer, fields: Mapping[str, str]) -> dict[str, str]:
+    """What the hash's ``fields`` ask for, as :func:`desired_model_record` (with
+    ``RESOLVED_FIELD`` once genuinely pinned); empty when no genuine reload was asked for."""
+    desired = open_desired_model(sealer, fields)
+    if desired is None:
+        return {}
+    record = desired_model_record(desired["id"], desired["checkpoint"], desired["at"])
+    pinned = open_pinned_model(sealer, desired["id"], fields.get(RESOLVED_FIELD))
+    if pinned:
+        record[RESOLVED_FIELD] = pinned
+    return record
 
 
 class ReplicaState(TypedDict):
@@ -186,6 +320,10 @@ INDEX_STATE_KEY = "openbook:index-state"
 class IndexState(TypedDict):
     epoch: str  # random hex, new with every record made afresh
     versions: dict[str, int]  # shard label ("": unsharded) -> version
+    # next_seq over the record it replaced (0: a record from before it was kept): orders the
+    # epochs of one index, so a gateway that saw a newer one never believes an older record
+    # written back (a deleted index's state replayed after its name was reused).
+    gen: int
 
 
 def index_state_seal_key(index: str) -> str:
@@ -194,8 +332,11 @@ def index_state_seal_key(index: str) -> str:
     return f"{INDEX_STATE_KEY}[{index}]"
 
 
-def new_index_state() -> IndexState:
-    return IndexState(epoch=secrets.token_hex(16), versions={})
+def new_index_state(previous: IndexState | None = None) -> IndexState:
+    """A state made afresh: a new epoch, no versions, a generation after ``previous``'s (the
+    genuine state it replaces, if one could be read)."""
+    gen = next_seq(previous["gen"] if previous is not None else None)
+    return IndexState(epoch=secrets.token_hex(16), versions={}, gen=gen)
 
 
 def seal_index_state(sealer: Sealer, index: str, state: IndexState) -> str:
@@ -213,17 +354,18 @@ def open_index_state(sealer: Sealer, index: str, raw: str | bytes | None) -> Ind
         return None
     if not isinstance(state, dict):
         return None
-    epoch, versions = state.get("epoch"), state.get("versions")
+    epoch, versions, gen = state.get("epoch"), state.get("versions"), state.get("gen", 0)
     if not (
         isinstance(epoch, str)
         and epoch
+        and type(gen) is int
         and isinstance(versions, dict)
         and all(
             isinstance(shard, str) and type(v) is int and v >= 0 for shard, v in versions.items()
         )
     ):
         return None
-    return IndexState(epoch=epoch, versions=versions)
+    return IndexState(epoch=epoch, versions=versions, gen=gen)
 
 
 def index_version_of(state: IndexState) -> int:
@@ -238,7 +380,9 @@ def raised_index_state(state: IndexState | None, shard: str, version: int) -> In
         state = new_index_state()
     elif state["versions"].get(shard, -1) >= version:
         return None
-    return IndexState(epoch=state["epoch"], versions={**state["versions"], shard: version})
+    return IndexState(
+        epoch=state["epoch"], versions={**state["versions"], shard: version}, gen=state["gen"]
+    )
 
 
 # --- cached answers -------------------------------------------------------------------------

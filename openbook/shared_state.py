@@ -24,7 +24,6 @@ import redis
 
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
-    CHECKPOINT_FIELD,
     CONVERGED,
     DESIRED_MODEL_KEY,
     FAILED,
@@ -34,18 +33,25 @@ from openbook.redis_protocol import (
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
     REPLICA_TTL_S,
-    REQUEST_FIELD,
     RESOLVED_FIELD,
+    DesiredModel,
+    IndexState,
+    ModelVersion,
     ReplicaState,
-    desired_checkpoint,
     encode_replica_state,
     new_index_state,
+    next_seq,
     open_active_index,
+    open_desired_model,
     open_index_state,
+    open_model_version,
+    open_pinned_model,
     raised_index_state,
     replica_key,
     seal_active_index,
     seal_index_state,
+    seal_model_version,
+    seal_pinned_model,
 )
 from openbook.sealing import Sealer, default_sealer
 from openbook.settings import RedisOptions
@@ -53,9 +59,19 @@ from openbook.settings import RedisOptions
 log = logging.getLogger(__name__)
 
 
-def publish_model_version(client: redis.Redis, service: str, version: str) -> None:
+def publish_model_version(
+    client: redis.Redis, service: str, version: str, sealer: Sealer | None = None
+) -> None:
+    """Share the model version ``service`` serves now, sealed, numbered after the record it
+    replaces (a gateway never goes back to an older one: redis_protocol's ``next_seq``)."""
+    sealer = sealer or default_sealer()
     try:
-        client.hset(MODEL_VERSIONS_KEY, service, version)
+        raw = cast(str | None, client.hget(MODEL_VERSIONS_KEY, service))
+        current = open_model_version(sealer, service, raw)
+        record = ModelVersion(
+            version=version, seq=next_seq(current["seq"] if current is not None else None)
+        )
+        client.hset(MODEL_VERSIONS_KEY, service, seal_model_version(sealer, service, record))
     except redis.RedisError as exc:
         log.warning("redis unavailable, %s version %r not shared: %s", service, version, exc)
 
@@ -75,13 +91,14 @@ def publish_index_version(
                 try:
                     pipe.watch(INDEX_STATE_KEY)
                     raw = cast(str | None, pipe.hget(INDEX_STATE_KEY, index))
-                    current = open_index_state(sealer, index, raw)
+                    current = _not_replayed(index, open_index_state(sealer, index, raw))
                     raised = raised_index_state(current, shard, version)
                     if raised is None:
                         return
                     pipe.multi()
                     pipe.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, raised))
                     pipe.execute()
+                    _saw_generation(index, raised["gen"])
                     return
                 except redis.WatchError:
                     continue  # another writer came first: read again
@@ -92,6 +109,31 @@ def publish_index_version(
 
 # Compare-and-set retries before giving up on sharing a version (writers of one index are few).
 _CAS_TRIES = 16
+
+# The newest generation of each index's state this process read or wrote: a genuine state of
+# an older one found in Redis was written back by someone (a replay of a deleted index's
+# state) and is made afresh, as one that is not genuine is. Generations follow the wall clock
+# (redis_protocol.next_seq), so one made afresh after Redis lost its keys is newer still.
+_GENERATIONS: dict[str, int] = {}
+_GENERATIONS_LOCK = threading.Lock()
+
+
+def _saw_generation(index: str, gen: int) -> None:
+    with _GENERATIONS_LOCK:
+        _GENERATIONS[index] = max(gen, _GENERATIONS.get(index, 0))
+
+
+def _not_replayed(index: str, state: IndexState | None) -> IndexState | None:
+    """``state``, or None when it is older than one this process saw (replayed: logged)."""
+    if state is None:
+        return None
+    with _GENERATIONS_LOCK:
+        newest = _GENERATIONS.get(index, 0)
+    if state["gen"] < newest:
+        log.warning("index %r: an older state in redis (replayed): made afresh", index)
+        return None
+    _saw_generation(index, state["gen"])
+    return state
 
 
 def index_renewed(client: redis.Redis, index: str, sealer: Sealer | None = None) -> None:
@@ -104,7 +146,12 @@ def index_renewed(client: redis.Redis, index: str, sealer: Sealer | None = None)
     Redis (no cache to invalidate)."""
     sealer = sealer or default_sealer()
     try:
-        client.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, new_index_state()))
+        raw = cast(str | None, client.hget(INDEX_STATE_KEY, index))
+        fresh = new_index_state(_not_replayed(index, open_index_state(sealer, index, raw)))
+        with _GENERATIONS_LOCK:
+            fresh["gen"] = max(fresh["gen"], _GENERATIONS.get(index, 0) + 1)
+        client.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, fresh))
+        _saw_generation(index, fresh["gen"])
     except redis.RedisError as exc:
         log.warning("redis unavailable, index %r: its epoch not renewed: %s", index, exc)
 
@@ -255,6 +302,7 @@ class ModelFollower:
         self.ttl_s = ttl_s
         self.on_state = on_state
         self.handled: str | None = None  # the desired request id last acted on
+        self.handled_seq = 0  # its sequence number: an older request is never followed again
         self.state = CONVERGED
         self.error = ""
         self.checkpoint = ""
@@ -289,13 +337,20 @@ class ModelFollower:
             try:
                 # decode_responses=True (RedisOptions): replies are str, which redis-py's
                 # annotations cannot tell from the client's type.
-                desired = cast(dict[str, str], self.client.hgetall(DESIRED_MODEL_KEY))
-                request = desired.get(REQUEST_FIELD) if desired else None
-                if request and request != self.handled:
-                    self.handled, self.state, self.error = request, LOADING, ""
-                    self.checkpoint = desired.get(CHECKPOINT_FIELD, "")
+                fields = cast(dict[str, str], self.client.hgetall(DESIRED_MODEL_KEY))
+                # Not genuine (an insider's HSET): no reload asked for. An older genuine
+                # request written back (a replay): not followed again.
+                desired = open_desired_model(self.sealer, fields) if fields else None
+                if (
+                    desired is not None
+                    and desired["id"] != self.handled
+                    and desired["seq"] > self.handled_seq
+                ):
+                    self.handled, self.state, self.error = desired["id"], LOADING, ""
+                    self.handled_seq = desired["seq"]
+                    self.checkpoint = desired["checkpoint"]
                     self.publish()
-                    self._follow(desired)
+                    self._follow(desired, fields)
                 self.publish()
                 self._warned = False
                 return True
@@ -307,14 +362,14 @@ class ModelFollower:
                     self._warned = True
                 return False
 
-    def _follow(self, desired: Mapping[str, str]) -> None:
-        requested = desired_checkpoint(desired)
+    def _follow(self, desired: DesiredModel, fields: Mapping[str, str]) -> None:
+        pinned = open_pinned_model(self.sealer, desired["id"], fields.get(RESOLVED_FIELD))
+        requested = pinned if pinned is not None else desired["checkpoint"]
         try:
             relative, version = self._resolve(requested)
-            if not desired.get(RESOLVED_FIELD):
+            if pinned is None:
                 # The first replica pins what "latest" meant; take whatever was pinned first.
-                self.client.hsetnx(DESIRED_MODEL_KEY, RESOLVED_FIELD, relative)
-                pinned = cast(str | None, self.client.hget(DESIRED_MODEL_KEY, RESOLVED_FIELD))
+                pinned = self._pin(desired["id"], relative)
                 if pinned and pinned != relative:
                     relative, version = self._resolve(pinned)
             self.checkpoint = relative
@@ -334,6 +389,28 @@ class ModelFollower:
                 requested,
                 self.error,
             )
+
+    def _pin(self, request: str, relative: str) -> str | None:
+        """Pin ``request`` to ``relative`` unless a replica pinned it first (compare-and-set:
+        a pin that is not genuine, or of another request, is replaced); the pin that holds."""
+        sealed = seal_pinned_model(self.sealer, request, relative)
+        if self.client.hsetnx(DESIRED_MODEL_KEY, RESOLVED_FIELD, sealed):
+            return relative
+        for _ in range(_CAS_TRIES):
+            with self.client.pipeline() as pipe:
+                try:
+                    pipe.watch(DESIRED_MODEL_KEY)
+                    raw = cast(str | None, pipe.hget(DESIRED_MODEL_KEY, RESOLVED_FIELD))
+                    pinned = open_pinned_model(self.sealer, request, raw)
+                    if pinned is not None:
+                        return pinned
+                    pipe.multi()
+                    pipe.hset(DESIRED_MODEL_KEY, RESOLVED_FIELD, sealed)
+                    pipe.execute()
+                    return relative
+                except redis.WatchError:
+                    continue
+        return None
 
     def start(self, stop: threading.Event) -> threading.Thread:
         """Follow in a thread until ``stop``: on every announcement, and every ``poll_s``; a

@@ -12,33 +12,38 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.typing import EncodableT
 
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
     DESIRED_MODEL_KEY,
+    DESIRED_RECORD_FIELD,
     INDEX_STATE_KEY,
     MODEL_RELOAD_CHANNEL,
     MODEL_VERSIONS_KEY,
     REPLICA_KEY_PATTERN,
+    DesiredModel,
     IndexState,
     ReplicaState,
     StoredConversation,
     decode_replica_state,
-    desired_model_record,
+    desired_fields,
     index_version_of,
     new_index_state,
+    next_seq,
     open_active_index,
     open_answer,
     open_conversation,
+    open_desired_model,
     open_index_state,
+    open_model_version,
     response_key,
     seal_answer,
     seal_conversation,
+    seal_desired_model,
     seal_index_state,
 )
 from openbook.sealing import Sealer
@@ -56,9 +61,13 @@ class ServingState:
     """What the services announced in Redis, read together (:func:`read_serving`)."""
 
     active_index: str | None  # None: unknown, or not genuine
-    model_versions: dict[str, str]  # service -> the model version it serves
+    model_versions: dict[str, str]  # service -> the model version it serves (genuine only)
     index_states: dict[str, str]  # INDEX_STATE_KEY: index -> its sealed state, unopened
     sealer: Sealer | None = None  # opens index_states (None: nothing was read)
+    # service -> the sequence number of its genuine record (model_versions)
+    model_seqs: dict[str, int] = field(default_factory=dict)
+    # services whose record is there but not genuine: their version is unknown
+    unsealed_models: frozenset[str] = frozenset()
 
     def index_state(self, index: str) -> IndexState | None:
         """``index``'s epoch and versions; None if unknown or not genuine (logged by the
@@ -80,13 +89,26 @@ async def read_serving(client: aioredis.Redis, sealer: Sealer) -> ServingState:
         pipe.hgetall(MODEL_VERSIONS_KEY)
         pipe.hgetall(INDEX_STATE_KEY)
         index, versions, states = await pipe.execute()
-    return ServingState(open_active_index(sealer, index), versions, states, sealer)
+    records = {
+        service: open_model_version(sealer, service, raw) for service, raw in versions.items()
+    }
+    genuine = {service: record for service, record in records.items() if record is not None}
+    return ServingState(
+        open_active_index(sealer, index),
+        {service: record["version"] for service, record in genuine.items()},
+        states,
+        sealer,
+        model_seqs={service: record["seq"] for service, record in genuine.items()},
+        unsealed_models=frozenset(records) - frozenset(genuine),
+    )
 
 
 async def index_deleted(client: aioredis.Redis, sealer: Sealer, index: str) -> None:
-    """``index`` was deleted: its state is made afresh (a new epoch, no versions), so a new
-    index of that name never meets the old one's cached answers."""
-    await client.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, new_index_state()))
+    """``index`` was deleted: its state is made afresh (a new epoch, no versions, a later
+    generation), so a new index of that name never meets the old one's cached answers."""
+    previous = open_index_state(sealer, index, await client.hget(INDEX_STATE_KEY, index))
+    fresh = new_index_state(previous)
+    await client.hset(INDEX_STATE_KEY, index, seal_index_state(sealer, index, fresh))
 
 
 async def first_index_state(
@@ -151,22 +173,30 @@ def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-async def desired_model(client: aioredis.Redis) -> dict[str, str]:
-    """The desired-model record (empty: no reload was asked for)."""
+async def desired_model(client: aioredis.Redis, sealer: Sealer) -> dict[str, str]:
+    """The desired model (``desired_model_record``'s fields; empty: no reload was asked for,
+    or what is there is not genuine)."""
     # decode_responses=True (RedisOptions): replies are str, which redis-py's annotations
     # cannot tell from the client's type.
-    return cast(dict[str, str], await client.hgetall(DESIRED_MODEL_KEY))
+    fields = cast(dict[str, str], await client.hgetall(DESIRED_MODEL_KEY))
+    return desired_fields(sealer, fields) if fields else {}
 
 
-async def set_desired(client: aioredis.Redis, checkpoint: str) -> str:
-    """Ask every replica for ``checkpoint``; returns the request's id."""
+async def set_desired(client: aioredis.Redis, sealer: Sealer, checkpoint: str) -> str:
+    """Ask every replica for ``checkpoint``, sealed and numbered after the request before it
+    (replicas never go back to an older one); returns the request's id."""
     request = uuid.uuid4().hex
+    fields = cast(dict[str, str], await client.hgetall(DESIRED_MODEL_KEY))
+    previous = open_desired_model(sealer, fields) if fields else None
+    record = DesiredModel(
+        id=request,
+        checkpoint=checkpoint,
+        at=time.time(),
+        seq=next_seq(previous["seq"] if previous is not None else None),
+    )
     async with client.pipeline(transaction=True) as pipe:
         pipe.delete(DESIRED_MODEL_KEY)
-        fields = desired_model_record(request, checkpoint, time.time())
-        # Typed as redis-py's own mapping (its keys' type is invariant): the same str pairs.
-        record: dict[EncodableT, EncodableT] = {field: value for field, value in fields.items()}
-        pipe.hset(DESIRED_MODEL_KEY, mapping=record)
+        pipe.hset(DESIRED_MODEL_KEY, DESIRED_RECORD_FIELD, seal_desired_model(sealer, record))
         pipe.publish(MODEL_RELOAD_CHANNEL, request)
         await pipe.execute()
     return request

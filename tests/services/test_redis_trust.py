@@ -20,15 +20,20 @@ from fastapi.testclient import TestClient
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
     ANSWER_KEY_PREFIX,
+    DESIRED_MODEL_KEY,
     INDEX_STATE_KEY,
     INDEX_SWAP_CHANNEL,
+    MODEL_RELOAD_CHANNEL,
+    MODEL_VERSIONS_KEY,
+    desired_fields,
     encode_replica_state,
     open_index_state,
     replica_key,
     seal_index_state,
+    seal_model_version,
 )
 from openbook.sealing import load_sealer
-from openbook.shared_state import ActiveIndexStore
+from openbook.shared_state import ActiveIndexStore, publish_model_version
 from openbook.v1 import retriever_pb2
 from openbook_gateway.app import create_app
 from openbook_testkit.stack import running_backends
@@ -313,6 +318,131 @@ def test_an_index_deleted_behind_the_gateways_back_never_serves_its_answers(
                 assert again["passages"][0]["id"] == "other#0" != old["passages"][0]["id"]
     finally:
         client.delete("/indexes/trust-z", headers=AUTH)
+
+
+def test_a_replayed_state_of_a_deleted_index_never_serves_its_answers(
+    backends, client, redis_server, caplog
+):
+    """An insider saves the genuine state of an index, which is then deleted and created
+    again, and writes the saved state back: sealed with the server key, but older than the
+    state it replaces. Neither a running gateway nor a restarted one serves the old index's
+    cached answer; the retriever's watch makes the state afresh."""
+    assert client.post("/indexes", json={"name": "trust-r"}, headers=AUTH).status_code == 201
+    try:
+        client.put("/indexes/trust-r/documents/zorblax", json=ZORBLAX, headers=AUTH)
+        old = _ask(client, "trust-r")
+        assert _ask(client, "trust-r")["cached"] is True
+        insider = redis_server.client()
+        saved = insider.hget(INDEX_STATE_KEY, "trust-r")
+        assert client.delete("/indexes/trust-r", headers=AUTH).status_code == 200
+        assert client.post("/indexes", json={"name": "trust-r"}, headers=AUTH).status_code == 201
+        client.put("/indexes/trust-r/documents/other", json=OTHER, headers=AUTH)
+        assert _ask(client, "trust-r")["passages"][0]["id"] == "other#0"
+        insider.hset(INDEX_STATE_KEY, "trust-r", saved)  # genuine, of the deleted index
+        with caplog.at_level(logging.WARNING):
+            again = _ask(client, "trust-r")
+            assert again["passages"][0]["id"] == "other#0" != old["passages"][0]["id"]
+            assert again["cached"] is False
+            assert any("replayed" in r.getMessage() for r in caplog.records)
+            backends.retriever_servicer.follow_shared_state()  # its watch, every 2 s
+        state = _index_state(redis_server, "trust-r")
+        assert state is not None and insider.hget(INDEX_STATE_KEY, "trust-r") != saved
+        with TestClient(create_app(backends.gateway_settings(redis_server.url))) as restarted:
+            for _ in range(2):
+                assert _ask(restarted, "trust-r")["passages"][0]["id"] == "other#0"
+    finally:
+        client.delete("/indexes/trust-r", headers=AUTH)
+
+
+# --- model versions and the desired model (issue 42: sealed all the way) -----------------
+
+
+def _model_forgeries(redis_server, service: str, version: str, older: str) -> list[str]:
+    sealer = load_sealer(redis_server.secrets.server_key)
+    genuine = json.loads(redis_server.client().hget(MODEL_VERSIONS_KEY, service))
+    payload = json.loads(genuine["v"])
+    return [
+        version,  # the issue's plain HSET
+        json.dumps({**genuine, "v": json.dumps({**payload, "seq": payload["seq"] + 1})}),
+        seal_model_version(sealer, "retriever" if service != "retriever" else "x", payload),
+        older,  # a genuine record saved before the current one: a replay
+    ]
+
+
+FORGERIES = ("plain", "altered", "moved", "replayed")
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_a_forged_or_replayed_model_version_is_a_miss(backends, client, redis_server, forgery):
+    """An insider's model version, or an older genuine record written back, never keys a
+    lookup: the answer is computed afresh (never one another model computed)."""
+    insider = redis_server.client()
+    sealer = load_sealer(redis_server.secrets.server_key)
+    version = backends.generator_servicer.generator.model_version
+    publish_model_version(insider, "generator", version, sealer)
+    older = insider.hget(MODEL_VERSIONS_KEY, "generator")
+    publish_model_version(insider, "generator", version, sealer)  # a later publication
+    current = insider.hget(MODEL_VERSIONS_KEY, "generator")
+    question = {"question": "Who wrote Hamlet?", "k": 2}
+    first = client.post("/answer", json=question).json()
+    assert client.post("/answer", json=question).json()["cached"] is True
+    forgeries = _model_forgeries(redis_server, "generator", version, older)
+    forged = dict(zip(FORGERIES, forgeries, strict=True))
+    insider.hset(MODEL_VERSIONS_KEY, "generator", forged[forgery])
+    for _ in range(2):
+        again = client.post("/answer", json=question).json()
+        assert again["cached"] is False, forgery
+        assert again["answer"] == first["answer"]
+    insider.hset(MODEL_VERSIONS_KEY, "generator", current)  # the genuine record back
+    assert client.post("/answer", json=question).json()["cached"] is True
+
+
+def test_a_forged_desired_model_is_not_followed_and_not_listed(backends, client, redis_server):
+    follower = backends.generator_servicer.follower
+    follower.sync()
+    before = (follower.handled, follower.state)
+    insider = redis_server.client()
+    insider.delete(DESIRED_MODEL_KEY)
+    insider.hset(
+        DESIRED_MODEL_KEY,
+        mapping={"id": "evil", "checkpoint": "step-000001", "at": "0", "record": "{}"},
+    )
+    insider.publish(MODEL_RELOAD_CHANNEL, "evil")
+    follower.sync()
+    assert (follower.handled, follower.state) == before
+    reply = client.get("/admin/replicas", headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["desired"] == {}
+    insider.delete(DESIRED_MODEL_KEY)
+
+
+def _await_replicas(client) -> None:
+    deadline = time.monotonic() + 30
+    while not client.get("/admin/replicas", headers=AUTH).json()["replicas"]:
+        assert time.monotonic() < deadline, "no replica came back"
+        time.sleep(0.2)
+
+
+def test_a_replayed_desired_model_is_not_followed_again(backends, client, redis_server):
+    """A genuine reload request saved and written back after a newer one: no replica goes
+    back to it (a rollback to an older checkpoint by an insider)."""
+    follower = backends.generator_servicer.follower
+    insider = redis_server.client()
+    sealer = load_sealer(redis_server.secrets.server_key)
+    _await_replicas(client)  # the client fixture flushed Redis: back at their heartbeat
+    # No checkpoint in the root: each request is refused at once, which is all this needs.
+    client.post("/admin/reload-model", json={}, headers=AUTH)
+    saved = insider.hgetall(DESIRED_MODEL_KEY)
+    first = desired_fields(sealer, saved)["id"]
+    client.post("/admin/reload-model", json={}, headers=AUTH)
+    follower.sync()
+    second = desired_fields(sealer, insider.hgetall(DESIRED_MODEL_KEY))["id"]
+    assert second != first and follower.handled == second
+    insider.delete(DESIRED_MODEL_KEY)
+    insider.hset(DESIRED_MODEL_KEY, mapping=saved)
+    follower.sync()
+    assert follower.handled == second
+    insider.delete(DESIRED_MODEL_KEY)
 
 
 # --- replica records (issue 42, item 5) --------------------------------------------------

@@ -11,7 +11,8 @@ from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
 from openbook.checkpoint import CheckpointError
-from openbook.redis_protocol import DESIRED_MODEL_KEY
+from openbook.redis_protocol import DESIRED_MODEL_KEY, desired_fields
+from openbook.sealing import default_sealer
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings
@@ -135,7 +136,7 @@ def test_through_redis_the_replica_that_switched_is_put_back(system, redis_serve
     assert states == {("retriever", "converged", REFUSED), ("generator", "failed", "step-000001")}
     assert served(system) == {"retriever": "step-000001", "generator": "step-000001"}
     # A replica started now follows the desired model: the one put back.
-    desired = redis_server.client().hgetall(DESIRED_MODEL_KEY)
+    desired = desired_fields(default_sealer(), redis_server.client().hgetall(DESIRED_MODEL_KEY))
     assert desired["resolved"] == "step-000001"
 
 

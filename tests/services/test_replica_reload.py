@@ -20,6 +20,7 @@ from openbook.redis_protocol import (
     MODEL_VERSIONS_KEY,
     answer_key,
     open_index_state,
+    open_model_version,
 )
 from openbook.sealing import default_sealer
 from openbook.v1 import generator_pb2, generator_pb2_grpc, retriever_pb2, retriever_pb2_grpc
@@ -215,13 +216,19 @@ def test_late_joiner_converges_to_the_desired_version_at_start(system):
     assert {(r["state"], r["version"]) for r in listed} == {("converged", "step-000001")}
 
 
+def _published(redis, service: str) -> str | None:
+    """The model version ``service`` published, as a gateway reads it (sealed)."""
+    record = open_model_version(default_sealer(), service, redis.hget(MODEL_VERSIONS_KEY, service))
+    return record["version"] if record is not None else None
+
+
 def test_cache_never_files_an_answer_under_a_version_that_did_not_compute_it(system):
     """Mid-convergence: the second generator replica already serves step-000003 (and has
     announced it) while the one the gateway reaches still serves step-000001."""
     client, _, _, replicas, redis = system
     replicas.generators[1][1].load_checkpoint("step-000003")
     deadline = time.monotonic() + 10
-    while redis.hget(MODEL_VERSIONS_KEY, "generator") != "step-000003":
+    while _published(redis, "generator") != "step-000003":
         assert time.monotonic() < deadline
         time.sleep(0.05)
     question = {"question": "Who painted the Mona Lisa?", "k": 2}

@@ -18,7 +18,11 @@ made afresh after a loss holds a sharded index's versions only as its shards pub
 again, and until then keys nothing. A state Redis does not hold is made afresh (a new epoch,
 no versions); one that is not genuine is ignored, logged, and the index neither looked up nor
 stored until a retriever makes it afresh: an insider's forged, lowered or deleted version or
-epoch only causes misses. When Redis is unreachable the cache is skipped, never an error.
+epoch only causes misses. A genuine state older than one this gateway read (a lower
+generation: an index's state before its deletion, written back; or a lower version under the
+same epoch) is refused, or raised to what was read, the same way; and so is a model-version
+record that is not genuine, or older than one read (a replay keying lookups by a model
+replaced since). When Redis is unreachable the cache is skipped, never an error.
 
 Entries are sealed with the server key (openbook.sealing), bound to their key: one written or
 altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
@@ -36,7 +40,7 @@ from redis.exceptions import RedisError
 
 from openbook.metadata_filter import MetadataFilter
 from openbook.redis_protocol import IndexState, answer_key, index_version_of
-from openbook.sealing import Sealer
+from openbook.sealing import RateLimitedLog, Sealer
 from openbook.settings import RedisOptions
 from openbook.shared_state_aio import (
     ServingState,
@@ -50,6 +54,8 @@ from openbook.shared_state_aio import (
 from openbook_gateway.schemas import AnswerRequest
 
 log = logging.getLogger(__name__)
+# Replayed records: logged at most once a minute, however many lookups meet them.
+replayed = RateLimitedLog(log)
 
 # Fields of AnswerRequest that change the answer (and so belong in the cache key).
 ANSWER_PARAMS = (
@@ -111,6 +117,11 @@ class AnswerCache:
         self.index_keys: dict[str, tuple[str, int]] = {}
         # The indexes whose state the last lookup found not genuine: nothing stored for them.
         self._forged: set[str] = set()
+        # The newest genuine record this gateway read, by index (its generation, epoch and
+        # highest version) and by service (its model record's sequence number): an older
+        # one written back (a replay) is refused like a forged one (module docstring).
+        self._seen_states: dict[str, tuple[int, str, int]] = {}
+        self._seen_models: dict[str, int] = {}
 
     async def lookup(self, index: str | None, params: dict[str, Any]) -> dict[str, Any] | None:
         """The stored answer for ``params`` on ``index`` (None: the active index), if any.
@@ -128,19 +139,45 @@ class AnswerCache:
         state = serving.index_state(index)
         if state is None and index not in serving.index_states and serving.sealer is not None:
             state = await self._first_state(index)  # Redis lost it, or never had it
-        if state is None:
+        published = self._newest(index, state) if state is not None else None
+        if state is None or published is None:
             self.index_keys.pop(index, None)
             self._forged.add(index)
             return None
         self._forged.discard(index)
-        published = serving.version(state)
         self.index_keys[index] = (state["epoch"], published)
-        if not versions:
+        if not versions or not self._models_newest(serving):
             return None
         index_version = max(published, self.last_index_versions.get(index, 0))
         return await self.get(
             index, {**params, "models": versions, **self._index_key(state["epoch"], index_version)}
         )
+
+    def _newest(self, index: str, state: IndexState) -> int | None:
+        """``index``'s published version in ``state``, at least the highest this gateway read
+        under its epoch; None for a state older than one read before (replayed: logged)."""
+        gen, epoch, published = state["gen"], state["epoch"], index_version_of(state)
+        seen = self._seen_states.get(index)
+        if seen is not None and (gen, epoch) != seen[:2]:
+            if gen <= seen[0] and gen > 0:  # 0: written before states had a generation
+                replayed.warning("ignoring an older state of index %r in redis (replayed)", index)
+                return None
+        elif seen is not None:
+            published = max(published, seen[2])
+        self._seen_states[index] = (gen, epoch, published)
+        return published
+
+    def _models_newest(self, serving: ServingState) -> bool:
+        """Whether every model record read is genuine and none older than one read before;
+        else the models that would answer are unknown: no lookup (a miss)."""
+        if serving.unsealed_models:
+            return False
+        for service, seq in serving.model_seqs.items():
+            if seq < self._seen_models.get(service, 0):
+                replayed.warning("ignoring an older %s model version in redis (replayed)", service)
+                return False
+        self._seen_models.update(serving.model_seqs)
+        return True
 
     async def _first_state(self, index: str) -> IndexState | None:
         try:
@@ -201,7 +238,8 @@ class AnswerCache:
             # No lookup named this index (the active one, before this gateway or Redis knew
             # which it is): its state now.
             state = await self._first_state(index)
-            key = (state["epoch"], index_version_of(state)) if state is not None else None
+            published = self._newest(index, state) if state is not None else None
+            key = (state["epoch"], published) if state and published is not None else None
         if key is None or key[1] != index_version:
             return
         await self.put(index, {**params, "models": versions, **self._index_key(*key)}, answer)

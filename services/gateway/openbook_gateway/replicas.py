@@ -80,7 +80,7 @@ async def reload_everywhere(
         if not before:
             log.warning("no replica follows shared reloads: reloading over RPC only")
             return None
-        request = await set_desired(client, checkpoint)
+        request = await set_desired(client, sealer, checkpoint)
     except (RedisError, OSError) as exc:
         log.warning("redis unavailable, reload reaches one replica per channel only: %s", exc)
         return None
@@ -90,7 +90,7 @@ async def reload_everywhere(
     while True:
         try:
             replicas = await list_replicas(client, sealer)
-            desired = await desired_model(client)
+            desired = await desired_model(client, sealer)
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable while waiting for replicas: %s", exc)
             replicas = []

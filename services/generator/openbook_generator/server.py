@@ -96,7 +96,9 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
         metrics=metrics,
         checkpoint_root=settings.checkpoint_dir,
         base_model=settings.model,
-        on_model=lambda version: publish_model_version(redis, "generator", version),
+        on_model=lambda version: publish_model_version(
+            redis, "generator", version, load_sealer(settings.server_key_file)
+        ),
         scheduling=SchedulingOptions(
             max_batch_size=settings.max_batch_size,
             max_wait_ms=settings.max_batch_wait_ms,

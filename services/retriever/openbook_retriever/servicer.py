@@ -523,7 +523,9 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         if self.metrics is not None:
             self.metrics.set_serving("model", self.model_version)
         if self.shared is not None:
-            publish_model_version(self.shared.client, "retriever", self.model_version)
+            publish_model_version(
+                self.shared.client, "retriever", self.model_version, self.shared.sealer
+            )
 
     def ReloadModel(self, request, context):
         # Only checkpoints inside the checkpoint root: the path comes from an HTTP client.

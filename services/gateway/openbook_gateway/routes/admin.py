@@ -81,7 +81,7 @@ async def replicas(services: ServicesDep) -> dict:
     latest reload went; and the desired model recorded in Redis."""
     client = services.cache.client
     try:
-        desired = await desired_model(client)
+        desired = await desired_model(client, services.cache.sealer)
         listed = await list_replicas(client, services.cache.sealer)
     except (RedisError, OSError) as exc:
         raise HTTPException(503, f"redis unavailable: replicas unknown: {exc}") from None
