@@ -8,6 +8,16 @@ the engine the generator service uses, alternately with drafting off and on (odd
 first), so drift hits both alike. Reported: decode ms/token (the engine's steps after the
 prefill, over the answer tokens), tokens per decoding step, drafted tokens accepted, end-to-end
 ms/request, and how many answers are identical (they must all be).
+
+Exactness (issue 45's proof; timing-free, so a busy machine does not matter):
+
+    .venv/bin/python bench/generator/drafting.py --exactness 500 --index wiki-2018 \
+        --adapter data/adapters/gemma-3-270m-squad --out var/bench/drafting-exactness.jsonl
+
+decodes ``--exactness`` SQuAD questions (the seeded draw of ``bench/generator/engine.py``, with
+their top-k passages from ``--index``) with drafting off and on, in each ``--modes``, and
+compares token ids (equal), log p(y|x) and the passage posteriors (largest differences
+reported). One JSON line per request is appended to ``--out``: an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -51,6 +61,84 @@ def _decode(gen: RagGenerator, question: str, passages: list[Passage], opts, dra
     )
 
 
+def _posteriors(result) -> list[float]:
+    """The best hypothesis' passage posteriors, flattened: per token (RAG-Token) or over the
+    answer (RAG-Sequence)."""
+    best = result.hypotheses[0]
+    if best.token_doc_posteriors is not None:
+        return [p for token in best.token_doc_posteriors for p in token]
+    return list(best.doc_posterior or [])
+
+
+def exactness(gen: RagGenerator, args: argparse.Namespace) -> None:
+    """Drafting on against off on ``args.exactness`` requests, resumable (module docstring)."""
+    from tqdm import tqdm
+
+    from bench.generator.engine import load_requests
+
+    req_args = argparse.Namespace(
+        var=Path(args.var),
+        index=args.index,
+        k=args.k,
+        questions=args.exactness,
+        seed=0,
+        data=Path(args.data),
+    )
+    reqs = load_requests(req_args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            row = json.loads(line)
+            done.add((row["i"], row["mode"]))
+    todo = [(i, m) for m in args.modes.split(",") for i in range(len(reqs)) if (i, m) not in done]
+    with out.open("a") as sink:
+        for i, mode in tqdm(todo, desc="drafting exactness", unit="request"):
+            r = reqs[i]
+            passages = [Passage(**p) for p in r["passages"]]
+            opts = DecodingOptions(mode=mode, max_new_tokens=args.max_new_tokens)
+            off, _ = _decode(gen, r["question"], passages, opts, 0)
+            on, stats = _decode(gen, r["question"], passages, opts, args.draft_tokens)
+            a, b = off.hypotheses[0], on.hypotheses[0]
+            pa, pb = _posteriors(off), _posteriors(on)
+            row = dict(
+                i=i,
+                mode=mode,
+                same_ids=[h.token_ids for h in off.hypotheses]
+                == [h.token_ids for h in on.hypotheses],
+                log_prob_diff=abs(a.log_prob - b.log_prob),
+                posterior_diff=max((abs(x - y) for x, y in zip(pa, pb, strict=False)), default=0),
+                tokens=stats["tokens"],
+                steps=stats["steps"],
+                drafted=stats["drafted"],
+                accepted=stats["accepted"],
+            )
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    print(f"model {args.model} ({gen.dtype}), k={args.k}, index {args.index}, greedy")
+    print(
+        "| mode | requests | identical ids | max abs d log p | max abs d posterior "
+        "| accepted/drafted | tokens/step |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes.split(","):
+        mine = [r for r in rows if r["mode"] == mode]
+        if not mine:
+            continue
+        same = sum(r["same_ids"] for r in mine)
+        dlp = max(r["log_prob_diff"] for r in mine)
+        dpost = max(r["posterior_diff"] for r in mine)
+        accepted = sum(r["accepted"] for r in mine)
+        drafted = sum(r["drafted"] for r in mine)
+        per_step = sum(r["tokens"] for r in mine) / max(1, sum(r["steps"] for r in mine))
+        print(
+            f"| {mode} | {len(mine)} | {same}/{len(mine)} | {dlp:.2e} | {dpost:.2e} | "
+            f"{accepted}/{drafted} | {per_step:.2f} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="var/models/gemma-3-270m")
@@ -61,11 +149,21 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="as OPENBOOK_GENERATOR_DTYPE")
+    ap.add_argument("--exactness", type=int, default=0, help="requests of the exactness run")
+    ap.add_argument("--modes", default="rag-token,rag-sequence-fast", help="exactness modes")
+    ap.add_argument("--index", default="wiki-2018", help="exactness: where passages come from")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--var", default="var")
+    ap.add_argument("--data", default="data")
+    ap.add_argument("--out", default="var/bench/drafting-exactness.jsonl")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = RagGenerator.load(args.model, dtype=args.dtype)
     if args.adapter:
         gen.apply_adapter(Path(args.adapter), Path(args.model))
+    if args.exactness:
+        exactness(gen, args)
+        return
     data = json.loads(Path(args.requests_file).read_text())["requests"][: args.requests]
     opts = DecodingOptions(max_new_tokens=args.max_new_tokens)
     reqs = [(r["question"], [Passage(**p) for p in r["passages"]]) for r in data]
