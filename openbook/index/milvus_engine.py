@@ -254,6 +254,12 @@ def unreachable(exc: BaseException, uri: str) -> OpenbookError | None:
     return None
 
 
+# No keepalive pings on an idle connection (pymilvus sends them every 10 s by default): a
+# gRPC server of default settings, as Milvus Lite's is, answers a client that pings more
+# than every 5 minutes without calls with GOAWAY (too_many_pings), and the next call of every
+# client of that URI in the process fails UNAVAILABLE. Pings during a call stay on.
+_GRPC_OPTIONS = {"grpc.keepalive_permit_without_calls": False}
+
 # Milvus's CollectionNotLoaded: a Milvus (Lite) started afresh holds its collections released.
 _COLLECTION_NOT_LOADED = 101
 
@@ -304,7 +310,9 @@ class MilvusEngine:
         check_milvus_uri(uri)
         self.uri = uri
         try:
-            client = MilvusClient(uri=uri, token=token, timeout=timeout_s)
+            client = MilvusClient(
+                uri=uri, token=token, timeout=timeout_s, grpc_options=_GRPC_OPTIONS
+            )
         except (MilvusException, grpc.RpcError) as exc:
             mapped = unreachable(exc, uri)
             if mapped is None:

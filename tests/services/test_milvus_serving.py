@@ -17,9 +17,6 @@ retriever through the same servicer code paths as the files engine.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings
 from openbook_generator.settings import GeneratorSettings
 from openbook_retriever.settings import RetrieverSettings
+from openbook_testkit.milvus import LiteServer, copy_to_milvus
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import (
     backends_serving,
@@ -78,17 +76,6 @@ def built(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("built")
     build_fact_indexes(root)
     return root
-
-
-def copy_to_milvus(built: Path, uri: str, *names: str) -> None:
-    """``openbook index to-milvus`` for each of ``names``, as a user moves an index: in a
-    process of its own, so a Milvus Lite ``.db`` is then opened afresh by the retriever."""
-    openbook = Path(sys.executable).parent / "openbook"
-    for name in names:
-        command = [str(openbook), "index", "to-milvus", str(built / name), "--uri", uri]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert f"into Milvus at {uri} as {name!r} (flat" in result.stdout
 
 
 def test_the_copy_command_refuses_what_milvus_cannot_hold(built, tmp_path):
@@ -216,42 +203,6 @@ def test_the_gateway_serves_answers_documents_and_swaps_from_milvus(lite_client)
 
 
 # --- two retrievers sharing one milvus-lite server ------------------------------------------
-
-
-class LiteServer:
-    """``milvus-lite server`` on a loopback port over one data directory (a process)."""
-
-    def __init__(self, data: Path) -> None:
-        self.data, self.port = data, free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def uri(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(self.data)]
-            + ["--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        from pymilvus import MilvusClient
-
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                MilvusClient(uri=self.uri, timeout=2).list_collections()
-                return
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 def _gateway_settings(retriever_port: int, redis_url: str) -> GatewaySettings:
