@@ -15,11 +15,41 @@ def shared_stream_pdf(n_pages: int, content: bytes) -> bytes:
         b"<< /Type /Catalog /Pages 2 0 R >>",
         f"<< /Type /Pages /Kids [{kids}] /Count {n_pages} >>".encode(),
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-        b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        _stream(stream),
     ] + [
         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
         b"/Resources << /Font << /F1 3 0 R >> >> >>"
     ] * n_pages
+    return _written(objects)
+
+
+def distinct_streams_pdf(contents: list[bytes]) -> bytes:
+    """A PDF of one page per item of ``contents``, each drawing its own stream (deflated)."""
+    n = len(contents)
+    kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(n))
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        f"<< /Type /Pages /Kids [{kids}] /Count {n} >>".encode(),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    for i, content in enumerate(contents):
+        objects.append(
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R "
+            b"/Resources << /Font << /F1 3 0 R >> >> >>" % (5 + 2 * i)
+        )
+        objects.append(_stream(zlib.compress(content)))
+    return _written(objects)
+
+
+def _stream(deflated: bytes) -> bytes:
+    return (
+        b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(deflated)
+        + deflated
+        + b"\nendstream"
+    )
+
+
+def _written(objects: list[bytes]) -> bytes:
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for number, body in enumerate(objects, start=1):

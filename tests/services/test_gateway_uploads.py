@@ -22,7 +22,7 @@ import zipfile
 
 import httpx
 import pytest
-from crafted_pdf import shared_stream_pdf, text_operations
+from crafted_pdf import distinct_streams_pdf, shared_stream_pdf, text_operations
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -178,6 +178,37 @@ def test_bad_files_are_refused_naming_the_reason_and_change_nothing(
     assert reply.status_code == status, reply.text
     assert reason in reply.text
     assert version(client) == before
+
+
+def _slow_pdf() -> bytes:
+    """20 pages (the module's page limit), each its own content stream of 20,000 operators
+    that draw nothing: within every budget, and seconds of interpreting, however fast the
+    machine, against the deadline below."""
+    page = text_operations("Slow words", 20_000)
+    return distinct_streams_pdf([page] * 20)
+
+
+def test_a_file_read_past_the_deadline_is_refused_and_nothing_written(
+    backends, client, redis_server
+):
+    """OPENBOOK_GATEWAY_UPLOAD_MAX_SECONDS (30 s by default) bounds the wall time of reading
+    any upload: a PDF whose pages take longer is a 413 naming the file and the setting, and
+    the index is unchanged. The deadline is set far below what the file takes here, so the
+    test holds on any machine."""
+    settings = backends.gateway_settings(
+        redis_server.url,
+        max_document_body_bytes=2 * 1024 * 1024,
+        upload_max_pages=20,
+        upload_max_seconds=0.01,
+    )
+    before = version(client)
+    with TestClient(create_app(settings)) as hurried:
+        reply = send(hurried, _slow_pdf(), "slow.pdf", id="slow")
+    assert reply.status_code == 413, reply.text
+    assert "file:" in reply.text and "took more than 0.01 s" in reply.text
+    assert "OPENBOOK_GATEWAY_UPLOAD_MAX_SECONDS" in reply.text
+    assert version(client) == before
+    assert client.get(f"/indexes/{INDEX}/documents/slow").status_code == 404
 
 
 def test_the_body_limit_cuts_the_upload_while_it_streams_and_writes_need_the_token(client):

@@ -131,7 +131,7 @@ class ExtractionLimits:
     max_markdown_source_ratio: float = 2.0
     max_pdf_content_bytes: int = 64 * 1024 * 1024
     max_pdf_operations: int = 5_000_000
-    max_seconds: float = 120.0
+    max_seconds: float = 30.0  # OPENBOOK_GATEWAY_UPLOAD_MAX_SECONDS
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class _Budget:
         if time.monotonic() >= self.deadline:
             raise ExtractionError(
                 f"file: reading it took more than {self.limits.max_seconds:g} s "
-                f"(stopped at {where}): split it",
+                f"(stopped at {where}; OPENBOOK_GATEWAY_UPLOAD_MAX_SECONDS): split it",
                 413,
             )
 

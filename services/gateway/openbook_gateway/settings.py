@@ -27,6 +27,10 @@ class GatewaySettings(CommonSettings):
     # more is refused (413) before any page is read. The file's size is bounded by
     # max_document_body_bytes, while it streams in.
     upload_max_pages: int = Field(default=1000, gt=0)
+    # Wall time of reading one uploaded file (every format): past it the upload is refused
+    # (413) and nothing is written. The budgets of openbook_gateway.extraction keep any
+    # accepted file well inside it; this is what stops the work whatever a file does.
+    upload_max_seconds: float = Field(default=30.0, gt=0)
     # Request heads (the request line and the header fields; openbook_gateway.http_protocol):
     # a head not complete within header_timeout_s of its first byte closes the connection (408
     # if part of it came), one over max_header_bytes or with more than max_header_count fields

@@ -215,7 +215,10 @@ async def _upload(index: str, form: Any, request: Request, services: ServicesDep
     given = _metadata(_text_field(form, "metadata"))
     data = await upload.read()
     filename = upload.filename or "upload"
-    limits = ExtractionLimits(max_pages=services.settings.upload_max_pages)
+    limits = ExtractionLimits(
+        max_pages=services.settings.upload_max_pages,
+        max_seconds=services.settings.upload_max_seconds,
+    )
     cancel = threading.Event()
     watcher = asyncio.create_task(_watch_disconnect(request, cancel))
     try:
