@@ -19,6 +19,7 @@ from openbook.checkpoint import (
     open_checkpoint,
     query_encoder_dir,
 )
+from openbook.errors import InvalidArgument
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.rag.adapters import save_adapter
 from openbook.rag.checkpoint import TrainedAdapter
@@ -38,7 +39,7 @@ def save_query_encoder(
     """
     if adapter is not None:
         if base_query_encoder is None:
-            raise ValueError("a query encoder adapter needs base_query_encoder")
+            raise InvalidArgument("a query encoder adapter needs base_query_encoder")
         save_adapter(
             adapter.peft_model,
             ckpt / QUERY_ENCODER_ADAPTER_DIR,

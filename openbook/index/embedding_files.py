@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from openbook.errors import InvalidArgument
 from openbook.types import Passage
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ def iter_embeddings(
     if fmt not in EMBEDDING_FORMATS:
         raise EmbeddingsError(f"unknown embeddings format {fmt!r}; expected {EMBEDDING_FORMATS}")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
     for raw in paths:
         path = Path(raw)
         if not path.is_file():

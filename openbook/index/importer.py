@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from openbook.artifacts import partial_dir
+from openbook.errors import InvalidArgument
 from openbook.index.embedding_files import (
     EMBEDDING_FORMATS,
     EmbeddingBatch,
@@ -79,24 +80,26 @@ def import_embeddings(
     passages = Path(passages) if passages is not None else None
     files = natural_order(embeddings)
     if not files:
-        raise ValueError("no embedding files given")
+        raise InvalidArgument("no embedding files given")
     check_inputs([*([passages] if passages else []), *files], out_dir, options.overwrite)
     if not spec.dense:
-        raise ValueError(f"index type {spec.index_type!r} takes no vectors; expected a dense type")
+        raise InvalidArgument(
+            f"index type {spec.index_type!r} takes no vectors; expected a dense type"
+        )
     if embeddings_format not in EMBEDDING_FORMATS:
-        raise ValueError(
+        raise InvalidArgument(
             f"unknown embeddings format {embeddings_format!r}; expected {EMBEDDING_FORMATS}"
         )
     query_encoder = spec.query_encoder
     if not query_encoder:
-        raise ValueError("name the document and the query encoder the vectors belong to")
+        raise InvalidArgument("name the document and the query encoder the vectors belong to")
     if spec.score_scale is None:
         spec = replace(spec, score_scale=IMPORT_SCORE_SCALE)
 
     dim = _first_dim(files, embeddings_format)
     pq_m = spec.ann.pq_m
     if spec.index_type == "ivfpq" and pq_m is not None and dim % pq_m:
-        raise ValueError(f"pq_m={pq_m} must divide the vector dim {dim}")
+        raise InvalidArgument(f"pq_m={pq_m} must divide the vector dim {dim}")
     q_name = _check_query_encoder(query_encoder, dim, files[0])
     batch_size = options.batch_size
     vectors = VectorSource(
@@ -155,7 +158,7 @@ def _check_query_encoder(name: str, dim: int, first_file: Path) -> str:
         return name  # not on this machine: the retriever checks the dim when it loads it
     enc = load_encoder(name, role="query")
     if enc.dim != dim:
-        raise ValueError(
+        raise InvalidArgument(
             f"query encoder {enc.name!r} has dim {enc.dim} but the embeddings in "
             f"{first_file} have dim {dim}"
         )

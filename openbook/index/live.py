@@ -464,7 +464,7 @@ class LiveIndex:
         if path.exists():
             raise FileExistsError(f"{path} already exists")
         if template.count != 0 or template.files:
-            raise ValueError("template: a manifest of count 0 and no files (template_of)")
+            raise InvalidArgument("template: a manifest of count 0 and no files (template_of)")
         with staging_dir(path) as staging:
             publish(staging, path, manifests={TEMPLATE_FILE: template.to_json()})
         return cls(path, options)
@@ -511,7 +511,7 @@ class LiveIndex:
         return self._view.base.dense
 
     def check_encoder(self, encoder: Encoder) -> None:
-        """Raise ValueError unless ``encoder`` can search this index (as the base checks)."""
+        """Raise InvalidArgument unless ``encoder`` can search this index (as the base checks)."""
         self._view.base.check_encoder(encoder)
 
     def __len__(self) -> int:
@@ -584,18 +584,18 @@ class LiveIndex:
         base = view.base
         mode = base.retrieval_mode(retrieval)
         if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+            raise InvalidArgument(f"k must be >= 1, got {k}")
         if not queries:
             return []
         masks = self._masks(view, where)
         if mode == "bm25":
             if return_vectors and not base.dense:
-                raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+                raise InvalidArgument(f"index {self.name!r} is bm25 and stores no vectors")
             return self._search_bm25(view, list(queries), k, return_vectors, masks)
         if query_vectors is not None:
             q = np.asarray(query_vectors, dtype=np.float32)
             if q.shape != (len(queries), base.manifest.dim):
-                raise ValueError(
+                raise InvalidArgument(
                     f"index {self.name!r}: query vectors of shape {q.shape}, expected "
                     f"({len(queries)}, {base.manifest.dim})"
                 )
@@ -617,14 +617,14 @@ class LiveIndex:
     ) -> Hits:
         view = self._view
         if not view.base.dense:
-            raise ValueError(f"index {self.name!r} is bm25; search it by text")
+            raise InvalidArgument(f"index {self.name!r} is bm25; search it by text")
         if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+            raise InvalidArgument(f"k must be >= 1, got {k}")
         q = np.asarray(query_vectors, dtype=np.float32)
         if q.ndim == 1:
             q = q[None, :]
         if q.ndim != 2 or q.shape[1] != view.base.manifest.dim:
-            raise ValueError(
+            raise InvalidArgument(
                 f"index {self.name!r}: query vectors of shape {q.shape}, "
                 f"expected (n, {view.base.manifest.dim})"
             )
@@ -837,7 +837,7 @@ class LiveIndex:
                 assert m.encoder is not None
                 enc = load_encoder(m.encoder, role="document")
                 if enc.dim != m.dim:
-                    raise ValueError(
+                    raise InvalidArgument(
                         f"index {self.name!r}: document encoder {enc.name!r} dim {enc.dim} "
                         f"!= index dim {m.dim}"
                     )

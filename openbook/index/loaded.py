@@ -13,6 +13,7 @@ import faiss
 import numpy as np
 
 from openbook.artifacts import verify_files
+from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
 from openbook.index.documents import built_document_id
@@ -225,24 +226,24 @@ class LoadedIndex:
     def fusion(self) -> Fusion:
         """The fusion hybrid search uses: the manifest's fitted one, else the default."""
         if "dense" not in self.views or "bm25" not in self.views:
-            raise ValueError(f"index {self.name!r} has views {self.views}: no hybrid fusion")
+            raise InvalidArgument(f"index {self.name!r} has views {self.views}: no hybrid fusion")
         if self.manifest.fusion is not None:
             return Fusion.from_dict(self.manifest.fusion)
         return Fusion.default(self.manifest.score_scale)
 
     def retrieval_mode(self, retrieval: str | None) -> str:
         """``retrieval`` checked against this index (None: ``default_retrieval``).
-        ValueError starting "retrieval: " naming the index and its views otherwise."""
+        InvalidArgument starting "retrieval: " naming the index and its views otherwise."""
         if retrieval is None or retrieval == "":
             return self.default_retrieval
         if retrieval not in RETRIEVAL_MODES:
-            raise ValueError(
+            raise InvalidArgument(
                 f"retrieval: unknown mode {retrieval!r} for index {self.name!r}; expected one "
                 f"of {', '.join(RETRIEVAL_MODES)}"
             )
         needs = ("dense", "bm25") if retrieval == "hybrid" else (retrieval,)
         if not set(needs) <= set(self.views):
-            raise ValueError(
+            raise InvalidArgument(
                 f"retrieval: index {self.name!r} has no {retrieval} retrieval (its views: "
                 f"{', '.join(self.views)})"
             )
@@ -264,7 +265,7 @@ class LoadedIndex:
             params["nprobe"] = nprobe
         if rerank is not None:
             if rerank < 0:
-                raise ValueError(f"rerank must be >= 0, got {rerank}")
+                raise InvalidArgument(f"rerank must be >= 0, got {rerank}")
             params["rerank"] = rerank
         if self._faiss is not None:
             faiss_index.configure(self._faiss, self.manifest.index_type, params)
@@ -273,7 +274,7 @@ class LoadedIndex:
     def query_encoder(self) -> Encoder:
         """The manifest's query encoder, loaded once (and shared via the encoder cache)."""
         if not self.dense:
-            raise ValueError(f"index {self.name!r} is bm25 and has no query encoder")
+            raise InvalidArgument(f"index {self.name!r} is bm25 and has no query encoder")
         with self._encoder_lock:
             if self._encoder is None:
                 self._encoder = index_query_encoder(self.name, self.manifest)
@@ -313,14 +314,14 @@ class LoadedIndex:
             raise TypeError("queries must be a list of strings, not a string")
         mode = self.retrieval_mode(retrieval)
         if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+            raise InvalidArgument(f"k must be >= 1, got {k}")
         if not queries:
             return []
         if not self.dense:
             if encoder is not None or query_vectors is not None:
-                raise ValueError(f"index {self.name!r} is bm25; it takes no encoder")
+                raise InvalidArgument(f"index {self.name!r} is bm25; it takes no encoder")
             if return_vectors:
-                raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+                raise InvalidArgument(f"index {self.name!r} is bm25 and stores no vectors")
         mask = self.row_mask(where, allowed)
         if mode == "bm25":
             assert self._bm25 is not None
@@ -346,7 +347,7 @@ class LoadedIndex:
         if vectors is not None:
             q = np.asarray(vectors, dtype=np.float32)
             if q.ndim != 2 or q.shape != (len(queries), self.manifest.dim):
-                raise ValueError(
+                raise InvalidArgument(
                     f"index {self.name!r}: query vectors of shape {q.shape}, expected "
                     f"({len(queries)}, {self.manifest.dim})"
                 )
@@ -371,7 +372,7 @@ class LoadedIndex:
         score. ``allowed``: among those rows only (a boolean mask)."""
         self.retrieval_mode("hybrid")
         if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise InvalidArgument(f"n must be >= 1, got {n}")
         q = self._query_vectors(queries, encoder, query_vectors)
         return self._candidates(list(queries), q, n, self.row_mask(None, allowed))
 
@@ -420,7 +421,7 @@ class LoadedIndex:
     ) -> list[list[Passage]]:
         """Dense top-k per query vector; ``where`` / ``allowed`` as in :meth:`search`."""
         if not self.dense:
-            raise ValueError(f"index {self.name!r} is bm25; search it by text")
+            raise InvalidArgument(f"index {self.name!r} is bm25; search it by text")
         # Dense retrieval only: hybrid needs the query text too (``search(query_vectors=)``).
         q = query_matrix(self.name, query_vectors, self.manifest.dim, k)
         if len(q) == 0:
@@ -473,7 +474,7 @@ class LoadedIndex:
         if allowed is not None:
             allowed = np.asarray(allowed, dtype=bool)
             if allowed.shape != (self.manifest.count,):
-                raise ValueError(
+                raise InvalidArgument(
                     f"allowed: a mask of {self.manifest.count} rows, got shape {allowed.shape}"
                 )
         if where is None:
@@ -509,7 +510,7 @@ class LoadedIndex:
     def get_vectors(self, row_ids: Sequence[int] | Sequence[str] | np.ndarray) -> np.ndarray:
         """Stored document vectors, float32 ``(len(row_ids), dim)``; rows or passage ids."""
         if self._vectors is None:
-            raise ValueError(f"index {self.name!r} is bm25 and stores no vectors")
+            raise InvalidArgument(f"index {self.name!r} is bm25 and stores no vectors")
         ids = list(row_ids)
         if ids and isinstance(ids[0], str):
             ids = self._store.rows_for_ids([str(i) for i in ids])
@@ -536,12 +537,14 @@ class LoadedIndex:
 
 def query_matrix(name: str, query_vectors: np.ndarray, dim: int, k: int) -> np.ndarray:
     """``query_vectors`` as the float32 ``(n, dim)`` matrix a dense search of index ``name``
-    takes (one vector: one row), with ``k`` >= 1; ValueError naming what is wrong."""
+    takes (one vector: one row), with ``k`` >= 1; InvalidArgument naming what is wrong."""
     if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+        raise InvalidArgument(f"k must be >= 1, got {k}")
     q = np.asarray(query_vectors, dtype=np.float32)
     if q.ndim == 1:
         q = q[None, :]
     if q.ndim != 2 or q.shape[1] != dim:
-        raise ValueError(f"index {name!r}: query vectors of shape {q.shape}, expected (n, {dim})")
+        raise InvalidArgument(
+            f"index {name!r}: query vectors of shape {q.shape}, expected (n, {dim})"
+        )
     return q

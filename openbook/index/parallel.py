@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from openbook.artifacts import sha256_file, verify_files
+from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.encoders import Encoder
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
@@ -154,7 +155,7 @@ def count_passages(inputs: list[Path], input_format: str, max_words: int) -> int
         for p in read_passages(inputs, input_format, max_words):
             if hash(p.id) in clashes:
                 if p.id in seen:
-                    raise ValueError(f"duplicate passage id {p.id!r}")
+                    raise InvalidArgument(f"duplicate passage id {p.id!r}")
                 seen.add(p.id)
     return total
 
@@ -262,14 +263,14 @@ def build_slice(
     inputs = [Path(p) for p in inputs]
     name, index_type = spec.name, spec.index_type
     if num_shards < 1:
-        raise ValueError(f"num-shards must be >= 1, got {num_shards}")
+        raise InvalidArgument(f"num-shards must be >= 1, got {num_shards}")
     if not 0 <= shard_id < num_shards:
-        raise ValueError(
+        raise InvalidArgument(
             f"shard-id {shard_id} out of range for {num_shards} shards "
             f"(expected 0..{num_shards - 1})"
         )
     if index_type in _TRAINED_TYPES:
-        raise ValueError(
+        raise InvalidArgument(
             f"index type {index_type!r} trains a quantizer on the whole corpus, which slices "
             f"built apart cannot share: build flat slices and join them with --merge DIR "
             f"--merge-type {index_type} (then `openbook index shard` the merged index to serve "
@@ -278,7 +279,7 @@ def build_slice(
     out = slice_dir(out_root, shard_id, name)
     check_inputs(inputs, out, True)
     if "/" in name or name.startswith("."):
-        raise ValueError(f"index name {name!r} must be a plain, visible directory name")
+        raise InvalidArgument(f"index name {name!r} must be a plain, visible directory name")
 
     doc_enc: Encoder | None = None
     source: VectorSource | None = None
@@ -297,7 +298,7 @@ def build_slice(
 
     total = count_passages(inputs, input_format, max_words)
     if num_shards > total:
-        raise ValueError(f"cannot split {total} passages into {num_shards} shards")
+        raise InvalidArgument(f"cannot split {total} passages into {num_shards} shards")
     identity = build_identity(
         name=name,
         inputs=_inputs_identity(inputs, input_format),
@@ -323,7 +324,7 @@ def build_slice(
     if out_root.exists():
         index_set = read_index_set(out_root)
         if index_set.parent_checksum != checksum:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{out_root} already holds another index set "
                 f"({difference_text(index_set.build, identity, 'it', 'this build')}); "
                 "remove it or build into another --out"
@@ -336,7 +337,7 @@ def build_slice(
             return result(done, out, "already built")
         if not options.overwrite:
             why = difference_text(staged or {}, identity, "it", "this build")
-            raise ValueError(
+            raise InvalidArgument(
                 f"{out} holds a slice of another build ({why}); pass --overwrite to replace it"
             )
 

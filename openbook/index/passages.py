@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
 
+from openbook.errors import InvalidArgument
 from openbook.types import Passage
 
 FORMATS = ("auto", "jsonl", "dpr-tsv", "articles")
@@ -30,7 +31,7 @@ def split_passages(title: str, text: str, max_words: int = 100) -> list[str]:
     """
     del title  # kept in the signature so callers can later switch to title-aware splitting
     if max_words < 1:
-        raise ValueError(f"max_words must be >= 1, got {max_words}")
+        raise InvalidArgument(f"max_words must be >= 1, got {max_words}")
     words = text.split()
     return [" ".join(words[i : i + max_words]) for i in range(0, len(words), max_words)]
 
@@ -46,7 +47,7 @@ def detect_format(path: Path) -> str:
         return "dpr-tsv"
     if name.endswith((".txt", ".md", ".text")):
         return "articles"
-    raise ValueError(
+    raise InvalidArgument(
         f"{path}: cannot guess input format from the extension; "
         f"pass input_format as one of {', '.join(FORMATS[1:])}"
     )
@@ -64,14 +65,14 @@ def read_passages(
       * ``articles``: raw ``.txt``/``.md`` files (one article each; title = file stem) or JSONL
         articles (``title`` and ``text`` required, ``id`` optional: defaults to the title).
         Pieces always get ids ``<id>#<n>``.
-    Malformed input raises ``ValueError`` naming the file and line.
+    Malformed input raises :class:`~openbook.errors.InvalidArgument` naming the file and line.
     """
     if input_format not in FORMATS:
-        raise ValueError(f"unknown input format {input_format!r}; expected one of {FORMATS}")
+        raise InvalidArgument(f"unknown input format {input_format!r}; expected one of {FORMATS}")
     for raw in paths:
         path = Path(raw)
         if not path.is_file():
-            raise ValueError(f"{path}: no such file")
+            raise InvalidArgument(f"{path}: no such file")
         fmt = detect_format(path) if input_format == "auto" else input_format
         if fmt == "jsonl":
             yield from _read_jsonl(path, max_words, articles=False)
@@ -104,7 +105,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
+                raise InvalidArgument(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
 
 
 def _read_jsonl(path: Path, max_words: int, *, articles: bool) -> Iterator[Passage]:
@@ -114,18 +115,18 @@ def _read_jsonl(path: Path, max_words: int, *, articles: bool) -> Iterator[Passa
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            raise InvalidArgument(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object")
+            raise InvalidArgument(f"{path}:{lineno}: expected a JSON object")
         required = ("title", "text") if articles else ("id", "title", "text")
         missing = [k for k in required if k not in row]
         if missing:
-            raise ValueError(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            raise InvalidArgument(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
         title, text = row["title"], row["text"]
         pid = row.get("id", title)
         for key, value in (("id", pid), ("title", title), ("text", text)):
             if not isinstance(value, str | int) or isinstance(value, bool):
-                raise ValueError(f"{path}:{lineno}: field {key!r} must be a string")
+                raise InvalidArgument(f"{path}:{lineno}: field {key!r} must be a string")
         pid, title, text = str(pid), str(title), str(text)
         pieces = split_passages(title, text, max_words)
         if not articles and len(pieces) == 1:
@@ -147,16 +148,16 @@ def _read_dpr_tsv(path: Path) -> Iterator[Passage]:
             if lineno == 1 and [c.strip().lower() for c in row] == ["id", "text", "title"]:
                 continue
             if len(row) != 3:
-                raise ValueError(
+                raise InvalidArgument(
                     f"{path}:{lineno}: expected 3 tab-separated columns (id, text, title), "
                     f"got {len(row)}"
                 )
             pid, text, title = row
             if not pid.strip():
-                raise ValueError(f"{path}:{lineno}: empty id")
+                raise InvalidArgument(f"{path}:{lineno}: empty id")
             yield Passage(id=pid.strip(), title=title, text=text)
     except csv.Error as e:
-        raise ValueError(f"{path}:{start}: malformed TSV: {e}") from None
+        raise InvalidArgument(f"{path}:{start}: malformed TSV: {e}") from None
 
 
 def _read_text_article(path: Path, max_words: int) -> Iterator[Passage]:
@@ -164,7 +165,7 @@ def _read_text_article(path: Path, max_words: int) -> Iterator[Passage]:
         with _open_text(path) as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise InvalidArgument(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     stem = path.name.removesuffix(".gz")
     title = stem.rsplit(".", 1)[0] if "." in stem else stem
     for n, piece in enumerate(split_passages(title, text, max_words)):

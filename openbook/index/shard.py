@@ -41,6 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from openbook.artifacts import clean_stale_partials, publish, staging_dir
+from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, slice_bm25
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
@@ -67,17 +68,17 @@ def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True)
     """
     src, out_root = Path(src), Path(out_root)
     if n_shards < 2:
-        raise ValueError(f"need at least 2 shards, got {n_shards}")
+        raise InvalidArgument(f"need at least 2 shards, got {n_shards}")
     if out_root.exists():
-        raise ValueError(f"{out_root} already exists")
+        raise InvalidArgument(f"{out_root} already exists")
     with open_index(src, verify=True) as parent:
         m = parent.manifest
     if out_root.resolve().is_relative_to(src.resolve()):
-        raise ValueError(f"{out_root} is inside the source index {src}")
+        raise InvalidArgument(f"{out_root} is inside the source index {src}")
     if m.shard is not None:
-        raise ValueError(f"{src} is already shard {m.shard['index']} of {m.shard['count']}")
+        raise InvalidArgument(f"{src} is already shard {m.shard['index']} of {m.shard['count']}")
     if n_shards > m.count:
-        raise ValueError(f"cannot split {m.count} passages into {n_shards} shards")
+        raise InvalidArgument(f"cannot split {m.count} passages into {n_shards} shards")
 
     name = src.resolve().name  # retrievers serve an index under its directory name
     # What interrupted splits left: shards are cheap to redo.
@@ -99,7 +100,7 @@ def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True)
         try:
             publish(work, out_root, manifests=manifests)
         except FileExistsError:  # appeared while we worked
-            raise ValueError(f"{out_root} already exists") from None
+            raise InvalidArgument(f"{out_root} already exists") from None
     return [out_root / f"shard-{i}" / name for i in range(n_shards)]
 
 

@@ -39,6 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from openbook.artifacts import clean_stale_partials, partial_dir, publish, sha256_file
+from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, build_bm25
 from openbook.index.layout import BUILD_STATE_DIR, PASSAGES_FILE, VECTORS_FILE, build_lock_path
@@ -80,12 +81,12 @@ class BuildSource:
 def check_inputs(inputs: list[Path], out_dir: Path, overwrite: bool) -> None:
     """The input files exist, and ``out_dir`` is free unless it may be overwritten."""
     if not inputs:
-        raise ValueError("no input files given")
+        raise InvalidArgument("no input files given")
     for p in inputs:
         if not p.is_file():
-            raise ValueError(f"{p}: no such file")
+            raise InvalidArgument(f"{p}: no such file")
     if out_dir.exists() and not overwrite:
-        raise ValueError(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
+        raise InvalidArgument(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
 
 
 @contextmanager
@@ -132,9 +133,12 @@ def stage_and_publish(
     else); ``options.shard_size`` and ``options.progress`` are the options this reads.
     """
     if spec.score_scale is None:
+        # a caller's bug, not a client's mistake: stays a ValueError (INTERNAL)
         raise ValueError("score_scale must be resolved before the build stages")
     if spec.dense != (source.vectors is not None):
-        raise ValueError(f"a {spec.index_type} index needs {'' if spec.dense else 'no '}vectors")
+        raise InvalidArgument(
+            f"a {spec.index_type} index needs {'' if spec.dense else 'no '}vectors"
+        )
     vectors, progress = source.vectors, options.progress
     work = partial_dir(out_dir)
     state = work / BUILD_STATE_DIR
@@ -154,7 +158,7 @@ def stage_and_publish(
         )
         count = stage_passages(work, state, read)
         if count == 0:
-            raise ValueError("no passages found in the inputs")
+            raise InvalidArgument("no passages found in the inputs")
     except BaseException:
         # Nothing expensive has been computed yet, so don't leave a partial dir behind.
         shutil.rmtree(work, ignore_errors=True)
@@ -303,7 +307,7 @@ def stage_vectors(
                         f"float32 ({b - a}, {dim})"
                     )
                 if not np.isfinite(vecs).all():
-                    raise ValueError(f"non-finite vectors in rows {a}..{b - 1}")
+                    raise InvalidArgument(f"non-finite vectors in rows {a}..{b - 1}")
                 tmp = paths[i].with_suffix(".tmp.npy")
                 np.save(tmp, vecs)
                 tmp.replace(paths[i])

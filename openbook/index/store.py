@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from openbook.errors import InvalidArgument
 from openbook.types import Passage
 
 _SCHEMA = """
@@ -23,7 +24,7 @@ CREATE TABLE IF NOT EXISTS passages (
 
 
 class PassageWriter:
-    """Appends passages in row order; ``close`` commits. Duplicate ids are a ValueError."""
+    """Appends passages in row order; ``close`` commits. Duplicate ids are an InvalidArgument."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -45,7 +46,7 @@ class PassageWriter:
             self._conn.executemany("INSERT INTO passages VALUES (?, ?, ?, ?)", rows)
         except sqlite3.IntegrityError as e:
             dup = _first_duplicate(self._conn, rows)
-            raise ValueError(f"duplicate passage id {dup!r}" if dup else str(e)) from None
+            raise InvalidArgument(f"duplicate passage id {dup!r}" if dup else str(e)) from None
 
     def close(self) -> None:
         self._conn.commit()

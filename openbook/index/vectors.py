@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from openbook.errors import InvalidArgument
 from openbook.index.encoders import Encoder, encoder_id, load_encoder, resolve_precision
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
@@ -31,11 +32,11 @@ def encoding_device(device: str | None) -> torch.device:
     try:
         dev = torch.device(device or "cpu")
     except RuntimeError as exc:
-        raise ValueError(f"device {device!r}: {exc}") from None
+        raise InvalidArgument(f"device {device!r}: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+        raise InvalidArgument(f"device {device!r}: CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: expected cpu or cuda[:N]")
+        raise InvalidArgument(f"device {device!r}: expected cpu or cuda[:N]")
     return dev
 
 
@@ -52,13 +53,13 @@ def document_encoder(spec: IndexSpec, options: BuildOptions) -> tuple[Encoder, s
     q_name = encoder_id(query_encoder) if query_encoder else doc_enc.name
     q_enc = load_encoder(query_encoder, role="query") if query_encoder else doc_enc
     if q_enc.dim != doc_enc.dim:
-        raise ValueError(
+        raise InvalidArgument(
             f"query encoder {q_enc.name!r} dim {q_enc.dim} != document encoder "
             f"{doc_enc.name!r} dim {doc_enc.dim}"
         )
     pq_m = spec.ann.pq_m
     if spec.index_type == "ivfpq" and pq_m is not None and doc_enc.dim % pq_m:
-        raise ValueError(f"pq_m={pq_m} must divide the encoder dim {doc_enc.dim}")
+        raise InvalidArgument(f"pq_m={pq_m} must divide the encoder dim {doc_enc.dim}")
     return doc_enc, q_name, precision
 
 
