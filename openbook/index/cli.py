@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from openbook.errors import OpenbookError
 from openbook.index.build import build_index
+from openbook.index.engine import EngineKind
 from openbook.index.fusion import Fusion, fit_fusion, read_questions, store_fusion
 from openbook.index.importer import import_embeddings
 from openbook.index.join import join_slices
@@ -389,6 +390,7 @@ def info(
     except (IndexLoadError, OSError) as e:
         raise _fail(str(e)) from None
     typer.echo(json.dumps(asdict(manifest), indent=2, sort_keys=True))
+    typer.echo(f"engine: {EngineKind.FILES} (to-milvus copies it into Milvus)", err=True)
     typer.echo(_views_line(manifest), err=True)
     if verify:
         typer.echo("verified: ok", err=True)

@@ -364,6 +364,7 @@ def test_indexes_lists_views_and_default_retrieval(client):
         "facts-dense": (["dense"], "dense"),
         "facts-bm25": (["bm25"], "bm25"),
     }
+    assert {i["engine"] for i in reply.json()["indexes"]} == {"files"}  # directories
 
 
 def test_chat_completions_pass_retrieval_through(client):

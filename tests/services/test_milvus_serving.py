@@ -151,6 +151,8 @@ def test_the_gateway_serves_answers_documents_and_swaps_from_milvus(lite_client)
     assert listed.json()["active"] == "facts-a" and set(indexes) == {"facts-a", "facts-b"}
     assert indexes["facts-a"]["count"] == 30 and indexes["facts-a"]["index_type"] == "flat"
     assert indexes["facts-a"]["loadable"] and indexes["facts-a"]["problem"] is None
+    assert {i["engine"] for i in indexes.values()} == {"milvus"}
+    assert indexes["facts-a"]["views"] == ["dense", "bm25"]
 
     plain = _answer(client)
     assert plain["index"] == "facts-a" and "p21" in _docs(plain)  # Hamlet itself
@@ -270,8 +272,11 @@ def test_two_retrievers_share_one_milvus_lite_server(built, tmp_path, redis_url)
             two.CreateIndex(
                 retriever_pb2.CreateIndexRequest(name="notes", like="facts-a"), metadata=ADMIN
             )
-            names = [i.name for i in one.ListIndexes(retriever_pb2.ListIndexesRequest()).indexes]
-            assert names == ["facts-a", "notes"]
+            infos = one.ListIndexes(retriever_pb2.ListIndexesRequest()).indexes
+            assert [(i.name, i.engine) for i in infos] == [
+                ("facts-a", "milvus"),
+                ("notes", "milvus"),
+            ]
             deleted = two.DeleteDocument(
                 retriever_pb2.DeleteDocumentRequest(index="facts-a", id="zorblax"), metadata=ADMIN
             )

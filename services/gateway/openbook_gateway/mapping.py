@@ -182,6 +182,7 @@ def indexes_response(listed: retriever_pb2.ListIndexesResponse) -> dict:
                 views=list(i.views),
                 default_retrieval=i.default_retrieval or None,
                 version=i.version,
+                engine=i.engine or None,
             )
             for i in listed.indexes
         ],

@@ -349,6 +349,12 @@ class IndexOut(BaseModel):
         description="its count of acknowledged document writes (0: never written to; a "
         "sharded index's: the sum over its shards)",
     )
+    engine: str | None = Field(
+        None,
+        description="which engine holds it (the retriever's OPENBOOK_INDEX_ENGINE): 'files', "
+        "a directory under the index root, or 'milvus', collections in Milvus (null from a "
+        "retriever that does not say)",
+    )
 
 
 class IndexesResponse(BaseModel):

@@ -35,7 +35,7 @@ from openbook.errors import (
     NotFound,
     Unavailable,
 )
-from openbook.index.engine import SearchableIndex
+from openbook.index.engine import EngineKind, SearchableIndex
 from openbook.index.manifest import IndexLoadError, Manifest
 from openbook.index.milvus_engine import MilvusEngine, MilvusIndex
 from openbook.limits import check_index_name
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 class MilvusRegistry:
     """The indexes of one Milvus (module docstring); thread-safe."""
+
+    engine_kind = EngineKind.MILVUS
 
     def __init__(self, engine: MilvusEngine, max_loaded: int = 4) -> None:
         self.engine = engine

@@ -67,7 +67,7 @@ from openbook.index import (
     read_index_manifest,
 )
 from openbook.index.empty_base import TEMPLATE_FILE
-from openbook.index.engine import DocumentIndex, SearchableIndex
+from openbook.index.engine import DocumentIndex, EngineKind, SearchableIndex
 from openbook.index.live import LiveIndex, LiveOptions, disk_stamp, is_live_index, newest_base
 from openbook.limits import check_index_name
 
@@ -107,6 +107,8 @@ class Registry(Protocol):
     active: str | None
     # Called with an index before it becomes active; raising refuses the swap.
     before_activate: Callable[[SearchableIndex], None] | None
+    # Which engine holds its indexes (ListIndexes says it for each).
+    engine_kind: EngineKind
 
     def available(self) -> list[str]:
         """The indexes that can be named, sorted."""
@@ -167,6 +169,8 @@ class _Entry:
 
 
 class IndexRegistry:
+    engine_kind = EngineKind.FILES
+
     def __init__(self, root: Path, max_loaded: int = 4) -> None:
         self.root = Path(root)
         self.max_loaded = max_loaded

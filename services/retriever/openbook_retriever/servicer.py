@@ -548,6 +548,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             active=name == self.registry.active,
             problem=status.problem,
             verified=status.verified,
+            engine=str(self.registry.engine_kind),
         )
         m = status.manifest
         if m is not None:
