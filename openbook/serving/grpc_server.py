@@ -24,7 +24,7 @@ from openbook.serving.handlers import wrap_handler
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.reflection import enable_server_reflection
 from openbook.serving.threads import in_passing_thread
-from openbook.serving.tracing import server_interceptors
+from openbook.serving.tracing import server_interceptors, span_interceptors
 from openbook.settings import GrpcServiceSettings
 
 log = logging.getLogger(__name__)
@@ -297,11 +297,12 @@ class GrpcService:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
             # Outermost first: the trace span (only with tracing on) holds the whole call and
-            # records the status an error becomes; auth refusals are counted and logged like
-            # every other status.
+            # records the status an error becomes, and inside ErrorInterceptor the exception
+            # itself; auth refusals are counted and logged like every other status.
             interceptors=[
                 *server_interceptors(),
                 ErrorInterceptor(metrics, access_log),
+                *span_interceptors(),
                 AdminAuthInterceptor(admin_methods, admin_token),
             ],
             # Calls beyond this many (running + waiting for a worker) are refused at once with

@@ -41,11 +41,16 @@ def _rpc_span(method: str, context: grpc.ServicerContext) -> Iterator[None]:
     except GeneratorExit:
         span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
         raise
+    except Exception as exc:
+        # The error the servicer raised, before ErrorInterceptor (outside this one) turns it
+        # into the status the instrumentation records.
+        span.record_exception(exc)
+        raise
 
 
 class RequestIdInterceptor(grpc.ServerInterceptor):
-    """Inside the instrumentation's interceptor: the request id and the RPC's name on its
-    span."""
+    """Inside ``ErrorInterceptor``, itself inside the instrumentation's interceptor: the
+    request id, the RPC's name and the servicer's exception on the instrumentation's span."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -56,16 +61,20 @@ class RequestIdInterceptor(grpc.ServerInterceptor):
 
 
 def server_interceptors() -> list[grpc.ServerInterceptor]:
-    """The server's tracing interceptors, or none with tracing off. Outermost first: the
-    instrumentation's span, then what the interceptors after these do (the status an error
-    becomes) happens inside it."""
+    """The instrumentation's interceptor, or none with tracing off: outermost, so that what
+    the interceptors after it do (the status an error becomes) happens inside its span."""
     if not telemetry.enabled():
         return []
     # why: the instrumentation is imported only in a process that traces
     from opentelemetry.instrumentation.grpc import filters, server_interceptor
 
     untraced = filters.any_of(*(filters.service_prefix(s) for s in UNTRACED_SERVICES))
-    return [server_interceptor(filter_=filters.negate(untraced)), RequestIdInterceptor()]
+    return [server_interceptor(filter_=filters.negate(untraced))]
+
+
+def span_interceptors() -> list[grpc.ServerInterceptor]:
+    """:class:`RequestIdInterceptor`, or none with tracing off: inside ``ErrorInterceptor``."""
+    return [RequestIdInterceptor()] if telemetry.enabled() else []
 
 
 def trace_metadata() -> tuple[tuple[str, str], ...]:
