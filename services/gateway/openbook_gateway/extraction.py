@@ -128,7 +128,10 @@ class ExtractionLimits:
 
     max_pages: int = 1000
     max_chars: int = MAX_DOCUMENT_TEXT_CHARS
-    max_markdown_source_ratio: float = 2.0
+    # 1: a Markdown source of at most max_chars characters. markdown-it-py parses ~10-20 µs
+    # a character on its worst inputs (long lists), so twice that took ~30 s here
+    # (docs/benchmarks.md, bench/ingest/extraction_worst.py).
+    max_markdown_source_ratio: float = 1.0
     max_pdf_content_bytes: int = 64 * 1024 * 1024
     max_pdf_operations: int = 5_000_000
     max_seconds: float = 30.0  # OPENBOOK_GATEWAY_UPLOAD_MAX_SECONDS
@@ -805,6 +808,7 @@ class _PdfContents:
         self.parsed_bytes = 0
         self.operations = 0
         self.page = 0
+        self.original: Any = None  # the /Contents of the page prepared, as the file has it
 
     @staticmethod
     def _key(page: Any) -> object:
@@ -823,7 +827,8 @@ class _PdfContents:
     def prepare(self, page: Any, number: int) -> None:
         """Give ``page`` its content stream, parsed once if another page shares it."""
         self.page = number
-        if page.get("/Contents") is None:
+        self.original = page.get("/Contents")
+        if self.original is None:
             return
         key = self._key(page)
         self.uses[key] -= 1
@@ -846,6 +851,14 @@ class _PdfContents:
             del self.cache[key]
             self.cached_bytes -= len(stream.get_data())
         page[NameObject("/Contents")] = stream
+
+    def release(self, page: Any) -> None:
+        """``page`` as it was before :meth:`prepare`: the reader keeps every page, and a page
+        holding its parsed stream kept every page's operators alive (~400 MB for 1,000 pages
+        of 5,000 operators, docs/benchmarks.md); only the cache holds a shared one now."""
+        if self.original is not None:
+            page[NameObject("/Contents")] = self.original
+        self.original = None
 
     def visit(self, operator: Any, operands: Any, cm: Any, tm: Any) -> None:
         """pypdf's ``visitor_operand_before``: one more operator interpreted."""
@@ -890,7 +903,11 @@ def _pdf(data: bytes, limits: ExtractionLimits, budget: _Budget) -> Extracted:
         budget.check(f"page {number} of the PDF")
         try:
             contents.prepare(page, number)
-            text = _pdf_page_text(page.extract_text(visitor_operand_before=contents.visit) or "")
+            try:
+                raw = page.extract_text(visitor_operand_before=contents.visit) or ""
+            finally:
+                contents.release(page)
+            text = _pdf_page_text(raw)
         except ExtractionError:
             raise
         except Exception as exc:  # noqa: BLE001 - as above, and pypdf's LimitReachedError
