@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from openbook.errors import InvalidArgument
+
 if TYPE_CHECKING:  # transformers is imported when the encoder loads
     from transformers import DPRQuestionEncoder
 
@@ -41,7 +43,7 @@ def _weight_shards(root: Path) -> list[Path]:
         try:
             index = json.loads(weights.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise ValueError(f"corrupt file {weights}: {e}") from None
+            raise InvalidArgument(f"corrupt file {weights}: {e}") from None
         shards = sorted(
             {
                 root / f
@@ -51,9 +53,9 @@ def _weight_shards(root: Path) -> list[Path]:
         )
         for shard in shards:
             if not shard.exists():
-                raise ValueError(f"missing weights shard {shard} (listed in {weights})")
+                raise InvalidArgument(f"missing weights shard {shard} (listed in {weights})")
         return shards
-    raise ValueError(
+    raise InvalidArgument(
         f"missing weights in RAG directory {root}: expected one of {', '.join(WEIGHT_FILES)}"
     )
 
@@ -79,9 +81,9 @@ def _question_encoder_state(root: Path) -> dict[str, torch.Tensor]:
                         state[key[n:]] = value.clone()
                 del full
         except Exception as e:  # noqa: BLE001 - any decoding failure means the file is unusable
-            raise ValueError(f"corrupt weights file {shard}: {e}") from None
+            raise InvalidArgument(f"corrupt weights file {shard}: {e}") from None
     if not state:
-        raise ValueError(
+        raise InvalidArgument(
             f"missing question encoder weights in {root}: no '{RAG_QUESTION_ENCODER_PREFIX}*' "
             f"tensors in {', '.join(s.name for s in _weight_shards(root))}"
         )
@@ -98,38 +100,38 @@ def load_rag_question_encoder(root: Path, config: dict[str, Any]) -> tuple[DPRQu
     root = Path(root)
     q_cfg = config.get("question_encoder")
     if not isinstance(q_cfg, dict) or "model_type" not in q_cfg:
-        raise ValueError(
+        raise InvalidArgument(
             f"corrupt file {root / 'config.json'}: RAG config without a question_encoder"
         )
     if q_cfg["model_type"] != "dpr":
-        raise ValueError(
+        raise InvalidArgument(
             f"{root / 'config.json'}: question encoder type {q_cfg['model_type']!r} is not "
             f"supported (only 'dpr')"
         )
     tok_dir = root / QUESTION_TOKENIZER_DIR
     if not tok_dir.is_dir():
-        raise ValueError(f"missing tokenizer directory {tok_dir} in RAG directory {root}")
+        raise InvalidArgument(f"missing tokenizer directory {tok_dir} in RAG directory {root}")
     if not any((tok_dir / f).exists() for f in TOKENIZER_FILES):
-        raise ValueError(
+        raise InvalidArgument(
             f"missing tokenizer files in {tok_dir}: expected one of {', '.join(TOKENIZER_FILES)}"
         )
     state = _question_encoder_state(root)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"cannot load tokenizer from {tok_dir}: {e}") from None
+        raise InvalidArgument(f"cannot load tokenizer from {tok_dir}: {e}") from None
     fields = {k: v for k, v in q_cfg.items() if k not in ("model_type", "transformers_version")}
     try:
         model = DPRQuestionEncoder(DPRConfig(**fields))
     except Exception as e:  # noqa: BLE001
-        raise ValueError(
+        raise InvalidArgument(
             f"corrupt file {root / 'config.json'}: bad question_encoder: {e}"
         ) from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("position_ids")]
     unexpected = [k for k in unexpected if not k.endswith("position_ids")]
     if missing or unexpected:
-        raise ValueError(
+        raise InvalidArgument(
             f"corrupt weights in {root}: question encoder tensors do not match its config "
             f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )

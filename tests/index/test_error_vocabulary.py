@@ -2,9 +2,9 @@
 :class:`openbook.errors.InvalidArgument` (a ``ValueError`` too, so ``except ValueError`` still
 holds), which every boundary maps to INVALID_ARGUMENT / 4xx; a bare ``ValueError`` that escapes
 is a bug (INTERNAL). The modules below raise no bare ``ValueError``. Not converted yet: joining
-a parallel build's slices (join.py: mostly the state of the slices on disk), a RAG checkpoint's
-corrupt files (rag_encoder.py), the write-ahead log's records (wal.py), two internal
-invariants of stages.py, segment_bm25.py, and the Milvus engine."""
+a parallel build's slices (join.py: mostly the state of the slices on disk), the write-ahead
+log's records (wal.py), two internal invariants of stages.py, segment_bm25.py, and the Milvus
+engine."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ CONVERTED = (
     "loaded.py",
     "parallel.py",
     "passages.py",
+    "rag_encoder.py",
     "shard.py",
     "store.py",
     "vectors.py",
