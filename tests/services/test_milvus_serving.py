@@ -318,3 +318,28 @@ def test_two_retrievers_share_one_milvus_lite_server(built, tmp_path, redis_url)
             assert names == ["facts-a", "notes"]
     finally:
         server.stop()
+
+
+def test_a_retriever_copies_its_default_index_into_an_empty_milvus(built, tmp_path, redis_url):
+    """compose's init builds the demo index as files: a retriever on the milvus engine whose
+    Milvus lacks its default index copies it in from the index root, once, and serves it."""
+    uri = str(tmp_path / "milvus.db")
+    settings = milvus_settings(uri, redis_url, tmp_path).model_copy(update={"index_root": built})
+    with retriever_service(settings) as (stub, _, servicer):
+        listed = stub.ListIndexes(retriever_pb2.ListIndexesRequest())
+        assert [(i.name, i.engine, i.count) for i in listed.indexes] == [("facts-a", "milvus", 30)]
+        assert listed.active == "facts-a"
+        assert "p21" in [p.split("#")[0] for p in _top(stub, "Who wrote Hamlet?")]
+        stub.PutDocuments(
+            retriever_pb2.PutDocumentsRequest(
+                index="facts-a", documents=[_document("kept", "A written document.")]
+            ),
+            metadata=ADMIN,
+        )
+    servicer.close()  # Milvus Lite's .db: one client at a time
+    # Started again: Milvus's copy is served as it is (the write kept), never copied over.
+    with retriever_service(settings) as (stub, _, _):
+        got = stub.GetDocument(retriever_pb2.GetDocumentRequest(index="facts-a", id="kept"))
+        assert got.text == "A written document."
+        listed = stub.ListIndexes(retriever_pb2.ListIndexesRequest())
+        assert [(i.name, i.version) for i in listed.indexes] == [("facts-a", 1)]

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
 from openbook.compute_threads import ComputeThreadsOptions
+from openbook.errors import OpenbookError
 from openbook.index import Encoder, load_encoder
 from openbook.index.encoders import load_adapted_encoder
 from openbook.index.engine import EngineKind
+from openbook.index.loaded import open_index
+from openbook.index.manifest import MANIFEST, IndexLoadError
 from openbook.rag.adapters import AdapterMismatch
 from openbook.sealing import load_sealer
 from openbook.serving.grpc_server import (
@@ -35,6 +39,9 @@ from openbook_retriever.documents import NewIndexDefaults
 from openbook_retriever.registry import IndexRegistry, Registry
 from openbook_retriever.servicer import RetrieverServicer
 from openbook_retriever.settings import RetrieverSettings
+
+if TYPE_CHECKING:
+    from openbook.index.milvus_engine import MilvusEngine
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +100,28 @@ def open_registry(settings: RetrieverSettings) -> Registry:
 
     engine = MilvusEngine(settings.milvus_uri, token=settings.milvus_token())
     log.info("serving the indexes of Milvus at %s", settings.milvus_uri)
+    seed_default_index(engine, settings)
     return MilvusRegistry(engine, max_loaded=settings.max_loaded_indexes)
+
+
+def seed_default_index(engine: MilvusEngine, settings: RetrieverSettings) -> None:
+    """Copy the default index into Milvus from the index root where Milvus does not hold it
+    (or holds a copy of it cut short, which is resumed): the demo index compose's ``init``
+    builds as files, so a stack started with ``OPENBOOK_INDEX_ENGINE=milvus`` serves it from
+    Milvus at once. Replicas starting together copy the same rows (upserts: nothing doubled).
+    A copy that fails is logged; the retriever serves without it, as with any missing index."""
+    name, source = settings.default_index, settings.index_root / settings.default_index
+    if not name or not (source / MANIFEST).is_file():
+        return
+    try:
+        if name in engine.names() and not engine.stats(name).get("copying"):
+            return  # held already: Milvus's copy is the one served, never overwritten
+        with open_index(source, verify=True, name=name) as index:
+            log.info("copying the default index %s from %s into Milvus", name, source)
+            copied = engine.copy_index(name, index)
+        log.info("default index %s in Milvus: %d passages", name, len(copied.index))
+    except (IndexLoadError, OpenbookError, OSError) as exc:
+        log.error("default index %s not copied into Milvus: %s", name, exc)
 
 
 def load(
