@@ -90,9 +90,8 @@ CASES = {
 NAMES = {"markdown": "case.md", "html": "case.html", "pdf": "case.pdf", "txt": "case.txt"}
 
 _CHILD = r"""
-import json, resource, sys, time
-sys.path.insert(0, {crafted!r})
-from crafted_pdf import distinct_streams_pdf, shared_stream_pdf, text_operations
+import json, resource, time
+from openbook_testkit.crafted_pdf import distinct_streams_pdf, shared_stream_pdf, text_operations
 from openbook_gateway.extraction import ExtractionError, extract
 
 def rss_mb():
@@ -115,8 +114,7 @@ print(json.dumps(dict(size_mb=len(data) / 2**20, outcome=outcome, chars=chars,
 
 
 def run_case(kind: str, label: str, expr: str) -> dict:
-    crafted = str(Path(__file__).resolve().parents[2] / "tests" / "services")
-    code = _CHILD.format(crafted=crafted, expr=expr, name=NAMES[kind])
+    code = _CHILD.format(expr=expr, name=NAMES[kind])
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False
     )

@@ -20,7 +20,6 @@ import threading
 import tracemalloc
 
 import pytest
-from crafted_pdf import distinct_streams_pdf, shared_stream_pdf, text_operations
 from pypdf.generic import ContentStream
 
 from openbook_gateway import extraction
@@ -30,6 +29,7 @@ from openbook_gateway.extraction import (
     ExtractionLimits,
     extract,
 )
+from openbook_testkit.crafted_pdf import distinct_streams_pdf, shared_stream_pdf, text_operations
 
 
 def _peak_traced(fn):

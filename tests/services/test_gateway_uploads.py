@@ -22,7 +22,6 @@ import zipfile
 
 import httpx
 import pytest
-from crafted_pdf import distinct_streams_pdf, shared_stream_pdf, text_operations
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -31,6 +30,7 @@ from openbook_cli.docs import GatewayTarget
 from openbook_cli.docs_upload import ArchiveLimits, content_id, upload
 from openbook_gateway.app import create_app
 from openbook_testkit import files
+from openbook_testkit.crafted_pdf import distinct_streams_pdf, shared_stream_pdf, text_operations
 from openbook_testkit.stack import running_backends, serving_gateway
 
 TOKEN = "uploads-admin-token"
