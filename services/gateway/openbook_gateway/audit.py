@@ -75,12 +75,15 @@ def record(state: MutableMapping[str, Any], action: str, path_params: dict, stat
     _emit(fields)
 
 
-def tool(principal: Principal, name: str, outcome_: str, detail: str = "", **fields: Any) -> None:
-    """An MCP write tool's audit line (``outcome_``: ``ok``, ``refused`` or ``failed``)."""
+def tool(
+    principal: Principal, tool_name: str, outcome_: str, detail: str = "", /, **fields: Any
+) -> None:
+    """An MCP write tool's audit line (``outcome_``: ``ok``, ``refused`` or ``failed``).
+    Positional-only, so that ``fields`` may hold any name (``create_index`` logs ``name``)."""
     line: dict[str, Any] = {
         "event": "audit",
         "key": key_label(principal),
-        "action": f"mcp:{name}",
+        "action": f"mcp:{tool_name}",
         **fields,
         "outcome": outcome_,
     }
