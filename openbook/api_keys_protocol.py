@@ -75,12 +75,8 @@ def seal_api_key(sealer: Sealer, record: ApiKeyRecord) -> str:
 def open_api_key(sealer: Sealer, name: str, raw: str | bytes | None) -> ApiKeyRecord | None:
     """The record of key ``name`` stored as ``raw``; None if absent, not genuine (not sealed
     with the server key, or sealed for another name) or not a record."""
-    payload = sealer.open(api_key_key(name), raw)
-    if not payload:
-        return None
-    try:
-        record = json.loads(payload)
-    except ValueError:
+    record = sealer.open_json(api_key_key(name), raw)
+    if record is None:
         return None
     indexes = record.get("indexes") if isinstance(record, dict) else None
     # absent in a record made before keys had them: none

@@ -102,12 +102,8 @@ def open_model_version(
 ) -> ModelVersion | None:
     """``service``'s model version stored as ``raw``; None if absent, not genuine or not a
     record (an insider's plain ``HSET`` reads as no version: the cache is not looked up)."""
-    payload = sealer.open(model_version_seal_key(service), raw)
-    if not payload:
-        return None
-    try:
-        record = json.loads(payload)
-    except ValueError:
+    record = sealer.open_json(model_version_seal_key(service), raw)
+    if record is None:
         return None
     if not (
         isinstance(record, dict)
@@ -191,12 +187,10 @@ def seal_pinned_model(sealer: Sealer, request: str, resolved: str) -> str:
 def open_desired_model(sealer: Sealer, fields: Mapping[str, str]) -> DesiredModel | None:
     """The desired model in the hash's ``fields``; None if absent, not genuine or not one
     (an insider's plain ``HSET``: no reload to follow)."""
-    payload = sealer.open(_desired_seal_key(DESIRED_RECORD_FIELD), fields.get(DESIRED_RECORD_FIELD))
-    if not payload:
-        return None
-    try:
-        record = json.loads(payload)
-    except ValueError:
+    record = sealer.open_json(
+        _desired_seal_key(DESIRED_RECORD_FIELD), fields.get(DESIRED_RECORD_FIELD)
+    )
+    if record is None:
         return None
     if not (
         isinstance(record, dict)
@@ -215,12 +209,8 @@ def open_desired_model(sealer: Sealer, fields: Mapping[str, str]) -> DesiredMode
 def open_pinned_model(sealer: Sealer, request: str, raw: str | bytes | None) -> str | None:
     """The checkpoint pinned for ``request`` as stored in ``raw``; None if absent, not
     genuine, or pinned for another request."""
-    payload = sealer.open(_desired_seal_key(RESOLVED_FIELD), raw)
-    if not payload:
-        return None
-    try:
-        pinned = json.loads(payload)
-    except ValueError:
+    pinned = sealer.open_json(_desired_seal_key(RESOLVED_FIELD), raw)
+    if pinned is None:
         return None
     if not (
         isinstance(pinned, dict)
@@ -269,12 +259,8 @@ def decode_replica_state(sealer: Sealer, key: str, raw: str | bytes | None) -> R
     """The replica's state stored under ``key`` as ``raw``; None if absent, not sealed with the
     server key for that key, or not a state of the replica the key names. A forged record is
     no replica: never listed, never waited on."""
-    payload = sealer.open(key, raw)
-    if not payload:
-        return None
-    try:
-        state = json.loads(payload)
-    except ValueError:
+    state = sealer.open_json(key, raw)
+    if state is None:
         return None
     if not (
         isinstance(state, dict)
@@ -345,12 +331,8 @@ def seal_index_state(sealer: Sealer, index: str, state: IndexState) -> str:
 
 def open_index_state(sealer: Sealer, index: str, raw: str | bytes | None) -> IndexState | None:
     """``index``'s state stored as ``raw``; None if absent, not genuine or not a state."""
-    payload = sealer.open(index_state_seal_key(index), raw)
-    if not payload:
-        return None
-    try:
-        state = json.loads(payload)
-    except ValueError:
+    state = sealer.open_json(index_state_seal_key(index), raw)
+    if state is None:
         return None
     if not isinstance(state, dict):
         return None
@@ -436,12 +418,8 @@ def open_conversation(
     sealer: Sealer, key: str, raw: str | bytes | None
 ) -> StoredConversation | None:
     """The state stored under ``key`` as ``raw``; None if absent, not genuine or not a state."""
-    payload = sealer.open(key, raw)
-    if not payload:
-        return None
-    try:
-        state = json.loads(payload)
-    except ValueError:
+    state = sealer.open_json(key, raw)
+    if state is None:
         return None
     if not (isinstance(state, dict) and isinstance(state.get("owner"), str)):
         return None

@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from openbook.secrets import read_secret
 
@@ -95,6 +96,17 @@ class Sealer:
             redis_key,
         )
         return None
+
+    def open_json(self, redis_key: str, raw: str | bytes | None) -> Any:
+        """The JSON value sealed in ``raw`` for ``redis_key``; None if absent, not genuine or
+        not JSON (each record's reader then checks the value's shape)."""
+        payload = self.open(redis_key, raw)
+        if not payload:
+            return None
+        try:
+            return json.loads(payload)
+        except ValueError:
+            return None
 
 
 _EPHEMERAL: Sealer | None = None
