@@ -100,6 +100,8 @@ MAX_FILTER_JSON_CHARS = 65_536
 # A key's rate (issue 43, openbook_gateway.key_limits): the most that can be asked for.
 MAX_KEY_REQUESTS_PER_MINUTE = 1_000_000
 MAX_KEY_CONCURRENT_GENERATIONS = 10_000
+# Who asks the generator (GenerateRequest.caller, its fair share): a key's name fits.
+MAX_CALLER_CHARS = 128
 # Documents in one batch write (one version, all or nothing).
 MAX_BATCH_DOCUMENTS = 1000
 # A paged document (an uploaded PDF, issue 33) keeps the words of each of its pages in its

@@ -100,6 +100,82 @@ def test_the_memory_budget_holds_beside_others_but_a_request_alone_always_starts
     assert p.room(7) and not p.room(8)
 
 
+# ------------------------------------------------------------------ fair share across callers
+
+
+def of(caller: str, n: int = 1, deadline: float | None = None) -> list[Request]:
+    """``n`` waiting requests of ``caller`` (an API key name; "": anonymous)."""
+    return [Request(shape(), OPTIONS, deadline, admitted_at=NOW, caller=caller) for _ in range(n)]
+
+
+def test_a_key_with_one_request_starts_before_another_keys_flood():
+    # key A floods the line with 20 requests, then key B asks once: B's starts next
+    p = policy(max_batch_size=1)
+    line = of("a", 20) + of("b")
+    running = [started(shape(), seq=1)]
+    running[0].caller = "a"
+    order = p.start_order(running, line)
+    assert order[0] == 20
+    # and with nothing running, A's oldest first, then B's, then A's in their order
+    assert p.start_order([], line)[:3] == [0, 20, 1]
+
+
+def test_fair_share_is_round_robin_across_keys_and_first_come_within_one():
+    p = policy()
+    line = of("a", 3) + of("b", 2) + of("", 2)  # "": the anonymous callers, one class
+    order = p.start_order([], line)
+    assert order == [0, 3, 5, 1, 4, 6, 2]
+    assert [line[i].caller for i in order] == ["a", "b", "", "a", "b", "", "a"]
+
+
+def test_one_key_alone_is_served_in_arrival_order():
+    p = policy()
+    running = [started(shape(), seq=1)]
+    assert p.start_order(running, of("a", 5)) == [0, 1, 2, 3, 4]
+    assert p.start_order([], of("", 4)) == [0, 1, 2, 3]
+    assert p.displaced(of("a", 32), "a") is None
+
+
+def test_a_key_with_fewer_started_goes_first_until_they_are_even():
+    p = policy()
+    running = [started(shape(), seq=i) for i in range(3)]
+    for r in running:
+        r.caller = "a"
+    order = p.start_order(running, of("a", 2) + of("b", 4))
+    assert order == [2, 3, 4, 0, 5, 1]  # b has 3 to catch up, then they alternate
+
+
+def test_a_full_line_makes_room_for_a_key_holding_fewer_places():
+    p = policy()
+    line = of("a", 30) + of("b", 2)
+    assert p.displaced(line, "c") == 29  # A's newest gives its place
+    assert p.displaced(line, "b") == 29
+    assert p.displaced(of("a", 16) + of("b", 16), "a") is None  # A holds no fewer than B
+    assert p.displaced(of("a", 16) + of("b", 15), "b") is None  # they would trade back
+    assert p.displaced([], "a") is None
+
+
+def test_another_keys_flood_waiting_behind_a_request_is_not_work_due_before_it():
+    p = measured()
+    flood = of("a", 20, deadline=NOW + 5.0)
+    # the same request is refused behind its own key's flood, admitted beside another's
+    with pytest.raises(Overloaded):
+        p.admission(shape(), OPTIONS, 6.0, NOW, [], flood, caller="a")
+    assert p.admission(shape(), OPTIONS, 6.0, NOW, [], flood, caller="b") > 0
+
+
+def test_a_waiting_request_is_shed_in_fair_order():
+    p = measured()
+    running = started(shape(passages=10, prompt=500), seq=1, solo=True)  # ~5 s left
+    running.caller = "a"
+    # B's request starts before A's waiting ones: only the work running is ahead of it
+    flood = of("a", 10, deadline=NOW + 6.0)
+    mine = of("b", deadline=NOW + 8.0)
+    refused = {id(r.request) for r in p.hopeless(NOW, [running], flood + mine)}
+    assert id(mine[0]) not in refused
+    assert refused  # A's flood does not all fit
+
+
 # ------------------------------------------------------------------ ordering
 
 

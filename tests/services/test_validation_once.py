@@ -146,6 +146,18 @@ def test_passages_are_checked_by_the_generator():
         )
 
 
+def test_the_caller_a_generate_request_names_is_checked_by_the_generator():
+    # who asks (the gateway's key name: the generator's fair share), bounded and printable
+    request = _generate_request()
+    request.caller = "tenant-a"
+    assert validate_generate(request).caller == "tenant-a"
+    assert validate_generate(_generate_request()).caller == ""  # anonymous
+    for bad in ("x" * (limits.MAX_CALLER_CHARS + 1), "a\x00b", "a\nb"):
+        request.caller = bad
+        with pytest.raises(InvalidArgument, match="^caller"):
+            validate_generate(request)
+
+
 @pytest.mark.parametrize(
     ("name", "ok"),
     [

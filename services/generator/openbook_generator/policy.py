@@ -32,6 +32,17 @@ So that the large request still finishes in time, a request whose deadline comes
 estimated remaining work would take more than half of the time it has left) gets every other
 piece of work, and all of them once its remaining work fills the time left.
 
+**Fair share across callers** (:meth:`SchedulingPolicy.start_order`): a request names its
+caller (``Request.caller``: the gateway's API key name; "" every anonymous caller, one class).
+Waiting requests start in this order: the caller with the fewest requests started (running)
+first, ties by which caller's oldest waiting request came first; first come first served within
+a caller. So a key that floods the line with 20 requests and a key with one: the one starts at
+the next free place, not behind the 20 (issue 43: one key's flood does not take the service
+from the others). A full line makes room for a caller holding fewer of its places
+(:meth:`SchedulingPolicy.displaced`): the newest waiting request of the caller holding the most
+is refused (the gateway's 429) instead of the newcomer. Admission counts, as work due before a
+request, only the waiting requests that start before it in this order.
+
 **Admission by measured speed** (:meth:`SchedulingPolicy.admission`): every request's remaining
 work is estimated from the speed model (:mod:`openbook_generator.speed`: its prefill tokens, its
 share of the steps of its batch for the tokens it is expected to decode). A request is refused
@@ -52,13 +63,18 @@ Invariants:
 * nothing measured yet (``speed.known`` false): nothing is refused and nothing is urgent;
 * a request alone always may start (:meth:`~SchedulingPolicy.fits_beside`): admission already
   refused what can never fit;
-* the caller holds whatever lock guards the requests it passes (the loop's).
+* the caller holds whatever lock guards the requests it passes (the loop's);
+* one caller alone (every request the same ``caller``) is served exactly as without fair
+  share: the start order is the line's order, nothing is displaced;
+* no waiting request starves: once its caller has nothing running, only requests of callers
+  with nothing running that came before it start before it (finitely many), and a request
+  that does not fit yet holds its place (nothing behind it starts instead).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -134,6 +150,7 @@ class Request:
     seq: int = 0  # arrival order among started requests, the tie-break of equal service
     solo: bool = False  # decodes in a batch of its own
     progress: Progress | None = None
+    caller: str = ""  # its fair-share class: an API key name; "": the anonymous callers
 
 
 B = TypeVar("B")
@@ -234,12 +251,15 @@ class SchedulingPolicy:
         now: float,
         running: Sequence[Request],
         waiting: Sequence[Request],
+        caller: str = "",
     ) -> float:
-        """Refuse a request of ``shape`` whose deadline is ``time_left_s`` after ``now`` if it
-        cannot finish in time beside ``running`` and ``waiting``: :class:`TooLarge` if not
-        even alone, :class:`Overloaded` (with ``retry_after_s``) if not behind the work already
-        here. Returns the seconds it is expected to take before :class:`Lateness` scales them
-        (what its lateness is measured against; 0: not estimated)."""
+        """Refuse a request of ``caller`` of ``shape`` whose deadline is ``time_left_s`` after
+        ``now`` if it cannot finish in time beside ``running`` and ``waiting``:
+        :class:`TooLarge` if not even alone, :class:`Overloaded` (with ``retry_after_s``) if
+        not behind the work already here (the running requests', and that of the waiting ones
+        that start before it: :meth:`start_order`). Returns the seconds it is expected to take
+        before :class:`Lateness` scales them (what its lateness is measured against; 0: not
+        estimated)."""
         if time_left_s is None or not self.speed.known:
             return 0.0  # no deadline, or nothing measured yet: nothing to refuse on
         allowed = time_left_s * DEADLINE_SHARE
@@ -260,7 +280,13 @@ class SchedulingPolicy:
         mine = lateness * self.work_s(shape, options, rows, 0)
         deadline = now + time_left_s
         work = [(d, lateness * w) for d, w in self._work_ahead(running, waiting, shared)]
-        due = sum(w for d, w in work if d <= deadline) + mine
+        # what starts before it: every running request, and the waiting ones of callers with
+        # fewer started (a flood of another key, waiting behind it, is not due before it)
+        newcomer = Request(shape, options, deadline, caller=caller)
+        order = self.start_order(running, [*waiting, newcomer])
+        before = set(order[: order.index(len(waiting))])
+        ahead = work[: len(running)] + [work[len(running) + i] for i in sorted(before)]
+        due = sum(w for d, w in ahead if d <= deadline) + mine
         late = due - allowed
         # and no admitted request with a later deadline may be pushed past it
         for d, _ in work:
@@ -291,7 +317,8 @@ class SchedulingPolicy:
         took the CPU, a crowd arrived). Their callers are told at once (the gateway's 429),
         with the time the work ahead takes as the retry-after, instead of starting work that
         runs into the deadline (a 504). Same model as :meth:`admission`: the work of the
-        running requests and of those ahead in the line, then its own, one after the other,
+        running requests and of those that start before it (:meth:`start_order`), then its
+        own, one after the other,
         scaled by the lateness, with a margin of :data:`SHED_MARGIN_SHARE` of its time; a
         refused request is no longer ahead of the next."""
         if not waiting or not self.speed.known:
@@ -300,7 +327,7 @@ class SchedulingPolicy:
         shared = self.shared_batch_rows(running, waiting)
         ahead = lateness * sum(self.remaining_s(r, shared) for r in running)
         refused = []
-        for request in waiting:
+        for request in (waiting[i] for i in self.start_order(running, waiting)):
             mine = lateness * self.waiting_work_s(request, shared)
             if request.deadline is None:
                 ahead += mine
@@ -318,6 +345,42 @@ class SchedulingPolicy:
             )
             refused.append(Refusal(request, error))
         return refused
+
+    # ------------------------------------------------------------------ fair share
+
+    def start_order(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[int]:
+        """The positions in ``waiting`` (the line, in arrival order) in the order they are to
+        start, fair across callers (module docstring): each next one is the oldest waiting
+        request of the caller with the fewest requests started, counting those placed before
+        it in this order; ties go to the caller whose oldest waiting request came first. One
+        caller alone: the line's order."""
+        started = Counter(r.caller for r in running)
+        lines: dict[str, deque[int]] = {}
+        for at, request in enumerate(waiting):
+            lines.setdefault(request.caller, deque()).append(at)
+        order: list[int] = []
+        while lines:
+            caller = min(lines, key=lambda c: (started[c], lines[c][0]))
+            line = lines[caller]
+            order.append(line.popleft())
+            started[caller] += 1
+            if not line:
+                del lines[caller]
+        return order
+
+    def displaced(self, waiting: Sequence[Request], caller: str) -> int | None:
+        """When the line is full and a request of ``caller`` comes: the position in
+        ``waiting`` of the request refused to make room for it, the newest of the caller
+        holding the most places, if that caller holds at least two more than ``caller`` (so
+        that the two never trade places back and forth); None: the newcomer is refused, as
+        when one caller fills the line."""
+        held = Counter(r.caller for r in waiting)
+        if not held:
+            return None
+        most, count = max(held.items(), key=lambda item: item[1])
+        if most == caller or count < held[caller] + 2:
+            return None
+        return max(at for at, r in enumerate(waiting) if r.caller == most)
 
     # ------------------------------------------------------------------ starting requests
 

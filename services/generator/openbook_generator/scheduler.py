@@ -20,10 +20,15 @@ The generator's engine is three parts, as vLLM v1's (``EngineCore.step()`` runs 
 A request is admitted as it enters the line, under the line's lock (the policy's
 :meth:`~openbook_generator.policy.SchedulingPolicy.admission`: a crowd arriving together is
 checked one by one), and a waiting request that can no longer make its deadline is refused
-between two pieces of work instead of being started.
+between two pieces of work instead of being started. Waiting requests start in the policy's
+fair order across callers (:meth:`~openbook_generator.policy.SchedulingPolicy.start_order`),
+and a full line makes room for a caller holding fewer of its places
+(:meth:`~openbook_generator.policy.SchedulingPolicy.displaced`).
 
 Invariants:
-* the line never holds more than ``max_queue`` requests: ``submit`` fails at once (backpressure);
+* the line never holds more than ``max_queue`` requests: ``submit`` fails at once (backpressure),
+  unless another caller holds at least two more places than its own (its newest is refused
+  then, with the same error);
 * a request whose caller gave up (deadline passed, cancelled) leaves the line at once and is
   never run; once running, it leaves its batch before the next piece of work;
 * no wait is unbounded: every caller waits at most its own timeout;
@@ -113,6 +118,8 @@ class GenerateItem:
     # the stages' wall-clock times, for tracing (None: not traced); shared by the copies
     # ``replace`` makes of this item
     times: StageTimes | None = None
+    # who asks (GenerateRequest.caller): the policy shares the engine out fairly across callers
+    caller: str = ""
 
 
 @dataclass(eq=False)
@@ -225,7 +232,11 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
     # ------------------------------------------------------------------ admission
 
     def admission(
-        self, shape: RequestShape, options: DecodingOptions, time_left_s: float | None
+        self,
+        shape: RequestShape,
+        options: DecodingOptions,
+        time_left_s: float | None,
+        caller: str = "",
     ) -> float:
         """Refuse a request of ``shape`` whose deadline is ``time_left_s`` from now if it cannot
         finish in time (:meth:`SchedulingPolicy.admission`): :class:`TooLarge` if not even
@@ -242,6 +253,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 time.monotonic(),
                 self._started(),
                 self._waiting_requests(),
+                caller,
             )
 
     def retry_after_s(self) -> float:
@@ -257,15 +269,35 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         could not finish in time)."""
         try:
             with self._cond:
-                planned = self.admission(payload.shape, payload.options, timeout_s)
+                planned = self.admission(payload.shape, payload.options, timeout_s, payload.caller)
                 admitted = replace(payload, admitted_at=time.monotonic(), planned_s=planned)
                 if payload.times is not None:
                     payload.times.admitted_ns = time.time_ns()
+                if len(self._waiting) >= self.max_queue:
+                    self._make_room(payload.caller)
                 return super()._enqueue(admitted, timeout_s, on_cancel)
         except Overloaded as exc:
             if exc.retry_after_s is None:
                 exc.retry_after_s = self.retry_after_s()
             raise
+
+    def _make_room(self, caller: str) -> None:
+        """The line is full and ``caller`` asks: refuse the waiting request the policy
+        displaces for it (another caller's newest, when that caller holds at least two more
+        places), with the error a full line gives. Under ``_cond``."""
+        lined = list(self._waiting)
+        at = self.policy.displaced([_request(w) for w in lined], caller)
+        if at is None:
+            return  # the line refuses the newcomer
+        displaced = lined[at]
+        self._waiting.remove(displaced)
+        error = Overloaded(
+            f"queue full ({self.max_queue} requests waiting, most of them this caller's): "
+            "its newest request made room for another caller's; retry later",
+            retry_after_s=self.policy.retry_after_s(self._started(), self._waiting_requests()),
+        )
+        resolve(displaced.future, error)
+        self._dropped()
 
     # ------------------------------------------------------------------ streaming
 
@@ -413,14 +445,19 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                         timeout=self.max_wait_s,
                     )
                 woke = time.perf_counter()
+            self._drop_given_up()
             self._shed_hopeless()
             taken: list[_Admitted] = []
             joining: dict[int, int] = {}  # id(batch) -> rows taken into it now
             shapes = [a.request.shape for a in self._running.values()]
-            while self._waiting and self.policy.room(len(self._running)):
-                if self._expired_head():
-                    continue
-                head = self._waiting[0]
+            lined = list(self._waiting)
+            # fair across callers (the policy's start order); the order accounts for each
+            # request started before the next, as taking them here does
+            order = self.policy.start_order(self._started(), [_request(w) for w in lined])
+            for at in order:
+                if not self.policy.room(len(self._running)):
+                    break
+                head = lined[at]
                 item: GenerateItem = head.payload
                 if not self.policy.fits_beside(shapes, item.shape):
                     break  # it starts when enough running requests have finished
@@ -429,7 +466,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 if batch is None:
                     break  # the shared batch is full of rows: it joins when some leave
                 joining[id(batch)] = joining.get(id(batch), 0) + item.shape.rows
-                self._waiting.popleft()
+                self._waiting.remove(head)
                 if item.times is not None:
                     item.times.started_ns = time.time_ns()
                 self._arrivals += 1
@@ -439,6 +476,14 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 shapes.append(item.shape)
                 self._running[id(head)] = admitted
             return taken, woke
+
+    def _drop_given_up(self) -> None:
+        """Drop every waiting request whose caller gave up (deadline passed, cancelled): the
+        fair order may start any of them next, not only the head. Under ``_cond``."""
+        for waiting in [w for w in self._waiting if w.gave_up()]:
+            self._waiting.remove(waiting)
+            resolve(waiting.future, DeadlineExceeded("deadline passed while queued"))
+            self._dropped()
 
     def _shed_hopeless(self) -> None:
         """Refuse (:class:`Overloaded`, the gateway's 429) every waiting request that can no
@@ -554,6 +599,7 @@ def _request(waiting: Waiting, seq: int = 0, solo: bool = False) -> Request:
         planned_s=item.planned_s,
         seq=seq,
         solo=solo,
+        caller=item.caller,
     )
 
 

@@ -20,7 +20,7 @@ from openbook import telemetry
 from openbook.checkpoint import CheckpointError, checkpoint_in_root
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import InvalidArgument, TooLarge, client_errors
-from openbook.limits import MAX_K, check_finite, check_question
+from openbook.limits import MAX_CALLER_CHARS, MAX_K, check_finite, check_question, refuse_controls
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.checkpoint import load_generator
 from openbook.rag.memory import RequestShape, mib
@@ -52,6 +52,7 @@ class ValidGenerateRequest:
     question: str
     passages: tuple[Passage, ...]
     options: DecodingOptions
+    caller: str = ""  # its fair-share class (GenerateRequest.caller); "": anonymous
 
 
 def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
@@ -86,7 +87,13 @@ def validate_generate(request: generator_pb2.GenerateRequest) -> ValidGenerateRe
     passages = tuple(
         Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in request.passages
     )
-    return ValidGenerateRequest(question, passages, options_from_proto(request.options))
+    caller = request.caller
+    if len(caller) > MAX_CALLER_CHARS:
+        raise InvalidArgument(
+            f"caller must be at most {MAX_CALLER_CHARS} characters, got {len(caller)}"
+        )
+    refuse_controls("caller", caller)
+    return ValidGenerateRequest(question, passages, options_from_proto(request.options), caller)
 
 
 def result_to_proto(
@@ -345,7 +352,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         time_left = time_remaining(context)
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
-        item = self.item(valid.question, valid.passages, valid.options)
+        item = replace(
+            self.item(valid.question, valid.passages, valid.options), caller=valid.caller
+        )
         if telemetry.enabled():
             item = replace(item, times=StageTimes())
         return item, time_left
