@@ -92,7 +92,9 @@ def exactness(gen: RagGenerator, args: argparse.Namespace) -> None:
         for line in out.read_text().splitlines():
             row = json.loads(line)
             done.add((row["i"], row["mode"]))
-    todo = [(i, m) for m in args.modes.split(",") for i in range(len(reqs)) if (i, m) not in done]
+    # Question by question, every mode of a question together: an interrupted run still covers
+    # each mode on the same questions.
+    todo = [(i, m) for i in range(len(reqs)) for m in args.modes.split(",") if (i, m) not in done]
     with out.open("a") as sink:
         for i, mode in tqdm(todo, desc="drafting exactness", unit="request"):
             r = reqs[i]
