@@ -110,3 +110,70 @@ def test_every_import_is_allowed_and_every_permission_is_used():
     unused = {p: sorted(rules[p] - actual.get(p, set())) for p in rules}
     assert not {p: v for p, v in not_allowed.items() if v}, "imports the table does not allow"
     assert not {p: v for p, v in unused.items() if v}, "permissions the code no longer uses"
+
+
+# The gateway's transports (issue 44): each turns its wire format into typed requests and calls
+# the service layer; none calls another's handlers. A module belongs to the first transport
+# whose prefix its name starts with (module names relative to ``openbook_gateway``).
+GATEWAY = ROOT / "services" / "gateway" / "openbook_gateway"
+TRANSPORTS = {
+    "mcp": ("mcp_tools", "routes.mcp"),
+    "v1": ("routes.openai", "openai_", "responses_format", "stored_responses"),
+    "rest": ("routes",),
+}
+SERVICE_LAYER = ("operations", "answering")
+
+
+def _gateway_module(path: Path) -> str:
+    parts = path.relative_to(GATEWAY).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _in(module: str, prefixes: tuple[str, ...]) -> bool:
+    # "openai_" is a prefix of module names; "routes" a package and its modules
+    return any(
+        module == p or module.startswith(p if p.endswith("_") else p + ".") for p in prefixes
+    )
+
+
+def _transport_of(module: str) -> str | None:
+    return next((name for name, prefixes in TRANSPORTS.items() if _in(module, prefixes)), None)
+
+
+def gateway_imports() -> dict[str, set[str]]:
+    """Each gateway module and the gateway modules it imports (``openbook_gateway.`` cut)."""
+    graph: dict[str, set[str]] = {}
+    for path in GATEWAY.rglob("*.py"):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("openbook_gateway."):
+                    imported.add(name.removeprefix("openbook_gateway."))
+        graph[_gateway_module(path)] = imported
+    return graph
+
+
+def test_transports_meet_only_in_the_service_layer():
+    """No transport (REST routes, ``/v1``, MCP) imports another's modules, and the service
+    layer (``operations``, ``answering``) imports none: MCP tools and ``/v1`` routes reach
+    documents, indexes and answers through the service layer, never through a REST handler."""
+    graph = gateway_imports()
+    assert _transport_of("mcp_tools") == "mcp"
+    assert _transport_of("routes.documents") == "rest"
+    assert _transport_of("openai_format") == "v1"
+    crossings = {}
+    for module, imported in graph.items():
+        own = _transport_of(module)
+        if own is None and not _in(module, SERVICE_LAYER):
+            continue  # the app, the door, the clients: they may wire transports together
+        # own is None for the service layer: any transport's module is foreign to it
+        foreign = sorted(name for name in imported if _transport_of(name) not in (None, own))
+        if foreign:
+            crossings[module] = foreign
+    assert not crossings, f"a transport (or the service layer) imports another: {crossings}"

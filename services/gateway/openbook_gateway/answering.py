@@ -1,5 +1,6 @@
-"""The answer pipeline behind ``POST /answer`` and ``POST /v1/chat/completions``: cache lookup,
-retrieval, generation (whole, or streamed token by token), cache store.
+"""The answer pipeline behind ``POST /answer``, the ``/v1`` chat completions and responses, and
+the MCP ``answer`` tool (the service layer's answer operation, ``openbook_gateway.operations``):
+cache lookup, retrieval, generation (whole, or streamed token by token), cache store.
 
 :func:`answer_events` yields :class:`TokenOut` events while the answer is written (streaming
 only) and one :class:`AnswerOut` last. The texts of the token events whose ``passage`` is None
@@ -26,7 +27,7 @@ from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from fastapi import HTTPException, Request
+from fastapi import HTTPException
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
@@ -42,7 +43,7 @@ from openbook_gateway.mapping import (
     stored_answer,
     with_threshold,
 )
-from openbook_gateway.principal import principal_of
+from openbook_gateway.operations.caller import Caller
 from openbook_gateway.schemas import AnswerRequest
 from openbook_gateway.services import Services
 
@@ -78,8 +79,8 @@ class AnswerOut:
     body: dict
 
 
-async def unless_disconnected(request: Request, call: Awaitable[T]) -> T:
-    """Await ``call``; if the HTTP client goes away first, cancel it (and with it the gRPC
+async def unless_disconnected(caller: Caller, call: Awaitable[T]) -> T:
+    """Await ``call``; if the caller's HTTP client goes away first, cancel it (and with it the gRPC
     call, so the generator drops the request instead of computing an answer nobody reads)."""
     task = asyncio.ensure_future(call)
     try:
@@ -87,7 +88,7 @@ async def unless_disconnected(request: Request, call: Awaitable[T]) -> T:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 return task.result()
-            if await request.is_disconnected():
+            if await caller.is_disconnected():
                 raise HTTPException(CLIENT_CLOSED_REQUEST, "the client closed the request")
     finally:
         task.cancel()  # a no-op once done
@@ -102,12 +103,12 @@ def confidence_threshold(requested: float | None, services: Services) -> float |
 
 
 async def answer_events(
-    body: AnswerRequest, services: Services, request: Request, *, stream: bool
+    body: AnswerRequest, services: Services, caller: Caller, *, stream: bool
 ) -> AsyncGenerator[TokenOut | AnswerOut, None]:
     """The answer to ``body`` (module docstring); without ``stream`` only its AnswerOut.
 
-    ``request`` is the HTTP request being answered: its id, and whether its client is still
-    there (a gone client cancels the generation)."""
+    ``caller``: whose key the answer is held to, the request id, and whether its client is
+    still there (a gone client cancels the generation)."""
     # A follow-up is retrieved with the question expanded from the conversation (the cache key
     # and question_used hold that text, which starts with the question as asked), and answered
     # as asked: the generator reads the question the user wrote over the passages the
@@ -117,7 +118,7 @@ async def answer_events(
     body = with_conversation(body)
     # The index it may be answered from: a key held to indexes names only those, and a
     # request naming none gets its first (a 404 otherwise, before the cache is looked at).
-    principal = principal_of(request)
+    principal = caller.principal
     index = principal.index_for(body.index)
     # What retrieval searches: a key's tenant filter AND the request's (issue 43: no request
     # field widens it); it keys the cached answer too.
@@ -125,7 +126,7 @@ async def answer_events(
     if index != body.index:
         body = body.model_copy(update={"index": index})
     metrics = services.metrics
-    request_id = request.state.request_id
+    request_id = caller.request_id
     timer = metrics.stages()
     # Resolved before the cache key is built: a request without k and one naming the
     # model's default share the key.
@@ -195,7 +196,7 @@ async def answer_events(
             )
             if not stream:
                 generated = await unless_disconnected(
-                    request, services.generator.generate(as_asked, passages, request_id)
+                    caller, services.generator.generate(as_asked, passages, request_id)
                 )
             else:
                 async for event in services.generator.generate_stream(

@@ -12,8 +12,9 @@ token.
 Invariants:
 
 * A tool works on the gateway's own :class:`~openbook_gateway.services.Services`, through the
-  code the HTTP routes run (``answering.answer_events``, the documents and indexes handlers),
-  never HTTP to itself: the same cache, limits, metrics and errors as ``/answer``.
+  service layer the HTTP routes call too (``openbook_gateway.operations``,
+  ``answering.answer_events``), never through an HTTP route's handler nor HTTP to itself: the
+  same cache, limits, metrics and errors as ``/answer``.
 * Arguments are validated as the HTTP API validates a body: strictly (``"5"`` is not an
   integer, ``"true"`` not a boolean) and with unknown arguments refused (:func:`strict_arguments`:
   each tool's argument model, the SDK's lax one otherwise, made ``STRICT_REQUEST``; its schema
@@ -60,9 +61,13 @@ from openbook.types import document_id_of
 from openbook_gateway import audit
 from openbook_gateway.access import Refused, require_scope
 from openbook_gateway.answering import AnswerOut, answer_events
-from openbook_gateway.principal import INDEXES_CREATE, WRITE, principal_of
-from openbook_gateway.routes import documents as documents_routes
-from openbook_gateway.routes import indexes as indexes_routes
+from openbook_gateway.mapping import put_document_response
+from openbook_gateway.operations import documents as document_operations
+from openbook_gateway.operations import indexes as index_operations
+from openbook_gateway.operations import search as search_operations
+from openbook_gateway.operations.caller import Caller, caller_of
+from openbook_gateway.operations.documents import NewDocument
+from openbook_gateway.principal import INDEXES_CREATE, WRITE
 from openbook_gateway.schemas import (
     STRICT_REQUEST,
     AnswerRequest,
@@ -120,7 +125,8 @@ FilterArg = Annotated[
 
 class _Call:
     """What a tool call works with: the HTTP request that carried it, the gateway's services,
-    and the request id (logged, sent to the services, and named by an unexpected failure)."""
+    its caller (the principal the door found for that request) and the request id (logged,
+    sent to the services, and named by an unexpected failure)."""
 
     def __init__(self, ctx: Context) -> None:
         request = ctx.request_context.request
@@ -128,7 +134,8 @@ class _Call:
             # Only the gateway's /mcp serves these tools (stdio relays to it).
             raise ToolError("openbook's tools run in the gateway: connect to its /mcp")
         self.request = request
-        self.request_id: str = request.state.request_id  # set by middleware.RequestContext
+        self.caller: Caller = caller_of(request)
+        self.request_id = self.caller.request_id  # set by middleware.RequestContext
         # The tool runs in the MCP session's task, outside the HTTP request's log context.
         request_id_var.set(self.request_id)
 
@@ -146,7 +153,7 @@ class _Call:
     ) -> dict:
         """Run a write tool's ``work`` if the carrying request's key may (:meth:`require`),
         its audit line logged whatever the outcome (``openbook_gateway.audit``)."""
-        principal = principal_of(self.request)
+        principal = self.caller.principal
         if index is not None:
             fields["index"] = index
         try:
@@ -228,13 +235,8 @@ async def search(
         raise _argument_errors(exc, {"question": "query"}) from None
     services = await call.services()
     try:
-        principal = principal_of(call.request)
-        index = principal.index_for(index)  # a key held to indexes
-        # a key's tenant filter AND the argument's (issue 43)
-        where = principal.where(body.metadata_filter())
-        retrieved = await services.retrieval.retrieve(
-            query, k, index, call.request_id, retrieval=retrieval, where=where
-        )
+        # the index a key may name, its tenant filter AND the argument's (issue 43)
+        retrieved = await search_operations.search(services, call.caller, body)
     except HTTPException as exc:
         raise _service_error(exc, call) from None
     return {
@@ -294,7 +296,7 @@ async def answer(
         raise _argument_errors(exc) from None
     services = await call.services()
     try:
-        async for event in answer_events(body, services, call.request, stream=False):
+        async for event in answer_events(body, services, call.caller, stream=False):
             if isinstance(event, AnswerOut):
                 return _answer_out(event.body)
     except HTTPException as exc:
@@ -337,7 +339,7 @@ async def list_indexes(ctx: Context) -> dict[str, Any]:
     services = await call.services()
     try:
         # IndexOut models in a dict: plain JSON, as the HTTP route's response is
-        return jsonable_encoder(await indexes_routes.indexes(call.request, services))
+        return jsonable_encoder(await index_operations.list_indexes(services, call.caller))
     except HTTPException as exc:
         raise _service_error(exc, call) from None
 
@@ -366,7 +368,7 @@ async def create_index(
         INDEXES_CREATE,
         services,
         None,
-        documents_routes.create_index(body, call.request, services),
+        index_operations.create_index(services, call.caller, body),
         name=name,
     )
 
@@ -399,7 +401,7 @@ async def put_document(
         WRITE,
         services,
         index,
-        documents_routes.put_document(index, doc_id, body, call.request, services),
+        _put_document(services, call.caller, index, doc_id, body),
         ids=[doc_id],
     )
 
@@ -422,9 +424,22 @@ async def delete_document(
         WRITE,
         services,
         index,
-        documents_routes.delete_document(index, doc_id, call.request, services),
+        _delete_document(services, call.caller, index, doc_id),
         ids=[doc_id],
     )
+
+
+async def _put_document(
+    services: Services, caller: Caller, index: str, doc_id: str, body: DocumentBody
+) -> dict:
+    document = NewDocument(doc_id, body.title, body.text, body.metadata)
+    reply = await document_operations.write(services, caller, index, [document])
+    return put_document_response(index, doc_id, reply)
+
+
+async def _delete_document(services: Services, caller: Caller, index: str, doc_id: str) -> dict:
+    reply = await document_operations.delete(services, caller, index, doc_id)
+    return {"version": reply.version}
 
 
 def build_server() -> MCPServer:

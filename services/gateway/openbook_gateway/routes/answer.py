@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from openbook_gateway.answering import AnswerOut, TokenOut, answer_events, unless_disconnected
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.events import STREAMED, EventStream, sse
+from openbook_gateway.operations.caller import caller_of
 from openbook_gateway.schemas import AnswerRequest, AnswerResponse
 from openbook_gateway.services import ServicesDep
 
@@ -32,7 +33,8 @@ async def answer(body: AnswerRequest, request: Request, services: ServicesDep) -
     """The answer, or with ``"stream": true`` Server-Sent Events: ``token`` events as it is
     written, then an ``answer`` event with the same body (an ``error`` event if it fails
     after the stream began; before that, the usual HTTP error)."""
-    events = answer_events(body, services, request, stream=body.stream)
+    caller = caller_of(request)
+    events = answer_events(body, services, caller, stream=body.stream)
     if not body.stream:
         async for event in events:
             if isinstance(event, AnswerOut):
@@ -40,8 +42,8 @@ async def answer(body: AnswerRequest, request: Request, services: ServicesDep) -
         raise HTTPException(502, "no answer")  # answer_events always ends with one
     # The first event waits for retrieval and the prompt's prefill: errors until then are
     # plain HTTP errors.
-    first = await unless_disconnected(request, anext(events))
-    stream = answer_sse(first, events, request.state.request_id)
+    first = await unless_disconnected(caller, anext(events))
+    stream = answer_sse(first, events, caller.request_id)
     return EventStream(stream, on_end=partial(services.metrics.stream_ended, "answer"))
 
 

@@ -11,23 +11,21 @@ Invariants:
   is a 422 naming the field and never reaches the retriever. What only the retriever can
   know maps from its gRPC code: NOT_FOUND -> 404, ALREADY_EXISTS and FAILED_PRECONDITION (the
   active index) -> 409, INVALID_ARGUMENT -> 422, UNAVAILABLE -> 503.
-* A key with a tenant filter (``openbook_gateway.tenancy``) writes its fields into what it
-  writes, never over a document it cannot see, and reads and lists only what its filter
-  keeps (404 for the rest, as for a document that does not exist).
 * Every write is audited (``openbook_gateway.audit``: the middleware logs the request, the
   batch routes note their document ids).
-* Each acknowledged write's version is remembered by the answer cache and the metrics: this
-  gateway never serves a cached answer computed on fewer writes than it has acknowledged.
+* The handlers only check the path and turn the body into typed requests: what is done with
+  them (a tenant's stamps and visibility, the versions the answer cache remembers) is the
+  service layer's (``openbook_gateway.operations.documents`` and ``.indexes``), which the MCP
+  tools call too.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Annotated
 from urllib.parse import unquote_to_bytes
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from openbook.errors import InvalidArgument
@@ -37,16 +35,13 @@ from openbook.limits import (
     check_document_id,
     check_document_ref,
 )
-from openbook.v1 import retriever_pb2
-from openbook_gateway import audit, tenancy
+from openbook_gateway import audit
 from openbook_gateway.bodies import JSONBodyRoute
-from openbook_gateway.mapping import (
-    document_proto,
-    document_response,
-    index_out,
-    put_document_response,
-)
-from openbook_gateway.principal import Principal, principal_of
+from openbook_gateway.mapping import document_response, put_document_response
+from openbook_gateway.operations import documents as operations
+from openbook_gateway.operations import indexes as index_operations
+from openbook_gateway.operations.caller import caller_of
+from openbook_gateway.operations.documents import NewDocument
 from openbook_gateway.schemas import (
     CreateIndexRequest,
     DeleteDocumentResponse,
@@ -59,9 +54,7 @@ from openbook_gateway.schemas import (
     PutDocumentsRequest,
     PutDocumentsResponse,
 )
-from openbook_gateway.services import Services, ServicesDep
-
-log = logging.getLogger(__name__)
+from openbook_gateway.services import ServicesDep
 
 # Ids per page of GET /indexes/{index}/documents.
 DEFAULT_PAGE = 100
@@ -119,43 +112,18 @@ DocumentId = Annotated[
 router = APIRouter(route_class=JSONBodyRoute)
 
 
-def _wrote(services: Services, index: str, version: int) -> None:
-    services.cache.wrote(index, version)
-    services.metrics.index_version(index, version)
-
-
 @router.post("/indexes", status_code=201, response_model=IndexOut)
 async def create_index(body: CreateIndexRequest, request: Request, services: ServicesDep) -> dict:
     """An empty index: the default encoder and type, or those of the index named by ``like``.
     A key held to indexes (with ``indexes:create``) creates only those."""
     audit.note(request, name=body.name)
-    principal = principal_of(request)
-    if not principal.sees(body.name):
-        raise HTTPException(
-            403,
-            f"name: key {principal.name!r} may create only its indexes "
-            f"({', '.join(principal.indexes or ())})",
-        )
-    if body.like is not None and not principal.sees(body.like):
-        raise HTTPException(404, principal.unknown_index(body.like))
-    info = await services.retrieval.create_index(
-        body.name, body.type or "", body.like or "", request.state.request_id
-    )
-    # A new index of a deleted one's name starts again from version 0.
-    services.cache.forget(body.name)
-    _wrote(services, info.name, info.version)
-    log.info("index created %s", info.name)
-    return index_out(info)
+    return await index_operations.create_index(services, caller_of(request), body)
 
 
 @router.delete("/indexes/{name}", response_model=DeleteIndexResponse)
 async def delete_index(name: IndexName, request: Request, services: ServicesDep) -> dict:
     """Delete an index and its files; refused (409) for the active index."""
-    await services.retrieval.delete_index(name, request.state.request_id)
-    await services.cache.deleted(name)
-    services.metrics.index_deleted(name)
-    log.info("index deleted %s", name)
-    return {"name": name}
+    return await index_operations.delete_index(services, caller_of(request), name)
 
 
 @router.put(
@@ -172,17 +140,8 @@ async def put_document(
     """Insert or replace one document: split into passages, embedded, searchable once this
     answers."""
     doc_id = _checked_id("path", "doc_id", doc_id, request)
-    principal = principal_of(request)
-    request_id = request.state.request_id
-    if principal.tenant is not None:
-        # the tenant's fields stamped in, and never over another tenant's document
-        metadata = tenancy.stamped(principal, doc_id, body.title, body.metadata)
-        body = body.model_copy(update={"metadata": metadata})
-        await tenancy.check_overwrites(principal, services.retrieval, index, [doc_id], request_id)
-    reply = await services.retrieval.put_documents(
-        index, [document_proto(doc_id, body)], request_id
-    )
-    _wrote(services, index, reply.version)
+    document = NewDocument(doc_id, body.title, body.text, body.metadata)
+    reply = await operations.write(services, caller_of(request), index, [document])
     return put_document_response(index, doc_id, reply)
 
 
@@ -194,30 +153,12 @@ async def put_documents(
     index: IndexName, body: PutDocumentsRequest, request: Request, services: ServicesDep
 ) -> dict:
     """Insert or replace many documents under one version, all or nothing (per shard)."""
-    principal = principal_of(request)
-    request_id = request.state.request_id
-    given = body.documents
-    if principal.tenant is not None:
-        given = [
-            document.model_copy(
-                update={
-                    "metadata": tenancy.stamped(
-                        principal,
-                        document.id,
-                        document.title,
-                        document.metadata,
-                        f"documents[{at}].metadata",
-                    )
-                }
-            )
-            for at, document in enumerate(given)
-        ]
-        ids = [document.id for document in given]
-        await tenancy.check_overwrites(principal, services.retrieval, index, ids, request_id)
-    audit.note(request, ids=[document.id for document in given])
-    documents = [document_proto(document.id, document) for document in given]
-    reply = await services.retrieval.put_documents(index, documents, request_id)
-    _wrote(services, index, reply.version)
+    audit.note(request, ids=[document.id for document in body.documents])
+    documents = [
+        NewDocument(d.id, d.title, d.text, d.metadata, f"documents[{at}].metadata")
+        for at, d in enumerate(body.documents)
+    ]
+    reply = await operations.write(services, caller_of(request), index, documents)
     return {"index": index, "version": reply.version, "passages": list(reply.passages)}
 
 
@@ -230,12 +171,7 @@ async def delete_document(
 ) -> dict:
     """Delete a document (404 when absent): its passages are never served once this answers."""
     doc_id = _checked_id("path", "doc_id", doc_id, request, check_document_ref)
-    principal = principal_of(request)
-    if principal.tenant is not None:
-        # another tenant's document is one this key does not have
-        await _visible_document(principal, index, doc_id, request, services)
-    reply = await services.retrieval.delete_document(index, doc_id, request.state.request_id)
-    _wrote(services, index, reply.version)
+    reply = await operations.delete(services, caller_of(request), index, doc_id)
     return {"version": reply.version}
 
 
@@ -245,19 +181,8 @@ async def get_document(
 ) -> dict:
     """A document, its metadata and its passage ids (404 when absent)."""
     doc_id = _checked_id("path", "doc_id", doc_id, request, check_document_ref)
-    document = await _visible_document(principal_of(request), index, doc_id, request, services)
+    document = await operations.get(services, caller_of(request), index, doc_id)
     return document_response(index, document)
-
-
-async def _visible_document(
-    principal: Principal, index: str, doc_id: str, request: Request, services: Services
-) -> retriever_pb2.Document:
-    """Document ``doc_id``, a 404 when there is none or the key's tenant cannot see it (the
-    same words: whether another tenant has it does not show)."""
-    document = await services.retrieval.get_document(index, doc_id, request.state.request_id)
-    if not tenancy.visible(principal, document):
-        raise HTTPException(404, f"document {doc_id!r} not found in index {index!r}")
-    return document
 
 
 @router.get("/indexes/{index}/documents", response_model=DocumentListResponse)
@@ -277,15 +202,7 @@ async def list_documents(
     """A page of document ids, in id order, after ``cursor``."""
     if cursor:
         _checked_id("query", "cursor", cursor, check=check_document_ref)
-    principal = principal_of(request)
-    request_id = request.state.request_id
-    if principal.tenant is not None:
-        listed = await tenancy.visible_page(
-            principal, services.retrieval, index, cursor, limit, request_id
-        )
-    else:
-        listed = await services.retrieval.list_documents(index, cursor, limit, request_id)
-    services.metrics.index_version(index, listed.version)
+    listed = await operations.list_page(services, caller_of(request), index, cursor, limit)
     return {
         "index": index,
         "ids": list(listed.ids),

@@ -63,7 +63,9 @@ from openbook_gateway.openai_schemas import (
     OpenAIRequestError,
     to_answer_request,
 )
-from openbook_gateway.principal import principal_of
+from openbook_gateway.operations import indexes as index_operations
+from openbook_gateway.operations import search as search_operations
+from openbook_gateway.operations.caller import Caller, caller_of
 from openbook_gateway.responses_format import ResponseReply
 from openbook_gateway.services import Services, ServicesDep
 from openbook_gateway.stored_responses import load_turns, owner_of, save_turns
@@ -83,35 +85,33 @@ def model_card(model_id: str, services: Services) -> dict:
     }
 
 
-async def model_ids(services: Services, request: Request) -> list[str]:
+async def model_ids(services: Services, caller: Caller) -> list[str]:
     """``openbook`` and ``openbook/<index>`` for every index that can be loaded: a model
     that names an index the retriever says is broken (``problem``) is not offered, nor one
-    the request's key may not name."""
-    listed = await services.retrieval.list_indexes(request.state.request_id)
-    principal = principal_of(request)
-    usable = [i.name for i in listed.indexes if not i.problem and principal.sees(i.name)]
+    the caller's key may not name."""
+    usable = await index_operations.loadable_names(services, caller)
     return [MODEL, *(f"{MODEL}/{name}" for name in usable)]
 
 
 @router.get("/models")
 async def models(request: Request, services: ServicesDep) -> dict:
     """``openbook`` (the active index) and ``openbook/<index>`` for every loadable index."""
-    ids = await model_ids(services, request)
+    ids = await model_ids(services, caller_of(request))
     return {"object": "list", "data": [model_card(m, services) for m in ids]}
 
 
 @router.get("/models/{model_id:path}")
 async def model(model_id: str, request: Request, services: ServicesDep) -> dict:
-    if model_id not in await model_ids(services, request):
+    if model_id not in await model_ids(services, caller_of(request)):
         raise _unknown_model(model_id)
     return model_card(model_id, services)
 
 
-async def index_of(body: ChatCompletionRequest, services: Services, request: Request) -> str | None:
+async def index_of(body: ChatCompletionRequest, services: Services, caller: Caller) -> str | None:
     """The index the model (and the ``index`` extra field) name; None: the active one."""
     index: str | None = None
     if body.model != MODEL:
-        if body.model not in await model_ids(services, request):
+        if body.model not in await model_ids(services, caller):
             raise _unknown_model(body.model)
         index = body.model.removeprefix(MODEL + "/")
     if body.index is not None:
@@ -128,12 +128,12 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, services: ServicesDep
 ) -> Response:
     body.check_supported()
-    request_id = request.state.request_id
-    question = to_answer_request(body, await index_of(body, services, request))
+    caller = caller_of(request)
+    question = to_answer_request(body, await index_of(body, services, caller))
     threshold = confidence_threshold(body.min_confidence, services)
-    reply = Completion(body, request_id, holds_text=threshold is not None)
-    events = answer_events(question, services, request, stream=body.stream)
-    return await _reply(events, request, services, reply.whole, reply.chunks, body.stream)
+    reply = Completion(body, caller.request_id, holds_text=threshold is not None)
+    events = answer_events(question, services, caller, stream=body.stream)
+    return await _reply(events, caller, services, reply.whole, reply.chunks, body.stream)
 
 
 @router.post("/responses", responses=STREAMED)
@@ -148,24 +148,24 @@ async def responses(
     of its text (:mod:`openbook_gateway.responses_format`); its conversation kept for the next
     one unless ``store`` is false."""
     body.check_supported()
-    owner = owner_of(principal_of(request))
+    caller = caller_of(request)
+    owner = owner_of(caller.principal)
     prior: list[Turn] = []
     if body.previous_response_id is not None:
         prior = await load_turns(services, body.previous_response_id, owner)
     chat = body.to_chat_request(prior)
-    request_id = request.state.request_id
     try:
-        question = to_answer_request(chat, await index_of(chat, services, request))
+        question = to_answer_request(chat, await index_of(chat, services, caller))
     except OpenAIRequestError as exc:
         raise body.renamed(exc) from None
     threshold = confidence_threshold(chat.min_confidence, services)
-    reply = ResponseReply(body, chat, request_id, holds_text=threshold is not None)
-    events = answer_events(question, services, request, stream=body.stream)
+    reply = ResponseReply(body, chat, caller.request_id, holds_text=threshold is not None)
+    events = answer_events(question, services, caller, stream=body.stream)
     if body.store is not False:
         said, _ = body.question()
         turns = [*body.history(prior), Turn("user", said)]
         events = _storing(events, services, reply, owner, turns)
-    return await _reply(events, request, services, reply.whole, reply.events, body.stream)
+    return await _reply(events, caller, services, reply.whole, reply.events, body.stream)
 
 
 async def _storing(
@@ -188,15 +188,15 @@ async def embeddings(body: EmbeddingsRequest, request: Request, services: Servic
     """The texts embedded by the query encoder that retrieval on the model's index uses
     (``openbook``: the active index), as OpenAI's embeddings list."""
     texts = body.texts()
-    request_id = request.state.request_id
+    caller = caller_of(request)
     index: str | None = None
     if body.model != MODEL:
-        if body.model not in await model_ids(services, request):
+        if body.model not in await model_ids(services, caller):
             raise _unknown_model(body.model)
         index = body.model.removeprefix(MODEL + "/")
-    index = principal_of(request).index_for(index)  # a key held to indexes: its first
     try:
-        reply = await services.retrieval.embed_queries(texts, index, request_id)
+        # a key held to indexes: its first when the model names none
+        reply = await search_operations.embed(services, caller, texts, index)
     except HTTPException as exc:
         if exc.status_code == 409:  # a bm25 index: it has no query encoder
             raise OpenAIRequestError(str(exc.detail), "model", "unsupported_model") from None
@@ -249,7 +249,7 @@ def _unknown_model(model_id: str) -> OpenAIRequestError:
 
 async def _reply(
     events: AnswerEvents,
-    request: Request,
+    caller: Caller,
     services: Services,
     whole: Callable[[dict], dict],
     streamed: Callable[[TokenOut | AnswerOut, AnswerEvents], AsyncGenerator[bytes, None]],
@@ -262,7 +262,7 @@ async def _reply(
             if isinstance(event, AnswerOut):
                 return JSONResponse(whole(event.body))
         raise HTTPException(502, "no answer")  # answer_events always ends with one
-    first = await unless_disconnected(request, anext(events))
+    first = await unless_disconnected(caller, anext(events))
     return EventStream(
         streamed(first, events), on_end=partial(services.metrics.stream_ended, "openai")
     )

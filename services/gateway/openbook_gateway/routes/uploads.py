@@ -53,8 +53,7 @@ from openbook.limits import (
     check_document_title,
     check_metadata,
 )
-from openbook.v1 import retriever_pb2
-from openbook_gateway import audit, tenancy
+from openbook_gateway import audit
 from openbook_gateway.extraction import (
     CANCELLED_STATUS,
     Extracted,
@@ -64,8 +63,10 @@ from openbook_gateway.extraction import (
     extract,
 )
 from openbook_gateway.mapping import put_document_response
-from openbook_gateway.principal import principal_of
-from openbook_gateway.routes.documents import IndexName, _wrote
+from openbook_gateway.operations import documents as operations
+from openbook_gateway.operations.caller import caller_of
+from openbook_gateway.operations.documents import NewDocument
+from openbook_gateway.routes.documents import IndexName
 from openbook_gateway.schemas import UploadResponse
 from openbook_gateway.services import ServicesDep
 
@@ -244,22 +245,10 @@ async def _upload(index: str, form: Any, request: Request, services: ServicesDep
     # The form's title, else the document's own, else the file's name.
     title = title or extracted.title or clean_title(filename)
     metadata = _document_metadata(given, extracted, digest, filename)
-    principal = principal_of(request)
-    if principal.tenant is not None:
-        # the tenant's fields stamped in (issue 43), and never over another tenant's document
-        metadata = tenancy.stamped(principal, doc_id, title, metadata) or {}
-        await tenancy.check_overwrites(
-            principal, services.retrieval, index, [doc_id], request.state.request_id
-        )
     audit.note(request, ids=[doc_id])
-    document = retriever_pb2.Document(
-        id=doc_id,
-        title=title,
-        text=extracted.text,
-        metadata_json=json.dumps(metadata, allow_nan=False, ensure_ascii=False),
-    )
-    reply = await services.retrieval.put_documents(index, [document], request.state.request_id)
-    _wrote(services, index, reply.version)
+    # a tenant's fields stamped in (issue 43), and never over another tenant's document
+    document = NewDocument(doc_id, title, extracted.text, metadata)
+    reply = await operations.write(services, caller_of(request), index, [document])
     log.info(
         "uploaded %s into %s: %s, %d characters", doc_id, index, extracted.kind, len(document.text)
     )
