@@ -11,6 +11,7 @@ import pytest
 from openbook.errors import Overloaded, TooLarge
 from openbook.rag.memory import RequestShape
 from openbook.rag.options import DecodingOptions
+from openbook_generator import policy as policy_module
 from openbook_generator.policy import (
     DEADLINE_SHARE,
     INITIAL_STEPS_SHARE,
@@ -118,6 +119,26 @@ def test_a_key_with_one_request_starts_before_another_keys_flood():
     assert order[0] == 20
     # and with nothing running, A's oldest first, then B's, then A's in their order
     assert p.start_order([], line)[:3] == [0, 20, 1]
+
+
+def test_a_key_just_served_goes_after_one_that_waits_even_with_nothing_running():
+    # one answer at a time: when A's ends, nothing runs, and B (never served) goes first,
+    # then they take turns while both wait
+    p = policy(max_batch_size=1)
+    line = of("a", 4) + of("b", 2)
+    p.started(line[0])
+    assert p.start_order([], line[1:]) == [3, 0, 4, 1, 2]  # positions in line[1:]
+    p.started(line[4])  # B's started: A's turn next
+    assert p.start_order([], line[1:4] + line[5:]) == [0, 3, 1, 2]
+
+
+def test_the_round_robin_remembers_a_bounded_number_of_callers(monkeypatch):
+    monkeypatch.setattr(policy_module, "MAX_CALLERS_REMEMBERED", 2)
+    p = policy()
+    for caller in ("a", "b", "c"):
+        p.started(of(caller)[0])
+    # "a", the least recent, is forgotten: it goes first, as a caller never seen does
+    assert p.start_order([], of("c") + of("b") + of("a")) == [2, 1, 0]
 
 
 def test_fair_share_is_round_robin_across_keys_and_first_come_within_one():

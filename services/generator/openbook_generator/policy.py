@@ -34,11 +34,12 @@ piece of work, and all of them once its remaining work fills the time left.
 
 **Fair share across callers** (:meth:`SchedulingPolicy.start_order`): a request names its
 caller (``Request.caller``: the gateway's API key name; "" every anonymous caller, one class).
-Waiting requests start in this order: the caller with the fewest requests started (running)
-first, ties by which caller's oldest waiting request came first; first come first served within
-a caller. So a key that floods the line with 20 requests and a key with one: the one starts at
-the next free place, not behind the 20 (issue 43: one key's flood does not take the service
-from the others). A full line makes room for a caller holding fewer of its places
+Waiting requests start in this order: the caller with the fewest requests running first;
+among callers with as many, the one that started a request least recently (round robin), then
+the one whose oldest waiting request came first; first come first served within a caller. So a
+key that floods the line with 20 requests and a key with one: the one starts at the next free
+place, not behind the 20 (issue 43: one key's flood does not take the service from the
+others). A full line makes room for a caller holding fewer of its places
 (:meth:`SchedulingPolicy.displaced`): the newest waiting request of the caller holding the most
 is refused (the gateway's 429) instead of the newcomer. Admission counts, as work due before a
 request, only the waiting requests that start before it in this order.
@@ -58,17 +59,20 @@ it was admitted) is refused instead of started (:meth:`SchedulingPolicy.hopeless
 Invariants:
 
 * every decision is a function of its arguments, the speed model, :class:`Lateness` and the
-  policy's two pieces of state (the urgent turn, the share of ``max_new_tokens`` answers use),
-  which only :meth:`~SchedulingPolicy.choose` and :meth:`~SchedulingPolicy.finished` change;
+  policy's three pieces of state (the urgent turn, the share of ``max_new_tokens`` answers use,
+  when each caller last started a request), which only :meth:`~SchedulingPolicy.choose`,
+  :meth:`~SchedulingPolicy.finished` and :meth:`~SchedulingPolicy.started` change;
 * nothing measured yet (``speed.known`` false): nothing is refused and nothing is urgent;
 * a request alone always may start (:meth:`~SchedulingPolicy.fits_beside`): admission already
   refused what can never fit;
 * the caller holds whatever lock guards the requests it passes (the loop's);
 * one caller alone (every request the same ``caller``) is served exactly as without fair
   share: the start order is the line's order, nothing is displaced;
-* no waiting request starves: once its caller has nothing running, only requests of callers
-  with nothing running that came before it start before it (finitely many), and a request
-  that does not fit yet holds its place (nothing behind it starts instead).
+* no waiting request starves: its caller is passed over only by callers with fewer requests
+  running, or as many and a less recent start; each start puts its caller behind the others
+  in the round robin and running requests are at most ``max_batch_size``, so finitely many
+  start before it; a request that does not fit yet holds its place (nothing behind it
+  starts instead).
 """
 
 from __future__ import annotations
@@ -101,6 +105,9 @@ SHED_MARGIN_SHARE = 0.1
 LATENESS_QUANTILE = 0.9
 LATENESS_SAMPLES = 32
 LATENESS_TIGHT_SHARE = 0.25
+# Callers whose last start the round robin remembers (API keys; more only from a client of the
+# generator's gRPC naming many): past it, the least recent is forgotten.
+MAX_CALLERS_REMEMBERED = 4096
 
 
 class WorkKind(StrEnum):
@@ -240,6 +247,10 @@ class SchedulingPolicy:
         # running estimate of the share of max_new_tokens answers use
         self.steps_share = INITIAL_STEPS_SHARE
         self._urgent_turn = False  # urgent requests get every other piece of work
+        # caller -> the start (a count of starts) at which it last started a request: the
+        # round robin among callers with as many requests running
+        self._starts = 0
+        self._last_started: dict[str, int] = {}
 
     # ------------------------------------------------------------------ admission
 
@@ -351,22 +362,37 @@ class SchedulingPolicy:
     def start_order(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[int]:
         """The positions in ``waiting`` (the line, in arrival order) in the order they are to
         start, fair across callers (module docstring): each next one is the oldest waiting
-        request of the caller with the fewest requests started, counting those placed before
-        it in this order; ties go to the caller whose oldest waiting request came first. One
+        request of the caller with the fewest requests running, counting those placed before
+        it in this order; ties go to the caller that started one least recently (those placed
+        count as started), then to the caller whose oldest waiting request came first. One
         caller alone: the line's order."""
         started = Counter(r.caller for r in running)
+        last = dict(self._last_started)
+        starts = self._starts
         lines: dict[str, deque[int]] = {}
         for at, request in enumerate(waiting):
             lines.setdefault(request.caller, deque()).append(at)
         order: list[int] = []
         while lines:
-            caller = min(lines, key=lambda c: (started[c], lines[c][0]))
+            caller = min(lines, key=lambda c: (started[c], last.get(c, -1), lines[c][0]))
             line = lines[caller]
             order.append(line.popleft())
             started[caller] += 1
+            starts += 1
+            last[caller] = starts
             if not line:
                 del lines[caller]
         return order
+
+    def started(self, request: Request) -> None:
+        """``request`` started: its caller goes to the end of the round robin."""
+        self._starts += 1
+        self._last_started.pop(request.caller, None)  # kept in order of last start
+        self._last_started[request.caller] = self._starts
+        if len(self._last_started) > MAX_CALLERS_REMEMBERED:
+            # the caller that started least recently is forgotten: it goes first again,
+            # as a caller never seen does
+            del self._last_started[next(iter(self._last_started))]
 
     def displaced(self, waiting: Sequence[Request], caller: str) -> int | None:
         """When the line is full and a request of ``caller`` comes: the position in

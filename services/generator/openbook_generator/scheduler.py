@@ -471,6 +471,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                     item.times.started_ns = time.time_ns()
                 self._arrivals += 1
                 request = _request(head, seq=self._arrivals, solo=batch.solo)
+                self.policy.started(request)
                 admitted = _Admitted(head, request, batch)
                 taken.append(admitted)
                 shapes.append(item.shape)
