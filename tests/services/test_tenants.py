@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,6 +21,7 @@ from typer.testing import CliRunner
 
 from openbook_cli.app import app as cli_app
 from openbook_testkit.stack import running_backends, serving_gateway
+from openbook_testkit.throttle import Throttle, throttled
 
 INDEX = "tenants"
 MCP_HEADERS = {
@@ -420,3 +425,51 @@ def test_the_page_asks_for_a_key_where_one_is_required(url):
     script = httpx.get(f"{url}/static/app.js").text
     assert "askForKey" in script and "withKey(" in script
     assert httpx.get(f"{url}/indexes").status_code == 401
+
+
+def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    # a bound on a wait, not a timing threshold: the condition decides
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, f"never: {what}"
+        time.sleep(0.005)
+
+
+def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, backends):
+    # Key A floods the generator with answers; key B asks once while A's wait in the
+    # generator's line. B's answer is admitted at the next free place (fair share across
+    # keys, openbook_generator.policy), not behind A's flood: the order answers complete in
+    # shows it, with no timing threshold.
+    flood = _create(url, admin, "flood", ["ask"])
+    single = _create(url, admin, "single", ["ask"])
+    scheduler = backends.generator_servicer.scheduler
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def ask(key: str, who: str, tokens: int) -> None:
+        body = {"k": 1, "max_new_tokens": tokens, "min_new_tokens": tokens}
+        reply = _answer(url, key, **body)
+        with lock:
+            done.append(who if reply.status_code == 200 else f"{who}: {reply.text}")
+
+    batch_size = scheduler.max_batch_size
+    scheduler.max_batch_size = 1  # one answer at a time: the line decides who goes next
+    slow = Throttle(step_s=0.02)  # each of A's answers takes 16 steps of at least 20 ms
+    try:
+        with (
+            throttled(backends.generator_servicer.generator.backend, slow),
+            ThreadPoolExecutor(8) as pool,
+        ):
+            floods = [pool.submit(ask, flood, "a", 16) for _ in range(6)]
+            _wait_until(lambda: scheduler.depth() >= 4, "A's answers waiting in line")
+            with lock:
+                before = len(done)
+            mine = pool.submit(ask, single, "b", 2)
+            for call in [*floods, mine]:
+                call.result()
+    finally:
+        scheduler.max_batch_size = batch_size
+    assert sorted(done) == ["a"] * 6 + ["b"], done
+    # first come first served, B's would come after the four (or more) of A's waiting when it
+    # asked; fairly, after the one running then (and one more, had it just ended)
+    assert done.index("b") <= before + 2, done

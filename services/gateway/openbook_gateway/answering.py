@@ -195,12 +195,14 @@ async def answer_events(
                 body if body.question == asked else body.model_copy(update={"question": asked})
             )
             if not stream:
+                # the key's name, its fair share of the generator (issue 43)
+                share = principal.fair_share_class
                 generated = await unless_disconnected(
-                    caller, services.generator.generate(as_asked, passages, request_id)
+                    caller, services.generator.generate(as_asked, passages, request_id, share)
                 )
             else:
                 async for event in services.generator.generate_stream(
-                    as_asked, passages, request_id
+                    as_asked, passages, request_id, principal.fair_share_class
                 ):
                     if event.WhichOneof("event") == "done":
                         generated = event.done

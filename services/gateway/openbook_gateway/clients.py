@@ -186,20 +186,31 @@ class GeneratorClient(ServiceClient):
     service = GENERATOR_SERVICE
 
     async def generate(
-        self, body: AnswerRequest, passages: list[common_pb2.Passage], request_id: str
+        self,
+        body: AnswerRequest,
+        passages: list[common_pb2.Passage],
+        request_id: str,
+        fair_share: str = "",
     ) -> generator_pb2.GenerateResponse:
-        return await self.call(self.stub.Generate, generate_request(body, passages), request_id)
+        """The answer; ``fair_share`` is who asks (GenerateRequest.caller: a key's name, ""
+        anonymous)."""
+        request = generate_request(body, passages, fair_share)
+        return await self.call(self.stub.Generate, request, request_id)
 
     async def generate_stream(
-        self, body: AnswerRequest, passages: list[common_pb2.Passage], request_id: str
+        self,
+        body: AnswerRequest,
+        passages: list[common_pb2.Passage],
+        request_id: str,
+        fair_share: str = "",
     ) -> AsyncIterator[generator_pb2.GenerateEvent]:
-        """GenerateStream's events; leaving the iteration early cancels the call (the
-        generator then drops the request from its batch)."""
+        """GenerateStream's events (``fair_share`` as :meth:`generate`); leaving the iteration
+        early cancels the call (the generator then drops the request from its batch)."""
         metadata = (deadline_metadata(self.timeout_s), *trace_metadata())
         if request_id:
             metadata += ((REQUEST_ID_HEADER, request_id),)
         call = self.stub.GenerateStream(
-            generate_request(body, passages), timeout=self.timeout_s, metadata=metadata
+            generate_request(body, passages, fair_share), timeout=self.timeout_s, metadata=metadata
         )
         try:
             async for event in call:

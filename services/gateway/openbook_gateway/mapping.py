@@ -27,11 +27,14 @@ from openbook_gateway.schemas import (
 
 
 def generate_request(
-    body: AnswerRequest, passages: Sequence[common_pb2.Passage]
+    body: AnswerRequest, passages: Sequence[common_pb2.Passage], fair_share: str = ""
 ) -> generator_pb2.GenerateRequest:
+    """``fair_share``: who asks, the generator's fair-share class (GenerateRequest.caller: a
+    key's name, "" anonymous)."""
     return generator_pb2.GenerateRequest(
         question=body.question,
         passages=passages,
+        caller=fair_share,
         options=generator_pb2.DecodingOptions(
             mode=body.decoding,
             num_beams=body.num_beams,

@@ -35,6 +35,12 @@ class Principal:
     def known(self) -> bool:
         return self.name is not None
 
+    @property
+    def fair_share_class(self) -> str:
+        """Who asks, as the generator shares itself out (GenerateRequest.caller): the key's
+        name, never its secret; "" for every anonymous caller together."""
+        return self.name or ""
+
     def can(self, scope: str) -> bool:
         return ADMIN in self.scopes or scope in self.scopes
 
