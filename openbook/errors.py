@@ -20,6 +20,15 @@ class InvalidArgument(OpenbookError, ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class InternalError(OpenbookError, RuntimeError):
+    """An invariant of openbook's own code or state broke (a caller inside openbook passed
+    what it promised not to, a record openbook wrote reads back wrong): a bug or damage,
+    never the client's mistake, so INTERNAL (the gateway's 500 naming the request id), and a
+    ``RuntimeError`` for the commands that report those."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class NotFound(OpenbookError, LookupError):
     code = grpc.StatusCode.NOT_FOUND
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from openbook.artifacts import lock_is_free, publish, staging_dir
+from openbook.errors import InternalError, InvalidArgument
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import (
@@ -87,14 +88,14 @@ def join_slices(
     """
     out_root = Path(out_root)
     if num_shards < 1:
-        raise ValueError(f"num-shards must be >= 1, got {num_shards}")
+        raise InvalidArgument(f"num-shards must be >= 1, got {num_shards}")
     if merge_type is not None and merge is None:
-        raise ValueError("merge_type needs merge (the directory of the merged index)")
+        raise InvalidArgument("merge_type needs merge (the directory of the merged index)")
     with _join_lock(out_root):
         if out_root.exists():
             index_set = read_index_set(out_root)
             if index_set.num_shards != num_shards:
-                raise ValueError(
+                raise InvalidArgument(
                     f"{out_root} holds a set of {index_set.num_shards} shards, not {num_shards}"
                 )
             res = JoinResult("already joined", out_root, index_set)
@@ -120,7 +121,7 @@ def _join_staged(out_root: Path, num_shards: int, if_complete: bool) -> JoinResu
         visible = [p for p in d.iterdir() if not p.name.startswith(".")] if d.is_dir() else []
         published = [p for p in visible if (p / MANIFEST).is_file()]
         if len(published) > 1:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{d} holds slices of several indexes: {sorted(p.name for p in published)}"
             )
         if published:
@@ -136,14 +137,14 @@ def _join_staged(out_root: Path, num_shards: int, if_complete: bool) -> JoinResu
         and int(p.name.removeprefix("shard-")) >= num_shards
     )
     if extra:
-        raise ValueError(
+        raise InvalidArgument(
             f"{parts} holds {', '.join(extra)} beyond the {num_shards} shards asked for: "
             "slices built for another shard count"
         )
     if missing:
         if if_complete:
             return JoinResult("incomplete", out_root, missing=missing)
-        raise ValueError(
+        raise InvalidArgument(
             f"{len(found)} of {num_shards} slices built; missing: {', '.join(missing)}"
         )
 
@@ -152,11 +153,14 @@ def _join_staged(out_root: Path, num_shards: int, if_complete: bool) -> JoinResu
         _remove_leftovers(parts / f"shard-{i}", keep=index_set.name)
     for p in parts.iterdir():
         if not p.name.startswith("shard-"):
-            raise ValueError(f"{parts}: unexpected {p.name!r}; nothing but slices belongs there")
+            raise InvalidArgument(
+                f"{parts}: unexpected {p.name!r}; nothing but slices belongs there"
+            )
     try:
         publish(parts, out_root, manifests={SET_MANIFEST: index_set.to_json()})
     except FileExistsError:  # appeared while we worked: only another join, under our lock, can
-        raise ValueError(f"{out_root} already exists") from None
+        # only another join could have published it, and joins take turns (our lock): a bug
+        raise InternalError(f"{out_root} already exists") from None
     return JoinResult("joined", out_root, index_set)
 
 
@@ -167,16 +171,18 @@ def _check_slices(found: dict[int, tuple[Path, Manifest]], num_shards: int) -> I
         check_files(path, m)
         shard = m.shard
         if shard is None or "build" not in shard:
-            raise ValueError(f"{path} is not a slice of a parallel build (no shard build record)")
+            raise InvalidArgument(
+                f"{path} is not a slice of a parallel build (no shard build record)"
+            )
         build = shard["build"]
         if identity_checksum(build) != shard["parent_checksum"]:
-            raise ValueError(f"{path}: parent_checksum does not match its build record")
+            raise InvalidArgument(f"{path}: parent_checksum does not match its build record")
         if shard["index"] != i:
-            raise ValueError(f"{path} was built as shard {shard['index']}, found at shard-{i}")
+            raise InvalidArgument(f"{path} was built as shard {shard['index']}, found at shard-{i}")
         if first is None:
             first = build
         elif build != first:
-            raise ValueError(
+            raise InvalidArgument(
                 f"shard {i} cannot join shard 0: "
                 + difference_text(build, first, f"shard {i}", "shard 0")
             )
@@ -187,18 +193,20 @@ def _check_slices(found: dict[int, tuple[Path, Manifest]], num_shards: int) -> I
             build["index_type"],
             build["score_scale"],
         ):
-            raise ValueError(f"{path}: manifest disagrees with its build record")
+            raise InvalidArgument(f"{path}: manifest disagrees with its build record")
     assert first is not None
     total = first["total"]
     if first["num_shards"] != num_shards:
-        raise ValueError(f"the slices were built as {first['num_shards']} shards, not {num_shards}")
+        raise InvalidArgument(
+            f"the slices were built as {first['num_shards']} shards, not {num_shards}"
+        )
     shards = []
     for i, (start, stop) in enumerate(shard_spans(total, num_shards)):
         path, m = found[i]
         assert m.shard is not None
         first_row, parent_count = m.shard["row_offset"], m.shard["parent_count"]
         if (first_row, m.count, parent_count) != (start, stop - start, total):
-            raise ValueError(
+            raise InvalidArgument(
                 f"shard {i} holds rows {first_row}..{first_row + m.count - 1} of {parent_count}, "
                 f"expected {start}..{stop - 1} of {total}"
             )
@@ -224,7 +232,7 @@ def _remove_leftovers(d: Path, keep: str) -> None:
         p.name.endswith(".lock") and lock_is_free(p) is False for p in entries
     )
     if building:
-        raise ValueError(f"{d / keep} is being rebuilt (its build lock is held); wait for it")
+        raise InvalidArgument(f"{d / keep} is being rebuilt (its build lock is held); wait for it")
     for p in entries:
         if p.name == keep:
             continue
@@ -294,7 +302,7 @@ def _installed(dest: Path, s: SetShard) -> bool:
     except IndexLoadError:
         m = None
     if m is None or m.checksum != s.checksum:
-        raise ValueError(
+        raise InvalidArgument(
             f"{dest} exists and is another index: build under a new name and swap to it"
         )
     return True
@@ -339,12 +347,12 @@ def merge_slices(
     m0 = Manifest.from_file(paths[0] / MANIFEST)
     index_type = index_type or m0.index_type
     if m0.dense != (index_type != "bm25"):
-        raise ValueError(
+        raise InvalidArgument(
             f"cannot merge {m0.index_type} slices into a {index_type} index: dense slices merge "
             "into a dense type, bm25 slices into bm25"
         )
     if index_type not in INDEX_TYPES:
-        raise ValueError(f"unknown index type {index_type!r}")
+        raise InvalidArgument(f"unknown index type {index_type!r}")
     if out_dir.exists():
         m = Manifest.from_file(out_dir / MANIFEST)
         same = (m.name, m.count, m.encoder, m.dim, m.index_type, m.shard) == (
@@ -356,7 +364,7 @@ def merge_slices(
             None,
         )
         if not same:
-            raise ValueError(f"{out_dir} already exists and is not this merge")
+            raise InvalidArgument(f"{out_dir} already exists and is not this merge")
         return m
 
     # The slices' spec, and their parameters where the merge keeps their type; one bm25 view

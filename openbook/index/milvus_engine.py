@@ -163,7 +163,8 @@ def milvus_string(value: str) -> str:
         if ch in _ESCAPES:
             out.append(_ESCAPES[ch])
         elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            raise ValueError(f"a control character (U+{ord(ch):04X}) in an expression string")
+            # a caller's value (an id, a filter's string) that openbook's limits let through
+            raise InvalidArgument(f"a control character (U+{ord(ch):04X}) in an expression string")
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'
@@ -718,7 +719,7 @@ class MilvusIndex:
             raise TypeError("queries must be a list of strings, not a string")
         mode = self.retrieval_mode(retrieval)
         if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+            raise InvalidArgument(f"k must be >= 1, got {k}")
         if not queries:
             return []
         if mode is RetrievalMode.BM25:
@@ -726,7 +727,7 @@ class MilvusIndex:
         if query_vectors is not None:
             q = np.asarray(query_vectors, dtype=np.float32)
             if q.shape != (len(queries), self._manifest.dim):
-                raise ValueError(
+                raise InvalidArgument(
                     f"index {self.name!r}: query vectors of shape {q.shape}, expected "
                     f"({len(queries)}, {self._manifest.dim})"
                 )
@@ -1056,7 +1057,7 @@ class MilvusIndex:
                 assert m.encoder is not None
                 enc = load_encoder(m.encoder, role="document")
                 if enc.dim != m.dim:
-                    raise ValueError(
+                    raise InvalidArgument(
                         f"index {self.name!r}: document encoder {enc.name!r} dim {enc.dim} "
                         f"!= index dim {m.dim}"
                     )

@@ -30,6 +30,7 @@ import bm25s
 import numpy as np
 
 from openbook.index.bm25 import _tokenize
+from openbook.index.manifest import IndexLoadError
 
 _AVGDL_SAMPLES = 16
 
@@ -76,7 +77,8 @@ class BaseBM25Statistics:
         retriever = bm25s.BM25.load(str(bm25_dir), mmap=True, show_progress=False)
         method = getattr(retriever, "method", "lucene")
         if method != "lucene":
-            raise ValueError(f"{bm25_dir}: BM25 method {method!r}; live indexes score lucene")
+            # openbook builds lucene only: another method is an index it cannot serve live
+            raise IndexLoadError(f"{bm25_dir}: BM25 method {method!r}; live indexes score lucene")
         scores = retriever.scores
         stats = cls(
             count=int(scores["num_docs"]),

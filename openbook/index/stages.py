@@ -39,7 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from openbook.artifacts import clean_stale_partials, partial_dir, publish, sha256_file
-from openbook.errors import InvalidArgument
+from openbook.errors import InternalError, InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, build_bm25
 from openbook.index.layout import BUILD_STATE_DIR, PASSAGES_FILE, VECTORS_FILE, build_lock_path
@@ -133,8 +133,8 @@ def stage_and_publish(
     else); ``options.shard_size`` and ``options.progress`` are the options this reads.
     """
     if spec.score_scale is None:
-        # a caller's bug, not a client's mistake: stays a ValueError (INTERNAL)
-        raise ValueError("score_scale must be resolved before the build stages")
+        # a caller's bug, not a client's mistake
+        raise InternalError("score_scale must be resolved before the build stages")
     if spec.dense != (source.vectors is not None):
         raise InvalidArgument(
             f"a {spec.index_type} index needs {'' if spec.dense else 'no '}vectors"
@@ -302,7 +302,8 @@ def stage_vectors(
                 produced.append(i)
                 a, b = spans[i]
                 if vecs.shape != (b - a, dim) or vecs.dtype != np.float32:
-                    raise ValueError(
+                    # the sources check what they read: a source that breaks that is a bug
+                    raise InternalError(
                         f"shard {i}: got {vecs.dtype} {vecs.shape}, expected "
                         f"float32 ({b - a}, {dim})"
                     )

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from openbook.artifacts import clean_stale_partials, fsync_dir, temp_sibling
+from openbook.errors import InternalError
 from openbook.index.documents import Document
 
 WAL_FILE = "wal.log"
@@ -96,7 +97,8 @@ def _decode_payload(payload: bytes) -> WalRecord:
         elif op["op"] == "delete":
             ops.append(DeleteOp(str(op["id"])))
         else:
-            raise ValueError(f"unknown op {op['op']!r}")
+            # a record this log's writer did not write (its checksum agrees): damage
+            raise InternalError(f"unknown op {op['op']!r}")
     return WalRecord(int(data["version"]), tuple(ops))
 
 
@@ -136,7 +138,8 @@ class WriteAheadLog:
         with self._lock:
             last = self.last_version
             if last is not None and record.version <= last:
-                raise ValueError(f"version {record.version} after {last}: versions must grow")
+                # the live index's writer numbers its versions: a lower one is its bug
+                raise InternalError(f"version {record.version} after {last}: versions must grow")
             start = self.size
             try:
                 self._file.write(data)
@@ -287,7 +290,7 @@ def _read_at(data: bytes, at: int) -> tuple[WalRecord | None, int]:
         if zlib.crc32(payload) == crc:
             try:
                 return _decode_payload(payload), end
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, InternalError) as e:
                 raise WalCorrupted(f"record at byte {at}: checksum agrees but {e}") from None
     # A bad record is a torn append only if it is the file's last thing: it claims to reach
     # the end (or beyond), or it is garbage with no record header after it (a file extended
