@@ -436,3 +436,24 @@ def test_a_client_gone_before_the_write_gets_nothing_written(client):
     assert version(client) == before
     doc_id, _ = content_id(data)
     assert client.get(f"/indexes/{INDEX}/documents/{doc_id}").status_code == 404
+
+
+def test_the_openapi_document_describes_the_multipart_form():
+    """The upload's body, which the route parses itself, is in the OpenAPI document as the
+    form it reads: a required binary ``file``, optional text ``id``, ``title``, ``metadata``,
+    nothing else."""
+    from openbook_gateway.settings import GatewaySettings
+
+    operation = create_app(GatewaySettings()).openapi()["paths"]["/indexes/{index}/documents"]
+    body = operation["post"]["requestBody"]
+    assert body["required"] is True and list(body["content"]) == ["multipart/form-data"]
+    schema = body["content"]["multipart/form-data"]["schema"]
+    assert set(schema["properties"]) == {"file", "id", "title", "metadata"}
+    assert schema["required"] == ["file"] and schema["additionalProperties"] is False
+    file = schema["properties"]["file"]
+    assert file["type"] == "string" and file["contentMediaType"] == "application/octet-stream"
+    for text in ("id", "title", "metadata"):
+        assert {"type": "string"} in [
+            {k: v for k, v in option.items() if k == "type"}
+            for option in schema["properties"][text]["anyOf"]
+        ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from fastapi import UploadFile
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from openbook.limits import (
@@ -509,6 +510,38 @@ class PutDocumentResponse(BaseModel):
     id: str
     passages: int = Field(description="passages the document was split into")
     version: int = Field(description="the index's version once this write is applied")
+
+
+class UploadForm(BaseModel):
+    """One file, uploaded as one document (multipart/form-data)."""
+
+    # The form of POST /indexes/{index}/documents as the OpenAPI document describes it
+    # (multipart_body). The route parses the form itself (routes/uploads.py says why FastAPI's
+    # File/Form parameters cannot) and checks each field with openbook.limits' rules; its
+    # fields are these, and no others.
+    model_config = ConfigDict(extra="forbid")
+
+    file: UploadFile = Field(description="plain text, Markdown, HTML or PDF (by content)")
+    id: str | None = Field(
+        None, max_length=MAX_DOCUMENT_ID_CHARS, description="default: sha256-<32 hex>"
+    )
+    title: str | None = Field(
+        None,
+        max_length=MAX_DOCUMENT_TITLE_CHARS,
+        description="default: the document's own title, else the file's name",
+    )
+    metadata: str | None = Field(None, description="a JSON object of scalars")
+
+
+def multipart_body(form: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra`` saying its body is ``form`` as ``multipart/form-data``, the
+    schema generated from the model (for a route that reads its form itself)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"multipart/form-data": {"schema": form.model_json_schema()}},
+        }
+    }
 
 
 class UploadResponse(PutDocumentResponse):

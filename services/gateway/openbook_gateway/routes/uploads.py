@@ -67,46 +67,20 @@ from openbook_gateway.operations import documents as operations
 from openbook_gateway.operations.caller import caller_of
 from openbook_gateway.operations.documents import NewDocument
 from openbook_gateway.routes.documents import IndexName
-from openbook_gateway.schemas import UploadResponse
+from openbook_gateway.schemas import UploadForm, UploadResponse, multipart_body
 from openbook_gateway.services import ServicesDep
 
 log = logging.getLogger(__name__)
 
 # How often the client's connection is looked at while its file is read.
 DISCONNECT_POLL_S = 0.25
-# The form's fields; anything else is refused, naming it.
-FORM_FIELDS = ("file", "id", "title", "metadata")
+# The form's fields (schemas.UploadForm, which the OpenAPI document shows); anything else is
+# refused, naming it.
+FORM_FIELDS = tuple(UploadForm.model_fields)
 CONTENT_ID_PREFIX = "sha256-"
 CONTENT_ID_HEX = 32
 
 router = APIRouter()
-
-_UPLOAD_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file"],
-                    "properties": {
-                        "file": {
-                            "type": "string",
-                            "format": "binary",
-                            "description": "plain text, Markdown, HTML or PDF (by content)",
-                        },
-                        "id": {"type": "string", "description": "default: sha256-<32 hex>"},
-                        "title": {"type": "string"},
-                        "metadata": {
-                            "type": "string",
-                            "description": "a JSON object of scalars",
-                        },
-                    },
-                }
-            }
-        },
-    }
-}
 
 
 def content_id(digest: str) -> str:
@@ -176,7 +150,11 @@ def _document_metadata(
 @router.post(
     "/indexes/{index}/documents",
     response_model=UploadResponse,
-    openapi_extra=_UPLOAD_BODY,
+    # FastAPI would describe File/Form parameters itself, but it reads such a form before any
+    # dependency runs, so before the door (access.check_access): a client without a key could
+    # make it spool a whole body. The handler parses the form after the door; the body's schema
+    # is generated from the form's model.
+    openapi_extra=multipart_body(UploadForm),
 )
 async def upload_document(index: IndexName, request: Request, services: ServicesDep) -> dict:
     """Upload one file (multipart: ``file``, optional ``id``, ``title``, ``metadata`` JSON):
