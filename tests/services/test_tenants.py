@@ -19,7 +19,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from openbook.metadata_filter import parse_filter
 from openbook_cli.app import app as cli_app
+from openbook_gateway.tenancy import namespace
 from openbook_testkit.stack import running_backends, serving_gateway
 from openbook_testkit.throttle import Throttle, throttled
 
@@ -118,14 +120,22 @@ def _mcp(url: str, key: str, name: str, **arguments) -> dict:
     return reply.json()["result"]
 
 
+def _stored(tenant: str, doc_id: str) -> str:
+    """The id the index holds for ``doc_id`` written by tenant ``tenant``'s keys (their
+    namespace: what the admin sees)."""
+    tenant_filter = parse_filter({"tenant": tenant})
+    assert tenant_filter is not None
+    return namespace(tenant_filter) + doc_id
+
+
 def _never_b(text: str) -> None:
     for trace in ("TULIP", "b-doc", "Beta plan", "beta launch"):
         assert trace not in text
 
 
 def test_written_documents_carry_their_tenant(url, admin, tenants):
-    stored = httpx.get(f"{url}/indexes/{INDEX}/documents/a-doc", headers=admin).json()
-    assert stored["metadata"] == {"lang": "en", "tenant": "a"}
+    stored = httpx.get(f"{url}/indexes/{INDEX}/documents/{_stored('a', 'a-doc')}", headers=admin)
+    assert stored.json()["metadata"] == {"lang": "en", "tenant": "a"}
     a = _bearer(tenants["a"])
     base = f"{url}/indexes/{INDEX}/documents"
     # metadata naming another tenant: 403 naming the field, nothing written
@@ -145,10 +155,8 @@ def test_written_documents_carry_their_tenant(url, admin, tenants):
         timeout=60,
     )
     assert batch.status_code == 403 and "documents[1].metadata.tenant" in batch.text
-    assert httpx.get(f"{base}/a-3", headers=admin).status_code == 404
-    # another tenant's id: neither overwritten, read nor deleted
-    over = httpx.put(f"{base}/b-doc", json=A_DOC, headers=a, timeout=60)
-    assert over.status_code == 403 and "doc_id" in over.text
+    assert httpx.get(f"{base}/{_stored('a', 'a-3')}", headers=admin).status_code == 404
+    # another tenant's id: neither read nor deleted (404, as an id nobody holds)
     for method in ("GET", "DELETE"):
         refused = httpx.request(method, f"{base}/b-doc", headers=a, timeout=60)
         assert refused.status_code == 404, method
@@ -163,7 +171,7 @@ def test_written_documents_carry_their_tenant(url, admin, tenants):
     assert refused.status_code == 403 and "metadata.tenant" in refused.text
     uploaded = httpx.post(upload, files=files, data={"id": "a-upload"}, headers=a, timeout=60)
     assert uploaded.status_code == 200, uploaded.text
-    stored = httpx.get(f"{base}/a-upload", headers=admin).json()
+    stored = httpx.get(f"{base}/a-upload", headers=a).json()
     assert stored["metadata"]["tenant"] == "a"
     # a listing shows only the tenant's ids
     listed = httpx.get(base, headers=a, params={"limit": 1}).json()
@@ -174,8 +182,66 @@ def test_written_documents_carry_their_tenant(url, admin, tenants):
         ).json()
         ids += listed["ids"]
     assert ids == ["a-doc", "a-upload"]
-    everyone = httpx.get(base, headers=admin).json()["ids"]
-    assert {"a-doc", "a-upload", "b-doc"} <= set(everyone)
+    everyone = httpx.get(base, headers=admin, params={"limit": 1000}).json()["ids"]
+    assert {_stored("a", "a-doc"), _stored("a", "a-upload"), _stored("b", "b-doc")} <= set(everyone)
+
+
+def test_tenants_ids_never_cross(url, admin, tenants):
+    # A and B both write "report": two documents, each tenant's own; nothing A does with the
+    # id tells it B holds it, and nothing reaches B's
+    a, b = _bearer(tenants["a"]), _bearer(tenants["b"])
+    base = f"{url}/indexes/{INDEX}/documents"
+    a_report = {"title": "Alpha report", "text": "The alpha report says the harbour is PINE."}
+    b_report = {"title": "Beta report", "text": "The beta report says the harbour is TULIP."}
+    first = httpx.put(f"{base}/report", json=b_report, headers=b, timeout=60)
+    assert first.status_code == 200, first.text
+    # B's id is as free to A as any: the same reply as for an id nobody holds
+    taken = httpx.put(f"{base}/report", json=a_report, headers=a, timeout=60)
+    free = httpx.put(f"{base}/report-free", json=a_report, headers=a, timeout=60)
+    assert taken.status_code == free.status_code == 200, taken.text
+    assert taken.json()["id"] == "report" and taken.json()["passages"] == free.json()["passages"]
+    for key, doc, other in ((a, a_report, "TULIP"), (b, b_report, "PINE")):
+        got = httpx.get(f"{base}/report", headers=key)
+        assert got.status_code == 200 and got.json()["text"] == doc["text"]
+        assert got.json()["id"] == "report"  # as the tenant wrote it, never qualified
+        assert all(p.startswith("report#") for p in got.json()["passage_ids"])
+        assert other not in got.text
+    a_ids = httpx.get(base, headers=a, params={"limit": 100}).json()["ids"]
+    b_ids = httpx.get(base, headers=b, params={"limit": 100}).json()["ids"]
+    assert "report" in a_ids and "report" in b_ids and "b-doc" not in a_ids
+    assert not [i for i in a_ids + b_ids if i.startswith("~")]
+    # answers and MCP search cite each tenant's own report, by the id it wrote
+    question = "What does the report say the harbour is?"
+    for key, mine, other in ((tenants["a"], "PINE", "TULIP"), (tenants["b"], "TULIP", "PINE")):
+        answered = _answer(url, key, question=question, k=5)
+        assert answered.status_code == 200, answered.text
+        cited = {p["document"] for p in answered.json()["passages"]}
+        assert "report" in cited and not [c for c in cited if c.startswith("~")]
+        assert other not in answered.text
+        found = _mcp(url, key, "search", query=question, k=5)
+        assert mine in str(found) and other not in str(found) and "~" not in str(found)
+    # the admin sees two documents, in the two namespaces
+    assert (
+        httpx.get(f"{base}/{_stored('a', 'report')}", headers=admin).json()["text"]
+        == (a_report["text"])
+    )
+    assert (
+        httpx.get(f"{base}/{_stored('b', 'report')}", headers=admin).json()["text"]
+        == (b_report["text"])
+    )
+    # A deletes its report: B's stays
+    assert httpx.delete(f"{base}/report", headers=a, timeout=60).status_code == 200
+    assert httpx.delete(f"{base}/report-free", headers=a, timeout=60).status_code == 200
+    assert httpx.get(f"{base}/report", headers=a).status_code == 404
+    assert httpx.get(f"{base}/report", headers=b).json()["text"] == b_report["text"]
+    # an id in the namespaces' form is nobody's to write; a tenant's ids leave room for its
+    # namespace in the index's limit
+    for key in (a, admin):
+        reserved = httpx.put(f"{base}/~0123456789abcdef~report", json=a_report, headers=key)
+        assert reserved.status_code == 422 and "doc_id" in reserved.text
+    long_id = "x" * 250
+    too_long = httpx.put(f"{base}/{long_id}", json=a_report, headers=a)
+    assert too_long.status_code == 422 and "doc_id" in too_long.text and "~" not in too_long.text
 
 
 def test_no_request_field_widens_a_tenant(url, tenants):

@@ -34,7 +34,7 @@ from opentelemetry.util.types import AttributeValue
 from openbook import telemetry
 from openbook.limits import check_question
 from openbook.v1 import generator_pb2, retriever_pb2
-from openbook_gateway import key_limits
+from openbook_gateway import key_limits, tenancy
 from openbook_gateway.cache import answer_params
 from openbook_gateway.conversation import Turn, contextual_question
 from openbook_gateway.mapping import (
@@ -168,6 +168,9 @@ async def answer_events(
         )
         span.update_name(f"retrieval {retrieved.index}")
         span.set_attributes(retrieved_attributes(retrieved))
+    # a tenant's passages cite its documents by the ids it wrote (tenancy: its namespace);
+    # the answer, and the cached answer (keyed by its filter), show those
+    tenancy.shown(principal, retrieved)
     passages = list(retrieved.results[0].passages)
     if not passages and where is not None:
         # No passage matches the filter: an empty result, not an error. Nothing to generate

@@ -10,27 +10,37 @@ Invariants, for a key with a tenant filter (a key without one is untouched by al
   one is a 403, and so is a document that, stamped, the filter would still not keep (a key
   held to ``{"tenant": {"$in": ["a", "b"]}}`` must say which): a tenant never writes what it
   could not read back.
-* A document it cannot see (its metadata, ``_id`` and ``_title`` not kept by the filter) is a
-  404 to it, as one that does not exist, when it reads it (``GET``); overwriting or deleting
-  it is refused (403 and 404), checked before the write. Document ids are one namespace per
-  index: a tenant learns that an id it cannot see is taken (docs/security.md).
-* A listing shows only the ids it can see (:func:`visible_page`): each id of the retriever's
-  pages is checked, its pages then shorter than ``limit`` but still in id order, and
-  ``next_cursor`` goes on from the last id looked at.
-
-The check before an overwrite and the write are two calls: a write of the same id by another
-tenant between them is not seen. Give tenants their own id prefixes, or indexes, where that
-matters.
+* **Its ids are its own** (:func:`stored_id`): the ids it names live in its tenant's
+  namespace inside the index, the id stored being ``~<tag>~<id>``, ``<tag>`` the first 16 hex
+  digits of the SHA-256 of the filter's canonical form (:func:`namespace`). Two tenants both
+  writing ``report`` write two documents; neither can name, overwrite, read or delete the
+  other's, and an id another tenant holds behaves exactly as a free one (nothing tells that
+  it is taken). Keys with the same filter are one tenant: one namespace. The tenant never
+  sees the qualification: replies, listings and citations show its ids as it wrote them
+  (:func:`public_id`, :func:`shown`); a key without a tenant (the admin) sees the stored ids.
+  No key writes a new id that begins with ``~`` (:func:`refuse_reserved`): only this module
+  makes them, so an id of one namespace is never another's, nor an unqualified one.
+* A document it cannot see (outside its namespace, or its metadata, ``_id`` and ``_title``
+  not kept by the filter) is a 404 to it, as one that does not exist.
+* A listing shows only the ids of its namespace that it can see (:func:`visible_page`): the
+  namespace is one run of the index's id order, read from its start to its end, each id
+  checked against the filter; pages may be shorter than ``limit`` but stay in id order, and
+  ``next_cursor`` (an id as the tenant wrote it) goes on from the last id looked at.
+* A document of the index its filter keeps but that lies outside its namespace (written by
+  the admin, or by a key with another filter that the tenant's keeps) is retrieved and cited
+  by its stored id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from typing import Any
 
 from fastapi import HTTPException
 
+from openbook.limits import MAX_DOCUMENT_ID_CHARS
 from openbook.metadata_filter import (
     BUILTIN_FIELDS,
     AllOf,
@@ -46,9 +56,67 @@ from openbook_gateway.retrieval import Retrieval
 
 # Documents looked up at once when a listing or a batch is checked.
 CONCURRENT_LOOKUPS = 32
+# What begins a namespaced id (``~<tag>~<id>``), and the hex digits of its tag.
+NAMESPACE_MARK = "~"
+NAMESPACE_TAG_HEX = 16
 # Ids one listing looks at, at most, to fill a page: a tenant with few documents in a large
 # index gets short pages (``next_cursor`` goes on), not a request that reads the whole index.
 MAX_IDS_SCANNED = 5000
+
+
+def namespace(tenant: MetadataFilter) -> str:
+    """The prefix of the stored ids of ``tenant``'s documents: ``~<tag>~``, where ``<tag>``
+    is the first :data:`NAMESPACE_TAG_HEX` hex digits of the SHA-256 of the filter's canonical
+    form (one tenant, one namespace, whichever of its keys writes)."""
+    digest = hashlib.sha256(tenant.canonical().encode()).hexdigest()[:NAMESPACE_TAG_HEX]
+    return f"{NAMESPACE_MARK}{digest}{NAMESPACE_MARK}"
+
+
+def refuse_reserved(doc_id: str, field: str = "doc_id") -> None:
+    """A 422 naming ``field`` for a new id that begins with ``~``: such ids are the
+    namespaces of tenants (module docstring), made by the gateway only."""
+    if doc_id.startswith(NAMESPACE_MARK):
+        raise HTTPException(
+            422,
+            f"{field}: ids beginning with {NAMESPACE_MARK!r} are reserved "
+            "(the namespaces of tenants' documents)",
+        )
+
+
+def stored_id(principal: Principal, doc_id: str, field: str = "doc_id") -> str:
+    """The id the index holds for ``doc_id`` as ``principal`` names it: in its tenant's
+    namespace; no tenant: ``doc_id`` itself. A 422 naming ``field`` when the namespace would
+    make it longer than the index allows."""
+    if principal.tenant is None:
+        return doc_id
+    prefix = namespace(principal.tenant)
+    room = MAX_DOCUMENT_ID_CHARS - len(prefix)
+    if len(doc_id) > room:
+        raise HTTPException(
+            422,
+            f"{field} must be at most {room} characters for key {principal.name!r}, "
+            f"got {len(doc_id)}",
+        )
+    return prefix + doc_id
+
+
+def public_id(principal: Principal, stored: str) -> str:
+    """``stored`` as ``principal`` sees it: without its tenant's namespace (the id it wrote);
+    any other id (no tenant, or a document outside the namespace) as it is."""
+    if principal.tenant is None:
+        return stored
+    prefix = namespace(principal.tenant)
+    return stored[len(prefix) :] if stored.startswith(prefix) else stored
+
+
+def shown(principal: Principal, reply: retriever_pb2.RetrieveResponse) -> None:
+    """Show ``reply``'s passages to ``principal``: each passage id (``<document>#<n>``, the
+    document it cites) without its tenant's namespace, in place."""
+    if principal.tenant is None:
+        return
+    for result in reply.results:
+        for passage in result.passages:
+            passage.id = public_id(principal, passage.id)
 
 
 def equality_fields(tenant: MetadataFilter) -> dict[str, Any]:
@@ -124,30 +192,6 @@ async def existing(
         raise
 
 
-async def check_overwrites(
-    principal: Principal, retrieval: Retrieval, index: str, doc_ids: list[str], request_id: str
-) -> None:
-    """A 403 when a write by ``principal`` would replace a document its tenant cannot see."""
-    if principal.tenant is None:
-        return
-    limit = asyncio.Semaphore(CONCURRENT_LOOKUPS)
-
-    async def one(doc_id: str) -> str | None:
-        async with limit:
-            document = await existing(retrieval, index, doc_id, request_id)
-        if document is not None and not visible(principal, document):
-            return doc_id
-        return None
-
-    taken = [d for d in await asyncio.gather(*(one(d) for d in doc_ids)) if d is not None]
-    if taken:
-        raise HTTPException(
-            403,
-            f"doc_id: {taken[0]!r} is the id of a document key {principal.name!r} cannot "
-            "write (ids are shared by everyone writing to the index): choose another",
-        )
-
-
 async def visible_page(
     principal: Principal,
     retrieval: Retrieval,
@@ -156,7 +200,12 @@ async def visible_page(
     limit: int,
     request_id: str,
 ) -> retriever_pb2.ListDocumentsResponse:
-    """A page of the ids ``principal`` can see, after ``cursor`` (module docstring)."""
+    """A page of the ids ``principal``'s tenant can see, after ``cursor`` (both as the
+    tenant names them), read from its namespace only (module docstring)."""
+    assert principal.tenant is not None
+    prefix = namespace(principal.tenant)
+    # the namespace's start when there is no cursor
+    cursor = stored_id(principal, cursor, "cursor") if cursor else prefix
     ids: list[str] = []
     scanned = 0
     version = 0
@@ -170,16 +219,20 @@ async def visible_page(
     while True:
         page = await retrieval.list_documents(index, cursor, limit, request_id)
         version = max(version, page.version)
-        kept = await asyncio.gather(*(keep(doc_id) for doc_id in page.ids))
-        for doc_id, shown in zip(page.ids, kept, strict=True):
+        # the namespace is one run of the id order: past its end, nothing more is its
+        mine = [doc_id for doc_id in page.ids if doc_id.startswith(prefix)]
+        ended = len(mine) < len(page.ids) or not page.next_cursor
+        kept = await asyncio.gather(*(keep(doc_id) for doc_id in mine))
+        for doc_id, visible_to_it in zip(mine, kept, strict=True):
             scanned += 1
             cursor = doc_id
-            if shown:
-                ids.append(doc_id)
+            if visible_to_it:
+                ids.append(doc_id[len(prefix) :])
             if len(ids) == limit:
                 break
-        more = bool(page.next_cursor) or (len(ids) == limit and cursor != page.ids[-1])
-        if len(ids) == limit or not page.next_cursor or scanned >= MAX_IDS_SCANNED:
+        more = not ended or (len(ids) == limit and bool(mine) and cursor != mine[-1])
+        if len(ids) == limit or ended or scanned >= MAX_IDS_SCANNED:
+            next_cursor = cursor[len(prefix) :] if more and cursor != prefix else ""
             return retriever_pb2.ListDocumentsResponse(
-                ids=ids, next_cursor=cursor if more and page.ids else "", version=version
+                ids=ids, next_cursor=next_cursor, version=version
             )

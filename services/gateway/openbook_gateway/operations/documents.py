@@ -6,9 +6,12 @@ Invariants:
 * What comes in is checked already (the transport's request models and ``openbook.limits``'
   rules); what only the retriever can know maps from its gRPC code (the clients: NOT_FOUND ->
   404, ALREADY_EXISTS and FAILED_PRECONDITION -> 409, INVALID_ARGUMENT -> 422).
-* A caller with a tenant filter (``openbook_gateway.tenancy``) writes its fields into what it
-  writes, never over a document it cannot see, and reads and lists only what its filter keeps
-  (404 for the rest, as for a document that does not exist).
+* A caller with a tenant filter (``openbook_gateway.tenancy``) names ids in its tenant's own
+  namespace (another tenant's ``report`` is not its ``report``, and an id another tenant
+  holds is as free to it as any), writes its fields into what it writes, and reads and lists
+  only what its filter keeps (404 for the rest, as for a document that does not exist); what
+  it gets back names its ids as it wrote them. No caller writes a new id beginning with
+  ``~`` (the namespaces').
 * Each acknowledged write's version is remembered by the answer cache and the metrics
   (:func:`acknowledged`): this gateway never serves a cached answer computed on fewer writes
   than it has acknowledged.
@@ -39,6 +42,7 @@ class NewDocument:
     text: str
     metadata: dict[str, Any] | None = None
     metadata_field: str = "metadata"
+    id_field: str = "doc_id"  # what a refusal of its id names (``documents[2].id``)
 
 
 def acknowledged(services: Services, index: str, version: int) -> None:
@@ -53,21 +57,23 @@ async def write(
     """Insert or replace ``documents`` under one version, all or nothing (per shard):
     split into passages, embedded, searchable once this returns."""
     principal = caller.principal
+    for d in documents:
+        tenancy.refuse_reserved(d.id, d.id_field)
     if principal.tenant is not None:
-        # the tenant's fields stamped in, and never over another tenant's document
+        # in the tenant's namespace (never over another tenant's document), its fields
+        # stamped in
+        stored = [tenancy.stored_id(principal, d.id, d.id_field) for d in documents]
         documents = [
             NewDocument(
-                d.id,
+                at,
                 d.title,
                 d.text,
-                tenancy.stamped(principal, d.id, d.title, d.metadata, d.metadata_field),
+                tenancy.stamped(principal, at, d.title, d.metadata, d.metadata_field),
                 d.metadata_field,
+                d.id_field,
             )
-            for d in documents
+            for at, d in zip(stored, documents, strict=True)
         ]
-        await tenancy.check_overwrites(
-            principal, services.retrieval, index, [d.id for d in documents], caller.request_id
-        )
     protos = [
         retriever_pb2.Document(
             id=d.id,
@@ -88,9 +94,10 @@ async def delete(
     """Delete a document (404 when absent, or when the caller's tenant cannot see it): its
     passages are never served once this returns."""
     if caller.principal.tenant is not None:
-        # another tenant's document is one this key does not have
+        # a document of its namespace that its filter keeps, or a 404
         await get(services, caller, index, doc_id)
-    reply = await services.retrieval.delete_document(index, doc_id, caller.request_id)
+    stored = tenancy.stored_id(caller.principal, doc_id)
+    reply = await services.retrieval.delete_document(index, stored, caller.request_id)
     acknowledged(services, index, reply.version)
     return reply
 
@@ -99,10 +106,19 @@ async def get(
     services: Services, caller: Caller, index: str, doc_id: str
 ) -> retriever_pb2.Document:
     """Document ``doc_id``, a 404 when there is none or the caller's tenant cannot see it (the
-    same words: whether another tenant has it does not show)."""
-    document = await services.retrieval.get_document(index, doc_id, caller.request_id)
-    if not tenancy.visible(caller.principal, document):
+    same words: whether another tenant has it does not show); its ids as the caller names
+    them."""
+    principal = caller.principal
+    if principal.tenant is None:
+        return await services.retrieval.get_document(index, doc_id, caller.request_id)
+    stored = tenancy.stored_id(principal, doc_id)
+    document = await tenancy.existing(services.retrieval, index, stored, caller.request_id)
+    if document is None or not tenancy.visible(principal, document):
         raise HTTPException(404, f"document {doc_id!r} not found in index {index!r}")
+    document.id = doc_id
+    passage_ids = [tenancy.public_id(principal, p) for p in document.passage_ids]
+    del document.passage_ids[:]
+    document.passage_ids.extend(passage_ids)
     return document
 
 

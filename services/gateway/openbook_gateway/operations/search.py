@@ -9,6 +9,7 @@ filter keeps, ANDed with the request's (``Principal.where``: nothing a request s
 from __future__ import annotations
 
 from openbook.v1 import retriever_pb2
+from openbook_gateway import tenancy
 from openbook_gateway.operations.caller import Caller
 from openbook_gateway.schemas import AnswerRequest
 from openbook_gateway.services import Services
@@ -24,9 +25,11 @@ async def search(
     index = principal.index_for(query.index)
     where = principal.where(query.metadata_filter())
     k = query.k if query.k is not None else await services.default_k.get(caller.request_id)
-    return await services.retrieval.retrieve(
+    retrieved = await services.retrieval.retrieve(
         query.question, k, index, caller.request_id, retrieval=query.retrieval, where=where
     )
+    tenancy.shown(principal, retrieved)  # a tenant's ids as it wrote them
+    return retrieved
 
 
 async def embed(

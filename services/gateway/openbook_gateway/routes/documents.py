@@ -155,7 +155,9 @@ async def put_documents(
     """Insert or replace many documents under one version, all or nothing (per shard)."""
     audit.note(request, ids=[document.id for document in body.documents])
     documents = [
-        NewDocument(d.id, d.title, d.text, d.metadata, f"documents[{at}].metadata")
+        NewDocument(
+            d.id, d.title, d.text, d.metadata, f"documents[{at}].metadata", f"documents[{at}].id"
+        )
         for at, d in enumerate(body.documents)
     ]
     reply = await operations.write(services, caller_of(request), index, documents)

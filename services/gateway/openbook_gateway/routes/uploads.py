@@ -225,7 +225,7 @@ async def _upload(index: str, form: Any, request: Request, services: ServicesDep
     metadata = _document_metadata(given, extracted, digest, filename)
     audit.note(request, ids=[doc_id])
     # a tenant's fields stamped in (issue 43), and never over another tenant's document
-    document = NewDocument(doc_id, title, extracted.text, metadata)
+    document = NewDocument(doc_id, title, extracted.text, metadata, id_field="id")
     reply = await operations.write(services, caller_of(request), index, [document])
     log.info(
         "uploaded %s into %s: %s, %d characters", doc_id, index, extracted.kind, len(document.text)
