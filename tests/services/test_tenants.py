@@ -244,6 +244,25 @@ def test_tenants_ids_never_cross(url, admin, tenants):
     assert too_long.status_code == 422 and "doc_id" in too_long.text and "~" not in too_long.text
 
 
+def test_a_tenant_lists_only_its_indexes_and_no_totals(url, admin, tenants):
+    # the passage count of a shared index is every tenant's: none of it shows to a tenant
+    everyone = httpx.get(f"{url}/indexes", headers=admin).json()["indexes"]
+    (shared,) = [i for i in everyone if i["name"] == INDEX]
+    assert shared["count"] > 0 and {"facts-a", "facts-b"} <= {i["name"] for i in everyone}
+    listed = httpx.get(f"{url}/indexes", headers=_bearer(tenants["a"]))
+    assert listed.status_code == 200
+    assert listed.json()["active"] == INDEX
+    (only,) = listed.json()["indexes"]
+    assert only["name"] == INDEX and only["count"] is None
+    mcp = _mcp(url, tenants["a"], "list_indexes")
+    assert "facts-a" not in str(mcp) and str(shared["count"]) + " " not in str(mcp)
+    assert mcp["structuredContent"]["indexes"][0]["count"] is None
+    # a key held to indexes without a tenant filter owns what it sees: its counts show
+    held = _create(url, admin, "held-to-one", ["ask"], indexes=[INDEX])
+    (counted,) = httpx.get(f"{url}/indexes", headers=_bearer(held)).json()["indexes"]
+    assert counted["count"] == shared["count"]
+
+
 def test_no_request_field_widens_a_tenant(url, tenants):
     key = tenants["a"]
     for widened in (

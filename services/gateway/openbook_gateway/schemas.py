@@ -316,7 +316,10 @@ class IndexOut(BaseModel):
     name: str
     encoder: str
     dim: int
-    count: int
+    count: int | None = Field(
+        description="its passages; null to a key with a tenant filter (issue 43: the total "
+        "counts every tenant's documents, and would tell one the others' volume)"
+    )
     index_type: str
     loaded: bool
     active: bool

@@ -5,6 +5,8 @@ Invariants:
 
 * A key held to indexes sees, names and creates only those (:meth:`Principal.sees`); the
   others' names do not leak, and its first is the one a request naming none is answered from.
+* A key with a tenant filter gets no passage counts (``count`` null): an index's total is
+  every tenant's, and would tell one tenant the others' volume.
 * Listing records each index's version (answer cache, metrics); creating one starts its
   version again from the retriever's (a new index of a deleted one's name).
 """
@@ -43,6 +45,8 @@ async def list_indexes(services: Services, caller: Caller) -> dict:
             for i in reply["indexes"]
             if principal.sees(i.name)
         ]
+    if principal.tenant is not None:
+        reply["indexes"] = [i.model_copy(update={"count": None}) for i in reply["indexes"]]
     return reply
 
 

@@ -655,7 +655,9 @@
         "option",
         { value: ix.name, disabled: !usable(ix) },
         usable(ix)
-          ? `${ix.name}${ix.active ? " (active)" : ""} — ${ix.index_type}, ${ix.count.toLocaleString()} passages`
+          ? `${ix.name}${ix.active ? " (active)" : ""} — ${ix.index_type}` +
+            // no count to a tenant's key (the total is every tenant's)
+            (Number.isFinite(ix.count) ? `, ${ix.count.toLocaleString()} passages` : "")
           : `${ix.name} — cannot be loaded: ${ix.problem}`
       )
     );
