@@ -13,15 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from openbook.index import LoadedIndex, build_index, open_index
+from openbook.index import LoadedIndex
 from openbook.index.documents import Document, built_document_id
 from openbook.index.live import LiveIndex
 from openbook.index.manifest import IndexLoadError
 from openbook.index.milvus_bm25 import NO_TERM, query_vectors, term_dim
 from openbook.index.milvus_engine import MilvusEngine, MilvusIndex
-from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.metadata_filter import parse_filter
-from openbook_testkit.index import word_rows, write_jsonl
+from openbook_testkit.index import build_words_index
 
 pytest.importorskip("milvus_lite")
 
@@ -46,12 +45,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MilvusEngine]:
 @pytest.fixture(scope="module")
 def built(dpr_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> LoadedIndex:
     """A flat files index over 150 passages, dense and BM25, with the tiny DPR encoders."""
-    root = tmp_path_factory.mktemp("built")
-    corpus = write_jsonl(root / "corpus.jsonl", word_rows(150, seed=3))
-    ctx, q = dpr_dirs
-    spec = IndexSpec(name="words", index_type="flat", encoder=str(ctx), query_encoder=str(q))
-    build_index([corpus], root / "words", spec, BuildOptions(progress=False))
-    index = open_index(root / "words")
+    index = build_words_index(tmp_path_factory.mktemp("built"), dpr_dirs)
     assert set(index.views) == {"dense", "bm25"}
     return index
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from openbook.errors import AlreadyExists, InvalidArgument, NotFound
-from openbook.index import LoadedIndex, build_index, open_index
+from openbook.index import LoadedIndex
 from openbook.index.documents import Document
 from openbook.index.empty_base import template_of
 from openbook.index.engine import DocumentIndex, RetrievalMode
@@ -30,9 +30,8 @@ from openbook.index.milvus_engine import (
     filter_expression,
     milvus_string,
 )
-from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.metadata_filter import parse_filter
-from openbook_testkit.index import word_rows, write_jsonl
+from openbook_testkit.index import build_words_index
 
 pytest.importorskip("milvus_lite")
 
@@ -56,12 +55,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MilvusEngine]:
 @pytest.fixture(scope="module")
 def built(dpr_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> LoadedIndex:
     """A flat files index over 150 passages with the tiny DPR encoders (32-d)."""
-    root = tmp_path_factory.mktemp("built")
-    corpus = write_jsonl(root / "corpus.jsonl", word_rows(150, seed=3))
-    ctx, q = dpr_dirs
-    spec = IndexSpec(name="words", index_type="flat", encoder=str(ctx), query_encoder=str(q))
-    build_index([corpus], root / "words", spec, BuildOptions(progress=False))
-    return open_index(root / "words")
+    return build_words_index(tmp_path_factory.mktemp("built"), dpr_dirs)
 
 
 def _ids(hits: list) -> list[str]:

@@ -331,6 +331,20 @@ def random_vectors(n: int, dim: int, seed: int = 0, normalize: bool = False) -> 
     return x
 
 
+def build_words_index(root: Path, dpr_dirs: tuple[Path, Path], n: int = 150):
+    """A flat files index ``words`` under ``root`` over ``word_rows(n, seed=3)`` with the tiny
+    DPR encoders of ``dpr_dirs`` (context, question): dense and BM25, opened (a LoadedIndex).
+    The Milvus tests copy it into Milvus and compare both engines on it."""
+    from openbook.index import build_index, open_index
+    from openbook.index.spec import BuildOptions, IndexSpec
+
+    corpus = write_jsonl(Path(root) / "corpus.jsonl", word_rows(n, seed=3))
+    ctx, q = dpr_dirs
+    spec = IndexSpec(name="words", index_type="flat", encoder=str(ctx), query_encoder=str(q))
+    build_index([corpus], Path(root) / "words", spec, BuildOptions(progress=False))
+    return open_index(Path(root) / "words")
+
+
 def write_vector_index(
     out_dir: Path, vectors: np.ndarray, index_type: str = "flat", name: str = "vec", **params
 ) -> Path:

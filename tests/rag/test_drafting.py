@@ -82,6 +82,21 @@ def _copying(gen, monkeypatch, continuations):
     monkeypatch.setattr(backend, "draft_sources", sources)
 
 
+def _drafted_as_undrafted(gen, monkeypatch, request, want, variants) -> tuple[int, int]:
+    """Decode ``request`` drafting from each of ``variants`` in turn (the continuations
+    :func:`_copying` puts after the passages: none, the answer, corrupted, cut short); every
+    result is the undrafted ``want``. The draft tokens proposed and accepted, summed."""
+    drafted = accepted = 0
+    for continuations in variants:
+        with monkeypatch.context() as patch:
+            _copying(gen, patch, continuations)
+            (got,), engine = _decode(gen, request, DRAFT)
+        _assert_same(got, want)
+        drafted += engine.drafted_tokens
+        accepted += engine.accepted_tokens
+    return drafted, accepted
+
+
 def _corrupted(ids, rnd):
     out = list(ids)
     for _ in range(max(1, len(out) // 6)):
@@ -102,18 +117,9 @@ def test_drafted_greedy_rag_token_is_the_undrafted_decode(dirs, load, kind, monk
         request = [(0, rnd.choice(QUESTIONS), passages, options)]
         (want,), _ = _decode(gen, request, 0)
         answer = want.hypotheses[0].token_ids
-        for continuations in (
-            [],
-            [answer],
-            [_corrupted(answer, rnd)],
-            [answer[: len(answer) // 2]],
-        ):
-            with monkeypatch.context() as patch:
-                _copying(gen, patch, continuations)
-                (got,), engine = _decode(gen, request, DRAFT)
-            _assert_same(got, want)
-            drafted += engine.drafted_tokens
-            accepted += engine.accepted_tokens
+        variants = ([], [answer], [_corrupted(answer, rnd)], [answer[: len(answer) // 2]])
+        d, a = _drafted_as_undrafted(gen, monkeypatch, request, want, variants)
+        drafted, accepted = drafted + d, accepted + a
     # drafts were both accepted and rejected
     assert 0 < accepted < drafted
 
@@ -136,18 +142,14 @@ def test_drafted_greedy_rag_sequence_is_the_undrafted_decode(dirs, load, kind, m
         # each passage's own greedy answer: its search decodes under it alone
         own = [_decode(gen, [(0, question, [p], options)], 0)[0][0] for p in passages]
         answers = [r.hypotheses[0].token_ids for r in own]
-        for continuations in (
+        variants = (
             [],
             answers,
             [_corrupted(a, rnd) for a in answers],
             [a[: len(a) // 2] for a in answers],
-        ):
-            with monkeypatch.context() as patch:
-                _copying(gen, patch, continuations)
-                (got,), engine = _decode(gen, request, DRAFT)
-            _assert_same(got, want)
-            drafted += engine.drafted_tokens
-            accepted += engine.accepted_tokens
+        )
+        d, a = _drafted_as_undrafted(gen, monkeypatch, request, want, variants)
+        drafted, accepted = drafted + d, accepted + a
     assert 0 < accepted < drafted
 
 

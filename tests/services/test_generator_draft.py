@@ -43,6 +43,17 @@ def _counting(rows: type, monkeypatch) -> dict[str, int]:
     return counts
 
 
+def _passages_followed_by(backend, monkeypatch, continuations: list[list[int]]) -> None:
+    """Draft sources from now on: passage z's prompt followed by ``continuations[z]`` (token
+    ids: the answer the passage holds, as the model's tokens, or a corrupted copy)."""
+    own = type(backend).draft_sources
+
+    def sources(question, passages):
+        return [ids + continuations[z] for z, ids in enumerate(own(backend, question, passages))]
+
+    monkeypatch.setattr(backend, "draft_sources", sources)
+
+
 def _request(passages, **options) -> generator_pb2.GenerateRequest:
     return generator_pb2.GenerateRequest(
         question=QUESTION,
@@ -57,8 +68,6 @@ def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
     settings, servicer, stub = service
     assert settings.draft_tokens == 8 and servicer.generator.draft_tokens == 8
     plain = RagGenerator.load(model, device="cpu")
-    backend = servicer.generator.backend
-    own = type(backend).draft_sources
     counts = _counting(RagTokenRows, monkeypatch)
     for seed in range(4):
         passages = make_passages(3, seed=seed)
@@ -68,9 +77,7 @@ def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
         wrong = answer[:4] + [(t + 5) % 250 + 3 for t in answer[4:]]
         # the passages hold the answer (as the model's token ids), or a wrong one
         copied = answer if seed % 2 == 0 else wrong
-        monkeypatch.setattr(
-            backend, "draft_sources", lambda q, ps, c=copied: [i + c for i in own(backend, q, ps)]
-        )
+        _passages_followed_by(servicer.generator.backend, monkeypatch, [copied] * len(passages))
         reply = stub.Generate(_request(passages, **options), timeout=60)
         got = reply.hypotheses[0]
         assert got.text == want.text
@@ -103,8 +110,6 @@ def test_drafted_rag_sequence_replies_and_streams_are_the_undrafted_ones(
     ones."""
     _, servicer, stub = service
     plain = RagGenerator.load(model, device="cpu")
-    backend = servicer.generator.backend
-    own = type(backend).draft_sources
     counts = _counting(PassageRows, monkeypatch)
     for seed in range(4):
         passages = make_passages(3, seed=seed)
@@ -117,11 +122,7 @@ def test_drafted_rag_sequence_replies_and_streams_are_the_undrafted_ones(
         copied = (
             alone if seed % 2 == 0 else [a[:3] + [(t + 5) % 250 + 3 for t in a[3:]] for a in alone]
         )
-        monkeypatch.setattr(
-            backend,
-            "draft_sources",
-            lambda q, ps, c=copied: [i + c[z] for z, i in enumerate(own(backend, q, ps))],
-        )
+        _passages_followed_by(servicer.generator.backend, monkeypatch, copied)
         want = plain.generate(QUESTION, passages, DecodingOptions(**options))
         reply = stub.Generate(_request(passages, **options), timeout=60)
         assert [h.text for h in reply.hypotheses] == [h.text for h in want.hypotheses]
