@@ -26,6 +26,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -46,13 +47,24 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50_ms": float(np.percentile(values, 50)), "p90_ms": float(np.percentile(values, 90))}
 
 
-def timed(call) -> float:
+def timed(call: Callable[[], httpx.Response]) -> tuple[float, httpx.Response]:
+    """How long ``call`` took (seconds), and its reply, which must be a 200."""
     started = time.perf_counter()
     reply = call()
     seconds = time.perf_counter() - started
     if reply.status_code != 200:
         raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:300]}")
-    return seconds
+    return seconds, reply
+
+
+def interleaved(rounds: int, variants: dict[str, Callable[[], float]]) -> dict[str, dict]:
+    """The percentiles of each variant's seconds, the variants taking turns call by call (so
+    that what drifts during the run, a cache warming, the machine's load, hits all alike)."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, call in variants.items():
+            samples[name].append(call())
+    return {name: percentiles(values) for name, values in samples.items()}
 
 
 def make_key(client: httpx.Client, admin: dict, body: dict) -> dict:
@@ -61,21 +73,25 @@ def make_key(client: httpx.Client, admin: dict, body: dict) -> dict:
     return {"Authorization": f"Bearer {reply.json()['key']}"}
 
 
+def tenant_key(client: httpx.Client, admin: dict, name: str, **more: object) -> dict:
+    """A key that asks and writes in INDEX as tenant ``t0`` (its filter), with ``more``."""
+    body = {
+        "name": name,
+        "scopes": ["ask", "write"],
+        "indexes": [INDEX],
+        "filter": {"tenant": "t0"},
+        **more,
+    }
+    return make_key(client, admin, body)
+
+
 def door(client: httpx.Client, admin: dict, rounds: int) -> dict:
     """Part 1 (module docstring)."""
     variants = {
         "anonymous": {},
         "ask key": make_key(client, admin, {"name": "bench-ask", "scopes": ["ask"]}),
-        "tenant key (filter, rate)": make_key(
-            client,
-            admin,
-            {
-                "name": "bench-tenant",
-                "scopes": ["ask", "write"],
-                "indexes": [INDEX],
-                "filter": {"tenant": "t0"},
-                "rate": {"requests_per_minute": 1_000_000},
-            },
+        "tenant key (filter, rate)": tenant_key(
+            client, admin, "bench-tenant", rate={"requests_per_minute": 1_000_000}
         ),
     }
     body = {"question": QUESTION, "max_new_tokens": 4, "index": INDEX, "use_cache": True}
@@ -84,13 +100,11 @@ def door(client: httpx.Client, admin: dict, rounds: int) -> dict:
         hit = client.post("/answer", json=body, headers=headers).json()
         if not hit["cached"]:
             raise RuntimeError("the answer was not cached: the door would be measured with work")
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, headers in variants.items():
-            samples[name].append(
-                timed(lambda h=headers: client.post("/answer", json=body, headers=h))
-            )
-    stats = {name: percentiles(values) for name, values in samples.items()}
+
+    def asking(headers: dict) -> Callable[[], float]:
+        return lambda: timed(lambda: client.post("/answer", json=body, headers=headers))[0]
+
+    stats = interleaved(rounds, {name: asking(headers) for name, headers in variants.items()})
     base = stats["anonymous"]["p50_ms"]
     for name in variants:
         stats[name]["extra_p50_ms"] = stats[name]["p50_ms"] - base
@@ -104,9 +118,9 @@ def search(client: httpx.Client, headers: dict, k: int) -> tuple[float, list[dic
         "method": "tools/call",
         "params": {"name": "search", "arguments": {"query": QUESTION, "k": k, "index": INDEX}},
     }
-    started = time.perf_counter()
-    reply = client.post("/mcp", json=call, headers={**MCP_HEADERS, **headers})
-    seconds = time.perf_counter() - started
+    seconds, reply = timed(
+        lambda: client.post("/mcp", json=call, headers={**MCP_HEADERS, **headers})
+    )
     result = reply.json()["result"]
     if result.get("isError"):
         raise RuntimeError(str(result)[:300])
@@ -117,17 +131,23 @@ def tenant_retrieval(
     client: httpx.Client, admin: dict, tenant: dict, rounds: int, k: int, own: int
 ) -> dict:
     """Part 2 (module docstring)."""
-    samples: dict[str, list[float]] = {"no filter (admin)": [], "tenant filter (1%)": []}
     filled = True
-    for _ in range(rounds):
-        seconds, _ = search(client, admin, k)
-        samples["no filter (admin)"].append(seconds)
+
+    def tenant_search() -> float:
+        nonlocal filled
         seconds, passages = search(client, tenant, k)
-        samples["tenant filter (1%)"].append(seconds)
         # filled: k passages, or every one of the tenant's (its documents are one passage each)
         filled &= len(passages) == min(k, own)
         filled &= all(p["document"].startswith("t0-") for p in passages)
-    stats: dict = {name: percentiles(values) for name, values in samples.items()}
+        return seconds
+
+    stats: dict = interleaved(
+        rounds,
+        {
+            "no filter (admin)": lambda: search(client, admin, k)[0],
+            "tenant filter (1%)": tenant_search,
+        },
+    )
     stats["ratio_p50"] = (
         stats["tenant filter (1%)"]["p50_ms"] / stats["no filter (admin)"]["p50_ms"]
     )
@@ -184,16 +204,7 @@ def main() -> None:
                     serving_gateway(settings) as url,
                     httpx.Client(base_url=url, timeout=120) as client,
                 ):
-                    tenant = make_key(
-                        client,
-                        admin,
-                        {
-                            "name": "bench-writer",
-                            "scopes": ["ask", "write"],
-                            "indexes": [INDEX],
-                            "filter": {"tenant": "t0"},
-                        },
-                    )
+                    tenant = tenant_key(client, admin, "bench-writer")
                     own = fill_index(client, admin, tenant, args.docs)
                     results = {
                         "door_on_cached_answer": door(client, admin, args.rounds),
