@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from openbook_cli.app import app as cli_app
+from openbook_gateway import api_keys
 from openbook_gateway.access import RULES, rule_of
 from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings
@@ -241,6 +242,19 @@ def test_require_keys_closes_all_but_health_metrics_and_the_page(closed_url, ope
     # the default stays open
     assert _answer(open_url, None).status_code == 200
     assert httpx.get(f"{open_url}/indexes").status_code == 200
+
+
+def test_a_timing_probe_learns_nothing(closed_url, admin):
+    # a name with no record and a real name with a wrong secret: the same refusal, word for
+    # word, after the same work (access.identify hashes against a dummy salt when the name has
+    # no record, so the time taken does not tell the names that exist either)
+    _create(closed_url, admin, "probed", ["ask"])
+    replies = [_answer(closed_url, f"obk_{name}.wrong-secret") for name in ("probed", "nobody")]
+    assert [r.status_code for r in replies] == [401, 401]
+    assert replies[0].text == replies[1].text
+    assert replies[0].headers.get("www-authenticate") == replies[1].headers.get("www-authenticate")
+    presented = api_keys.parse("obk_nobody.wrong-secret")
+    assert presented is not None and api_keys.matches(None, presented) is False
 
 
 def test_a_key_held_to_indexes_sees_no_other(closed_url, admin):

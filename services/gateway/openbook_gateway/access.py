@@ -176,7 +176,10 @@ async def identify(
         return ANONYMOUS
     cache = services.cache
     record = await read_api_key(cache.client, cache.sealer, presented.name)
-    if record is None or not api_keys.matches(record, presented):
+    # hashed whether or not the name has a record (a dummy salt then): a timing probe cannot
+    # tell a name that exists from one that does not
+    valid = api_keys.matches(record, presented)
+    if record is None or not valid:
         return ANONYMOUS
     if last_used is not None and last_used.due(record["name"]):
         # only a listing's "last used": the key itself was checked
