@@ -55,8 +55,7 @@ from openbook.index.manifest import Manifest
 from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, fold_bm25
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.stages import BuildSource, build_lock, stage_and_publish
-from openbook.index.store import PassageStore
-from openbook.index.vectors import ShardProducer, VectorSource
+from openbook.index.vectors import ShardProducer, ShardWork, VectorSource
 from openbook.types import Passage
 
 
@@ -138,18 +137,13 @@ def _stored_vectors(inputs: BaseInputs, dim: int) -> ShardProducer:
     if segment is None:
         segment = np.zeros((0, dim), np.float32)
 
-    def produce(
-        store: PassageStore,
-        spans: list[tuple[int, int]],
-        todo: list[int],
-        update: Callable[[int], None],
-    ) -> Iterator[tuple[int, np.ndarray]]:
+    def produce(work: ShardWork) -> Iterator[tuple[int, np.ndarray]]:
         base = None
         if kept:
             assert inputs.base_dir is not None  # rows come from a base directory
             base = np.load(inputs.base_dir / VECTORS_FILE, mmap_mode="r")
-        for i in todo:
-            a, b = spans[i]
+        for i in work.todo:
+            a, b = work.spans[i]
             out = np.empty((b - a, dim), dtype=np.float32)
             if a < kept:
                 assert base is not None
@@ -158,7 +152,7 @@ def _stored_vectors(inputs: BaseInputs, dim: int) -> ShardProducer:
             if b > kept:
                 lo = max(a, kept)
                 out[lo - a :] = segment[lo - kept : b - kept]
-            update(b - a)
+            work.update(b - a)
             yield i, out
 
     return produce

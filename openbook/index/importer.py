@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,7 +46,7 @@ from openbook.index.manifest import Manifest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.stages import BuildSource, build_lock, check_inputs, stage_and_publish
 from openbook.index.store import PassageStore
-from openbook.index.vectors import VectorSource
+from openbook.index.vectors import ShardProducer, ShardWork, VectorSource
 
 PASSAGES_FORMAT = "dpr-tsv"
 TABLE_PASSAGES = "embeddings"  # manifest input_format: passages read from parquet/arrow
@@ -182,17 +182,11 @@ def _row_of(store: PassageStore, embedding_id: str) -> int | None:
     return None
 
 
-def _producer(
-    tsv: str, files: list[Path], fmt: str, batch_size: int, dim: int
-) -> Callable[..., Iterator[tuple[int, np.ndarray]]]:
-    def produce(
-        store: PassageStore,
-        spans: list[tuple[int, int]],
-        todo: list[int],
-        update: Callable[[int], None],
-    ) -> Iterator[tuple[int, np.ndarray]]:
+def _producer(tsv: str, files: list[Path], fmt: str, batch_size: int, dim: int) -> ShardProducer:
+    def produce(work: ShardWork) -> Iterator[tuple[int, np.ndarray]]:
+        store, spans, update = work.store, work.spans, work.update
         count, size = spans[-1][1], spans[0][1] - spans[0][0]
-        want = set(todo)
+        want = set(work.todo)
         buf: np.ndarray | None = None
         pos = 0  # global row of the batch's first entry
         for batch in iter_embeddings(files, fmt, batch_size):

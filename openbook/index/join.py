@@ -24,7 +24,7 @@ import fcntl
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,7 +50,7 @@ from openbook.index.shard import shard_spans
 from openbook.index.spec import INDEX_TYPES, AnnParams, BuildOptions, IndexSpec
 from openbook.index.stages import BuildSource, build_lock, stage_and_publish
 from openbook.index.store import PassageStore
-from openbook.index.vectors import ShardProducer, VectorSource
+from openbook.index.vectors import ShardProducer, ShardWork, VectorSource
 from openbook.types import Passage
 
 # ----------------------------------------------------------------------------- joining
@@ -406,22 +406,17 @@ def merge_slices(
 def _slice_vectors(paths: list[Path], offsets: list[int]) -> ShardProducer:
     """A ``ShardProducer`` reading global rows from the slices' ``vectors.npy`` files."""
 
-    def produce(
-        store: PassageStore,
-        spans: list[tuple[int, int]],
-        todo: list[int],
-        update: Callable[[int], None],
-    ) -> Iterator[tuple[int, np.ndarray]]:
+    def produce(work: ShardWork) -> Iterator[tuple[int, np.ndarray]]:
         mats = [np.load(p / VECTORS_FILE, mmap_mode="r") for p in paths]
         ends = [o + len(m) for o, m in zip(offsets, mats, strict=True)]
-        for i in todo:
-            a, b = spans[i]
+        for i in work.todo:
+            a, b = work.spans[i]
             out = np.empty((b - a, mats[0].shape[1]), dtype=np.float32)
             for off, end, mat in zip(offsets, ends, mats, strict=True):
                 lo, hi = max(a, off), min(b, end)
                 if lo < hi:
                     out[lo - a : hi - a] = mat[lo - off : hi - off]
-            update(b - a)
+            work.update(b - a)
             yield i, out
 
     return produce

@@ -47,7 +47,7 @@ from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 from openbook.index.passages import read_passages
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.store import PassageStore, PassageWriter
-from openbook.index.vectors import VectorSource
+from openbook.index.vectors import ShardWork, VectorSource
 from openbook.types import Passage
 
 BM25_PARAMS = {"k1": 1.5, "b": 0.75, "method": "lucene", "stopwords": "en"}
@@ -298,7 +298,7 @@ def stage_vectors(
         with tqdm(
             total=count, initial=done_rows, unit="psg", desc=source.desc, disable=not progress
         ) as bar:
-            for i, vecs in source.produce(store, spans, todo, bar.update):
+            for i, vecs in source.produce(ShardWork(store, spans, todo, bar.update)):
                 produced.append(i)
                 a, b = spans[i]
                 if vecs.shape != (b - a, dim) or vecs.dtype != np.float32:

@@ -93,12 +93,20 @@ def weights_digest(enc: Encoder) -> str:
     return h.hexdigest()
 
 
-# Yields (shard number, its float32 (rows, dim) vectors) for the shards in ``todo`` (ascending),
-# given the passage store, every shard's [start, stop) rows, and a progress callback (rows).
-ShardProducer = Callable[
-    [PassageStore, list[tuple[int, int]], list[int], Callable[[int], None]],
-    Iterator[tuple[int, np.ndarray]],
-]
+@dataclass(frozen=True)
+class ShardWork:
+    """What a :data:`ShardProducer` is asked for: the shards ``todo`` (ascending) of the
+    passages in ``store``, every shard's ``[start, stop)`` rows in ``spans``, and ``update``,
+    called with the rows done as they are done (progress)."""
+
+    store: PassageStore
+    spans: list[tuple[int, int]]
+    todo: list[int]
+    update: Callable[[int], None]
+
+
+# Yields (shard number, its float32 (rows, dim) vectors) for each shard of the work's ``todo``.
+ShardProducer = Callable[[ShardWork], Iterator[tuple[int, np.ndarray]]]
 
 
 @dataclass(frozen=True)
@@ -222,15 +230,11 @@ def encoder_source(
     """Vectors from ``enc`` run over the passages in ``precision`` (a resolved name); those of
     passages ``donors`` hold are taken from them instead."""
 
-    def produce(
-        store: PassageStore,
-        spans: list[tuple[int, int]],
-        todo: list[int],
-        update: Callable[[int], None],
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        for i in todo:
-            a, b = spans[i]
-            rows = [row for batch in store.iter_batches(a, b) for row in batch]
+    def produce(work: ShardWork) -> Iterator[tuple[int, np.ndarray]]:
+        update = work.update
+        for i in work.todo:
+            a, b = work.spans[i]
+            rows = [row for batch in work.store.iter_batches(a, b) for row in batch]
             donated = donors.lookup([(r[0], r[1]) for r in rows]) if donors else {}
             if donated:
                 update(len(donated))
