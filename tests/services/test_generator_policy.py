@@ -127,6 +127,7 @@ def test_a_key_just_served_goes_after_one_that_waits_even_with_nothing_running()
     p = policy(max_batch_size=1)
     line = of("a", 4) + of("b", 2)
     p.started(line[0])
+    assert (p.last_started("a"), p.last_started("b")) == (1, None)
     assert p.start_order([], line[1:]) == [3, 0, 4, 1, 2]  # positions in line[1:]
     p.started(line[4])  # B's started: A's turn next
     assert p.start_order([], line[1:4] + line[5:]) == [0, 3, 1, 2]

@@ -521,10 +521,11 @@ def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.
 
 
 def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, backends):
-    # Key A floods the generator with answers; key B asks once while A's wait in the
-    # generator's line. B's answer is admitted at the next free place (fair share across
-    # keys, openbook_generator.policy), not behind A's flood: the order answers complete in
-    # shows it, with no timing threshold.
+    # Key A floods the generator with answers (POST /answer); key B asks once (/v1 chat
+    # completions) while A's wait in the generator's line. B's answer is admitted at the next
+    # free place (fair share across keys, openbook_generator.policy), not behind A's flood:
+    # the order answers complete in shows it, with no timing threshold. Every answer path
+    # names its key to the generator: REST, /v1 and MCP.
     flood = _create(url, admin, "flood", ["ask"])
     single = _create(url, admin, "single", ["ask"])
     scheduler = backends.generator_servicer.scheduler
@@ -532,8 +533,20 @@ def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, bac
     lock = threading.Lock()
 
     def ask(key: str, who: str, tokens: int) -> None:
-        body = {"k": 1, "max_new_tokens": tokens, "min_new_tokens": tokens}
-        reply = _answer(url, key, **body)
+        if who == "a":
+            body = {"k": 1, "max_new_tokens": tokens, "min_new_tokens": tokens}
+            reply = _answer(url, key, **body)
+        else:
+            chat = {
+                "model": f"openbook/{INDEX}",
+                "messages": [{"role": "user", "content": QUESTION}],
+                "max_tokens": tokens,
+                "k": 1,
+                "use_cache": False,
+            }
+            reply = httpx.post(
+                f"{url}/v1/chat/completions", json=chat, headers=_bearer(key), timeout=60
+            )
         with lock:
             done.append(who if reply.status_code == 200 else f"{who}: {reply.text}")
 
@@ -558,3 +571,8 @@ def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, bac
     # first come first served, B's would come after the four (or more) of A's waiting when it
     # asked; fairly, after the one running then (and one more, had it just ended)
     assert done.index("b") <= before + 2, done
+    # the generator took each request under its key's name: REST, /v1 and MCP
+    mcp = _create(url, admin, "mcp-caller", ["ask"])
+    assert _mcp(url, mcp, "answer", question=QUESTION, k=1).get("isError") is not True
+    for key_name in ("flood", "single", "mcp-caller"):
+        assert scheduler.policy.last_started(key_name) is not None, key_name

@@ -384,6 +384,11 @@ class SchedulingPolicy:
                 del lines[caller]
         return order
 
+    def last_started(self, caller: str) -> int | None:
+        """When ``caller`` last started a request, counted in starts (None: never, or no
+        longer remembered): its place in the round robin."""
+        return self._last_started.get(caller)
+
     def started(self, request: Request) -> None:
         """``request`` started: its caller goes to the end of the round robin."""
         self._starts += 1
