@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from openbook_cli.launcher import access_line
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import LocalStack, build_fact_indexes
 
@@ -197,6 +198,13 @@ def test_every_route_keeps_the_tenants_apart(stack, keys):
     b = _bearer(keys["b"])
     assert httpx.get(f"{base}/report", headers=b).json()["text"] == REPORTS["b"]["text"]
     assert httpx.get(base, headers=b).json()["ids"] == ["b-upload", "report"]
+
+
+def test_openbook_up_says_which_door_the_gateway_has(stack):
+    assert "openbook up: gateway requires keys" in stack.log_tail(1_000_000)
+    # the default stays open, and says so
+    assert "gateway open" in access_line({})
+    assert "requires keys" in access_line({"OPENBOOK_GATEWAY_REQUIRE_KEYS": "true"})
 
 
 def test_keys_are_refused_where_they_must_be(stack, keys):
