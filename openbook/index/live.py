@@ -90,7 +90,7 @@ from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
 from openbook.index.filtering import MetadataColumns, segment_mask
 from openbook.index.fusion import Fusion
-from openbook.index.loaded import LoadedIndex, open_index
+from openbook.index.loaded import LoadedIndex, open_index, search_queries
 from openbook.index.manifest import MANIFEST, Manifest
 from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, SegmentPostings
 from openbook.index.wal import (
@@ -592,17 +592,7 @@ class LiveIndex:
             if return_vectors and not base.dense:
                 raise InvalidArgument(f"index {self.name!r} is bm25 and stores no vectors")
             return self._search_bm25(view, list(queries), k, return_vectors, masks)
-        if query_vectors is not None:
-            q = np.asarray(query_vectors, dtype=np.float32)
-            if q.shape != (len(queries), base.manifest.dim):
-                raise InvalidArgument(
-                    f"index {self.name!r}: query vectors of shape {q.shape}, expected "
-                    f"({len(queries)}, {base.manifest.dim})"
-                )
-        else:
-            enc = encoder or base.query_encoder
-            base.check_encoder(enc)
-            q = enc.encode(list(queries))
+        q = search_queries(self.name, base, queries, encoder, query_vectors)
         if mode == "dense":
             return self._search_dense(view, q, k, return_vectors, masks)
         return self._search_hybrid(view, list(queries), q, k, return_vectors, masks)

@@ -18,6 +18,7 @@ from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
 from openbook.index.documents import built_document_id
 from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.engine import SearchableIndex
 from openbook.index.filtering import (
     MetadataColumns,
     search_dense_masked,
@@ -136,6 +137,32 @@ def check_query_encoder(name: str, manifest: Manifest, encoder: Encoder) -> None
             f"index {name!r}: query encoder {encoder.name!r} dim {encoder.dim} "
             f"!= index dim {manifest.dim}"
         )
+
+
+def search_queries(
+    name: str,
+    index: SearchableIndex,
+    queries: Sequence[str],
+    encoder: Encoder | None,
+    vectors: np.ndarray | None,
+) -> np.ndarray:
+    """The ``(n, dim)`` float32 query vectors a dense search of ``index`` (called ``name``)
+    runs with, whichever engine: ``vectors`` as given, checked against its dimension, else
+    ``queries`` encoded by ``encoder`` (checked to pair with the index) or by the index's own
+    query encoder (checked when it was loaded)."""
+    if vectors is not None:
+        q = np.asarray(vectors, dtype=np.float32)
+        if q.ndim != 2 or q.shape != (len(queries), index.manifest.dim):
+            raise InvalidArgument(
+                f"index {name!r}: query vectors of shape {q.shape}, expected "
+                f"({len(queries)}, {index.manifest.dim})"
+            )
+        return q
+    if encoder is None:
+        encoder = index.query_encoder
+    else:
+        index.check_encoder(encoder)
+    return encoder.encode(list(queries))
 
 
 class LoadedIndex:
@@ -333,30 +360,13 @@ class LoadedIndex:
             # bm25 view of a dense index serves raw BM25 scores (score_scale is the dense one).
             scale = 1.0 if self.dense else self.manifest.score_scale
             return self._results(scores, rows, return_vectors=return_vectors, scale=scale)
-        q = self._query_vectors(queries, encoder, query_vectors)
+        q = search_queries(self.name, self, queries, encoder, query_vectors)
         if mode == "dense":
             return self.search_vectors(q, k, return_vectors, allowed=mask)
         fusion = self.fusion
         cands = self._candidates(list(queries), q, max(k, fusion.candidates), mask)
         scores, rows = top_k(fusion, cands, k)
         return self._results(scores, rows, return_vectors, scale=1.0)
-
-    def _query_vectors(
-        self, queries: Sequence[str], encoder: Encoder | None, vectors: np.ndarray | None
-    ) -> np.ndarray:
-        if vectors is not None:
-            q = np.asarray(vectors, dtype=np.float32)
-            if q.ndim != 2 or q.shape != (len(queries), self.manifest.dim):
-                raise InvalidArgument(
-                    f"index {self.name!r}: query vectors of shape {q.shape}, expected "
-                    f"({len(queries)}, {self.manifest.dim})"
-                )
-            return q
-        if encoder is None:
-            encoder = self.query_encoder
-        else:
-            self.check_encoder(encoder)
-        return encoder.encode(list(queries))
 
     def hybrid_candidates(
         self,
@@ -373,7 +383,7 @@ class LoadedIndex:
         self.retrieval_mode("hybrid")
         if n < 1:
             raise InvalidArgument(f"n must be >= 1, got {n}")
-        q = self._query_vectors(queries, encoder, query_vectors)
+        q = search_queries(self.name, self, queries, encoder, query_vectors)
         return self._candidates(list(queries), q, n, self.row_mask(None, allowed))
 
     def _dense(self) -> faiss.Index:

@@ -103,6 +103,7 @@ from openbook.index.loaded import (
     check_query_encoder,
     index_query_encoder,
     query_matrix,
+    search_queries,
 )
 from openbook.index.manifest import IndexLoadError, Manifest
 from openbook.index.milvus_bm25 import (
@@ -724,17 +725,7 @@ class MilvusIndex:
             return []
         if mode is RetrievalMode.BM25:
             return self._bm25_search(list(queries), k, return_vectors, where)
-        if query_vectors is not None:
-            q = np.asarray(query_vectors, dtype=np.float32)
-            if q.shape != (len(queries), self._manifest.dim):
-                raise InvalidArgument(
-                    f"index {self.name!r}: query vectors of shape {q.shape}, expected "
-                    f"({len(queries)}, {self._manifest.dim})"
-                )
-        else:
-            enc = encoder or self.query_encoder
-            self.check_encoder(enc)
-            q = enc.encode(list(queries))
+        q = search_queries(self.name, self, queries, encoder, query_vectors)
         if mode is RetrievalMode.DENSE:
             return self.search_vectors(q, k, return_vectors, where=where)
         return self._hybrid_search(list(queries), q, k, return_vectors, where)
