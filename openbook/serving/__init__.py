@@ -1,1 +1,2 @@
-"""Serving plumbing shared by the gRPC services: server start-up, errors, batching."""
+"""Serving plumbing shared by the services: start-up (every service's, the gateway's too), gRPC
+server start-up, errors, batching."""

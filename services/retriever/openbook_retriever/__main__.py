@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from openbook.logs import setup_logging
-from openbook.telemetry import setup_tracing
+from openbook.serving.startup import prepare
 from openbook_retriever.server import serve
 from openbook_retriever.settings import RetrieverSettings
 
 
 def main() -> None:
     settings = RetrieverSettings()
-    setup_logging(settings.log_level)
-    settings.check_secrets("openbook-retriever")
-    settings.check_redis("openbook-retriever")  # unreachable: one line naming it, not a trace
-    setup_tracing("openbook-retriever")  # before the server exists: its interceptors depend on it
+    prepare("openbook-retriever", settings)  # logging, secrets, Redis, tracing
     serve(settings)
 
 
