@@ -25,7 +25,7 @@ from openbook.errors import InvalidArgument
 from openbook.index.encoders import Encoder
 from openbook.index.engine import check_retrieval
 from openbook.index.fusion import Candidates, Fusion
-from openbook.index.loaded import check_query_encoder, index_query_encoder
+from openbook.index.loaded import ManifestFacts
 from openbook.index.manifest import Manifest
 from openbook.index.spec import IndexSpec
 from openbook.index.stages import BM25_PARAMS
@@ -83,7 +83,7 @@ def template_for(spec: IndexSpec, encoder: Encoder | None) -> Manifest:
     )
 
 
-class EmptyBase:
+class EmptyBase(ManifestFacts):
     """A base with no passages (module docstring), searched as a ``LoadedIndex`` is."""
 
     def __init__(self, path: Path, manifest: Manifest, *, name: str) -> None:
@@ -97,18 +97,6 @@ class EmptyBase:
         return 0
 
     @property
-    def dense(self) -> bool:
-        return self.manifest.dense
-
-    @property
-    def views(self) -> tuple[str, ...]:
-        return tuple(self.manifest.views)
-
-    @property
-    def default_retrieval(self) -> str:
-        return self.manifest.default_retrieval
-
-    @property
     def fusion(self) -> Fusion:
         if self.manifest.fusion is not None:
             return Fusion.from_dict(self.manifest.fusion)
@@ -117,18 +105,6 @@ class EmptyBase:
     def retrieval_mode(self, retrieval: str | None) -> str:
         """As ``LoadedIndex.retrieval_mode``: InvalidArgument starting "retrieval: "."""
         return check_retrieval(self.name, self.views, self.default_retrieval, retrieval)
-
-    @property
-    def query_encoder(self) -> Encoder:
-        if not self.dense:
-            raise InvalidArgument(f"index {self.name!r} is bm25 and has no query encoder")
-        with self._encoder_lock:
-            if self._encoder is None:
-                self._encoder = index_query_encoder(self.name, self.manifest)
-            return self._encoder
-
-    def check_encoder(self, encoder: Encoder) -> None:
-        check_query_encoder(self.name, self.manifest, encoder)
 
     def search(
         self,

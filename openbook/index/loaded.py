@@ -165,7 +165,47 @@ def search_queries(
     return encoder.encode(list(queries))
 
 
-class LoadedIndex:
+class ManifestFacts:
+    """What an index of the files engine answers from its manifest alone, and its query
+    encoder, loaded once: shared by :class:`LoadedIndex` and the empty base of a live index
+    (``empty_base.EmptyBase``), which set ``name``, ``manifest``, ``_encoder`` (None) and
+    ``_encoder_lock``."""
+
+    name: str
+    manifest: Manifest
+    _encoder: Encoder | None
+    _encoder_lock: threading.Lock
+
+    @property
+    def dense(self) -> bool:
+        return self.manifest.dense
+
+    @property
+    def views(self) -> tuple[str, ...]:
+        """The retrieval views held: ("dense",), ("bm25",) or ("dense", "bm25")."""
+        return tuple(self.manifest.views)
+
+    @property
+    def default_retrieval(self) -> str:
+        """What ``search`` does without ``retrieval``: ``Manifest.default_retrieval`` (hybrid
+        with the fitted fusion, else ``Fusion.default``, where both views exist)."""
+        return self.manifest.default_retrieval
+
+    @property
+    def query_encoder(self) -> Encoder:
+        """The manifest's query encoder, loaded once (and shared via the encoder cache)."""
+        if not self.dense:
+            raise InvalidArgument(f"index {self.name!r} is bm25 and has no query encoder")
+        with self._encoder_lock:
+            if self._encoder is None:
+                self._encoder = index_query_encoder(self.name, self.manifest)
+            return self._encoder
+
+    def check_encoder(self, encoder: Encoder) -> None:
+        check_query_encoder(self.name, self.manifest, encoder)
+
+
+class LoadedIndex(ManifestFacts):
     """Search and vector access over one index; thread-safe for concurrent searches."""
 
     def __init__(self, path: Path, manifest: Manifest, *, name: str | None = None) -> None:
@@ -235,21 +275,6 @@ class LoadedIndex:
         self.close()
 
     @property
-    def dense(self) -> bool:
-        return self.manifest.dense
-
-    @property
-    def views(self) -> tuple[str, ...]:
-        """The retrieval views held: ("dense",), ("bm25",) or ("dense", "bm25")."""
-        return tuple(self.manifest.views)
-
-    @property
-    def default_retrieval(self) -> str:
-        """What ``search`` does without ``retrieval``: ``Manifest.default_retrieval`` (hybrid
-        with the fitted fusion, else ``Fusion.default``, where both views exist)."""
-        return self.manifest.default_retrieval
-
-    @property
     def fusion(self) -> Fusion:
         """The fusion hybrid search uses: the manifest's fitted one, else the default."""
         if "dense" not in self.views or "bm25" not in self.views:
@@ -296,19 +321,6 @@ class LoadedIndex:
             params["rerank"] = rerank
         if self._faiss is not None:
             faiss_index.configure(self._faiss, self.manifest.index_type, params)
-
-    @property
-    def query_encoder(self) -> Encoder:
-        """The manifest's query encoder, loaded once (and shared via the encoder cache)."""
-        if not self.dense:
-            raise InvalidArgument(f"index {self.name!r} is bm25 and has no query encoder")
-        with self._encoder_lock:
-            if self._encoder is None:
-                self._encoder = index_query_encoder(self.name, self.manifest)
-            return self._encoder
-
-    def check_encoder(self, encoder: Encoder) -> None:
-        check_query_encoder(self.name, self.manifest, encoder)
 
     def search(
         self,
