@@ -115,6 +115,42 @@ def test_full_queue_answers_resource_exhausted_with_the_default_settings(service
             assert call.result().hypotheses
 
 
+def _of(caller: str, **options) -> generator_pb2.GenerateRequest:
+    """A request of ``caller`` (the gateway's key name: its fair share)."""
+    request = _request(**options)
+    request.caller = caller
+    return request
+
+
+def test_a_full_line_makes_room_for_another_caller(service, steps):
+    # one key fills the line; another key's request is not refused for it: the newest of the
+    # flood gives its place (the same RESOURCE_EXHAUSTED a full line answers), while one more
+    # of the flood is refused as before
+    settings, servicer, stub = service
+    steps["gate"].clear()  # the first batch blocks in its first step
+    first = stub.Generate.future(_of("a", max_new_tokens=8, min_new_tokens=8), timeout=120)
+    assert steps["entered"].wait(30)
+    flood = [
+        stub.Generate.future(_of("a", max_new_tokens=2), timeout=120)
+        for _ in range(settings.max_queue)
+    ]
+    _wait_until(lambda: servicer.scheduler.depth() == settings.max_queue)
+    mine = stub.Generate.future(_of("b", max_new_tokens=2), timeout=120)
+    _wait_until(lambda: any(c.done() for c in flood))
+    (displaced,) = [c for c in flood if c.done()]
+    assert displaced.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "made room for another caller" in displaced.details()
+    more = stub.Generate.future(_of("a", max_new_tokens=2), timeout=120)
+    assert more.exception(timeout=30) is not None
+    assert more.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in more.details()
+    assert servicer.scheduler.depth() == settings.max_queue
+    steps["gate"].set()
+    assert mine.result().hypotheses and first.result().hypotheses
+    for call in flood:
+        if call is not displaced:
+            assert call.result().hypotheses
+
+
 def test_request_over_the_memory_budget_is_refused_before_it_runs(service, steps):
     _, servicer, stub = service
     budget = servicer.memory_budget_bytes
