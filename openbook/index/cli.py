@@ -62,6 +62,44 @@ class Retrieval(StrEnum):
     hybrid = "hybrid"
 
 
+# The ANN parameters' options, alike for `build` and `import` (AnnParams, spec.py).
+HnswM = Annotated[int, typer.Option(min=2)]
+EfConstruction = Annotated[int, typer.Option(min=1)]
+EfSearch = Annotated[int, typer.Option(min=1)]
+HnswTransformOption = Annotated[
+    HnswTransform, typer.Option(help="hnsw: native inner product or DPR's MIPS->L2")
+]
+Nlist = Annotated[int | None, typer.Option(min=1, help="ivfpq: inverted lists")]
+PqM = Annotated[int | None, typer.Option(min=1, help="ivfpq: PQ sub-quantizers")]
+Nprobe = Annotated[int, typer.Option(min=1, help="ivfpq: lists probed per query")]
+Rerank = Annotated[
+    int, typer.Option(min=0, help="Re-rank k*N candidates exactly (approximate types)")
+]
+
+
+def _ann(
+    hnsw_m: int,
+    ef_construction: int,
+    ef_search: int,
+    hnsw_transform: HnswTransform,
+    nlist: int | None,
+    pq_m: int | None,
+    nprobe: int,
+    rerank: int,
+) -> AnnParams:
+    """The ANN parameters of the options above (validated by AnnParams)."""
+    return AnnParams(
+        hnsw_m=hnsw_m,
+        ef_construction=ef_construction,
+        ef_search=ef_search,
+        hnsw_transform=hnsw_transform.value,
+        nlist=nlist,
+        pq_m=pq_m,
+        nprobe=nprobe,
+        rerank=rerank,
+    )
+
+
 def _fail(msg: str) -> typer.Exit:
     typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
     return typer.Exit(code=2)
@@ -93,18 +131,14 @@ def build(
     batch_size: Annotated[int, typer.Option(min=1)] = 64,
     shard_size: Annotated[int, typer.Option(min=1)] = 50_000,
     max_words: Annotated[int, typer.Option(min=1, help="Words per passage when splitting")] = 100,
-    hnsw_m: Annotated[int, typer.Option(min=2)] = 32,
-    ef_construction: Annotated[int, typer.Option(min=1)] = 128,
-    ef_search: Annotated[int, typer.Option(min=1)] = 128,
-    hnsw_transform: Annotated[
-        HnswTransform, typer.Option(help="hnsw: native inner product or DPR's MIPS->L2")
-    ] = HnswTransform.none,
-    nlist: Annotated[int | None, typer.Option(min=1, help="ivfpq: inverted lists")] = None,
-    pq_m: Annotated[int | None, typer.Option(min=1, help="ivfpq: PQ sub-quantizers")] = None,
-    nprobe: Annotated[int, typer.Option(min=1, help="ivfpq: lists probed per query")] = 16,
-    rerank: Annotated[
-        int, typer.Option(min=0, help="Re-rank k*N candidates exactly (approximate types)")
-    ] = 0,
+    hnsw_m: HnswM = 32,
+    ef_construction: EfConstruction = 128,
+    ef_search: EfSearch = 128,
+    hnsw_transform: HnswTransformOption = HnswTransform.none,
+    nlist: Nlist = None,
+    pq_m: PqM = None,
+    nprobe: Nprobe = 16,
+    rerank: Rerank = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing index at --out")] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
     device: Annotated[
@@ -159,15 +193,8 @@ def build(
             score_scale=score_scale,
             max_words=max_words,
             bm25=bm25,
-            ann=AnnParams(
-                hnsw_m=hnsw_m,
-                ef_construction=ef_construction,
-                ef_search=ef_search,
-                hnsw_transform=hnsw_transform.value,
-                nlist=nlist,
-                pq_m=pq_m,
-                nprobe=nprobe,
-                rerank=rerank,
+            ann=_ann(
+                hnsw_m, ef_construction, ef_search, hnsw_transform, nlist, pq_m, nprobe, rerank
             ),
         )
         options = BuildOptions(
@@ -260,18 +287,14 @@ def import_(
     ] = EmbeddingsFormat.auto,
     batch_size: Annotated[int, typer.Option(min=1, help="Vectors read at a time")] = 10_000,
     shard_size: Annotated[int, typer.Option(min=1)] = 50_000,
-    hnsw_m: Annotated[int, typer.Option(min=2)] = 32,
-    ef_construction: Annotated[int, typer.Option(min=1)] = 128,
-    ef_search: Annotated[int, typer.Option(min=1)] = 128,
-    hnsw_transform: Annotated[
-        HnswTransform, typer.Option(help="hnsw: native inner product or DPR's MIPS->L2")
-    ] = HnswTransform.none,
-    nlist: Annotated[int | None, typer.Option(min=1, help="ivfpq: inverted lists")] = None,
-    pq_m: Annotated[int | None, typer.Option(min=1, help="ivfpq: PQ sub-quantizers")] = None,
-    nprobe: Annotated[int, typer.Option(min=1, help="ivfpq: lists probed per query")] = 16,
-    rerank: Annotated[
-        int, typer.Option(min=0, help="Re-rank k*N candidates exactly (approximate types)")
-    ] = 0,
+    hnsw_m: HnswM = 32,
+    ef_construction: EfConstruction = 128,
+    ef_search: EfSearch = 128,
+    hnsw_transform: HnswTransformOption = HnswTransform.none,
+    nlist: Nlist = None,
+    pq_m: PqM = None,
+    nprobe: Nprobe = 16,
+    rerank: Rerank = 0,
     score_scale: Annotated[
         float, typer.Option(help="Multiply scores by this (1: DPR's raw inner products)")
     ] = 1.0,
@@ -293,15 +316,8 @@ def import_(
             query_encoder=query_encoder,
             score_scale=score_scale,
             bm25=bm25,
-            ann=AnnParams(
-                hnsw_m=hnsw_m,
-                ef_construction=ef_construction,
-                ef_search=ef_search,
-                hnsw_transform=hnsw_transform.value,
-                nlist=nlist,
-                pq_m=pq_m,
-                nprobe=nprobe,
-                rerank=rerank,
+            ann=_ann(
+                hnsw_m, ef_construction, ef_search, hnsw_transform, nlist, pq_m, nprobe, rerank
             ),
         )
         options = BuildOptions(
