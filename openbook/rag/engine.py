@@ -430,23 +430,10 @@ class DecodingEngine:
             if any(drafts):
                 self._advance_drafted(drafts)
                 return
-        tokens: list[Tensor] = []
-        order: list[Tensor] = []
-        reordered = False
-        at = 0
-        for _, group in self._groups:
-            fed, rows = group.feed()
-            tokens.append(fed)
-            if rows is None:
-                rows = torch.arange(group.rows, device=fed.device)
-            else:
-                reordered = True
-            order.append(rows + at)
-            at += group.rows
+        feeds = [group.feed() for _, group in self._groups]
+        self._reorder([rows for _, rows in feeds])
         assert self._state is not None
-        if reordered:
-            self.backend.reorder(self._state, torch.cat(order))
-        lp = self.backend.step(self._state, torch.cat(tokens))
+        lp = self.backend.step(self._state, torch.cat([fed for fed, _ in feeds]))
         at = 0
         for _, group in self._groups:
             group.advance(lp[at : at + group.rows])
@@ -458,15 +445,28 @@ class DecodingEngine:
         for request, groups in streaming.values():
             request.emit(groups)
 
+    def _reorder(self, reorders: list[Tensor | None]) -> None:
+        """Reorder the cache's rows as the searches reordered theirs (``reorders``: each
+        group's new order of its rows, None where it kept them), if any did; the groups' rows
+        stand one after another in the cache, in ``self._groups``' order."""
+        if all(rows is None for rows in reorders):
+            return
+        order: list[Tensor] = []
+        at = 0
+        device = next(rows.device for rows in reorders if rows is not None)
+        for (_, group), rows in zip(self._groups, reorders, strict=True):
+            order.append((torch.arange(group.rows, device=device) if rows is None else rows) + at)
+            at += group.rows
+        assert self._state is not None
+        self.backend.reorder(self._state, torch.cat(order))
+
     def _advance_drafted(self, drafts: list[list[int]]) -> None:
         """One forward pass over the decided token and the draft of every drafting request
         (other rows: their token, then padding), each search advanced position by position
         (:meth:`RagTokenRows.advance_drafted`), then the rejected tokens leave the cache."""
         fed = 1 + max(len(d) for d in drafts)
         tokens: list[Tensor] = []
-        order: list[Tensor] = []
-        reordered = False
-        at = 0
+        reorders: list[Tensor | None] = []
         for (_, group), draft in zip(self._groups, drafts, strict=True):
             token, rows = group.feed()
             row = token.new_full((group.rows, fed), self.backend.pad_token_id)
@@ -474,15 +474,9 @@ class DecodingEngine:
             if draft:
                 row[:, 1 : 1 + len(draft)] = torch.tensor(draft, device=token.device)
             tokens.append(row)
-            if rows is None:
-                rows = torch.arange(group.rows, device=token.device)
-            else:
-                reordered = True
-            order.append(rows + at)
-            at += group.rows
+            reorders.append(rows)
+        self._reorder(reorders)
         assert self._state is not None
-        if reordered:
-            self.backend.reorder(self._state, torch.cat(order))
         lp = self.backend.step_many(self._state, torch.cat(tokens))  # (N, fed, V)
         kept: list[Tensor] = []
         at = 0
