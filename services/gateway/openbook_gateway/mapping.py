@@ -16,7 +16,6 @@ from openbook.v1 import common_pb2, generator_pb2, retriever_pb2
 from openbook_gateway.schemas import (
     AnswerRequest,
     AnswerResponse,
-    DocumentBody,
     DocumentResponse,
     HypothesisOut,
     IndexOut,
@@ -197,16 +196,6 @@ def index_out(info: retriever_pb2.IndexInfo) -> dict:
     listed = retriever_pb2.ListIndexesResponse(indexes=[info])
     out: dict = indexes_response(listed)["indexes"][0].model_dump()
     return out
-
-
-def document_proto(doc_id: str, body: DocumentBody) -> retriever_pb2.Document:
-    """A validated document body as the retriever takes it (metadata as a JSON object)."""
-    return retriever_pb2.Document(
-        id=doc_id,
-        title=body.title,
-        text=body.text,
-        metadata_json=json.dumps(body.metadata or {}, allow_nan=False, ensure_ascii=False),
-    )
 
 
 def put_document_response(index: str, doc_id: str, reply: retriever_pb2.WriteResponse) -> dict:
