@@ -164,26 +164,57 @@ def compose_with_redis_default(directory: Path, port: int) -> Path:
     return compose
 
 
+FACT_INDEXES = ("facts-a", "facts-b")
+
+
 def build_fact_indexes(root: Path) -> tuple[str, str]:
     """Two small real indexes (MiniLM, flat) under ``root``: ``facts-a`` and ``facts-b``.
 
     They hold the same topics with different facts, so answers and passages differ between
-    them — what an index swap must show.
+    them — what an index swap must show. Each is a copy of the one this process built first
+    (:func:`_fact_indexes_built_once`); one already under ``root`` is left as it is.
     """
-    from openbook.index import build_index
-    from openbook.index.spec import BuildOptions, IndexSpec
-    from openbook_testkit.index import fact_rows, write_jsonl
-
-    rows_a = fact_rows()
-    rows_b = [
-        {**row, "id": f"b-{row['id']}", "text": row["text"] + " (revised edition)"}
-        for row in rows_a
-    ]
-    for name, rows in (("facts-a", rows_a), ("facts-b", rows_b)):
+    built = _fact_indexes_built_once()
+    for name in FACT_INDEXES:
         if not (root / name / "manifest.json").exists():
+            shutil.copytree(built / name, root / name, dirs_exist_ok=True)
+    return FACT_INDEXES
+
+
+_built_fact_indexes: Path | None = None
+
+
+def _fact_indexes_built_once() -> Path:
+    """The folder holding ``facts-a`` and ``facts-b`` as this process (a pytest worker, a
+    benchmark) built them, once.
+
+    Why a copy instead of a build per caller: some fifty test modules and tests start services
+    on these indexes, and each build (MiniLM over 60 passages, BM25, FAISS, checksums) cost
+    ~2.5 s of CPU. A build is deterministic but for its manifest's ``created_at`` and
+    ``build_seconds``, and each caller gets its own copy to write to, so a copy serves exactly
+    what a build of its own did.
+    """
+    global _built_fact_indexes
+    if _built_fact_indexes is None:
+        import atexit
+        import tempfile
+
+        from openbook.index import build_index
+        from openbook.index.spec import BuildOptions, IndexSpec
+        from openbook_testkit.index import fact_rows, write_jsonl
+
+        root = Path(tempfile.mkdtemp(prefix="openbook-fact-indexes-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        rows_a = fact_rows()
+        rows_b = [
+            {**row, "id": f"b-{row['id']}", "text": row["text"] + " (revised edition)"}
+            for row in rows_a
+        ]
+        for name, rows in zip(FACT_INDEXES, (rows_a, rows_b), strict=True):
             source = write_jsonl(root / f"{name}.jsonl", rows)
             build_index([source], root / name, IndexSpec(name=name), BuildOptions(progress=False))
-    return "facts-a", "facts-b"
+        _built_fact_indexes = root
+    return _built_fact_indexes
 
 
 @dataclass
