@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,15 +109,19 @@ class ValidRetrieveRequest:
     where: MetadataFilter | None = None  # the metadata filter (filter_json); None: none
 
 
+def _checked_queries(given: Sequence[str]) -> tuple[str, ...]:
+    """A request's ``queries``: one to :data:`MAX_QUERIES`, each a question by
+    ``openbook.limits``' rule; :class:`InvalidArgument` naming the first bad one."""
+    if not given:
+        raise InvalidArgument("queries: at least one query is required")
+    if len(given) > MAX_QUERIES:
+        raise InvalidArgument(f"queries: at most {MAX_QUERIES} per request, got {len(given)}")
+    return tuple(check_question(f"queries[{i}]", q) for i, q in enumerate(given))
+
+
 def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRequest:
     """The request, checked once; raises :class:`InvalidArgument` naming the first bad field."""
-    if not request.queries:
-        raise InvalidArgument("queries: at least one query is required")
-    if len(request.queries) > MAX_QUERIES:
-        raise InvalidArgument(
-            f"queries: at most {MAX_QUERIES} per request, got {len(request.queries)}"
-        )
-    queries = tuple(check_question(f"queries[{i}]", q) for i, q in enumerate(request.queries))
+    queries = _checked_queries(request.queries)
     return ValidRetrieveRequest(
         queries=queries,
         k=check_range("k", request.k, 1, MAX_K),
@@ -132,13 +137,7 @@ def validate_embed(
 ) -> tuple[tuple[str, ...], str | None]:
     """An ``EmbedQueriesRequest`` checked as ``Retrieve`` checks its queries: the queries and
     the index (None: the active one); :class:`InvalidArgument` naming the first bad field."""
-    if not request.queries:
-        raise InvalidArgument("queries: at least one query is required")
-    if len(request.queries) > MAX_QUERIES:
-        raise InvalidArgument(
-            f"queries: at most {MAX_QUERIES} per request, got {len(request.queries)}"
-        )
-    queries = tuple(check_question(f"queries[{i}]", q) for i, q in enumerate(request.queries))
+    queries = _checked_queries(request.queries)
     index = check_index_name("index", request.index) if request.index else None
     return queries, index
 
