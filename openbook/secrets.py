@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,22 @@ def acl_text(password: str, user: str = REDIS_USER) -> str:
     return f"user default off\nuser {user} on #{digest} {ACL_RULES}\n"
 
 
+@contextlib.contextmanager
+def _private_copy(path: Path, content: str) -> Iterator[Path]:
+    """A temporary file beside ``path`` holding ``content``, mode 0600 whatever the umask,
+    for the caller to link or rename into place; removed afterwards if it is still there."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+        os.chmod(tmp, 0o600)  # whatever the umask
+        yield tmp
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 def _create_once(path: Path, content: str) -> bool:
     """Write ``content`` to ``path`` (mode 0600) unless it exists; True if this call made it.
 
@@ -74,36 +91,20 @@ def _create_once(path: Path, content: str) -> bool:
     wins."""
     if path.exists():
         return False
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(content)
-        os.chmod(tmp, 0o600)  # whatever the umask
+    with _private_copy(path, content) as tmp:
         try:
             os.link(tmp, path)
         except FileExistsError:
             return False
         return True
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 def _replace(path: Path, content: str) -> None:
     """Write ``content`` to ``path`` (mode 0600) by an atomic rename: a concurrent reader sees
     the old file or the new one, never none (the ACL's content follows from the password, so
     concurrent writers agree on it)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(content)
-        os.chmod(tmp, 0o600)  # whatever the umask
+    with _private_copy(path, content) as tmp:
         os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 def read_secret(path: Path, what: str) -> str:
