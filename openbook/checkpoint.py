@@ -176,18 +176,26 @@ def trainer_state_path(ckpt: Path) -> Path | None:
 # ----------------------------------------------------------------------------- writing
 
 
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What a checkpoint's manifest says of how it was made (:class:`CheckpointManifest`'s
+    fields that its writer gives; the version, time and checksums are the publisher's)."""
+
+    base_generator: str
+    base_query_encoder: str | None
+    index: Mapping[str, str]
+    data_sha256: str
+    metrics: Mapping[str, float] | None = None
+    trained: list[str] | None = None
+    config: Mapping[str, Any] | None = None
+
+
 def publish_checkpoint(
     root: Path,
     step: int,
     fill: Callable[[Path], None],
+    record: CheckpointRecord,
     *,
-    base_generator: str,
-    base_query_encoder: str | None,
-    index: Mapping[str, str],
-    data_sha256: str,
-    metrics: Mapping[str, float] | None = None,
-    trained: list[str] | None = None,
-    config: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
     _before_rename: Callable[[Path], None] | None = None,
 ) -> Path:
@@ -196,7 +204,7 @@ def publish_checkpoint(
     ``fill(tmp)`` writes the checkpoint's parts (the generator, the query encoder, the trainer
     state: see :func:`openbook_trainer.checkpoints.write_checkpoint`) into the hidden temporary
     directory; this module then writes the manifest, which checksums every file ``fill`` wrote,
-    and renames the directory into place. The other arguments are the manifest's fields.
+    and renames the directory into place, ``record`` giving the manifest's other fields.
     ``keep_last`` deletes all but the newest N checkpoints after ``latest`` moved.
     ``_before_rename`` is a test hook called with the complete temporary directory.
     """
@@ -210,14 +218,16 @@ def publish_checkpoint(
             version=name,
             step=int(step),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            base_generator=str(base_generator),
-            base_query_encoder=None if base_query_encoder is None else str(base_query_encoder),
-            index={str(k): str(v) for k, v in index.items()},
-            data_sha256=data_sha256,
-            metrics={k: float(v) for k, v in (metrics or {}).items()},
+            base_generator=str(record.base_generator),
+            base_query_encoder=(
+                None if record.base_query_encoder is None else str(record.base_query_encoder)
+            ),
+            index={str(k): str(v) for k, v in record.index.items()},
+            data_sha256=record.data_sha256,
+            metrics={k: float(v) for k, v in (record.metrics or {}).items()},
             files={rel: d.sha256 for rel, d in checksum_files(tmp, exclude={MANIFEST}).items()},
-            trained=list(trained or []),
-            config=_jsonable(dict(config or {})),
+            trained=list(record.trained or []),
+            config=_jsonable(dict(record.config or {})),
         )
         # Re-saving a step (after a resume) replaces it.
         publish(

@@ -21,6 +21,7 @@ from openbook.checkpoint import (
     TRAINER_STATE,
     CheckpointError,
     CheckpointManifest,
+    CheckpointRecord,
     open_checkpoint,
     publish_checkpoint,
     trainer_state_path,
@@ -87,19 +88,11 @@ def write_checkpoint(
         if trainer_state is not None:
             torch.save(dict(trainer_state), tmp / TRAINER_STATE)
 
+    record = CheckpointRecord(
+        base_generator, base_query_encoder, index, data_sha256, metrics, trained, config
+    )
     return publish_checkpoint(
-        root,
-        step,
-        fill,
-        base_generator=base_generator,
-        base_query_encoder=base_query_encoder,
-        index=index,
-        data_sha256=data_sha256,
-        metrics=metrics,
-        trained=trained,
-        config=config,
-        keep_last=keep_last,
-        _before_rename=_before_rename,
+        root, step, fill, record, keep_last=keep_last, _before_rename=_before_rename
     )
 
 
