@@ -29,13 +29,27 @@ def test_every_benchmark_is_found():
     assert {"bench/generator/engine.py", "bench/generator/llamacpp.py"} <= set(SCRIPTS)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_bench_script_starts(script):
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory) -> dict[str, dict]:
+    """Every script's ``--help``: exit code, stdout, stderr (tests/bench_help_driver.py runs
+    them all in one fresh process, each as ``python SCRIPT --help`` would)."""
+    results = tmp_path_factory.mktemp("bench-help") / "helps.json"
     out = subprocess.run(
-        [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, str(ROOT / "tests" / "bench_help_driver.py"), str(results), *SCRIPTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage:")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return json.loads(results.read_text())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_script_starts(script, helps):
+    result = helps[script]
+    assert result["code"] == 0, result["stderr"]
+    assert result["stdout"].startswith("usage:")
 
 
 @pytest.mark.e2e
