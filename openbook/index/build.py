@@ -46,7 +46,18 @@ def build_index(
     out_dir = Path(out_dir)
     inputs = [Path(p) for p in inputs]
     check_inputs(inputs, out_dir, options.overwrite)
+    spec, source = encoded_source(inputs, spec, options)
+    with build_lock(out_dir):
+        return stage_and_publish(out_dir, spec, options, source, started)
 
+
+def encoded_source(
+    inputs: list[Path], spec: IndexSpec, options: BuildOptions
+) -> tuple[IndexSpec, BuildSource]:
+    """What ``build_index`` builds ``spec`` from (whichever engine it is written to): the
+    passages of ``inputs`` and, for a dense spec, the document encoder run over them (or the
+    donors' vectors, ``options.reuse_vectors_from``); ``spec`` with its ``score_scale``
+    resolved (the encoder's default where it was None)."""
     source: VectorSource | None = None
     if spec.dense:
         doc_enc, q_name, precision = document_encoder(spec, options)
@@ -60,11 +71,5 @@ def build_index(
             spec = replace(spec, score_scale=default_score_scale(doc_enc))
     elif spec.score_scale is None:
         spec = replace(spec, score_scale=default_score_scale(None))
-    with build_lock(out_dir):
-        return stage_and_publish(
-            out_dir,
-            spec,
-            options,
-            BuildSource(inputs=inputs, input_format=options.input_format, vectors=source),
-            started,
-        )
+    built = BuildSource(inputs=inputs, input_format=options.input_format, vectors=source)
+    return spec, built

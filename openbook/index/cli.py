@@ -6,14 +6,14 @@ import json
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from tqdm.auto import tqdm
 
 from openbook.errors import OpenbookError
 from openbook.index.build import build_index
-from openbook.index.engine import EngineKind
+from openbook.index.engine import EngineKind, check_milvus_uri
 from openbook.index.fusion import Fusion, fit_fusion, read_questions, store_fusion
 from openbook.index.importer import import_embeddings
 from openbook.index.join import join_slices
@@ -25,6 +25,9 @@ from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 from openbook.limits import check_index_name
 from openbook.metadata_filter import parse_filter_json
 from openbook.secrets import read_secret
+
+if TYPE_CHECKING:
+    from openbook.index.milvus_build import MilvusBuilt, MilvusTarget
 
 app = typer.Typer(help="Build and inspect indexes", no_args_is_help=True)
 
@@ -100,6 +103,87 @@ def _ann(
     )
 
 
+# Where `build` and `import` write (issue 41): the settings the retriever reads, as options.
+EngineOption = Annotated[
+    EngineKind,
+    typer.Option(
+        envvar="OPENBOOK_INDEX_ENGINE",
+        help="files: an index directory at --out; milvus: straight into the Milvus at "
+        "--milvus-uri (batches, progress, resumable)",
+    ),
+]
+MilvusUri = Annotated[
+    str | None,
+    typer.Option(
+        envvar="OPENBOOK_MILVUS_URI",
+        help="--engine milvus: http(s)://host:port of a server, or a local path ending in .db "
+        "(Milvus Lite, in this process; no retriever may hold it open meanwhile)",
+    ),
+]
+MilvusTokenFile = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="OPENBOOK_MILVUS_TOKEN_FILE",
+        help="A file holding the token of a Milvus that needs one (user:password or a key)",
+    ),
+]
+MilvusShards = Annotated[
+    int | None,
+    typer.Option(min=1, help="--engine milvus: the collection's num_shards (Milvus's shards)"),
+]
+WorkDir = Annotated[
+    Path | None,
+    typer.Option(
+        help="--engine milvus: the local directory of the stages before the inserts, kept "
+        "to resume (default var/milvus-builds/NAME); removed once the build completes"
+    ),
+]
+
+
+def _milvus_target(
+    engine: EngineKind,
+    out: Path | None,
+    name: str,
+    milvus_uri: str | None,
+    token_file: Path | None,
+    work_dir: Path | None,
+    shards: int | None,
+) -> MilvusTarget | None:
+    """Where ``--engine milvus`` writes (None: the files engine, at ``--out``); a clean CLI
+    error for an option of the other engine or a missing one."""
+    if engine is EngineKind.FILES:
+        if out is None:
+            raise _fail("--out: name the index directory to create (or pass --engine milvus)")
+        if milvus_uri and (shards is not None or work_dir is not None):
+            raise _fail("--milvus-shards / --work-dir are --engine milvus options")
+        return None
+    if out is not None:
+        raise _fail("--out: a build with --engine milvus writes into Milvus, not a directory")
+    if not milvus_uri:
+        raise _fail("--milvus-uri (or OPENBOOK_MILVUS_URI): name the Milvus to write into")
+    check_index_name("--name", name)
+    token = read_secret(token_file, "Milvus token (--milvus-token-file)") if token_file else ""
+    # why: pymilvus (and Milvus Lite) stay out of every files-engine `openbook index` command
+    from openbook.index.milvus_build import MilvusTarget
+
+    return MilvusTarget(
+        uri=check_milvus_uri(milvus_uri),
+        work_dir=work_dir or Path("var/milvus-builds") / name,
+        token=token,
+        shards=shards,
+    )
+
+
+def _built_into_milvus(verb: str, built: MilvusBuilt, uri: str) -> None:
+    if built.resumed_at:
+        typer.echo(f"resumed a build cut short at passage {built.resumed_at}")
+    m = built.manifest
+    typer.echo(
+        f"{verb} index {built.name!r} ({m.index_type}, {built.count} passages, dim {m.dim}) "
+        f"in {built.seconds:.1f}s -> Milvus at {uri} (views: {', '.join(m.views)})"
+    )
+
+
 def _fail(msg: str) -> typer.Exit:
     typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
     return typer.Exit(code=2)
@@ -112,12 +196,12 @@ def build(
     ],
     name: Annotated[str, typer.Option(help="Index name recorded in the manifest")],
     out: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             help="Index directory to create; with --num-shards the set's root (OUT/shard-<i>/NAME"
             " after join-shards)"
         ),
-    ],
+    ] = None,
     encoder: Annotated[
         str, typer.Option(help="Document encoder (alias or local dir)")
     ] = "all-MiniLM-L6-v2",
@@ -175,15 +259,33 @@ def build(
             "instead of being encoded again (checked on a sample; repeatable)"
         ),
     ] = None,
+    engine: EngineOption = EngineKind.FILES,
+    milvus_uri: MilvusUri = None,
+    milvus_token_file: MilvusTokenFile = None,
+    milvus_shards: MilvusShards = None,
+    work_dir: WorkDir = None,
 ) -> None:
     """Build an index from passage files (resumes an interrupted build of the same inputs).
 
     With --num-shards N --shard-id I: build slice I of N (contiguous passages) as a complete
     serving shard, staged until `openbook index join-shards OUT --num-shards N` publishes the
     set; run the N slices in parallel, on N GPUs or nodes.
+
+    With --engine milvus (or OPENBOOK_INDEX_ENGINE=milvus): no --out; the passages are
+    encoded shard by shard (--shard-size) and each shard written into the Milvus at
+    --milvus-uri with its BM25 weights; the same command resumes a build cut short from its
+    last written shard (openbook/index/milvus_build.py).
     """
     if (num_shards is None) != (shard_id is None):
         raise _fail("--num-shards and --shard-id go together")
+    try:
+        target = _milvus_target(
+            engine, out, name, milvus_uri, milvus_token_file, work_dir, milvus_shards
+        )
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    if target is not None and num_shards is not None:
+        raise _fail("--num-shards: slices are files builds; Milvus shards itself (--milvus-shards)")
     try:
         spec = IndexSpec(
             name=name,
@@ -209,6 +311,17 @@ def build(
         )
     except ValueError as e:
         raise _fail(str(e)) from None
+    if target is not None:
+        # why: pymilvus (and Milvus Lite) stay out of every files-engine `openbook index` command
+        from openbook.index.milvus_build import build_into_milvus
+
+        try:
+            built = build_into_milvus(passages, target, spec, options)
+        except (OpenbookError, ValueError, OSError, RuntimeError) as e:
+            raise _fail(str(e)) from None
+        _built_into_milvus("built", built, target.uri)
+        return
+    assert out is not None  # _milvus_target: the files engine has its --out
     if num_shards is not None and shard_id is not None:
         if nlist is not None or pq_m is not None:
             raise _fail("--nlist / --pq-m are ivfpq options; slices cannot be ivfpq")
@@ -264,7 +377,6 @@ def import_(
         typer.Argument(help="Embedding files: DPR pickle shards or wiki_dpr parquet/arrow"),
     ],
     name: Annotated[str, typer.Option(help="Index name recorded in the manifest")],
-    out: Annotated[Path, typer.Option(help="Index directory to create")],
     doc_encoder: Annotated[
         str, typer.Option(help="Encoder that computed the vectors (recorded in the manifest)")
     ],
@@ -303,11 +415,25 @@ def import_(
     bm25: Annotated[
         bool, typer.Option(help="Also index the passages with BM25 (hybrid retrieval)")
     ] = True,
+    out: Annotated[Path | None, typer.Option(help="Index directory to create")] = None,
+    engine: EngineOption = EngineKind.FILES,
+    milvus_uri: MilvusUri = None,
+    milvus_token_file: MilvusTokenFile = None,
+    milvus_shards: MilvusShards = None,
+    work_dir: WorkDir = None,
 ) -> None:
     """Build an index from DPR passages + precomputed embeddings, without encoding
-    (resumes an interrupted import of the same files)."""
+    (resumes an interrupted import of the same files). With --engine milvus: no --out, the
+    vectors written into the Milvus at --milvus-uri shard by shard (--shard-size), resumable
+    as `build` is."""
     if type is IndexType.bm25:
         raise _fail("bm25 takes no embeddings; use a dense --type")
+    try:
+        target = _milvus_target(
+            engine, out, name, milvus_uri, milvus_token_file, work_dir, milvus_shards
+        )
+    except ValueError as e:
+        raise _fail(str(e)) from None
     try:
         spec = IndexSpec(
             name=name,
@@ -323,10 +449,20 @@ def import_(
         options = BuildOptions(
             batch_size=batch_size, shard_size=shard_size, progress=progress, overwrite=overwrite
         )
+        if target is not None:
+            # why: pymilvus (and Milvus Lite) stay out of every files-engine index command
+            from openbook.index.milvus_build import import_into_milvus
+
+            built = import_into_milvus(
+                passages, embeddings, target, spec, options, embeddings_format=format.value
+            )
+            _built_into_milvus("imported", built, target.uri)
+            return
+        assert out is not None  # _milvus_target: the files engine has its --out
         manifest = import_embeddings(
             passages, embeddings, out, spec, options, embeddings_format=format.value
         )
-    except (ValueError, OSError) as e:  # EmbeddingsError is a ValueError
+    except (OpenbookError, ValueError, OSError) as e:  # EmbeddingsError is a ValueError
         raise _fail(str(e)) from None
     typer.echo(
         f"imported index {manifest.name!r} ({manifest.index_type}, {manifest.count} passages, "
@@ -447,7 +583,7 @@ def to_milvus(
         IndexType | None,
         typer.Option(
             "--type",
-            help="Milvus's index of the vectors: flat, hnsw or hnsw-sq8 (default: "
+            help="Milvus's index of the vectors: flat, hnsw, hnsw-sq8 or ivfpq (default: "
             "the source's type)",
         ),
     ] = None,

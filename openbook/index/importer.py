@@ -44,7 +44,13 @@ from openbook.index.embedding_files import (
 from openbook.index.encoders import DEFAULT_ENCODER, encoder_id, load_encoder
 from openbook.index.manifest import Manifest
 from openbook.index.spec import BuildOptions, IndexSpec
-from openbook.index.stages import BuildSource, build_lock, check_inputs, stage_and_publish
+from openbook.index.stages import (
+    BuildSource,
+    build_lock,
+    check_files,
+    check_inputs,
+    stage_and_publish,
+)
 from openbook.index.store import PassageStore
 from openbook.index.vectors import ShardProducer, ShardWork, VectorSource
 
@@ -82,6 +88,31 @@ def import_embeddings(
     if not files:
         raise InvalidArgument("no embedding files given")
     check_inputs([*([passages] if passages else []), *files], out_dir, options.overwrite)
+    spec, source = imported_source(passages, files, spec, options, embeddings_format)
+    with build_lock(out_dir):
+        try:
+            return stage_and_publish(out_dir, spec, options, source, started)
+        except EmbeddingsError:
+            # Re-running cannot fix bad input; leave nothing half-written behind.
+            shutil.rmtree(partial_dir(out_dir), ignore_errors=True)
+            raise
+
+
+def imported_source(
+    passages: Path | None,
+    embeddings: list[Path],
+    spec: IndexSpec,
+    options: BuildOptions,
+    embeddings_format: str = "auto",
+) -> tuple[IndexSpec, BuildSource]:
+    """What ``import_embeddings`` builds ``spec`` from (whichever engine it is written to):
+    the passages of ``passages`` (None: the embedding files' columns) and the vectors of
+    ``embeddings`` (existing files, taken in natural order), checked as its docstring says;
+    ``spec`` with its ``score_scale`` resolved (None: :data:`IMPORT_SCORE_SCALE`)."""
+    files = natural_order(embeddings)
+    if not files:
+        raise InvalidArgument("no embedding files given")
+    check_files([*([passages] if passages else []), *files])
     if not spec.dense:
         raise InvalidArgument(
             f"index type {spec.index_type!r} takes no vectors; expected a dense type"
@@ -126,13 +157,7 @@ def import_embeddings(
         if passages
         else lambda: iter_table_passages(files, embeddings_format, batch_size),
     )
-    with build_lock(out_dir):
-        try:
-            return stage_and_publish(out_dir, spec, options, source, started)
-        except EmbeddingsError:
-            # Re-running cannot fix bad input; leave nothing half-written behind.
-            shutil.rmtree(partial_dir(out_dir), ignore_errors=True)
-            raise
+    return spec, source
 
 
 def _first_dim(files: list[Path], fmt: str) -> int:

@@ -9,16 +9,19 @@ collections and one row of the ``openbook_indexes`` collection:
 * passages (``<slug>_p``): ``pid`` (primary), ``doc_id``, ``seq`` (the passage's place in its
   document), ``title``, ``text``, ``metadata`` (the document's, JSON), ``terms`` (what a filter
   matches, below), ``vector`` (the document encoder's, searched by inner product with the
-  Milvus index the manifest's ``index_type`` maps to: ``flat`` FLAT, ``hnsw`` HNSW,
-  ``hnsw-sq8`` HNSW_SQ) and ``sparse``, its BM25 view: the passage's bm25s weights as a
+  Milvus index the manifest's ``index_type`` and ``index_params`` map to, ``flat`` FLAT,
+  ``hnsw`` HNSW, ``hnsw-sq8`` HNSW_SQ, ``ivfpq`` IVF_PQ: :func:`milvus_index_of`; the
+  collection's ``num_shards`` where one was asked for) and ``sparse``, its BM25 view: the
+  passage's bm25s weights as a
   sparse vector (``milvus_bm25.py``), searched by inner product (SPARSE_INVERTED_INDEX), so
   ``bm25`` retrieval scores exactly as the files engine's and ``hybrid`` is openbook's
   calibrated fusion of the two views (``fusion.py``: scores, not Milvus's rank fusion);
 * documents (``<slug>_d``): a document's title, metadata, version and text, the text in
   chunks of :data:`TEXT_CHUNK_CHARS` (a VARCHAR holds at most 65,535 bytes), one row per chunk;
 * BM25 terms (``<slug>_t``): each term dimension's document frequency and one row of the
-  index's BM25 statistics, with the state of a copy under way (``copy_index``: resumable,
-  not served until complete);
+  index's BM25 statistics, with the state of a fill under way (``begin_fill``: a copy of a
+  built files index, ``copy_index``, or a build straight into Milvus, ``milvus_build.py``;
+  resumable, not served until complete);
 * ``openbook_indexes``: the index's manifest (encoders, dim, ``score_scale``, views) and its
   ``version``, where every replica reads them.
 
@@ -96,6 +99,7 @@ from openbook.index.engine import (
     check_milvus_uri,
     check_retrieval,
 )
+from openbook.index.faiss_index import default_params
 from openbook.index.fusion import Fusion
 from openbook.index.live import MAX_LIST_LIMIT, DocumentNotFound, DocumentPage, WriteResult
 from openbook.index.loaded import (
@@ -137,12 +141,16 @@ _JSON_MAX_BYTES = 65_536
 _TERMS = MAX_METADATA_KEYS + 2  # the metadata's keys and the built-in _id and _title
 _WRITE_BATCH = 1_000  # rows per insert / upsert request
 _SCAN_BATCH = 16_384  # rows per query page (Milvus's largest limit)
-_INDEX_TYPES: dict[IndexType, tuple[str, dict[str, Any]]] = {
-    IndexType.FLAT: ("FLAT", {}),
-    IndexType.HNSW: ("HNSW", {"M": 32, "efConstruction": 128}),
-    IndexType.HNSW_SQ8: ("HNSW_SQ", {"M": 32, "efConstruction": 128, "sq_type": "SQ8"}),
+# The Milvus index each dense type is built as (milvus_index_of), and its search parameter.
+_INDEX_TYPES: dict[IndexType, str] = {
+    IndexType.FLAT: "FLAT",
+    IndexType.HNSW: "HNSW",
+    IndexType.HNSW_SQ8: "HNSW_SQ",
+    IndexType.IVFPQ: "IVF_PQ",
 }
 _HNSW_EF_SEARCH = 128
+# An empty index's IVF-PQ is planned for this many passages (nlist, nbits: default_params).
+_PLANNED_PASSAGES = 1_000_000
 _SUFFIXES = ("_p", "_d", "_t")  # an index's collections: passages, documents, BM25 terms
 _STATS_KEY = -1  # the terms collection's row of the BM25 statistics (term dimensions are > 0)
 SPARSE_FIELD = "sparse"
@@ -220,8 +228,9 @@ def collection_slug(name: str) -> str:
 def milvus_manifest(manifest: Manifest) -> Manifest:
     """``manifest`` as a Milvus index holds it: both views (every passage has its BM25
     weights, milvus_bm25.py), its fusion kept (the scores are the files engine's, so a fusion
-    fitted there holds here), no files; refused (InvalidArgument) for a type the engine does
-    not offer (``bm25`` too: every index here is dense, its BM25 view beside)."""
+    fitted there holds here), its ``index_params`` complete for its type
+    (:func:`milvus_index_params`), no files; refused (InvalidArgument) for a type the engine
+    does not offer (``bm25``: every index here is dense, its BM25 view beside)."""
     if manifest.index_type not in _INDEX_TYPES:
         offered = ", ".join(_INDEX_TYPES)
         raise InvalidArgument(
@@ -230,6 +239,7 @@ def milvus_manifest(manifest: Manifest) -> Manifest:
         )
     return dataclasses.replace(
         manifest,
+        index_params=milvus_index_params(manifest),
         views=[View.DENSE.value, View.BM25.value],
         files={},
         sizes={},
@@ -237,6 +247,57 @@ def milvus_manifest(manifest: Manifest) -> Manifest:
         count=0,
         shard=None,
     )
+
+
+# The parameter whose absence says a manifest's index_params are another type's (a flat
+# index copied as hnsw or ivfpq), so they are made afresh for its type.
+_TYPE_PARAM = {IndexType.HNSW: "hnsw_m", IndexType.HNSW_SQ8: "hnsw_m", IndexType.IVFPQ: "nlist"}
+
+
+def milvus_index_params(manifest: Manifest) -> dict[str, Any]:
+    """``manifest``'s ``index_params`` as faiss_index names them, complete for its type: a
+    manifest holding another type's (a flat index copied as ``ivfpq``) gets
+    ``default_params`` of its type for its passage count (an empty index's IVF-PQ is
+    planned for :data:`_PLANNED_PASSAGES`), so Milvus builds what a files build of the same
+    spec would (nlist, pq_m, nbits; HNSW's M and efConstruction)."""
+    needed = _TYPE_PARAM.get(IndexType(manifest.index_type))
+    if needed is None or needed in manifest.index_params:
+        return dict(manifest.index_params)
+    count = manifest.count or _PLANNED_PASSAGES
+    return default_params(manifest.index_type, count, manifest.dim)
+
+
+def milvus_index_of(manifest: Manifest) -> tuple[str, dict[str, Any]]:
+    """The Milvus index type and build parameters of a held manifest's dense view: ``flat``
+    FLAT, ``hnsw`` HNSW and ``hnsw-sq8`` HNSW_SQ (M, efConstruction), ``ivfpq`` IVF_PQ
+    (nlist, m = pq_m, nbits). Milvus Lite 3.2 builds every one of them but IVF_PQ, which it
+    keeps declared and searches exactly (docs/deploy.md)."""
+    kind = IndexType(manifest.index_type)
+    params = milvus_index_params(manifest)
+    if kind is IndexType.IVFPQ:
+        built = {"nlist": params["nlist"], "m": params["pq_m"], "nbits": params["nbits"]}
+        return _INDEX_TYPES[kind], {k: int(v) for k, v in built.items()}
+    if kind in (IndexType.HNSW, IndexType.HNSW_SQ8):
+        hnsw: dict[str, Any] = {
+            "M": int(params.get("hnsw_m", 32)),
+            "efConstruction": int(params.get("ef_construction", 128)),
+        }
+        if kind is IndexType.HNSW_SQ8:
+            hnsw["sq_type"] = "SQ8"
+        return _INDEX_TYPES[kind], hnsw
+    return _INDEX_TYPES[kind], {}
+
+
+def milvus_search_params(manifest: Manifest, k: int) -> dict[str, Any]:
+    """The dense search's parameters: HNSW's ``ef`` (the manifest's ``ef_search``, at least
+    k), IVF's ``nprobe`` (the manifest's), none for FLAT."""
+    kind = IndexType(manifest.index_type)
+    params = manifest.index_params
+    if kind in (IndexType.HNSW, IndexType.HNSW_SQ8):
+        return {"ef": max(k, int(params.get("ef_search", _HNSW_EF_SEARCH)))}
+    if kind is IndexType.IVFPQ:
+        return {"nprobe": int(params.get("nprobe", 16))}
+    return {}
 
 
 def unreachable(exc: BaseException, uri: str) -> OpenbookError | None:
@@ -339,13 +400,17 @@ class MilvusEngine:
         params: dict[str, Any],
         *,
         sparse: str | None = None,
+        shards: int | None = None,
     ) -> None:
+        """Create collection ``name`` (``shards``: its ``num_shards``, None: Milvus's
+        default; Milvus Lite keeps one whatever is asked)."""
         index = self.client.prepare_index_params()
         index.add_index(field_name=vector, index_type=index_type, metric_type="IP", params=params)
         if sparse is not None:  # the BM25 view (milvus_bm25.py): ranked by inner product
             index.add_index(field_name=sparse, index_type="SPARSE_INVERTED_INDEX", metric_type="IP")
+        sharding = {} if shards is None else {"num_shards": shards}
         self.client.create_collection(
-            name, schema=schema, index_params=index, consistency_level="Strong"
+            name, schema=schema, index_params=index, consistency_level="Strong", **sharding
         )
 
     def names(self) -> list[str]:
@@ -362,17 +427,19 @@ class MilvusEngine:
         *,
         statistics: BM25Statistics | None = None,
         copying: dict[str, Any] | None = None,
+        shards: int | None = None,
     ) -> MilvusIndex:
         """A new, empty index ``name`` of ``manifest``'s encoders, dim, type and score scale
         (``empty_base.template_for`` / ``template_of`` make one); AlreadyExists if it is.
-        ``statistics``: its BM25 statistics (default: of no passage); ``copying``: the copy
-        that fills it, under way (:meth:`copy_index`: not served until it is complete)."""
+        ``statistics``: its BM25 statistics (default: of no passage); ``copying``: the fill
+        under way (:meth:`begin_fill`: not served until it is complete); ``shards``: the
+        passages collection's ``num_shards`` (None: Milvus's default)."""
         held = milvus_manifest(dataclasses.replace(manifest, name=name))
         with self._lock:
             if self._meta(name) is not None:
                 raise AlreadyExists(f"index {name!r} already exists")
             slug = collection_slug(name)
-            self._create_passages(slug + "_p", held)
+            self._create_passages(slug + "_p", held, shards)
             self._create_documents(slug + "_d")
             self._create_terms(slug + "_t")
             stats = (statistics or BM25Statistics.empty()).to_dict()
@@ -385,7 +452,7 @@ class MilvusEngine:
             return MilvusIndex(self, name, held, 0)
         return self.open(name)
 
-    def _create_passages(self, collection: str, manifest: Manifest) -> None:
+    def _create_passages(self, collection: str, manifest: Manifest, shards: int | None) -> None:
         s = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
         s.add_field("pid", DataType.VARCHAR, is_primary=True, max_length=2048)
         s.add_field("doc_id", DataType.VARCHAR, max_length=1024)
@@ -399,8 +466,10 @@ class MilvusEngine:
         )  # fmt: skip
         s.add_field("vector", DataType.FLOAT_VECTOR, dim=manifest.dim)
         s.add_field(SPARSE_FIELD, DataType.SPARSE_FLOAT_VECTOR)
-        index_type, params = _INDEX_TYPES[IndexType(manifest.index_type)]
-        self._create(collection, s, "vector", index_type, params, sparse=SPARSE_FIELD)
+        index_type, params = milvus_index_of(manifest)
+        self._create(
+            collection, s, "vector", index_type, params, sparse=SPARSE_FIELD, shards=shards
+        )
 
     def _create_terms(self, collection: str) -> None:
         """The BM25 statistics (milvus_bm25.BM25Statistics): a row per term dimension with
@@ -429,7 +498,7 @@ class MilvusEngine:
         self.client.upsert(terms, [{"h": _STATS_KEY, "df": 0, "stats": stats, "_v": [0.0, 0.0]}])
 
     def stats(self, name: str) -> dict[str, Any]:
-        """Index ``name``'s BM25 statistics row (and ``copying``: a copy under way, or None)."""
+        """Index ``name``'s BM25 statistics row (and ``copying``: a fill under way, or None)."""
         rows = self.client.query(
             collection_slug(name) + "_t", filter=f"h == {_STATS_KEY}", output_fields=["stats"]
         )
@@ -475,10 +544,11 @@ class MilvusEngine:
             raise IndexLoadError(f"index {name!r}: collection {slug}_p has no BM25 view")
         copying = self.stats(name).get("copying")
         if copying:
+            how = copying.get("resume_with", "run the copy again")
             raise IndexLoadError(
                 f"index {name!r}: its copy from {copying.get('source')} is under way or was "
                 f"cut short ({copying.get('done', 0)} of {copying.get('passages')} passages): "
-                "run the copy again to finish it"
+                f"{how} to finish it"
             )
         return MilvusIndex(self, name, manifest, int(meta["version"]))
 
@@ -506,31 +576,66 @@ class MilvusEngine:
         stored vectors (nothing re-encoded) and BM25 weights (milvus_bm25.py), each a passage
         of the document its id names (``built_document_id``, as the files engine adopts a
         built index), version 0. ``index_type``: the Milvus index of the vectors (``flat``,
-        ``hnsw``, ``hnsw-sq8``; None: the source's type, refused if Milvus does not offer it
-        here). ``progress(done, total)``: after each batch of passages.
+        ``hnsw``, ``hnsw-sq8``, ``ivfpq``; None: the source's type). ``progress(done,
+        total)``: after each batch of passages.
 
-        Resumable: the index records the copy under way (its source's checksum and the
-        passages written, after each batch) and is not served until it is complete; a copy
-        cut short (killed, Milvus gone) is finished by calling this again with the same
-        source, from its last recorded batch (the batch after it is written again: upserts,
-        so nothing is doubled). AlreadyExists for a complete index of that name, or one
-        being copied from another source."""
+        Resumable (:meth:`begin_fill`, keyed by the source's checksum): a copy cut short
+        (killed, Milvus gone) is finished by calling this again with the same source, from
+        its last recorded batch. AlreadyExists for a complete index of that name, or one
+        being filled from another source."""
         if not source.dense:
             raise InvalidArgument(f"index {source.name!r} is bm25: the milvus engine is dense")
         manifest = source.manifest
-        if index_type is not None:
-            manifest = dataclasses.replace(manifest, index_type=index_type)
+        if index_type is not None and index_type != manifest.index_type:
+            # another type's parameters: milvus_index_params makes this type's for its count
+            manifest = dataclasses.replace(manifest, index_type=index_type, index_params={})
+        milvus_manifest(manifest)  # a type Milvus does not offer: refused before any work
         total = len(source)
-        bm25 = _stored_bm25(source)
+        fill = self.begin_fill(
+            name,
+            manifest,
+            _stored_bm25(source),
+            FillSource(str(source.path), source.manifest.checksum, total),
+        )
+        for first in range(fill.resumed_at - fill.resumed_at % batch, total, batch):
+            rows = range(first, min(first + batch, total))
+            fill.write(first, source.get_passages(rows), source.get_vectors(list(rows)))
+            if progress is not None:
+                progress(rows.stop, total)
+        passages = (
+            source.get_passages(range(first, min(first + batch, total)))
+            for first in range(0, total, batch)
+        )
+        return CopyResult(fill.finish(passages), resumed_at=fill.resumed_at)
+
+    def begin_fill(
+        self,
+        name: str,
+        manifest: Manifest,
+        bm25: StoredBM25,
+        source: FillSource,
+        *,
+        shards: int | None = None,
+    ) -> IndexFill:
+        """Start, or resume, filling index ``name`` (of ``manifest``'s encoders, type and
+        scale) with ``source.passages`` passages whose BM25 weights ``bm25`` holds: a copy
+        (:meth:`copy_index`) or a build (``milvus_build.py``).
+
+        The index records the fill under way in its BM25 terms row (``copying``: the source,
+        its key, the passages written after each batch) and is not served until
+        :meth:`IndexFill.finish`. An index of that name under way from the same source (the
+        same ``key``) is resumed: :attr:`IndexFill.resumed_at` is the passage its last
+        recorded batch ended at. AlreadyExists for a complete index of that name, or one
+        under way from another source."""
         copying = {
-            "source": str(source.path),
-            "checksum": source.manifest.checksum,
-            "passages": total,
+            "source": source.source,
+            "checksum": source.key,
+            "passages": source.passages,
             "done": 0,
+            "resume_with": source.resume_with,
         }
-        terms = collection_slug(name) + "_t"
         if self._meta(name) is None:
-            self.create(name, manifest, statistics=bm25.statistics, copying=copying)
+            self.create(name, manifest, statistics=bm25.statistics, copying=copying, shards=shards)
             done = 0
         else:
             under_way = self.stats(name).get("copying")
@@ -539,43 +644,85 @@ class MilvusEngine:
             done = int(under_way.get("done", 0))
         described = self.describe(name)
         assert described is not None
-        index = MilvusIndex(self, name, described[0], 0)
-        # The BM25 statistics, then the passages from the last recorded batch, then the
-        # documents (all of them again: upserts), then the copy is marked complete.
+        terms = collection_slug(name) + "_t"
+        # The BM25 statistics first (upserts: a resumed fill writes them again).
         for pairs in df_batches(bm25.df, _WRITE_BATCH):
             rows = [{"h": h, "df": n, "stats": {}, "_v": [0.0, 0.0]} for h, n in pairs]
             self.client.upsert(terms, rows)
-        stats = {**bm25.statistics.to_dict(), "copying": copying}
-        for first in range(done - done % batch, total, batch):
-            rows_range = range(first, min(first + batch, total))
-            passages = source.get_passages(rows_range)
-            vectors = source.get_vectors(list(rows_range))
-            sparse = bm25.vectors(rows_range.start, rows_range.stop)
-            out = [
-                index.passage_row(p, built_document_id(p.id), row, {}, v, sp)
-                for row, p, v, sp in zip(rows_range, passages, vectors, sparse, strict=True)
-            ]
-            self.client.upsert(index.passages, out)
-            copying["done"] = rows_range.stop
-            self._set_stats(terms, stats)
-            if progress is not None:
-                progress(rows_range.stop, total)
+        index = MilvusIndex(self, name, described[0], 0)
+        return IndexFill(self, index, bm25, copying, done)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class FillSource:
+    """What fills an index (:meth:`MilvusEngine.begin_fill`): ``source`` names it to people,
+    ``key`` identifies it (a fill is resumed only from the same key: a source index's
+    checksum, a build's fingerprint), ``passages`` is how many it holds, ``resume_with`` what
+    finishes it when it was cut short (said when the index is refused meanwhile)."""
+
+    source: str
+    key: str
+    passages: int
+    resume_with: str = "run the copy again"
+
+
+class IndexFill:
+    """An index being filled in batches of consecutive passages (:meth:`MilvusEngine.
+    begin_fill`). Invariant: ``copying.done`` in Milvus is only raised after every passage
+    below it was written, so a resumed fill that starts at or below it doubles nothing
+    (rows are upserted by passage id) and misses nothing."""
+
+    def __init__(
+        self,
+        engine: MilvusEngine,
+        index: MilvusIndex,
+        bm25: StoredBM25,
+        copying: dict[str, Any],
+        resumed_at: int,
+    ) -> None:
+        self.engine, self.index, self.bm25 = engine, index, bm25
+        self._copying = copying
+        self.resumed_at = resumed_at
+
+    def write(self, first: int, passages: Sequence[Passage], vectors: np.ndarray) -> None:
+        """Passages ``first ..`` with their document vectors (float32 ``(n, dim)``) and
+        their stored BM25 weights, then record them done."""
+        rows = range(first, first + len(passages))
+        sparse = self.bm25.vectors(rows.start, rows.stop)
+        out = [
+            self.index.passage_row(p, built_document_id(p.id), row, {}, v, sp)
+            for row, p, v, sp in zip(rows, passages, vectors, sparse, strict=True)
+        ]
+        for start in range(0, len(out), _WRITE_BATCH):
+            self.engine.client.upsert(self.index.passages, out[start : start + _WRITE_BATCH])
+        self._copying["done"] = rows.stop
+        self._record(self._copying)
+
+    def finish(self, passages: Iterable[Sequence[Passage]]) -> MilvusIndex:
+        """Write the documents of every passage (``passages``: all of them again, in batches;
+        upserts), mark the fill complete and return the index, now served."""
         docs: dict[str, list[Passage]] = {}
-        for first in range(0, total, batch):
-            for p in source.get_passages(range(first, min(first + batch, total))):
+        for chunk in passages:
+            for p in chunk:
                 docs.setdefault(built_document_id(p.id), []).append(p)
         documents = [
             Document(doc_id, ps[0].title, " ".join(p.text for p in ps), {})
             for doc_id, ps in docs.items()
         ]
-        for first in range(0, len(documents), batch):
-            rows_d = [r for d in documents[first : first + batch] for r in _document_rows(d, 0)]
-            self.client.upsert(index.documents, rows_d)
-        self._set_stats(terms, {**bm25.statistics.to_dict(), "copying": None})
-        return CopyResult(self.open(name), resumed_at=done)
+        for first in range(0, len(documents), _WRITE_BATCH):
+            rows_d = [
+                r for d in documents[first : first + _WRITE_BATCH] for r in _document_rows(d, 0)
+            ]
+            self.engine.client.upsert(self.index.documents, rows_d)
+        self._record(None)
+        return self.engine.open(self.index.name)
 
-    def close(self) -> None:
-        self.client.close()
+    def _record(self, copying: dict[str, Any] | None) -> None:
+        stats = {**self.bm25.statistics.to_dict(), "copying": copying}
+        self.engine._set_stats(self.index.terms, stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -586,22 +733,31 @@ class CopyResult:
     resumed_at: int
 
 
+# The files engine's live layer solves avgdl from an index's first 16 passages (live.py).
+AVGDL_SAMPLE = 16
+
+
+def stored_bm25(bm25_dir: Path, first: Sequence[Passage]) -> StoredBM25:
+    """The BM25 view written at ``bm25_dir`` (``bm25.build_bm25``) read for a fill;
+    ``first``: the index's first :data:`AVGDL_SAMPLE` passages (fewer in a smaller index)."""
+    sample = [(i, p.title, p.text) for i, p in enumerate(first[:AVGDL_SAMPLE])]
+    return StoredBM25(bm25_dir, sample)
+
+
 def _stored_bm25(source: LoadedIndex) -> StoredBM25:
     """The BM25 weights and statistics of ``source``: its own BM25 view's, or, for an index
     built without one, those bm25s gives its passages (indexed here, as a build would)."""
-    # The files engine's live layer solves avgdl from the same 16 passages (live.py).
-    first = source.get_passages(range(min(len(source), 16)))
-    sample = [(i, p.title, p.text) for i, p in enumerate(first)]
+    first = source.get_passages(range(min(len(source), AVGDL_SAMPLE)))
     if View.BM25 in source.views:
-        return StoredBM25(source.path / BM25_DIR, sample)
+        return stored_bm25(source.path / BM25_DIR, first)
     with tempfile.TemporaryDirectory(prefix="openbook-bm25-") as tmp:
         texts = [
             f"{p.title} {p.text}"
-            for first in range(0, len(source), _WRITE_BATCH)
-            for p in source.get_passages(range(first, min(first + _WRITE_BATCH, len(source))))
+            for start in range(0, len(source), _WRITE_BATCH)
+            for p in source.get_passages(range(start, min(start + _WRITE_BATCH, len(source))))
         ]
         build_bm25(texts, Path(tmp))
-        return StoredBM25(Path(tmp), sample)
+        return stored_bm25(Path(tmp), first)
 
 
 def _document_rows(doc: Document, version: int) -> list[dict[str, Any]]:
@@ -837,9 +993,8 @@ class MilvusIndex:
     ) -> Hits:
         """Each query vector's top ``k`` hits of the dense view (inner products)."""
         params: dict[str, Any] = {"metric_type": "IP"}
-        if self._manifest.index_type != IndexType.FLAT:
-            ef = int(self._manifest.index_params.get("ef_search", _HNSW_EF_SEARCH))
-            params["params"] = {"ef": max(k, ef)}
+        if tuned := milvus_search_params(self._manifest, k):
+            params["params"] = tuned
         fields = _PASSAGE_FIELDS + (["vector", SPARSE_FIELD] if with_fields else [])
         found = self.client.search(
             self.passages,

@@ -78,13 +78,18 @@ class BuildSource:
     bm25: Callable[[Path], None] | None = None
 
 
-def check_inputs(inputs: list[Path], out_dir: Path, overwrite: bool) -> None:
-    """The input files exist, and ``out_dir`` is free unless it may be overwritten."""
+def check_files(inputs: list[Path]) -> None:
+    """There are input files, and each exists."""
     if not inputs:
         raise InvalidArgument("no input files given")
     for p in inputs:
         if not p.is_file():
             raise InvalidArgument(f"{p}: no such file")
+
+
+def check_inputs(inputs: list[Path], out_dir: Path, overwrite: bool) -> None:
+    """The input files exist, and ``out_dir`` is free unless it may be overwritten."""
+    check_files(inputs)
     if out_dir.exists() and not overwrite:
         raise InvalidArgument(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
 
@@ -142,15 +147,7 @@ def stage_and_publish(
     vectors, progress = source.vectors, options.progress
     work = partial_dir(out_dir)
     state = work / BUILD_STATE_DIR
-    fingerprint = _fingerprint(
-        source.inputs,
-        source.input_format,
-        spec.max_words,
-        vectors,
-        options.shard_size,
-        source.fingerprint_extra,
-    )
-    _prepare_workdir(work, state, fingerprint)
+    prepare_workdir(work, state, build_fingerprint(spec, options, source))
 
     try:
         read = source.passages or (
@@ -202,6 +199,19 @@ def stage_and_publish(
     return manifest
 
 
+def build_fingerprint(spec: IndexSpec, options: BuildOptions, source: BuildSource) -> str:
+    """What a build's passages and vectors are computed from (module docstring): a partial
+    build of another fingerprint is never resumed."""
+    return _fingerprint(
+        source.inputs,
+        source.input_format,
+        spec.max_words,
+        source.vectors,
+        options.shard_size,
+        source.fingerprint_extra,
+    )
+
+
 def _fingerprint(
     inputs: list[Path],
     input_format: str,
@@ -228,7 +238,9 @@ def _fingerprint(
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
-def _prepare_workdir(work: Path, state: Path, fingerprint: str) -> None:
+def prepare_workdir(work: Path, state: Path, fingerprint: str) -> None:
+    """``work`` holding ``state`` of the build of ``fingerprint``: a work directory of
+    another build is emptied first (nothing in it can be reused)."""
     fp_file = state / "fingerprint"
     if work.exists() and (not fp_file.is_file() or fp_file.read_text() != fingerprint):
         shutil.rmtree(work)  # a partial build of something else: nothing to reuse
@@ -300,15 +312,7 @@ def stage_vectors(
         ) as bar:
             for i, vecs in source.produce(ShardWork(store, spans, todo, bar.update)):
                 produced.append(i)
-                a, b = spans[i]
-                if vecs.shape != (b - a, dim) or vecs.dtype != np.float32:
-                    # the sources check what they read: a source that breaks that is a bug
-                    raise InternalError(
-                        f"shard {i}: got {vecs.dtype} {vecs.shape}, expected "
-                        f"float32 ({b - a}, {dim})"
-                    )
-                if not np.isfinite(vecs).all():
-                    raise InvalidArgument(f"non-finite vectors in rows {a}..{b - 1}")
+                check_shard_vectors(i, vecs, spans[i], dim)
                 tmp = paths[i].with_suffix(".tmp.npy")
                 np.save(tmp, vecs)
                 tmp.replace(paths[i])
@@ -328,6 +332,19 @@ def stage_vectors(
     tmp.replace(out)
     (state / "vectors.done").write_text("ok")
     shutil.rmtree(shards)
+
+
+def check_shard_vectors(i: int, vecs: np.ndarray, span: tuple[int, int], dim: int) -> None:
+    """Shard ``i`` of rows ``span`` as a source produced it: float32 ``(rows, dim)``
+    (InternalError otherwise: the sources check what they read) and finite (InvalidArgument
+    naming the rows)."""
+    a, b = span
+    if vecs.shape != (b - a, dim) or vecs.dtype != np.float32:
+        raise InternalError(
+            f"shard {i}: got {vecs.dtype} {vecs.shape}, expected float32 ({b - a}, {dim})"
+        )
+    if not np.isfinite(vecs).all():
+        raise InvalidArgument(f"non-finite vectors in rows {a}..{b - 1}")
 
 
 def stage_faiss(work: Path, spec: IndexSpec, count: int, dim: int, progress: bool) -> dict:

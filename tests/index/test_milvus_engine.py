@@ -5,6 +5,7 @@ an expression selects."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from openbook.index import LoadedIndex
 from openbook.index.documents import Document
 from openbook.index.empty_base import template_of
 from openbook.index.engine import DocumentIndex, RetrievalMode
+from openbook.index.faiss_index import default_params
 from openbook.index.live import DocumentNotFound, LiveIndex
 from openbook.index.milvus_engine import (
     TEXT_CHUNK_CHARS,
@@ -28,6 +30,7 @@ from openbook.index.milvus_engine import (
     MilvusIndex,
     check_milvus_uri,
     filter_expression,
+    milvus_index_of,
     milvus_string,
 )
 from openbook.metadata_filter import parse_filter
@@ -224,9 +227,20 @@ def test_uri_and_index_type_are_checked(engine: MilvusEngine, built: LoadedIndex
     assert check_milvus_uri("var/milvus.db") == "var/milvus.db"
     with pytest.raises(InvalidArgument, match="^OPENBOOK_MILVUS_URI: "):
         check_milvus_uri("var/milvus")
-    ivfpq = template_of(built.manifest, name="pq", index_type="ivfpq")
-    with pytest.raises(InvalidArgument, match="^index_type: 'ivfpq' is not offered"):
-        engine.create("pq", ivfpq)
+    bm25 = dataclasses.replace(built.manifest, name="b", index_type="bm25")
+    with pytest.raises(InvalidArgument, match="^index_type: 'bm25' is not offered"):
+        engine.create("b", bm25)
+    # ivfpq is IVF_PQ, planned for a million passages when created empty; the shards asked
+    # for are the collection's num_shards on a server, and Milvus Lite keeps one.
+    pq = engine.create("pq", template_of(built.manifest, name="pq", index_type="ivfpq"), shards=3)
+    planned = default_params("ivfpq", 1_000_000, built.manifest.dim)
+    assert milvus_index_of(pq.manifest) == (
+        "IVF_PQ",
+        {"nlist": planned["nlist"], "m": planned["pq_m"], "nbits": planned["nbits"]},
+    )
+    assert engine.client.describe_collection(pq.passages)["num_shards"] == 1
+    pq.put(Document.create("a", "T", "tower paris moon", {}))
+    assert _ids(pq.search(["tower"], 3)[0]) == ["a#0"]
     hnsw = engine.create("hnsw", template_of(built.manifest, name="hnsw", index_type="hnsw"))
     hnsw.put(Document.create("a", "T", "tower paris moon", {}))
     assert _ids(hnsw.search(["tower"], 3)[0]) == ["a#0"]

@@ -80,10 +80,10 @@ def built(tmp_path_factory) -> Path:
 
 def test_the_copy_command_refuses_what_milvus_cannot_hold(built, tmp_path):
     uri = str(tmp_path / "milvus.db")
-    args = ["to-milvus", str(built / "facts-a"), "--uri", uri, "--name", "pq", "--type", "ivfpq"]
+    args = ["to-milvus", str(built / "facts-a"), "--uri", uri, "--name", "pq", "--type", "bm25"]
     refused = CliRunner().invoke(index_cli, args)
     assert refused.exit_code == 2
-    assert "index_type: 'ivfpq' is not offered by the milvus engine" in refused.output
+    assert "index_type: 'bm25' is not offered by the milvus engine" in refused.output
     missing = CliRunner().invoke(index_cli, ["to-milvus", str(tmp_path / "nope"), "--uri", uri])
     assert missing.exit_code == 2 and "error:" in missing.output
     hnsw = CliRunner().invoke(index_cli, [*args[:-1], "hnsw"])
