@@ -983,10 +983,41 @@ class MilvusIndex:
         if len(q) == 0:
             return []
         scale = self._manifest.score_scale
+        factor = int(self._manifest.index_params.get("rerank", 0) or 0)
+        if factor > 1 and self._manifest.index_type != IndexType.FLAT:
+            return self._reranked(q, k, k * factor, return_vectors, where)
         return [
             [self._passage(h["entity"], float(h["distance"]) * scale, return_vectors) for h in row]
             for row in self._dense_hits(q, k, return_vectors, where)
         ]
+
+    def _reranked(
+        self,
+        q: np.ndarray,
+        k: int,
+        n: int,
+        return_vectors: bool,
+        where: MetadataFilter | None,
+    ) -> list[list[Passage]]:
+        """The manifest's ``rerank``, as the files engine applies it to an approximate type:
+        the approximate top ``n`` (an IVF-PQ's distances are its codes', not the vectors')
+        re-scored exactly with their stored vectors, the top k of those."""
+        scale = self._manifest.score_scale
+        out: list[list[Passage]] = []
+        for i, hits in enumerate(self._dense_hits(q, n, True, where)):
+            if not hits:
+                out.append([])
+                continue
+            vectors = np.asarray([h["entity"]["vector"] for h in hits], dtype=np.float64)
+            exact = (vectors @ q[i].astype(np.float64)).astype(np.float32)
+            order = np.argsort(-exact, kind="stable")[:k]
+            out.append(
+                [
+                    self._passage(hits[j]["entity"], float(exact[j]) * scale, return_vectors)
+                    for j in order
+                ]
+            )
+        return out
 
     def _dense_hits(
         self, q: np.ndarray, k: int, with_fields: bool, where: MetadataFilter | None

@@ -131,7 +131,7 @@ def test_import_writes_precomputed_vectors_into_milvus(
     args = ["import", str(emb), "-p", str(tsv), "--name", "pq", "--type", "ivfpq"]
     args += ["--doc-encoder", str(ctx), "--query-encoder", str(q), "--score-scale", "1"]
     args += ["--engine", "milvus", "--milvus-uri", uri, "--work-dir", str(tmp_path / "w")]
-    args += ["--shard-size", "64", "--no-progress", "--nprobe", "4"]
+    args += ["--shard-size", "64", "--no-progress", "--nprobe", "4", "--rerank", "3"]
     result = CliRunner().invoke(index_cli, args)
     assert result.exit_code == 0, result.output
     assert "imported index 'pq' (ivfpq, 150 passages, dim 32) in " in result.output
@@ -156,6 +156,10 @@ def test_import_writes_precomputed_vectors_into_milvus(
         got = index.search_vectors(queries, 5)
         want_hits = built.search_vectors(queries, 5)
         assert [[p.id for p in h] for h in got] == [[p.id for p in h] for h in want_hits]
+        # --rerank 3: the top 15 re-scored exactly with the stored vectors, as files do.
+        assert index.manifest.index_params["rerank"] == 3
+        for g, w in zip(got, want_hits, strict=True):
+            assert [p.score for p in g] == pytest.approx([p.score for p in w], rel=1e-5)
     finally:
         engine.close()
 
