@@ -7,7 +7,6 @@ passages are). A copy cut short resumes from its last batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +35,8 @@ FILTERS = [None, {"_id": {"$in": [f"w{i}" for i in range(0, 150, 3)]}}, {"_title
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MilvusEngine]:
-    eng = MilvusEngine(str(tmp_path_factory.mktemp("milvus") / "milvus.db"))
-    yield eng
-    eng.close()
+def engine(milvus_engine: MilvusEngine) -> MilvusEngine:
+    return milvus_engine  # tests/index/conftest.py
 
 
 @pytest.fixture(scope="module")

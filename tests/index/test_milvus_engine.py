@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +48,8 @@ INJECTIONS = [
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MilvusEngine]:
-    eng = MilvusEngine(str(tmp_path_factory.mktemp("milvus") / "milvus.db"))
-    yield eng
-    eng.close()
+def engine(milvus_engine: MilvusEngine) -> MilvusEngine:
+    return milvus_engine  # tests/index/conftest.py
 
 
 @pytest.fixture(scope="module")
