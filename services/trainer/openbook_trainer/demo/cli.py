@@ -14,7 +14,6 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from openbook.index.encoders import DEFAULT_ENCODER, encoder_weights_dir
 from openbook_trainer.demo.data import DEMO_SNAPSHOTS, default_data_dir
 from openbook_trainer.settings import TrainerSettings
 
@@ -44,19 +43,6 @@ def prepare(
     skip_indexes: Annotated[bool, typer.Option(help="Do not build the indexes")] = False,
 ) -> None:
     """Build the missing demo indexes and the default generator; a no-op when all exist."""
-    # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)
-    from openbook_trainer.demo.indexes import prepare_demo_indexes
-    from openbook_trainer.demo.models import (
-        DEFAULT_ADAPTER,
-        DEFAULT_ADAPTER_DIRNAME,
-        DEFAULT_MODEL_DIRNAME,
-        DEFAULT_QUERY_ADAPTER,
-        DEFAULT_QUERY_ADAPTER_DIRNAME,
-        install_shipped_adapter,
-        is_prepared,
-        prepare_default_generator,
-    )
-
     try:
         settings = TrainerSettings()
     except ValidationError as exc:
@@ -69,6 +55,25 @@ def prepare(
     data_dir = data_dir or default_data_dir()
     start = time.monotonic()
     did: list[str] = []
+    if skip_models and skip_indexes:
+        # compose's init and init-more where OPENBOOK_TRAINER_PREPARE says nothing to prepare
+        # (stacks started on prepared data): said before importing what preparing needs
+        typer.echo("nothing to do: the demo indexes and the default generator are ready")
+        return
+    # (transformers and torch stay out of `openbook --help`, which imports every command)
+    # why: torch and transformers load only where there is something to prepare
+    from openbook.index.encoders import DEFAULT_ENCODER, encoder_weights_dir
+    from openbook_trainer.demo.indexes import prepare_demo_indexes
+    from openbook_trainer.demo.models import (
+        DEFAULT_ADAPTER,
+        DEFAULT_ADAPTER_DIRNAME,
+        DEFAULT_MODEL_DIRNAME,
+        DEFAULT_QUERY_ADAPTER,
+        DEFAULT_QUERY_ADAPTER_DIRNAME,
+        install_shipped_adapter,
+        is_prepared,
+        prepare_default_generator,
+    )
 
     # The generator's conversion (a minute of GGUF dequantization) runs beside the index
     # builds instead of after them: the first start waits for the longer of the two, not the
