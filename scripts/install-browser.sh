@@ -22,7 +22,10 @@ if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
 fi
 
 if [ -x "$VENV/bin/python" ]; then
-  "$VENV/bin/python" -m pip install -q -c constraints.txt "selenium>=4.20"
+  # scripts/install.sh already installs Selenium (openbook[test]) at constraints.txt's version:
+  # a second pip run (CI runs both scripts) only resolved it again
+  "$VENV/bin/python" -c "import selenium" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install -q -c constraints.txt "selenium>=4.20"
 else
   echo "install-browser: no $VENV yet: run scripts/install.sh first" >&2
   exit 1
