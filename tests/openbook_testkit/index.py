@@ -200,6 +200,30 @@ QUESTIONS: dict[str, str] = {
 }
 
 
+# Three plays as documents with metadata (one English, two French; their years), which the
+# metadata filter tests write into a live index of either engine.
+PLAYS: list[dict] = [
+    {
+        "id": "macbeth",
+        "title": "Macbeth",
+        "text": "William Shakespeare wrote Macbeth, a tragedy about a Scottish general.",
+        "metadata": {"lang": "en", "year": 1606},
+    },
+    {
+        "id": "phedre",
+        "title": "Phedre",
+        "text": "Jean Racine wrote Phedre, a tragedy first performed in Paris.",
+        "metadata": {"lang": "fr", "year": 1677},
+    },
+    {
+        "id": "cid",
+        "title": "Le Cid",
+        "text": "Pierre Corneille wrote Le Cid, a tragicomedy.",
+        "metadata": {"lang": "fr", "year": 1637},
+    },
+]
+
+
 def fact_rows() -> list[dict[str, str]]:
     return [{"id": i, "title": t, "text": x} for i, t, x in FACTS]
 

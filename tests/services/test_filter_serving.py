@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from openbook.serving.grpc_server import bearer_metadata
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
+from openbook_testkit.index import PLAYS
 from openbook_testkit.stack import running_backends
 
 TOKEN = "filter-admin-token"
@@ -44,26 +45,8 @@ def client(backends, redis_server):
     with TestClient(create_app(settings)) as client:
         # Three plays with metadata; facts-a's thirty facts (adopted by this first write) have
         # none: only their built-in _id and _title match.
-        docs = [
-            {
-                "id": "macbeth",
-                "title": "Macbeth",
-                "text": "William Shakespeare wrote Macbeth, a tragedy about a Scottish general.",
-                "metadata": {"lang": "en", "year": 1606},
-            },
-            {
-                "id": "phedre",
-                "title": "Phedre",
-                "text": "Jean Racine wrote Phedre, a tragedy first performed in Paris.",
-                "metadata": {"lang": "fr", "year": 1677},
-            },
-            {
-                "id": "cid",
-                "title": "Le Cid",
-                "text": "Pierre Corneille wrote Le Cid, a tragicomedy.",
-                "metadata": {"lang": "fr", "year": 1637, "tags": "drama"},
-            },
-        ]
+        macbeth, phedre, cid = PLAYS
+        docs = [macbeth, phedre, {**cid, "metadata": {**cid["metadata"], "tags": "drama"}}]
         reply = client.post(
             "/indexes/facts-a/documents:batch", json={"documents": docs}, headers=AUTH
         )

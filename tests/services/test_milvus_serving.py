@@ -33,6 +33,7 @@ from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings
 from openbook_generator.settings import GeneratorSettings
 from openbook_retriever.settings import RetrieverSettings
+from openbook_testkit.index import PLAYS
 from openbook_testkit.milvus import LiteServer, copy_to_milvus
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import (
@@ -48,26 +49,6 @@ TOKEN = "milvus-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ADMIN = bearer_metadata(TOKEN)
 SHORT = {"max_new_tokens": 2}
-PLAYS = [
-    {
-        "id": "macbeth",
-        "title": "Macbeth",
-        "text": "William Shakespeare wrote Macbeth, a tragedy about a Scottish general.",
-        "metadata": {"lang": "en", "year": 1606},
-    },
-    {
-        "id": "phedre",
-        "title": "Phedre",
-        "text": "Jean Racine wrote Phedre, a tragedy first performed in Paris.",
-        "metadata": {"lang": "fr", "year": 1677},
-    },
-    {
-        "id": "cid",
-        "title": "Le Cid",
-        "text": "Pierre Corneille wrote Le Cid, a tragicomedy.",
-        "metadata": {"lang": "fr", "year": 1637},
-    },
-]
 
 
 @pytest.fixture(scope="module")
