@@ -7,6 +7,7 @@ Milvus with the spec's parameters (and what Milvus Lite does with it is checked)
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,27 +67,40 @@ def test_a_build_cut_short_resumes_and_searches_as_the_files_build(
     spec = IndexSpec(name="words", index_type="flat", encoder=str(ctx), query_encoder=str(q))
     options = BuildOptions(progress=False, shard_size=40)  # 4 shards: 40, 80, 120, 150
 
-    def killed_after_two(done: int, total: int) -> None:
-        if done == 80:
-            raise Interrupted
+    def killed_after(shard_end: int) -> Callable[[int, int], None]:
+        def hook(done: int, total: int) -> None:
+            batches.append((done, total))
+            if done == shard_end:
+                raise Interrupted
 
+        return hook
+
+    batches: list[tuple[int, int]] = []
     with pytest.raises(Interrupted):
-        build_into_milvus([corpus], target, spec, options, on_batch=killed_after_two)
+        build_into_milvus([corpus], target, spec, options, on_batch=killed_after(40))
     engine = MilvusEngine(target.uri)
     try:
-        with pytest.raises(IndexLoadError, match=r"cut short \(80 of 150 passages\): run the same"):
+        with pytest.raises(IndexLoadError, match=r"cut short \(40 of 150 passages\): run the same"):
             engine.open("words")  # not served half built
     finally:
         engine.close()
     assert target.work_dir.is_dir()  # its passages and BM25 view, kept to resume
 
-    batches: list[tuple[int, int]] = []
-    again = build_into_milvus(
-        [corpus], target, spec, options, on_batch=lambda d, t: batches.append((d, t))
-    )
-    # Only the shards after the last one written are encoded and written again.
-    assert again.resumed_at == 80 and batches == [(120, 150), (150, 150)]
-    assert again.count == 150 and not target.work_dir.exists()
+    # Cut short again: only the shards after the last one written are encoded and written.
+    batches.clear()
+    with pytest.raises(Interrupted):
+        build_into_milvus([corpus], target, spec, options, on_batch=killed_after(80))
+    assert batches == [(80, 150)]
+
+    # The CLI, as a user re-runs it, finishes it.
+    command = ["build", "-p", str(corpus), "--name", "words", "--encoder", str(ctx)]
+    command += ["--query-encoder", str(q), "--engine", "milvus", "--milvus-uri", target.uri]
+    command += ["--work-dir", str(target.work_dir), "--shard-size", "40", "--no-progress"]
+    again = CliRunner().invoke(index_cli, command)
+    assert again.exit_code == 0, again.output
+    assert "resumed a build cut short at passage 80" in again.output
+    assert "built index 'words' (flat, 150 passages, dim 32) in " in again.output
+    assert not target.work_dir.exists()
     engine = MilvusEngine(target.uri)
     try:
         index = engine.open("words")
