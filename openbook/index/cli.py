@@ -154,7 +154,7 @@ def _milvus_target(
     if engine is EngineKind.FILES:
         if out is None:
             raise _fail("--out: name the index directory to create (or pass --engine milvus)")
-        if milvus_uri and (shards is not None or work_dir is not None):
+        if shards is not None or work_dir is not None:
             raise _fail("--milvus-shards / --work-dir are --engine milvus options")
         return None
     if out is not None:

@@ -195,3 +195,6 @@ def test_the_cli_refuses_what_a_milvus_build_cannot_take(tmp_path: Path) -> None
     assert slices.exit_code == 2 and "--num-shards: slices are files builds" in slices.output
     files = runner.invoke(index_cli, base, env={"OPENBOOK_INDEX_ENGINE": "files"})
     assert files.exit_code == 2 and "--out: name the index directory" in files.output
+    out = ["--out", str(tmp_path / "o"), "--milvus-shards", "2"]
+    stray = runner.invoke(index_cli, [*base, *out], env={"OPENBOOK_INDEX_ENGINE": "files"})
+    assert stray.exit_code == 2 and "are --engine milvus options" in stray.output
