@@ -1,0 +1,134 @@
+"""The LM head's matrix product alone: the model's weights against int8 ones (issue 45, item 2).
+
+One decoding step of the default generator multiplies every decoder row's final hidden state
+(d = 640) by Gemma 3's tied 262,144 x 640 embedding: at bf16 that reads 335 MB per step, about
+two thirds of the step's weight traffic. This measures, in one process and one run (the paths
+alternate round by round, so a busy machine slows them alike), what reading int8 weights
+instead would give, through the two paths torch offers on CPU:
+
+- ``int8pack``: weight-only int8, one scale per output row (``torch._weight_int8pack_mm``);
+  the activations stay in the model's precision.
+- ``dynamic``: torch's dynamically quantised linear (``torch.ao`` qint8, fbgemm), which also
+  quantises the activations per row at each call.
+
+Reported per row count (the rows of a step: k passages x requests running): the median ms of
+each path, its ratio to the model's precision, and how often the argmax (the greedy token)
+agrees with the unquantised product on random hidden states.
+
+    .venv/bin/python bench/generator/lm_head.py --json docs/bench/lm-head-<cpu>.json
+
+The vocabulary and width default to Gemma 3 270M's; weights are random (scale 0.05), which is
+what the cost depends on. ``_weight_int8pack_mm`` is only run with d a multiple of 16: with
+other widths its CPU kernel reads out of bounds in bf16 (segfaults seen on torch 2.13).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def _median_ms(fn: Callable[[], object], rounds: int) -> float:
+    fn()  # warm-up: first-call allocations and kernel selection
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def _cpu_flags() -> list[str]:
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return []
+    return [f for f in wanted if f in flags]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--vocab", type=int, default=262_144)
+    ap.add_argument("--width", type=int, default=640)
+    ap.add_argument("--rows", default="1,5,10,40", help="decoder rows per step, comma-separated")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.width % 16:
+        ap.error("--width must be a multiple of 16 (see the module's docstring)")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+
+    weight = torch.randn(args.vocab, args.width) * 0.05
+    scales = weight.abs().amax(dim=1) / 127  # (V,): one per output row
+    packed = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (V, d)
+    model_weight = weight.to(dtype)
+    linear = torch.nn.Linear(args.width, args.vocab, bias=False)
+    linear.weight.data = weight
+    dynamic = torch.ao.quantization.quantize_dynamic(
+        torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8
+    )
+    row_scales = scales.to(dtype)
+
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        hidden = torch.randn(rows, args.width)  # (rows, d)
+        x = hidden.to(dtype)
+        with torch.inference_mode():
+            exact = hidden @ weight.T  # (rows, V), float32
+            paths: dict[str, Callable[[], torch.Tensor]] = {
+                "model": lambda x=x: torch.nn.functional.linear(x, model_weight),
+                "int8pack": lambda x=x: torch._weight_int8pack_mm(x, packed, row_scales),
+                "dynamic": lambda hidden=hidden: dynamic(hidden),
+            }
+            ms: dict[str, list[float]] = {name: [] for name in paths}
+            for _ in range(3):  # alternate the paths: drift on a busy machine hits all alike
+                for name, fn in paths.items():
+                    ms[name].append(_median_ms(fn, max(1, args.rounds // 3)))
+            agree = {
+                name: float((fn().float().argmax(-1) == exact.argmax(-1)).float().mean())
+                for name, fn in paths.items()
+            }
+        row = {
+            "rows": rows,
+            "ms": {name: statistics.median(v) for name, v in ms.items()},
+            "argmax_agrees": agree,
+        }
+        base = row["ms"]["model"]
+        row["speedup"] = {name: base / v for name, v in row["ms"].items()}
+        results.append(row)
+        print(
+            f"rows {rows:3d}: model ({args.dtype}) {base:7.1f} ms | "
+            + " | ".join(
+                f"{n} {row['ms'][n]:7.1f} ms ({row['speedup'][n]:.2f}x, argmax {agree[n]:.2f})"
+                for n in ("int8pack", "dynamic")
+            )
+        )
+    report = {
+        "vocab": args.vocab,
+        "width": args.width,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "processor": platform.processor() or platform.machine(),
+        "cpu_flags": _cpu_flags(),
+        "results": results,
+    }
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
