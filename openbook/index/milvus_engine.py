@@ -702,23 +702,44 @@ class IndexFill:
         self._record(self._copying)
 
     def finish(self, passages: Iterable[Sequence[Passage]]) -> MilvusIndex:
-        """Write the documents of every passage (``passages``: all of them again, in batches;
-        upserts), mark the fill complete and return the index, now served."""
-        docs: dict[str, list[Passage]] = {}
+        """Write the documents of every passage (``passages``: all of them again, in row
+        order, in batches; upserts), mark the fill complete and return the index, now served.
+
+        Streamed: a document is a run of consecutive passages of the id it names (a build
+        writes the pieces of a row one after the other), written a batch of documents at a
+        time; one whose passages come in several runs gets the text of all of them, in row
+        order (its text so far read back). Memory: one batch and the ids written."""
+        written: set[str] = set()
+        pending: list[Document] = []
+        run: list[Passage] = []
         for chunk in passages:
             for p in chunk:
-                docs.setdefault(built_document_id(p.id), []).append(p)
-        documents = [
-            Document(doc_id, ps[0].title, " ".join(p.text for p in ps), {})
-            for doc_id, ps in docs.items()
-        ]
-        for first in range(0, len(documents), _WRITE_BATCH):
-            rows_d = [
-                r for d in documents[first : first + _WRITE_BATCH] for r in _document_rows(d, 0)
-            ]
-            self.engine.client.upsert(self.index.documents, rows_d)
+                if run and built_document_id(p.id) != built_document_id(run[0].id):
+                    pending.append(_built_document(run))
+                    run = []
+                    if len(pending) >= _WRITE_BATCH:
+                        self._write_documents(pending, written)
+                        pending = []
+                run.append(p)
+        if run:
+            pending.append(_built_document(run))
+        self._write_documents(pending, written)
         self._record(None)
         return self.engine.open(self.index.name)
+
+    def _write_documents(self, documents: Sequence[Document], written: set[str]) -> None:
+        """Upsert ``documents``, each joined to the text written before under its id
+        (``written``: the ids this fill has written; raised by these)."""
+        merged: dict[str, Document] = {}
+        for doc in documents:
+            earlier = merged.get(doc.id)
+            if earlier is None and doc.id in written:
+                earlier = self.index.get(doc.id).document
+            merged[doc.id] = doc if earlier is None else _joined(earlier, doc)
+        rows = [r for d in merged.values() for r in _document_rows(d, 0)]
+        for start in range(0, len(rows), _WRITE_BATCH):
+            self.engine.client.upsert(self.index.documents, rows[start : start + _WRITE_BATCH])
+        written.update(merged)
 
     def _record(self, copying: dict[str, Any] | None) -> None:
         stats = {**self.bm25.statistics.to_dict(), "copying": copying}
@@ -758,6 +779,18 @@ def _stored_bm25(source: LoadedIndex) -> StoredBM25:
         ]
         build_bm25(texts, Path(tmp))
         return stored_bm25(Path(tmp), first)
+
+
+def _built_document(passages: Sequence[Passage]) -> Document:
+    """The document a built index's consecutive passages of one document id make."""
+    first = passages[0]
+    text = " ".join(p.text for p in passages)
+    return Document(built_document_id(first.id), first.title, text, {})
+
+
+def _joined(earlier: Document, later: Document) -> Document:
+    """A built document whose passages came in two runs: the text of both, in row order."""
+    return Document(earlier.id, earlier.title, f"{earlier.text} {later.text}", {})
 
 
 def _document_rows(doc: Document, version: int) -> list[dict[str, Any]]:

@@ -198,3 +198,31 @@ def test_the_cli_refuses_what_a_milvus_build_cannot_take(tmp_path: Path) -> None
     out = ["--out", str(tmp_path / "o"), "--milvus-shards", "2"]
     stray = runner.invoke(index_cli, [*base, *out], env={"OPENBOOK_INDEX_ENGINE": "files"})
     assert stray.exit_code == 2 and "are --engine milvus options" in stray.output
+
+
+def test_a_document_whose_passages_are_apart_keeps_all_its_text(
+    dpr_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Documents are written as the passages stream by, a batch at a time: a document whose
+    passages are not consecutive (here more than a batch of documents apart) still holds
+    all of them, in row order, as the files engine reads a built document."""
+    ctx, q = dpr_dirs
+    rows = [{"id": "a#0", "title": "A", "text": "tower paris"}]
+    rows += [{"id": f"d{i}", "title": "D", "text": "moon tea"} for i in range(1_001)]
+    rows += [{"id": "a#1", "title": "A", "text": "python language"}]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    target = MilvusTarget(uri=str(tmp_path / "milvus.db"), work_dir=tmp_path / "work")
+    spec = IndexSpec(name="apart", encoder=str(ctx), query_encoder=str(q))
+    build_into_milvus([corpus], target, spec, BuildOptions(progress=False, batch_size=256))
+    engine = MilvusEngine(target.uri)
+    try:
+        index = engine.open("apart")
+        stored = index.get("a")
+        assert stored.document.text == "tower paris python language"
+        assert stored.passage_ids == ("a#0", "a#1")
+        assert index.get("d1000").document.text == "moon tea"
+        first = index.list(limit=1_000)
+        rest = index.list(first.next_cursor, limit=1_000)
+        assert len(first.ids) + len(rest.ids) == 1_002 and rest.next_cursor is None
+    finally:
+        engine.close()
