@@ -7,6 +7,9 @@ Milvus with the spec's parameters (and what Milvus Lite does with it is checked)
 from __future__ import annotations
 
 import pickle
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -224,5 +227,55 @@ def test_a_document_whose_passages_are_apart_keeps_all_its_text(
         first = index.list(limit=1_000)
         rest = index.list(first.next_cursor, limit=1_000)
         assert len(first.ids) + len(rest.ids) == 1_002 and rest.next_cursor is None
+    finally:
+        engine.close()
+
+
+KILLED_BUILD = """
+import os, signal, sys
+from pathlib import Path
+from openbook.index.milvus_build import MilvusTarget, build_into_milvus
+from openbook.index.spec import BuildOptions, IndexSpec
+
+corpus, uri, work, ctx, q = sys.argv[1:]
+
+def kill_after_two_shards(done, total):
+    if done == 80:
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no finally, no close
+
+build_into_milvus(
+    [Path(corpus)],
+    MilvusTarget(uri=uri, work_dir=Path(work)),
+    IndexSpec(name="words", encoder=ctx, query_encoder=q),
+    BuildOptions(progress=False, shard_size=40),
+    on_batch=kill_after_two_shards,
+)
+"""
+
+
+def test_a_build_killed_mid_way_resumes_from_what_milvus_kept(
+    built: LoadedIndex, dpr_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """kill -9 of the building process after its second shard (Milvus Lite in that process,
+    its file left as the kill left it): the same build run again completes the index with
+    every passage once and the files build's top ids."""
+    ctx, q = dpr_dirs
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", word_rows(150, seed=3))
+    uri, work = str(tmp_path / "milvus.db"), tmp_path / "work"
+    script = tmp_path / "killed_build.py"
+    script.write_text(KILLED_BUILD)
+    args = [str(corpus), uri, str(work), str(ctx), str(q)]
+    killed = subprocess.run([sys.executable, str(script), *args], capture_output=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+
+    target = MilvusTarget(uri=uri, work_dir=work)
+    spec = IndexSpec(name="words", encoder=str(ctx), query_encoder=str(q))
+    resumed = build_into_milvus([corpus], target, spec, BuildOptions(progress=False, shard_size=40))
+    assert resumed.resumed_at == 80 and resumed.count == 150  # both shards kept
+    engine = MilvusEngine(uri)
+    try:
+        index = engine.open("words")
+        assert _all_pids(index) == sorted(p.id for p in built.get_passages(range(len(built))))
+        _assert_searches_as(index, built)
     finally:
         engine.close()
