@@ -20,9 +20,10 @@ from typer.testing import CliRunner
 from openbook.errors import AlreadyExists
 from openbook.index import LoadedIndex
 from openbook.index.cli import app as index_cli
+from openbook.index.embedding_files import EmbeddingsError
 from openbook.index.faiss_index import default_params
 from openbook.index.manifest import IndexLoadError
-from openbook.index.milvus_build import MilvusTarget, build_into_milvus
+from openbook.index.milvus_build import MilvusTarget, build_into_milvus, import_into_milvus
 from openbook.index.milvus_engine import (
     MilvusEngine,
     MilvusIndex,
@@ -234,7 +235,7 @@ def test_a_document_whose_passages_are_apart_keeps_all_its_text(
 KILLED_BUILD = """
 import os, signal, sys
 from pathlib import Path
-from openbook.index.milvus_build import MilvusTarget, build_into_milvus
+from openbook.index.milvus_build import MilvusTarget, build_into_milvus, import_into_milvus
 from openbook.index.spec import BuildOptions, IndexSpec
 
 corpus, uri, work, ctx, q = sys.argv[1:]
@@ -277,5 +278,26 @@ def test_a_build_killed_mid_way_resumes_from_what_milvus_kept(
         index = engine.open("words")
         assert _all_pids(index) == sorted(p.id for p in built.get_passages(range(len(built))))
         _assert_searches_as(index, built)
+    finally:
+        engine.close()
+
+
+def test_an_import_of_bad_input_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A passage without a vector: refused naming it, and neither the index under way in
+    Milvus nor the work directory stays (running it again cannot fix the input)."""
+    rows = [{"id": str(i), "title": f"T{i}", "text": f"tower paris {i}"} for i in range(5)]
+    tsv = write_dpr_tsv(tmp_path / "psgs.tsv", rows)
+    emb = tmp_path / "wikipedia_passages_0.pkl"
+    vectors = np.random.default_rng(0).standard_normal((4, 8)).astype("f4")
+    with open(emb, "wb") as f:
+        pickle.dump([(f"wiki:{i}", vectors[i]) for i in range(4)], f)
+    target = MilvusTarget(uri=str(tmp_path / "milvus.db"), work_dir=tmp_path / "work")
+    spec = IndexSpec(name="bad", encoder="elsewhere/ctx", query_encoder="elsewhere/q")
+    with pytest.raises(EmbeddingsError, match=r"passage '4' \(row 4\) and later have no vector"):
+        import_into_milvus(tsv, [emb], target, spec, BuildOptions(progress=False, shard_size=2))
+    assert not target.work_dir.exists()
+    engine = MilvusEngine(target.uri)
+    try:
+        assert engine.describe("bad") is None
     finally:
         engine.close()
