@@ -338,3 +338,20 @@ def test_torchrun_processes_on_a_node_share_its_cpus(monkeypatch):
     monkeypatch.setenv("OPENBOOK_COMPUTE_THREADS", "3")
     assert training_threads().target() == 3
     assert torch.get_num_threads() >= 1
+
+
+def test_the_jobs_help_lists_each_command_by_the_name_it_answers_to(capsys):
+    """The commands are imported when named (openbook_trainer.__main__): a one-command app's
+    click command is named after its function, a group has no name; help must still list the
+    names a user types."""
+    from openbook_trainer.__main__ import COMMANDS, command_group
+
+    group = command_group()
+    ctx = group.make_context("openbook-trainer", [])
+    for name in COMMANDS:
+        assert group.get_command(ctx, name).name == name
+    group.main(["--help"], prog_name="openbook-trainer", standalone_mode=False)
+    shown = capsys.readouterr().out
+    assert "-command" not in shown
+    for name in COMMANDS:
+        assert f" {name} " in shown

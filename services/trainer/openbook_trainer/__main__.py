@@ -45,6 +45,9 @@ class _Commands(TyperGroup):
         # start on the way to the services and took seconds of CPU importing all of them
         sub_app: typer.Typer = importlib.import_module(module).app
         command = typer.main.get_command(sub_app)
+        # the name it is mounted under: a one-command app's click command is named after its
+        # function (train_command), and a group has none; help lists commands by this name
+        command.name = name
         command.help = command.help or help_text
         return command
 
