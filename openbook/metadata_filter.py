@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +161,11 @@ class MetadataFilter:
     def keys(self) -> frozenset[str]:
         """Every metadata key the filter tests."""
         return frozenset(_keys(self.root))
+
+    def also_matching(self, key: str, alias: Callable[[str], str]) -> MetadataFilter:
+        """This filter, where each string value ``v`` a condition on ``key`` holds also lets
+        ``alias(v)`` through (a tenant's ``_id`` also names the id its namespace stores)."""
+        return MetadataFilter(_with_aliases(self.root, key, alias))
 
 
 def record_of(doc_id: str, title: str, metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -283,6 +288,16 @@ def _order(v: ValueKey) -> tuple[str, str]:
 
 def _sorted_json(parts: tuple[Node, ...]) -> list[Any]:
     return sorted((p.to_json() for p in parts), key=lambda j: json.dumps(j, sort_keys=True))
+
+
+def _with_aliases(node: Node, key: str, alias: Callable[[str], str]) -> Node:
+    if isinstance(node, Condition):
+        if node.key != key:
+            return node
+        aliases = {value_key(alias(v)) for _, v in node.values if isinstance(v, str)}
+        return Condition(key, node.values | aliases)
+    parts = tuple(_with_aliases(p, key, alias) for p in node.parts)
+    return AllOf(parts) if isinstance(node, AllOf) else AnyOf(parts)
 
 
 def _keys(node: Node) -> list[str]:

@@ -349,3 +349,18 @@ def _all_ids(live: LiveIndex) -> set[str]:
         if page.next_cursor is None:
             return ids
         cursor = page.next_cursor
+
+
+def test_also_matching_widens_one_keys_string_values_everywhere_in_the_tree():
+    """What a tenant's ``_id`` condition becomes (openbook_gateway.principal.Principal.where):
+    each string value also matches its alias, in every branch; other keys and kinds stay."""
+    from openbook.metadata_filter import parse_filter, record_of
+
+    where = parse_filter({"$or": [{"_id": "report"}, {"_id": {"$in": ["a", 7]}}], "year": "x"})
+    assert where is not None
+    widened = where.also_matching("_id", lambda v: "~t~" + v)
+    for doc_id in ("report", "~t~report", "~t~a", "a"):
+        assert widened.matches(record_of(doc_id, "", {"year": "x"}))
+    assert not widened.matches(record_of("~t~7", "", {"year": "x"}))  # numbers are not ids
+    assert not widened.matches(record_of("~t~report", "", {"year": "y"}))
+    assert not where.matches(record_of("~t~report", "", {"year": "x"}))  # the original holds

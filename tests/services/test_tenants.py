@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from openbook.metadata_filter import parse_filter
 from openbook_cli.app import app as cli_app
-from openbook_gateway.tenancy import namespace
+from openbook_gateway.principal import namespace
 from openbook_testkit.stack import running_backends, serving_gateway
 from openbook_testkit.throttle import Throttle, throttled
 
@@ -229,6 +229,13 @@ def test_tenants_ids_never_cross(url, admin, tenants):
         httpx.get(f"{base}/{_stored('b', 'report')}", headers=admin).json()["text"]
         == (b_report["text"])
     )
+    # a filter on the id names it as the tenant wrote it: its own report, never the other's
+    for key, mine, other in ((tenants["a"], "PINE", "TULIP"), (tenants["b"], "TULIP", "PINE")):
+        for where in ({"_id": "report"}, {"_id": {"$in": ["report", "nothing-here"]}}):
+            answered = _answer(url, key, question=question, k=1, filter=where)
+            assert answered.status_code == 200, answered.text
+            assert [p["document"] for p in answered.json()["passages"]] == ["report"]
+            assert mine in answered.text and other not in answered.text
     # A deletes its report: B's stays
     assert httpx.delete(f"{base}/report", headers=a, timeout=60).status_code == 200
     assert httpx.delete(f"{base}/report-free", headers=a, timeout=60).status_code == 200

@@ -8,14 +8,18 @@ dependencies (no cycle: this module imports nothing of the gateway).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
 from openbook.api_keys_protocol import KeyRate
-from openbook.metadata_filter import AllOf, MetadataFilter
+from openbook.metadata_filter import BUILTIN_ID, AllOf, MetadataFilter
 
 ASK, WRITE, INDEXES_CREATE, ADMIN = "ask", "write", "indexes:create", "admin"
+# What begins a tenant's namespaced id (``~<tag>~<id>``), and the hex digits of its tag.
+NAMESPACE_MARK = "~"
+NAMESPACE_TAG_HEX = 16
 
 
 @dataclass(frozen=True)
@@ -62,16 +66,29 @@ class Principal:
         """The filter a retrieval asking for ``requested`` runs with: the key's tenant filter
         AND ``requested``. An AND only narrows: nothing a request sends (an ``$or`` naming the
         tenant's field, another tenant's value) reaches a document the tenant filter
-        excludes."""
+        excludes. An ``_id`` the request names is the id as the tenant sees it: it also
+        matches that id in the tenant's namespace (:func:`namespace`), where the tenant's own
+        documents are stored."""
         if self.tenant is None:
             return requested
         if requested is None:
             return self.tenant
+        prefix = namespace(self.tenant)
+        requested = requested.also_matching(BUILTIN_ID, lambda doc_id: prefix + doc_id)
         return MetadataFilter(AllOf((self.tenant.root, requested.root)))
 
     def unknown_index(self, index: str) -> str:
         # the retriever's words for an index it does not have, listing only this key's
         return f"index: unknown index {index!r} (available: {', '.join(self.indexes or ())})"
+
+
+def namespace(tenant: MetadataFilter) -> str:
+    """The prefix of the stored ids of ``tenant``'s documents: ``~<tag>~``, where ``<tag>``
+    is the first :data:`NAMESPACE_TAG_HEX` hex digits of the SHA-256 of the filter's canonical
+    form (one tenant, one namespace, whichever of its keys writes; :mod:`openbook_gateway.
+    tenancy` says what the namespace guarantees)."""
+    digest = hashlib.sha256(tenant.canonical().encode()).hexdigest()[:NAMESPACE_TAG_HEX]
+    return f"{NAMESPACE_MARK}{digest}{NAMESPACE_MARK}"
 
 
 ANONYMOUS = Principal(None)

@@ -34,7 +34,6 @@ Invariants, for a key with a tenant filter (a key without one is untouched by al
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from typing import Any
 
@@ -51,25 +50,14 @@ from openbook.metadata_filter import (
     value_key,
 )
 from openbook.v1 import retriever_pb2
-from openbook_gateway.principal import Principal
+from openbook_gateway.principal import NAMESPACE_MARK, Principal, namespace
 from openbook_gateway.retrieval import Retrieval
 
 # Documents looked up at once when a listing or a batch is checked.
 CONCURRENT_LOOKUPS = 32
-# What begins a namespaced id (``~<tag>~<id>``), and the hex digits of its tag.
-NAMESPACE_MARK = "~"
-NAMESPACE_TAG_HEX = 16
 # Ids one listing looks at, at most, to fill a page: a tenant with few documents in a large
 # index gets short pages (``next_cursor`` goes on), not a request that reads the whole index.
 MAX_IDS_SCANNED = 5000
-
-
-def namespace(tenant: MetadataFilter) -> str:
-    """The prefix of the stored ids of ``tenant``'s documents: ``~<tag>~``, where ``<tag>``
-    is the first :data:`NAMESPACE_TAG_HEX` hex digits of the SHA-256 of the filter's canonical
-    form (one tenant, one namespace, whichever of its keys writes)."""
-    digest = hashlib.sha256(tenant.canonical().encode()).hexdigest()[:NAMESPACE_TAG_HEX]
-    return f"{NAMESPACE_MARK}{digest}{NAMESPACE_MARK}"
 
 
 def refuse_reserved(doc_id: str, field: str = "doc_id") -> None:
