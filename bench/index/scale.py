@@ -43,7 +43,7 @@ from bench.index.scale_build import (
 )
 from bench.index.scale_truth import recall_at_k
 
-DEFAULT_SWEEP = ((8, 0), (16, 0), (32, 0), (16, 4), (32, 4), (64, 4), (64, 8))
+DEFAULT_SWEEP = ((4, 0), (8, 0), (4, 4), (8, 4), (16, 4), (32, 4))
 
 
 def machine() -> dict[str, Any]:
@@ -112,11 +112,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--queries", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nlist", type=int, default=1024)
+    p.add_argument("--nlist", type=int, default=256)
     p.add_argument("--pq-m", type=int, default=96)
-    p.add_argument("--nprobe", type=int, default=32)
+    p.add_argument("--nprobe", type=int, default=8)
     p.add_argument("--rerank", type=int, default=4)
-    p.add_argument("--train-size", type=int, default=262_144)
+    p.add_argument("--train-size", type=int, default=65_536)
     p.add_argument(
         "--vectors-dtype",
         choices=("float32", "float16"),

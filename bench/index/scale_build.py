@@ -64,11 +64,14 @@ class ScaleConfig:
     shards: int
     dim: int = 768
     seed: int = 0
-    nlist: int = 1024
+    # nlist: the coarse assignment costs passages x nlist x dim multiply-adds, the build's
+    # largest term; faiss' usual 4 sqrt(N) (18k lists at 21M) would take ~70x longer than 256
+    # here (docs/benchmarks.md, "The paper's scale").
+    nlist: int = 256
     pq_m: int = 96
-    nprobe: int = 32
+    nprobe: int = 8
     rerank: int = 4
-    train_size: int = 262_144
+    train_size: int = 65_536  # 256 points per list: what faiss' k-means samples anyway
     queries: int = 256
     index_type: str = "ivfpq"  # or "flat": the exact source a Milvus copy is made from
     # vectors.npy's dtype. float32 is the product's layout; float16 halves the disk of a run

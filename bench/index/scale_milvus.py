@@ -38,10 +38,11 @@ def _serve_milvus(db: str, name: str, conn: Connection) -> None:
 
     t0 = time.monotonic()
     engine = MilvusEngine(db, timeout_s=None)
+    # Milvus Lite reopens a database with its collections released, and the engine does not
+    # load them itself (a collection it creates is loaded by its creation): load them all.
+    for collection in engine.client.list_collections():
+        engine.client.load_collection(collection)
     index = engine.open(name)
-    # Milvus Lite reopens a database with its collections released (the engine does not load
-    # them itself; a fresh copy is loaded by its creation): load before searching.
-    engine.client.load_collection(index.passages)
     index.search_vectors(np.zeros((1, index.manifest.dim), np.float32), 1)  # loaded now
     conn.send(time.monotonic() - t0)
     while (msg := conn.recv()) is not None:
@@ -89,7 +90,10 @@ def _copy_and_record(
 
 
 def run_milvus(args: argparse.Namespace, config: ScaleConfig, work: Path) -> dict[str, Any]:
-    source_config = dataclasses.replace(config, shards=1, index_type="flat")
+    # the source is exact: none of the IVF-PQ settings apply, so none is recorded in its state
+    source_config = dataclasses.replace(
+        config, shards=1, index_type="flat", nlist=1, pq_m=1, nprobe=1, rerank=0, train_size=0
+    )
     run = ScaleRun(work / "source", source_config)
     built = build(run, progress=not args.no_progress)
     db = work / "milvus" / "scale.db"
