@@ -5,6 +5,7 @@ Read side.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,20 @@ from openbook.index.spec import INDEX_TYPES
 from openbook.index.store import PassageStore
 from openbook.metadata_filter import MetadataFilter
 from openbook.types import Passage
+
+
+def advise_random_reads(array: np.ndarray) -> None:
+    """Tell the kernel that ``array`` (a memory map) is read at scattered rows.
+
+    Re-ranking and ``return_vectors`` read k x rerank rows of ``vectors.npy`` at random; by
+    default every page fault on a file map reads the device's whole read-ahead window around
+    it (8 MB on this machine's disk), so once the vectors outgrow the page cache (21M x 768
+    float32 is 64 GB) each row costs megabytes of reads: measured 0.5 GB/s of disk per shard
+    process with no result in sight (docs/benchmarks.md, "The paper's scale"). With
+    ``MADV_RANDOM`` a row costs its own pages. A no-op for an array that is not a map."""
+    mapped = getattr(array, "_mmap", None)
+    if isinstance(mapped, mmap.mmap) and hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
 
 
 def open_index(path: Path, verify: bool = True, *, name: str | None = None) -> LoadedIndex:
@@ -255,6 +270,7 @@ class LoadedIndex(ManifestFacts):
             raise IndexLoadError(f"{label}: count {m.count} != index count {index.ntotal}")
         faiss_index.configure(index, m.index_type, m.index_params)
         self._vectors = np.load(self.path / VECTORS_FILE, mmap_mode="r")
+        advise_random_reads(self._vectors)
         if self._vectors.shape != (m.count, m.dim):
             raise IndexLoadError(
                 f"{label}: {VECTORS_FILE} shape {self._vectors.shape} != ({m.count}, {m.dim})"
