@@ -68,8 +68,7 @@ from openbook.index.live import BASE_PREFIX, LiveIndex, LiveOptions
 from openbook.index.manifest import Manifest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.stages import BuildSource, build_lock, stage_and_publish
-from openbook.index.store import PassageStore
-from openbook.index.vectors import VectorSource, default_score_scale
+from openbook.index.vectors import ShardWork, VectorSource, default_score_scale
 from openbook.types import Passage
 
 INGEST_TARGET = 0.8  # ingestion passages/s >= 80% of the build's
@@ -138,12 +137,12 @@ def synthetic_base(out: Path, spec: IndexSpec, n: int, words: int, seed: int) ->
     enc = load_encoder(spec.encoder, role="document")
     dim = enc.dim
 
-    def produce(store: PassageStore, spans, todo, update):  # noqa: ANN001, ANN202 - a ShardProducer
-        for i in todo:
-            a, b = spans[i]
+    def produce(work: ShardWork) -> Iterator[tuple[int, np.ndarray]]:  # a ShardProducer
+        for i in work.todo:
+            a, b = work.spans[i]
             vecs = np.random.default_rng([seed, i]).standard_normal((b - a, dim), np.float32)
             vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
-            update(b - a)
+            work.update(b - a)
             yield i, vecs
 
     def passages() -> Iterator[Passage]:
