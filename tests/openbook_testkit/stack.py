@@ -23,10 +23,24 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BACKENDS_ADMIN_TOKEN = "backends-admin-token"
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never handed out before by this process. The port is found
+    by binding to port 0 and released at once, so two picks in a row (the six ports of one
+    stack) could otherwise be the same port: the second service to bind it finds it taken,
+    and a test may then talk to the wrong server (a metrics server answers every path,
+    readiness probes included)."""
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 class RedisServer:
