@@ -5,8 +5,8 @@ Redis calls in :mod:`openbook.api_keys_state_aio`), for the keys an admin makes 
 /admin/keys``: one sealed record per key under :func:`api_key_key` of its name, holding the
 key's scopes, its indexes, the tenant ``filter`` and the ``rate`` it is held to, when it was
 made, and a salted hash of its secret (never the secret). Sealed bound to its Redis key
-(:mod:`openbook.sealing`): an entry written, altered or moved by anyone without the server key
-(Redis's password is not enough) opens as None, and is no key. When a key was last used is
+(:mod:`openbook.security.sealing`): an entry written, altered or moved by anyone without the server
+key (Redis's password is not enough) opens as None, and is no key. When a key was last used is
 kept apart, unsealed (hash :data:`API_KEYS_LAST_USED_KEY`: name -> Unix time): a forged value
 there only shows a wrong time, and never opens anything.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, TypedDict
 
-from openbook.sealing import Sealer
+from openbook.security.sealing import Sealer
 
 API_KEY_PREFIX = "openbook:api-key:"
 # Every key's record (a SCAN pattern).

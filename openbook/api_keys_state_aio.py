@@ -24,7 +24,7 @@ from openbook.api_keys_protocol import (
     open_api_key,
     seal_api_key,
 )
-from openbook.sealing import Sealer
+from openbook.security.sealing import Sealer
 
 
 async def read_api_key(client: aioredis.Redis, sealer: Sealer, name: str) -> ApiKeyRecord | None:
@@ -50,7 +50,7 @@ async def delete_api_key(client: aioredis.Redis, name: str) -> bool:
     return bool(deleted)
 
 
-# No script does this (openbook's Redis user may run none: openbook.secrets.ACL_RULES), but
+# No script does this (openbook's Redis user may run none: openbook.security.secrets.ACL_RULES), but
 # transactions (MULTI/EXEC): each is applied at once, with no other client's command between.
 
 

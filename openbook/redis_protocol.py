@@ -32,8 +32,8 @@ Invariants: this module does no I/O and imports no Redis client; the sync half
 (:mod:`openbook.shared_state_aio`, the gateway) execute these over their clients, so changing
 a key or an encoding is a change here only. Every value a service acts on (the active index,
 the index states, the model versions, the desired model, the replicas' states, the answers,
-the stored responses) is sealed (:mod:`openbook.sealing`) bound to its key: opening anything
-not sealed with the server key gives ``None``, read as absent. The records whose order
+the stored responses) is sealed (:mod:`openbook.security.sealing`) bound to its key: opening
+anything not sealed with the server key gives ``None``, read as absent. The records whose order
 matters (index states, model versions, the desired model) carry a number that only grows, so
 a reader that saw a record refuses an older genuine one written back (a replay).
 """
@@ -47,7 +47,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
-from openbook.sealing import Sealer
+from openbook.security.sealing import Sealer
 
 # --- the active index -----------------------------------------------------------------------
 

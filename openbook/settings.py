@@ -19,8 +19,8 @@ from pydantic import BeforeValidator, Field, PrivateAttr, SecretStr, model_valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from openbook import redis_endpoint
-from openbook.sealing import load_sealer
-from openbook.secrets import read_secret
+from openbook.security.sealing import load_sealer
+from openbook.security.secrets import read_secret
 
 
 def _none_if_blank(value: object) -> object:
@@ -72,7 +72,8 @@ class CommonSettings(BaseSettings):
     redis_password_file: OptionalPath = shared(None, "OPENBOOK_REDIS_PASSWORD_FILE")
     # TLS is one setting away: a rediss:// URL turns it on; this CA file verifies the server.
     redis_tls_ca_file: OptionalPath = shared(None, "OPENBOOK_REDIS_TLS_CA_FILE")
-    # Key of the MACs sealing cached answers and the shared active index (openbook.sealing).
+    # Key of the MACs sealing cached answers and the shared active index
+    # (openbook.security.sealing).
     server_key_file: OptionalPath = shared(None, "OPENBOOK_SERVER_KEY_FILE")
     access_log: bool = shared(True, "OPENBOOK_ACCESS_LOG")  # one log line per request / RPC
     log_level: str = shared("INFO", "OPENBOOK_LOG_LEVEL")

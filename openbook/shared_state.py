@@ -53,7 +53,7 @@ from openbook.redis_protocol import (
     seal_model_version,
     seal_pinned_model,
 )
-from openbook.sealing import Sealer, default_sealer
+from openbook.security.sealing import Sealer, default_sealer
 from openbook.settings import RedisOptions
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def redis_client(target: str | RedisOptions, timeout_s: float = 0.5) -> redis.Re
 
 
 class ActiveIndexStore:
-    """The active index name in Redis, sealed (openbook.sealing), and a channel announcing
+    """The active index name in Redis, sealed (openbook.security.sealing), and a channel announcing
     swaps. A value that is not sealed with the server key reads as no active index: whoever
     can write to Redis cannot choose what replicas serve. Announcements carry nothing to trust:
     they only make a replica re-read the key."""

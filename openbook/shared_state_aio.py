@@ -46,7 +46,7 @@ from openbook.redis_protocol import (
     seal_desired_model,
     seal_index_state,
 )
-from openbook.sealing import Sealer
+from openbook.security.sealing import Sealer
 from openbook.settings import RedisOptions
 
 

@@ -1,4 +1,4 @@
-"""openbook.auth: the one bearer-token check of the gateway and the services."""
+"""openbook.security.auth: the one bearer-token check of the gateway and the services."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import hmac
 
 import pytest
 
-from openbook import auth
-from openbook.auth import bearer_matches, bearer_token, token_matches
+from openbook.security import auth
+from openbook.security.auth import bearer_matches, bearer_token, token_matches
 
 
 @pytest.mark.parametrize(

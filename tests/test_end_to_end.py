@@ -213,7 +213,7 @@ def test_an_insider_cannot_poison_a_cached_answer(stack):
 def test_an_insider_cannot_switch_the_index_replicas_serve(stack):
     import time
 
-    from openbook.sealing import load_sealer
+    from openbook.security.sealing import load_sealer
 
     active = _active(stack)
     other = "wiki-2016"  # a real index of the stack: only who decides is wrong
@@ -234,7 +234,7 @@ def test_an_insider_cannot_switch_the_index_replicas_serve(stack):
 def test_a_bad_shared_index_name_is_logged_once_not_every_two_seconds(stack):
     import time
 
-    from openbook.sealing import load_sealer
+    from openbook.security.sealing import load_sealer
 
     active = _active(stack)
     insider = stack.redis()

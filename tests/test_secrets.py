@@ -1,5 +1,5 @@
-"""openbook-secrets (openbook.secrets, the command in openbook_deploy.secrets), the settings
-that read its files, and sealing (openbook.sealing)."""
+"""openbook-secrets (openbook.security.secrets, the command in openbook_deploy.secrets), the
+settings that read its files, and sealing (openbook.security.sealing)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from openbook.sealing import RateLimitedLog, Sealer, load_sealer
-from openbook.secrets import ACL_RULES, SecretFiles, acl_text, init
+from openbook.security.sealing import RateLimitedLog, Sealer, load_sealer
+from openbook.security.secrets import ACL_RULES, SecretFiles, acl_text, init
 from openbook.settings import CommonSettings
 from openbook_deploy.secrets import k8s_secret
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from openbook.secrets import ACL_FILE, PASSWORD_FILE, SERVER_KEY_FILE, acl_text
+from openbook.security.secrets import ACL_FILE, PASSWORD_FILE, SERVER_KEY_FILE, acl_text
 from openbook_deploy.secrets import main
 
 TOKEN = "sa-token-123"

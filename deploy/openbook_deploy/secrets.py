@@ -1,8 +1,9 @@
 """A deployment's secrets, generated once on first start: ``openbook-secrets``.
 
 ``openbook-secrets init --dir DIR`` creates, when missing, the three files of
-:mod:`openbook.secrets` (mode 0600): Redis's password and ACL file and the server key. Existing
-secrets are never rotated (running it on every start is safe) and ``init`` prints no secret.
+:mod:`openbook.security.secrets` (mode 0600): Redis's password and ACL file and the server key.
+Existing secrets are never rotated (running it on every start is safe) and ``init`` prints no
+secret.
 
 For Kubernetes, ``openbook-secrets k8s`` prints the Secret ``openbook-redis`` holding the same
 three files (made under ``--dir`` if missing, so running it again prints the same values):
@@ -29,7 +30,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from openbook.secrets import init, read_secret
+from openbook.security.secrets import init, read_secret
 
 K8S_SECRET = "openbook-redis"
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -118,8 +119,8 @@ def k8s_ensure(cluster: InCluster, timeout: float = 30.0) -> bool:
     call made it. An existing Secret (HTTP 409) is never read nor changed, so every service
     keeps the password it has; other refusals raise :class:`K8sApiError`.
 
-    The values are made by :func:`openbook.secrets.init` in a private temporary folder (removed
-    at once): the same files, mode and ACL as compose's ``init``."""
+    The values are made by :func:`openbook.security.secrets.init` in a private temporary folder
+    (removed at once): the same files, mode and ACL as compose's ``init``."""
     with tempfile.TemporaryDirectory(prefix="openbook-secrets-") as tmp:
         body = client.V1Secret.model_validate(k8s_secret(Path(tmp) / "secrets", cluster.namespace))
     with client.ApiClient(cluster.configuration()) as api:

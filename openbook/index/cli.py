@@ -24,7 +24,7 @@ from openbook.index.shard import split_index
 from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 from openbook.limits import check_index_name
 from openbook.metadata_filter import parse_filter_json
-from openbook.secrets import read_secret
+from openbook.security.secrets import read_secret
 
 if TYPE_CHECKING:
     from openbook.index.milvus_build import MilvusBuilt, MilvusTarget

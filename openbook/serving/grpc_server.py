@@ -16,9 +16,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
-from openbook.auth import bearer_token, token_matches
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
+from openbook.security.auth import bearer_token, token_matches
 from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.handlers import wrap_handler
 from openbook.serving.metrics import ServiceMetrics
@@ -113,7 +113,7 @@ class AdminAuthInterceptor(grpc.ServerInterceptor):
     SwapIndex on the network would let anyone change what the gateway serves. Refusals are
     UNAUTHENTICATED (raised as ``Unauthenticated`` so that ``ErrorInterceptor``, outside this
     one, counts and logs them like any other status). The token is checked as the gateway
-    checks it (``openbook.auth``: exact, in constant time) and never logged.
+    checks it (``openbook.security.auth``: exact, in constant time) and never logged.
     """
 
     def __init__(self, methods: Collection[str], token: SecretStr | str | None) -> None:

@@ -52,7 +52,7 @@ class RedisServer:
     """
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
-        from openbook.secrets import SecretFiles
+        from openbook.security.secrets import SecretFiles
 
         exe = shutil.which("redis-server")
         if exe is None:
@@ -76,7 +76,7 @@ class RedisServer:
 
     def url_for(self, db: int) -> str:
         """The URL of database ``db`` (tests that keep setups apart use several)."""
-        from openbook.secrets import REDIS_USER
+        from openbook.security.secrets import REDIS_USER
 
         return f"redis://{REDIS_USER}:{self.password}@127.0.0.1:{self.port}/{db}"
 
@@ -86,7 +86,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        from openbook.secrets import init
+        from openbook.security.secrets import init
 
         init(self.secrets.dir)
         self.proc = subprocess.Popen(
@@ -635,8 +635,9 @@ class LocalStack:
 
     @property
     def secrets(self):
-        """The secrets ``openbook up`` made on first start (openbook.secrets.SecretFiles)."""
-        from openbook.secrets import SecretFiles
+        """The secrets ``openbook up`` made on first start
+        (openbook.security.secrets.SecretFiles)."""
+        from openbook.security.secrets import SecretFiles
 
         return SecretFiles(self.var / "secrets")
 

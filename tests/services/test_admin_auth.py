@@ -103,7 +103,8 @@ def test_every_rpc_is_classified():
         (("authorization", f"Basic {TOKEN}"),),
         (("authorization", TOKEN),),
         (("x-admin-token", TOKEN),),
-        # Exact, as the gateway checks it (openbook.auth): no whitespace trimmed or tolerated.
+        # Exact, as the gateway checks it (openbook.security.auth): no whitespace trimmed or
+        # tolerated.
         (("authorization", f"Bearer {TOKEN} "),),
         (("authorization", f"Bearer  {TOKEN}"),),
         (("authorization", f" Bearer {TOKEN}"),),

@@ -25,7 +25,7 @@ from openbook.limits import (
     MAX_METADATA_KEYS,
 )
 from openbook.redis_protocol import INDEX_STATE_KEY, open_index_state
-from openbook.sealing import default_sealer
+from openbook.security.sealing import default_sealer
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import document_shard
 from openbook_gateway.settings import GatewaySettings

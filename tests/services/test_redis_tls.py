@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from openbook.sealing import load_sealer
-from openbook.secrets import init
+from openbook.security.sealing import load_sealer
+from openbook.security.secrets import init
 from openbook.settings import CommonSettings
 from openbook.shared_state import ActiveIndexStore, redis_client
 from openbook_gateway.cache import AnswerCache

@@ -32,7 +32,7 @@ from openbook.redis_protocol import (
     seal_index_state,
     seal_model_version,
 )
-from openbook.sealing import load_sealer
+from openbook.security.sealing import load_sealer
 from openbook.shared_state import ActiveIndexStore, publish_model_version
 from openbook.v1 import retriever_pb2
 from openbook_gateway.app import create_app
@@ -119,7 +119,7 @@ def test_a_forged_cached_answer_is_a_miss_and_logged(client, redis_server, caplo
         client.post("/answer", json=other)
         (other_key,) = set(_answer_keys(redis_server)) - {key}
         insider.set(key, insider.get(other_key))
-    with caplog.at_level(logging.WARNING, logger="openbook.sealing"):
+    with caplog.at_level(logging.WARNING, logger="openbook.security.sealing"):
         again = client.post("/answer", json=question).json()
     assert again["cached"] is False
     assert again["answer"] == first["answer"] != POISON
@@ -133,7 +133,7 @@ def test_a_flood_of_forged_reads_logs_a_line_not_one_per_request(client, redis_s
     client.post("/answer", json=question)
     (key,) = _answer_keys(redis_server)
     insider = redis_server.client()
-    with caplog.at_level(logging.WARNING, logger="openbook.sealing"):
+    with caplog.at_level(logging.WARNING, logger="openbook.security.sealing"):
         for _ in range(20):
             insider.set(key, json.dumps({"answer": POISON}))
             assert client.post("/answer", json=question).json()["answer"] != POISON
@@ -238,7 +238,7 @@ def test_a_forged_epoch_never_serves_a_deleted_indexs_answer(
     name, forged = _forgeries(redis_server, "trust-x", old_state)[forgery]
     insider.hset(INDEX_STATE_KEY, "trust-x", forged)
     try:
-        with caplog.at_level(logging.WARNING, logger="openbook.sealing"):
+        with caplog.at_level(logging.WARNING, logger="openbook.security.sealing"):
             again = _ask(client, "trust-x")
             assert again["cached"] is False, name
             assert again["passages"][0]["id"] == "other#0" != old["passages"][0]["id"]
@@ -481,7 +481,7 @@ def test_forged_replica_records_are_not_listed_and_do_not_break_the_listing(
     insider = redis_server.client()
     for key, value in _fake_replicas(redis_server).items():
         insider.set(key, value, ex=600)
-    with caplog.at_level(logging.WARNING, logger="openbook.sealing"):
+    with caplog.at_level(logging.WARNING, logger="openbook.security.sealing"):
         # the client fixture flushed Redis: the genuine replicas are back at their next
         # heartbeat, the forged records stay out of every listing meanwhile
         deadline = time.monotonic() + 30

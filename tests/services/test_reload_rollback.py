@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from openbook.checkpoint import CheckpointError
 from openbook.redis_protocol import DESIRED_MODEL_KEY, desired_fields
-from openbook.sealing import default_sealer
+from openbook.security.sealing import default_sealer
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings

@@ -22,7 +22,7 @@ from openbook.redis_protocol import (
     open_index_state,
     open_model_version,
 )
-from openbook.sealing import default_sealer
+from openbook.security.sealing import default_sealer
 from openbook.v1 import generator_pb2, generator_pb2_grpc, retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.cache import ANSWER_PARAMS

@@ -8,7 +8,7 @@ route checks a key by hand; a route reads who is asking from ``request.state.pri
 write tools ask it for their scope (:func:`require_scope`).
 
 Who a request is (:func:`identify`), from its ``Authorization: Bearer <token>``
-(:mod:`openbook.auth`'s rules: exact, constant time):
+(:mod:`openbook.security.auth`'s rules: exact, constant time):
 
 * the admin token (``OPENBOOK_ADMIN_TOKEN``): scope ``admin``;
 * one of ``OPENBOOK_GATEWAY_API_KEYS``: scope ``ask``;
@@ -55,9 +55,9 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
 from openbook.api_keys_state_aio import read_api_key, touch_api_key
-from openbook.auth import bearer_token, token_matches
 from openbook.errors import InvalidArgument
 from openbook.metadata_filter import parse_filter
+from openbook.security.auth import bearer_token, token_matches
 from openbook_gateway import api_keys, key_limits, openai_format
 from openbook_gateway.api_keys import LastUsed
 from openbook_gateway.openai_schemas import OpenAIRequestError

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from openbook import telemetry
-from openbook.sealing import Sealer, load_sealer
+from openbook.security.sealing import Sealer, load_sealer
 from openbook.settings import RedisOptions
 from openbook_gateway import errors
 from openbook_gateway.access import check_access

@@ -24,8 +24,8 @@ same epoch) is refused, or raised to what was read, the same way; and so is a mo
 record that is not genuine, or older than one read (a replay keying lookups by a model
 replaced since). When Redis is unreachable the cache is skipped, never an error.
 
-Entries are sealed with the server key (openbook.sealing), bound to their key: one written or
-altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
+Entries are sealed with the server key (openbook.security.sealing), bound to their key: one written
+or altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
 computed afresh; the active index read from Redis is trusted the same way only. Key names
 and encodings are ``openbook.redis_protocol``'s, the Redis calls ``openbook.shared_state_aio``'s:
 this module holds the gateway's policy (what keys an answer, what to do without Redis).
@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 
 from openbook.metadata_filter import MetadataFilter
 from openbook.redis_protocol import IndexState, answer_key, index_version_of
-from openbook.sealing import RateLimitedLog, Sealer
+from openbook.security.sealing import RateLimitedLog, Sealer
 from openbook.settings import RedisOptions
 from openbook.shared_state_aio import (
     ServingState,

@@ -32,7 +32,7 @@ from openbook.redis_protocol import (
     RESOLVED_FIELD,
     ReplicaState,
 )
-from openbook.sealing import Sealer
+from openbook.security.sealing import Sealer
 from openbook.shared_state_aio import desired_model, list_replicas, set_desired
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.retrieval import Retrieval

@@ -21,7 +21,7 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
-from openbook.sealing import Sealer
+from openbook.security.sealing import Sealer
 from openbook.settings import RedisOptions
 from openbook_gateway.cache import AnswerCache
 from openbook_gateway.clients import GeneratorClient

@@ -14,7 +14,7 @@ from openbook.compute_threads import ComputeThreadsOptions
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
 from openbook.rag.checkpoint import load_generator
-from openbook.sealing import load_sealer
+from openbook.security.sealing import load_sealer
 from openbook.serving import allocator
 from openbook.serving.grpc_server import (
     GENERATOR_SERVICE,

@@ -20,7 +20,7 @@ from openbook.index.engine import EngineKind
 from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, IndexLoadError
 from openbook.rag.adapters import AdapterMismatch
-from openbook.sealing import load_sealer
+from openbook.security.sealing import load_sealer
 from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     DeferredServicer,

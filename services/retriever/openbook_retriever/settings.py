@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from openbook.index.encoders import DEFAULT_ENCODER
 from openbook.index.engine import EngineKind, check_milvus_uri
 from openbook.index.spec import INDEX_TYPES
-from openbook.secrets import read_secret
+from openbook.security.secrets import read_secret
 from openbook.settings import GrpcServiceSettings, OptionalPath, shared
 
 

@@ -6,7 +6,8 @@ deploy/openbook_deploy/secrets.py, runs :func:`init`).
 - ``redis-password``: the password of the ``openbook`` Redis user (32 random bytes, URL-safe);
 - ``redis-users.acl``: Redis's ACL file: the ``default`` user off (nobody gets in without the
   password) and ``openbook`` allowed only what openbook's clients use (see :data:`ACL_RULES`);
-- ``server-key``: the key of the MACs sealing what openbook keeps in Redis (openbook.sealing).
+- ``server-key``: the key of the MACs sealing what openbook keeps in Redis
+(openbook.security.sealing).
 
 Invariants: existing secrets are never rotated (running it on every start is safe, and every
 service keeps reading the same values); each file appears whole or not at all (written under a

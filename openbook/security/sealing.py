@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openbook.secrets import read_secret
+from openbook.security.secrets import read_secret
 
 log = logging.getLogger(__name__)
 
