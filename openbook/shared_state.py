@@ -22,6 +22,7 @@ from typing import Protocol, cast
 
 import redis
 
+from openbook.config.settings import RedisOptions
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
     CONVERGED,
@@ -54,7 +55,6 @@ from openbook.redis_protocol import (
     seal_pinned_model,
 )
 from openbook.security.sealing import Sealer, default_sealer
-from openbook.settings import RedisOptions
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def _text(value: str | bytes) -> str:
 
 def redis_client(target: str | RedisOptions, timeout_s: float = 0.5) -> redis.Redis:
     """A client of ``target``: a URL (its own credentials, if any) or a service's
-    :class:`~openbook.settings.RedisOptions` (``settings.redis_options()``: user, password
+    :class:`~openbook.config.settings.RedisOptions` (``settings.redis_options()``: user, password
     file, TLS)."""
     options = target if isinstance(target, RedisOptions) else RedisOptions(target, timeout_s)
     return redis.Redis.from_url(options.url, **options.client_kwargs())

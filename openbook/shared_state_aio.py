@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from openbook.config.settings import RedisOptions
 from openbook.redis_protocol import (
     ACTIVE_INDEX_KEY,
     DESIRED_MODEL_KEY,
@@ -47,7 +48,6 @@ from openbook.redis_protocol import (
     seal_index_state,
 )
 from openbook.security.sealing import Sealer
-from openbook.settings import RedisOptions
 
 
 def async_redis_client(options: RedisOptions) -> aioredis.Redis:

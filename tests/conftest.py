@@ -24,7 +24,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 os.environ.setdefault("OPENBOOK_GENERATOR_DTYPE", "float32")
 
 # Settings without OPENBOOK_REDIS_URL use the Redis that `openbook up` recorded under
-# OPENBOOK_VAR_DIR (openbook.redis_endpoint): the suite must never find a developer's running
+# OPENBOOK_VAR_DIR (openbook.config.redis_endpoint): the suite must never find a developer's running
 # stack in ./var, so its own var/ is an empty folder (a stack a test starts names its own).
 _VAR = tempfile.mkdtemp(prefix="openbook-tests-var-")
 atexit.register(shutil.rmtree, _VAR, ignore_errors=True)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from openbook.redis_endpoint import port_of, read_record, record_path
+from openbook.config.redis_endpoint import port_of, read_record, record_path
 from openbook_cli.launcher import (
     Backoff,
     ComposeProject,

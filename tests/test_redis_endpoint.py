@@ -1,5 +1,5 @@
 """Where a service or command finds Redis with nothing set, and the one line it gets when
-Redis cannot be reached (openbook.redis_endpoint, CommonSettings)."""
+Redis cannot be reached (openbook.config.redis_endpoint, CommonSettings)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from openbook.redis_endpoint import RedisEndpoint, record_path, write_record
-from openbook.settings import CommonSettings
+from openbook.config.redis_endpoint import RedisEndpoint, record_path, write_record
+from openbook.config.settings import CommonSettings
 from openbook_testkit.stack import REPO_ROOT, free_port
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from openbook.config.settings import CommonSettings
 from openbook.security.sealing import RateLimitedLog, Sealer, load_sealer
 from openbook.security.secrets import ACL_RULES, SecretFiles, acl_text, init
-from openbook.settings import CommonSettings
 from openbook_deploy.secrets import k8s_secret
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from openbook.redis_endpoint import port_of, read_record, record_path
+from openbook.config.redis_endpoint import port_of, read_record, record_path
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import (
     LocalStack,

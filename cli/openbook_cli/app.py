@@ -19,7 +19,7 @@ import httpx
 import typer
 from typer.core import TyperGroup
 
-from openbook.redis_endpoint import redacted
+from openbook.config.redis_endpoint import redacted
 from openbook_cli.ask import AskOptions, ask, render
 from openbook_cli.docs_commands import docs_app
 from openbook_cli.keys_commands import keys_app
@@ -132,7 +132,7 @@ def redis_command() -> None:
     """Say which Redis the services and commands run here use (OPENBOOK_REDIS_URL, else the
     one `openbook up` recorded under var/, else 127.0.0.1:6379) and whether it answers."""
     # why: pydantic settings and redis-py load only for this command
-    from openbook.settings import CommonSettings
+    from openbook.config.settings import CommonSettings
 
     settings = CommonSettings()
     problem = settings.redis_problem()

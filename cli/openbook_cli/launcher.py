@@ -18,7 +18,7 @@ them without Docker. Four translations make container settings work on the host:
   (``${OPENBOOK_REDIS_PORT:-6379}``), then the ones after it. Compose's command, health check
   and ``OPENBOOK_REDIS_URL`` all follow that one variable. Once Redis is healthy, the
   endpoint the services were given is recorded in ``<var>/redis-endpoint.json``, where
-  services and commands run by hand from this checkout find it (openbook.redis_endpoint). A
+  services and commands run by hand from this checkout find it (openbook.config.redis_endpoint). A
   port the user sets is taken as it is, as before: a Redis there without this deployment's
   ACL user is refused, never reused.
 
@@ -62,7 +62,7 @@ from pathlib import Path
 
 import yaml
 
-from openbook import redis_endpoint
+from openbook.config import redis_endpoint
 
 # Printed once every service is up and healthy; from then on the launcher restarts what dies.
 SUPERVISING_LINE = "openbook up: all services started"

@@ -29,6 +29,7 @@ from transformers import (
     GenerationConfig,
 )
 
+from openbook.config.settings import PRECISIONS
 from openbook.rag.attention import use_matmul_attention
 from openbook.rag.backends import CausalBackend, GeneratorBackend, seq2seq_backend
 from openbook.rag.errors import ModelLoadError
@@ -39,7 +40,6 @@ from openbook.rag.prompting import (
     load_seq2seq_settings,
     read_json,
 )
-from openbook.settings import PRECISIONS
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
+from openbook.config.settings import GrpcServiceSettings
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.logs import request_id_var
 from openbook.security.auth import bearer_token, token_matches
@@ -25,7 +26,6 @@ from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.reflection import enable_server_reflection
 from openbook.serving.threads import in_passing_thread
 from openbook.serving.tracing import server_interceptors, span_interceptors
-from openbook.settings import GrpcServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class GrpcService:
         admin_token: SecretStr | str | None = None,
     ) -> None:
         """Services pass ``max_concurrent_rpcs`` (0: no limit) and ``access_log`` from their
-        settings (:class:`openbook.settings.GrpcServiceSettings`). ``admin_methods`` (full
+        settings (:class:`openbook.config.settings.GrpcServiceSettings`). ``admin_methods`` (full
         method paths, see ``admin_methods()``) need ``admin_token``; without one they are
         refused."""
         self.name = name

@@ -6,8 +6,8 @@ on it."""
 
 from __future__ import annotations
 
+from openbook.config.settings import CommonSettings
 from openbook.logs import setup_logging
-from openbook.settings import CommonSettings
 from openbook.telemetry import setup_tracing
 
 

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from openbook.settings import CommonSettings
+from openbook.config.settings import CommonSettings
 from openbook_gateway.settings import GatewaySettings
 from openbook_generator.settings import GeneratorSettings
 from openbook_retriever.settings import RetrieverSettings

@@ -10,9 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from openbook.config.settings import PRECISIONS
 from openbook.rag import DecodingOptions, RagGenerator, loading
 from openbook.rag.loading import resolve_device_dtype
-from openbook.settings import PRECISIONS
 from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from openbook.config.settings import CommonSettings
 from openbook.security.sealing import load_sealer
 from openbook.security.secrets import init
-from openbook.settings import CommonSettings
 from openbook.shared_state import ActiveIndexStore, redis_client
 from openbook_gateway.cache import AnswerCache
 from openbook_testkit.stack import free_port

@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from openbook import telemetry
+from openbook.config.settings import RedisOptions
 from openbook.security.sealing import Sealer, load_sealer
-from openbook.settings import RedisOptions
 from openbook_gateway import errors
 from openbook_gateway.access import check_access
 from openbook_gateway.metrics import GatewayMetrics

@@ -38,10 +38,10 @@ from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
+from openbook.config.settings import RedisOptions
 from openbook.metadata_filter import MetadataFilter
 from openbook.redis_protocol import IndexState, answer_key, index_version_of
 from openbook.security.sealing import RateLimitedLog, Sealer
-from openbook.settings import RedisOptions
 from openbook.shared_state_aio import (
     ServingState,
     async_redis_client,

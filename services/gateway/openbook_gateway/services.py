@@ -21,8 +21,8 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
+from openbook.config.settings import RedisOptions
 from openbook.security.sealing import Sealer
-from openbook.settings import RedisOptions
 from openbook_gateway.cache import AnswerCache
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.default_k import DefaultK

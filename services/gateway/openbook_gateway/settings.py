@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from openbook.settings import CommonSettings
+from openbook.config.settings import CommonSettings
 
 
 class GatewaySettings(CommonSettings):

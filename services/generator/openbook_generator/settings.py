@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from openbook.settings import PRECISIONS, GrpcServiceSettings, OptionalPath
+from openbook.config.settings import PRECISIONS, GrpcServiceSettings, OptionalPath
 
 
 class GeneratorSettings(GrpcServiceSettings):

@@ -8,11 +8,11 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from openbook.config.settings import GrpcServiceSettings, OptionalPath, shared
 from openbook.index.encoders import DEFAULT_ENCODER
 from openbook.index.engine import EngineKind, check_milvus_uri
 from openbook.index.spec import INDEX_TYPES
 from openbook.security.secrets import read_secret
-from openbook.settings import GrpcServiceSettings, OptionalPath, shared
 
 
 class RetrieverSettings(GrpcServiceSettings):

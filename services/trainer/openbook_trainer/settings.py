@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import field_validator
 from pydantic_settings import SettingsConfigDict
 
-from openbook.settings import CommonSettings, shared
+from openbook.config.settings import CommonSettings, shared
 
 PREPARE_PARTS = ("indexes", "models")
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from openbook import redis_endpoint
+from openbook.config import redis_endpoint
 from openbook.security.sealing import load_sealer
 from openbook.security.secrets import read_secret
 
@@ -61,7 +61,7 @@ class CommonSettings(BaseSettings):
     # ReloadModel, ...), which the gateway forwards. Unset: admin off everywhere.
     admin_token: SecretStr | None = shared(None, "OPENBOOK_ADMIN_TOKEN")
     # Unset: the Redis `openbook up` recorded under OPENBOOK_VAR_DIR, else 127.0.0.1 on
-    # OPENBOOK_REDIS_PORT (default 6379); openbook.redis_endpoint says why, in that order.
+    # OPENBOOK_REDIS_PORT (default 6379); openbook.config.redis_endpoint says why, in that order.
     redis_url: str = shared(redis_endpoint.default_url(), "OPENBOOK_REDIS_URL")
     redis_port: OptionalPort = shared(None, "OPENBOOK_REDIS_PORT")
     var_dir: OptionalPath = shared(None, "OPENBOOK_VAR_DIR")  # None: ./var, as compose
