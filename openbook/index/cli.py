@@ -45,6 +45,11 @@ class HnswTransform(StrEnum):
     mips_to_l2 = "mips_to_l2"
 
 
+class CoarseQuantizer(StrEnum):
+    flat = "flat"
+    hnsw = "hnsw"
+
+
 class Precision(StrEnum):
     auto = "auto"
     float32 = "float32"
@@ -78,6 +83,13 @@ Nprobe = Annotated[int, typer.Option(min=1, help="ivfpq: lists probed per query"
 Rerank = Annotated[
     int, typer.Option(min=0, help="Re-rank k*N candidates exactly (approximate types)")
 ]
+CoarseQuantizerOption = Annotated[
+    CoarseQuantizer,
+    typer.Option(
+        help="ivfpq: assign to lists exactly (flat) or through an HNSW graph of the centroids "
+        "(hnsw: --hnsw-m, --ef-construction, --ef-search; affordable with many lists)"
+    ),
+]
 
 
 def _ann(
@@ -89,6 +101,7 @@ def _ann(
     pq_m: int | None,
     nprobe: int,
     rerank: int,
+    coarse_quantizer: CoarseQuantizer = CoarseQuantizer.flat,
 ) -> AnnParams:
     """The ANN parameters of the options above (validated by AnnParams)."""
     return AnnParams(
@@ -100,6 +113,7 @@ def _ann(
         pq_m=pq_m,
         nprobe=nprobe,
         rerank=rerank,
+        coarse_quantizer=coarse_quantizer.value,
     )
 
 
@@ -223,6 +237,7 @@ def build(
     pq_m: PqM = None,
     nprobe: Nprobe = 16,
     rerank: Rerank = 0,
+    coarse_quantizer: CoarseQuantizerOption = CoarseQuantizer.flat,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing index at --out")] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
     device: Annotated[
@@ -296,7 +311,15 @@ def build(
             max_words=max_words,
             bm25=bm25,
             ann=_ann(
-                hnsw_m, ef_construction, ef_search, hnsw_transform, nlist, pq_m, nprobe, rerank
+                hnsw_m,
+                ef_construction,
+                ef_search,
+                hnsw_transform,
+                nlist,
+                pq_m,
+                nprobe,
+                rerank,
+                coarse_quantizer,
             ),
         )
         options = BuildOptions(
@@ -407,6 +430,7 @@ def import_(
     pq_m: PqM = None,
     nprobe: Nprobe = 16,
     rerank: Rerank = 0,
+    coarse_quantizer: CoarseQuantizerOption = CoarseQuantizer.flat,
     score_scale: Annotated[
         float, typer.Option(help="Multiply scores by this (1: DPR's raw inner products)")
     ] = 1.0,
@@ -443,7 +467,15 @@ def import_(
             score_scale=score_scale,
             bm25=bm25,
             ann=_ann(
-                hnsw_m, ef_construction, ef_search, hnsw_transform, nlist, pq_m, nprobe, rerank
+                hnsw_m,
+                ef_construction,
+                ef_search,
+                hnsw_transform,
+                nlist,
+                pq_m,
+                nprobe,
+                rerank,
+                coarse_quantizer,
             ),
         )
         options = BuildOptions(

@@ -16,6 +16,16 @@ directly with METRIC_INNER_PRODUCT, and in our measurements that is markedly bet
 augmented; the augmentation squeezes all documents onto one sphere where the extra, nearly
 constant coordinate dominates distances). For L2-normalised encoders (MiniLM) the two agree.
 IVF-PQ supports inner product natively too.
+
+IVF-PQ's coarse quantizer (``coarse_quantizer``): which of the ``nlist`` lists a vector goes to
+is an argmax of its inner product with the lists' centroids. ``"flat"`` (the default) scores
+every centroid exactly (nlist x dim multiply-adds per vector added or query asked); ``"hnsw"``
+puts the trained centroids in an HNSW graph (``IndexHNSWFlat``, ``hnsw_m`` / ``ef_construction``)
+searched with ``ef_search`` (faiss' ``IVF<nlist>_HNSW<M>`` quantizer), which makes many lists
+affordable: at 21M passages the flat assignment of 8,192 lists costs ~2.6e14 multiply-adds, hours
+on two cores, the graph a few hundred dot products per vector. k-means then assigns through the
+graph too (approximate, as faiss' factory does). The probe of a query asks the graph for
+``nprobe`` centroids with ``max(ef_search, nprobe)`` candidates.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from openbook.errors import InvalidArgument
 DENSE_TYPES = ("flat", "hnsw", "hnsw-sq8", "ivfpq")
 INDEX_FILE = "index.faiss"
 HNSW_TRANSFORMS = ("none", "mips_to_l2")
+COARSE_QUANTIZERS = ("flat", "hnsw")  # ivfpq's (module docstring)
 _ADD_BATCH = 20_000
 
 
@@ -49,6 +60,7 @@ def default_params(
     pq_m: int | None = None,
     nprobe: int = 16,
     rerank: int = 0,
+    coarse_quantizer: str = "flat",
 ) -> dict[str, Any]:
     if index_type == "flat":
         return {"metric": "inner_product"}
@@ -77,14 +89,23 @@ def default_params(
             raise InvalidArgument(f"pq_m={pq_m} must divide the vector dim {dim}")
         # PQ needs >= 2**nbits training points per sub-quantizer; shrink codebooks on tiny corpora.
         nbits = max(1, min(8, int(math.log2(max(count, 2)))))
-        return {
+        if coarse_quantizer not in COARSE_QUANTIZERS:
+            raise InvalidArgument(
+                f"coarse_quantizer: unknown {coarse_quantizer!r}; expected one of "
+                f"{COARSE_QUANTIZERS}"
+            )
+        params = {
             "metric": "inner_product",
             "nlist": nlist,
             "pq_m": pq_m,
             "nbits": nbits,
             "nprobe": min(nprobe, nlist),
             "rerank": rerank,
+            "coarse_quantizer": coarse_quantizer,
         }
+        if coarse_quantizer == "hnsw":
+            params.update(hnsw_m=hnsw_m, ef_construction=ef_construction, ef_search=ef_search)
+        return params
     raise InvalidArgument(f"unknown dense index type {index_type!r}; expected one of {DENSE_TYPES}")
 
 
@@ -145,7 +166,7 @@ def build_faiss(
             index.train(transform(_training_sample(vectors, 200_000)))
         index.hnsw.efConstruction = params["ef_construction"]
     elif index_type == "ivfpq":
-        quantizer = faiss.IndexFlatIP(dim)
+        quantizer = _coarse_quantizer(dim, params)
         index = faiss.IndexIVFPQ(
             quantizer,
             dim,
@@ -155,11 +176,28 @@ def build_faiss(
             faiss.METRIC_INNER_PRODUCT,
         )
         index.train(_training_sample(vectors, min(max(256 * params["nlist"], 10_000), 1_000_000)))
+        configure(index, index_type, params)  # the graph's efSearch assigns what is added
     else:
         raise InvalidArgument(f"unknown dense index type {index_type!r}")
     _add(index, vectors, transform, on_progress)
     configure(index, index_type, params)
     return index, params
+
+
+def _coarse_quantizer(dim: int, params: dict[str, Any]) -> faiss.Index:
+    """ivfpq's quantizer, empty: exact (``IndexFlatIP``) or an HNSW graph over the centroids
+    (module docstring). Manifests written before ``coarse_quantizer`` existed are flat."""
+    kind = params.get("coarse_quantizer", "flat")
+    if kind == "flat":
+        return faiss.IndexFlatIP(dim)
+    if kind == "hnsw":
+        graph = faiss.IndexHNSWFlat(dim, int(params["hnsw_m"]), faiss.METRIC_INNER_PRODUCT)
+        graph.hnsw.efConstruction = int(params["ef_construction"])
+        graph.hnsw.efSearch = int(params["ef_search"])
+        return graph
+    raise InvalidArgument(
+        f"coarse_quantizer: unknown {kind!r}; expected one of {COARSE_QUANTIZERS}"
+    )
 
 
 def _add(
@@ -208,7 +246,12 @@ def configure(index: faiss.Index, index_type: str, params: dict[str, Any]) -> No
         # an index of these types is an IndexHNSW (faiss.read_index returns the subclass)
         cast(faiss.IndexHNSW, index).hnsw.efSearch = int(params["ef_search"])
     elif index_type == "ivfpq":
-        faiss.extract_index_ivf(index).nprobe = int(params["nprobe"])
+        ivf = faiss.extract_index_ivf(index)
+        ivf.nprobe = int(params["nprobe"])
+        if params.get("coarse_quantizer", "flat") == "hnsw":
+            # faiss searches the graph with max(efSearch, nprobe) candidates
+            graph = cast(faiss.IndexHNSW, faiss.downcast_index(ivf.quantizer))
+            graph.hnsw.efSearch = int(params["ef_search"])
 
 
 def _augmented(index_type: str, params: dict[str, Any]) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 from openbook.errors import InvalidArgument
 from openbook.index.encoders import DEFAULT_ENCODER, PRECISIONS
-from openbook.index.faiss_index import DENSE_TYPES, HNSW_TRANSFORMS
+from openbook.index.faiss_index import COARSE_QUANTIZERS, DENSE_TYPES, HNSW_TRANSFORMS
 from openbook.index.manifest import Manifest, score_scale_problem
 from openbook.index.passages import FORMATS
 
@@ -44,7 +44,9 @@ def _at_least(field_name: str, value: Any, minimum: int) -> None:
 class AnnParams:
     """The approximate-search parameters of a dense index (faiss). Each type reads its own:
     ``hnsw`` / ``hnsw-sq8`` the ``hnsw_*`` and ``ef_*`` ones, ``ivfpq`` ``nlist`` / ``pq_m`` /
-    ``nprobe`` (None: chosen from the corpus size and dim), both ``rerank``; ``flat`` none."""
+    ``nprobe`` (None: chosen from the corpus size and dim) and ``coarse_quantizer`` (``flat``, or
+    ``hnsw``: the centroids in an HNSW graph of ``hnsw_m`` / ``ef_construction``, searched with
+    ``ef_search``: many lists at an affordable assignment), both ``rerank``; ``flat`` none."""
 
     hnsw_m: int = 32
     ef_construction: int = 128
@@ -54,6 +56,7 @@ class AnnParams:
     pq_m: int | None = None
     nprobe: int = 16
     rerank: int = 0  # re-rank k*rerank candidates exactly; 0: off
+    coarse_quantizer: str = "flat"  # ivfpq's list assignment: exact, or "hnsw" (faiss_index)
 
     def __post_init__(self) -> None:
         _at_least("hnsw_m", self.hnsw_m, 2)
@@ -70,6 +73,11 @@ class AnnParams:
             _at_least("pq_m", self.pq_m, 1)
         _at_least("nprobe", self.nprobe, 1)
         _at_least("rerank", self.rerank, 0)
+        if self.coarse_quantizer not in COARSE_QUANTIZERS:
+            raise InvalidArgument(
+                f"coarse_quantizer: unknown {self.coarse_quantizer!r}; expected one of "
+                f"{COARSE_QUANTIZERS}"
+            )
 
     def faiss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`openbook.index.faiss_index.default_params`."""
@@ -82,6 +90,7 @@ class AnnParams:
             "pq_m": self.pq_m,
             "nprobe": self.nprobe,
             "rerank": self.rerank,
+            "coarse_quantizer": self.coarse_quantizer,
         }
 
     @classmethod
@@ -97,11 +106,23 @@ class AnnParams:
                 rerank=params.get("rerank", 0),
             )
         if index_type == "ivfpq":
+            coarse = params.get("coarse_quantizer", "flat")  # older manifests: flat
+            graph = (
+                {
+                    "hnsw_m": params.get("hnsw_m", 32),
+                    "ef_construction": params.get("ef_construction", 128),
+                    "ef_search": params.get("ef_search", 128),
+                }
+                if coarse == "hnsw"
+                else {}
+            )
             return cls(
                 nlist=params.get("nlist"),
                 pq_m=params.get("pq_m"),
                 nprobe=params.get("nprobe", 16),
                 rerank=params.get("rerank", 0),
+                coarse_quantizer=coarse,
+                **graph,
             )
         return cls()  # flat and bm25 have no tunable parameters
 
@@ -141,6 +162,11 @@ class IndexSpec:
             raise InvalidArgument(f"bm25 must be true or false, got {self.bm25!r}")
         if not isinstance(self.ann, AnnParams):
             raise InvalidArgument(f"ann must be an AnnParams, got {type(self.ann).__name__}")
+        if self.ann.coarse_quantizer != "flat" and self.index_type != "ivfpq":
+            raise InvalidArgument(
+                f"coarse_quantizer: {self.ann.coarse_quantizer!r} is an ivfpq option; a "
+                f"{self.index_type} index has no inverted lists"
+            )
 
     @property
     def dense(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faiss
 import numpy as np
 import pytest
 
@@ -70,3 +71,40 @@ def test_exact_rerank_lifts_compressed_recall(data) -> None:
     assert _recall(rows, truth) > _recall(plain, truth) + 0.1
     np.testing.assert_allclose(scores, np.take_along_axis(q @ x.T, rows, axis=1), rtol=1e-5)
     assert np.all(np.diff(scores, axis=1) <= 0)
+
+
+def test_ivfpq_with_an_hnsw_coarse_quantizer_searches_like_the_flat_one(data, tmp_path) -> None:
+    """coarse_quantizer="hnsw": the lists' centroids in a graph; saved, read back and searched
+    with its efSearch (at least nprobe), it finds what the exact assignment finds."""
+    x, q, truth = data
+    kw = {"nlist": 32, "pq_m": 16, "nprobe": 8, "hnsw_m": 8, "ef_search": 4}
+    flat_params = faiss_index.default_params("ivfpq", N, DIM, **kw)
+    params = faiss_index.default_params("ivfpq", N, DIM, coarse_quantizer="hnsw", **kw)
+    assert flat_params["coarse_quantizer"] == "flat" and "hnsw_m" not in flat_params
+    assert (params["coarse_quantizer"], params["hnsw_m"], params["ef_search"]) == ("hnsw", 8, 4)
+    index, params = faiss_index.build_faiss(x, "ivfpq", params)
+    flat, flat_params = faiss_index.build_faiss(x, "ivfpq", flat_params)
+
+    faiss_index.write(index, tmp_path / "index.faiss")
+    again = faiss_index.read(tmp_path / "index.faiss")
+    faiss_index.configure(again, "ivfpq", params)
+    ivf = faiss.extract_index_ivf(again)
+    graph = faiss.downcast_index(ivf.quantizer)
+    assert isinstance(graph, faiss.IndexHNSWFlat) and graph.ntotal == 32
+    assert (graph.hnsw.efSearch, ivf.nprobe) == (4, 8)
+    _, rows = faiss_index.search(again, "ivfpq", params, q, K)
+    _, flat_rows = faiss_index.search(flat, "ivfpq", flat_params, q, K)
+    assert _recall(rows, truth) >= _recall(flat_rows, truth) - 0.1
+    assert _recall(rows, truth) >= 0.3  # 8 of 32 lists: far above chance
+
+    # a shard's copy (fill_trained) keeps the graph and its assignment
+    template = faiss.clone_index(index)
+    template.reset()
+    filled = faiss_index.fill_trained(template, x, "ivfpq", params)
+    _, filled_rows = faiss_index.search(filled, "ivfpq", params, q, K)
+    np.testing.assert_array_equal(filled_rows, rows)
+
+
+def test_an_unknown_coarse_quantizer_is_refused() -> None:
+    with pytest.raises(ValueError, match="^coarse_quantizer"):
+        faiss_index.default_params("ivfpq", N, DIM, coarse_quantizer="ivf")

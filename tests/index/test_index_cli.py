@@ -71,6 +71,48 @@ def test_dense_build_with_dpr(dpr_dirs: tuple[Path, Path], facts_jsonl: Path, tm
     assert json.loads((out / "manifest.json").read_text())["dim"] == 32
 
 
+def test_ivfpq_with_an_hnsw_coarse_quantizer(
+    dpr_dirs: tuple[Path, Path], facts_jsonl: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "ivf-hnsw"
+    encoders = ["--encoder", str(dpr_dirs[0]), "--query-encoder", str(dpr_dirs[1])]
+    r = runner.invoke(
+        app,
+        [
+            "build",
+            "-p",
+            str(facts_jsonl),
+            "--name",
+            "ivf",
+            "--out",
+            str(out),
+            *encoders,
+            "--type",
+            "ivfpq",
+            "--nlist",
+            "2",
+            "--pq-m",
+            "4",
+            "--nprobe",
+            "2",
+            "--coarse-quantizer",
+            "hnsw",
+            "--hnsw-m",
+            "8",
+            "--ef-search",
+            "16",
+            "--batch-size",
+            "8",
+            "--no-progress",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    params = json.loads((out / "manifest.json").read_text())["index_params"]
+    assert (params["coarse_quantizer"], params["hnsw_m"], params["ef_search"]) == ("hnsw", 8, 16)
+    r = runner.invoke(app, ["search", str(out), "Who wrote Hamlet?", "-k", "3"])
+    assert r.exit_code == 0, r.output
+
+
 def test_bad_arguments_exit_nonzero_without_traceback(facts_jsonl: Path, tmp_path: Path) -> None:
     build = ["build", "-p", str(facts_jsonl), "--name", "x", "--out", str(tmp_path / "x")]
     cases = [
@@ -97,6 +139,10 @@ def test_bad_arguments_exit_nonzero_without_traceback(facts_jsonl: Path, tmp_pat
         (
             [*build, "--type", "lsh"],
             "Invalid value",
+        ),
+        (
+            [*build, "--type", "hnsw", "--coarse-quantizer", "hnsw"],
+            "coarse_quantizer: 'hnsw' is an ivfpq option",
         ),
         (["info", str(tmp_path / "nothing")], "index directory not found"),
         (["info", str(tmp_path)], "manifest.json missing"),

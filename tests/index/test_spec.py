@@ -47,6 +47,11 @@ from openbook_testkit.index import random_vectors, write_dpr_tsv
         (lambda: AnnParams(nprobe=0), "nprobe"),
         (lambda: AnnParams(rerank=-1), "rerank"),
         (lambda: AnnParams(rerank=1.5), "rerank"),  # type: ignore[arg-type]
+        (lambda: AnnParams(coarse_quantizer="ivf"), "coarse_quantizer"),
+        (
+            lambda: IndexSpec(name="x", index_type="hnsw", ann=AnnParams(coarse_quantizer="hnsw")),
+            "coarse_quantizer",
+        ),
         (lambda: BuildOptions(batch_size=0), "batch_size"),
         (lambda: BuildOptions(shard_size=0), "shard_size"),
         (lambda: BuildOptions(device=""), "device"),
@@ -87,16 +92,24 @@ SPECS = {
     },
     "hnsw-sq8": {"ann": AnnParams(hnsw_m=12, ef_search=30)},
     "ivfpq": {"ann": AnnParams(nlist=1, pq_m=4, nprobe=1, rerank=3)},
+    "ivfpq-hnsw": {
+        "index_type": "ivfpq",
+        "ann": AnnParams(
+            nlist=1, pq_m=4, nprobe=1, coarse_quantizer="hnsw", hnsw_m=8, ef_search=16
+        ),
+    },
     "bm25": {"max_words": 12},
 }
 
 
-@pytest.mark.parametrize("index_type", list(SPECS))
+@pytest.mark.parametrize("case", list(SPECS))
 def test_from_manifest_gives_back_the_spec_and_rebuilds_the_same_index(
-    index_type: str, facts_jsonl: Path, dpr_dirs: tuple[Path, Path], tmp_path: Path
+    case: str, facts_jsonl: Path, dpr_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
     ctx, question = (str(p.resolve()) for p in dpr_dirs)
-    spec = IndexSpec(name=f"facts-{index_type}", index_type=index_type, **SPECS[index_type])
+    fields = dict(SPECS[case])
+    index_type = fields.pop("index_type", case)
+    spec = IndexSpec(name=f"facts-{case}", index_type=index_type, **fields)
     if spec.dense:
         spec = dataclasses.replace(spec, encoder=ctx, query_encoder=question)
     quiet = BuildOptions(progress=False, batch_size=8)
