@@ -82,17 +82,24 @@ def index_report(args: argparse.Namespace, config: ScaleConfig) -> dict[str, Any
         "rerank": config.rerank,
         "train_size": min(config.train_size, config.passages),
         "vectors_dtype": config.vectors_dtype,
+        "coarse_quantizer": config.coarse_quantizer,
+        **(
+            {"hnsw_m": config.hnsw_m, "ef_search": config.ef_search}
+            if config.coarse_quantizer == "hnsw"
+            else {}
+        ),
     }
 
 
-def _parse_sweep(text: str) -> list[tuple[int, int]]:
+def _parse_sweep(text: str) -> list[tuple[int, ...]]:
+    """``nprobe:rerank[:ef_search]`` settings (ef_search: an hnsw coarse quantizer's)."""
     if not text:
         return []
-    pairs = []
+    settings = []
     for item in text.split(","):
-        nprobe, _, rerank = item.partition(":")
-        pairs.append((int(nprobe), int(rerank or 0)))
-    return pairs
+        nprobe, rerank, *ef = item.split(":") + ([] if ":" in item else ["0"])
+        settings.append((int(nprobe), int(rerank or 0), *(int(e) for e in ef[:1])))
+    return settings
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,6 +125,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rerank", type=int, default=4)
     p.add_argument("--train-size", type=int, default=65_536)
     p.add_argument(
+        "--coarse-quantizer",
+        choices=("flat", "hnsw"),
+        default="flat",
+        help="ivfpq's list assignment: exact, or an HNSW graph of the centroids",
+    )
+    p.add_argument("--hnsw-m", type=int, default=32, help="--coarse-quantizer hnsw: graph M")
+    p.add_argument(
+        "--ef-search",
+        type=int,
+        default=128,
+        help="--coarse-quantizer hnsw: efSearch assigning the vectors, and the probe's default",
+    )
+    p.add_argument(
+        "--centres",
+        type=int,
+        default=4096,
+        help="the corpus's clusters (scale_data; fewer: a smaller N with a larger N's clusters)",
+    )
+    p.add_argument(
         "--vectors-dtype",
         choices=("float32", "float16"),
         default="float32",
@@ -126,7 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sweep",
         default=",".join(f"{a}:{b}" for a, b in DEFAULT_SWEEP),
-        help="nprobe:rerank settings for the recall/latency curve ('' for none)",
+        help="nprobe:rerank[:ef_search] settings for the recall/latency curve ('' for none)",
     )
     p.add_argument("--no-verify", action="store_true", help="load shards without checksums")
     p.add_argument("--no-progress", action="store_true")
@@ -198,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         train_size=args.train_size,
         queries=args.queries,
         vectors_dtype=args.vectors_dtype,
+        coarse_quantizer=args.coarse_quantizer,
+        hnsw_m=args.hnsw_m,
+        ef_search=args.ef_search,
+        n_centres=args.centres,
     )
     engine = args.engine
     work = args.work or Path("var/bench/scale") / f"{engine}-{config.passages}x{config.shards}"
@@ -217,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         **result,
         "queries": config.queries,
         "index": index_report(args, config),
-        "data": "bench/index/scale_data.py: 4096 Zipf-weighted Gaussian centres, rank-128 "
+        "data": f"bench/index/scale_data.py: {config.n_centres} Zipf-weighted Gaussian centres, "
+        "rank-128 "
         "power-law noise, lognormal(0, 0.1) norms, unnormalised inner product; queries are "
         "perturbed passages",
         "machine": {"before": before, "after": machine()},

@@ -143,14 +143,22 @@ def sweep(
     procs: Sequence[ShardProcess],
     queries: np.ndarray,
     truth: np.ndarray,
-    settings: Sequence[tuple[int, int]],
+    settings: Sequence[tuple[int, ...]],
 ) -> list[dict[str, float]]:
-    """recall@100 and k=100 latency for each (nprobe, rerank): the trade-off curve."""
+    """recall@100 and k=100 latency for each (nprobe, rerank[, ef_search]): the trade-off
+    curve (ef_search: an hnsw coarse quantizer's; absent: left as it was)."""
     out = []
-    for nprobe, rerank in settings:
-        set_params(procs, nprobe=nprobe, rerank=rerank)
+    for nprobe, rerank, *ef in settings:
+        extra = {"ef_search": ef[0]} if ef else {}
+        set_params(procs, nprobe=nprobe, rerank=rerank, **extra)
         lat, found = measure(procs, queries, 100, warmup=2)
         out.append(
-            {"nprobe": nprobe, "rerank": rerank, "recall_at_100": recall_at_k(found, truth), **lat}
+            {
+                "nprobe": nprobe,
+                "rerank": rerank,
+                **extra,
+                "recall_at_100": recall_at_k(found, truth),
+                **lat,
+            }
         )
     return out

@@ -4,6 +4,7 @@ build (same shards, same ground truth as an uninterrupted one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -163,3 +164,32 @@ def test_interrupted_build_resumes_to_the_same_index(tmp_path, monkeypatch, vect
             assert [[p.id for p in h] for h in hits_a] == [[p.id for p in h] for h in hits_b]
     with pytest.raises(ValueError, match="holds a run of"):
         ScaleRun(tmp_path / "resumed", ScaleConfig(passages=30_001, shards=2, dim=32, pq_m=8))
+    # nprobe and rerank are set per search: a finished run is re-measured with others
+    other = dataclasses.replace(config, nprobe=2, rerank=0)
+    assert ScaleRun(tmp_path / "resumed", other).state["config"]["nprobe"] == 2
+
+
+def test_an_hnsw_coarse_quantizer_is_built_into_every_shard(tmp_path):
+    config = ScaleConfig(
+        passages=12_000,
+        shards=2,
+        dim=32,
+        nlist=32,
+        pq_m=8,
+        nprobe=8,
+        queries=10,
+        coarse_quantizer="hnsw",
+        hnsw_m=8,
+        ef_search=8,
+        n_centres=64,
+    )
+    built = build(ScaleRun(tmp_path / "run", config), progress=False)
+    found = [[] for _ in range(len(built.queries))]
+    for d in built.shard_dirs:
+        with open_index(d) as index:
+            params = index.manifest.index_params
+            assert (params["coarse_quantizer"], params["hnsw_m"]) == ("hnsw", 8)
+            for i, hits in enumerate(index.search_vectors(built.queries, 100)):
+                found[i].extend((p.score, scale_build.row_of(p.id)) for p in hits)
+    merged = [[r for _, r in sorted(f, reverse=True)[:100]] for f in found]
+    assert recall_at_k(merged, built.truth) > 0.3  # 8 of 32 lists, far above chance
