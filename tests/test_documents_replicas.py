@@ -40,8 +40,8 @@ import httpx
 import pytest
 
 from openbook.index.engine import EngineKind
-from openbook.redis_protocol import INDEX_STATE_KEY, open_index_state
 from openbook.security.sealing import default_sealer
+from openbook.state.redis_protocol import INDEX_STATE_KEY, open_index_state
 from openbook_testkit.milvus import copy_to_milvus, lite_server
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import (

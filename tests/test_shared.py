@@ -10,8 +10,8 @@ import pytest
 
 from openbook.codegen import proto_files, stubs_are_stale
 from openbook.logs import JsonFormatter, request_id_var
-from openbook.redis_protocol import answer_key
-from openbook.shared_state import ActiveIndexStore, publish_model_version, redis_client
+from openbook.state.redis_protocol import answer_key
+from openbook.state.shared_state import ActiveIndexStore, publish_model_version, redis_client
 from openbook_gateway.settings import GatewaySettings
 from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.stack import free_port

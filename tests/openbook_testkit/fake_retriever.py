@@ -15,8 +15,9 @@ Contract kept:
     index, NOT_FOUND when absent; DeleteDocument / GetDocument: NOT_FOUND when absent;
     an unknown index is NOT_FOUND everywhere;
   * with ``redis`` given, each write publishes the index's version
-    (:func:`openbook.shared_state.publish_index_version`), and CreateIndex / DeleteIndex make
-    its state afresh (:func:`openbook.shared_state.index_renewed`), as the real retriever does.
+    (:func:`openbook.state.shared_state.publish_index_version`), and CreateIndex / DeleteIndex make
+    its state afresh (:func:`openbook.state.shared_state.index_renewed`), as the real retriever
+    does.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from openbook.serving.grpc_server import (
     ErrorInterceptor,
     admin_methods,
 )
-from openbook.shared_state import index_renewed, publish_index_version
+from openbook.state.shared_state import index_renewed, publish_index_version
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 
 

@@ -533,8 +533,8 @@ def retriever_service(settings: Any) -> Iterator[tuple[Any, Any, Any]]:
 def _forget_desired_model(redis_url: str) -> None:
     """Drop a reload these backends were told about: replicas started later against the same
     Redis (another test module) would otherwise converge to it at start."""
-    from openbook.redis_protocol import DESIRED_MODEL_KEY
-    from openbook.shared_state import redis_client
+    from openbook.state.redis_protocol import DESIRED_MODEL_KEY
+    from openbook.state.shared_state import redis_client
 
     with suppress(redis.RedisError):
         redis_client(redis_url).delete(DESIRED_MODEL_KEY)

@@ -21,7 +21,7 @@ from openbook.limits import (
     MAX_HISTORY_MESSAGE_CHARS,
     MAX_QUESTION_CHARS,
 )
-from openbook.redis_protocol import response_key
+from openbook.state.redis_protocol import response_key
 from openbook_gateway.conversation import Turn, contextual_question, plain, recent
 from openbook_gateway.openai_format import abstention
 from openbook_testkit.rag import make_tiny_causal_lm

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from openbook.rag.loading import rag_n_docs
-from openbook.redis_protocol import ANSWER_KEY_PREFIX
+from openbook.state.redis_protocol import ANSWER_KEY_PREFIX
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.cache import ANSWER_PARAMS

@@ -24,8 +24,8 @@ from openbook.limits import (
     MAX_DOCUMENT_TITLE_CHARS,
     MAX_METADATA_KEYS,
 )
-from openbook.redis_protocol import INDEX_STATE_KEY, open_index_state
 from openbook.security.sealing import default_sealer
+from openbook.state.redis_protocol import INDEX_STATE_KEY, open_index_state
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import document_shard
 from openbook_gateway.settings import GatewaySettings

@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from openbook.limits import RETRIEVAL_MODES
-from openbook.redis_protocol import answer_key
+from openbook.state.redis_protocol import answer_key
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.cache import answer_params

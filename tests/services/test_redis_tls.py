@@ -16,7 +16,7 @@ import redis
 from openbook.config.settings import CommonSettings
 from openbook.security.sealing import load_sealer
 from openbook.security.secrets import init
-from openbook.shared_state import ActiveIndexStore, redis_client
+from openbook.state.shared_state import ActiveIndexStore, redis_client
 from openbook_gateway.cache import AnswerCache
 from openbook_testkit.stack import free_port
 

@@ -17,7 +17,8 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from openbook.redis_protocol import (
+from openbook.security.sealing import load_sealer
+from openbook.state.redis_protocol import (
     ACTIVE_INDEX_KEY,
     ANSWER_KEY_PREFIX,
     DESIRED_MODEL_KEY,
@@ -32,8 +33,7 @@ from openbook.redis_protocol import (
     seal_index_state,
     seal_model_version,
 )
-from openbook.security.sealing import load_sealer
-from openbook.shared_state import ActiveIndexStore, publish_model_version
+from openbook.state.shared_state import ActiveIndexStore, publish_model_version
 from openbook.v1 import retriever_pb2
 from openbook_gateway.app import create_app
 from openbook_testkit.stack import running_backends

@@ -14,7 +14,8 @@ from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
-from openbook.redis_protocol import (
+from openbook.security.sealing import default_sealer
+from openbook.state.redis_protocol import (
     DESIRED_MODEL_KEY,
     INDEX_STATE_KEY,
     MODEL_VERSIONS_KEY,
@@ -22,7 +23,6 @@ from openbook.redis_protocol import (
     open_index_state,
     open_model_version,
 )
-from openbook.security.sealing import default_sealer
 from openbook.v1 import generator_pb2, generator_pb2_grpc, retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.cache import ANSWER_PARAMS

@@ -15,10 +15,10 @@ from prometheus_client import generate_latest
 
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex
-from openbook.redis_protocol import INDEX_STATE_KEY, open_index_state
 from openbook.security.sealing import default_sealer
 from openbook.serving.grpc_server import bearer_metadata
-from openbook.shared_state import redis_client
+from openbook.state.redis_protocol import INDEX_STATE_KEY, open_index_state
+from openbook.state.shared_state import redis_client
 from openbook.v1 import retriever_pb2
 from openbook_retriever.registry import IndexRegistry
 from openbook_retriever.settings import RetrieverSettings

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from openbook.serving.grpc_server import bearer_metadata, check_health
-from openbook.shared_state import ActiveIndexStore
+from openbook.state.shared_state import ActiveIndexStore
 from openbook.v1 import retriever_pb2
 from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.stack import build_fact_indexes, retriever_service
@@ -116,7 +116,7 @@ def test_corrupt_index_is_refused_and_current_keeps_serving(retriever, index_roo
 def test_swap_announced_by_another_replica_is_followed(retriever, redis_server):
     import time
 
-    from openbook.shared_state import ActiveIndexStore
+    from openbook.state.shared_state import ActiveIndexStore
 
     stub, _, servicer = retriever
     ActiveIndexStore(redis_server.client()).set("facts-b")

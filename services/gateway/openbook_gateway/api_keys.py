@@ -5,7 +5,7 @@ A key's secret is ``obk_<name>.<random>``: the name says which record to read (o
 the random part (32 bytes, URL-safe base64: no ``.``) is what proves it. The gateway shows the
 secret once, in the reply that made it, and keeps only a salted hash of it
 (``SHA-256(salt + secret)``, a fresh 16-byte salt per key) in a record sealed with the server
-key (:func:`openbook.api_keys_protocol.seal_api_key`). So:
+key (:func:`openbook.state.api_keys_protocol.seal_api_key`). So:
 
 * Redis's content never gives a key away (a hash of 256 random bits is not worth inverting:
   no slow hash is needed, and checking costs microseconds).
@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from openbook.api_keys_protocol import ApiKeyRecord, KeyRate
+from openbook.state.api_keys_protocol import ApiKeyRecord, KeyRate
 
 Scope = Literal["ask", "write", "indexes:create", "admin"]
 SCOPES: tuple[Scope, ...] = ("ask", "write", "indexes:create", "admin")

@@ -27,8 +27,9 @@ replaced since). When Redis is unreachable the cache is skipped, never an error.
 Entries are sealed with the server key (openbook.security.sealing), bound to their key: one written
 or altered by anyone else (Redis's password is not enough) is a miss, logged, and the answer is
 computed afresh; the active index read from Redis is trusted the same way only. Key names
-and encodings are ``openbook.redis_protocol``'s, the Redis calls ``openbook.shared_state_aio``'s:
-this module holds the gateway's policy (what keys an answer, what to do without Redis).
+and encodings are ``openbook.state.redis_protocol``'s, the Redis calls
+``openbook.state.shared_state_aio``'s: this module holds the gateway's policy (what keys an answer,
+what to do without Redis).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from redis.exceptions import RedisError
 
 from openbook.config.settings import RedisOptions
 from openbook.metadata_filter import MetadataFilter
-from openbook.redis_protocol import IndexState, answer_key, index_version_of
 from openbook.security.sealing import RateLimitedLog, Sealer
-from openbook.shared_state_aio import (
+from openbook.state.redis_protocol import IndexState, answer_key, index_version_of
+from openbook.state.shared_state_aio import (
     ServingState,
     async_redis_client,
     first_index_state,

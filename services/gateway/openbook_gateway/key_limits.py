@@ -33,8 +33,8 @@ import uuid
 
 from redis.exceptions import RedisError
 
-from openbook.api_keys_state_aio import count_request as count_in_redis
-from openbook.api_keys_state_aio import give_back_generation, take_generation
+from openbook.state.api_keys_state_aio import count_request as count_in_redis
+from openbook.state.api_keys_state_aio import give_back_generation, take_generation
 from openbook_gateway.principal import Principal
 from openbook_gateway.services import Services
 

@@ -1,7 +1,7 @@
 """Model reloads that reach every replica, seen from the gateway.
 
 ``POST /admin/reload-model`` records the desired checkpoint in Redis; every retriever and
-generator replica follows it (:class:`openbook.shared_state.ModelFollower`) and publishes its
+generator replica follows it (:class:`openbook.state.shared_state.ModelFollower`) and publishes its
 own state (replica id, version served, state of the latest reload, error) under a key with a
 TTL. The gateway waits, bounded, for every replica it can see to report on the request.
 
@@ -24,7 +24,8 @@ import redis.asyncio as aioredis
 from fastapi import HTTPException
 from redis.exceptions import RedisError
 
-from openbook.redis_protocol import (
+from openbook.security.sealing import Sealer
+from openbook.state.redis_protocol import (
     CONVERGED,
     FAILED,
     LOADING,
@@ -32,8 +33,7 @@ from openbook.redis_protocol import (
     RESOLVED_FIELD,
     ReplicaState,
 )
-from openbook.security.sealing import Sealer
-from openbook.shared_state_aio import desired_model, list_replicas, set_desired
+from openbook.state.shared_state_aio import desired_model, list_replicas, set_desired
 from openbook_gateway.clients import GeneratorClient
 from openbook_gateway.retrieval import Retrieval
 

@@ -6,7 +6,7 @@ Invariants:
 * Only the conversation state is kept, never the response: the turns the next question may be
   expanded from (:func:`openbook_gateway.conversation.recent`: a few turns, each cut short), so
   an entry is small however long the conversation grew. It lives in Redis
-  (``openbook.redis_protocol.response_key``) for ``OPENBOOK_GATEWAY_RESPONSE_TTL_S`` seconds,
+  (``openbook.state.redis_protocol.response_key``) for ``OPENBOOK_GATEWAY_RESPONSE_TTL_S`` seconds,
   sealed with the server key: an entry written, altered or moved by anyone else reads as absent.
 * A response id is random (:func:`new_response_id`, 128 bits), never the client's request id,
   so no client can pick the id another's conversation is stored under.
@@ -25,8 +25,8 @@ import uuid
 
 from redis.exceptions import RedisError
 
-from openbook.redis_protocol import StoredConversation
-from openbook.shared_state_aio import read_conversation, write_conversation
+from openbook.state.redis_protocol import StoredConversation
+from openbook.state.shared_state_aio import read_conversation, write_conversation
 from openbook_gateway.conversation import Turn, recent
 from openbook_gateway.openai_schemas import OpenAIRequestError
 from openbook_gateway.principal import Principal

@@ -23,7 +23,7 @@ from openbook.serving.grpc_server import (
     bind_deferred,
 )
 from openbook.serving.metrics import ServiceMetrics
-from openbook.shared_state import (
+from openbook.state.shared_state import (
     ModelFollower,
     publish_model_version,
     redis_client,

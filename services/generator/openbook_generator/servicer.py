@@ -29,7 +29,7 @@ from openbook.serving.allocator import MemoryReleaser
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
-from openbook.shared_state import ModelFollower
+from openbook.state.shared_state import ModelFollower
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_generator.scheduler import GenerateItem, Scheduler, SchedulingOptions, StageTimes

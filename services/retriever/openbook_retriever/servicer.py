@@ -63,7 +63,7 @@ from openbook.metadata_filter import MetadataFilter, parse_filter_json
 from openbook.serving.batcher import Batcher
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
-from openbook.shared_state import (
+from openbook.state.shared_state import (
     ActiveIndexStore,
     index_renewed,
     index_vanished,
@@ -624,7 +624,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
 
     def _renew_state(self, index: str) -> None:
         """``index`` created or deleted here: its state in Redis made afresh, a new epoch
-        (:func:`openbook.shared_state.index_renewed`), whether or not a gateway shares it."""
+        (:func:`openbook.state.shared_state.index_renewed`), whether or not a gateway shares it."""
         if self.shared is not None:
             index_renewed(self.shared.client, index, self.shared.sealer)
 

@@ -16,8 +16,8 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Request
 from redis.exceptions import RedisError
 
-from openbook.api_keys_protocol import KeyRate
-from openbook.api_keys_state_aio import create_api_key, delete_api_key, list_api_keys
+from openbook.state.api_keys_protocol import KeyRate
+from openbook.state.api_keys_state_aio import create_api_key, delete_api_key, list_api_keys
 from openbook_gateway import audit
 from openbook_gateway.api_keys import KEY_NAME_PATTERN, new_key
 from openbook_gateway.bodies import JSONBodyRoute

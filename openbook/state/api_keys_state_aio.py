@@ -1,6 +1,6 @@
 """The API keys' Redis calls, as the gateway makes them over ``redis.asyncio.Redis`` (the
-async half of :mod:`openbook.api_keys_protocol`, as :mod:`openbook.shared_state_aio` is of
-:mod:`openbook.redis_protocol`).
+async half of :mod:`openbook.state.api_keys_protocol`, as :mod:`openbook.state.shared_state_aio`
+is of :mod:`openbook.state.redis_protocol`).
 
 Invariants: key names and encodings are the protocol module's only; every function raises
 ``RedisError`` / ``OSError`` when Redis cannot be reached: the gateway then refuses what needs
@@ -13,7 +13,8 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from openbook.api_keys_protocol import (
+from openbook.security.sealing import Sealer
+from openbook.state.api_keys_protocol import (
     API_KEY_PATTERN,
     API_KEY_PREFIX,
     API_KEYS_LAST_USED_KEY,
@@ -24,7 +25,6 @@ from openbook.api_keys_protocol import (
     open_api_key,
     seal_api_key,
 )
-from openbook.security.sealing import Sealer
 
 
 async def read_api_key(client: aioredis.Redis, sealer: Sealer, name: str) -> ApiKeyRecord | None:

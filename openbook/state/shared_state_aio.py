@@ -1,5 +1,5 @@
-"""The async half of the Redis protocol (:mod:`openbook.redis_protocol`), as the gateway speaks
-it over ``redis.asyncio.Redis``: what is served now (the active index, the model and index
+"""The async half of the Redis protocol (:mod:`openbook.state.redis_protocol`), as the gateway
+speaks it over ``redis.asyncio.Redis``: what is served now (the active index, the model and index
 versions, the index epochs), cached answers, stored responses, the desired model and the
 replicas' states.
 
@@ -18,7 +18,8 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from openbook.config.settings import RedisOptions
-from openbook.redis_protocol import (
+from openbook.security.sealing import Sealer
+from openbook.state.redis_protocol import (
     ACTIVE_INDEX_KEY,
     DESIRED_MODEL_KEY,
     DESIRED_RECORD_FIELD,
@@ -47,12 +48,11 @@ from openbook.redis_protocol import (
     seal_desired_model,
     seal_index_state,
 )
-from openbook.security.sealing import Sealer
 
 
 def async_redis_client(options: RedisOptions) -> aioredis.Redis:
     """An asyncio client with ``options``' credentials, TLS and timeouts (as
-    :func:`openbook.shared_state.redis_client` for the sync half)."""
+    :func:`openbook.state.shared_state.redis_client` for the sync half)."""
     return aioredis.Redis.from_url(options.url, **options.client_kwargs())
 
 

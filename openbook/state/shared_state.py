@@ -1,4 +1,4 @@
-"""The sync half of the Redis protocol (:mod:`openbook.redis_protocol`), as the retriever and
+"""The sync half of the Redis protocol (:mod:`openbook.state.redis_protocol`), as the retriever and
 the generator speak it over ``redis.Redis``: the active index, the model version each serves,
 and following the desired model.
 
@@ -23,7 +23,8 @@ from typing import Protocol, cast
 import redis
 
 from openbook.config.settings import RedisOptions
-from openbook.redis_protocol import (
+from openbook.security.sealing import Sealer, default_sealer
+from openbook.state.redis_protocol import (
     ACTIVE_INDEX_KEY,
     CONVERGED,
     DESIRED_MODEL_KEY,
@@ -54,7 +55,6 @@ from openbook.redis_protocol import (
     seal_model_version,
     seal_pinned_model,
 )
-from openbook.security.sealing import Sealer, default_sealer
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class ActiveIndexStore:
         return thread
 
 
-# --- following the desired model (openbook.redis_protocol says what it is) ------------------
+# --- following the desired model (openbook.state.redis_protocol says what it is) ------------------
 
 # One checkpoint load at a time in a process: loading with transformers (meta-device init)
 # is not thread-safe, and replicas running in one process (tests, benchmarks) would otherwise

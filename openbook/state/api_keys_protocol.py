@@ -1,7 +1,7 @@
 """The API keys' part of the Redis protocol (issue 43): key names and codecs, no I/O.
 
-Kept beside :mod:`openbook.redis_protocol` (same rules: names and encodings here only, the
-Redis calls in :mod:`openbook.api_keys_state_aio`), for the keys an admin makes with ``POST
+Kept beside :mod:`openbook.state.redis_protocol` (same rules: names and encodings here only, the
+Redis calls in :mod:`openbook.state.api_keys_state_aio`), for the keys an admin makes with ``POST
 /admin/keys``: one sealed record per key under :func:`api_key_key` of its name, holding the
 key's scopes, its indexes, the tenant ``filter`` and the ``rate`` it is held to, when it was
 made, and a salted hash of its secret (never the secret). Sealed bound to its Redis key

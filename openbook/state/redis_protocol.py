@@ -18,9 +18,9 @@ What replicas agree on through Redis, and who writes / reads it:
 - each index's state (hash ``INDEX_STATE_KEY``: index -> sealed :class:`IndexState`, a random
   epoch and each shard's version; versions only ever raised): written by the retriever that
   acknowledged a document write or serves the index
-  (:func:`openbook.shared_state.publish_index_version`), made afresh (a new epoch) by the
+  (:func:`openbook.state.shared_state.publish_index_version`), made afresh (a new epoch) by the
   gateway that deleted an index or a retriever that found an index's directory removed or
-  replaced out of band (:func:`openbook.shared_state.index_vanished`), read by every gateway
+  replaced out of band (:func:`openbook.state.shared_state.index_vanished`), read by every gateway
   (part of the answer-cache key, so a new index of a deleted one's name never serves the old
   one's answers);
 - cached answers (sealed, under ``answer_key(index, params)``, with a TTL): the gateway's;
@@ -28,8 +28,8 @@ What replicas agree on through Redis, and who writes / reads it:
   state a ``/v1/responses`` call's ``previous_response_id`` continues, the gateway's.
 
 Invariants: this module does no I/O and imports no Redis client; the sync half
-(:mod:`openbook.shared_state`, the services) and the async half
-(:mod:`openbook.shared_state_aio`, the gateway) execute these over their clients, so changing
+(:mod:`openbook.state.shared_state`, the services) and the async half
+(:mod:`openbook.state.shared_state_aio`, the gateway) execute these over their clients, so changing
 a key or an encoding is a change here only. Every value a service acts on (the active index,
 the index states, the model versions, the desired model, the replicas' states, the answers,
 the stored responses) is sealed (:mod:`openbook.security.sealing`) bound to its key: opening
