@@ -9,7 +9,7 @@ import time
 import pytest
 
 from openbook.codegen import proto_files, stubs_are_stale
-from openbook.logs import JsonFormatter, request_id_var
+from openbook.observability.logs import JsonFormatter, request_id_var
 from openbook.state.redis_protocol import answer_key
 from openbook.state.shared_state import ActiveIndexStore, publish_model_version, redis_client
 from openbook_gateway.settings import GatewaySettings

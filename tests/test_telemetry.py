@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from openbook.errors import InvalidArgument
-from openbook.telemetry import exporters_from_env
+from openbook.observability.telemetry import exporters_from_env
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_a_configuration_openbook_cannot_honour_fails_naming_the_variable(env, v
 OFF_PROBE = """
 import json, sys, threading
 from opentelemetry import trace
-from openbook import telemetry
+from openbook.observability import telemetry
 from openbook.serving.tracing import server_interceptors, span_interceptors, trace_metadata
 from openbook_gateway.app import create_app
 on = telemetry.setup_tracing("openbook-gateway")
@@ -117,7 +117,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from openbook import telemetry
+from openbook.observability import telemetry
 from openbook.errors import InvalidArgument
 from openbook.serving.grpc_server import ErrorInterceptor
 from openbook.serving.tracing import server_interceptors, span_interceptors

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 
 from openbook.config.settings import GrpcServiceSettings
 from openbook.errors import Unauthenticated, Unavailable, status_for
-from openbook.logs import request_id_var
+from openbook.observability.logs import request_id_var
 from openbook.security.auth import bearer_token, token_matches
 from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.handlers import wrap_handler

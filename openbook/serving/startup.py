@@ -7,8 +7,8 @@ on it."""
 from __future__ import annotations
 
 from openbook.config.settings import CommonSettings
-from openbook.logs import setup_logging
-from openbook.telemetry import setup_tracing
+from openbook.observability.logs import setup_logging
+from openbook.observability.telemetry import setup_tracing
 
 
 def prepare(program: str, settings: CommonSettings) -> None:

@@ -2,9 +2,9 @@
 continues the caller's trace from the W3C ``traceparent`` in the call's metadata with a SERVER
 span per RPC; the gateway's calls put it there (:func:`trace_metadata`).
 
-Both are added only where tracing is on (:func:`openbook.telemetry.enabled`): with tracing off
-a server carries no interceptor of this module and a call no trace metadata. The propagation
-format is the API's global propagator (W3C trace context and baggage unless
+Both are added only where tracing is on (:func:`openbook.observability.telemetry.enabled`): with
+tracing off a server carries no interceptor of this module and a call no trace metadata. The
+propagation format is the API's global propagator (W3C trace context and baggage unless
 ``OTEL_PROPAGATORS`` says otherwise).
 
 The instrumentation's span carries the ``rpc.*`` attributes of the gRPC semantic conventions
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import grpc
 from opentelemetry import propagate, trace
 
-from openbook import telemetry
+from openbook.observability import telemetry
 from openbook.serving.handlers import wrap_handler
 
 REQUEST_ID_HEADER = "x-request-id"  # the same as grpc_server.REQUEST_ID_HEADER

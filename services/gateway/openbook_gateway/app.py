@@ -19,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from openbook import telemetry
 from openbook.config.settings import RedisOptions
+from openbook.observability import telemetry
 from openbook.security.sealing import Sealer, load_sealer
 from openbook_gateway import errors
 from openbook_gateway.access import check_access

@@ -16,7 +16,8 @@ door's 401 or 403 as well as a 200), by the request middleware (:func:`record`),
 An MCP write tool's call travels inside a ``POST /mcp`` that answers 200 even when the tool
 refuses: the tool logs its own line (:func:`tool`).
 
-The JSON log format (``openbook.logs``) writes the fields as keys of the line's object.
+The JSON log format (``openbook.observability.logs``) writes the fields as keys of the line's
+object.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from openbook.limits import (
     check_index_name,
     check_question,
 )
-from openbook.logs import request_id_var
+from openbook.observability.logs import request_id_var
 from openbook.types import document_id_of
 from openbook_gateway import audit
 from openbook_gateway.access import Refused, require_scope

@@ -18,8 +18,8 @@ from opentelemetry import trace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from openbook import telemetry
-from openbook.logs import request_id_var
+from openbook.observability import telemetry
+from openbook.observability.logs import request_id_var
 from openbook_gateway import audit, openai_format
 from openbook_gateway.metrics import GatewayMetrics, ms_since
 from openbook_gateway.principal import ANONYMOUS, Principal

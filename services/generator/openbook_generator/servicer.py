@@ -16,11 +16,11 @@ from pathlib import Path
 
 import grpc
 
-from openbook import telemetry
 from openbook.checkpoint import CheckpointError, checkpoint_in_root
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import InvalidArgument, TooLarge, client_errors
 from openbook.limits import MAX_CALLER_CHARS, MAX_K, check_finite, check_question, refuse_controls
+from openbook.observability import telemetry
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.checkpoint import load_generator
 from openbook.rag.memory import RequestShape, mib

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook import telemetry
 from openbook.artifacts import public_name
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
@@ -60,6 +59,7 @@ from openbook.limits import (
     check_retrieval_views,
 )
 from openbook.metadata_filter import MetadataFilter, parse_filter_json
+from openbook.observability import telemetry
 from openbook.serving.batcher import Batcher
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
