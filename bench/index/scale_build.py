@@ -298,6 +298,7 @@ def _build_shard(
     if not start <= truth.rows_done <= stop:
         raise RuntimeError(f"shard {i} [{start}, {stop}) but truth is at row {truth.rows_done}")
     index = faiss.clone_index(template)
+    faiss_index.prepare_add(index, config.index_type, params)  # an hnsw graph's assignment ef
     desc = f"shard {i + 1}/{config.shards}"
     t_begin = time.monotonic()
     with tqdm(total=count, unit="psg", desc=desc, disable=not progress, mininterval=5) as bar:

@@ -21,11 +21,12 @@ IVF-PQ's coarse quantizer (``coarse_quantizer``): which of the ``nlist`` lists a
 is an argmax of its inner product with the lists' centroids. ``"flat"`` (the default) scores
 every centroid exactly (nlist x dim multiply-adds per vector added or query asked); ``"hnsw"``
 puts the trained centroids in an HNSW graph (``IndexHNSWFlat``, ``hnsw_m`` / ``ef_construction``)
-searched with ``ef_search`` (faiss' ``IVF<nlist>_HNSW<M>`` quantizer), which makes many lists
-affordable: at 21M passages the flat assignment of 8,192 lists costs ~2.6e14 multiply-adds, hours
-on two cores, the graph a few hundred dot products per vector. k-means then assigns through the
-graph too (approximate, as faiss' factory does). The probe of a query asks the graph for
-``nprobe`` centroids with ``max(ef_search, nprobe)`` candidates.
+(faiss' ``IVF<nlist>_HNSW<M>`` quantizer), which makes many lists affordable: at 21M passages
+the flat assignment to 8,192 lists costs ~1.3e14 multiply-adds, the graph's a few hundred dot
+products per vector. A vector added goes to the graph's best centroid found with ``ef_search``
+candidates (``prepare_add``); a query's probe asks the graph for ``nprobe`` centroids with
+``max(ef_search, nprobe)`` candidates (``configure``: faiss' HNSW returns fewer than k results
+when efSearch < k). k-means assigns through the graph too, as faiss' factory index does.
 """
 
 from __future__ import annotations
@@ -176,9 +177,9 @@ def build_faiss(
             faiss.METRIC_INNER_PRODUCT,
         )
         index.train(_training_sample(vectors, min(max(256 * params["nlist"], 10_000), 1_000_000)))
-        configure(index, index_type, params)  # the graph's efSearch assigns what is added
     else:
         raise InvalidArgument(f"unknown dense index type {index_type!r}")
+    prepare_add(index, index_type, params)
     _add(index, vectors, transform, on_progress)
     configure(index, index_type, params)
     return index, params
@@ -235,6 +236,7 @@ def fill_trained(
     if _augmented(index_type, params):
         phi = float(params["phi"])
         transform = lambda x: augment_documents(x, phi)  # noqa: E731
+    prepare_add(index, index_type, params)
     _add(index, vectors, transform, on_progress)
     configure(index, index_type, params)
     return index
@@ -249,9 +251,18 @@ def configure(index: faiss.Index, index_type: str, params: dict[str, Any]) -> No
         ivf = faiss.extract_index_ivf(index)
         ivf.nprobe = int(params["nprobe"])
         if params.get("coarse_quantizer", "flat") == "hnsw":
-            # faiss searches the graph with max(efSearch, nprobe) candidates
-            graph = cast(faiss.IndexHNSW, faiss.downcast_index(ivf.quantizer))
-            graph.hnsw.efSearch = int(params["ef_search"])
+            _coarse_graph(index).hnsw.efSearch = max(int(params["ef_search"]), ivf.nprobe)
+
+
+def prepare_add(index: faiss.Index, index_type: str, params: dict[str, Any]) -> None:
+    """Before adding vectors: an hnsw coarse quantizer assigns each to the best centroid it
+    finds with ``ef_search`` candidates (``configure`` sets the probe's, for search)."""
+    if index_type == "ivfpq" and params.get("coarse_quantizer", "flat") == "hnsw":
+        _coarse_graph(index).hnsw.efSearch = int(params["ef_search"])
+
+
+def _coarse_graph(index: faiss.Index) -> faiss.IndexHNSW:
+    return cast(faiss.IndexHNSW, faiss.downcast_index(faiss.extract_index_ivf(index).quantizer))
 
 
 def _augmented(index_type: str, params: dict[str, Any]) -> bool:

@@ -77,7 +77,7 @@ def test_ivfpq_with_an_hnsw_coarse_quantizer_searches_like_the_flat_one(data, tm
     """coarse_quantizer="hnsw": the lists' centroids in a graph; saved, read back and searched
     with its efSearch (at least nprobe), it finds what the exact assignment finds."""
     x, q, truth = data
-    kw = {"nlist": 32, "pq_m": 16, "nprobe": 8, "hnsw_m": 8, "ef_search": 4}
+    kw = {"nlist": 32, "pq_m": 8, "nprobe": 8, "hnsw_m": 8, "ef_search": 4}
     flat_params = faiss_index.default_params("ivfpq", N, DIM, **kw)
     params = faiss_index.default_params("ivfpq", N, DIM, coarse_quantizer="hnsw", **kw)
     assert flat_params["coarse_quantizer"] == "flat" and "hnsw_m" not in flat_params
@@ -91,7 +91,10 @@ def test_ivfpq_with_an_hnsw_coarse_quantizer_searches_like_the_flat_one(data, tm
     ivf = faiss.extract_index_ivf(again)
     graph = faiss.downcast_index(ivf.quantizer)
     assert isinstance(graph, faiss.IndexHNSWFlat) and graph.ntotal == 32
-    assert (graph.hnsw.efSearch, ivf.nprobe) == (4, 8)
+    assert (graph.hnsw.efSearch, ivf.nprobe) == (8, 8)  # at least nprobe: all 8 lists found
+    faiss_index.prepare_add(again, "ivfpq", params)
+    assert graph.hnsw.efSearch == 4  # adding: the best of ef_search candidates
+    faiss_index.configure(again, "ivfpq", params)
     _, rows = faiss_index.search(again, "ivfpq", params, q, K)
     _, flat_rows = faiss_index.search(flat, "ivfpq", flat_params, q, K)
     assert _recall(rows, truth) >= _recall(flat_rows, truth) - 0.1
