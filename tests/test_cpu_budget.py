@@ -1,5 +1,5 @@
-"""The CPU a process gets (openbook/cpu_budget.py) and the compute threads sized to it
-(openbook/compute_threads.py): cgroup v1/v2 quotas and the affinity mask from fake and real
+"""The CPU a process gets (openbook/runtime/cpu_budget.py) and the compute threads sized to it
+(openbook/runtime/compute_threads.py): cgroup v1/v2 quotas and the affinity mask from fake and real
 kernel files, contention from /proc/stat, the setting that overrides, and the size set on the
 thread that computes."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions, explicit_setting
-from openbook.cpu_budget import (
+from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions, explicit_setting
+from openbook.runtime.cpu_budget import (
     REGAIN_AT,
     CpuBudget,
     CpuFiles,
@@ -225,7 +225,7 @@ _ONE_CPU = textwrap.dedent(
     os.environ.pop("OMP_NUM_THREADS", None)
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     import torch
-    from openbook.compute_threads import ComputeThreads
+    from openbook.runtime.compute_threads import ComputeThreads
     threads = ComputeThreads()
     threads.apply()
     print(threads.size, torch.get_num_threads())

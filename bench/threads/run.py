@@ -1,6 +1,6 @@
 """Generator throughput with a neighbour spinning on one core: threads fixed at 2, fixed at 1,
-and sized automatically (openbook/compute_threads.py). Issue 29: on a 2-core machine a team of
-two compute threads answered nothing while a ``while True: pass`` held one core.
+and sized automatically (openbook/runtime/compute_threads.py). Issue 29: on a 2-core machine a team
+of two compute threads answered nothing while a ``while True: pass`` held one core.
 
     .venv/bin/python bench/threads/run.py                    # 4 clients, 60 s per phase
     .venv/bin/python bench/threads/run.py --seconds 10 --json var/bench/threads.json

@@ -209,7 +209,7 @@ class GrpcServiceSettings(CommonSettings):
     # Trained checkpoints (written by the trainer, loaded by retriever and generator).
     checkpoint_dir: Path = shared(Path("var/checkpoints"), "OPENBOOK_CHECKPOINT_DIR")
     load_latest_checkpoint: bool = True
-    # torch/OpenMP threads of the service's model work (openbook/compute_threads.py). 0: sized
-    # to the CPU the process gets (affinity, cgroup quota, what neighbours take) and resized as
-    # that changes; an explicit OMP_NUM_THREADS in the environment also fixes it.
+    # torch/OpenMP threads of the service's model work (openbook/runtime/compute_threads.py). 0:
+    # sized to the CPU the process gets (affinity, cgroup quota, what neighbours take) and resized
+    # as that changes; an explicit OMP_NUM_THREADS in the environment also fixes it.
     compute_threads: int = shared(0, "OPENBOOK_COMPUTE_THREADS", ge=0)

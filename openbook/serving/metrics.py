@@ -77,7 +77,7 @@ class ServiceMetrics:
             "openbook_compute_threads",
             "torch/OpenMP threads the service computes with now: sized to the CPU it gets "
             "(affinity, cgroup quota, what neighbours take) unless set "
-            "(openbook/compute_threads.py)",
+            "(openbook/runtime/compute_threads.py)",
             ["service"],
             registry=self.registry,
         )

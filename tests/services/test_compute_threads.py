@@ -82,10 +82,10 @@ def test_a_generator_reload_loads_in_a_passing_thread(tmp_path, monkeypatch):
 
 def test_the_decoding_thread_resizes_between_layers_not_only_between_pieces(tmp_path, monkeypatch):
     """A piece of work a neighbour stalls may take seconds: the decoding thread re-reads the
-    CPU budget from a hook on every layer of its forward passes (openbook/compute_threads.py),
-    and only the decoding thread does."""
-    from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
-    from openbook.cpu_budget import CpuBudget
+    CPU budget from a hook on every layer of its forward passes
+    (openbook/runtime/compute_threads.py), and only the decoding thread does."""
+    from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
+    from openbook.runtime.cpu_budget import CpuBudget
     from openbook_generator.scheduler import Scheduler, SchedulingOptions
     from openbook_testkit.rag import make_tiny_causal_lm
 

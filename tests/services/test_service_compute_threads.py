@@ -1,8 +1,9 @@
-"""The services size their compute threads to the CPU they get (openbook/compute_threads.py),
-seen on their own /metrics (``openbook_compute_threads``): pinned to one CPU the generator and
-the retriever's encoder compute with one thread; OPENBOOK_COMPUTE_THREADS wins; a neighbour
-spinning on one of two cores takes the generator's second thread away while it is answering
-(issue 29: a team of two waiting on a core it does not get answered nothing)."""
+"""The services size their compute threads to the CPU they get
+(openbook/runtime/compute_threads.py), seen on their own /metrics (``openbook_compute_threads``):
+pinned to one CPU the generator and the retriever's encoder compute with one thread;
+OPENBOOK_COMPUTE_THREADS wins; a neighbour spinning on one of two cores takes the generator's second
+thread away while it is answering (issue 29: a team of two waiting on a core it does not get
+answered nothing)."""
 
 from __future__ import annotations
 

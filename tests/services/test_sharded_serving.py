@@ -334,8 +334,8 @@ def test_a_shard_down_is_503_naming_it_then_answers_come_back(system):
         assert reply.status_code == 503, reply.text
         time.sleep(0.2)
     # The same passages; scores to float32 precision: the restarted process may pick another
-    # compute-thread count (openbook/compute_threads.py, from the CPUs free at its start), and
-    # the query encoder's last bits depend on how its sums are split between threads.
+    # compute-thread count (openbook/runtime/compute_threads.py, from the CPUs free at its start),
+    # and the query encoder's last bits depend on how its sums are split between threads.
     ids, scores = _passages(reply)
     assert ids == want[0]
     assert scores == pytest.approx(want[1], rel=1e-5)

@@ -309,13 +309,14 @@ def test_train_a_lora_adapter_from_the_command_line(task, tmp_path):
 
 
 def test_train_sizes_its_compute_threads_and_the_setting_wins(task, tmp_path, monkeypatch, caplog):
-    """The CLI sizes torch's threads of the thread that trains (openbook/compute_threads.py);
-    OPENBOOK_COMPUTE_THREADS overrides the CPU budget; a bad value is an error naming it."""
+    """The CLI sizes torch's threads of the thread that trains
+    (openbook/runtime/compute_threads.py); OPENBOOK_COMPUTE_THREADS overrides the CPU budget; a bad
+    value is an error naming it."""
     import logging
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("OPENBOOK_COMPUTE_THREADS", "1")
-    with caplog.at_level(logging.INFO, logger="openbook.compute_threads"):
+    with caplog.at_level(logging.INFO, logger="openbook.runtime.compute_threads"):
         res = runner.invoke(train_app, _args(task, tmp_path / "ck", "--steps", "1"))
     assert res.exit_code == 0, res.output
     assert "compute threads: 1 (OPENBOOK_COMPUTE_THREADS" in caplog.text

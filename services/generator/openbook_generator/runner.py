@@ -15,8 +15,9 @@ Invariants:
 * a batch lives while it holds requests; the current model's shared batch is kept when empty,
   a solo batch or an old model's batch goes (a model reload never disturbs running requests:
   they finish on the engine of the model they started on, new requests start on the new one);
-* with compute threads (:mod:`openbook.compute_threads`), every model it runs is hooked once so
-  that the thread count may change between the layers of a forward pass, on this thread only.
+* with compute threads (:mod:`openbook.runtime.compute_threads`), every model it runs is hooked
+  once so that the thread count may change between the layers of a forward pass, on this thread
+  only.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
-from openbook.compute_threads import ComputeThreads
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.engine import DecodingEngine, Outcome, Running
 from openbook.rag.streaming import OnToken
+from openbook.runtime.compute_threads import ComputeThreads
 from openbook.types import Passage
 from openbook_generator.policy import Work, WorkKind
 

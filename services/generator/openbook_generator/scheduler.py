@@ -52,13 +52,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from openbook.compute_threads import ComputeThreads
 from openbook.errors import DeadlineExceeded, Overloaded
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.engine import Outcome, Running
 from openbook.rag.errors import Abandoned
 from openbook.rag.memory import RequestShape
 from openbook.rag.streaming import OnToken, TokenEvent
+from openbook.runtime.compute_threads import ComputeThreads
 from openbook.serving.batcher import Waiting, WaitingLine, bounded_timeout, resolve
 from openbook.types import Passage
 from openbook_generator.policy import (

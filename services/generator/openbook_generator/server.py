@@ -10,10 +10,10 @@ import logging
 import threading
 
 from openbook.checkpoint import latest_checkpoint, locate_in_root
-from openbook.compute_threads import ComputeThreadsOptions
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
 from openbook.rag.checkpoint import load_generator
+from openbook.runtime.compute_threads import ComputeThreadsOptions
 from openbook.security.sealing import load_sealer
 from openbook.serving import allocator
 from openbook.serving.grpc_server import (

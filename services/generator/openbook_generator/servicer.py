@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 
 from openbook.checkpoint import CheckpointError, checkpoint_in_root
-from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import InvalidArgument, TooLarge, client_errors
 from openbook.limits import MAX_CALLER_CHARS, MAX_K, check_finite, check_question, refuse_controls
 from openbook.observability import telemetry
@@ -25,6 +24,7 @@ from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagG
 from openbook.rag.checkpoint import load_generator
 from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
+from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.serving.allocator import MemoryReleaser
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
@@ -217,7 +217,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         ``draft_tokens``: tokens greedy searches (RAG-Token, RAG-Sequence) draft per step
         (:mod:`openbook.rag.drafting`), on every model this servicer loads; 0: off.
         ``compute_threads``: how the decoding thread sizes its torch threads
-        (:mod:`openbook.compute_threads`); None: torch's default, untouched."""
+        (:mod:`openbook.runtime.compute_threads`); None: torch's default, untouched."""
         self.passage_cache_bytes = passage_cache_bytes
         self.draft_tokens = draft_tokens
         self.generator = self._configured(generator)

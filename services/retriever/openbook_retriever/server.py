@@ -12,7 +12,6 @@ import threading
 from typing import TYPE_CHECKING
 
 from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
-from openbook.compute_threads import ComputeThreadsOptions
 from openbook.errors import OpenbookError
 from openbook.index import Encoder, load_encoder
 from openbook.index.encoders import load_adapted_encoder
@@ -20,6 +19,7 @@ from openbook.index.engine import EngineKind
 from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, IndexLoadError
 from openbook.rag.adapters import AdapterMismatch
+from openbook.runtime.compute_threads import ComputeThreadsOptions
 from openbook.security.sealing import load_sealer
 from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,

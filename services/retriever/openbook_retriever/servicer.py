@@ -34,7 +34,6 @@ import numpy as np
 
 from openbook.artifacts import public_name
 from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
-from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
 from openbook.index import Encoder, IndexLoadError
 from openbook.index.built_documents import built_document, built_document_page
@@ -60,6 +59,7 @@ from openbook.limits import (
 )
 from openbook.metadata_filter import MetadataFilter, parse_filter_json
 from openbook.observability import telemetry
+from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.serving.batcher import Batcher
 from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
@@ -272,7 +272,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         new_index: NewIndexDefaults | None = None,
     ) -> None:
         """``compute_threads``: how the batch thread sizes its torch (and faiss) threads
-        (:mod:`openbook.compute_threads`); None: torch's default, untouched.
+        (:mod:`openbook.runtime.compute_threads`); None: torch's default, untouched.
         ``compact_passages``: the write segment (or hidden rows) that starts a compaction;
         ``new_index``: what CreateIndex makes without ``like`` (default: the default encoder,
         flat)."""

@@ -46,7 +46,6 @@ from openbook.checkpoint import (
     trainer_state_path,
     verify_checkpoint,
 )
-from openbook.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.encoders import encoder_id, encoder_weights_dir
@@ -60,6 +59,7 @@ from openbook.rag.adapters import (
 )
 from openbook.rag.checkpoint import TrainedAdapter, load_generator
 from openbook.rag.loading import cpu_has_native_bf16
+from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook_trainer.checkpoints import load_trainer_state, write_checkpoint
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.data import (

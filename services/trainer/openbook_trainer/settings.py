@@ -29,8 +29,8 @@ class TrainerSettings(CommonSettings):
     # the model are ready); init-more builds the rest while the stack serves. A name that is
     # no demo index (a deployment serving its own) prepares nothing.
     prepare_indexes: str = ""
-    # torch/OpenMP threads of training (openbook/compute_threads.py). 0: sized to the CPU the
-    # process gets, shared by torchrun's processes on the node; an explicit OMP_NUM_THREADS
+    # torch/OpenMP threads of training (openbook/runtime/compute_threads.py). 0: sized to the CPU
+    # the process gets, shared by torchrun's processes on the node; an explicit OMP_NUM_THREADS
     # also fixes it (torchrun sets OMP_NUM_THREADS=1 itself when it starts several processes
     # and the environment has none).
     compute_threads: int = shared(0, "OPENBOOK_COMPUTE_THREADS", ge=0)

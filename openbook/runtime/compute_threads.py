@@ -6,8 +6,8 @@ thread: when a neighbour takes one of two cores, the thread that shares that cor
 time and the whole team with it, and libgomp's waiting threads spin on the core they are
 waiting for. On the default stack that took a 2-core machine from 48 answers to 0 in the same
 test, and to 35 with ``OMP_NUM_THREADS=1`` (issue 29). :class:`ComputeThreads` sizes the team
-to :class:`~openbook.cpu_budget.CpuBudget`'s ``usable`` CPUs at start and re-reads it at most
-every :attr:`ComputeThreadsOptions.interval_s` between pieces of work.
+to :class:`~openbook.runtime.cpu_budget.CpuBudget`'s ``usable`` CPUs at start and re-reads it at
+most every :attr:`ComputeThreadsOptions.interval_s` between pieces of work.
 
 An explicit setting wins and is never changed: ``OPENBOOK_COMPUTE_THREADS`` (the services'
 ``compute_threads`` setting; 0 or unset: automatic), else ``OMP_NUM_THREADS`` when the
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from openbook.cpu_budget import CpuBudget
+from openbook.runtime.cpu_budget import CpuBudget
 
 log = logging.getLogger(__name__)
 

@@ -184,7 +184,8 @@ class CpuBudget:
     docstring). :meth:`usable` reads the kernel each time it is called; call it at most every
     second or so (a reading over a shorter window is mostly clock-tick noise).
 
-    Not thread-safe: one owner (a :class:`~openbook.compute_threads.ComputeThreads`) calls it.
+    Not thread-safe: one owner (a :class:`~openbook.runtime.compute_threads.ComputeThreads`) calls
+    it.
     """
 
     files: CpuFiles = field(default_factory=CpuFiles)
