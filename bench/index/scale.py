@@ -84,7 +84,11 @@ def index_report(args: argparse.Namespace, config: ScaleConfig) -> dict[str, Any
         "vectors_dtype": config.vectors_dtype,
         "coarse_quantizer": config.coarse_quantizer,
         **(
-            {"hnsw_m": config.hnsw_m, "ef_search": config.ef_search}
+            {
+                "hnsw_m": config.hnsw_m,
+                "ef_construction": config.ef_construction,
+                "ef_search": config.ef_search,
+            }
             if config.coarse_quantizer == "hnsw"
             else {}
         ),
@@ -131,6 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ivfpq's list assignment: exact, or an HNSW graph of the centroids",
     )
     p.add_argument("--hnsw-m", type=int, default=32, help="--coarse-quantizer hnsw: graph M")
+    p.add_argument(
+        "--ef-construction", type=int, default=128, help="--coarse-quantizer hnsw: graph build"
+    )
     p.add_argument(
         "--ef-search",
         type=int,
@@ -226,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         vectors_dtype=args.vectors_dtype,
         coarse_quantizer=args.coarse_quantizer,
         hnsw_m=args.hnsw_m,
+        ef_construction=args.ef_construction,
         ef_search=args.ef_search,
         n_centres=args.centres,
     )

@@ -84,6 +84,7 @@ class ScaleConfig:
     vectors_dtype: str = "float32"
     coarse_quantizer: str = "flat"
     hnsw_m: int = 32
+    ef_construction: int = 128
     ef_search: int = 128
     # the corpus's clusters (scale_data): fewer centres at a smaller N give each query's
     # cluster the size it has at a larger one (a 2M proxy of 21M: 390 centres)
@@ -123,6 +124,7 @@ class ScaleConfig:
             rerank=self.rerank,
             coarse_quantizer=self.coarse_quantizer,
             hnsw_m=self.hnsw_m,
+            ef_construction=self.ef_construction,
             ef_search=self.ef_search,
         )
 
