@@ -57,7 +57,7 @@ from openbook.artifacts import (
     verify_files,
 )
 from openbook.errors import InvalidArgument
-from openbook.limits import check_checkpoint_name
+from openbook.validation.limits import check_checkpoint_name
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -1,7 +1,7 @@
 """Errors that cross service boundaries, each with the gRPC status it maps to.
 
-A service's boundary validates each request into a typed request (``openbook.limits``) and
-raises these for a client's mistakes; whatever else escapes an RPC is a bug in the service
+A service's boundary validates each request into a typed request (``openbook.validation.limits``)
+and raises these for a client's mistakes; whatever else escapes an RPC is a bug in the service
 and becomes INTERNAL (the gateway's 500), even a ``ValueError`` or ``LookupError`` from a
 library. Library errors that do mean "the client asked for something wrong" wherever a
 service meets them are declared once with :func:`client_errors`.

@@ -36,8 +36,8 @@ from openbook.index.bm25 import BM25_DIR, build_bm25
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 from openbook.index.store import PassageWriter
-from openbook.metadata_filter import parse_filter
 from openbook.types import Passage
+from openbook.validation.metadata_filter import parse_filter
 
 TYPES = ("flat", "hnsw", "hnsw-sq8", "ivfpq")
 VOCAB = [f"w{i}" for i in range(5000)]

@@ -25,7 +25,7 @@ from openbook.index.documents import (
 )
 from openbook.index.live import MAX_LIST_LIMIT, DocumentNotFound, DocumentPage
 from openbook.index.loaded import LoadedIndex
-from openbook.limits import check_range
+from openbook.validation.limits import check_range
 
 # Passage ids read per step while paging: a document has a handful of passages.
 _SCAN = 1000

@@ -22,9 +22,9 @@ from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import SET_MANIFEST, build_slice, read_index_set
 from openbook.index.shard import split_index
 from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
-from openbook.limits import check_index_name
-from openbook.metadata_filter import parse_filter_json
 from openbook.security.secrets import read_secret
+from openbook.validation.limits import check_index_name
+from openbook.validation.metadata_filter import parse_filter_json
 
 if TYPE_CHECKING:
     from openbook.index.milvus_build import MilvusBuilt, MilvusTarget

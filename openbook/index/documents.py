@@ -2,8 +2,8 @@
 
 Invariants:
   * A :class:`Document` that exists has passed :meth:`Document.validate`'s rules (limits from
-    :mod:`openbook.limits`): a non-empty id of at most ``MAX_DOCUMENT_ID_CHARS`` characters
-    without ``/`` or control characters, text holding at least one word and at most
+    :mod:`openbook.validation.limits`): a non-empty id of at most ``MAX_DOCUMENT_ID_CHARS``
+    characters without ``/`` or control characters, text holding at least one word and at most
     ``MAX_DOCUMENT_TEXT_CHARS`` characters, and metadata a flat map of string keys to scalars
     (str, int, finite float, bool, None). A violation is an
     :class:`openbook.errors.InvalidArgument` whose message starts with the field's name.
@@ -11,8 +11,8 @@ Invariants:
     (:func:`openbook.index.passages.split_passages`, as a corpus build splits), each keeping
     the document's title, with ids ``<doc_id>#<n>`` (n from 0): the ids a corpus build gives
     an article's pieces, so a compaction rebuilds the same ids.
-  * A paged document (metadata ``page_words``, ``openbook.limits.PAGE_WORDS_KEY``: an uploaded
-    PDF's words per page, which must add up to its text's words) is split page by page: the
+  * A paged document (metadata ``page_words``, ``openbook.validation.limits.PAGE_WORDS_KEY``: an
+    uploaded PDF's words per page, which must add up to its text's words) is split page by page: the
     windows restart at each page, so no passage spans two pages, and passage ``n``'s page is
     known from the metadata and ``max_words`` alone (:func:`passage_page`).
 """
@@ -25,9 +25,10 @@ from typing import Any
 
 from openbook.errors import InvalidArgument
 from openbook.index.passages import split_passages
+from openbook.types import PASSAGE_ID_SEPARATOR, Passage, document_id_of
 
 # The rules are the core's (the gateway checks a document with the same ones); re-exported.
-from openbook.limits import (
+from openbook.validation.limits import (
     MAX_BATCH_DOCUMENTS,
     PAGE_WORDS_KEY,
     check_document_id,
@@ -37,7 +38,6 @@ from openbook.limits import (
     check_metadata,
     parse_page_words,
 )
-from openbook.types import PASSAGE_ID_SEPARATOR, Passage, document_id_of
 
 MetadataValue = str | int | float | bool | None
 
@@ -72,8 +72,8 @@ class Document:
     def validate(self, field: str = "", *, stored: bool = False) -> None:
         """Raise InvalidArgument naming the first bad field (prefixed by ``field.``).
         ``stored``: a document read back from a log, held to the rules of the time it was
-        written (``openbook.limits``: without issue 42's visible-character rules), so that a
-        document written before them still loads."""
+        written (``openbook.validation.limits``: without issue 42's visible-character rules), so
+        that a document written before them still loads."""
         at = f"{field}." if field else ""
         check_document_id(f"{at}id", self.id, stored=stored)
         check_document_title(f"{at}title", self.title)

@@ -30,8 +30,8 @@ from openbook.index.manifest import Manifest
 from openbook.index.spec import IndexSpec
 from openbook.index.stages import BM25_PARAMS
 from openbook.index.vectors import default_score_scale
-from openbook.metadata_filter import MetadataFilter
 from openbook.types import Passage
+from openbook.validation.metadata_filter import MetadataFilter
 
 TEMPLATE_FILE = "template.json"
 

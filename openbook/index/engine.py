@@ -25,7 +25,7 @@ for which mode a request gets on an index of given views.
 Invariants: this module imports no engine (no faiss, no pymilvus: its imports are for type
 checking only); each engine's conformance is asserted where it is registered
 (``files_engine.py``, ``milvus_engine.py``) and checked by mypy, and the enums' values are
-the strings ``openbook.limits.RETRIEVAL_MODES`` and ``spec.INDEX_TYPES`` list
+the strings ``openbook.validation.limits.RETRIEVAL_MODES`` and ``spec.INDEX_TYPES`` list
 (``tests/index/test_engine.py``).
 """
 
@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from openbook.index.encoders import Encoder
     from openbook.index.live import DocumentPage, WriteResult
     from openbook.index.manifest import Manifest
-    from openbook.metadata_filter import MetadataFilter
     from openbook.types import Passage
+    from openbook.validation.metadata_filter import MetadataFilter
 
 
 class View(StrEnum):
@@ -58,8 +58,8 @@ class View(StrEnum):
 
 
 class RetrievalMode(StrEnum):
-    """How passages are retrieved (``openbook.limits.RetrievalMode`` spells the same strings
-    for the wire): one view, or both fused (``openbook.index.fusion``)."""
+    """How passages are retrieved (``openbook.validation.limits.RetrievalMode`` spells the same
+    strings for the wire): one view, or both fused (``openbook.index.fusion``)."""
 
     DENSE = "dense"
     BM25 = "bm25"

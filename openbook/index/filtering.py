@@ -1,8 +1,8 @@
 """Metadata filters applied inside retrieval: which rows a filter keeps, and searching only them.
 
-Read side. A filter (:mod:`openbook.metadata_filter`) becomes a boolean mask over an index's
-rows (:class:`MetadataColumns`), and every search path takes that mask *before* ranking, so the
-k best matching passages come back whenever k match (never "the top k, then drop the ones that
+Read side. A filter (:mod:`openbook.validation.metadata_filter`) becomes a boolean mask over an
+index's rows (:class:`MetadataColumns`), and every search path takes that mask *before* ranking, so
+the k best matching passages come back whenever k match (never "the top k, then drop the ones that
 do not match", which returns fewer, or none, for a selective filter):
 
 * dense (``flat``, ``hnsw``, ``hnsw-sq8``, ``ivfpq``): when the mask keeps at most
@@ -34,7 +34,7 @@ import faiss
 import numpy as np
 
 from openbook.index import faiss_index
-from openbook.metadata_filter import (
+from openbook.validation.metadata_filter import (
     BUILTIN_FIELDS,
     BUILTIN_ID,
     BUILTIN_TITLE,

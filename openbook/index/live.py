@@ -104,9 +104,9 @@ from openbook.index.wal import (
     read_log_from,
 )
 from openbook.index.writer_lock import COMPACTION_LOCK_FILE, WriterLock, WriterLockHeld
-from openbook.limits import check_range
-from openbook.metadata_filter import MetadataFilter, record_of
 from openbook.types import Passage
+from openbook.validation.limits import check_range
+from openbook.validation.metadata_filter import MetadataFilter, record_of
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
 from openbook.index.spec import INDEX_TYPES
 from openbook.index.store import PassageStore
-from openbook.metadata_filter import MetadataFilter
 from openbook.types import Passage
+from openbook.validation.metadata_filter import MetadataFilter
 
 
 def advise_random_reads(array: np.ndarray) -> None:

@@ -28,8 +28,8 @@ collections and one row of the ``openbook_indexes`` collection:
 Every read is at the ``Strong`` consistency level, so a search or read that starts after a
 write was acknowledged (by any client of the same Milvus) sees it: read-your-writes.
 
-Filters. A metadata filter (``openbook.metadata_filter``) never puts a user's key or value
-into a Milvus expression: each passage carries ``terms``, the sha256 of every (key, typed
+Filters. A metadata filter (``openbook.validation.metadata_filter``) never puts a user's key or
+value into a Milvus expression: each passage carries ``terms``, the sha256 of every (key, typed
 value) pair of its filter record (``record_of``: metadata with ``_id`` and ``_title``), and a
 condition becomes ``array_contains_any(terms, [<hex digests>])`` joined by ``and`` / ``or``.
 So matching is exactly ``MetadataFilter.matches``' (typed: ``true`` is not ``1``, ``2018``
@@ -120,8 +120,9 @@ from openbook.index.milvus_bm25 import (
     sparse_score,
     term_dim,
 )
-from openbook.limits import MAX_METADATA_KEYS, check_range
-from openbook.metadata_filter import (
+from openbook.types import Passage
+from openbook.validation.limits import MAX_METADATA_KEYS, check_range
+from openbook.validation.metadata_filter import (
     AllOf,
     AnyOf,
     Condition,
@@ -131,7 +132,6 @@ from openbook.metadata_filter import (
     record_of,
     value_key,
 )
-from openbook.types import Passage
 
 KIND = EngineKind.MILVUS
 META_COLLECTION = "openbook_indexes"

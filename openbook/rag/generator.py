@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from openbook.errors import InvalidArgument
-from openbook.limits import check_finite
 from openbook.rag.adapters import check_base, merged
 from openbook.rag.backends import GeneratorBackend
 from openbook.rag.beam import SearchSettings, StopFn
@@ -30,6 +29,7 @@ from openbook.rag.memory import (
 from openbook.rag.options import DecodingOptions, GenerationResult
 from openbook.rag.streaming import OnToken
 from openbook.types import Passage
+from openbook.validation.limits import check_finite
 
 Request = tuple[str, Sequence[Passage], DecodingOptions]
 

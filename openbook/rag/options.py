@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openbook.limits import check_decoding
+from openbook.validation.limits import check_decoding
 
 
 @dataclass
@@ -45,8 +45,8 @@ class DecodingOptions:
 
     def validate(self) -> None:
         """Raise :class:`~openbook.errors.InvalidArgument` naming the first bad field: the
-        rules of :func:`openbook.limits.check_decoding`, the same the gateway and the generator
-        service apply at their boundaries."""
+        rules of :func:`openbook.validation.limits.check_decoding`, the same the gateway and the
+        generator service apply at their boundaries."""
         check_decoding(
             self.mode,
             self.num_beams,

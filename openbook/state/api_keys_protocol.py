@@ -44,7 +44,7 @@ class ApiKeyRecord(TypedDict):
     scopes: list[str]
     indexes: list[str] | None  # None: every index
     created: float  # time.time() when it was made
-    # The tenant's metadata filter (openbook.metadata_filter's grammar), ANDed into every
+    # The tenant's metadata filter (openbook.validation.metadata_filter's grammar), ANDed into every
     # retrieval made with the key; None: none.
     filter: dict[str, Any] | None
     rate: KeyRate | None  # None: no limits

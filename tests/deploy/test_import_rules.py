@@ -29,7 +29,7 @@ def _subpackages() -> set[str]:
 
 
 def _package_of_module(module: str, subpackages: set[str]) -> str | None:
-    """``openbook.rag.engine`` → ``openbook.rag``; ``openbook.limits`` → ``openbook``;
+    """``openbook.rag.engine`` → ``openbook.rag``; ``openbook.validation.limits`` → ``openbook``;
     ``openbook_gateway.app`` → ``openbook_gateway``; anything else (a library) → None."""
     parts = module.split(".")
     if parts[0] == CORE:

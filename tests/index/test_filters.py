@@ -15,20 +15,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from openbook import limits
 from openbook.errors import InvalidArgument
 from openbook.index import filtering, open_index
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex
 from openbook.index.shard import split_index
-from openbook.metadata_filter import (
+from openbook.types import Passage
+from openbook.validation import limits
+from openbook.validation.metadata_filter import (
     UNMATCHABLE,
     MetadataFilter,
     parse_filter,
     parse_filter_json,
     value_key,
 )
-from openbook.types import Passage
 from openbook_testkit.index import random_vectors, write_vector_index
 from openbook_testkit.live import make_live_index, random_document
 
@@ -354,7 +354,7 @@ def _all_ids(live: LiveIndex) -> set[str]:
 def test_also_matching_widens_one_keys_string_values_everywhere_in_the_tree():
     """What a tenant's ``_id`` condition becomes (openbook_gateway.principal.Principal.where):
     each string value also matches its alias, in every branch; other keys and kinds stay."""
-    from openbook.metadata_filter import parse_filter, record_of
+    from openbook.validation.metadata_filter import parse_filter, record_of
 
     where = parse_filter({"$or": [{"_id": "report"}, {"_id": {"$in": ["a", 7]}}], "year": "x"})
     assert where is not None

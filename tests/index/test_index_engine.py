@@ -20,8 +20,8 @@ from openbook.index.engine import (
 )
 from openbook.index.faiss_index import DENSE_TYPES
 from openbook.index.manifest import VIEWS
-from openbook.limits import RETRIEVAL_MODES as WIRE_RETRIEVAL_MODES
-from openbook.limits import RETRIEVAL_VIEWS
+from openbook.validation.limits import RETRIEVAL_MODES as WIRE_RETRIEVAL_MODES
+from openbook.validation.limits import RETRIEVAL_VIEWS
 
 
 def test_the_enums_are_the_strings_openbook_uses() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from openbook.errors import InvalidArgument
 from openbook.index.documents import Document, document_id_of
-from openbook.limits import (
+from openbook.validation.limits import (
     MAX_DOCUMENT_ID_CHARS,
     MAX_DOCUMENT_TEXT_CHARS,
     MAX_METADATA_KEYS,

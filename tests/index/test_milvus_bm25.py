@@ -18,7 +18,7 @@ from openbook.index.live import LiveIndex
 from openbook.index.manifest import IndexLoadError
 from openbook.index.milvus_bm25 import NO_TERM, query_vectors, term_dim
 from openbook.index.milvus_engine import MilvusEngine, MilvusIndex
-from openbook.metadata_filter import parse_filter
+from openbook.validation.metadata_filter import parse_filter
 from openbook_testkit.index import build_words_index
 
 pytest.importorskip("milvus_lite")

@@ -32,7 +32,7 @@ from openbook.index.milvus_engine import (
     milvus_index_of,
     milvus_string,
 )
-from openbook.metadata_filter import parse_filter
+from openbook.validation.metadata_filter import parse_filter
 from openbook_testkit.index import build_words_index
 
 pytest.importorskip("milvus_lite")

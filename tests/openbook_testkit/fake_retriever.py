@@ -35,7 +35,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, OpenbookError
 from openbook.index.documents import Document
-from openbook.limits import check_index_name
 from openbook.serving.grpc_server import (
     RETRIEVER_SERVICE,
     AdminAuthInterceptor,
@@ -44,6 +43,7 @@ from openbook.serving.grpc_server import (
 )
 from openbook.state.shared_state import index_renewed, publish_index_version
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
+from openbook.validation.limits import check_index_name
 
 
 class AlreadyExists(OpenbookError):

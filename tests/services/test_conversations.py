@@ -15,13 +15,13 @@ import httpx
 import openai
 import pytest
 
-from openbook.limits import (
+from openbook.state.redis_protocol import response_key
+from openbook.validation.limits import (
     CONVERSATION_TURN_CHARS,
     MAX_CONVERSATION_MESSAGES,
     MAX_HISTORY_MESSAGE_CHARS,
     MAX_QUESTION_CHARS,
 )
-from openbook.state.redis_protocol import response_key
 from openbook_gateway.conversation import Turn, contextual_question, plain, recent
 from openbook_gateway.openai_format import abstention
 from openbook_testkit.rag import make_tiny_causal_lm

@@ -17,15 +17,15 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from schemathesis import GenerationMode
 
-from openbook.limits import (
+from openbook.security.sealing import default_sealer
+from openbook.state.redis_protocol import INDEX_STATE_KEY, open_index_state
+from openbook.validation.limits import (
     MAX_BATCH_DOCUMENTS,
     MAX_DOCUMENT_ID_CHARS,
     MAX_DOCUMENT_TEXT_CHARS,
     MAX_DOCUMENT_TITLE_CHARS,
     MAX_METADATA_KEYS,
 )
-from openbook.security.sealing import default_sealer
-from openbook.state.redis_protocol import INDEX_STATE_KEY, open_index_state
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import document_shard
 from openbook_gateway.settings import GatewaySettings

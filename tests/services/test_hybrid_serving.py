@@ -17,9 +17,9 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from openbook.limits import RETRIEVAL_MODES
 from openbook.state.redis_protocol import answer_key
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
+from openbook.validation.limits import RETRIEVAL_MODES
 from openbook_gateway.app import create_app
 from openbook_gateway.cache import answer_params
 from openbook_gateway.schemas import AnswerRequest
@@ -104,7 +104,7 @@ def test_limits_name_the_index_layers_modes():
 def test_the_shared_rule_for_modes_views_and_defaults():
     from openbook.errors import InvalidArgument
     from openbook.index.manifest import Manifest
-    from openbook.limits import check_retrieval, check_retrieval_views
+    from openbook.validation.limits import check_retrieval, check_retrieval_views
 
     assert [check_retrieval("retrieval", m) for m in RETRIEVAL_MODES] == list(RETRIEVAL_MODES)
     with pytest.raises(InvalidArgument, match="^retrieval: must be one of dense, bm25, hybrid"):

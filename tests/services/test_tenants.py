@@ -19,7 +19,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from openbook.metadata_filter import parse_filter
+from openbook.validation.metadata_filter import parse_filter
 from openbook_cli.app import app as cli_app
 from openbook_gateway.principal import namespace
 from openbook_testkit.stack import running_backends, serving_gateway

@@ -1,8 +1,8 @@
-"""A request is validated once per boundary, against one set of limits (``openbook.limits``):
-what the gateway accepts the retriever and generator accept, and what it refuses they refuse,
-each naming the field. Only a client's mistake is a 4xx / INVALID_ARGUMENT: a plain
-``ValueError`` (or anything else) escaping a service is INTERNAL, and the gateway's 500 names
-the request id."""
+"""A request is validated once per boundary, against one set of limits
+(``openbook.validation.limits``): what the gateway accepts the retriever and generator accept, and
+what it refuses they refuse, each naming the field. Only a client's mistake is a 4xx /
+INVALID_ARGUMENT: a plain ``ValueError`` (or anything else) escaping a service is INTERNAL, and the
+gateway's 500 names the request id."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from openbook import limits
 from openbook.errors import InvalidArgument, NotFound, status_for
 from openbook.rag import DecodingOptions
 from openbook.v1 import (
@@ -23,6 +22,7 @@ from openbook.v1 import (
     retriever_pb2,
     retriever_pb2_grpc,
 )
+from openbook.validation import limits
 from openbook_gateway.app import create_app
 from openbook_gateway.retrieval import Retrieval
 from openbook_gateway.routes.pages import STATIC_DIR

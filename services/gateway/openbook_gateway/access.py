@@ -55,9 +55,9 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
 from openbook.errors import InvalidArgument
-from openbook.metadata_filter import parse_filter
 from openbook.security.auth import bearer_token, token_matches
 from openbook.state.api_keys_state_aio import read_api_key, touch_api_key
+from openbook.validation.metadata_filter import parse_filter
 from openbook_gateway import api_keys, key_limits, openai_format
 from openbook_gateway.api_keys import LastUsed
 from openbook_gateway.openai_schemas import OpenAIRequestError

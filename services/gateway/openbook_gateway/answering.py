@@ -31,9 +31,9 @@ from fastapi import HTTPException
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from openbook.limits import check_question
 from openbook.observability import telemetry
 from openbook.v1 import generator_pb2, retriever_pb2
+from openbook.validation.limits import check_question
 from openbook_gateway import key_limits, tenancy
 from openbook_gateway.cache import answer_params
 from openbook_gateway.conversation import Turn, contextual_question

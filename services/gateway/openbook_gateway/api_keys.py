@@ -20,8 +20,8 @@ key (:func:`openbook.state.api_keys_protocol.seal_api_key`). So:
 Invariants: names follow :data:`KEY_NAME_PATTERN` (a path segment, and no ``.``); a record's
 scopes are a subset of :data:`SCOPES`; a key with ``admin`` names no indexes and has no filter
 (it could make itself a key that is held to neither). A record's ``filter`` parses
-(:func:`openbook.metadata_filter.parse_filter`): the gateway refuses it at ``POST /admin/keys``,
-and treats a stored one that does not as no key (``access.identify``).
+(:func:`openbook.validation.metadata_filter.parse_filter`): the gateway refuses it at ``POST
+/admin/keys``, and treats a stored one that does not as no key (``access.identify``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ from typing import Any, Literal
 from redis.exceptions import RedisError
 
 from openbook.config.settings import RedisOptions
-from openbook.metadata_filter import MetadataFilter
 from openbook.security.sealing import RateLimitedLog, Sealer
 from openbook.state.redis_protocol import IndexState, answer_key, index_version_of
 from openbook.state.shared_state_aio import (
@@ -52,6 +51,7 @@ from openbook.state.shared_state_aio import (
     read_serving,
     write_answer,
 )
+from openbook.validation.metadata_filter import MetadataFilter
 from openbook_gateway.schemas import AnswerRequest
 
 log = logging.getLogger(__name__)

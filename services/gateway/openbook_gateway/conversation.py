@@ -17,7 +17,7 @@ Invariants:
   to ``CONVERSATION_TURN_CHARS`` and the whole is at most ``MAX_QUESTION_CHARS``, so the
   retrieval query and the generator's prompt are bounded however long the conversation is.
 * Only ``CONVERSATION_USER_TURNS`` user messages and one assistant message before the question
-  are read (``openbook.limits``); system, developer and tool messages never are.
+  are read (``openbook.validation.limits``); system, developer and tool messages never are.
 * Earlier turns are text to search with, not input to validate: control characters become
   spaces, whitespace runs one space, an answer's ``[i]`` citation markers and an abstention's
   message are dropped.
@@ -31,7 +31,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from openbook.limits import CONVERSATION_TURN_CHARS, CONVERSATION_USER_TURNS, MAX_QUESTION_CHARS
+from openbook.validation.limits import (
+    CONVERSATION_TURN_CHARS,
+    CONVERSATION_USER_TURNS,
+    MAX_QUESTION_CHARS,
+)
 
 Role = Literal["user", "assistant"]
 

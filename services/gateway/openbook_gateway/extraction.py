@@ -21,8 +21,8 @@ in its text layer is a new line and pages are a blank line apart.
 Invariants:
   * :func:`extract` either returns an :class:`Extracted` whose text holds at least one word,
     at most :attr:`ExtractionLimits.max_chars` characters and no control character but tab,
-    newline and carriage return (what ``openbook.limits.check_document_text`` takes), and a
-    title that ``check_document_title`` takes (possibly empty), or raises
+    newline and carriage return (what ``openbook.validation.limits.check_document_text`` takes), and
+    a title that ``check_document_title`` takes (possibly empty), or raises
     :class:`ExtractionError` with the HTTP status and a message naming the reason. Nothing
     here writes anywhere: a refused file leaves the index unchanged.
   * Work and memory are bounded by the input and the limits, not by what a file claims or
@@ -43,8 +43,8 @@ Invariants:
   * A PDF's ``page_words`` has one entry per page: the number of whitespace-separated words of
     that page's text, in order; their sum is the number of words of ``text`` (pages are joined
     by a blank line). The document's passages are cut page by page from it
-    (``openbook.limits.PAGE_WORDS_KEY``), so no passage spans two pages and each knows its
-    page.
+    (``openbook.validation.limits.PAGE_WORDS_KEY``), so no passage spans two pages and each knows
+    its page.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from markdown_it.token import Token
 from pypdf.generic import ArrayObject, ContentStream, IndirectObject, NameObject
 
 from openbook.errors import InvalidArgument
-from openbook.limits import MAX_DOCUMENT_TEXT_CHARS, MAX_DOCUMENT_TITLE_CHARS
+from openbook.validation.limits import MAX_DOCUMENT_TEXT_CHARS, MAX_DOCUMENT_TITLE_CHARS
 
 KINDS = ("text", "markdown", "html", "pdf")
 MARKDOWN_SUFFIXES = (".md", ".markdown", ".mdown", ".mkd")

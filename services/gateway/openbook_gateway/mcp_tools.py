@@ -19,8 +19,8 @@ Invariants:
   integer, ``"true"`` not a boolean) and with unknown arguments refused (:func:`strict_arguments`:
   each tool's argument model, the SDK's lax one otherwise, made ``STRICT_REQUEST``; its schema
   then says ``additionalProperties: false``), then by the request models of the HTTP API
-  (``schemas``: the rules of ``openbook.limits``). A bad argument, or anything the services
-  refuse (an unknown index, an index without the asked retrieval view), is a tool error
+  (``schemas``: the rules of ``openbook.validation.limits``). A bad argument, or anything the
+  services refuse (an unknown index, an index without the asked retrieval view), is a tool error
   (``isError``) whose text names the argument; the session goes on. An unexpected failure
   is a tool error naming the request id, never a crashed session.
 * A write tool runs only when the HTTP request that carries the call presents a key with the
@@ -48,7 +48,9 @@ from mcp.types import ToolAnnotations
 from pydantic import ConfigDict, Field, ValidationError
 
 from openbook.errors import InvalidArgument
-from openbook.limits import (
+from openbook.observability.logs import request_id_var
+from openbook.types import document_id_of
+from openbook.validation.limits import (
     MAX_K,
     DecodingMode,
     RetrievalMode,
@@ -56,8 +58,6 @@ from openbook.limits import (
     check_index_name,
     check_question,
 )
-from openbook.observability.logs import request_id_var
-from openbook.types import document_id_of
 from openbook_gateway import audit
 from openbook_gateway.access import Refused, require_scope
 from openbook_gateway.answering import AnswerOut, answer_events

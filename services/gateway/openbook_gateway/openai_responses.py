@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from openbook.limits import MAX_QUERIES, MAX_QUESTION_CHARS
+from openbook.validation.limits import MAX_QUERIES, MAX_QUESTION_CHARS
 from openbook_gateway.conversation import Turn, recent
 from openbook_gateway.openai_schemas import (
     MAX_MESSAGES,

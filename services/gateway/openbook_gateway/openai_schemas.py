@@ -5,7 +5,8 @@ log-probs, penalties, images, ...) with a 400 that names the field, and openbook
 extra body fields (``k``, ``decoding``, ``index``, ``num_beams``, ``min_confidence``,
 ``filter``, ...; the official clients send them with ``extra_body``).
 :func:`to_answer_request` turns it into the :class:`~openbook_gateway.schemas.AnswerRequest`
-the answer pipeline runs; every limit is the one ``/answer`` enforces (``openbook.limits``).
+the answer pipeline runs; every limit is the one ``/answer`` enforces
+(``openbook.validation.limits``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from openbook.limits import (
+from openbook.validation.limits import (
     INDEX_NAME_PATTERN,
     MAX_BEAMS,
     MAX_CONVERSATION_MESSAGES,
@@ -94,8 +95,8 @@ class ResponseFormat(BaseModel):
 
 class SamplingParams(BaseModel):
     """OpenAI's sampling fields and openbook's ``top_k``, shared by every ``/v1`` route that
-    generates (chat completions, responses): their bounds are ``openbook.limits``' (a value
-    out of range is a 400 naming it), :meth:`sampling_fields` hands them to the
+    generates (chat completions, responses): their bounds are ``openbook.validation.limits``' (a
+    value out of range is a 400 naming it), :meth:`sampling_fields` hands them to the
     :class:`~openbook_gateway.schemas.AnswerRequest`, whose ``check_decoding`` is the one rule.
 
     ``temperature`` unset or 0 keeps greedy / beam search (OpenAI's own default is 1, but a

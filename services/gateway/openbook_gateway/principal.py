@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from openbook.metadata_filter import BUILTIN_ID, AllOf, MetadataFilter
 from openbook.state.api_keys_protocol import KeyRate
+from openbook.validation.metadata_filter import BUILTIN_ID, AllOf, MetadataFilter
 
 ASK, WRITE, INDEXES_CREATE, ADMIN = "ask", "write", "indexes:create", "admin"
 # What begins a tenant's namespaced id (``~<tag>~<id>``), and the hex digits of its tag.

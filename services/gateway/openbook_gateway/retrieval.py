@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from fastapi import HTTPException
 from pydantic import SecretStr
 
-from openbook.metadata_filter import MetadataFilter
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2
+from openbook.validation.metadata_filter import MetadataFilter
 from openbook_gateway.clients import DOCUMENT_HTTP_STATUS, RetrieverClient
 
 # A document write embeds its passages (and creating an index may load an encoder) before it

@@ -1,7 +1,7 @@
 """HTTP request and response bodies of the gateway.
 
-Requests are checked once, here, against ``openbook.limits``: the limits the retriever and
-generator enforce at their own boundaries, so a request accepted here is one they accept.
+Requests are checked once, here, against ``openbook.validation.limits``: the limits the retriever
+and generator enforce at their own boundaries, so a request accepted here is one they accept.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from fastapi import UploadFile
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from openbook.limits import (
+from openbook.validation.limits import (
     INDEX_NAME_PATTERN,
     MAX_BATCH_DOCUMENTS,
     MAX_BEAMS,
@@ -43,7 +43,7 @@ from openbook.limits import (
     check_metadata,
     check_question,
 )
-from openbook.metadata_filter import MetadataFilter, parse_filter
+from openbook.validation.metadata_filter import MetadataFilter, parse_filter
 from openbook_gateway.api_keys import KEY_NAME_PATTERN, MAX_KEY_INDEXES, SCOPES, Scope
 
 # Passages per answer when neither the request nor the served generator names a number (a RAG
@@ -418,8 +418,8 @@ class ReplicasResponse(BaseModel):
 
 # --- documents (routes/documents.py) --------------------------------------------------------
 #
-# A document's rules are openbook.limits' check_document_* (the retriever's Document checks
-# with the same ones); the Field bounds repeat their limits for the OpenAPI schema.
+# A document's rules are openbook.validation.limits' check_document_* (the retriever's Document
+# checks with the same ones); the Field bounds repeat their limits for the OpenAPI schema.
 
 INDEX_TYPE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
 
@@ -520,7 +520,7 @@ class UploadForm(BaseModel):
 
     # The form of POST /indexes/{index}/documents as the OpenAPI document describes it
     # (multipart_body). The route parses the form itself (routes/uploads.py says why FastAPI's
-    # File/Form parameters cannot) and checks each field with openbook.limits' rules; its
+    # File/Form parameters cannot) and checks each field with openbook.validation.limits' rules; its
     # fields are these, and no others.
     model_config = ConfigDict(extra="forbid")
 

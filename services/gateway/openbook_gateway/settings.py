@@ -21,7 +21,7 @@ class GatewaySettings(CommonSettings):
     health_timeout_s: float = Field(default=2.0, gt=0)
     max_body_bytes: int = Field(default=64 * 1024, gt=0)  # larger request bodies get 413
     # Bodies of document writes (PUT/POST under /indexes/): an article of up to
-    # MAX_DOCUMENT_TEXT_CHARS characters, or a batch of them (openbook.limits).
+    # MAX_DOCUMENT_TEXT_CHARS characters, or a batch of them (openbook.validation.limits).
     max_document_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     # Pages of an uploaded PDF (POST /indexes/{index}/documents, openbook_gateway.extraction):
     # more is refused (413) before any page is read. The file's size is bounded by

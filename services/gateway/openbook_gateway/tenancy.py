@@ -39,8 +39,9 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from openbook.limits import MAX_DOCUMENT_ID_CHARS
-from openbook.metadata_filter import (
+from openbook.v1 import retriever_pb2
+from openbook.validation.limits import MAX_DOCUMENT_ID_CHARS
+from openbook.validation.metadata_filter import (
     BUILTIN_FIELDS,
     AllOf,
     Condition,
@@ -49,7 +50,6 @@ from openbook.metadata_filter import (
     record_of,
     value_key,
 )
-from openbook.v1 import retriever_pb2
 from openbook_gateway.principal import NAMESPACE_MARK, Principal, namespace
 from openbook_gateway.retrieval import Retrieval
 

@@ -1,8 +1,8 @@
 """gRPC handlers of the generator: validation, admission, translation to protobuf.
 
 ``Generate`` turns its proto request into a :class:`ValidGenerateRequest` first, checked once
-against ``openbook.limits`` (the limits the gateway enforces too); everything behind it trusts
-that request. Anything else that fails is a bug here, and answers INTERNAL.
+against ``openbook.validation.limits`` (the limits the gateway enforces too); everything behind it
+trusts that request. Anything else that fails is a bug here, and answers INTERNAL.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import grpc
 
 from openbook.checkpoint import CheckpointError, checkpoint_in_root
 from openbook.errors import InvalidArgument, TooLarge, client_errors
-from openbook.limits import MAX_CALLER_CHARS, MAX_K, check_finite, check_question, refuse_controls
 from openbook.observability import telemetry
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
 from openbook.rag.checkpoint import load_generator
@@ -32,6 +31,13 @@ from openbook.serving.threads import in_passing_thread
 from openbook.state.shared_state import ModelFollower
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
+from openbook.validation.limits import (
+    MAX_CALLER_CHARS,
+    MAX_K,
+    check_finite,
+    check_question,
+    refuse_controls,
+)
 from openbook_generator.scheduler import GenerateItem, Scheduler, SchedulingOptions, StageTimes
 
 log = logging.getLogger(__name__)
@@ -47,7 +53,8 @@ RELEASE_AFTER_BYTES = 512 * 2**20
 
 @dataclass(frozen=True)
 class ValidGenerateRequest:
-    """A ``GenerateRequest`` checked against ``openbook.limits``: what the servicer works on."""
+    """A ``GenerateRequest`` checked against ``openbook.validation.limits``: what the servicer works
+    on."""
 
     question: str
     passages: tuple[Passage, ...]
@@ -57,7 +64,7 @@ class ValidGenerateRequest:
 
 def options_from_proto(msg: generator_pb2.DecodingOptions) -> DecodingOptions:
     """Unset (zero) fields take the library defaults; every field is checked here, by the
-    rules the gateway and the library apply (``openbook.limits.check_decoding``)."""
+    rules the gateway and the library apply (``openbook.validation.limits.check_decoding``)."""
     length_penalty = msg.length_penalty if msg.HasField("length_penalty") else 1.0
     options = DecodingOptions(
         mode=msg.mode or DEFAULTS.mode,

@@ -17,13 +17,13 @@ from openbook.index import INDEX_TYPES
 from openbook.index.document_store import StoredDocument
 from openbook.index.documents import Document
 from openbook.index.live import MAX_LIST_LIMIT
-from openbook.limits import (
+from openbook.v1 import retriever_pb2
+from openbook.validation.limits import (
     MAX_BATCH_DOCUMENTS,
     check_document_ref,
     check_index_name,
     check_range,
 )
-from openbook.v1 import retriever_pb2
 
 DEFAULT_LIST_LIMIT = 100
 

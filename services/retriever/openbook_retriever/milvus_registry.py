@@ -38,7 +38,7 @@ from openbook.errors import (
 from openbook.index.engine import EngineKind, SearchableIndex
 from openbook.index.manifest import IndexLoadError, Manifest
 from openbook.index.milvus_engine import MilvusEngine, MilvusIndex
-from openbook.limits import check_index_name
+from openbook.validation.limits import check_index_name
 from openbook_retriever.registry import IndexStatus, Registry
 
 log = logging.getLogger(__name__)

@@ -69,7 +69,7 @@ from openbook.index import (
 from openbook.index.empty_base import TEMPLATE_FILE
 from openbook.index.engine import DocumentIndex, EngineKind, SearchableIndex
 from openbook.index.live import LiveIndex, LiveOptions, disk_stamp, is_live_index, newest_base
-from openbook.limits import check_index_name
+from openbook.validation.limits import check_index_name
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ retrieval mode together (dense and hybrid: one query-encoder forward pass) with 
 distinct ``(k, return_vectors)``. Each call still gets its own result or its own error, and
 holds its lease until its result is back, so a swap never closes an index under a queued call.
 
-Each RPC checks its proto request once, at the top, against ``openbook.limits`` (the limits
-the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest` that
+Each RPC checks its proto request once, at the top, against ``openbook.validation.limits`` (the
+limits the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest` that
 everything behind it trusts, the documents RPCs into the typed requests of
 :mod:`openbook_retriever.documents`. Anything else that fails is a bug here, and answers
 INTERNAL.
@@ -48,16 +48,6 @@ from openbook.index.pairing import (
     configured_override,
 )
 from openbook.index.spec import IndexSpec
-from openbook.limits import (
-    MAX_K,
-    MAX_QUERIES,
-    check_index_name,
-    check_question,
-    check_range,
-    check_retrieval,
-    check_retrieval_views,
-)
-from openbook.metadata_filter import MetadataFilter, parse_filter_json
 from openbook.observability import telemetry
 from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.serving.batcher import Batcher
@@ -72,6 +62,16 @@ from openbook.state.shared_state import (
 )
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
+from openbook.validation.limits import (
+    MAX_K,
+    MAX_QUERIES,
+    check_index_name,
+    check_question,
+    check_range,
+    check_retrieval,
+    check_retrieval_views,
+)
+from openbook.validation.metadata_filter import MetadataFilter, parse_filter_json
 from openbook_retriever.compactor import BackgroundCompactor
 from openbook_retriever.documents import (
     NewIndexDefaults,
@@ -99,19 +99,21 @@ def passage_to_proto(p: Passage, with_vector: bool, page: int = 0) -> common_pb2
 
 @dataclass(frozen=True)
 class ValidRetrieveRequest:
-    """A ``RetrieveRequest`` checked against ``openbook.limits``: what the servicer works on."""
+    """A ``RetrieveRequest`` checked against ``openbook.validation.limits``: what the servicer
+    works on."""
 
     queries: tuple[str, ...]
     k: int
     index: str | None  # None: the active index
     return_vectors: bool
-    retrieval: str | None  # one of openbook.limits.RETRIEVAL_MODES; None: the index's default
+    # one of openbook.validation.limits.RETRIEVAL_MODES; None: the index's default
+    retrieval: str | None
     where: MetadataFilter | None = None  # the metadata filter (filter_json); None: none
 
 
 def _checked_queries(given: Sequence[str]) -> tuple[str, ...]:
     """A request's ``queries``: one to :data:`MAX_QUERIES`, each a question by
-    ``openbook.limits``' rule; :class:`InvalidArgument` naming the first bad one."""
+    ``openbook.validation.limits``' rule; :class:`InvalidArgument` naming the first bad one."""
     if not given:
         raise InvalidArgument("queries: at least one query is required")
     if len(given) > MAX_QUERIES:

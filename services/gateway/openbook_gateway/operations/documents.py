@@ -3,9 +3,10 @@ upload routes, MCP ``put_document`` and ``delete_document``).
 
 Invariants:
 
-* What comes in is checked already (the transport's request models and ``openbook.limits``'
-  rules); what only the retriever can know maps from its gRPC code (the clients: NOT_FOUND ->
-  404, ALREADY_EXISTS and FAILED_PRECONDITION -> 409, INVALID_ARGUMENT -> 422).
+* What comes in is checked already (the transport's request models and
+  ``openbook.validation.limits``' rules); what only the retriever can know maps from its gRPC code
+  (the clients: NOT_FOUND -> 404, ALREADY_EXISTS and FAILED_PRECONDITION -> 409, INVALID_ARGUMENT ->
+  422).
 * A caller with a tenant filter (``openbook_gateway.tenancy``) names ids in its tenant's own
   namespace (another tenant's ``report`` is not its ``report``, and an id another tenant
   holds is as free to it as any), writes its fields into what it writes, and reads and lists

@@ -7,10 +7,10 @@ Invariants:
   documents ``write``, creating and deleting indexes ``admin``; reads need ``ask`` where keys
   are required, else are open, as ``GET /indexes`` is. A key held to indexes gets a 404 for
   any other (the door checks the path's ``index``).
-* A body or path is checked here first, with ``openbook.limits``' rules (``schemas``): bad input
-  is a 422 naming the field and never reaches the retriever. What only the retriever can
-  know maps from its gRPC code: NOT_FOUND -> 404, ALREADY_EXISTS and FAILED_PRECONDITION (the
-  active index) -> 409, INVALID_ARGUMENT -> 422, UNAVAILABLE -> 503.
+* A body or path is checked here first, with ``openbook.validation.limits``' rules
+  (``schemas``): bad input is a 422 naming the field and never reaches the retriever. What only the
+  retriever can know maps from its gRPC code: NOT_FOUND -> 404, ALREADY_EXISTS and
+  FAILED_PRECONDITION (the active index) -> 409, INVALID_ARGUMENT -> 422, UNAVAILABLE -> 503.
 * Every write is audited (``openbook_gateway.audit``: the middleware logs the request, the
   batch routes note their document ids).
 * The handlers only check the path and turn the body into typed requests: what is done with
@@ -29,7 +29,7 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 
 from openbook.errors import InvalidArgument
-from openbook.limits import (
+from openbook.validation.limits import (
     INDEX_NAME_PATTERN,
     MAX_DOCUMENT_ID_CHARS,
     check_document_id,

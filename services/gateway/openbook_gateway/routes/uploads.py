@@ -27,8 +27,9 @@ Invariants:
     ``page_words`` (how its passages are cut page by page, and so their pages). Only the
     upload says where pages are: a client's ``page_words`` is refused (422 naming it; kept, it
     made a plain-text file cite pages it does not have, issue 42).
-  * The extracted text must hold a visible character (``openbook.limits.check_document_text``,
-    the documents API's rule): a file of only bidi controls and zero-width spaces is a 422.
+  * The extracted text must hold a visible character
+    (``openbook.validation.limits.check_document_text``, the documents API's rule): a file of only
+    bidi controls and zero-width spaces is a 422.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from openbook.errors import InvalidArgument
-from openbook.limits import (
+from openbook.validation.limits import (
     PAGE_WORDS_KEY,
     check_document_id,
     check_document_text,

@@ -91,8 +91,8 @@ MAX_METADATA_VALUE_CHARS = 4096
 # type, so 2018 and 2018.0 are one value; a larger integer is another number to a client that
 # reads JSON numbers as doubles, and one past float64's range (10**400) is no float at all.
 MAX_SAFE_INTEGER = 2**53 - 1
-# A retrieval filter (openbook.metadata_filter): conditions (key tests) in all, nesting of
-# $and/$or, values of one $in, and the size of its JSON text (the retriever's filter_json).
+# A retrieval filter (openbook.validation.metadata_filter): conditions (key tests) in all, nesting
+# of $and/$or, values of one $in, and the size of its JSON text (the retriever's filter_json).
 MAX_FILTER_CONDITIONS = 64
 MAX_FILTER_DEPTH = 8
 MAX_FILTER_IN_VALUES = 1024

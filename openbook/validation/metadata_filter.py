@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openbook.errors import InvalidArgument
-from openbook.limits import (
+from openbook.validation.limits import (
     MAX_FILTER_CONDITIONS,
     MAX_FILTER_DEPTH,
     MAX_FILTER_IN_VALUES,
