@@ -1,4 +1,4 @@
-"""openbook.artifacts: directories published atomically with a checksummed manifest."""
+"""openbook.storage.artifacts: directories published atomically with a checksummed manifest."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from openbook.artifacts import (
+from openbook.storage.artifacts import (
     TMP_MARK,
     checksum_files,
     clean_stale_partials,
@@ -154,7 +154,7 @@ def test_a_failure_before_the_rename_keeps_the_old_version(tmp_path: Path) -> No
 _CRASHING_WRITER = """
 import os, sys
 from pathlib import Path
-from openbook.artifacts import publish, staging_dir
+from openbook.storage.artifacts import publish, staging_dir
 
 final = Path(sys.argv[1])
 with staging_dir(final) as tmp:

@@ -75,7 +75,7 @@ def _modules() -> list[Path]:
 
 def test_the_modules_are_found():
     names = {p.relative_to(ROOT).as_posix() for p in _modules()}
-    assert {"openbook/checkpoint.py", "cli/openbook_cli/app.py"} <= names
+    assert {"openbook/storage/checkpoint.py", "cli/openbook_cli/app.py"} <= names
 
 
 def test_imports_inside_functions_say_why():

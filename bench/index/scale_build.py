@@ -4,10 +4,10 @@ Each shard is a complete directory in the project's files-index format, exactly 
 ``openbook index shard`` writes (``openbook/index/shard.py``): ``passages.sqlite``,
 ``vectors.npy`` (float32, memory-mapped by the retriever, read only to re-rank candidates),
 ``index.faiss`` and ``manifest.json`` with checksums and the ``shard`` record, published
-atomically (``openbook.artifacts.publish``) at ``<run>/index/shard-<i>/<name>``, so a retriever
-serves it with ``OPENBOOK_INDEX_ROOT=<run>/index/shard-<i>``. ``split_index`` cannot be used as
-is: it splits a parent index whose ``vectors.npy`` would hold all 21M vectors (64.5 GB) next to
-the shards' copies, twice the disk this machine has. Instead the parent's step is done once,
+atomically (``openbook.storage.artifacts.publish``) at ``<run>/index/shard-<i>/<name>``, so a
+retriever serves it with ``OPENBOOK_INDEX_ROOT=<run>/index/shard-<i>``. ``split_index`` cannot be
+used as is: it splits a parent index whose ``vectors.npy`` would hold all 21M vectors (64.5 GB) next
+to the shards' copies, twice the disk this machine has. Instead the parent's step is done once,
 as ``split_index`` does it: one IVF-PQ quantizer trained (``faiss_index.build_faiss`` on a
 sample of the corpus, then emptied) and reused by every shard, so each vector gets the code,
 hence the score, it would have in an unsharded index, and every shard probes the same lists.
@@ -41,12 +41,12 @@ from tqdm.auto import tqdm
 
 from bench.index.scale_data import NOISE_RANK, SyntheticCorpus
 from bench.index.scale_truth import RunningTopK
-from openbook.artifacts import publish, replace_file
 from openbook.index import faiss_index
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 from openbook.index.shard import shard_spans
 from openbook.index.store import PassageWriter
+from openbook.storage.artifacts import publish, replace_file
 from openbook.types import Passage
 
 ENCODER = "synthetic-clustered-768"  # what the manifests name as encoder: no model exists

@@ -1,28 +1,29 @@
 """The query encoder's part of a checkpoint: save it (whole or as a LoRA adapter), load it back.
 
 Where the part lives and how the checkpoint is published and verified is the format's business
-(:mod:`openbook.checkpoint`). Invariants: a checkpoint holds at most one of ``query_encoder/``
-and ``query_encoder_adapter/`` (none: the query encoder was not trained, and the retriever keeps
-the index's own); an adapter is only ever merged onto the base encoder it was trained on; the
-encoder loaded is private and uncached, so it never replaces the one an index shares; anything
-missing or corrupt is raised as :class:`openbook.checkpoint.CheckpointError`.
+(:mod:`openbook.storage.checkpoint`). Invariants: a checkpoint holds at most one of
+``query_encoder/`` and ``query_encoder_adapter/`` (none: the query encoder was not trained, and the
+retriever keeps the index's own); an adapter is only ever merged onto the base encoder it was
+trained on; the encoder loaded is private and uncached, so it never replaces the one an index
+shares; anything missing or corrupt is raised as
+:class:`openbook.storage.checkpoint.CheckpointError`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from openbook.checkpoint import (
+from openbook.errors import InvalidArgument
+from openbook.index.encoders import Encoder, load_encoder
+from openbook.rag.adapters import save_adapter
+from openbook.rag.checkpoint import TrainedAdapter
+from openbook.storage.checkpoint import (
     QUERY_ENCODER_ADAPTER_DIR,
     QUERY_ENCODER_DIR,
     CheckpointError,
     open_checkpoint,
     query_encoder_dir,
 )
-from openbook.errors import InvalidArgument
-from openbook.index.encoders import Encoder, load_encoder
-from openbook.rag.adapters import save_adapter
-from openbook.rag.checkpoint import TrainedAdapter
 
 
 def save_query_encoder(

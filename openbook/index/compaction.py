@@ -36,7 +36,7 @@ read, not computed:
   published under) are ``like``'s; a compacted shard's ``shard`` gains ``live_version`` (its
   rows are its own now, no longer ``row_offset``.. of the parent's).
 
-Published by :mod:`openbook.artifacts`' rules (every file fsynced, checksummed manifest,
+Published by :mod:`openbook.storage.artifacts`' rules (every file fsynced, checksummed manifest,
 rename): ``out_dir`` appears complete or not at all.
 """
 

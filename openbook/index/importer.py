@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook.artifacts import partial_dir
 from openbook.errors import InvalidArgument
 from openbook.index.embedding_files import (
     EMBEDDING_FORMATS,
@@ -53,6 +52,7 @@ from openbook.index.stages import (
 )
 from openbook.index.store import PassageStore
 from openbook.index.vectors import ShardProducer, ShardWork, VectorSource
+from openbook.storage.artifacts import partial_dir
 
 PASSAGES_FORMAT = "dpr-tsv"
 TABLE_PASSAGES = "embeddings"  # manifest input_format: passages read from parquet/arrow

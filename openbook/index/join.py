@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from openbook.artifacts import lock_is_free, publish, staging_dir
 from openbook.errors import InternalError, InvalidArgument
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
@@ -51,6 +50,7 @@ from openbook.index.spec import INDEX_TYPES, AnnParams, BuildOptions, IndexSpec
 from openbook.index.stages import BuildSource, build_lock, stage_and_publish
 from openbook.index.store import PassageStore
 from openbook.index.vectors import ShardProducer, ShardWork, VectorSource
+from openbook.storage.artifacts import lock_is_free, publish, staging_dir
 from openbook.types import Passage
 
 # ----------------------------------------------------------------------------- joining

@@ -5,7 +5,7 @@ An index directory holds ``manifest.json`` (``manifest.MANIFEST``: what the inde
 sha256 of every other file), :data:`PASSAGES_FILE` (the passages, by row), a dense index's
 :data:`VECTORS_FILE` (row r: passage r's float32 vector) and ``index.faiss``
 (``faiss_index.INDEX_FILE``), and a BM25 view's ``bm25/`` (``bm25.BM25_DIR``). While it is
-being built it lives in ``.<name>.partial`` (``openbook.artifacts.partial_dir``) beside the
+being built it lives in ``.<name>.partial`` (``openbook.storage.artifacts.partial_dir``) beside the
 final directory, with the build's resumable state in :data:`BUILD_STATE_DIR` inside it; one
 build at a time holds :func:`build_lock_path`.
 """

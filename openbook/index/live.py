@@ -72,7 +72,6 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook.artifacts import publish, staging_dir
 from openbook.errors import InvalidArgument, NotFound
 from openbook.index.bm25 import BM25_DIR
 from openbook.index.compaction import BaseInputs, build_base
@@ -104,6 +103,7 @@ from openbook.index.wal import (
     read_log_from,
 )
 from openbook.index.writer_lock import COMPACTION_LOCK_FILE, WriterLock, WriterLockHeld
+from openbook.storage.artifacts import publish, staging_dir
 from openbook.types import Passage
 from openbook.validation.limits import check_range
 from openbook.validation.metadata_filter import MetadataFilter, record_of

@@ -13,7 +13,6 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from openbook.artifacts import verify_files
 from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
@@ -29,6 +28,7 @@ from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
 from openbook.index.spec import INDEX_TYPES
 from openbook.index.store import PassageStore
+from openbook.storage.artifacts import verify_files
 from openbook.types import Passage
 from openbook.validation.metadata_filter import MetadataFilter
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openbook.artifacts import checksum_files, replace_file
 from openbook.index.fusion import Fusion
+from openbook.storage.artifacts import checksum_files, replace_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -96,7 +96,7 @@ class Manifest:
 
     def to_file(self, path: Path) -> None:
         """Write (or atomically replace) ``path``; a new index is published with its manifest
-        by :func:`openbook.artifacts.publish` instead."""
+        by :func:`openbook.storage.artifacts.publish` instead."""
         replace_file(Path(path), self.to_json())
 
     @classmethod

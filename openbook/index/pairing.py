@@ -28,10 +28,10 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from openbook.artifacts import public_name
 from openbook.index.encoders import _ALIASES, DEFAULT_ENCODER, ENCODER_CONFIG, Encoder
 from openbook.index.manifest import Manifest
 from openbook.rag.adapters import ADAPTER_FILE
+from openbook.storage.artifacts import public_name
 
 
 def _norm(name: str | None) -> str | None:

@@ -53,7 +53,6 @@ from typing import Any
 
 import numpy as np
 
-from openbook.artifacts import sha256_file, verify_files
 from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.encoders import Encoder
@@ -74,6 +73,7 @@ from openbook.index.vectors import (
     document_encoder,
     encoder_source,
 )
+from openbook.storage.artifacts import sha256_file, verify_files
 from openbook.types import Passage
 
 SET_MANIFEST = "shards.json"  # in out_root: the slices that make up the logical index

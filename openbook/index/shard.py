@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from openbook.artifacts import clean_stale_partials, publish, staging_dir
 from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, slice_bm25
@@ -48,6 +47,7 @@ from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 from openbook.index.store import PassageStore, PassageWriter
+from openbook.storage.artifacts import clean_stale_partials, publish, staging_dir
 
 _TRAINED_TYPES = ("hnsw-sq8", "ivfpq")  # types whose quantizer the shards inherit
 
@@ -62,8 +62,8 @@ def split_index(src: Path, n_shards: int, out_root: Path, progress: bool = True)
 
     The source is verified first (every checksum). All shards are written into a hidden
     staging directory beside ``out_root`` and published as ``out_root`` together
-    (:mod:`openbook.artifacts`), so ``out_root`` never holds a partial set. Passage ids are the
-    parent's; rows are renumbered from 0 per shard (``manifest.shard["row_offset"]`` maps them
+    (:mod:`openbook.storage.artifacts`), so ``out_root`` never holds a partial set. Passage ids are
+    the parent's; rows are renumbered from 0 per shard (``manifest.shard["row_offset"]`` maps them
     back).
     """
     src, out_root = Path(src), Path(out_root)

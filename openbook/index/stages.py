@@ -9,8 +9,8 @@ embedding shards -> ``vectors.npy`` -> faiss index and/or BM25 view -> manifest.
 Invariants:
 
 * The build happens in ``<out_dir.parent>/.<out_dir.name>.partial`` and is published as
-  ``out_dir`` with its manifest only once complete (:func:`openbook.artifacts.publish`: fsync,
-  manifest, rename, fsync), so a half-built index never looks like an index.
+  ``out_dir`` with its manifest only once complete (:func:`openbook.storage.artifacts.publish`:
+  fsync, manifest, rename, fsync), so a half-built index never looks like an index.
 * Re-running the same build after an interruption reuses the passage store and every embedding
   shard already written and verified (shape, dtype and sha256), which matters when a shard is
   hours of encoder time. "The same build" is a fingerprint of the inputs (path, size, mtime),
@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from openbook.artifacts import clean_stale_partials, partial_dir, publish, sha256_file
 from openbook.errors import InternalError, InvalidArgument
 from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, build_bm25
@@ -48,6 +47,7 @@ from openbook.index.passages import read_passages
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.store import PassageStore, PassageWriter
 from openbook.index.vectors import ShardWork, VectorSource
+from openbook.storage.artifacts import clean_stale_partials, partial_dir, publish, sha256_file
 from openbook.types import Passage
 
 BM25_PARAMS = {"k1": 1.5, "b": 0.75, "method": "lucene", "stopwords": "en"}

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from openbook.artifacts import clean_stale_partials, fsync_dir, temp_sibling
 from openbook.errors import InternalError
 from openbook.index.documents import Document
+from openbook.storage.artifacts import clean_stale_partials, fsync_dir, temp_sibling
 
 WAL_FILE = "wal.log"
 MAGIC = b"OBW1"

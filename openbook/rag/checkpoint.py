@@ -1,16 +1,16 @@
 """The generator's part of a checkpoint: save it (whole or as a LoRA adapter) and load it back.
 
 Where the part lives and how the checkpoint is published and verified is the format's business
-(:mod:`openbook.checkpoint`); this module writes what :meth:`RagGenerator.load` needs to rebuild
-the same backend, and loads it. Invariants:
+(:mod:`openbook.storage.checkpoint`); this module writes what :meth:`RagGenerator.load` needs to
+rebuild the same backend, and loads it. Invariants:
 
 - a saved ``generator/`` holds, besides the Hugging Face model and tokenizer, the backend
   settings of the running backend (never copied from a source directory that need not exist
   where the trainer runs) and ``openbook_manifest.json`` naming the checkpoint's version, which
   the loaded generator reports as its ``model_version``;
 - a ``generator_adapter/`` is only ever merged onto the base it was trained on;
-- anything missing or corrupt is raised as :class:`openbook.checkpoint.CheckpointError`, so a
-  server can keep its current model and report the message.
+- anything missing or corrupt is raised as :class:`openbook.storage.checkpoint.CheckpointError`, so
+  a server can keep its current model and report the message.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from openbook.checkpoint import (
+from openbook.rag.adapters import save_adapter
+from openbook.rag.generator import RagGenerator
+from openbook.rag.loading import RAG_QUESTION_TOKENIZER_DIR
+from openbook.rag.prompting import PROMPT_FILE, SEQ2SEQ_FILE, PromptSpec
+from openbook.storage.checkpoint import (
     GENERATOR_ADAPTER_DIR,
     GENERATOR_DIR,
     GENERATOR_VERSION_FILE,
@@ -30,10 +34,6 @@ from openbook.checkpoint import (
     generator_dir,
     open_checkpoint,
 )
-from openbook.rag.adapters import save_adapter
-from openbook.rag.generator import RagGenerator
-from openbook.rag.loading import RAG_QUESTION_TOKENIZER_DIR
-from openbook.rag.prompting import PROMPT_FILE, SEQ2SEQ_FILE, PromptSpec
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ TITLE_SEP = " / "
 DOC_SEP = " // "
 PROMPT_FILE = "openbook_prompt.json"
 PASSAGE_TEMPLATE = "Title: {title}\nPassage: {text}\nQuestion: {question}\nAnswer:"
-# Written next to a seq2seq generator saved from a running backend (openbook.checkpoint): how the
-# backend builds its input (a RAG checkpoint keeps these in its RAG config, which a plain BART save
-# drops) and the directory of the question-encoder tokenizer whose decoding the generator reads.
+# Written next to a seq2seq generator saved from a running backend (openbook.storage.checkpoint):
+# how the backend builds its input (a RAG checkpoint keeps these in its RAG config, which a plain
+# BART save drops) and the directory of the question-encoder tokenizer whose decoding the generator
+# reads.
 SEQ2SEQ_FILE = "openbook_seq2seq.json"
 _SEQ2SEQ_STR = ("title_sep", "doc_sep")
 

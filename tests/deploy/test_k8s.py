@@ -618,7 +618,7 @@ def test_distributed_training_job_runs_torchrun_for_real(tmp_path):
     CPU, rendezvous on localhost) to a checkpoint."""
     import socket
 
-    from openbook.checkpoint import latest_checkpoint
+    from openbook.storage.checkpoint import latest_checkpoint
     from openbook_trainer.experiments.synthetic import make_task
 
     objs = _load(K8S / "jobs" / "trainer-distributed.yaml")

@@ -162,7 +162,7 @@ def test_corrupt_checkpoint_is_refused_and_the_old_model_keeps_serving(stack):
     assert before.status == 200, before.describe()
     # Reloads only take checkpoints inside the stack's checkpoint dir; the `latest` pointer is
     # put back so that a restarted service does not pick the corrupt one up as latest.
-    from openbook.checkpoint import LATEST
+    from openbook.storage.checkpoint import LATEST
 
     model = stack.var / "models" / "tiny-bart"
     root = stack.var / "checkpoints"

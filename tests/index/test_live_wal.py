@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from openbook.artifacts import temp_sibling
 from openbook.errors import InternalError
 from openbook.index.documents import Document
 from openbook.index.wal import (
@@ -18,6 +17,7 @@ from openbook.index.wal import (
     encode_record,
     open_log,
 )
+from openbook.storage.artifacts import temp_sibling
 
 
 def _record(version: int, dim: int = 4) -> WalRecord:

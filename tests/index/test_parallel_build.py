@@ -549,8 +549,8 @@ def test_install_refuses_another_index_of_the_same_name_before_installing(
 def test_join_beside_a_build_that_just_finished_or_a_rebuild(
     facts_jsonl: Path, tmp_path: Path
 ) -> None:
-    from openbook.artifacts import partial_dir
     from openbook.index.stages import build_lock
+    from openbook.storage.artifacts import partial_dir
 
     out = tmp_path / "set"
     for i in range(2):

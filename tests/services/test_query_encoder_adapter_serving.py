@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from openbook.artifacts import public_name
 from openbook.index import load_encoder
 from openbook.index.encoders import encoder_weights_dir, load_adapted_encoder
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import ADAPTER_FILE, LoraSpec, attach_lora, base_identity, save_adapter
 from openbook.rag.checkpoint import TrainedAdapter
 from openbook.serving.grpc_server import bearer_metadata
+from openbook.storage.artifacts import public_name
 from openbook.v1 import common_pb2, retriever_pb2
 from openbook_retriever.server import configured_query_encoder
 from openbook_retriever.settings import RetrieverSettings

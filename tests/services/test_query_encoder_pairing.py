@@ -10,13 +10,13 @@ import grpc
 import pytest
 import torch
 
-from openbook.artifacts import public_name
 from openbook.index import Manifest, build_index, load_encoder
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.pairing import checkpoint_override, configured_override
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.rag import RagGenerator
 from openbook.serving.grpc_server import bearer_metadata
+from openbook.storage.artifacts import public_name
 from openbook.v1 import common_pb2, retriever_pb2
 from openbook_retriever.settings import RetrieverSettings
 from openbook_testkit.index import (

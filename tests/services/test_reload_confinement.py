@@ -17,9 +17,9 @@ import pytest
 from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
-from openbook.checkpoint import LATEST, CheckpointError, CheckpointPathError
 from openbook.errors import status_for
 from openbook.rag import RagGenerator
+from openbook.storage.checkpoint import LATEST, CheckpointError, CheckpointPathError
 from openbook.v1 import common_pb2
 from openbook_gateway.app import create_app
 from openbook_generator.servicer import GeneratorServicer

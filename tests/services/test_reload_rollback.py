@@ -10,9 +10,9 @@ import pytest
 from checkpoints_kit import tiny_checkpoint
 from fastapi.testclient import TestClient
 
-from openbook.checkpoint import CheckpointError
 from openbook.security.sealing import default_sealer
 from openbook.state.redis_protocol import DESIRED_MODEL_KEY, desired_fields
+from openbook.storage.checkpoint import CheckpointError
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings

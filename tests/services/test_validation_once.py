@@ -216,8 +216,8 @@ def test_retrieval_modes_follow_one_rule(mode, ok):
 
 
 def test_only_client_mistakes_map_to_a_client_status():
-    from openbook.checkpoint import CheckpointError
     from openbook.index import IndexLoadError
+    from openbook.storage.checkpoint import CheckpointError
 
     assert status_for(InvalidArgument("x")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(NotFound("x")) == grpc.StatusCode.NOT_FOUND

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from openbook.checkpoint import CheckpointError, verify_checkpoint
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.adapters import AdapterMismatch, LoraSpec, attach_lora
 from openbook.rag.checkpoint import load_generator
+from openbook.storage.checkpoint import CheckpointError, verify_checkpoint
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 from openbook_testkit.training import assert_same_tensors, crash_at
 from openbook_trainer.checkpoints import load_checkpoint

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from openbook.artifacts import PARTIAL_MAX_AGE_S, clean_stale_partials, machine_tag
-from openbook.checkpoint import (
+from openbook.index import load_encoder
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook.storage.artifacts import PARTIAL_MAX_AGE_S, clean_stale_partials, machine_tag
+from openbook.storage.checkpoint import (
     LATEST,
     CheckpointError,
     CheckpointPathError,
@@ -22,8 +24,6 @@ from openbook.checkpoint import (
     query_encoder_dir,
     verify_checkpoint,
 )
-from openbook.index import load_encoder
-from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
 from openbook_trainer.checkpoints import load_checkpoint, write_checkpoint
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from openbook.checkpoint import CheckpointError, generator_dir, verify_checkpoint
 from openbook.rag import DecodingOptions, ModelLoadError, RagGenerator
+from openbook.storage.checkpoint import CheckpointError, generator_dir, verify_checkpoint
 from openbook_testkit.rag import (
     PROMPT,
     QUESTION,

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from openbook.checkpoint import latest_checkpoint
+from openbook.storage.checkpoint import latest_checkpoint
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.experiments.synthetic import SyntheticTask, make_task
 from openbook_trainer.loop import train

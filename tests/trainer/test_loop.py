@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from openbook.artifacts import machine_tag
-from openbook.checkpoint import latest_checkpoint, verify_checkpoint
+from openbook.storage.artifacts import machine_tag
+from openbook.storage.checkpoint import latest_checkpoint, verify_checkpoint
 from openbook_testkit.training import crash_at
 from openbook_trainer.config import ConfigError
 from openbook_trainer.loop import train

@@ -14,11 +14,11 @@ import pytest
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from openbook.checkpoint import CheckpointError, query_encoder_dir, verify_checkpoint
 from openbook.index import load_encoder
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.encoders import load_adapted_encoder
 from openbook.rag.adapters import ADAPTER_FILE, AdapterMismatch, load_trainable
+from openbook.storage.checkpoint import CheckpointError, query_encoder_dir, verify_checkpoint
 from openbook_testkit.training import assert_same_tensors, crash_at
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.loop import train

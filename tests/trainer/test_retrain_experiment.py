@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from openbook.checkpoint import (
+from openbook.storage.checkpoint import (
     generator_adapter_dir,
     query_encoder_adapter_dir,
     read_manifest,

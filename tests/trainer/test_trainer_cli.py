@@ -6,7 +6,6 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from openbook.checkpoint import latest_checkpoint
 from openbook.rag.confidence import (
     CALIBRATION_FILE,
     FEATURES,
@@ -14,6 +13,7 @@ from openbook.rag.confidence import (
     calibrate_row,
     load_calibration,
 )
+from openbook.storage.checkpoint import latest_checkpoint
 from openbook_trainer.cli import app as train_app
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.evaluation.cli import app as eval_app

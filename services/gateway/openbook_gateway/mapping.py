@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Sequence
 
-from openbook.artifacts import public_name
+from openbook.storage.artifacts import public_name
 from openbook.types import document_id_of
 from openbook.v1 import common_pb2, generator_pb2, retriever_pb2
 from openbook_gateway.schemas import (

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from openbook.checkpoint import latest_checkpoint, locate_in_root
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
 from openbook.rag.checkpoint import load_generator
@@ -29,6 +28,7 @@ from openbook.state.shared_state import (
     redis_client,
     replica_metrics,
 )
+from openbook.storage.checkpoint import latest_checkpoint, locate_in_root
 from openbook.v1 import generator_pb2_grpc
 from openbook_generator.scheduler import SchedulingOptions
 from openbook_generator.servicer import GeneratorServicer

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 
-from openbook.checkpoint import CheckpointError, checkpoint_in_root
 from openbook.errors import InvalidArgument, TooLarge, client_errors
 from openbook.observability import telemetry
 from openbook.rag import DecodingOptions, GenerationResult, ModelLoadError, RagGenerator
@@ -29,6 +28,7 @@ from openbook.serving.grpc_server import time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
 from openbook.state.shared_state import ModelFollower
+from openbook.storage.checkpoint import CheckpointError, checkpoint_in_root
 from openbook.types import Passage
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook.validation.limits import (

@@ -11,7 +11,6 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from openbook.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
 from openbook.errors import OpenbookError
 from openbook.index import Encoder, load_encoder
 from openbook.index.encoders import load_adapted_encoder
@@ -34,6 +33,7 @@ from openbook.state.shared_state import (
     redis_client,
     replica_metrics,
 )
+from openbook.storage.checkpoint import checkpoint_in_root, latest_checkpoint, locate_in_root
 from openbook.v1 import retriever_pb2_grpc
 from openbook_retriever.documents import NewIndexDefaults
 from openbook_retriever.registry import IndexRegistry, Registry

@@ -32,8 +32,6 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook.artifacts import public_name
-from openbook.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
 from openbook.index import Encoder, IndexLoadError
 from openbook.index.built_documents import built_document, built_document_page
@@ -60,6 +58,8 @@ from openbook.state.shared_state import (
     publish_index_version,
     publish_model_version,
 )
+from openbook.storage.artifacts import public_name
+from openbook.storage.checkpoint import CheckpointError, checkpoint_in_root, open_checkpoint
 from openbook.types import Passage
 from openbook.v1 import common_pb2, retriever_pb2, retriever_pb2_grpc
 from openbook.validation.limits import (

@@ -3,7 +3,7 @@ load a checkpoint's models together.
 
 The trainer is the one place that composes both halves of a checkpoint: the generator
 (:mod:`openbook.rag.checkpoint`) and the query encoder (:mod:`openbook.index.checkpoint`), over
-the format of :mod:`openbook.checkpoint` (layout, manifest, atomic publish, verification).
+the format of :mod:`openbook.storage.checkpoint` (layout, manifest, atomic publish, verification).
 Services load one half each and never import this module. Invariant: a checkpoint is verified
 once before any of its models is loaded, and published only when every part is written.
 """
@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 
-from openbook.checkpoint import (
+from openbook.index import Encoder
+from openbook.index.checkpoint import load_query_encoder, save_query_encoder
+from openbook.rag import RagGenerator
+from openbook.rag.checkpoint import TrainedAdapter, load_generator, save_generator
+from openbook.storage.checkpoint import (
     TRAINER_STATE,
     CheckpointError,
     CheckpointManifest,
@@ -27,10 +31,6 @@ from openbook.checkpoint import (
     trainer_state_path,
     version_name,
 )
-from openbook.index import Encoder
-from openbook.index.checkpoint import load_query_encoder, save_query_encoder
-from openbook.rag import RagGenerator
-from openbook.rag.checkpoint import TrainedAdapter, load_generator, save_generator
 
 
 def write_checkpoint(
@@ -123,7 +123,7 @@ def load_checkpoint(
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
     """The optimizer / scheduler / RNG state a checkpoint was saved with, on the CPU (the
-    checkpoint is not verified again: :func:`openbook.checkpoint.open_checkpoint` first)."""
+    checkpoint is not verified again: :func:`openbook.storage.checkpoint.open_checkpoint` first)."""
     state_file = trainer_state_path(Path(path))
     if state_file is None:
         raise CheckpointError(f"{path} has no trainer state to resume from")

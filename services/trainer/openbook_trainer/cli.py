@@ -14,8 +14,8 @@ from typing import NoReturn
 
 import typer
 
-from openbook.checkpoint import CheckpointError
 from openbook.index import IndexLoadError
+from openbook.storage.checkpoint import CheckpointError
 from openbook_trainer.distributed import DistributedError
 from openbook_trainer.evaluation.data import DataError
 

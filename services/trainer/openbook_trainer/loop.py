@@ -36,16 +36,6 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from tqdm.auto import tqdm
 
-from openbook.artifacts import clean_stale_partials, sha256_file
-from openbook.checkpoint import (
-    CheckpointError,
-    generator_adapter_dir,
-    latest_checkpoint,
-    query_encoder_adapter_dir,
-    read_manifest,
-    trainer_state_path,
-    verify_checkpoint,
-)
 from openbook.index import Encoder, LoadedIndex, load_encoder, open_index
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.encoders import encoder_id, encoder_weights_dir
@@ -60,6 +50,16 @@ from openbook.rag.adapters import (
 from openbook.rag.checkpoint import TrainedAdapter, load_generator
 from openbook.rag.loading import cpu_has_native_bf16
 from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
+from openbook.storage.artifacts import clean_stale_partials, sha256_file
+from openbook.storage.checkpoint import (
+    CheckpointError,
+    generator_adapter_dir,
+    latest_checkpoint,
+    query_encoder_adapter_dir,
+    read_manifest,
+    trainer_state_path,
+    verify_checkpoint,
+)
 from openbook_trainer.checkpoints import load_trainer_state, write_checkpoint
 from openbook_trainer.config import ConfigError, TrainConfig
 from openbook_trainer.data import (

@@ -12,8 +12,8 @@ from typing import NoReturn
 
 import typer
 
-from openbook.artifacts import publish, staging_dir
-from openbook.checkpoint import (
+from openbook.storage.artifacts import publish, staging_dir
+from openbook.storage.checkpoint import (
     GENERATOR_VERSION_FILE,
     CheckpointError,
     generator_adapter_dir,

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from openbook.artifacts import public_name
+from openbook.storage.artifacts import public_name
 from openbook_gateway.bodies import JSONBodyRoute
 from openbook_gateway.replicas import list_replicas
 from openbook_gateway.services import ServicesDep

@@ -6,8 +6,8 @@ that file (``gguf_file=``), dequantizing every weight, and we save the result on
 Hugging Face directory (config.json, model.safetensors, tokenizer files) so services start fast,
 with ``openbook_prompt.json`` (the few-shot prompt, :mod:`openbook_trainer.demo.prompt`) beside it.
 ``openbook_model.json`` records the source and every file's size and checksum. The directory is
-built aside and published atomically with it (:mod:`openbook.artifacts`); one whose manifest is
-missing, of another format version or prompt, or disagrees with the files on disk is incomplete
+built aside and published atomically with it (:mod:`openbook.storage.artifacts`); one whose manifest
+is missing, of another format version or prompt, or disagrees with the files on disk is incomplete
 and gets rebuilt. A lock file keeps two preparers from building the same directory.
 """
 
@@ -26,7 +26,8 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, Literal
 
-from openbook.artifacts import (
+from openbook.rag.adapters import AdapterMismatch, check_base
+from openbook.storage.artifacts import (
     checksum_files,
     clean_stale_partials,
     publish,
@@ -34,7 +35,6 @@ from openbook.artifacts import (
     staging_dir,
     verify_files,
 )
-from openbook.rag.adapters import AdapterMismatch, check_base
 from openbook_trainer.demo.prompt import PROMPT_FILE, default_prompt, write_prompt
 
 Log = Callable[[str], None]

@@ -32,9 +32,9 @@ from typing import Literal
 
 from tqdm import tqdm
 
-from openbook.checkpoint import latest_checkpoint
 from openbook.index import LoadedIndex, open_index
 from openbook.rag import DecodingOptions, RagGenerator
+from openbook.storage.checkpoint import latest_checkpoint
 from openbook_trainer.checkpoints import load_checkpoint
 from openbook_trainer.config import TrainConfig
 from openbook_trainer.evaluation.metrics import answer_recall_at_k

@@ -24,7 +24,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from openbook.checkpoint import generator_adapter_dir, latest_checkpoint, read_manifest
+from openbook.storage.checkpoint import generator_adapter_dir, latest_checkpoint, read_manifest
 from openbook_trainer.config import TrainConfig
 from openbook_trainer.experiments.finetune import split_by_article, write_questions
 from openbook_trainer.loop import TrainResult, train, training_threads

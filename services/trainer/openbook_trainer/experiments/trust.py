@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from openbook.artifacts import sha256_file
 from openbook.index import open_index
 from openbook.index.encoders import load_adapted_encoder
 from openbook.index.fusion import (
@@ -57,6 +56,7 @@ from openbook.rag.confidence import (
     normalized_texts,
     raw_confidence,
 )
+from openbook.storage.artifacts import sha256_file
 from openbook.types import Passage
 from openbook_trainer.calibration import fit_logistic, fit_logistic_calibration
 from openbook_trainer.evaluation.metrics import has_answer

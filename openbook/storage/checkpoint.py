@@ -22,15 +22,15 @@ Layout of one checkpoint (``<root>/step-000120/``)::
     manifest.json     written last: what this is, and the sha256 of every other file
 
 A checkpoint is assembled under a hidden temporary name in ``root`` and renamed into place only
-when complete, by the rules of :mod:`openbook.artifacts` (fsync, manifest, rename, fsync), so a
-crash never leaves a directory that looks like a checkpoint. ``root/latest`` is a one-line file
-naming the newest checkpoint, replaced atomically (:func:`openbook.artifacts.replace_file`), so
-readers see either the old or the new pointer, never a partial one.
+when complete, by the rules of :mod:`openbook.storage.artifacts` (fsync, manifest, rename, fsync),
+so a crash never leaves a directory that looks like a checkpoint. ``root/latest`` is a one-line file
+naming the newest checkpoint, replaced atomically (:func:`openbook.storage.artifacts.replace_file`),
+so readers see either the old or the new pointer, never a partial one.
 
 Temporary names are ``.<name>.tmp-<machine>-<pid>-<random>``, and the writer holds an
 exclusive ``flock`` on its temporary directory while it works, so
-:func:`openbook.artifacts.clean_stale_partials` can tell what a killed writer left behind from
-what a live one (another trainer on the same root) is still writing. Hidden names are never
+:func:`openbook.storage.artifacts.clean_stale_partials` can tell what a killed writer left behind
+from what a live one (another trainer on the same root) is still writing. Hidden names are never
 checkpoints: ``latest`` cannot name one and :func:`checkpoint_in_root` refuses them.
 
 Services load only what :func:`checkpoint_in_root` allows: a checkpoint inside their
@@ -49,14 +49,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from openbook.artifacts import (
+from openbook.errors import InvalidArgument
+from openbook.storage.artifacts import (
     checksum_files,
     publish,
     replace_file,
     staging_dir,
     verify_files,
 )
-from openbook.errors import InvalidArgument
 from openbook.validation.limits import check_checkpoint_name
 
 FORMAT_VERSION = 1

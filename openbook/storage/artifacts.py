@@ -1,8 +1,8 @@
 """Directories published atomically, with a manifest of every file's sha256.
 
-Checkpoints (:mod:`openbook.checkpoint`), indexes (:mod:`openbook.index.build`, ``importer``,
-``shard``) and the demo's prepared models (``openbook_trainer.demo.models``) are all written
-the same way, by the rules of this module (stdlib only, no torch):
+Checkpoints (:mod:`openbook.storage.checkpoint`), indexes (:mod:`openbook.index.build`,
+``importer``, ``shard``) and the demo's prepared models (``openbook_trainer.demo.models``) are all
+written the same way, by the rules of this module (stdlib only, no torch):
 
 1. **Build aside.** Every file is written into a hidden temporary sibling of the final
    directory (same parent, so the rename below never crosses a file system):
