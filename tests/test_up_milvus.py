@@ -87,11 +87,11 @@ def test_openbook_up_serves_milvus_lite_to_the_retriever_uri(tmp_path: Path) -> 
         assert [r["id"] for r in found] == [1]
         client.close()
         assert (tmp_path / "var" / "milvus" / "lite").is_dir()  # the data under var/
-        health = [sys.executable, "-m", "openbook.health", "--milvus", f"127.0.0.1:{port}"]
+        health = [sys.executable, "-m", "openbook.serving.health", "--milvus", f"127.0.0.1:{port}"]
         assert subprocess.run(health, timeout=60).returncode == 0
     finally:
         stack.stop()
-    health = [sys.executable, "-m", "openbook.health", "--milvus", f"127.0.0.1:{port}"]
+    health = [sys.executable, "-m", "openbook.serving.health", "--milvus", f"127.0.0.1:{port}"]
     assert subprocess.run(health, timeout=60).returncode == 1  # stopped: unhealthy
 
 

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from openbook.answers import joined_tokens, normalize_answer, tokens_have_answer
 from openbook.errors import InvalidArgument
+from openbook.rag.answers import joined_tokens, normalize_answer, tokens_have_answer
 
 if TYPE_CHECKING:
     from openbook.index.encoders import Encoder
@@ -322,7 +322,7 @@ def answer_positives(
     tokens: dict[int, str] | None = None,
 ) -> np.ndarray:
     """``(Q, M)`` bool: which candidates of query i contain one of ``answers[i]`` in their
-    title + text (:func:`openbook.answers.has_answer`); padding is never positive.
+    title + text (:func:`openbook.rag.answers.has_answer`); padding is never positive.
 
     ``tokens``: row -> its normalised title + text tokens (``joined_tokens``), filled here and
     reusable across calls (a passage is a candidate of many questions; normalising it once per
@@ -357,7 +357,7 @@ def fit_fusion(
 
     The candidates of each question are the union of both views' top ``candidates``; a
     candidate is positive when an answer string occurs in its title + text
-    (:func:`openbook.answers.has_answer`, DPR's test on SQuAD-normalised tokens). Starts from
+    (:func:`openbook.rag.answers.has_answer`, DPR's test on SQuAD-normalised tokens). Starts from
     the unfitted default, so the fit never scores worse than it on these questions.
     ``fitted_on``: more to record about the questions (e.g. the titles held out).
     ``query_vectors``: ``(len(questions), dim)``, the questions already encoded by the encoder

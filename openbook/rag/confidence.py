@@ -57,7 +57,7 @@ Features
   recovers it (:func:`answer_features`);
 * ``max_prior``: max_z p(z|x), the prior of the top passage (0 with no passage);
 * ``answer_in_top_passage``: 1.0 when the SQuAD-normalised answer
-  (:func:`openbook.answers.normalize_answer`) is non-empty and a substring of the normalised
+  (:func:`openbook.rag.answers.normalize_answer`) is non-empty and a substring of the normalised
   text of the passage with the highest prior (the first one on ties), else 0.0;
 * ``prior_with_answer``: the sum of p(z|x) over the passages whose normalised text contains
   the normalised (non-empty) answer, in [0, 1];
@@ -95,7 +95,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from openbook.answers import normalize_answer
+from openbook.rag.answers import normalize_answer
 from openbook.rag.errors import ModelLoadError
 
 if TYPE_CHECKING:

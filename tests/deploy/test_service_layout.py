@@ -76,7 +76,7 @@ GATEWAY_CHECK = """
 import importlib.util, sys
 from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings
-import openbook.health, openbook_gateway.__main__
+import openbook.serving.health, openbook_gateway.__main__
 create_app(GatewaySettings())
 loaded = sorted(m for m in {libraries!r} if m in sys.modules)
 assert not loaded, f"the gateway imported {{loaded}}"

@@ -66,7 +66,7 @@ def test_length_mismatch_is_an_error():
 def test_the_joined_token_test_is_dprs_token_run_test(tokens, answers):
     """``tokens_have_answer`` (a substring search on space-joined tokens) decides exactly as
     DPR's loop over token positions."""
-    from openbook.answers import tokens_have_answer
+    from openbook.rag.answers import tokens_have_answer
 
     def by_positions(t: list[str], golds: list[list[str]]) -> bool:
         return any(

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 # SQuAD normalisation and the answer-in-passage test live in the core (the index fits its
 # hybrid fusion with them); re-exported here with the metrics built on them.
-from openbook.answers import has_answer, normalize_answer
+from openbook.rag.answers import has_answer, normalize_answer
 
 
 def _f1_one(prediction: str, gold: str) -> float:
