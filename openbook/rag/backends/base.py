@@ -97,7 +97,8 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        # nn.Linear and the int8 head (int8_head.py) both say their rows
+        return int(self.model.get_output_embeddings().out_features)
 
     @abstractmethod
     def encode(self, items: Items, k: int) -> EncodedT:
@@ -119,6 +120,12 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         """Whether :meth:`step_many` and :meth:`drop_fed` are implemented: the engine may then
         verify drafted tokens (:mod:`openbook.rag.drafting`) in one forward pass."""
         return False
+
+    def quantize_head(self) -> None:
+        """Serve the LM head with int8 weights, one scale per output row
+        (:class:`~openbook.rag.backends.int8_head.Int8Head`); ValueError saying why where this
+        family, its head or its device cannot. The input embedding keeps its precision."""
+        raise ValueError(f"the {self.kind} backend keeps its LM head in the model's precision")
 
     def step_many(self, state: StateT, tokens: Tensor) -> Tensor:
         """Feed ``tokens`` (N, L), L consecutive tokens per row, in one forward pass ->

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicCache
 
@@ -34,6 +34,7 @@ from openbook.rag.backends.base import (
     pad_slots,
     right_pad,
 )
+from openbook.rag.backends.int8_head import Int8Head
 from openbook.rag.cache import (
     append_slots,
     broadcast_rows,
@@ -152,6 +153,17 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         with torch.no_grad():
             self.prefix_cache = self._prefix_forward(check_head=True)
         self.passage_cache.clear()  # keys/values of the old weights
+
+    def quantize_head(self) -> None:
+        head = self.model.get_output_embeddings()
+        if isinstance(head, Int8Head):
+            return
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise ValueError(f"an int8 LM head replaces a Linear without bias, not {head!r}")
+        # A tied model's embedding keeps its own matrix; the head reads the int8 copy only.
+        self.model.config.tie_word_embeddings = False
+        self.model.set_output_embeddings(Int8Head(head.weight))
+        self.refresh()  # _own_head is checked again against the new head
 
     def _prefix_forward(self, check_head: bool = False) -> Cache:
         ids = torch.tensor([self.prefix_ids], device=self.device)

@@ -109,6 +109,7 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
         memory_budget_bytes=settings.memory_mb * 2**20,
         passage_cache_bytes=settings.passage_cache_mb * 2**20,
         draft_tokens=settings.draft_tokens,
+        int8_head=settings.lm_head == "int8",
         max_request_s=settings.max_request_s,
         compute_threads=ComputeThreadsOptions(setting=settings.compute_threads),
     )

@@ -210,6 +210,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         memory_budget_bytes: int | None = None,
         passage_cache_bytes: int | None = None,
         draft_tokens: int = 0,
+        int8_head: bool = False,
         max_request_s: float | None = None,
         metrics: ServiceMetrics | None = None,
         checkpoint_root: Path | None = None,
@@ -223,10 +224,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         the configured model, onto which a checkpoint that holds only an adapter is loaded.
         ``draft_tokens``: tokens greedy searches (RAG-Token, RAG-Sequence) draft per step
         (:mod:`openbook.rag.drafting`), on every model this servicer loads; 0: off.
+        ``int8_head``: every model it loads decodes with its LM head in int8
+        (:mod:`openbook.rag.backends.int8_head`); a model that cannot is refused (ValueError).
         ``compute_threads``: how the decoding thread sizes its torch threads
         (:mod:`openbook.runtime.compute_threads`); None: torch's default, untouched."""
         self.passage_cache_bytes = passage_cache_bytes
         self.draft_tokens = draft_tokens
+        self.int8_head = int8_head
         self.generator = self._configured(generator)
         self.on_model = on_model
         self.metrics = metrics
@@ -413,6 +417,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         if self.passage_cache_bytes is not None:
             generator.backend.set_passage_cache(self.passage_cache_bytes)
         generator.set_draft_tokens(self.draft_tokens)
+        if self.int8_head:
+            generator.backend.quantize_head()
         return generator
 
     def _announce(self) -> None:
