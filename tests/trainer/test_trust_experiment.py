@@ -57,6 +57,14 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
             trust.ReaderSystem(
                 "few-shot, hybrid", None, None, "hybrid", compare_with="few-shot, dense"
             ),
+            trust.ReaderSystem(
+                "few-shot, dense, int8 head",
+                None,
+                None,
+                "dense",
+                compare_with="few-shot, dense",
+                lm_head="int8",
+            ),
         ],
         index="facts",
         dev_articles=2,
@@ -82,11 +90,19 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     # k-fold: every question of every article measured once, each fold fitted without it
     assert sum(f["questions"] for f in result.fusion_folds) == len(QUESTIONS)
     assert len(result.fusion_folds) == 2
-    dense, hybrid = (result.readers[s.name] for s in config.systems)
+    dense, hybrid, int8 = (result.readers[s.name] for s in config.systems)
     assert "em_vs_baseline" not in dense and "em_vs_baseline" in hybrid
     # compared question by question with the system it names, too
     assert "em_vs_other" not in dense and hybrid["em_vs_other"]["versus"] == "few-shot, dense"
     assert hybrid["em_vs_other"]["mean"] == hybrid["em_vs_baseline"]["mean"]
+    # the int8 head's answers, logged apart from the same model's, and how many are the same
+    assert 0 <= int8["em_vs_other"]["identical"] <= 1
+    same = sum(
+        a["answer"] == b["answer"]
+        for a, b in zip(rows["few-shot, dense, int8 head"], rows["few-shot, dense"], strict=True)
+    )
+    assert int8["em_vs_other"]["identical"] == same / result.questions
+    assert any("+int8-head|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
     for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
@@ -103,6 +119,7 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     assert "hybrid − the better single view" in text and "| few-shot, hybrid |" in text
     assert "| few-shot, hybrid | calibrated |" in text
     assert "Paired difference of few-shot, hybrid to few-shot, dense: EM" in text
+    assert "the same answer on" in text
 
     # A rerun answers nothing again: every prediction is in the log.
     logged = len(ResultLog(config.out / "predictions.jsonl").done)
@@ -229,3 +246,17 @@ def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
     fitted = fit_logistic_calibration([features[i] for i in rest], [rows[i]["em"] for i in rest])
     for i in held:
         assert conf[i] == pytest.approx(calibrate_row(fitted, features[i]), abs=1e-9)
+
+
+def test_the_int8_head_is_judged_against_the_shipped_default(tmp_path: Path) -> None:
+    plain = trust.default_systems(tmp_path)
+    systems = trust.default_systems(tmp_path, int8_head=True)
+    assert systems[:-1] == plain
+    added = systems[-1]
+    assert (added.lm_head, added.compare_with) == ("int8", trust.SHIPPED)
+    shipped = next(s for s in plain if s.name == trust.SHIPPED)
+    assert (added.generator_adapter, added.query_encoder_adapter, added.retrieval) == (
+        shipped.generator_adapter,
+        shipped.query_encoder_adapter,
+        shipped.retrieval,
+    )

@@ -276,6 +276,7 @@ TRUST_SECTIONS = {
     "trust": "Answers you can trust: hybrid retrieval, held-out EM and confidence",
     "retrain": "Retraining the default's adapter: every training question, hybrid in the loop",
     "default": "The shipped default on every development question",
+    "int8-head": "The LM head in int8: the shipped default's answers against its own",
 }
 
 
@@ -298,6 +299,9 @@ def trust(
         None,
         help="adapters to judge against the shipped default (a folder in data/adapters' "
         "layout, e.g. `experiments retrain`'s export): system 5",
+    ),
+    int8_head: bool = typer.Option(
+        False, help="also the shipped default with its LM head in int8 (OPENBOOK_GENERATOR_LM_HEAD)"
     ),
     batch_size: int = typer.Option(8, min=1),
     seed: int = typer.Option(0),
@@ -334,7 +338,7 @@ def trust(
                 "a folder in data/adapters' layout is expected",
                 param_hint="--candidate",
             )
-    systems = default_systems(adapters or default_data_dir() / "adapters", candidate)
+    systems = default_systems(adapters or default_data_dir() / "adapters", candidate, int8_head)
     if only:
         try:
             systems = [systems[int(i) - 1] for i in only.split(",")]

@@ -88,15 +88,20 @@ class ReaderSystem:
     retrieval: str  # "dense" | "bm25" | "hybrid"
     # another system's name: this one's EM is also reported as a paired difference to its
     compare_with: str | None = None
+    # "int8": the generator's LM head in int8, as OPENBOOK_GENERATOR_LM_HEAD=int8 serves it
+    lm_head: str = "model"
 
 
 SHIPPED = "both adapters, hybrid (tuned dense + BM25)"
 
 
-def default_systems(adapters: Path, candidate: Path | None = None) -> list[ReaderSystem]:
+def default_systems(
+    adapters: Path, candidate: Path | None = None, int8_head: bool = False
+) -> list[ReaderSystem]:
     """The shipped default and the systems it is judged against; with ``candidate`` (a folder
     in ``adapters``' layout, e.g. ``openbook experiments retrain``'s export) also that
-    candidate, compared with the shipped default question by question."""
+    candidate, and with ``int8_head`` the shipped default with its LM head in int8, each
+    compared with the shipped default question by question."""
     gen = str(adapters / "gemma-3-270m-squad")
     qenc = str(adapters / "minilm-squad-query")
     systems = [
@@ -113,6 +118,17 @@ def default_systems(adapters: Path, candidate: Path | None = None) -> list[Reade
                 str(candidate / "minilm-squad-query"),
                 "hybrid",
                 compare_with=SHIPPED,
+            )
+        )
+    if int8_head:
+        systems.append(
+            ReaderSystem(
+                f"{SHIPPED}, int8 LM head",
+                gen,
+                qenc,
+                "hybrid",
+                compare_with=SHIPPED,
+                lm_head="int8",
             )
         )
     return systems
@@ -310,12 +326,16 @@ def _answer_rows(
     generator: RagGenerator | None = None
     options = DecodingOptions(mode="rag-token", max_new_tokens=config.max_new_tokens)
     version = f"{Path(config.generator).name}+{adapter_version(system.generator_adapter)}"
+    if system.lm_head != "model":
+        version += f"+{system.lm_head}-head"
     keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
     todo = [i for i, key in enumerate(keys) if log.get(key) is None]
     if todo:
         generator = RagGenerator.load(config.generator, dtype=config.dtype)
         if system.generator_adapter:
             generator.apply_adapter(Path(system.generator_adapter), Path(config.generator))
+        if system.lm_head == "int8":
+            generator.backend.quantize_head()  # after the merge, as the service does
         encoder = _encoder(system.query_encoder_adapter)
         with tqdm(total=len(keys), initial=len(keys) - len(todo), desc=system.name) as bar:
             for start in range(0, len(todo), config.batch_size):
@@ -561,6 +581,11 @@ def run_trust(
                             [r["em"] for r in other],
                             [r["title"] for r in rows],
                         ).as_dict(),
+                        # the same answer text, question by question
+                        "identical": sum(
+                            a["answer"] == b["answer"] for a, b in zip(rows, other, strict=True)
+                        )
+                        / len(rows),
                     }
                 features = answer_feature_rows(system, config, index, rows)
                 calibrated = cross_fitted_confidence(features, rows)
@@ -632,7 +657,8 @@ def markdown(result: TrustResult, pictures: dict[str, str] | None = None) -> str
             )
         lines += [
             f"\nPaired difference of {name} to {m['em_vs_other']['versus']}: EM "
-            f"{_interval(m['em_vs_other'])} (95% interval over articles)."
+            f"{_interval(m['em_vs_other'])} (95% interval over articles); the same answer "
+            f"on {100 * m['em_vs_other'].get('identical', float('nan')):.1f}% of the questions."
             for name, m in result.readers.items()
             if "em_vs_other" in m
         ]
