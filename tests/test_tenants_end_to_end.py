@@ -12,16 +12,13 @@ import httpx
 import pytest
 
 from openbook_cli.launcher import access_line
+from openbook_testkit.gateway_calls import answer_with_key, bearer, create_key, mcp_tool
 from openbook_testkit.rag import make_tiny_bart
 from openbook_testkit.stack import LocalStack, build_fact_indexes
 
 pytestmark = pytest.mark.e2e
 
 INDEX = "shared"
-MCP_HEADERS = {
-    "Accept": "application/json, text/event-stream",
-    "MCP-Protocol-Version": "2025-06-18",
-}
 QUESTION = "What does the report say the launch code is?"
 REPORTS = {
     "a": {"title": "Alpha report", "text": "The alpha report says the launch code is ORCHID."},
@@ -40,21 +37,6 @@ def stack(tmp_path_factory):
     stack.stop()
 
 
-def _bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def _create(stack: LocalStack, name: str, scopes: list[str], **extra) -> str:
-    reply = httpx.post(
-        f"{stack.url}/admin/keys",
-        json={"name": name, "scopes": scopes, **extra},
-        headers=stack.auth,
-        timeout=60,
-    )
-    assert reply.status_code == 201, reply.text
-    return reply.json()["key"]
-
-
 @pytest.fixture(scope="module")
 def keys(stack) -> dict[str, str]:
     """Tenants a and b on one live index, each with its "report" and b with an upload."""
@@ -63,14 +45,21 @@ def keys(stack) -> dict[str, str]:
     )
     assert made.status_code == 201, made.text
     keys = {
-        t: _create(stack, f"tenant-{t}", ["ask", "write"], indexes=[INDEX], filter={"tenant": t})
+        t: create_key(
+            stack.url,
+            stack.auth,
+            f"tenant-{t}",
+            ["ask", "write"],
+            indexes=[INDEX],
+            filter={"tenant": t},
+        )
         for t in ("a", "b")
     }
     for tenant, report in REPORTS.items():
         put = httpx.put(
             f"{stack.url}/indexes/{INDEX}/documents/report",
             json=report,
-            headers=_bearer(keys[tenant]),
+            headers=bearer(keys[tenant]),
             timeout=120,
         )
         assert put.status_code == 200, put.text
@@ -78,11 +67,15 @@ def keys(stack) -> dict[str, str]:
         f"{stack.url}/indexes/{INDEX}/documents",
         files={"file": ("beta.txt", b"Beta notes: the launch code is TULIP.", "text/plain")},
         data={"id": "b-upload"},
-        headers=_bearer(keys["b"]),
+        headers=bearer(keys["b"]),
         timeout=120,
     )
     assert upload.status_code == 200, upload.text
     return keys
+
+
+def _answer(stack: LocalStack, key: str, **body) -> httpx.Response:
+    return answer_with_key(stack.url, key, QUESTION, **{"k": 5, **body})
 
 
 def _never_b(text: str) -> None:
@@ -90,33 +83,8 @@ def _never_b(text: str) -> None:
         assert trace not in text, trace
 
 
-def _mcp(stack: LocalStack, key: str, name: str, **arguments) -> dict:
-    reply = httpx.post(
-        f"{stack.url}/mcp",
-        json={
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "tools/call",
-            "params": {"name": name, "arguments": arguments},
-        },
-        headers={**MCP_HEADERS, **_bearer(key)},
-        timeout=120,
-    )
-    assert reply.status_code == 200, reply.text
-    return reply.json()["result"]
-
-
-def _answer(stack: LocalStack, key: str, **body) -> httpx.Response:
-    return httpx.post(
-        f"{stack.url}/answer",
-        json={"question": QUESTION, "k": 5, "max_new_tokens": 2, "use_cache": False, **body},
-        headers=_bearer(key),
-        timeout=120,
-    )
-
-
 def test_every_route_keeps_the_tenants_apart(stack, keys):
-    a = _bearer(keys["a"])
+    a = bearer(keys["a"])
     # the cache path: B asks first and its answer is cached; A asks the same after
     b_first = _answer(stack, keys["b"], use_cache=True)
     assert b_first.status_code == 200 and "TULIP" in b_first.text
@@ -165,19 +133,21 @@ def test_every_route_keeps_the_tenants_apart(stack, keys):
     models = httpx.get(f"{stack.url}/v1/models", headers=a).json()
     assert [m["id"] for m in models["data"]] == ["openbook", f"openbook/{INDEX}"]
     # MCP
-    found = _mcp(stack, keys["a"], "search", query=QUESTION, k=5, filter={"tenant": "b"})
+    found = mcp_tool(stack.url, keys["a"], "search", query=QUESTION, k=5, filter={"tenant": "b"})
     _never_b(str(found))
-    found = _mcp(stack, keys["a"], "search", query=QUESTION, k=5)
+    found = mcp_tool(stack.url, keys["a"], "search", query=QUESTION, k=5)
     assert "ORCHID" in str(found)
     _never_b(str(found))
-    _never_b(str(_mcp(stack, keys["a"], "answer", question=QUESTION, k=5)))
-    assert _mcp(stack, keys["a"], "search", query=QUESTION, index="facts-b")["isError"] is True
-    put = _mcp(stack, keys["a"], "put_document", index="facts-b", doc_id="x", text="Words.")
+    _never_b(str(mcp_tool(stack.url, keys["a"], "answer", question=QUESTION, k=5)))
+    assert (
+        mcp_tool(stack.url, keys["a"], "search", query=QUESTION, index="facts-b")["isError"] is True
+    )
+    put = mcp_tool(stack.url, keys["a"], "put_document", index="facts-b", doc_id="x", text="Words.")
     assert put["isError"] is True
     # indexes: its own, no totals
     listed = httpx.get(f"{stack.url}/indexes", headers=a).json()
     assert [(i["name"], i["count"]) for i in listed["indexes"]] == [(INDEX, None)]
-    _never_b(str(_mcp(stack, keys["a"], "list_indexes")))
+    _never_b(str(mcp_tool(stack.url, keys["a"], "list_indexes")))
     # documents: its own "report", nothing of B's, whatever the id
     base = f"{stack.url}/indexes/{INDEX}/documents"
     got = httpx.get(f"{base}/report", headers=a)
@@ -195,7 +165,7 @@ def test_every_route_keeps_the_tenants_apart(stack, keys):
     )
     assert upload.status_code == 403 and "metadata.tenant" in upload.text
     # B's documents are all still there, as B wrote them
-    b = _bearer(keys["b"])
+    b = bearer(keys["b"])
     assert httpx.get(f"{base}/report", headers=b).json()["text"] == REPORTS["b"]["text"]
     assert httpx.get(base, headers=b).json()["ids"] == ["b-upload", "report"]
 
@@ -216,11 +186,11 @@ def test_keys_are_refused_where_they_must_be(stack, keys):
         )
         assert in_query.status_code == 401, param
     # a key held to another index: the shared index is as unknown to it as one that is not
-    other = _create(stack, "facts-only", ["ask"], indexes=["facts-a"])
+    other = create_key(stack.url, stack.auth, "facts-only", ["ask"], indexes=["facts-a"])
     refused = _answer(stack, other, index=INDEX)
     assert refused.status_code == 404 and INDEX not in refused.json()["detail"].split("(")[1]
     # a revoked key
-    revoked = _create(stack, "short-lived", ["ask"])
+    revoked = create_key(stack.url, stack.auth, "short-lived", ["ask"])
     assert _answer(stack, revoked).status_code == 200
     gone = httpx.delete(f"{stack.url}/admin/keys/short-lived", headers=stack.auth, timeout=60)
     assert gone.status_code == 200

@@ -21,13 +21,10 @@ from openbook_gateway import api_keys
 from openbook_gateway.access import RULES, rule_of
 from openbook_gateway.app import create_app
 from openbook_gateway.settings import GatewaySettings
+from openbook_testkit.gateway_calls import answer_with_key, bearer, create_key, mcp_rpc
 from openbook_testkit.stack import running_backends, serving_gateway
 
 STATIC_KEY = "static-ask-key"
-MCP_HEADERS = {
-    "Accept": "application/json, text/event-stream",
-    "MCP-Protocol-Version": "2025-06-18",
-}
 
 
 @pytest.fixture(scope="module")
@@ -57,38 +54,6 @@ def admin(backends) -> dict[str, str]:
     return {"Authorization": f"Bearer {backends.admin_token}"}
 
 
-def _bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def _create(url: str, admin: dict, name: str, scopes: list[str], **extra) -> str:
-    reply = httpx.post(
-        f"{url}/admin/keys", json={"name": name, "scopes": scopes, **extra}, headers=admin
-    )
-    assert reply.status_code == 201, reply.text
-    body = reply.json()
-    assert body["name"] == name and body["key"].startswith(f"obk_{name}.")
-    return body["key"]
-
-
-def _answer(url: str, key: str | None, **body) -> httpx.Response:
-    return httpx.post(
-        f"{url}/answer",
-        json={"question": "Who wrote Hamlet?", "max_new_tokens": 2, "use_cache": False, **body},
-        headers=_bearer(key) if key else {},
-        timeout=60,
-    )
-
-
-def _mcp(url: str, key: str | None, method: str, **params) -> httpx.Response:
-    return httpx.post(
-        f"{url}/mcp",
-        json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params},
-        headers={**MCP_HEADERS, **(_bearer(key) if key else {})},
-        timeout=60,
-    )
-
-
 def _all_api_routes(routes) -> list[APIRoute]:
     out: list[APIRoute] = []
     for route in routes:
@@ -98,6 +63,10 @@ def _all_api_routes(routes) -> list[APIRoute]:
         if router is not None:
             out.extend(_all_api_routes(router.routes))
     return out
+
+
+def _answer(url: str, key: str | None, **body) -> httpx.Response:
+    return answer_with_key(url, key, "Who wrote Hamlet?", **body)
 
 
 def test_every_route_is_classified():
@@ -116,7 +85,7 @@ def test_every_route_is_classified():
 
 
 def test_keys_are_made_listed_and_never_shown_again(open_url, admin):
-    key = _create(open_url, admin, "lister", ["write", "ask", "ask"], indexes=["facts-b"])
+    key = create_key(open_url, admin, "lister", ["write", "ask", "ask"], indexes=["facts-b"])
     listed = httpx.get(f"{open_url}/admin/keys", headers=admin)
     assert listed.status_code == 200
     assert key not in listed.text and key.split(".", 1)[1] not in listed.text
@@ -145,7 +114,7 @@ def test_keys_are_made_listed_and_never_shown_again(open_url, admin):
 
 
 def test_an_ask_key_asks_everywhere_and_nothing_more(closed_url, open_url, admin):
-    key = _create(closed_url, admin, "asker", ["ask"])
+    key = create_key(closed_url, admin, "asker", ["ask"])
     reply = _answer(closed_url, key)
     assert reply.status_code == 200, reply.text
     chat = httpx.post(
@@ -155,15 +124,17 @@ def test_an_ask_key_asks_everywhere_and_nothing_more(closed_url, open_url, admin
             "messages": [{"role": "user", "content": "Who wrote Hamlet?"}],
             "max_tokens": 2,
         },
-        headers=_bearer(key),
+        headers=bearer(key),
         timeout=60,
     )
     assert chat.status_code == 200, chat.text
     for url in (closed_url, open_url):
-        called = _mcp(url, key, "tools/call", name="search", arguments={"query": "Hamlet", "k": 2})
+        called = mcp_rpc(
+            url, key, "tools/call", name="search", arguments={"query": "Hamlet", "k": 2}
+        )
         assert called.status_code == 200, called.text
         assert called.json()["result"].get("isError") is not True
-        write = _mcp(
+        write = mcp_rpc(
             url,
             key,
             "tools/call",
@@ -175,23 +146,23 @@ def test_an_ask_key_asks_everywhere_and_nothing_more(closed_url, open_url, admin
     # writes and the admin API: 403 with the key, 401 with none
     document = {"title": "T", "text": "Some words here."}
     put = f"{closed_url}/indexes/facts-b/documents/new-doc"
-    assert httpx.put(put, json=document, headers=_bearer(key)).status_code == 403
+    assert httpx.put(put, json=document, headers=bearer(key)).status_code == 403
     assert httpx.put(put, json=document).status_code == 401
     for path in ("/admin/replicas", "/admin/keys"):
-        assert httpx.get(f"{closed_url}{path}", headers=_bearer(key)).status_code == 403
+        assert httpx.get(f"{closed_url}{path}", headers=bearer(key)).status_code == 403
         assert httpx.get(f"{closed_url}{path}").status_code == 401
     # the static list's keys are ask keys
     assert _answer(closed_url, STATIC_KEY).status_code == 401  # not this gateway's list
-    assert httpx.get(f"{open_url}/admin/keys", headers=_bearer(STATIC_KEY)).status_code == 403
-    writer = _create(closed_url, admin, "writer", ["write"], indexes=["facts-b"])
-    written = httpx.put(put, json=document, headers=_bearer(writer), timeout=60)
+    assert httpx.get(f"{open_url}/admin/keys", headers=bearer(STATIC_KEY)).status_code == 403
+    writer = create_key(closed_url, admin, "writer", ["write"], indexes=["facts-b"])
+    written = httpx.put(put, json=document, headers=bearer(writer), timeout=60)
     assert written.status_code == 200, written.text
     other = f"{closed_url}/indexes/facts-a/documents/new-doc"
-    assert httpx.put(other, json=document, headers=_bearer(writer)).status_code == 404
+    assert httpx.put(other, json=document, headers=bearer(writer)).status_code == 404
 
 
 def test_a_revoked_key_stops_at_every_gateway(closed_url, open_url, admin):
-    key = _create(open_url, admin, "short-lived", ["ask"])
+    key = create_key(open_url, admin, "short-lived", ["ask"])
     chat = {
         "model": "openbook",
         "messages": [{"role": "user", "content": "Hamlet?"}],
@@ -200,10 +171,10 @@ def test_a_revoked_key_stops_at_every_gateway(closed_url, open_url, admin):
     assert _answer(closed_url, key).status_code == 200
     assert httpx.delete(f"{closed_url}/admin/keys/short-lived", headers=admin).status_code == 200
     assert _answer(closed_url, key).status_code == 401
-    refused = httpx.post(f"{open_url}/v1/chat/completions", json=chat, headers=_bearer(key))
+    refused = httpx.post(f"{open_url}/v1/chat/completions", json=chat, headers=bearer(key))
     assert refused.status_code == 401
     assert refused.json()["error"]["code"] == "invalid_api_key"
-    assert _mcp(open_url, key, "ping").status_code == 401
+    assert mcp_rpc(open_url, key, "ping").status_code == 401
 
 
 def test_a_forged_record_is_no_key(closed_url, admin, redis_server):
@@ -221,11 +192,11 @@ def test_a_forged_record_is_no_key(closed_url, admin, redis_server):
     for raw in (json.dumps(record), json.dumps({"v": json.dumps(record), "mac": "0" * 64})):
         client.set("openbook:api-key:forged", raw)
         assert _answer(closed_url, secret).status_code == 401
-        assert httpx.get(f"{closed_url}/admin/keys", headers=_bearer(secret)).status_code == 401
+        assert httpx.get(f"{closed_url}/admin/keys", headers=bearer(secret)).status_code == 401
         listed = httpx.get(f"{closed_url}/admin/keys", headers=admin).json()["keys"]
         assert "forged" not in [k["name"] for k in listed]
     # a genuine record moved under another name is no key either
-    genuine = _create(closed_url, admin, "genuine", ["ask"])
+    genuine = create_key(closed_url, admin, "genuine", ["ask"])
     client.set("openbook:api-key:forged", client.get("openbook:api-key:genuine"))
     assert _answer(closed_url, "obk_forged." + genuine.split(".", 1)[1]).status_code == 401
     client.delete("openbook:api-key:forged")
@@ -235,7 +206,7 @@ def test_require_keys_closes_all_but_health_metrics_and_the_page(closed_url, ope
     assert _answer(closed_url, None).status_code == 401
     assert _answer(closed_url, "obk_nobody.x").status_code == 401
     assert httpx.get(f"{closed_url}/indexes").status_code == 401
-    assert _mcp(closed_url, None, "ping").status_code == 401
+    assert mcp_rpc(closed_url, None, "ping").status_code == 401
     for path in ("/healthz", "/readyz", "/metrics", "/", "/static/app.js"):
         assert httpx.get(f"{closed_url}{path}").status_code == 200, path
     assert httpx.get(f"{closed_url}/openapi.json").status_code == 404
@@ -248,7 +219,7 @@ def test_a_timing_probe_learns_nothing(closed_url, admin):
     # a name with no record and a real name with a wrong secret: the same refusal, word for
     # word, after the same work (access.identify hashes against a dummy salt when the name has
     # no record, so the time taken does not tell the names that exist either)
-    _create(closed_url, admin, "probed", ["ask"])
+    create_key(closed_url, admin, "probed", ["ask"])
     replies = [_answer(closed_url, f"obk_{name}.wrong-secret") for name in ("probed", "nobody")]
     assert [r.status_code for r in replies] == [401, 401]
     assert replies[0].text == replies[1].text
@@ -258,20 +229,20 @@ def test_a_timing_probe_learns_nothing(closed_url, admin):
 
 
 def test_a_key_held_to_indexes_sees_no_other(closed_url, admin):
-    key = _create(closed_url, admin, "tenant-b", ["ask"], indexes=["facts-b"])
+    key = create_key(closed_url, admin, "tenant-b", ["ask"], indexes=["facts-b"])
     other = _answer(closed_url, key, index="facts-a")
     assert other.status_code == 404 and "facts-a" in other.text
     own = _answer(closed_url, key)
     assert own.status_code == 200 and own.json()["index"] == "facts-b"
-    listed = httpx.get(f"{closed_url}/indexes", headers=_bearer(key)).json()
+    listed = httpx.get(f"{closed_url}/indexes", headers=bearer(key)).json()
     assert [i["name"] for i in listed["indexes"]] == ["facts-b"] and listed["active"] == "facts-b"
-    models = httpx.get(f"{closed_url}/v1/models", headers=_bearer(key)).json()
+    models = httpx.get(f"{closed_url}/v1/models", headers=bearer(key)).json()
     assert [m["id"] for m in models["data"]] == ["openbook", "openbook/facts-b"]
-    model = httpx.get(f"{closed_url}/v1/models/openbook/facts-a", headers=_bearer(key))
+    model = httpx.get(f"{closed_url}/v1/models/openbook/facts-a", headers=bearer(key))
     assert model.status_code == 404
-    docs = httpx.get(f"{closed_url}/indexes/facts-a/documents", headers=_bearer(key))
+    docs = httpx.get(f"{closed_url}/indexes/facts-a/documents", headers=bearer(key))
     assert docs.status_code == 404
-    search = _mcp(
+    search = mcp_rpc(
         closed_url,
         key,
         "tools/call",
@@ -292,9 +263,7 @@ def test_keys_cannot_be_checked_without_redis():
         redis_url="redis://127.0.0.1:9/0",
     )
     with TestClient(create_app(settings)) as client:
-        reply = client.post(
-            "/answer", json={"question": "q"}, headers=_bearer("obk_someone.secret")
-        )
+        reply = client.post("/answer", json={"question": "q"}, headers=bearer("obk_someone.secret"))
         assert reply.status_code == 503
         assert client.post("/answer", json={"question": "q"}).status_code == 401
 

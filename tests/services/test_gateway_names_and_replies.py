@@ -19,14 +19,11 @@ import pytest
 
 from openbook.index.documents import Document
 from openbook.index.encoders import load_encoder
+from openbook_testkit.gateway_calls import MCP_HEADERS
 from openbook_testkit.stack import backends_serving, build_fact_indexes, serving_gateway
 
 TOKEN = "names-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-MCP_HEADERS = {
-    "Accept": "application/json, text/event-stream",
-    "MCP-Protocol-Version": "2025-06-18",
-}
 LIVE = "names-live"
 
 

@@ -22,14 +22,11 @@ from typer.testing import CliRunner
 from openbook.validation.metadata_filter import parse_filter
 from openbook_cli.app import app as cli_app
 from openbook_gateway.principal import namespace
+from openbook_testkit.gateway_calls import answer_with_key, bearer, create_key, mcp_tool
 from openbook_testkit.stack import running_backends, serving_gateway
 from openbook_testkit.throttle import Throttle, throttled
 
 INDEX = "tenants"
-MCP_HEADERS = {
-    "Accept": "application/json, text/event-stream",
-    "MCP-Protocol-Version": "2025-06-18",
-}
 A_DOC = {"title": "Alpha plan", "text": "The alpha launch code is ORCHID. It opens the vault."}
 B_DOC = {"title": "Beta plan", "text": "The beta launch code is TULIP. It opens the vault."}
 QUESTION = "What is the launch code that opens the vault?"
@@ -54,18 +51,6 @@ def admin(backends) -> dict[str, str]:
     return {"Authorization": f"Bearer {backends.admin_token}"}
 
 
-def _bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def _create(url: str, admin: dict, name: str, scopes: list[str], **extra) -> str:
-    reply = httpx.post(
-        f"{url}/admin/keys", json={"name": name, "scopes": scopes, **extra}, headers=admin
-    )
-    assert reply.status_code == 201, reply.text
-    return reply.json()["key"]
-
-
 @pytest.fixture(scope="module")
 def tenants(url, admin) -> dict[str, str]:
     """An index two tenants write to, each with its document, and their keys."""
@@ -74,7 +59,7 @@ def tenants(url, admin) -> dict[str, str]:
     )
     assert made.status_code == 201, made.text
     keys = {
-        tenant: _create(
+        tenant: create_key(
             url,
             admin,
             f"tenant-{tenant}",
@@ -88,7 +73,7 @@ def tenants(url, admin) -> dict[str, str]:
         written = httpx.put(
             f"{url}/indexes/{INDEX}/documents/{doc_id}",
             json={**document, "metadata": {"lang": "en"}},
-            headers=_bearer(keys[tenant]),
+            headers=bearer(keys[tenant]),
             timeout=60,
         )
         assert written.status_code == 200, written.text
@@ -96,28 +81,7 @@ def tenants(url, admin) -> dict[str, str]:
 
 
 def _answer(url: str, key: str, **body) -> httpx.Response:
-    return httpx.post(
-        f"{url}/answer",
-        json={"question": QUESTION, "max_new_tokens": 2, "use_cache": False, **body},
-        headers=_bearer(key),
-        timeout=60,
-    )
-
-
-def _mcp(url: str, key: str, name: str, **arguments) -> dict:
-    reply = httpx.post(
-        f"{url}/mcp",
-        json={
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "tools/call",
-            "params": {"name": name, "arguments": arguments},
-        },
-        headers={**MCP_HEADERS, **_bearer(key)},
-        timeout=60,
-    )
-    assert reply.status_code == 200, reply.text
-    return reply.json()["result"]
+    return answer_with_key(url, key, body.pop("question", QUESTION), **body)
 
 
 def _stored(tenant: str, doc_id: str) -> str:
@@ -136,7 +100,7 @@ def _never_b(text: str) -> None:
 def test_written_documents_carry_their_tenant(url, admin, tenants):
     stored = httpx.get(f"{url}/indexes/{INDEX}/documents/{_stored('a', 'a-doc')}", headers=admin)
     assert stored.json()["metadata"] == {"lang": "en", "tenant": "a"}
-    a = _bearer(tenants["a"])
+    a = bearer(tenants["a"])
     base = f"{url}/indexes/{INDEX}/documents"
     # metadata naming another tenant: 403 naming the field, nothing written
     other = httpx.put(
@@ -161,7 +125,7 @@ def test_written_documents_carry_their_tenant(url, admin, tenants):
         refused = httpx.request(method, f"{base}/b-doc", headers=a, timeout=60)
         assert refused.status_code == 404, method
         _never_b(refused.text.replace("'b-doc'", ""))
-    assert httpx.get(f"{base}/b-doc", headers=_bearer(tenants["b"])).json()["text"] == B_DOC["text"]
+    assert httpx.get(f"{base}/b-doc", headers=bearer(tenants["b"])).json()["text"] == B_DOC["text"]
     # an upload is stamped too, and refused with another tenant's metadata
     upload = f"{url}/indexes/{INDEX}/documents"
     files = {"file": ("alpha.txt", b"Alpha notes: the code is ORCHID.", "text/plain")}
@@ -189,7 +153,7 @@ def test_written_documents_carry_their_tenant(url, admin, tenants):
 def test_tenants_ids_never_cross(url, admin, tenants):
     # A and B both write "report": two documents, each tenant's own; nothing A does with the
     # id tells it B holds it, and nothing reaches B's
-    a, b = _bearer(tenants["a"]), _bearer(tenants["b"])
+    a, b = bearer(tenants["a"]), bearer(tenants["b"])
     base = f"{url}/indexes/{INDEX}/documents"
     a_report = {"title": "Alpha report", "text": "The alpha report says the harbour is PINE."}
     b_report = {"title": "Beta report", "text": "The beta report says the harbour is TULIP."}
@@ -218,7 +182,7 @@ def test_tenants_ids_never_cross(url, admin, tenants):
         cited = {p["document"] for p in answered.json()["passages"]}
         assert "report" in cited and not [c for c in cited if c.startswith("~")]
         assert other not in answered.text
-        found = _mcp(url, key, "search", query=question, k=5)
+        found = mcp_tool(url, key, "search", query=question, k=5)
         assert mine in str(found) and other not in str(found) and "~" not in str(found)
     # the admin sees two documents, in the two namespaces
     assert (
@@ -256,17 +220,17 @@ def test_a_tenant_lists_only_its_indexes_and_no_totals(url, admin, tenants):
     everyone = httpx.get(f"{url}/indexes", headers=admin).json()["indexes"]
     (shared,) = [i for i in everyone if i["name"] == INDEX]
     assert shared["count"] > 0 and {"facts-a", "facts-b"} <= {i["name"] for i in everyone}
-    listed = httpx.get(f"{url}/indexes", headers=_bearer(tenants["a"]))
+    listed = httpx.get(f"{url}/indexes", headers=bearer(tenants["a"]))
     assert listed.status_code == 200
     assert listed.json()["active"] == INDEX
     (only,) = listed.json()["indexes"]
     assert only["name"] == INDEX and only["count"] is None
-    mcp = _mcp(url, tenants["a"], "list_indexes")
+    mcp = mcp_tool(url, tenants["a"], "list_indexes")
     assert "facts-a" not in str(mcp) and str(shared["count"]) + " " not in str(mcp)
     assert mcp["structuredContent"]["indexes"][0]["count"] is None
     # a key held to indexes without a tenant filter owns what it sees: its counts show
-    held = _create(url, admin, "held-to-one", ["ask"], indexes=[INDEX])
-    (counted,) = httpx.get(f"{url}/indexes", headers=_bearer(held)).json()["indexes"]
+    held = create_key(url, admin, "held-to-one", ["ask"], indexes=[INDEX])
+    (counted,) = httpx.get(f"{url}/indexes", headers=bearer(held)).json()["indexes"]
     assert counted["count"] == shared["count"]
 
 
@@ -299,7 +263,7 @@ def test_no_request_field_widens_a_tenant(url, tenants):
             "max_tokens": 2,
             "filter": {"$or": [{"tenant": "b"}, {"tenant": "a"}]},
         },
-        headers=_bearer(key),
+        headers=bearer(key),
         timeout=60,
     )
     assert chat.status_code == 200, chat.text
@@ -307,21 +271,21 @@ def test_no_request_field_widens_a_tenant(url, tenants):
     responses = httpx.post(
         f"{url}/v1/responses",
         json={"model": f"openbook/{INDEX}", "input": QUESTION, "max_output_tokens": 2},
-        headers=_bearer(key),
+        headers=bearer(key),
         timeout=60,
     )
     assert responses.status_code == 200, responses.text
     _never_b(responses.text)
     # MCP: search and answer, and another index
-    found = _mcp(url, key, "search", query=QUESTION, k=5, filter={"tenant": "b"})
+    found = mcp_tool(url, key, "search", query=QUESTION, k=5, filter={"tenant": "b"})
     assert found.get("isError") is not True
     _never_b(str(found))
-    found = _mcp(url, key, "search", query=QUESTION, k=5)
+    found = mcp_tool(url, key, "search", query=QUESTION, k=5)
     assert "ORCHID" in str(found)
     _never_b(str(found))
-    answered = _mcp(url, key, "answer", question=QUESTION, filter={"$or": [{"tenant": "b"}]})
+    answered = mcp_tool(url, key, "answer", question=QUESTION, filter={"$or": [{"tenant": "b"}]})
     _never_b(str(answered))
-    elsewhere = _mcp(url, key, "search", query=QUESTION, index="facts-b")
+    elsewhere = mcp_tool(url, key, "search", query=QUESTION, index="facts-b")
     assert elsewhere["isError"] is True
 
 
@@ -343,16 +307,16 @@ def test_the_cache_never_crosses_tenants(url, tenants):
 
 
 def test_a_key_is_held_to_its_rate(url, admin, redis_server, tenants):
-    key = _create(url, admin, "limited", ["ask"], rate={"requests_per_minute": 2})
+    key = create_key(url, admin, "limited", ["ask"], rate={"requests_per_minute": 2})
     assert _answer(url, key).status_code == 200
-    assert httpx.get(f"{url}/indexes", headers=_bearer(key)).status_code == 200
+    assert httpx.get(f"{url}/indexes", headers=bearer(key)).status_code == 200
     refused = _answer(url, key)
     assert refused.status_code == 429 and "2 requests a minute" in refused.text
     retry_after = int(refused.headers["Retry-After"])
     # truthful: the window ends then (the counter expires), not before
     left_ms = redis_server.client().pttl("openbook:api-key-requests:limited")
     assert 0 < left_ms <= retry_after * 1000 <= 60_000
-    models = httpx.get(f"{url}/v1/models", headers=_bearer(key))
+    models = httpx.get(f"{url}/v1/models", headers=bearer(key))
     assert models.status_code == 429 and models.headers["Retry-After"]
     assert models.json()["error"]["code"] == "rate_limit_exceeded"
     # counted in Redis, for every gateway: a new window lets it in again
@@ -363,7 +327,7 @@ def test_a_key_is_held_to_its_rate(url, admin, redis_server, tenants):
 
 
 def test_concurrent_generations_are_counted_across_replicas(url, admin, redis_server):
-    key = _create(url, admin, "one-at-a-time", ["ask"], rate={"concurrent_generations": 1})
+    key = create_key(url, admin, "one-at-a-time", ["ask"], rate={"concurrent_generations": 1})
     leases = "openbook:api-key-generations:one-at-a-time"
     client = redis_server.client()
     # a generation of this key running on another gateway replica
@@ -379,17 +343,17 @@ def test_concurrent_generations_are_counted_across_replicas(url, admin, redis_se
 
 def test_writes_and_key_changes_are_audited(url, admin, tenants, caplog):
     caplog.set_level(logging.INFO, logger="openbook.audit")
-    a = _bearer(tenants["a"])
+    a = bearer(tenants["a"])
     base = f"{url}/indexes/{INDEX}/documents"
     assert httpx.put(f"{base}/a-5", json=A_DOC, headers=a, timeout=60).status_code == 200
     assert httpx.delete(f"{base}/b-doc", headers=a, timeout=60).status_code == 404
     batch = {"documents": [{"id": "a-6", **A_DOC}, {"id": "a-7", **A_DOC}]}
     assert httpx.post(f"{base}:batch", json=batch, headers=a, timeout=60).status_code == 200
-    made = _create(url, admin, "audited", ["ask"])
+    made = create_key(url, admin, "audited", ["ask"])
     assert httpx.delete(f"{url}/admin/keys/audited", headers=admin).status_code == 200
     index = {"name": "audit-idx", "like": "no-such-index"}
     assert httpx.post(f"{url}/indexes", json=index, headers=admin).status_code == 404
-    put = _mcp(url, tenants["a"], "put_document", index=INDEX, doc_id="a-8", text=A_DOC["text"])
+    put = mcp_tool(url, tenants["a"], "put_document", index=INDEX, doc_id="a-8", text=A_DOC["text"])
     assert put.get("isError") is not True, put
     assert httpx.post(f"{url}/wp-login.php", headers=a).status_code == 404  # not audited
     lines = [r.fields for r in caplog.records if r.name == "openbook.audit"]
@@ -425,24 +389,24 @@ def test_indexes_create_scope(url, admin):
         f"{url}/indexes", json={"name": "team-one", "like": "facts-b"}, headers=admin, timeout=60
     )
     assert made.status_code == 201, made.text
-    creator = _create(
+    creator = create_key(
         url, admin, "creator", ["write", "indexes:create"], indexes=["team-one", "team-two"]
     )
-    writer = _create(url, admin, "writer-only", ["write"], indexes=["team-one", "team-two"])
+    writer = create_key(url, admin, "writer-only", ["write"], indexes=["team-one", "team-two"])
     body = {"name": "team-two", "like": "team-one"}
-    assert httpx.post(f"{url}/indexes", json=body, headers=_bearer(writer)).status_code == 403
+    assert httpx.post(f"{url}/indexes", json=body, headers=bearer(writer)).status_code == 403
     # an index it may not name is as unknown to it as ever, even as a template
     like = httpx.post(
-        f"{url}/indexes", json={"name": "team-two", "like": "facts-b"}, headers=_bearer(creator)
+        f"{url}/indexes", json={"name": "team-two", "like": "facts-b"}, headers=bearer(creator)
     )
     assert like.status_code == 404 and "facts-b" in like.text
-    made = httpx.post(f"{url}/indexes", json=body, headers=_bearer(creator), timeout=60)
+    made = httpx.post(f"{url}/indexes", json=body, headers=bearer(creator), timeout=60)
     assert made.status_code == 201, made.text
     other = httpx.post(
-        f"{url}/indexes", json={"name": "not-mine", "like": "team-one"}, headers=_bearer(creator)
+        f"{url}/indexes", json={"name": "not-mine", "like": "team-one"}, headers=bearer(creator)
     )
     assert other.status_code == 403 and "name" in other.text
-    gone = httpx.delete(f"{url}/indexes/team-two", headers=_bearer(creator))
+    gone = httpx.delete(f"{url}/indexes/team-two", headers=bearer(creator))
     assert gone.status_code == 403  # deleting an index stays admin's
 
 
@@ -533,8 +497,8 @@ def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, bac
     # free place (fair share across keys, openbook_generator.policy), not behind A's flood:
     # the order answers complete in shows it, with no timing threshold. Every answer path
     # names its key to the generator: REST, /v1 and MCP.
-    flood = _create(url, admin, "flood", ["ask"])
-    single = _create(url, admin, "single", ["ask"])
+    flood = create_key(url, admin, "flood", ["ask"])
+    single = create_key(url, admin, "single", ["ask"])
     scheduler = backends.generator_servicer.scheduler
     done: list[str] = []
     lock = threading.Lock()
@@ -552,7 +516,7 @@ def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, bac
                 "use_cache": False,
             }
             reply = httpx.post(
-                f"{url}/v1/chat/completions", json=chat, headers=_bearer(key), timeout=60
+                f"{url}/v1/chat/completions", json=chat, headers=bearer(key), timeout=60
             )
         with lock:
             done.append(who if reply.status_code == 200 else f"{who}: {reply.text}")
@@ -579,7 +543,7 @@ def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, bac
     # asked; fairly, after the one running then (and one more, had it just ended)
     assert done.index("b") <= before + 2, done
     # the generator took each request under its key's name: REST, /v1 and MCP
-    mcp = _create(url, admin, "mcp-caller", ["ask"])
-    assert _mcp(url, mcp, "answer", question=QUESTION, k=1).get("isError") is not True
+    mcp = create_key(url, admin, "mcp-caller", ["ask"])
+    assert mcp_tool(url, mcp, "answer", question=QUESTION, k=1).get("isError") is not True
     for key_name in ("flood", "single", "mcp-caller"):
         assert scheduler.policy.last_started(key_name) is not None, key_name
