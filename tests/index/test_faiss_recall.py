@@ -111,3 +111,18 @@ def test_ivfpq_with_an_hnsw_coarse_quantizer_searches_like_the_flat_one(data, tm
 def test_an_unknown_coarse_quantizer_is_refused() -> None:
     with pytest.raises(ValueError, match="^coarse_quantizer"):
         faiss_index.default_params("ivfpq", N, DIM, coarse_quantizer="ivf")
+
+
+def test_rerank_from_a_file_map_prefetches_and_scores_the_same(data, tmp_path) -> None:
+    """rerank_exact on a memory-mapped vectors.npy (what the loader serves) advises the
+    kernel of the candidates' pages first (prefetch_rows) and scores exactly as in memory."""
+    x, q, _ = data
+    np.save(tmp_path / "vectors.npy", x.astype(np.float16))
+    mapped = np.load(tmp_path / "vectors.npy", mmap_mode="r")
+    cand = np.random.default_rng(4).integers(-1, N, (len(q), 40))
+    cand[:, -1] = N - 1  # the file's last row: its pages end where the map does
+    got = faiss_index.rerank_exact(q, cand, mapped, K)
+    want = faiss_index.rerank_exact(q, cand, np.asarray(mapped), K)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0])
+    faiss_index.prefetch_rows(np.asarray(mapped), cand[0])  # not a map: nothing to advise
