@@ -5,6 +5,12 @@ and raises these for a client's mistakes; whatever else escapes an RPC is a bug 
 and becomes INTERNAL (the gateway's 500), even a ``ValueError`` or ``LookupError`` from a
 library. Library errors that do mean "the client asked for something wrong" wherever a
 service meets them are declared once with :func:`client_errors`.
+
+Inside ``openbook/`` too, invalid input is an :class:`InvalidArgument` (or a subclass) naming
+the field or setting; a model or index directory that cannot be served is a declared load error,
+a ``ValueError`` subclass (``openbook.rag.ModelLoadError``, ``openbook.index.IndexLoadError``);
+a broken invariant of openbook's own code is an :class:`InternalError`. No module raises a bare
+``ValueError`` (``tests/test_error_vocabulary.py``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from openbook.errors import InvalidArgument
+
 RECORD_NAME = "redis-endpoint.json"
 DEFAULT_PORT = 6379
 URL_VARIABLE = "OPENBOOK_REDIS_URL"
@@ -64,16 +66,19 @@ def write_record(path: Path, endpoint: RedisEndpoint) -> None:
 
 
 def read_record(path: Path) -> RedisEndpoint | None:
-    """The endpoint recorded at ``path``; None if there is none. ``ValueError`` naming the file
-    if it is there but unreadable (never silently another Redis)."""
+    """The endpoint recorded at ``path``; None if there is none.
+    :class:`~openbook.errors.InvalidArgument` (a ``ValueError``) naming the file if it is there
+    but unreadable (never silently another Redis)."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: unreadable Redis endpoint record ({exc}); delete it") from None
+        raise InvalidArgument(
+            f"{path}: unreadable Redis endpoint record ({exc}); delete it"
+        ) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("url"), str):
-        raise ValueError(f"{path}: not a Redis endpoint record (no url); delete it")
+        raise InvalidArgument(f"{path}: not a Redis endpoint record (no url); delete it")
     fields = ("username", "password_file", "server_key_file", "tls_ca_file")
     return RedisEndpoint(raw["url"], **{k: raw[k] for k in fields if isinstance(raw.get(k), str)})
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from openbook.errors import InvalidArgument
 from openbook.rag.errors import ModelLoadError
 
 ADAPTER_FILE = "openbook_adapter.json"
@@ -51,13 +52,13 @@ class LoraSpec:
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= MAX_RANK:
-            raise ValueError(f"lora rank must be in [1, {MAX_RANK}], got {self.rank}")
+            raise InvalidArgument(f"lora rank must be in [1, {MAX_RANK}], got {self.rank}")
         if not 0 < self.alpha <= MAX_ALPHA:
-            raise ValueError(f"lora alpha must be in (0, {MAX_ALPHA:g}], got {self.alpha}")
+            raise InvalidArgument(f"lora alpha must be in (0, {MAX_ALPHA:g}], got {self.alpha}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout}")
+            raise InvalidArgument(f"lora dropout must be in [0, 1), got {self.dropout}")
         if self.targets is not None and not self.targets:
-            raise ValueError("lora targets: name at least one module, or leave it unset")
+            raise InvalidArgument("lora targets: name at least one module, or leave it unset")
 
     def peft_config(self, model: Any) -> Any:
         from peft import LoraConfig, TaskType

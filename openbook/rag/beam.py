@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from openbook.errors import InternalError
 from openbook.rag.sampling import sample
 
 _NEG = -1.0e9  # transformers' "impossible" score; kept finite so it can be ranked and added to
@@ -443,7 +444,7 @@ def new_search(
     search for one beam (as transformers' ``generate``), beam search otherwise."""
     if s.sampling:
         if generator is None:
-            raise ValueError("sampling needs the request's random generator")
+            raise InternalError("sampling needs the request's random generator")
         return SampleSearch(batch, s, device, stop, payload, generator)
     search = GreedySearch if s.num_beams == 1 else BeamSearch
     return search(batch, s, device, stop, payload)

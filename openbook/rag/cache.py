@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
+from openbook.errors import InternalError
+
 # Spare slots a growing layer allocates beyond what it holds: one copy of the cache per this
 # many decoding steps instead of one per step (openbook/rag/memory.py counts them).
 GROWTH_SLOTS = 16
@@ -121,7 +123,7 @@ def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cach
         if _layer_has_data(new):
             parts = [p for p in (c.layers[i] for c in caches) if _layer_has_data(p)]
             if len(parts) != len(caches):
-                raise ValueError(f"join_rows: layer {i} holds keys/values in only some caches")
+                raise InternalError(f"join_rows: layer {i} holds keys/values in only some caches")
             width = max(p.keys.shape[-2] for p in parts)
             if dest is None:
                 new.keys = torch.cat([_pad_left(p.keys, width) for p in parts])
@@ -163,7 +165,7 @@ def append_slots(cache: Cache, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) 
         new = copy.copy(layer)  # shares ``layer``'s tensors until they are replaced below
         out.layers.append(new)
         if not _layer_has_data(new):
-            raise ValueError("append_slots: a layer without keys/values")
+            raise InternalError("append_slots: a layer without keys/values")
         new.keys = torch.cat([new.keys, keys], dim=2)
         new.values = torch.cat([new.values, values], dim=2)
     return out

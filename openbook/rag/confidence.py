@@ -95,6 +95,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from openbook.errors import InvalidArgument
 from openbook.rag.answers import normalize_answer
 from openbook.rag.errors import ModelLoadError
 
@@ -156,22 +157,23 @@ class Calibration:
     fitted_on: int = 0  # questions it was fitted on (information only)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first broken invariant."""
+        """Raise :class:`~openbook.errors.InvalidArgument` (a ``ValueError``) naming the field
+        of the first broken invariant."""
         if len(self.x) != len(self.y):
-            raise ValueError(f"x and y differ in length ({len(self.x)} vs {len(self.y)})")
+            raise InvalidArgument(f"x and y differ in length ({len(self.x)} vs {len(self.y)})")
         if not self.x:
-            raise ValueError("at least one knot is needed")
+            raise InvalidArgument("x and y: at least one knot is needed")
         for name, values in (("x", self.x), ("y", self.y)):
             for i, v in enumerate(values):
                 if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
-                    raise ValueError(f"{name}[{i}] must be a number in [0, 1], got {v!r}")
+                    raise InvalidArgument(f"{name}[{i}] must be a number in [0, 1], got {v!r}")
         for i in range(1, len(self.x)):
             if not self.x[i] > self.x[i - 1]:
-                raise ValueError(
+                raise InvalidArgument(
                     f"x must be strictly increasing: x[{i}] = {self.x[i]} follows {self.x[i - 1]}"
                 )
             if self.y[i] < self.y[i - 1]:
-                raise ValueError(
+                raise InvalidArgument(
                     f"y must be non-decreasing: y[{i}] = {self.y[i]} follows {self.y[i - 1]}"
                 )
 
@@ -192,14 +194,15 @@ class Calibration:
 
     @classmethod
     def from_json(cls, data: object) -> Calibration:
-        """Raise ``ValueError`` for anything but a valid calibration object."""
+        """Raise :class:`~openbook.errors.InvalidArgument` (a ``ValueError``) naming the field,
+        for anything but a valid calibration object."""
         data = _object_of_kind(data, CALIBRATION_KIND)
         x, y = data.get("x"), data.get("y")
         if not isinstance(x, list) or not isinstance(y, list):
-            raise ValueError("x and y must be lists of numbers")
+            raise InvalidArgument("x and y must be lists of numbers")
         fitted_on = data.get("fitted_on", 0)
         if isinstance(fitted_on, bool) or not isinstance(fitted_on, int) or fitted_on < 0:
-            raise ValueError(f"fitted_on must be a non-negative integer, got {fitted_on!r}")
+            raise InvalidArgument(f"fitted_on must be a non-negative integer, got {fitted_on!r}")
         calibration = cls(tuple(x), tuple(y), fitted_on)
         calibration.validate()
         return calibration
@@ -228,24 +231,25 @@ class LogisticCalibration:
     needs_features = True
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first broken invariant."""
+        """Raise :class:`~openbook.errors.InvalidArgument` (a ``ValueError``) naming the field
+        of the first broken invariant."""
         for i, name in enumerate(self.features):
             if not isinstance(name, str) or name not in FEATURES:
-                raise ValueError(
+                raise InvalidArgument(
                     f"features[{i}] must be one of {', '.join(FEATURES)}, got {name!r}"
                 )
         if len(set(self.features)) != len(self.features):
-            raise ValueError(f"features must be distinct, got {list(self.features)}")
+            raise InvalidArgument(f"features must be distinct, got {list(self.features)}")
         if len(self.weights) != len(self.features):
-            raise ValueError(
+            raise InvalidArgument(
                 f"features and weights differ in length ({len(self.features)} vs "
                 f"{len(self.weights)})"
             )
         for i, w in enumerate(self.weights):
             if not _finite_number(w):
-                raise ValueError(f"weights[{i}] must be a finite number, got {w!r}")
+                raise InvalidArgument(f"weights[{i}] must be a finite number, got {w!r}")
         if not _finite_number(self.bias):
-            raise ValueError(f"bias must be a finite number, got {self.bias!r}")
+            raise InvalidArgument(f"bias must be a finite number, got {self.bias!r}")
 
     def __call__(self, features: Mapping[str, float]) -> float:
         """The calibrated confidence of an answer with these features (a row of
@@ -266,16 +270,17 @@ class LogisticCalibration:
 
     @classmethod
     def from_json(cls, data: object) -> LogisticCalibration:
-        """Raise ``ValueError`` for anything but a valid logistic calibration object."""
+        """Raise :class:`~openbook.errors.InvalidArgument` (a ``ValueError``) naming the field,
+        for anything but a valid logistic calibration object."""
         data = _object_of_kind(data, LOGISTIC_KIND)
         features, weights = data.get("features"), data.get("weights")
         if not isinstance(features, list) or not isinstance(weights, list):
-            raise ValueError("features and weights must be lists")
+            raise InvalidArgument("features and weights must be lists")
         if "bias" not in data:
-            raise ValueError("bias is missing")
+            raise InvalidArgument("bias is missing")
         fitted_on = data.get("fitted_on", {})
         if not isinstance(fitted_on, dict):
-            raise ValueError(f"fitted_on must be a JSON object, got {fitted_on!r}")
+            raise InvalidArgument(f"fitted_on must be a JSON object, got {fitted_on!r}")
         calibration = cls(tuple(features), tuple(weights), data["bias"], fitted_on)
         calibration.validate()
         return cls(
@@ -295,24 +300,26 @@ AnyCalibration = Calibration | LogisticCalibration
 
 
 def calibration_from_json(data: object) -> AnyCalibration:
-    """The calibration of either kind in ``data`` (by its ``"kind"``); ``ValueError`` when it
-    is not a valid one."""
+    """The calibration of either kind in ``data`` (by its ``"kind"``);
+    :class:`~openbook.errors.InvalidArgument` (a ``ValueError``) when it is not a valid one."""
     if not isinstance(data, dict):
-        raise ValueError("expected a JSON object")
+        raise InvalidArgument("expected a JSON object")
     kind = data.get("kind")
     if kind == LOGISTIC_KIND:
         return LogisticCalibration.from_json(data)
     if kind == CALIBRATION_KIND:
         return Calibration.from_json(data)
-    raise ValueError(f"kind must be one of {', '.join(map(repr, CALIBRATION_KINDS))}, got {kind!r}")
+    raise InvalidArgument(
+        f"kind must be one of {', '.join(map(repr, CALIBRATION_KINDS))}, got {kind!r}"
+    )
 
 
 def _object_of_kind(data: object, kind: str) -> dict[str, Any]:
-    """``data``, a JSON object whose ``"kind"`` is ``kind``; ``ValueError`` otherwise."""
+    """``data``, a JSON object whose ``"kind"`` is ``kind``; ``InvalidArgument`` otherwise."""
     if not isinstance(data, dict):
-        raise ValueError("expected a JSON object")
+        raise InvalidArgument("expected a JSON object")
     if data.get("kind") != kind:
-        raise ValueError(f"kind must be {kind!r}, got {data.get('kind')!r}")
+        raise InvalidArgument(f"kind must be {kind!r}, got {data.get('kind')!r}")
     return data
 
 
@@ -350,7 +357,7 @@ def load_calibration(directory: str | Path) -> AnyCalibration | None:
 
 
 def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number")
+    raise InvalidArgument(f"{name} is not a number")
 
 
 def mean_log_prob(log_prob: float, scored_tokens: int) -> float:
@@ -439,14 +446,14 @@ def answer_features(
     ``mean_log_prob`` is ``log(raw_confidence)``, or :data:`LOG_PROB_FLOOR` for 0).
     ``normalized``: the passages' :func:`normalized_texts`; ``posterior``: p(z|x,y) over them
     (:func:`answer_posterior`; None: the prior stands in); ``question``: the request's (empty:
-    ``question_near_answer`` is 0). Raises ``ValueError`` when
+    ``question_near_answer`` is 0). Raises ``InvalidArgument`` (a ``ValueError``) when
     ``normalized``, ``doc_prior`` and ``posterior`` differ in length."""
     if len(normalized) != len(doc_prior):
-        raise ValueError(
+        raise InvalidArgument(
             f"passages and doc_prior differ in length ({len(normalized)} vs {len(doc_prior)})"
         )
     if posterior is not None and len(posterior) != len(doc_prior):
-        raise ValueError(
+        raise InvalidArgument(
             f"posterior and doc_prior differ in length ({len(posterior)} vs {len(doc_prior)})"
         )
     prior = [float(p) for p in doc_prior]
@@ -495,6 +502,6 @@ def confidences(
         return raw, raw
     if isinstance(calibration, LogisticCalibration):
         if features is None:
-            raise ValueError("a logistic calibration needs the answer's features")
+            raise InvalidArgument("features: a logistic calibration needs the answer's features")
         return raw, calibration(features)
     return raw, calibration(raw)

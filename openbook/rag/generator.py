@@ -92,7 +92,7 @@ class RagGenerator:
         verified in one forward pass (:mod:`openbook.rag.drafting`; answers unchanged); 0
         turns drafting off. The memory model then counts the drafted positions' logits."""
         if tokens < 0:
-            raise ValueError(f"draft tokens must be >= 0, got {tokens}")
+            raise InvalidArgument(f"draft tokens must be >= 0, got {tokens}")
         self.draft_tokens = tokens if self.backend.drafts() else 0
         self.memory = replace(memory_model(self.backend), draft_tokens=self.draft_tokens)
 

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from openbook.config.settings import PRECISIONS
+from openbook.errors import InvalidArgument
 from openbook.rag.attention import use_matmul_attention
 from openbook.rag.backends import CausalBackend, GeneratorBackend, seq2seq_backend
 from openbook.rag.errors import ModelLoadError
@@ -115,7 +116,7 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[str, to
     try:
         return device, _DTYPES[name]
     except KeyError:
-        raise ValueError(
+        raise InvalidArgument(
             f"dtype must be {AUTO!r} or one of {sorted(_DTYPES)}, got {dtype!r}"
         ) from None
 

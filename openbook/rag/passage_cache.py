@@ -19,6 +19,8 @@ from collections import OrderedDict
 
 from torch import Tensor
 
+from openbook.errors import InvalidArgument
+
 # per layer: keys, values (1, kv_heads, head tokens, head_dim)
 HeadKV = list[tuple[Tensor, Tensor]]
 
@@ -28,7 +30,7 @@ class PassageCache:
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
-            raise ValueError(f"passage cache size must be >= 0 bytes, got {max_bytes}")
+            raise InvalidArgument(f"passage cache size must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = max_bytes
         self.bytes = 0
         self.hits = 0

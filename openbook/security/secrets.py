@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from openbook.errors import InvalidArgument
+
 PASSWORD_FILE = "redis-password"
 ACL_FILE = "redis-users.acl"
 SERVER_KEY_FILE = "server-key"
@@ -109,14 +111,17 @@ def _replace(path: Path, content: str) -> None:
 
 
 def read_secret(path: Path, what: str) -> str:
-    """The stripped content of a secret file, or a ``SystemExit``-worthy ``ValueError`` that
-    names the file and what it is for."""
+    """The stripped content of a secret file, or a ``SystemExit``-worthy
+    :class:`~openbook.errors.InvalidArgument` (a ``ValueError``) that names the file and the
+    setting it is for."""
     try:
         value = Path(path).read_text().strip()
     except OSError as exc:
-        raise ValueError(f"{what} file {path}: cannot read it ({exc.strerror or exc})") from exc
+        raise InvalidArgument(
+            f"{what} file {path}: cannot read it ({exc.strerror or exc})"
+        ) from exc
     if not value:
-        raise ValueError(f"{what} file {path}: empty")
+        raise InvalidArgument(f"{what} file {path}: empty")
     return value
 
 

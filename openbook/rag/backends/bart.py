@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from openbook.errors import InternalError
 from openbook.rag.backends import bart_decoding
 from openbook.rag.backends.base import DecodeState, Encoded, Items, copy_rows
 from openbook.rag.backends.seq2seq import Seq2SeqBackend, Seq2SeqDecodeState, Seq2SeqEncoded
@@ -295,7 +296,7 @@ class BartBackend(Seq2SeqBackend):
                 continue
             passages = sorted({r // seg.copies for r in mine})
             if len(passages) * seg.copies != len(mine):
-                raise ValueError("keep: a passage row's copies must leave together")
+                raise InternalError("keep: a passage row's copies must leave together")
             idx = torch.tensor(passages, device=rows.device)
             cross = [(k[idx], v[idx]) for k, v in seg.cross]
             mask = None if seg.mask is None else seg.mask[idx]

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from openbook.rag.errors import ModelLoadError
+
 if TYPE_CHECKING:  # importing it loads transformers' BART modeling code, needed only with BART
     from transformers import BartForConditionalGeneration
 
@@ -71,7 +73,7 @@ class BartDecoding:
         cfg = model.config
         heads, d_model = cfg.decoder_attention_heads, cfg.d_model
         if heads is None or d_model is None:
-            raise ValueError("BART config without decoder_attention_heads or d_model")
+            raise ModelLoadError("BART config without decoder_attention_heads or d_model")
         self.heads = int(heads)
         self.head_dim = int(d_model) // self.heads
         self._head_t: Tensor | None = None

@@ -42,6 +42,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from openbook.rag.errors import ModelLoadError
+
 # SCORE_LOGIT_ELEMENTS: the bound on logit elements one teacher-forcing pass materialises
 # (defined with the memory estimate that counts it). The families read it through this module
 # at call time, so one setting bounds them all.
@@ -123,9 +125,10 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
 
     def quantize_head(self) -> None:
         """Serve the LM head with int8 weights, one scale per output row
-        (:class:`~openbook.rag.backends.int8_head.Int8Head`); ValueError saying why where this
+        (:class:`~openbook.rag.backends.int8_head.Int8Head`); a
+        :class:`~openbook.rag.errors.ModelLoadError` (a ``ValueError``) saying why where this
         family, its head or its device cannot. The input embedding keeps its precision."""
-        raise ValueError(f"the {self.kind} backend keeps its LM head in the model's precision")
+        raise ModelLoadError(f"the {self.kind} backend keeps its LM head in the model's precision")
 
     def step_many(self, state: StateT, tokens: Tensor) -> Tensor:
         """Feed ``tokens`` (N, L), L consecutive tokens per row, in one forward pass ->

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicCache
 
+from openbook.errors import InternalError, InvalidArgument
 from openbook.rag import memory
 from openbook.rag.backends import base
 from openbook.rag.backends.base import (
@@ -46,6 +47,7 @@ from openbook.rag.cache import (
     select_rows,
     share_rows,
 )
+from openbook.rag.errors import ModelLoadError
 from openbook.rag.memory import MemoryModel
 from openbook.rag.passage_cache import HeadKV, PassageCache
 from openbook.rag.prompting import PromptSpec
@@ -119,7 +121,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         self._layer_types: list[str] = []
         if window and "sliding_attention" in layer_types:
             if not layer_types <= {"full_attention", "sliding_attention"}:
-                raise ValueError(f"unsupported attention layer types {sorted(layer_types)}")
+                raise ModelLoadError(f"unsupported attention layer types {sorted(layer_types)}")
             self.sliding_window = int(window)
             self._layer_types = sorted(layer_types)
         prefix_ids: list[int] = []
@@ -129,7 +131,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         if spec.add_bos and self.bos_token_id is not None:
             prefix_ids = [self.bos_token_id, *prefix_ids]
         if not prefix_ids:
-            raise ValueError(
+            raise ModelLoadError(
                 "openbook_prompt.json: the prompt prefix is empty and the tokenizer has no BOS "
                 "token; at least one shared leading token is required"
             )
@@ -159,10 +161,14 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         if isinstance(head, Int8Head):
             return
         if not isinstance(head, nn.Linear) or head.bias is not None:
-            raise ValueError(f"an int8 LM head replaces a Linear without bias, not {head!r}")
+            raise ModelLoadError(f"an int8 LM head replaces a Linear without bias, not {head!r}")
+        try:
+            int8 = Int8Head(head.weight)
+        except InvalidArgument as e:  # a head torch's int8 kernel cannot run: this model's
+            raise ModelLoadError(str(e)) from None
         # A tied model's embedding keeps its own matrix; the head reads the int8 copy only.
         self.model.config.tie_word_embeddings = False
-        self.model.set_output_embeddings(Int8Head(head.weight))
+        self.model.set_output_embeddings(int8)
         self.refresh()  # _own_head is checked again against the new head
 
     def _prefix_forward(self, check_head: bool = False) -> Cache:
@@ -295,7 +301,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         before the row's first new token, harmless: it is masked).
         """
         if any(not t for t in tails):
-            raise ValueError("passage_template produced an empty prompt")
+            raise InternalError("passage_template produced an empty prompt")
         n, width = len(tails), max(len(t) for t in tails)
         start = (past_pos.max(dim=1).values + 1).cpu()
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)

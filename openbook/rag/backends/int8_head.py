@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from openbook.errors import InvalidArgument
+
 # torch's CPU kernel reads past the end of a row whose width is not a multiple of 16 (seen as
 # segfaults in bf16 on torch 2.13): such heads are refused, never run.
 WIDTH_MULTIPLE = 16
@@ -46,15 +48,17 @@ class Int8Head(nn.Module):
     def __init__(self, weight: Tensor) -> None:
         super().__init__()
         if weight.dim() != 2:
-            raise ValueError(f"an LM head's weight is (vocab, width), got {tuple(weight.shape)}")
+            raise InvalidArgument(
+                f"an LM head's weight is (vocab, width), got {tuple(weight.shape)}"
+            )
         vocab, width = weight.shape
         if width % WIDTH_MULTIPLE:
-            raise ValueError(
+            raise InvalidArgument(
                 f"an int8 LM head needs a width that is a multiple of {WIDTH_MULTIPLE} "
                 f"(torch's int8 kernel); this model's is {width}"
             )
         if weight.device.type != "cpu":
-            raise ValueError(f"the int8 LM head runs on CPU; this model is on {weight.device}")
+            raise InvalidArgument(f"the int8 LM head runs on CPU; this model is on {weight.device}")
         packed = torch.empty((vocab, width), dtype=torch.int8)
         scales = torch.empty(vocab, dtype=torch.float32)
         with torch.no_grad():

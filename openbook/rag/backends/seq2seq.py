@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutput
 
+from openbook.errors import InternalError
 from openbook.rag import memory
 from openbook.rag.backends import base
 from openbook.rag.backends.base import (
@@ -234,7 +235,9 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
         lengths = {s.cache.get_seq_length() for s in states}
         widths = {s.hidden.shape[1] for s in states}
         if len(lengths) != 1 or len(widths) != 1:
-            raise ValueError("Seq2SeqBackend joins only states of equal decoder and encoder length")
+            raise InternalError(
+                "Seq2SeqBackend joins only states of equal decoder and encoder length"
+            )
         return Seq2SeqDecodeState(
             torch.cat([s.hidden for s in states]),
             torch.cat([s.mask for s in states]),
