@@ -57,7 +57,14 @@ def test_repo_compose_file_translates_to_local_processes(tmp_path):
     assert generator.env["OPENBOOK_DATA_DIR"] == str(REPO_ROOT / "data")
     order = project.resolve_order(None)
     assert order.index("redis") < order.index("retriever") < order.index("gateway")
-    assert order.index("init") < order.index("generator")
+    assert order.index("init") < order.index("retriever")
+    # The generator waits for its model and adapter only, and starts before the retriever,
+    # so that it loads while init still builds the index (docs/benchmarks.md, "First answer").
+    assert set(project.services["generator"].depends_on) == {"init-models"}
+    assert order.index("init-models") < order.index("generator") < order.index("retriever")
+    assert {"init", "init-models"} <= set(project.services["retriever"].depends_on)
+    assert project.services["init"].argv[-1] == "--skip-models"
+    assert project.services["init-models"].argv[-1] == "--skip-indexes"
     assert "trainer" not in order  # behind a profile
     assert "trainer" in project.resolve_order(["trainer"])
 
