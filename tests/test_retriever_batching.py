@@ -7,6 +7,7 @@ import threading
 import grpc
 import pytest
 
+from openbook.index.request import SearchRequest
 from openbook.serving.grpc_server import GrpcService
 from openbook.serving.metrics import ServiceMetrics
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
@@ -79,7 +80,7 @@ def test_concurrent_calls_share_batches_and_get_their_own_results(registry):
         name = request.index or "facts-a"
         assert reply.index == name
         with registry.lease(name) as index:
-            expected = index.search(list(request.queries), request.k)
+            expected = index.search(SearchRequest(list(request.queries), k=request.k))
         got = [[p.id for p in result.passages] for result in reply.results]
         assert got == [[p.id for p in hits] for hits in expected]
         for result in reply.results:
@@ -98,15 +99,19 @@ def test_an_error_in_one_group_fails_only_its_calls(registry):
         def check_encoder(self, encoder) -> None:
             pass
 
-        def search_vectors(self, *args, **kwargs):
+        def search(self, *args, **kwargs):
             raise ValueError("broken index")
 
     with registry.lease("facts-a") as index:
         encoder = index.query_encoder
         items = [
-            _Search(index, None, ["Who wrote Hamlet?"], 2, False),
-            _Search(Broken(), encoder, ["Who wrote Hamlet?"], 2, False),
-            _Search(index, None, ["Who discovered penicillin?"], 3, False),
+            _Search(index, None, SearchRequest(["Who wrote Hamlet?"], k=2, retrieval="dense")),
+            _Search(
+                Broken(), encoder, SearchRequest(["Who wrote Hamlet?"], k=2, retrieval="dense")
+            ),
+            _Search(
+                index, None, SearchRequest(["Who discovered penicillin?"], k=3, retrieval="dense")
+            ),
         ]
         results = search_batch(items)
     assert results[0][0][0].id == "p21" and len(results[0][0]) == 2

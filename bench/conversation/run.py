@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from openbook.index.request import SearchRequest
 from openbook_gateway.conversation import Turn, contextual_question
 
 HERE = Path(__file__).resolve().parent
@@ -127,7 +128,7 @@ def run_index(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str,
     for mode in modes:
         hits = {}
         for name, queries in (("with", asked), ("alone", alone)):
-            found = index.search(queries, args.k, encoder=encoder, retrieval=mode)
+            found = index.search(SearchRequest(queries, k=args.k, retrieval=mode), encoder=encoder)
             hits[name] = [
                 any(relevant(row, p.title, p.text) for p in passages)
                 for row, passages in zip(rows, found, strict=True)

@@ -59,6 +59,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from openbook.index.request import SearchRequest
+
 # The private redis-server and free ports come from the test kit (tests/openbook_testkit).
 from openbook_testkit.stack import RedisServer, free_port
 
@@ -349,7 +351,7 @@ def load_requests(args: argparse.Namespace) -> list[dict]:
             file=sys.stderr,
         )
         with open_index(path, verify=False) as idx:
-            hits = idx.search(questions, args.k)
+            hits = idx.search(SearchRequest(questions, k=args.k))
         requests = [
             {
                 "question": q,

@@ -66,6 +66,7 @@ from openbook.index.documents import Document
 from openbook.index.encoders import encoder_id, load_encoder
 from openbook.index.live import BASE_PREFIX, LiveIndex, LiveOptions
 from openbook.index.manifest import Manifest
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.stages import BuildSource, build_lock, stage_and_publish
 from openbook.index.vectors import ShardWork, VectorSource, default_score_scale
@@ -330,15 +331,19 @@ def measure_latency(work: Path, sizes: Sizes, spec: IndexSpec) -> dict:
         indexes = {"segment": seg, "compacted": comp}
         vectors = seg.query_encoder.encode(queries)
         for index in indexes.values():  # warm: page cache, bm25 mmap, cached segment arrays
-            index.search(queries[:3], k, query_vectors=vectors[:3], retrieval="dense")
-            index.search(queries[:3], k, retrieval="bm25")
+            index.search(
+                SearchRequest(queries[:3], k=k, query_vectors=vectors[:3], retrieval="dense")
+            )
+            index.search(SearchRequest(queries[:3], k=k, retrieval="bm25"))
         for i, q in enumerate(queries):
             for state, index in indexes.items():
                 start = time.perf_counter()
-                index.search([q], k, query_vectors=vectors[i : i + 1], retrieval="dense")
+                index.search(
+                    SearchRequest([q], k=k, query_vectors=vectors[i : i + 1], retrieval="dense")
+                )
                 times[state]["dense"].append(1000 * (time.perf_counter() - start))
                 start = time.perf_counter()
-                index.search([q], k, retrieval="bm25")
+                index.search(SearchRequest([q], k=k, retrieval="bm25"))
                 times[state]["bm25"].append(1000 * (time.perf_counter() - start))
     ms = {state: {m: percentiles(t) for m, t in modes.items()} for state, modes in times.items()}
     ratios = {m: ms["segment"][m]["p50"] / ms["compacted"][m]["p50"] for m in ("dense", "bm25")}

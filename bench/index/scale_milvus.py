@@ -7,8 +7,8 @@ by ``MilvusEngine.copy_index`` — what ``openbook index copy`` runs, the stored
 inserted in batches, nothing re-encoded — with the Milvus index ``--milvus-index`` (``hnsw``
 by default: the engine offers ``flat``, ``hnsw`` and ``hnsw-sq8``, not IVF-PQ). One process
 opens the Milvus Lite database (Milvus Lite runs inside the process that opens it) and answers
-with ``MilvusIndex.search_vectors``, the retriever servicer's dense call on this engine; its
-RSS is the engine's memory. Latency and recall as in ``scale_serve``.
+with ``MilvusIndex.search`` of query vectors, the retriever servicer's dense call on this
+engine; its RSS is the engine's memory. Latency and recall as in ``scale_serve``.
 
 ``copy_s`` is the copy's time; ``build_s`` the source's build plus the copy; ``disk_bytes`` the
 Milvus data directory's bytes (the files source is scaffolding, reported apart).
@@ -30,6 +30,7 @@ import numpy as np
 from bench.index.scale_build import INDEX_NAME, ScaleConfig, ScaleRun, build, disk_bytes
 from bench.index.scale_serve import measure, serving_processes
 from bench.index.scale_truth import recall_at_k
+from openbook.index.request import SearchRequest
 
 
 def _serve_milvus(db: str, name: str, conn: Connection) -> None:
@@ -43,7 +44,8 @@ def _serve_milvus(db: str, name: str, conn: Connection) -> None:
     for collection in engine.client.list_collections():
         engine.client.load_collection(collection)
     index = engine.open(name)
-    index.search_vectors(np.zeros((1, index.manifest.dim), np.float32), 1)  # loaded now
+    zeros = np.zeros((1, index.manifest.dim), np.float32)
+    index.search(SearchRequest(k=1, query_vectors=zeros))  # loaded now
     conn.send(time.monotonic() - t0)
     while (msg := conn.recv()) is not None:
         op, arg = msg
@@ -51,7 +53,7 @@ def _serve_milvus(db: str, name: str, conn: Connection) -> None:
             conn.send(True)  # the engine's search parameters are its manifest's
         elif op == "search":
             q, k = arg
-            conn.send(index.search_vectors(q, k))
+            conn.send(index.search(SearchRequest(k=k, query_vectors=q)))
     engine.close()
 
 

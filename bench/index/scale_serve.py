@@ -4,9 +4,10 @@ What is measured, and how it relates to the running product:
 
 * One process per shard, each holding one shard index loaded by ``open_index`` (what the
   retriever's registry calls, ``verify=True`` by default as the registry's first load does:
-  every checksum read) and answering with ``LoadedIndex.search_vectors`` — the call the
-  retriever's servicer makes for a dense request once its query encoder has produced the
-  vectors (``openbook_retriever/servicer.py``). The ``Retrieve`` RPC takes query texts only and
+  every checksum read) and answering ``LoadedIndex.search`` of a request of query vectors
+  (``SearchRequest(query_vectors=...)``) — the search the retriever's servicer makes for a
+  dense request once its query encoder has produced the vectors
+  (``openbook_retriever/servicer.py``). The ``Retrieve`` RPC takes query texts only and
   these vectors have no encoder, so the RPC layer itself is not in the path: the processes
   receive query vectors over a pipe instead (pickled, as gRPC would serialise them).
 * The fan-out sends each query to every shard at once and merges their top-k with the
@@ -33,6 +34,7 @@ import numpy as np
 
 from bench.index.scale_build import row_of
 from bench.index.scale_truth import recall_at_k
+from openbook.index.request import SearchRequest
 
 
 def _serve_shard(path: str, verify: bool, conn: Connection) -> None:
@@ -49,7 +51,7 @@ def _serve_shard(path: str, verify: bool, conn: Connection) -> None:
             conn.send(True)
         elif op == "search":
             q, k = arg
-            conn.send(index.search_vectors(q, k))
+            conn.send(index.search(SearchRequest(k=k, query_vectors=q)))
 
 
 @dataclass

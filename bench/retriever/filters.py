@@ -35,6 +35,7 @@ from openbook.index import faiss_index, filtering, open_index
 from openbook.index.bm25 import BM25_DIR, build_bm25
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
+from openbook.index.request import SearchRequest
 from openbook.index.store import PassageWriter
 from openbook.types import Passage
 from openbook.validation.metadata_filter import parse_filter
@@ -132,11 +133,13 @@ def main() -> None:
                             )
                             start = time.perf_counter()
                             hits = index.search(
-                                [query_texts[qi]],
-                                args.k,
-                                retrieval=mode,
-                                query_vectors=queries[qi : qi + 1] if mode != "bm25" else None,
-                                where=None if variant == "none" else where,
+                                SearchRequest(
+                                    [query_texts[qi]],
+                                    k=args.k,
+                                    query_vectors=queries[qi : qi + 1] if mode != "bm25" else None,
+                                    retrieval=mode,
+                                    where=None if variant == "none" else where,
+                                )
                             )
                             times[variant].append(1000 * (time.perf_counter() - start))
                             if variant != "none":

@@ -24,6 +24,7 @@ import numpy as np
 
 from openbook.index import open_index
 from openbook.index.encoders import load_adapted_encoder
+from openbook.index.request import SearchRequest
 
 MODES = ("dense", "bm25", "hybrid")
 
@@ -50,13 +51,14 @@ def main() -> None:
             raise SystemExit(f"{args.index}: needs both views, lacks {sorted(missing)}")
         for mode in MODES:  # warm: encoder, bm25 mmap, page cache
             index.search(
-                questions[:3], args.k, encoder=encoder if mode != "bm25" else None, retrieval=mode
+                SearchRequest(questions[:3], k=args.k, retrieval=mode),
+                encoder=encoder if mode != "bm25" else None,
             )
         for q in questions:
             for mode in MODES:
                 enc = encoder if mode != "bm25" else None
                 start = time.perf_counter()
-                index.search([q], args.k, encoder=enc, retrieval=mode)
+                index.search(SearchRequest([q], k=args.k, retrieval=mode), encoder=enc)
                 times[mode].append(1000 * (time.perf_counter() - start))
     report = {
         "index": str(args.index),

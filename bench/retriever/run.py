@@ -118,7 +118,7 @@ def bench_one(
     factor = int(params.get("rerank", 0) or 0)
 
     def search(qs: np.ndarray) -> np.ndarray:
-        # mirrors LoadedIndex.search_vectors (vectors in RAM here, memory-mapped there)
+        # mirrors LoadedIndex's dense search (vectors in RAM here, memory-mapped there)
         if factor > 1:
             _, cand = faiss_index.search(index, index_type, params, qs, k * factor)
             return faiss_index.rerank_exact(qs, cand, x, k)[1]

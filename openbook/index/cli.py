@@ -13,13 +13,14 @@ from tqdm.auto import tqdm
 
 from openbook.errors import OpenbookError
 from openbook.index.build import build_index
-from openbook.index.engine import EngineKind, check_milvus_uri
+from openbook.index.engine import EngineKind, RetrievalMode, check_milvus_uri
 from openbook.index.fusion import Fusion, fit_fusion, read_questions, store_fusion
 from openbook.index.importer import import_embeddings
 from openbook.index.join import join_slices
 from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import SET_MANIFEST, build_slice, read_index_set
+from openbook.index.request import SearchRequest
 from openbook.index.shard import split_index
 from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 from openbook.security.secrets import read_secret
@@ -62,12 +63,6 @@ class InputFormat(StrEnum):
     jsonl = "jsonl"
     dpr_tsv = "dpr-tsv"
     articles = "articles"
-
-
-class Retrieval(StrEnum):
-    dense = "dense"
-    bm25 = "bm25"
-    hybrid = "hybrid"
 
 
 # The ANN parameters' options, alike for `build` and `import` (AnnParams, spec.py).
@@ -671,7 +666,7 @@ def search(
     queries: Annotated[list[str], typer.Argument(help="Query text(s)")],
     k: Annotated[int, typer.Option("-k", min=1)] = 5,
     retrieval: Annotated[
-        Retrieval | None,
+        RetrievalMode | None,
         typer.Option(help="dense, bm25 or hybrid (default: hybrid where both views exist)"),
     ] = None,
     filter_json: Annotated[
@@ -687,9 +682,7 @@ def search(
     try:
         where = parse_filter_json(filter_json, "--filter")
         with open_index(path, verify=False) as idx:
-            results = idx.search(
-                queries, k, retrieval=retrieval.value if retrieval else None, where=where
-            )
+            results = idx.search(SearchRequest(queries, k=k, retrieval=retrieval, where=where))
     except (IndexLoadError, ValueError, OSError) as e:
         raise _fail(str(e)) from None
     for q, hits in zip(queries, results, strict=True):

@@ -23,15 +23,14 @@ import numpy as np
 
 from openbook.errors import InvalidArgument
 from openbook.index.encoders import Encoder
-from openbook.index.engine import check_retrieval
 from openbook.index.fusion import Candidates, Fusion
 from openbook.index.loaded import ManifestFacts
 from openbook.index.manifest import Manifest
+from openbook.index.request import SearchRequest
 from openbook.index.spec import IndexSpec
 from openbook.index.stages import BM25_PARAMS
 from openbook.index.vectors import default_score_scale
 from openbook.types import Passage
-from openbook.validation.metadata_filter import MetadataFilter
 
 TEMPLATE_FILE = "template.json"
 
@@ -102,35 +101,16 @@ class EmptyBase(ManifestFacts):
             return Fusion.from_dict(self.manifest.fusion)
         return Fusion.default(self.manifest.score_scale)
 
-    def retrieval_mode(self, retrieval: str | None) -> str:
-        """As ``LoadedIndex.retrieval_mode``: InvalidArgument starting "retrieval: "."""
-        return check_retrieval(self.name, self.views, self.default_retrieval, retrieval)
-
     def search(
         self,
-        queries: Sequence[str],
-        k: int,
+        request: SearchRequest,
         encoder: Encoder | None = None,
-        return_vectors: bool = False,
-        retrieval: str | None = None,
         *,
-        query_vectors: np.ndarray | None = None,
-        where: MetadataFilter | None = None,
         allowed: np.ndarray | None = None,
     ) -> list[list[Passage]]:
-        self.retrieval_mode(retrieval)
-        return [[] for _ in queries]
-
-    def search_vectors(
-        self,
-        query_vectors: np.ndarray,
-        k: int,
-        return_vectors: bool = False,
-        *,
-        where: MetadataFilter | None = None,
-        allowed: np.ndarray | None = None,
-    ) -> list[list[Passage]]:
-        return [[] for _ in np.atleast_2d(query_vectors)]
+        """No passages for each query, once ``request`` is checked as a base would check it."""
+        request.mode_on(self, encoder)
+        return [[] for _ in range(request.n)]
 
     def hybrid_candidates(
         self,

@@ -8,9 +8,10 @@ protocols say what each must offer:
 
 * :class:`SearchableIndex`: its manifest facts (name, encoder pairing through
   ``query_encoder`` / ``check_encoder``, ``score_scale`` and ``views`` in ``manifest``,
-  ``default_retrieval``) and search (a :class:`RetrievalMode`, a metadata filter, k), with
-  the scores the generator's prior takes as logits (``score_scale`` x inner product for
-  dense, as ``openbook/index/README.md`` says).
+  ``default_retrieval``) and search (one :class:`~openbook.index.request.SearchRequest`: a
+  :class:`RetrievalMode`, a metadata filter, k, texts and/or query vectors), with the
+  scores the generator's prior takes as logits (``score_scale`` x inner product for dense,
+  as ``openbook/index/README.md`` says).
 * :class:`DocumentIndex`: a searchable index that also takes documents: put / put_many (one
   write, one version, all or nothing) / delete / get / list, and the ``version`` that grows by
   one per acknowledged write; ``catch_up`` brings a replica's view up to the other replicas'
@@ -39,15 +40,13 @@ from typing import TYPE_CHECKING, Protocol, cast
 from openbook.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from openbook.index.document_store import StoredDocument
     from openbook.index.documents import Document
     from openbook.index.encoders import Encoder
     from openbook.index.live import DocumentPage, WriteResult
     from openbook.index.manifest import Manifest
+    from openbook.index.request import SearchRequest
     from openbook.types import Passage
-    from openbook.validation.metadata_filter import MetadataFilter
 
 
 class View(StrEnum):
@@ -166,30 +165,11 @@ class SearchableIndex(Protocol):
 
     def __len__(self) -> int: ...
 
-    def search(
-        self,
-        queries: Sequence[str],
-        k: int,
-        encoder: Encoder | None = None,
-        return_vectors: bool = False,
-        retrieval: str | None = None,
-        *,
-        query_vectors: np.ndarray | None = None,
-        where: MetadataFilter | None = None,
-    ) -> list[list[Passage]]:
-        """Top-k passages per query, best first, each passing ``where``; ``retrieval`` as
-        :func:`check_retrieval` resolves it; ``query_vectors`` ``(n, dim)`` already encoded."""
-        ...
-
-    def search_vectors(
-        self,
-        query_vectors: np.ndarray,
-        k: int,
-        return_vectors: bool = False,
-        *,
-        where: MetadataFilter | None = None,
-    ) -> list[list[Passage]]:
-        """Dense top-k per query vector."""
+    def search(self, request: SearchRequest, encoder: Encoder | None = None) -> list[list[Passage]]:
+        """Top ``request.k`` passages per query, best first, each passing ``request.where``,
+        in the mode ``request.mode_on(self, encoder)`` checks and resolves (texts encoded by
+        ``encoder``, default the index's own query encoder, unless the request holds the
+        vectors ``(n, dim)``)."""
         ...
 
     def close(self) -> None: ...

@@ -87,10 +87,12 @@ from openbook.index.documents import (
 )
 from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
 from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.engine import RetrievalMode
 from openbook.index.filtering import MetadataColumns, segment_mask
 from openbook.index.fusion import Fusion
-from openbook.index.loaded import LoadedIndex, open_index, search_queries
+from openbook.index.loaded import LoadedIndex, open_index
 from openbook.index.manifest import MANIFEST, Manifest
+from openbook.index.request import SearchRequest
 from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, SegmentPostings
 from openbook.index.wal import (
     WAL_FILE,
@@ -562,65 +564,24 @@ class LiveIndex:
         ids = ids[:limit]
         return DocumentPage(tuple(ids), ids[-1] if more else None)
 
-    def search(
-        self,
-        queries: Sequence[str],
-        k: int,
-        encoder: Encoder | None = None,
-        return_vectors: bool = False,
-        retrieval: str | None = None,
-        *,
-        query_vectors: np.ndarray | None = None,
-        where: MetadataFilter | None = None,
-    ) -> Hits:
+    def search(self, request: SearchRequest, encoder: Encoder | None = None) -> Hits:
         """Top-k live passages per query, best first; as :meth:`LoadedIndex.search`.
 
-        ``where``: only passages of documents whose metadata (with ``_id`` and ``_title``)
-        passes it, filtered inside retrieval: the base searched with a mask of its matching,
-        not hidden rows; the segment's non-matching passages never scored."""
-        if isinstance(queries, str):
-            raise TypeError("queries must be a list of strings, not a string")
+        ``request.where``: only passages of documents whose metadata (with ``_id`` and
+        ``_title``) passes it, filtered inside retrieval: the base searched with a mask of its
+        matching, not hidden rows; the segment's non-matching passages never scored."""
         view = self._view
-        base = view.base
-        mode = base.retrieval_mode(retrieval)
-        if k < 1:
-            raise InvalidArgument(f"k must be >= 1, got {k}")
-        if not queries:
+        mode = request.mode_on(view.base, encoder)
+        if request.n == 0:
             return []
-        masks = self._masks(view, where)
-        if mode == "bm25":
-            if return_vectors and not base.dense:
-                raise InvalidArgument(f"index {self.name!r} is bm25 and stores no vectors")
-            return self._search_bm25(view, list(queries), k, return_vectors, masks)
-        q = search_queries(self.name, base, queries, encoder, query_vectors)
-        if mode == "dense":
+        k, return_vectors = request.k, request.return_vectors
+        masks = self._masks(view, request.where)
+        if mode is RetrievalMode.BM25:
+            return self._search_bm25(view, list(request.queries), k, return_vectors, masks)
+        q = request.dense_queries(view.base, encoder)
+        if mode is RetrievalMode.DENSE:
             return self._search_dense(view, q, k, return_vectors, masks)
-        return self._search_hybrid(view, list(queries), q, k, return_vectors, masks)
-
-    def search_vectors(
-        self,
-        query_vectors: np.ndarray,
-        k: int,
-        return_vectors: bool = False,
-        *,
-        where: MetadataFilter | None = None,
-    ) -> Hits:
-        view = self._view
-        if not view.base.dense:
-            raise InvalidArgument(f"index {self.name!r} is bm25; search it by text")
-        if k < 1:
-            raise InvalidArgument(f"k must be >= 1, got {k}")
-        q = np.asarray(query_vectors, dtype=np.float32)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[1] != view.base.manifest.dim:
-            raise InvalidArgument(
-                f"index {self.name!r}: query vectors of shape {q.shape}, "
-                f"expected (n, {view.base.manifest.dim})"
-            )
-        if len(q) == 0:
-            return []
-        return self._search_dense(view, q, k, return_vectors, self._masks(view, where))
+        return self._search_hybrid(view, list(request.queries), q, k, return_vectors, masks)
 
     def _masks(self, view: _View, where: MetadataFilter | None) -> _Masks | None:
         """The base rows and segment passages ``where`` keeps (hidden rows never); None
@@ -672,9 +633,8 @@ class LiveIndex:
         if fetch == 0:
             base_hits: Hits = [[] for _ in q]
         else:
-            base_hits = view.base.search_vectors(
-                q, fetch, return_vectors, allowed=None if masks is None else masks.base
-            )
+            request = SearchRequest(query_vectors=q, k=fetch, return_vectors=return_vectors)
+            base_hits = view.base.search(request, allowed=None if masks is None else masks.base)
         seg = view.segment_passages
         scores = _inner_products(q, view.segment_vectors) * view.base.manifest.score_scale
         if masks is not None:
@@ -699,13 +659,10 @@ class LiveIndex:
         if fetch == 0:
             base_hits: Hits = [[] for _ in queries]
         else:
-            base_hits = base.search(
-                queries,
-                fetch,
-                retrieval="bm25",
-                return_vectors=return_vectors,
-                allowed=None if masks is None else masks.base,
+            request = SearchRequest(
+                queries, k=fetch, retrieval=RetrievalMode.BM25, return_vectors=return_vectors
             )
+            base_hits = base.search(request, allowed=None if masks is None else masks.base)
         assert view.bm25 is not None  # the mode was checked against the base's views
         scores = view.bm25.score(queries, view.segment_postings)
         if masks is not None:

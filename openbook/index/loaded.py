@@ -18,14 +18,15 @@ from openbook.index import faiss_index
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
 from openbook.index.documents import built_document_id
 from openbook.index.encoders import Encoder, load_encoder
-from openbook.index.engine import SearchableIndex
+from openbook.index.engine import RetrievalMode, check_retrieval
 from openbook.index.filtering import (
     MetadataColumns,
     search_dense_masked,
 )
-from openbook.index.fusion import RETRIEVAL_MODES, Candidates, Fusion, top_k, union_rows
+from openbook.index.fusion import Candidates, Fusion, top_k, union_rows
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest, combined_checksum
+from openbook.index.request import SearchRequest
 from openbook.index.spec import INDEX_TYPES
 from openbook.index.store import PassageStore
 from openbook.storage.artifacts import verify_files
@@ -154,32 +155,6 @@ def check_query_encoder(name: str, manifest: Manifest, encoder: Encoder) -> None
         )
 
 
-def search_queries(
-    name: str,
-    index: SearchableIndex,
-    queries: Sequence[str],
-    encoder: Encoder | None,
-    vectors: np.ndarray | None,
-) -> np.ndarray:
-    """The ``(n, dim)`` float32 query vectors a dense search of ``index`` (called ``name``)
-    runs with, whichever engine: ``vectors`` as given, checked against its dimension, else
-    ``queries`` encoded by ``encoder`` (checked to pair with the index) or by the index's own
-    query encoder (checked when it was loaded)."""
-    if vectors is not None:
-        q = np.asarray(vectors, dtype=np.float32)
-        if q.ndim != 2 or q.shape != (len(queries), index.manifest.dim):
-            raise InvalidArgument(
-                f"index {name!r}: query vectors of shape {q.shape}, expected "
-                f"({len(queries)}, {index.manifest.dim})"
-            )
-        return q
-    if encoder is None:
-        encoder = index.query_encoder
-    else:
-        index.check_encoder(encoder)
-    return encoder.encode(list(queries))
-
-
 class ManifestFacts:
     """What an index of the files engine answers from its manifest alone, and its query
     encoder, loaded once: shared by :class:`LoadedIndex` and the empty base of a live index
@@ -218,6 +193,11 @@ class ManifestFacts:
 
     def check_encoder(self, encoder: Encoder) -> None:
         check_query_encoder(self.name, self.manifest, encoder)
+
+    def retrieval_mode(self, retrieval: str | None) -> RetrievalMode:
+        """``retrieval`` checked against this index (None: ``default_retrieval``), as
+        :func:`~openbook.index.engine.check_retrieval` checks it."""
+        return check_retrieval(self.name, self.views, self.default_retrieval, retrieval)
 
 
 class LoadedIndex(ManifestFacts):
@@ -299,24 +279,6 @@ class LoadedIndex(ManifestFacts):
             return Fusion.from_dict(self.manifest.fusion)
         return Fusion.default(self.manifest.score_scale)
 
-    def retrieval_mode(self, retrieval: str | None) -> str:
-        """``retrieval`` checked against this index (None: ``default_retrieval``).
-        InvalidArgument starting "retrieval: " naming the index and its views otherwise."""
-        if retrieval is None or retrieval == "":
-            return self.default_retrieval
-        if retrieval not in RETRIEVAL_MODES:
-            raise InvalidArgument(
-                f"retrieval: unknown mode {retrieval!r} for index {self.name!r}; expected one "
-                f"of {', '.join(RETRIEVAL_MODES)}"
-            )
-        needs = ("dense", "bm25") if retrieval == "hybrid" else (retrieval,)
-        if not set(needs) <= set(self.views):
-            raise InvalidArgument(
-                f"retrieval: index {self.name!r} has no {retrieval} retrieval (its views: "
-                f"{', '.join(self.views)})"
-            )
-        return retrieval
-
     def set_search_params(
         self,
         *,
@@ -340,59 +302,46 @@ class LoadedIndex(ManifestFacts):
 
     def search(
         self,
-        queries: Sequence[str],
-        k: int,
+        request: SearchRequest,
         encoder: Encoder | None = None,
-        return_vectors: bool = False,
-        retrieval: str | None = None,
         *,
-        query_vectors: np.ndarray | None = None,
-        where: MetadataFilter | None = None,
         allowed: np.ndarray | None = None,
     ) -> list[list[Passage]]:
         """Top-k passages per query, best first.
 
-        ``retrieval`` (None: :attr:`default_retrieval`) is one of ``fusion.RETRIEVAL_MODES``
-        the index has views for; ``.score`` is then ``dense``: the manifest's ``score_scale``
-        x the inner product, ``bm25``: the BM25 score, ``hybrid``: the fused score
-        (:mod:`openbook.index.fusion`). ``encoder`` (default: the manifest's query encoder)
-        encodes the queries for the dense view, unless ``query_vectors`` ``(n, dim)`` are
-        given already encoded (a server batching the encoder across requests); both are
-        ignored by ``bm25`` retrieval on an index that also has a dense view.
+        The mode (``request.mode_on``; none asked: :attr:`default_retrieval`) sets ``.score``:
+        ``dense``: the manifest's ``score_scale`` x the inner product, ``bm25``: the BM25
+        score, ``hybrid``: the fused score (:mod:`openbook.index.fusion`). ``encoder``
+        (default: the manifest's query encoder) encodes the queries for the dense view, unless
+        the request holds ``query_vectors`` (a server batching the encoder across requests);
+        both are ignored by ``bm25`` retrieval on an index that also has a dense view.
 
-        ``where`` (a metadata filter: a built index matches its built-in ``_id`` / ``_title``
-        only) and ``allowed`` (a boolean mask over rows, what a live index passes for its base)
-        restrict the search to the rows they keep, inside retrieval (``filtering.py``): the k
-        best kept passages come back whenever k are kept.
+        ``request.where`` (a metadata filter: a built index matches its built-in ``_id`` /
+        ``_title`` only) and ``allowed`` (a boolean mask over rows, what a live index passes
+        for its base) restrict the search to the rows they keep, inside retrieval
+        (``filtering.py``): the k best kept passages come back whenever k are kept.
         """
-        if isinstance(queries, str):
-            raise TypeError("queries must be a list of strings, not a string")
-        mode = self.retrieval_mode(retrieval)
-        if k < 1:
-            raise InvalidArgument(f"k must be >= 1, got {k}")
-        if not queries:
+        mode = request.mode_on(self, encoder)
+        if request.n == 0:
             return []
-        if not self.dense:
-            if encoder is not None or query_vectors is not None:
-                raise InvalidArgument(f"index {self.name!r} is bm25; it takes no encoder")
-            if return_vectors:
-                raise InvalidArgument(f"index {self.name!r} is bm25 and stores no vectors")
-        mask = self.row_mask(where, allowed)
-        if mode == "bm25":
+        k, return_vectors = request.k, request.return_vectors
+        mask = self.row_mask(request.where, allowed)
+        if mode is RetrievalMode.BM25:
             assert self._bm25 is not None
+            queries = list(request.queries)
             if mask is None:
-                scores, rows = self._bm25.search(list(queries), k)
+                scores, rows = self._bm25.search(queries, k)
             else:
-                scores, rows = self._bm25.search_masked(list(queries), k, mask)
+                scores, rows = self._bm25.search_masked(queries, k, mask)
             # A bm25 index's scores as they always were (its score_scale, 1 unless set); the
             # bm25 view of a dense index serves raw BM25 scores (score_scale is the dense one).
             scale = 1.0 if self.dense else self.manifest.score_scale
             return self._results(scores, rows, return_vectors=return_vectors, scale=scale)
-        q = search_queries(self.name, self, queries, encoder, query_vectors)
-        if mode == "dense":
-            return self.search_vectors(q, k, return_vectors, allowed=mask)
+        q = request.dense_queries(self, encoder)
+        if mode is RetrievalMode.DENSE:
+            return self._search_dense(q, k, return_vectors, mask)
         fusion = self.fusion
-        cands = self._candidates(list(queries), q, max(k, fusion.candidates), mask)
+        cands = self._candidates(list(request.queries), q, max(k, fusion.candidates), mask)
         scores, rows = top_k(fusion, cands, k)
         return self._results(scores, rows, return_vectors, scale=1.0)
 
@@ -408,11 +357,12 @@ class LoadedIndex(ManifestFacts):
         """The union of the dense and the BM25 top ``n`` per query, with both exact features
         (:class:`openbook.index.fusion.Candidates`): what hybrid search and the fusion fit
         score. ``allowed``: among those rows only (a boolean mask)."""
-        self.retrieval_mode("hybrid")
-        if n < 1:
-            raise InvalidArgument(f"n must be >= 1, got {n}")
-        q = search_queries(self.name, self, queries, encoder, query_vectors)
-        return self._candidates(list(queries), q, n, self.row_mask(None, allowed))
+        request = SearchRequest(
+            queries, k=n, query_vectors=query_vectors, retrieval=RetrievalMode.HYBRID
+        )
+        request.mode_on(self, encoder)
+        q = request.dense_queries(self, encoder)
+        return self._candidates(list(request.queries), q, n, self.row_mask(None, allowed))
 
     def _dense(self) -> faiss.Index:
         """The faiss index; only called for an index with a dense view, which opened it."""
@@ -448,25 +398,12 @@ class LoadedIndex(ManifestFacts):
         bm25 = self._bm25.score_rows(queries, rows)
         return Candidates(rows, dense, bm25)
 
-    def search_vectors(
-        self,
-        query_vectors: np.ndarray,
-        k: int,
-        return_vectors: bool = False,
-        *,
-        where: MetadataFilter | None = None,
-        allowed: np.ndarray | None = None,
+    def _search_dense(
+        self, q: np.ndarray, k: int, return_vectors: bool, mask: np.ndarray | None
     ) -> list[list[Passage]]:
-        """Dense top-k per query vector; ``where`` / ``allowed`` as in :meth:`search`."""
-        if not self.dense:
-            raise InvalidArgument(f"index {self.name!r} is bm25; search it by text")
-        # Dense retrieval only: hybrid needs the query text too (``search(query_vectors=)``).
-        q = query_matrix(self.name, query_vectors, self.manifest.dim, k)
-        if len(q) == 0:
-            return []
+        """Dense top-k per query vector of ``q`` ``(n, dim)``, among the rows of ``mask``."""
         m = self.manifest
         factor = int(m.index_params.get("rerank", 0) or 0)
-        mask = self.row_mask(where, allowed)
         assert self._vectors is not None  # opened with the faiss index
         if mask is not None:
             n = k * factor if factor > 1 and m.index_type != "flat" else k
@@ -571,18 +508,3 @@ class LoadedIndex(ManifestFacts):
         self._faiss = None
         self._bm25 = None
         self._vectors = None
-
-
-def query_matrix(name: str, query_vectors: np.ndarray, dim: int, k: int) -> np.ndarray:
-    """``query_vectors`` as the float32 ``(n, dim)`` matrix a dense search of index ``name``
-    takes (one vector: one row), with ``k`` >= 1; InvalidArgument naming what is wrong."""
-    if k < 1:
-        raise InvalidArgument(f"k must be >= 1, got {k}")
-    q = np.asarray(query_vectors, dtype=np.float32)
-    if q.ndim == 1:
-        q = q[None, :]
-    if q.ndim != 2 or q.shape[1] != dim:
-        raise InvalidArgument(
-            f"index {name!r}: query vectors of shape {q.shape}, expected (n, {dim})"
-        )
-    return q

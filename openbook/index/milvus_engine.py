@@ -106,8 +106,6 @@ from openbook.index.loaded import (
     LoadedIndex,
     check_query_encoder,
     index_query_encoder,
-    query_matrix,
-    search_queries,
 )
 from openbook.index.manifest import IndexLoadError, Manifest
 from openbook.index.milvus_bm25 import (
@@ -120,6 +118,7 @@ from openbook.index.milvus_bm25 import (
     sparse_score,
     term_dim,
 )
+from openbook.index.request import SearchRequest
 from openbook.types import Passage
 from openbook.validation.limits import MAX_METADATA_KEYS, check_range
 from openbook.validation.metadata_filter import (
@@ -890,34 +889,21 @@ class MilvusIndex:
 
     # ------------------------------------------------------------------ search
 
-    def search(
-        self,
-        queries: Sequence[str],
-        k: int,
-        encoder: Encoder | None = None,
-        return_vectors: bool = False,
-        retrieval: str | None = None,
-        *,
-        query_vectors: np.ndarray | None = None,
-        where: MetadataFilter | None = None,
-    ) -> list[list[Passage]]:
+    def search(self, request: SearchRequest, encoder: Encoder | None = None) -> list[list[Passage]]:
         """Top-k passages per query, best first, as ``LoadedIndex.search``: ``dense`` by
         ``score_scale`` x inner product, ``bm25`` by the raw BM25 score (the sparse view,
         milvus_bm25.py), ``hybrid`` by the fused score of both (``fusion.py``: the union of
         each view's top N, both features exact for every candidate)."""
-        if isinstance(queries, str):
-            raise TypeError("queries must be a list of strings, not a string")
-        mode = self.retrieval_mode(retrieval)
-        if k < 1:
-            raise InvalidArgument(f"k must be >= 1, got {k}")
-        if not queries:
+        mode = request.mode_on(self, encoder)
+        if request.n == 0:
             return []
+        k, return_vectors, where = request.k, request.return_vectors, request.where
         if mode is RetrievalMode.BM25:
-            return self._bm25_search(list(queries), k, return_vectors, where)
-        q = search_queries(self.name, self, queries, encoder, query_vectors)
+            return self._bm25_search(list(request.queries), k, return_vectors, where)
+        q = request.dense_queries(self, encoder)
         if mode is RetrievalMode.DENSE:
-            return self.search_vectors(q, k, return_vectors, where=where)
-        return self._hybrid_search(list(queries), q, k, return_vectors, where)
+            return self._dense_search(q, k, return_vectors, where)
+        return self._hybrid_search(list(request.queries), q, k, return_vectors, where)
 
     @property
     def fusion(self) -> Fusion:
@@ -975,7 +961,6 @@ class MilvusIndex:
         float32) and exact BM25 score, fused, the top k by the fused score."""
         fusion = self.fusion
         n = max(k, fusion.candidates)
-        q = query_matrix(self.name, q, self._manifest.dim, n)
         dense_hits = self._dense_hits(q, n, True, where)
         sparse_hits = self._sparse_hits(queries, n, True, where)
         sparse_queries = query_vectors(queries)
@@ -1004,17 +989,10 @@ class MilvusIndex:
         vector = np.asarray(entity["vector"], np.float32) if return_vectors else None
         return Passage(entity["pid"], entity["title"], entity["text"], score=score, vector=vector)
 
-    def search_vectors(
-        self,
-        query_vectors: np.ndarray,
-        k: int,
-        return_vectors: bool = False,
-        *,
-        where: MetadataFilter | None = None,
+    def _dense_search(
+        self, q: np.ndarray, k: int, return_vectors: bool, where: MetadataFilter | None
     ) -> list[list[Passage]]:
-        q = query_matrix(self.name, query_vectors, self._manifest.dim, k)
-        if len(q) == 0:
-            return []
+        """Dense top-k per query vector of ``q`` ``(n, dim)``, re-ranked as the manifest says."""
         scale = self._manifest.score_scale
         factor = int(self._manifest.index_params.get("rerank", 0) or 0)
         if factor > 1 and self._manifest.index_type != IndexType.FLAT:

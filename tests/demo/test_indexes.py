@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from openbook.index.request import SearchRequest
+
 pytest.importorskip("openbook.index")
 
 from openbook_trainer.demo.data import DEMO_SNAPSHOTS  # noqa: E402
@@ -48,7 +50,7 @@ def test_dense_indexes_are_hybrid_with_a_fusion_fitted_on_training_articles(
             sha = hashlib.sha256(questions.read_bytes()).hexdigest()
             assert fusion.fitted_on["sha256"] == sha
             assert "split_by_article(10, seed 0)" in fusion.fitted_on["source"]
-            hits = idx.search(["When did the 1973 oil crisis begin?"], 3)
+            hits = idx.search(SearchRequest(["When did the 1973 oil crisis begin?"], k=3))
             assert hits[0] and hits[0][0].score == max(p.score for p in hits[0])
     for name in ("wiki-2016-bm25", "wiki-2018-bm25"):
         with open_index(tiny_index_root / name) as idx:

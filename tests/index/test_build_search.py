@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from openbook.index import LoadedIndex, build_index, load_encoder, open_index
+from openbook.index.request import SearchRequest
 from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 from openbook_testkit.index import FACTS, QUESTIONS, random_rows, write_jsonl
 
@@ -15,7 +16,7 @@ from openbook_testkit.index import FACTS, QUESTIONS, random_rows, write_jsonl
 def test_flat_minilm_retrieves_answer_top1(facts_index: LoadedIndex) -> None:
     assert facts_index.manifest.count == len(FACTS) and facts_index.manifest.dim == 384
     ids, questions = zip(*QUESTIONS.items(), strict=True)
-    results = facts_index.search(list(questions), k=3)
+    results = facts_index.search(SearchRequest(list(questions), k=3))
     assert [hits[0].id for hits in results] == list(ids)
     for hits in results:
         scores = [h.score for h in hits]
@@ -28,7 +29,7 @@ def test_scores_are_scaled_inner_products_and_vectors_by_row(facts_index: Loaded
     assert facts_index.manifest.score_scale == 20.0
     enc = load_encoder("all-MiniLM-L6-v2")
     q = enc.encode(["Who wrote Hamlet?"])
-    (hits,) = facts_index.search_vectors(q, k=2, return_vectors=True)
+    (hits,) = facts_index.search(SearchRequest(k=2, query_vectors=q, return_vectors=True))
     for h in hits:
         assert h.vector is not None and h.vector.shape == (384,)
         assert h.score == pytest.approx(20.0 * float(q[0] @ h.vector), abs=1e-4)
@@ -77,11 +78,13 @@ def test_bm25(facts_jsonl: Path, tmp_path: Path) -> None:
     )
     assert (m.encoder, m.dim, m.count) == (None, 0, len(FACTS))
     with open_index(tmp_path / "bm") as idx:
-        res = idx.search(["Who discovered penicillin?", "Hamlet Shakespeare", "zzzqqq"], k=2)
+        res = idx.search(
+            SearchRequest(["Who discovered penicillin?", "Hamlet Shakespeare", "zzzqqq"], k=2)
+        )
         assert res[0][0].id == "p18" and res[1][0].id == "p21" and res[0][0].score > 0
         assert res[2] == []  # no shared term: no hits rather than zero-score noise
         with pytest.raises(ValueError, match="bm25"):
-            idx.search_vectors(np.zeros((1, 4), np.float32), 1)
+            idx.search(SearchRequest(k=1, query_vectors=np.zeros((1, 4), np.float32)))
         with pytest.raises(ValueError, match="bm25"):
             idx.get_vectors([0])
 
@@ -120,7 +123,9 @@ def test_dpr_build_all_dense_types(
         q_enc = load_encoder(str(q))
         qv = q_enc.encode(["w1 w2 w3", "w4"])
         # The dense view's scores (the default would be hybrid: test_hybrid.py)
-        hits = idx.search(["w1 w2 w3", "w4"], k=5, return_vectors=True, retrieval="dense")
+        hits = idx.search(
+            SearchRequest(["w1 w2 w3", "w4"], k=5, retrieval="dense", return_vectors=True)
+        )
         exact = qv @ idx.get_vectors(range(60)).T
         for i, row in enumerate(hits):
             assert len(row) == 5
@@ -182,7 +187,7 @@ def test_score_scale_can_be_set_and_is_validated(tmp_path: Path, facts_jsonl: Pa
     assert m.score_scale == 1.0
     q = load_encoder("all-MiniLM-L6-v2").encode(["Who wrote Hamlet?"])
     with open_index(tmp_path / "raw") as idx:
-        (hits,) = idx.search_vectors(q, k=2, return_vectors=True)
+        (hits,) = idx.search(SearchRequest(k=2, query_vectors=q, return_vectors=True))
         assert hits[0].score == pytest.approx(float(q[0] @ hits[0].vector), abs=1e-5)
     bm = build_index(
         [facts_jsonl],

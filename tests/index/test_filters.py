@@ -19,6 +19,7 @@ from openbook.errors import InvalidArgument
 from openbook.index import filtering, open_index
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex
+from openbook.index.request import SearchRequest
 from openbook.index.shard import split_index
 from openbook.types import Passage
 from openbook.validation import limits
@@ -142,7 +143,7 @@ def test_filter_json_that_does_not_parse_names_filter() -> None:
 
 def _reference(index, query: np.ndarray, keep: set[str], k: int) -> list[str]:
     """The index's own full ranking of ``query``, the non-matching dropped, the first k."""
-    full = index.search_vectors(query[None, :], len(index))[0]
+    full = index.search(SearchRequest(k=len(index), query_vectors=query[None, :]))[0]
     return [p.id for p in full if p.id in keep][:k]
 
 
@@ -174,7 +175,7 @@ def test_every_dense_type_returns_the_k_best_matching(
     for share in (6, 60, 300):  # 1%, 10% and half of the passages
         keep = {f"r{i}" for i in range(0, 600, 600 // share)}
         where = _f({"_id": {"$in": sorted(keep)}})
-        hits = index.search_vectors(queries, k, where=where)
+        hits = index.search(SearchRequest(k=k, query_vectors=queries, where=where))
         for q, got in zip(queries, hits, strict=True):
             got_ids = [p.id for p in got]
             assert set(got_ids) <= keep and len(got_ids) == min(k, len(keep))
@@ -184,7 +185,8 @@ def test_every_dense_type_returns_the_k_best_matching(
             else:  # the index's own (quantised) scores, restricted to the matching
                 assert got_ids == _reference(index, q, keep, k)
     # No document has the key, or no passage the value: an empty result, not an error.
-    assert index.search_vectors(queries, k, where=_f({"lang": "en"})) == [[], [], []]
+    none = SearchRequest(k=k, query_vectors=queries, where=_f({"lang": "en"}))
+    assert index.search(none) == [[], [], []]
     index.close()
 
 
@@ -210,8 +212,8 @@ def test_bm25_and_hybrid_return_the_k_best_matching(
     index = open_index(live_dirs[kind])
     keep = {f"w{i}" for i in range(0, 120, 10)}
     where = _f({"_id": {"$in": sorted(keep)}})
-    got = index.search(QUERIES, 5, retrieval=retrieval, where=where)
-    full = index.search(QUERIES, len(index), retrieval=retrieval)
+    got = index.search(SearchRequest(QUERIES, k=5, retrieval=retrieval, where=where))
+    full = index.search(SearchRequest(QUERIES, k=len(index), retrieval=retrieval))
     for hits, ranking in zip(got, full, strict=True):
         want = [p for p in ranking if p.id in keep][:5]
         assert [p.id for p in hits] == [p.id for p in want]
@@ -226,8 +228,10 @@ def test_shards_filter_their_own_rows_and_merge_to_the_unsharded_result(
     shards = [open_index(p) for p in split_index(live_dirs["flat"], 2, tmp_path / "sh", False)]
     where = _f({"$or": [{"_id": {"$in": ["w3", "w70", "w71", "w100"]}}, {"_title": "tea"}]})
     for retrieval in ("dense", "bm25", "hybrid"):
-        want = parent.search(QUERIES, 4, retrieval=retrieval, where=where)
-        per_shard = [s.search(QUERIES, 4, retrieval=retrieval, where=where) for s in shards]
+        want = parent.search(SearchRequest(QUERIES, k=4, retrieval=retrieval, where=where))
+        per_shard = [
+            s.search(SearchRequest(QUERIES, k=4, retrieval=retrieval, where=where)) for s in shards
+        ]
         for q, hits in enumerate(want):
             merged = sorted((p for s in per_shard for p in s[q]), key=lambda p: -p.score)[:4]
             assert [p.id for p in merged] == [p.id for p in hits], retrieval
@@ -255,7 +259,7 @@ def test_the_cli_searches_with_a_filter(live_dirs: dict[str, Path]) -> None:
 
 
 def _live_reference(live: LiveIndex, retrieval: str, keep: set[str], k: int, q) -> list[list[str]]:
-    full = live.search(QUERIES, len(live), retrieval=retrieval, query_vectors=q)
+    full = live.search(SearchRequest(QUERIES, k=len(live), query_vectors=q, retrieval=retrieval))
     return [[p.id for p in hits if p.id in keep][:k] for hits in full]
 
 
@@ -282,7 +286,11 @@ def test_live_base_and_segment_with_deletions_return_the_k_best_matching(
     live.delete("new-3")  # a deleted French segment document
 
     where = _f({"$or": [{"lang": "fr"}, {"_id": {"$in": ["w2", "w12", "w40", "w41", "w42"]}}]})
-    passages = {p.id: p for hits in live.search(QUERIES, len(live), retrieval="bm25") for p in hits}
+    passages = {
+        p.id: p
+        for hits in live.search(SearchRequest(QUERIES, k=len(live), retrieval="bm25"))
+        for p in hits
+    }
     fr_docs = {f"new-{i}" for i in (0, 6, 9)} | {"w32"}
     base_ok = {"w40", "w41", "w42"}  # w2 and w12 are deleted: never returned
     assert {"w2", "w12", "new-3"}.isdisjoint(_doc(p) for p in passages.values())
@@ -293,11 +301,15 @@ def test_live_base_and_segment_with_deletions_return_the_k_best_matching(
         keep = {pid for pid in _all_ids(live) if _doc_of(pid) in fr_docs | base_ok}
         for retrieval in modes:
             vecs = q if retrieval != "bm25" else None
-            got = live.search(QUERIES, 4, retrieval=retrieval, where=where, query_vectors=vecs)
+            got = live.search(
+                SearchRequest(QUERIES, k=4, query_vectors=vecs, retrieval=retrieval, where=where)
+            )
             want = _live_reference(live, retrieval, keep, 4, vecs)
             assert [[p.id for p in hits] for hits in got] == want, retrieval
             assert all(_doc(p) in fr_docs | base_ok for hits in got for p in hits)
-        assert live.search(QUERIES, 4, retrieval=modes[0], where=_f({"nope": 1})) == [[], [], []]
+        assert live.search(
+            SearchRequest(QUERIES, k=4, retrieval=modes[0], where=_f({"nope": 1}))
+        ) == [[], [], []]
         live.compact()
     live.close()
 
@@ -328,7 +340,9 @@ def test_a_live_index_holding_an_oversized_integer_still_filters(
             ({"lang": "en"}, {"big", "small"}),
             ({"$or": [{"big": 1e308}, {"big": 2**53 - 1}]}, set()),
         ):
-            hits = live.search(["tea coffee"], 5, retrieval="bm25", where=_f(where))
+            hits = live.search(
+                SearchRequest(["tea coffee"], k=5, retrieval="bm25", where=_f(where))
+            )
             assert {_doc(p) for p in hits[0]} == want, where
         live.put(Document.create("other", "Other", "tea other", {"lang": "fr"}))
         live.compact()

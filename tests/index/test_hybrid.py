@@ -23,6 +23,7 @@ from openbook.index import (
 )
 from openbook.index.fusion import Question, fit_weights, marginal_log_likelihood, read_questions
 from openbook.index.manifest import Manifest
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import FACTS, QUESTIONS, write_jsonl
 
@@ -60,9 +61,9 @@ def test_no_bm25_and_bm25_only_builds(facts_jsonl: Path, tmp_path: Path) -> None
     with open_index(tmp_path / "d") as idx:
         assert idx.views == ("dense",) and idx.default_retrieval == "dense"
         with pytest.raises(ValueError, match=r"^retrieval: index 'd' has no hybrid .*dense\)"):
-            idx.search(["Who wrote Hamlet?"], 2, retrieval="hybrid")
+            idx.search(SearchRequest(["Who wrote Hamlet?"], k=2, retrieval="hybrid"))
         with pytest.raises(ValueError, match=r"^retrieval: index 'd' has no bm25"):
-            idx.search(["Who wrote Hamlet?"], 2, retrieval="bm25")
+            idx.search(SearchRequest(["Who wrote Hamlet?"], k=2, retrieval="bm25"))
         with pytest.raises(ValueError, match="^retrieval: .*no hybrid fusion|has views"):
             _ = idx.fusion
     m = build_index(
@@ -75,9 +76,9 @@ def test_no_bm25_and_bm25_only_builds(facts_jsonl: Path, tmp_path: Path) -> None
     with open_index(tmp_path / "b") as idx:
         assert idx.default_retrieval == "bm25"
         with pytest.raises(ValueError, match=r"^retrieval: index 'b' has no dense .*bm25\)"):
-            idx.search(["Who wrote Hamlet?"], 2, retrieval="dense")
+            idx.search(SearchRequest(["Who wrote Hamlet?"], k=2, retrieval="dense"))
         with pytest.raises(ValueError, match=r"^retrieval: unknown mode 'sparse'"):
-            idx.search(["Who wrote Hamlet?"], 2, retrieval="sparse")
+            idx.search(SearchRequest(["Who wrote Hamlet?"], k=2, retrieval="sparse"))
 
 
 def test_manifest_round_trip_and_old_manifests(hybrid_dir: Path, tmp_path: Path) -> None:
@@ -112,7 +113,7 @@ def test_manifest_round_trip_and_old_manifests(hybrid_dir: Path, tmp_path: Path)
     (d / "manifest.json").write_text(json.dumps(raw))
     with open_index(d) as idx:
         assert idx.views == ("dense",) and idx.default_retrieval == "dense"
-        assert idx.search(["Who wrote Hamlet?"], 1)[0][0].id == "p21"
+        assert idx.search(SearchRequest(["Who wrote Hamlet?"], k=1))[0][0].id == "p21"
 
     for bad, why in (
         ({"views": ["bm25"]}, "do not fit index_type"),
@@ -131,15 +132,15 @@ def test_manifest_round_trip_and_old_manifests(hybrid_dir: Path, tmp_path: Path)
 def test_hybrid_is_the_default_and_scores_are_fused(facts_index: LoadedIndex) -> None:
     questions = list(QUESTIONS.values())
     fusion = facts_index.fusion
-    default = facts_index.search(questions, 4)
-    hybrid = facts_index.search(questions, 4, retrieval="hybrid")
+    default = facts_index.search(SearchRequest(questions, k=4))
+    hybrid = facts_index.search(SearchRequest(questions, k=4, retrieval="hybrid"))
     assert [[(p.id, p.score) for p in h] for h in default] == [
         [(p.id, p.score) for p in h] for h in hybrid
     ]
     assert [h[0].id for h in hybrid] == list(QUESTIONS)
     # Each hit's score is w_d·(q·d) + w_b·BM25, computed here from the two views apart.
     q = load_encoder("all-MiniLM-L6-v2").encode(questions)
-    bm25 = facts_index.search(questions, len(FACTS), retrieval="bm25")
+    bm25 = facts_index.search(SearchRequest(questions, k=len(FACTS), retrieval="bm25"))
     for i, hits in enumerate(hybrid):
         b = {p.id: p.score for p in bm25[i]}
         for p in hits:
@@ -148,7 +149,7 @@ def test_hybrid_is_the_default_and_scores_are_fused(facts_index: LoadedIndex) ->
             assert p.score == pytest.approx(want, rel=1e-4, abs=1e-4)
         assert [p.score for p in hits] == sorted((p.score for p in hits), reverse=True)
     # Already-encoded queries (a server batching its encoder) give the same hits.
-    again = facts_index.search(questions, 4, query_vectors=q, return_vectors=True)
+    again = facts_index.search(SearchRequest(questions, k=4, query_vectors=q, return_vectors=True))
     assert [[p.id for p in h] for h in again] == [[p.id for p in h] for h in hybrid]
     assert again[0][0].vector is not None and again[0][0].vector.shape == (384,)
 
@@ -158,8 +159,10 @@ def test_dense_and_bm25_modes_equal_the_single_view_indexes(
 ) -> None:
     questions = [*QUESTIONS.values(), "zzzqqq"]
     enc = load_encoder("all-MiniLM-L6-v2")
-    dense = facts_index.search(questions, 5, retrieval="dense")
-    assert _hits(dense) == _hits(facts_index.search_vectors(enc.encode(questions), 5))
+    dense = facts_index.search(SearchRequest(questions, k=5, retrieval="dense"))
+    assert _hits(dense) == _hits(
+        facts_index.search(SearchRequest(k=5, query_vectors=enc.encode(questions)))
+    )
     build_index(
         [facts_jsonl],
         tmp_path / "b",
@@ -167,8 +170,10 @@ def test_dense_and_bm25_modes_equal_the_single_view_indexes(
         BuildOptions(progress=False),
     )
     with open_index(tmp_path / "b") as bm25_only:
-        want = bm25_only.search(questions, 5)
-    got = facts_index.search(questions, 5, retrieval="bm25", encoder=enc)  # encoder unused
+        want = bm25_only.search(SearchRequest(questions, k=5))
+    got = facts_index.search(
+        SearchRequest(questions, k=5, retrieval="bm25"), encoder=enc
+    )  # encoder unused
     assert _hits(got) == _hits(want) and got[-1] == []
 
 
@@ -205,7 +210,7 @@ def test_fit_recovers_weights_on_a_synthetic_problem() -> None:
 def test_fit_is_stored_in_the_manifest_and_used_at_search(hybrid_dir: Path) -> None:
     questions = _fact_questions() + [Question("Who wrote Hamlet?", ("no such answer",))]
     with open_index(hybrid_dir) as idx:
-        before = idx.search(list(QUESTIONS.values()), 3)
+        before = idx.search(SearchRequest(list(QUESTIONS.values()), k=3))
         fusion = fit_fusion(idx, questions, candidates=10, source="facts", sha256="ab")
     assert fusion.fitted and fusion.candidates == 10
     assert fusion.fitted_on == {"questions": len(QUESTIONS), "source": "facts", "sha256": "ab"}
@@ -215,7 +220,7 @@ def test_fit_is_stored_in_the_manifest_and_used_at_search(hybrid_dir: Path) -> N
     with open_index(hybrid_dir) as idx:  # verify=True: the files' checksums still hold
         assert idx.manifest.fusion == fusion.to_dict() and idx.fusion == fusion
         cands = idx.hybrid_candidates(list(QUESTIONS.values()), 10)
-        after = idx.search(list(QUESTIONS.values()), 3)
+        after = idx.search(SearchRequest(list(QUESTIONS.values()), k=3))
     positive = np.array(
         [
             [r >= 0 and TITLES[f"p{r:02d}"] == TITLES[pid] for r in row]
@@ -268,9 +273,9 @@ def test_shards_keep_both_views_and_the_fusion(hybrid_dir: Path, tmp_path: Path)
             assert s.fusion == fusion
         # Both features of every candidate are the parent's (BM25 keeps the parent's
         # statistics): merged hybrid results are the unsharded index's.
-        merged = merge_results([s.search(questions, 3) for s in shards], 3)
+        merged = merge_results([s.search(SearchRequest(questions, k=3)) for s in shards], 3)
         with open_index(hybrid_dir) as parent:
-            want = parent.search(questions, 3)
+            want = parent.search(SearchRequest(questions, k=3))
         assert [[p.id for p in h] for h in merged] == [[p.id for p in h] for h in want]
         for got_hits, want_hits in zip(merged, want, strict=True):
             assert [p.score for p in got_hits] == pytest.approx([p.score for p in want_hits])

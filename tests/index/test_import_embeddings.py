@@ -22,6 +22,7 @@ from openbook.index import open_index, stages
 from openbook.index.cli import app
 from openbook.index.embedding_files import EmbeddingsError, iter_embeddings, natural_order
 from openbook.index.importer import import_embeddings
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import random_vectors, write_dpr_tsv
 
@@ -91,7 +92,7 @@ def _assert_searchable(out: Path, vecs: np.ndarray) -> None:
         assert idx.manifest.count == N and idx.manifest.dim == vecs.shape[1]
         np.testing.assert_array_equal(idx.get_vectors(range(N)), vecs)
         for row in (0, 13, N - 1):
-            hits = idx.search_vectors(vecs[row], k=3)[0]
+            hits = idx.search(SearchRequest(k=3, query_vectors=vecs[row]))[0]
             assert hits[0].id == str(row + 1)
             assert hits[0].title == f"Title {row}"
             assert hits[0].score == pytest.approx(1.0, abs=1e-5)  # score_scale 1, unit vectors
@@ -111,9 +112,11 @@ def test_import_dpr_pickle_shards(tsv: Path, tmp_path: Path, dpr_dirs: tuple[Pat
         # The passages get a bm25 view too, as a build's do; DPR's vectors keep the paper's
         # dense retrieval as the default, hybrid on request.
         assert m.views == ["dense", "bm25"] and idx.default_retrieval == "dense"
-        (bm25,) = idx.search(["python moon planet hamlet"], 3, retrieval="bm25")
+        (bm25,) = idx.search(SearchRequest(["python moon planet hamlet"], k=3, retrieval="bm25"))
         assert bm25[0].text == "python moon planet hamlet"
-        (hybrid,) = idx.search(["python moon planet hamlet"], 3, retrieval="hybrid")
+        (hybrid,) = idx.search(
+            SearchRequest(["python moon planet hamlet"], k=3, retrieval="hybrid")
+        )
         scores = [p.score for p in hybrid]  # random vectors: the dense part decides the order
         assert len(hybrid) == 3 and scores == sorted(scores, reverse=True)
     assert not (tmp_path / ".idx.partial").exists()

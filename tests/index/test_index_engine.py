@@ -20,6 +20,7 @@ from openbook.index.engine import (
 )
 from openbook.index.faiss_index import DENSE_TYPES
 from openbook.index.manifest import VIEWS
+from openbook.index.request import SearchRequest
 from openbook.validation.limits import RETRIEVAL_MODES as WIRE_RETRIEVAL_MODES
 from openbook.validation.limits import RETRIEVAL_VIEWS
 
@@ -52,7 +53,8 @@ def test_files_engine_registers_its_classes() -> None:
 
 def _top_ids(index: SearchableIndex, retrieval: str | None) -> list[str]:
     """Searched through the protocol only."""
-    return [p.id for p in index.search(["Where is the Eiffel Tower?"], 3, retrieval=retrieval)[0]]
+    request = SearchRequest(["Where is the Eiffel Tower?"], k=3, retrieval=retrieval)
+    return [p.id for p in index.search(request)[0]]
 
 
 def test_built_and_empty_indexes_search_through_the_protocol(
@@ -65,5 +67,6 @@ def test_built_and_empty_indexes_search_through_the_protocol(
     empty = EmptyBase(tmp_path, template_of(facts_index.manifest, name="e"), name="e")
     assert _top_ids(empty, RetrievalMode.DENSE) == []
     assert empty.retrieval_mode(None) == facts_index.default_retrieval
-    with pytest.raises(ValueError, match=r"^retrieval: unknown mode 'x' for index 'e'"):
-        empty.search(["q"], 1, retrieval="x")
+    # An unknown mode is refused where the request is made, before any index sees it.
+    with pytest.raises(ValueError, match=r"^retrieval: unknown mode 'x'; expected one of"):
+        empty.search(SearchRequest(["q"], k=1, retrieval="x"))

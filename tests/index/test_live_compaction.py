@@ -17,6 +17,7 @@ from openbook.index.layout import VECTORS_FILE
 from openbook.index.live import LiveIndex, newest_base
 from openbook.index.loaded import read_index_manifest
 from openbook.index.manifest import IndexLoadError
+from openbook.index.request import SearchRequest
 from openbook.types import Passage
 from openbook_testkit.live import make_live_index, random_document
 
@@ -77,8 +78,10 @@ def test_compaction_reuses_the_served_vectors_without_encoding(
     _write(live, seed=3)
     served = _served_vectors(live)
     queries = np.random.default_rng(4).standard_normal((4, live.manifest.dim)).astype(np.float32)
-    before = live.search_vectors(queries, 8)
-    bm25_before = live.search(["tower paris", "tagnew1 water"], 5, retrieval="bm25")
+    before = live.search(SearchRequest(k=8, query_vectors=queries))
+    bm25_before = live.search(
+        SearchRequest(["tower paris", "tagnew1 water"], k=5, retrieval="bm25")
+    )
     old_manifest = live.manifest
 
     with no_encoding:
@@ -103,13 +106,13 @@ def test_compaction_reuses_the_served_vectors_without_encoding(
         old_manifest.views,
     )
     if index_type == "flat":  # exact: the same ids and scores as the base plus segment gave
-        _assert_same(before, live.search_vectors(queries, 8))
+        _assert_same(before, live.search(SearchRequest(k=8, query_vectors=queries)))
     else:  # approximate types: k live passages each, none of them deleted or replaced
-        for hits in live.search_vectors(queries, 8):
+        for hits in live.search(SearchRequest(k=8, query_vectors=queries)):
             assert len(hits) == 8 and {p.id for p in hits} <= set(served)
     # BM25 over an unsharded base is rebuilt with the new corpus's statistics: the tagged
     # document still ranks first for its own term.
-    after = live.search(["tower paris", "tagnew1 water"], 5, retrieval="bm25")
+    after = live.search(SearchRequest(["tower paris", "tagnew1 water"], k=5, retrieval="bm25"))
     assert after[1][0].id == bm25_before[1][0].id
     live.close()
 
@@ -125,8 +128,8 @@ def test_a_compacted_shard_keeps_its_identity_and_bm25_scores(
     _write_shard(live)
     queries = ["tower paris water", "tagnew1", "tagnew2 river", "king river city"]
     vectors = np.random.default_rng(5).standard_normal((3, live.manifest.dim)).astype("float32")
-    bm25_before = live.search(queries, 6, retrieval="bm25")
-    dense_before = live.search_vectors(vectors, 6)
+    bm25_before = live.search(SearchRequest(queries, k=6, retrieval="bm25"))
+    dense_before = live.search(SearchRequest(k=6, query_vectors=vectors))
     assert bm25_before[1][0].id == "new-1#0"  # a segment passage found by BM25
 
     with no_encoding:
@@ -136,8 +139,8 @@ def test_a_compacted_shard_keeps_its_identity_and_bm25_scores(
     assert shard == {**parent_shard, "live_version": result.version}
     # Every BM25 score is the one served before (the parent's statistics, not the shard's
     # own), and dense results are unchanged: merged across shards they rank as before.
-    _assert_same(bm25_before, live.search(queries, 6, retrieval="bm25"))
-    _assert_same(dense_before, live.search_vectors(vectors, 6))
+    _assert_same(bm25_before, live.search(SearchRequest(queries, k=6, retrieval="bm25")))
+    _assert_same(dense_before, live.search(SearchRequest(k=6, query_vectors=vectors)))
     live.put(random_document(np.random.default_rng(9), "late", words=30))
     live.close()
 
@@ -147,7 +150,7 @@ def test_a_compacted_shard_keeps_its_identity_and_bm25_scores(
         second = again.compact()
         assert second is not None
         assert again.manifest.shard == {**parent_shard, "live_version": second.version}
-        assert again.search(["taglate"], 1, retrieval="bm25")[0][0].id == "late#0"
+        assert again.search(SearchRequest(["taglate"], k=1, retrieval="bm25"))[0][0].id == "late#0"
 
     # Only a compacted shard may hold more rows than its parent slice did, and says so.
     base_dir, _ = newest_base(tmp_path / "live-shard")

@@ -19,6 +19,7 @@ import pytest
 from openbook.index import wal as wal_module
 from openbook.index.documents import Document
 from openbook.index.live import DocumentNotFound, LiveIndex, LiveOptions
+from openbook.index.request import SearchRequest
 from openbook.index.wal import PutOp, WalRecord, encode_record
 from openbook.index.writer_lock import COMPACTION_LOCK_FILE, WRITER_LOCK_FILE
 from openbook_testkit.live import make_live_index, random_document
@@ -148,13 +149,17 @@ def test_acknowledged_writes_survive_kill_9(dpr_dirs: tuple[Path, Path], tmp_pat
             # Served as stored: each live document's tag finds its last passage.
             alive = [d for d in state.values() if d is not None]
             tags = [f"tag{d.id.replace('-', '')}" for d in alive]
-            for doc, hits in zip(alive, live.search(tags, 3, retrieval="bm25"), strict=True):
+            for doc, hits in zip(
+                alive, live.search(SearchRequest(tags, k=3, retrieval="bm25")), strict=True
+            ):
                 assert (
                     hits[0].id == doc.passages()[-1].id and hits[0].text == doc.passages()[-1].text
                 )
             dead = [i for i, d in state.items() if d is None]
             served = {
-                p.id for hits in live.search(tags or ["tower"], 10, retrieval="bm25") for p in hits
+                p.id
+                for hits in live.search(SearchRequest(tags or ["tower"], k=10, retrieval="bm25"))
+                for p in hits
             }
             assert not {p for p in served if p.rsplit("#", 1)[0] in dead}
 
@@ -233,7 +238,9 @@ def test_compaction_while_writing_loses_nothing(
             else:
                 assert index.get(doc.id).document == doc
         tags = [f"tag{d.id}" for d in docs]
-        for doc, hits in zip(docs, index.search(tags, 3, retrieval="bm25"), strict=True):
+        for doc, hits in zip(
+            docs, index.search(SearchRequest(tags, k=3, retrieval="bm25")), strict=True
+        ):
             ids = [h.id for h in hits]
             if doc.id in deleted:
                 assert not any(i.startswith(f"{doc.id}#") for i in ids)
@@ -255,7 +262,7 @@ def test_a_batch_is_all_or_nothing(
     rng = np.random.default_rng(2)
     batch = [random_document(rng, f"b{i}") for i in range(5)]
     log = tmp_path / "live" / wal_module.WAL_FILE
-    served = live.search(["tower", "tagb3"], 5, retrieval="bm25")
+    served = live.search(SearchRequest(["tower", "tagb3"], k=5, retrieval="bm25"))
 
     def no_disk(fd: int) -> None:
         raise OSError(28, "No space left on device")
@@ -265,7 +272,7 @@ def test_a_batch_is_all_or_nothing(
         live.put_many(batch)
     monkeypatch.undo()
     assert live.version == 0 and log.stat().st_size == 0
-    assert live.search(["tower", "tagb3"], 5, retrieval="bm25") == served
+    assert live.search(SearchRequest(["tower", "tagb3"], k=5, retrieval="bm25")) == served
     assert not any(_has(live, d.id) for d in batch)
     live.close()
     with LiveIndex(tmp_path / "live", LiveOptions(verify=False)) as again:
@@ -273,7 +280,9 @@ def test_a_batch_is_all_or_nothing(
         result = again.put_many(batch)
         assert result.version == 1 and list(result.passages) == [d.id for d in batch]
         for doc, hits in zip(
-            batch, again.search([f"tag{d.id}" for d in batch], 1, retrieval="bm25"), strict=True
+            batch,
+            again.search(SearchRequest([f"tag{d.id}" for d in batch], k=1, retrieval="bm25")),
+            strict=True,
         ):
             assert hits[0].id == doc.passages()[-1].id and again.get(doc.id).version == 1
 
@@ -308,7 +317,9 @@ def test_a_compaction_cut_short_at_any_step_reopens_whole(
     with pytest.raises(Crash):
         live.compact()
     monkeypatch.undo()
-    want = live.search(["tower water", "tagk0", "tagw5", "tagk1"], 5, retrieval="bm25")
+    want = live.search(
+        SearchRequest(["tower water", "tagk0", "tagw5", "tagk1"], k=5, retrieval="bm25")
+    )
     live.close()
     with LiveIndex(tmp_path / "live") as again:
         assert again.version == 7 and len(again) == 40 - 1 + sum(
@@ -317,7 +328,9 @@ def test_a_compaction_cut_short_at_any_step_reopens_whole(
         for doc_id in ("k1", "w3"):
             with pytest.raises(DocumentNotFound):
                 again.get(doc_id)
-        got = again.search(["tower water", "tagk0", "tagw5", "tagk1"], 5, retrieval="bm25")
+        got = again.search(
+            SearchRequest(["tower water", "tagk0", "tagw5", "tagk1"], k=5, retrieval="bm25")
+        )
         assert [[p.id for p in hits] for hits in got][1:] == [
             [p.id for p in hits] for hits in want
         ][1:]

@@ -9,6 +9,7 @@ import pytest
 
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex, LiveOptions, disk_stamp
+from openbook.index.request import SearchRequest
 from openbook.index.wal import WAL_FILE
 from openbook_testkit.live import make_live_index
 
@@ -49,7 +50,7 @@ def test_a_reader_opened_again_sees_the_writers_writes(tmp_path: Path) -> None:
     writer.put(Document.create("d2", "T", "zebraword again"))
     reader = LiveIndex(tmp_path / "live", READ_ONLY)
     assert reader.version == 2 and reader.base_version == 1
-    hits = reader.search(["zebraword"], 5, retrieval="bm25")[0]
+    hits = reader.search(SearchRequest(["zebraword"], k=5, retrieval="bm25"))[0]
     assert {p.id for p in hits} == {"d1#0", "d2#0"}
     reader.close()
     writer.close()

@@ -11,6 +11,7 @@ import pytest
 
 from openbook.index.documents import Document
 from openbook.index.live import LiveIndex, LiveOptions
+from openbook.index.request import SearchRequest
 from openbook.index.wal import WAL_FILE, WriteAheadLog
 from openbook_testkit.live import make_live_index
 
@@ -18,7 +19,7 @@ OPTIONS = LiveOptions(verify=False)
 
 
 def _ids(live: LiveIndex, query: str, k: int = 5) -> list[str]:
-    return [p.id for p in live.search([query], k, retrieval="bm25")[0]]
+    return [p.id for p in live.search(SearchRequest([query], k=k, retrieval="bm25"))[0]]
 
 
 def test_two_replicas_write_alternately_and_read_each_others_writes(tmp_path: Path) -> None:

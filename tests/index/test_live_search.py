@@ -12,6 +12,7 @@ from openbook.errors import InvalidArgument
 from openbook.index import load_encoder, open_index
 from openbook.index.documents import Document
 from openbook.index.live import DocumentNotFound, LiveIndex
+from openbook.index.request import SearchRequest
 from openbook.types import Passage
 from openbook_testkit.live import make_live_index, random_document
 
@@ -53,24 +54,24 @@ def test_put_replace_delete_are_visible_to_the_next_search(
     dense = index_type != "bm25"
     base_vectors = open_index(tmp_path / "built").get_vectors(["w7"]) if dense else None
     if index_type == "flat":
-        assert "w7" in _ids(live.search_vectors(base_vectors, 10)[0])  # type: ignore[arg-type]
+        assert "w7" in _ids(live.search(SearchRequest(k=10, query_vectors=base_vectors))[0])  # type: ignore[arg-type]
 
     doc = random_document(rng, "new-1")
     put = live.put(doc)
     assert put.version == 1 and live.version == 1
     assert put.passages["new-1"] == tuple(p.id for p in doc.passages())
-    assert _ids(live.search([_tag("new-1")], 3, retrieval="bm25")[0])[:1] == [
+    assert _ids(live.search(SearchRequest([_tag("new-1")], k=3, retrieval="bm25"))[0])[:1] == [
         doc.passages()[-1].id  # the tag ends the text: it is in the last passage
     ]
     if dense:
         scale = live.manifest.score_scale
         vecs = _doc_vectors(dpr_dirs, doc)
-        hits = live.search_vectors(vecs[:1], 10)[0]
+        hits = live.search(SearchRequest(k=10, query_vectors=vecs[:1]))[0]
         want = {p.id: float(vecs[0] @ v) * scale for p, v in zip(doc.passages(), vecs, strict=True)}
         _assert_segment_exact(hits, want)
         if index_type == "flat":  # approximate types may over-score base passages
             assert "new-1#0" in _ids(hits)
-        hybrid = live.search([_tag("new-1")], 5, retrieval="hybrid")[0]
+        hybrid = live.search(SearchRequest([_tag("new-1")], k=5, retrieval="hybrid"))[0]
         assert doc.passages()[-1].id in _ids(hybrid)
 
     # Replace: the old passages go, the new come, in one step.
@@ -78,7 +79,9 @@ def test_put_replace_delete_are_visible_to_the_next_search(
     assert live.put(new).version == 2
     texts = {p.id: p.text for p in new.passages()}
     for mode in live.views if not dense else ("dense", "bm25", "hybrid"):
-        for hits in live.search([_tag("new-1"), "tower paris water"], 20, retrieval=mode):
+        for hits in live.search(
+            SearchRequest([_tag("new-1"), "tower paris water"], k=20, retrieval=mode)
+        ):
             for p in hits:
                 if p.id.startswith("new-1#"):
                     assert texts.get(p.id) == p.text, (mode, p.id)
@@ -87,11 +90,13 @@ def test_put_replace_delete_are_visible_to_the_next_search(
     # Replace and delete documents of the base.
     w5 = random_document(rng, "w5", words=20)
     live.put(w5)
-    assert "w5" not in _ids(live.search([_tag("w5"), "tower"], 50, retrieval="bm25")[0])
-    assert _ids(live.search([_tag("w5")], 1, retrieval="bm25")[0]) == ["w5#0"]
+    assert "w5" not in _ids(
+        live.search(SearchRequest([_tag("w5"), "tower"], k=50, retrieval="bm25"))[0]
+    )
+    assert _ids(live.search(SearchRequest([_tag("w5")], k=1, retrieval="bm25"))[0]) == ["w5#0"]
     assert live.delete("w7").version == 4
     if dense:
-        assert "w7" not in _ids(live.search_vectors(base_vectors, 10)[0])  # type: ignore[arg-type]
+        assert "w7" not in _ids(live.search(SearchRequest(k=10, query_vectors=base_vectors))[0])  # type: ignore[arg-type]
     with pytest.raises(DocumentNotFound):
         live.delete("w7")
     with pytest.raises(KeyError):
@@ -103,21 +108,24 @@ def test_put_replace_delete_are_visible_to_the_next_search(
     assert live.list(cursor="w98").ids == ("w99",)
 
     # Compaction keeps what is served; so does reopening.
-    before = live.search([_tag("new-1"), _tag("w5"), "tower"], 5, retrieval="bm25")
+    before = live.search(SearchRequest([_tag("new-1"), _tag("w5"), "tower"], k=5, retrieval="bm25"))
     result = live.compact()
     assert result is not None and result.version == 4 and live.base_version == 4
     assert live.segment_size == 0 and live.version == 4
-    after = live.search([_tag("new-1"), _tag("w5"), "tower"], 5, retrieval="bm25")
+    after = live.search(SearchRequest([_tag("new-1"), _tag("w5"), "tower"], k=5, retrieval="bm25"))
     assert [_ids(h)[:1] for h in after[:2]] == [_ids(h)[:1] for h in before[:2]]
     if dense:
-        assert "w7" not in _ids(live.search_vectors(base_vectors, 10)[0])  # type: ignore[arg-type]
-        _assert_segment_exact(live.search_vectors(vecs[:1], 10)[0], {})
+        assert "w7" not in _ids(live.search(SearchRequest(k=10, query_vectors=base_vectors))[0])  # type: ignore[arg-type]
+        _assert_segment_exact(live.search(SearchRequest(k=10, query_vectors=vecs[:1]))[0], {})
     assert live.put(random_document(rng, "after")).version == 5
-    served = live.search(["tower paris", _tag("after")], 5, retrieval="bm25")
+    served = live.search(SearchRequest(["tower paris", _tag("after")], k=5, retrieval="bm25"))
     live.close()
     with LiveIndex(tmp_path / "live") as again:
         assert again.version == 5 and again.base_version == 4
-        assert again.search(["tower paris", _tag("after")], 5, retrieval="bm25") == served
+        assert (
+            again.search(SearchRequest(["tower paris", _tag("after")], k=5, retrieval="bm25"))
+            == served
+        )
         assert again.get("w5").document == w5
         assert sorted(p.name for p in (tmp_path / "live").iterdir()) == [
             "base-000000000004",
@@ -169,11 +177,15 @@ def test_random_operations_match_a_brute_force_model(
         if dense:
             ids = sorted(live_ids)
             mat = np.stack([model_vec(model, pid) for pid in ids])
-            for q, hits in zip(queries, live.search_vectors(queries, 5), strict=True):
+            for q, hits in zip(
+                queries, live.search(SearchRequest(k=5, query_vectors=queries)), strict=True
+            ):
                 exact = np.sort(mat.astype(np.float64) @ q.astype(np.float64))[::-1][:5]
                 assert [p.score for p in hits] == pytest.approx(list(exact), rel=1e-4, abs=1e-4)
                 assert not gone & set(_ids(hits))
-        for hits in live.search([_tag(d) for d in sorted(model)[:5]], 10, retrieval="bm25"):
+        for hits in live.search(
+            SearchRequest([_tag(d) for d in sorted(model)[:5]], k=10, retrieval="bm25")
+        ):
             assert set(_ids(hits)) <= live_ids and not gone & set(_ids(hits))
         for doc_id in rng.choice(sorted(model), 3):
             assert set(live.get(str(doc_id)).passage_ids) == set(model[str(doc_id)])
@@ -197,7 +209,7 @@ def test_segment_bm25_scores_as_the_base_would(dpr_dirs: tuple[Path, Path], tmp_
     for row in (3, 17, 42):
         p = base.get_passages([row])[0]
         live.put(Document.create(f"copy{row}", p.title, p.text))
-        hits = live.search([p.text], 60, retrieval="bm25")[0]
+        hits = live.search(SearchRequest([p.text], k=60, retrieval="bm25"))[0]
         scores = {h.id: h.score for h in hits}
         assert scores[f"copy{row}#0"] == pytest.approx(scores[p.id], rel=1e-5)
     live.close()
@@ -209,7 +221,7 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
     live = make_live_index(tmp_path, "flat", dpr_dirs, passages=60)
     rng = np.random.default_rng(0)
     good = [random_document(rng, f"ok{i}") for i in range(3)]
-    served = live.search(["tower"], 5, retrieval="bm25")
+    served = live.search(SearchRequest(["tower"], k=5, retrieval="bm25"))
     bad_batches: list[tuple[list[Document], str]] = [
         ([*good[:2], Document("a/b", "T", "words here")], r"^documents\[2\]\.id"),
         ([*good, Document("x", "T", " ")], r"^documents\[3\]\.text"),
@@ -227,7 +239,7 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
     with pytest.raises(InvalidArgument, match="^limit"):
         live.list(limit=0)
     assert live.version == 0 and len(live) == 60
-    assert live.search(["tower"], 5, retrieval="bm25") == served
+    assert live.search(SearchRequest(["tower"], k=5, retrieval="bm25")) == served
     for doc in good:
         with pytest.raises(DocumentNotFound):
             live.get(doc.id)
@@ -256,9 +268,11 @@ def test_a_replaced_document_is_never_half_old_half_new(
     def read() -> None:
         try:
             while not stop.is_set():
-                for hits in live.search_vectors(queries, 100):  # every live passage
+                for hits in live.search(
+                    SearchRequest(k=100, query_vectors=queries)
+                ):  # every live passage
                     seen.append(frozenset(p.text for p in hits if p.id.startswith("flip#")))
-                for hits in live.search(["tagflip"], 100, retrieval="bm25"):
+                for hits in live.search(SearchRequest(["tagflip"], k=100, retrieval="bm25")):
                     flip = [p for p in hits if p.id.startswith("flip#")]
                     assert len(flip) == 1 and any(p.text in t for t in texts for p in flip)
         except BaseException as e:  # surfaced below
@@ -292,41 +306,45 @@ def test_an_index_created_empty_takes_writes_and_compacts_into_its_first_base(
     live = LiveIndex.create_empty(tmp_path / "fresh", template)
     dense = like_type != "bm25"
     assert len(live) == 0 and live.version == 0 and live.list().ids == ()
-    assert live.search(["tower"], 3, retrieval="bm25") == [[]]
+    assert live.search(SearchRequest(["tower"], k=3, retrieval="bm25")) == [[]]
     if dense:
         # DPR encoders: the paper's dense retrieval is the default, hybrid on request
         assert live.default_retrieval == "dense"
-        assert live.search(["tower"], 3, retrieval="hybrid") == [[]]
+        assert live.search(SearchRequest(["tower"], k=3, retrieval="hybrid")) == [[]]
     rng = np.random.default_rng(11)
     docs = [random_document(rng, f"e{i}") for i in range(40)]
     assert live.put_many(docs).version == 1
     live.delete("e3")
     for doc, hits in zip(
-        docs, live.search([_tag(d.id) for d in docs], 2, retrieval="bm25"), strict=True
+        docs,
+        live.search(SearchRequest([_tag(d.id) for d in docs], k=2, retrieval="bm25")),
+        strict=True,
     ):
         assert (_ids(hits)[:1] == [doc.passages()[-1].id]) != (doc.id == "e3")
     if dense:
         vecs = _doc_vectors(dpr_dirs, docs[0])
-        hits = live.search_vectors(vecs[:1], 3)[0]
+        hits = live.search(SearchRequest(k=3, query_vectors=vecs[:1]))[0]
         scale = live.manifest.score_scale
         assert hits[0].score == pytest.approx(
             max(float(vecs[0] @ v) * scale for v in _all_vectors(dpr_dirs, docs, skip="e3")),
             rel=1e-4,
         )
-        hybrid = live.search([_tag("e5")], 5, retrieval="hybrid")[0]
+        hybrid = live.search(SearchRequest([_tag("e5")], k=5, retrieval="hybrid"))[0]
         assert docs[5].passages()[-1].id in _ids(hybrid)
     result = live.compact()
     assert result is not None and result.version == 2
     assert live.manifest.index_type == (index_type or like_type) and live.manifest.count == len(
         live
     )
-    assert _ids(live.search([_tag("e7")], 1, retrieval="bm25")[0]) == [docs[7].passages()[-1].id]
+    assert _ids(live.search(SearchRequest([_tag("e7")], k=1, retrieval="bm25"))[0]) == [
+        docs[7].passages()[-1].id
+    ]
     live.put(random_document(rng, "e40"))
     live.close()
     with LiveIndex(tmp_path / "fresh") as again:
         assert again.version == 3 and again.base_version == 2
         last = again.get("e40").passage_ids[-1]
-        assert _ids(again.search([_tag("e40")], 1, retrieval="bm25")[0]) == [last]
+        assert _ids(again.search(SearchRequest([_tag("e40")], k=1, retrieval="bm25"))[0]) == [last]
 
 
 def _all_vectors(dpr_dirs: tuple[Path, Path], docs: list[Document], skip: str) -> np.ndarray:

@@ -18,6 +18,7 @@ from openbook.index.live import LiveIndex
 from openbook.index.manifest import IndexLoadError
 from openbook.index.milvus_bm25 import NO_TERM, query_vectors, term_dim
 from openbook.index.milvus_engine import MilvusEngine, MilvusIndex
+from openbook.index.request import SearchRequest
 from openbook.validation.metadata_filter import parse_filter
 from openbook_testkit.index import build_words_index
 
@@ -70,8 +71,8 @@ def _compare(milvus: MilvusIndex, files: LoadedIndex | LiveIndex, k: int) -> Non
     for raw in FILTERS:
         where = parse_filter(raw) if raw is not None else None
         for mode in ("bm25", "hybrid"):
-            got = milvus.search(QUESTIONS, k, retrieval=mode, where=where)
-            want = files.search(QUESTIONS, k, retrieval=mode, where=where)
+            got = milvus.search(SearchRequest(QUESTIONS, k=k, retrieval=mode, where=where))
+            want = files.search(SearchRequest(QUESTIONS, k=k, retrieval=mode, where=where))
             for question, g, w in zip(QUESTIONS, got, want, strict=True):
                 _same(g, w, (mode, raw, question))
 
@@ -81,10 +82,12 @@ def test_bm25_and_hybrid_are_the_files_engines(engine: MilvusEngine, built: Load
     assert index.views == ("dense", "bm25")
     for k in (1, 5, 20):
         _compare(index, built, k)
-    hits = index.search(QUESTIONS[:1], 5, retrieval="bm25")[0]
+    hits = index.search(SearchRequest(QUESTIONS[:1], k=5, retrieval="bm25"))[0]
     assert hits and all(p.score > 0 for p in hits)  # raw BM25 scores
-    assert index.search(["the of a"], 5, retrieval="bm25") == [[]]
-    with_vectors = index.search(QUESTIONS[:2], 3, retrieval="hybrid", return_vectors=True)
+    assert index.search(SearchRequest(["the of a"], k=5, retrieval="bm25")) == [[]]
+    with_vectors = index.search(
+        SearchRequest(QUESTIONS[:2], k=3, retrieval="hybrid", return_vectors=True)
+    )
     for p in (p for hits in with_vectors for p in hits):
         np.testing.assert_allclose(p.vector, built.get_vectors([p.id])[0])
 
@@ -106,7 +109,7 @@ def test_written_documents_score_as_a_files_live_index(
     try:
         for k in (3, 10):
             _compare(index, live, k)
-        got = index.search(["zqxj"], 3, retrieval="bm25")[0]
+        got = index.search(SearchRequest(["zqxj"], k=3, retrieval="bm25"))[0]
         assert [p.id for p in got] == ["zq#0"]
     finally:
         live.close()

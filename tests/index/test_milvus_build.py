@@ -30,6 +30,7 @@ from openbook.index.milvus_engine import (
     milvus_index_of,
     milvus_search_params,
 )
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import build_words_index, word_rows, write_dpr_tsv, write_jsonl
 
@@ -55,8 +56,8 @@ def _all_pids(index: MilvusIndex) -> list[str]:
 
 def _assert_searches_as(index: MilvusIndex, built: LoadedIndex) -> None:
     for mode in ("dense", "bm25", "hybrid"):
-        want = built.search(QUERIES, 5, retrieval=mode)
-        got = index.search(QUERIES, 5, retrieval=mode)
+        want = built.search(SearchRequest(QUERIES, k=5, retrieval=mode))
+        got = index.search(SearchRequest(QUERIES, k=5, retrieval=mode))
         for w, g in zip(want, got, strict=True):
             assert [p.id for p in g] == [p.id for p in w], mode
             assert [p.score for p in g] == pytest.approx([p.score for p in w], rel=1e-4, abs=1e-4)
@@ -171,8 +172,8 @@ def test_import_writes_precomputed_vectors_into_milvus(
         # keeps the declaration for a cluster and searches these segments exactly, so the
         # dense top ids are the flat files build's.
         queries = np.random.default_rng(0).standard_normal((6, 32)).astype("f4")
-        got = index.search_vectors(queries, 5)
-        want_hits = built.search_vectors(queries, 5)
+        got = index.search(SearchRequest(k=5, query_vectors=queries))
+        want_hits = built.search(SearchRequest(k=5, query_vectors=queries))
         assert [[p.id for p in h] for h in got] == [[p.id for p in h] for h in want_hits]
         # --rerank 3: the top 15 re-scored exactly with the stored vectors, as files do.
         assert index.manifest.index_params["rerank"] == 3

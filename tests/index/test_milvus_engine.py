@@ -32,6 +32,7 @@ from openbook.index.milvus_engine import (
     milvus_index_of,
     milvus_string,
 )
+from openbook.index.request import SearchRequest
 from openbook.validation.metadata_filter import parse_filter
 from openbook_testkit.index import build_words_index
 
@@ -70,23 +71,24 @@ def test_dense_search_is_the_files_flat_index(engine: MilvusEngine, built: Loade
     assert conforming.views == ("dense", "bm25") and conforming.default_retrieval == "dense"
     assert conforming.manifest.score_scale == built.manifest.score_scale
     queries = np.random.default_rng(0).standard_normal((6, built.manifest.dim)).astype("f4")
-    want = built.search_vectors(queries, 10)
-    got = index.search_vectors(queries, 10)
+    want = built.search(SearchRequest(k=10, query_vectors=queries))
+    got = index.search(SearchRequest(k=10, query_vectors=queries))
     for w, g in zip(want, got, strict=True):
         assert _ids(g) == _ids(w)
         assert [p.score for p in g] == pytest.approx([p.score for p in w], rel=1e-4, abs=1e-4)
         assert [(p.title, p.text) for p in g] == [(p.title, p.text) for p in w]
     texts = ["tower paris", "who wrote hamlet", "largest animal on earth"]
     for mode in (RetrievalMode.DENSE, "dense"):
-        assert [_ids(h) for h in index.search(texts, 5, retrieval=mode)] == [
-            _ids(h) for h in built.search(texts, 5, retrieval="dense")
+        assert [_ids(h) for h in index.search(SearchRequest(texts, k=5, retrieval=mode))] == [
+            _ids(h) for h in built.search(SearchRequest(texts, k=5, retrieval="dense"))
         ]
-    with_vectors = index.search_vectors(queries[:1], 3, return_vectors=True)[0]
+    request = SearchRequest(k=3, query_vectors=queries[:1], return_vectors=True)
+    with_vectors = index.search(request)[0]
     np.testing.assert_allclose(
         np.stack([p.vector for p in with_vectors]), built.get_vectors(_ids(with_vectors))
     )
     with pytest.raises(ValueError, match=r"^retrieval: unknown mode 'sparse'"):
-        index.search(texts, 5, retrieval="sparse")
+        index.search(SearchRequest(texts, k=5, retrieval="sparse"))
     # Built documents are read as the files engine reads them before an adoption.
     assert index.get("w7").document.text == built.get_passages([7])[0].text
     assert engine.open("parity").version == 0 and "parity" in engine.names()
@@ -141,11 +143,11 @@ def test_filters_and_documents_match_a_files_live_index(
     queries = np.random.default_rng(2).standard_normal((3, built.manifest.dim)).astype("f4")
     for raw in FILTERS:
         where = parse_filter(raw)
-        want = live.search_vectors(queries, 8, where=where)
-        got = index.search_vectors(queries, 8, where=where)
+        want = live.search(SearchRequest(k=8, query_vectors=queries, where=where))
+        got = index.search(SearchRequest(k=8, query_vectors=queries, where=where))
         assert [_ids(h) for h in got] == [_ids(h) for h in want], raw
         # Every matching passage, and only those: the filter is matched exactly.
-        everything = index.search_vectors(queries[:1], 100, where=where)[0]
+        everything = index.search(SearchRequest(k=100, query_vectors=queries[:1], where=where))[0]
         kept = {d.id for d in docs if where is not None and where.matches(_record(d))}
         assert {p.id.split("#")[0] for p in everything} == kept, raw
     assert index.list(limit=5) == live.list(limit=5)
@@ -174,7 +176,8 @@ def test_documents_round_trip_with_their_versions(engine: MilvusEngine, built: L
     assert index.put(short).version == 2
     assert other.catch_up() and other.version == 2
     assert other.get("long").passage_ids == ("long#0",)
-    hits = index.search_vectors(np.ones((1, built.manifest.dim), "f4"), 50)[0]
+    ones = np.ones((1, built.manifest.dim), "f4")
+    hits = index.search(SearchRequest(k=50, query_vectors=ones))[0]
     assert _ids(hits) == ["long#0"]  # the replaced document's other passages are gone
     assert index.delete("long").version == 3
     with pytest.raises(DocumentNotFound):
@@ -201,9 +204,11 @@ def test_no_id_or_filter_value_widens_an_expression(
     index.put_many(docs)
     for doc in docs:
         assert index.get(doc.id).document == doc  # exactly that one, by its quoted id
-        got = index.search(["tower"], 50, where=parse_filter({"k": doc.metadata["k"]}))[0]
+        got = index.search(
+            SearchRequest(["tower"], k=50, where=parse_filter({"k": doc.metadata["k"]}))
+        )[0]
         assert {p.id for p in got} == {f"{doc.id}#0"}
-    got = index.search(["tower"], 50, where=parse_filter({'a" or 1': 1}))[0]
+    got = index.search(SearchRequest(["tower"], k=50, where=parse_filter({'a" or 1': 1})))[0]
     assert _ids(got) == ["plain#0"]
     # The expression holds hex digests and keywords only: no user text at all.
     expr = filter_expression(parse_filter({"$or": [{"k": s} for s in INJECTIONS]}))
@@ -237,10 +242,10 @@ def test_uri_and_index_type_are_checked(engine: MilvusEngine, built: LoadedIndex
     )
     assert engine.client.describe_collection(pq.passages)["num_shards"] == 1
     pq.put(Document.create("a", "T", "tower paris moon", {}))
-    assert _ids(pq.search(["tower"], 3)[0]) == ["a#0"]
+    assert _ids(pq.search(SearchRequest(["tower"], k=3))[0]) == ["a#0"]
     hnsw = engine.create("hnsw", template_of(built.manifest, name="hnsw", index_type="hnsw"))
     hnsw.put(Document.create("a", "T", "tower paris moon", {}))
-    assert _ids(hnsw.search(["tower"], 3)[0]) == ["a#0"]
+    assert _ids(hnsw.search(SearchRequest(["tower"], k=3))[0]) == ["a#0"]
 
 
 def _free_port() -> int:
@@ -268,7 +273,9 @@ def test_two_clients_share_a_milvus_lite_server(built: LoadedIndex, tmp_path: Pa
         assert a.put(doc).version == 1
         b = second.open("shared")
         assert b.version == 1 and b.get("x").document == doc
-        assert _ids(b.search(["tower"], 3, where=parse_filter({"lang": "en"}))[0]) == ["x#0"]
+        assert _ids(
+            b.search(SearchRequest(["tower"], k=3, where=parse_filter({"lang": "en"})))[0]
+        ) == ["x#0"]
         assert b.delete("x").version == 2
         assert a.catch_up() and a.version == 2 and a.list().ids == ()
         first.close()

@@ -30,6 +30,7 @@ from openbook.index import (
 )
 from openbook.index.cli import app
 from openbook.index.parallel import count_passages, parts_dir, slice_dir
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.types import Passage
 from openbook_gateway.retrieval import merge_results
@@ -195,15 +196,22 @@ def test_two_processes_build_slices_at_once_and_the_set_serves_the_unsharded_top
         q = random_vectors(20, full.manifest.dim, seed=3)
         texts = ["who wrote hamlet", "the largest planet in the solar system", "tea or coffee"]
         for k in (1, 5, 17, N_PASSAGES):
-            want = full.search_vectors(q, k)
-            _same_topk(merge_results([s.search_vectors(q, k) for s in shards], k), want)
-            _same_topk(merged.search_vectors(q, k), want)
-            want = full.search(texts, k, retrieval="dense")
-            dense = [s.search(texts, k, retrieval="dense") for s in shards]
+            want = full.search(SearchRequest(k=k, query_vectors=q))
+            _same_topk(
+                merge_results([s.search(SearchRequest(k=k, query_vectors=q)) for s in shards], k),
+                want,
+            )
+            _same_topk(merged.search(SearchRequest(k=k, query_vectors=q)), want)
+            want = full.search(SearchRequest(texts, k=k, retrieval="dense"))
+            dense = [s.search(SearchRequest(texts, k=k, retrieval="dense")) for s in shards]
             _same_topk(merge_results(dense, k), want)
-            _same_topk(merged.search(texts, k, retrieval="dense"), want)
+            _same_topk(merged.search(SearchRequest(texts, k=k, retrieval="dense")), want)
             # The merge rebuilds one bm25 view over all passages: hybrid as unsharded too.
-            _same_topk(merged.search(texts, k), full.search(texts, k), atol=1e-4)
+            _same_topk(
+                merged.search(SearchRequest(texts, k=k)),
+                full.search(SearchRequest(texts, k=k)),
+                atol=1e-4,
+            )
         assert merged.manifest.shard is None and len(merged) == N_PASSAGES
         assert merged.views == full.views == ("dense", "bm25")
         assert all(s.views == ("dense", "bm25") for s in shards)
@@ -235,12 +243,12 @@ def test_minilm_slices_serve_the_facts_index_and_rejoin_as_no_ops(
     for root in (out, serve):
         shards = _open_set(root, "facts", 3)
         assert all(s.manifest.score_scale == facts_index.manifest.score_scale for s in shards)
-        dense = [s.search(questions, 5, retrieval="dense") for s in shards]
+        dense = [s.search(SearchRequest(questions, k=5, retrieval="dense")) for s in shards]
         merged = merge_results(dense, 5)
-        _same_topk(merged, facts_index.search(questions, 5, retrieval="dense"))
+        _same_topk(merged, facts_index.search(SearchRequest(questions, k=5, retrieval="dense")))
         assert [hits[0].id for hits in merged] == list(QUESTIONS)
         # Hybrid (the default): BM25 with per-slice statistics, close to the unsharded.
-        merged = merge_results([s.search(questions, 5) for s in shards], 5)
+        merged = merge_results([s.search(SearchRequest(questions, k=5)) for s in shards], 5)
         assert [hits[0].id for hits in merged] == list(QUESTIONS)
         _close(shards)
 
@@ -507,7 +515,7 @@ def test_merge_into_a_trained_type_and_refusals(
     res = join_slices(out, 2, merge=tmp_path / "sq8", merge_type="hnsw-sq8", progress=False)
     assert res.merged is not None and res.merged.index_type == "hnsw-sq8"
     with open_index(tmp_path / "sq8") as idx:
-        hits = idx.search(list(QUESTIONS.values()), 1)
+        hits = idx.search(SearchRequest(list(QUESTIONS.values()), k=1))
         assert [h[0].id for h in hits] == list(QUESTIONS)
     with pytest.raises(ValueError, match="dense slices merge into a dense type"):
         join_slices(out, 2, merge=tmp_path / "bm", merge_type="bm25")

@@ -14,6 +14,7 @@ import torch
 from openbook.index import build_index, load_encoder, open_index
 from openbook.index.encoders import clear_encoder_cache
 from openbook.index.layout import VECTORS_FILE
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import make_tiny_dpr_encoders, write_facts
 from openbook_testkit.rag import make_tiny_rag_checkpoint
@@ -129,7 +130,7 @@ def test_index_manifest_names_rag_dir_as_query_encoder(rag_dir: Path, tmp_path: 
     try:
         enc = idx.query_encoder
         assert enc.kind == "dpr-question" and enc.name == str(rag_dir.resolve())
-        hits = idx.search(QUESTIONS[:1], k=3, retrieval="dense")[0]
+        hits = idx.search(SearchRequest(QUESTIONS[:1], k=3, retrieval="dense"))[0]
         vec = enc.encode(QUESTIONS[:1])[0]
         docs = np.load(out / VECTORS_FILE)
         best = np.sort(docs @ vec)[::-1][:3]
@@ -192,7 +193,7 @@ def test_dpr_index_stores_recipe_vectors(dpr_dirs: tuple[Path, Path], tmp_path: 
     )
     idx = open_index(out)
     try:
-        hits = idx.search(["capital of france"], k=2, retrieval="dense")[0]
+        hits = idx.search(SearchRequest(["capital of france"], k=2, retrieval="dense"))[0]
         qv = load_encoder(str(q)).encode(["capital of france"])[0]
         ref = _recipe_vectors(ctx, [r["title"] for r in rows], [r["text"] for r in rows])
         expected = {r["id"]: float(v @ qv) for r, v in zip(rows, ref, strict=True)}

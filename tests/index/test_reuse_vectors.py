@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from openbook.index import build_index, load_encoder, open_index
 from openbook.index.cli import app as index_cli
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.index.vectors import VectorDonors
 from openbook_testkit.index import fact_rows, make_tiny_dpr_encoders, write_jsonl
@@ -48,8 +49,8 @@ def test_a_build_reuses_identical_passages_and_encodes_the_rest(tmp_path, monkey
             b.get_vectors(range(len(b))), a.get_vectors(range(len(a))), rtol=0, atol=1e-5
         )
         questions = ["Who wrote Hamlet?", "When was the tower in Paris built?"]
-        assert [[h.id for h in hits] for hits in b.search(questions, k=3)] == [
-            [h.id for h in hits] for hits in a.search(questions, k=3)
+        assert [[h.id for h in hits] for hits in b.search(SearchRequest(questions, k=3))] == [
+            [h.id for h in hits] for hits in a.search(SearchRequest(questions, k=3))
         ]
 
 

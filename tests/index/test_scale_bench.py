@@ -18,6 +18,7 @@ from bench.index.scale_build import ScaleConfig, ScaleRun, build
 from bench.index.scale_data import SyntheticCorpus
 from bench.index.scale_truth import RunningTopK, recall_at_k
 from openbook.index.loaded import open_index
+from openbook.index.request import SearchRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = (
@@ -159,8 +160,8 @@ def test_interrupted_build_resumes_to_the_same_index(tmp_path, monkeypatch, vect
             )
             assert ia.manifest.files["vectors.npy"] == ib.manifest.files["vectors.npy"]
             assert str(np.load(a / "vectors.npy", mmap_mode="r").dtype) == vectors_dtype
-            hits_a = ia.search_vectors(straight.queries, 10)
-            hits_b = ib.search_vectors(straight.queries, 10)
+            hits_a = ia.search(SearchRequest(k=10, query_vectors=straight.queries))
+            hits_b = ib.search(SearchRequest(k=10, query_vectors=straight.queries))
             assert [[p.id for p in h] for h in hits_a] == [[p.id for p in h] for h in hits_b]
     with pytest.raises(ValueError, match="holds a run of"):
         ScaleRun(tmp_path / "resumed", ScaleConfig(passages=30_001, shards=2, dim=32, pq_m=8))
@@ -189,7 +190,9 @@ def test_an_hnsw_coarse_quantizer_is_built_into_every_shard(tmp_path):
         with open_index(d) as index:
             params = index.manifest.index_params
             assert (params["coarse_quantizer"], params["hnsw_m"]) == ("hnsw", 8)
-            for i, hits in enumerate(index.search_vectors(built.queries, 100)):
+            for i, hits in enumerate(
+                index.search(SearchRequest(k=100, query_vectors=built.queries))
+            ):
                 found[i].extend((p.score, scale_build.row_of(p.id)) for p in hits)
     merged = [[r for _, r in sorted(f, reverse=True)[:100]] for f in found]
     assert recall_at_k(merged, built.truth) > 0.3  # 8 of 32 lists, far above chance

@@ -18,6 +18,7 @@ from openbook.index import (
 )
 from openbook.index import shard as shard_mod
 from openbook.index.cli import app
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook.types import Passage
 from openbook_gateway.retrieval import merge_results
@@ -37,7 +38,7 @@ def _open_all(paths: list[Path]) -> list[LoadedIndex]:
 
 
 def _merged_vectors(shards: list[LoadedIndex], q: np.ndarray, k: int) -> list[list[Passage]]:
-    return merge_results([s.search_vectors(q, k) for s in shards], k)
+    return merge_results([s.search(SearchRequest(k=k, query_vectors=q)) for s in shards], k)
 
 
 def _assert_same(got: list[list[Passage]], want: list[list[Passage]]) -> None:
@@ -86,9 +87,14 @@ def test_flat_random_merge_equals_unsharded(tmp_path: Path) -> None:
         shards = _open_all(paths)
         _check_shards(parent, shards, 3)
         assert [len(s) for s in shards] == [333, 333, 334]
-        _assert_same(_merged_vectors(shards, q, K), parent.search_vectors(q, K))
+        _assert_same(
+            _merged_vectors(shards, q, K), parent.search(SearchRequest(k=K, query_vectors=q))
+        )
         # k beyond a shard's size: shards return what they have, the merge still matches.
-        _assert_same(_merged_vectors(shards, q[:3], 400), parent.search_vectors(q[:3], 400))
+        _assert_same(
+            _merged_vectors(shards, q[:3], 400),
+            parent.search(SearchRequest(k=400, query_vectors=q[:3])),
+        )
         for s in shards:
             s.close()
 
@@ -99,9 +105,9 @@ def test_flat_minilm_facts(facts_index_dir: Path, facts_index: LoadedIndex, tmp_
     _check_shards(facts_index, shards, 4)
     questions = list(QUESTIONS.values())
     for retrieval in ("hybrid", "dense", "bm25"):  # every view merges exactly
-        hits = [s.search(questions, 5, retrieval=retrieval) for s in shards]
+        hits = [s.search(SearchRequest(questions, k=5, retrieval=retrieval)) for s in shards]
         merged = merge_results(hits, 5)
-        _assert_same(merged, facts_index.search(questions, 5, retrieval=retrieval))
+        _assert_same(merged, facts_index.search(SearchRequest(questions, k=5, retrieval=retrieval)))
     assert [hits[0].id for hits in merged] == list(QUESTIONS)
     for s in shards:
         s.close()
@@ -136,7 +142,9 @@ def test_ivfpq_shards_reuse_parent_quantizer(tmp_path: Path) -> None:
     with open_index(src) as parent:
         for s in shards:
             assert s.manifest.index_params == parent.manifest.index_params
-        _assert_same(_merged_vectors(shards, q, K), parent.search_vectors(q, K))
+        _assert_same(
+            _merged_vectors(shards, q, K), parent.search(SearchRequest(k=K, query_vectors=q))
+        )
     for s in shards:
         s.close()
 
@@ -154,9 +162,11 @@ def test_bm25_shards(facts_jsonl: Path, tmp_path: Path) -> None:
         assert all(s.manifest.index_params == parent.manifest.index_params for s in shards)
         questions = [*QUESTIONS.values(), "zzzqqq"]
         for k in (1, 3, 10):
-            merged = merge_results([s.search(questions, k) for s in shards], k)
-            _assert_same(merged, parent.search(questions, k))
-    merged = merge_results([s.search(["Who wrote Hamlet?"], 3) for s in shards], 3)[0]
+            merged = merge_results([s.search(SearchRequest(questions, k=k)) for s in shards], k)
+            _assert_same(merged, parent.search(SearchRequest(questions, k=k)))
+    merged = merge_results(
+        [s.search(SearchRequest(["Who wrote Hamlet?"], k=3)) for s in shards], 3
+    )[0]
     assert merged[0].id == "p21"
     assert all(a.score >= b.score > 0 for a, b in zip(merged, merged[1:], strict=False))
     for s in shards:

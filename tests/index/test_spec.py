@@ -20,6 +20,7 @@ from openbook.index import (
     open_index,
 )
 from openbook.index.manifest import MANIFEST
+from openbook.index.request import SearchRequest
 from openbook_testkit.index import random_vectors, write_dpr_tsv
 
 
@@ -132,8 +133,8 @@ def test_from_manifest_gives_back_the_spec_and_rebuilds_the_same_index(
     what += ("score_scale", "max_words", "views", "count", "normalize")
     assert {k: getattr(second, k) for k in what} == {k: getattr(first, k) for k in what}
     with open_index(tmp_path / "first") as a, open_index(tmp_path / "second") as b:
-        hits_a = a.search(["Who wrote Hamlet?"], k=3)[0]
-        hits_b = b.search(["Who wrote Hamlet?"], k=3)[0]
+        hits_a = a.search(SearchRequest(["Who wrote Hamlet?"], k=3))[0]
+        hits_b = b.search(SearchRequest(["Who wrote Hamlet?"], k=3))[0]
         assert [h.id for h in hits_a] == [h.id for h in hits_b]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from openbook.index import IndexLoadError, build_index, load_encoder, open_index
+from openbook.index.request import SearchRequest
 from openbook.index.spec import BuildOptions, IndexSpec
 from openbook_testkit.index import random_rows, write_jsonl
 
@@ -87,17 +88,17 @@ def test_wrong_dim_query_encoder(dpr_index: Path) -> None:
     with open_index(dpr_index) as idx:
         minilm = load_encoder("all-MiniLM-L6-v2")
         with pytest.raises(IndexLoadError, match=r"dim 384 != index dim 32"):
-            idx.search(["q"], k=1, encoder=minilm)
+            idx.search(SearchRequest(["q"], k=1), encoder=minilm)
         with pytest.raises(ValueError, match=r"expected \(n, 32\)"):
-            idx.search_vectors(minilm.encode(["q"]), k=1)
+            idx.search(SearchRequest(k=1, query_vectors=minilm.encode(["q"])))
     # a manifest naming a query encoder of the wrong dim fails on first search
     mf = dpr_index / "manifest.json"
     mf.write_text(json.dumps({**json.loads(mf.read_text()), "query_encoder": "all-MiniLM-L6-v2"}))
     with open_index(dpr_index) as idx, pytest.raises(IndexLoadError, match="dim 384 != index"):
-        idx.search(["q"], k=1)
+        idx.search(SearchRequest(["q"], k=1))
 
 
 def test_copied_index_still_opens(dpr_index: Path, tmp_path: Path) -> None:
     shutil.copytree(dpr_index, tmp_path / "copy")
     with open_index(tmp_path / "copy") as idx:
-        assert len(idx.search(["w1"], k=3)[0]) == 3
+        assert len(idx.search(SearchRequest(["w1"], k=3))[0]) == 3

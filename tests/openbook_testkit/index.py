@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from openbook.index.request import SearchRequest
+
 # Thirty one-fact passages; each QUESTIONS entry is answered by the passage with the same id.
 FACTS: list[tuple[str, str, str]] = [
     (
@@ -373,8 +375,8 @@ def write_vector_index(
     out_dir: Path, vectors: np.ndarray, index_type: str = "flat", name: str = "vec", **params
 ) -> Path:
     """An index directory over given ``vectors`` (no encoder: search it with
-    ``search_vectors``); passages are ``random_rows(len(vectors))``. ``params`` go to
-    ``faiss_index.default_params`` (hnsw_m, ef_search, nlist, pq_m, ...)."""
+    ``SearchRequest(query_vectors=...)``); passages are ``random_rows(len(vectors))``.
+    ``params`` go to ``faiss_index.default_params`` (hnsw_m, ef_search, nlist, pq_m, ...)."""
     from openbook.index import faiss_index
     from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
     from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
@@ -419,7 +421,7 @@ def searched_hits(
     """(ids, scores) per query of searching a retriever servicer's ``index`` directly with
     ``encoder``: what a Retrieve served by that pairing must answer."""
     with servicer.registry.lease(index) as idx:
-        hits = idx.search(queries, k, encoder=encoder)
+        hits = idx.search(SearchRequest(queries, k=k), encoder=encoder)
     return [[p.id for p in ps] for ps in hits], [[p.score for p in ps] for ps in hits]
 
 

@@ -17,6 +17,7 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
+from openbook.index.request import SearchRequest
 from openbook.state.redis_protocol import answer_key
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook.validation.limits import RETRIEVAL_MODES
@@ -81,7 +82,7 @@ def client(backends, redis_url):
 def direct(backends: Backends, index: str, queries: list[str], k: int, retrieval: str | None):
     """What the index itself answers (no service in between)."""
     with backends.retriever_servicer.registry.lease(index) as loaded:
-        return loaded.search(queries, k, retrieval=retrieval)
+        return loaded.search(SearchRequest(queries, k=k, retrieval=retrieval))
 
 
 def ids_and_scores(results) -> list[list[tuple[str, float]]]:
@@ -268,15 +269,15 @@ def test_batch_groups_by_mode_and_hybrid_uses_the_callers_encoder(backends):
     with backends.retriever_servicer.registry.lease("facts-a") as index:
         encoder = CountingEncoder(index.query_encoder)
         items = [
-            _Search(index, encoder, [QUESTION], 2, False, "hybrid"),
-            _Search(index, None, [QUESTION], 2, False, "bm25"),
-            _Search(index, None, [QUESTION], 2, False, "dense"),
-            _Search(index, encoder, [QUESTIONS["p18"]], 3, False, "hybrid"),
+            _Search(index, encoder, SearchRequest([QUESTION], k=2, retrieval="hybrid")),
+            _Search(index, None, SearchRequest([QUESTION], k=2, retrieval="bm25")),
+            _Search(index, None, SearchRequest([QUESTION], k=2, retrieval="dense")),
+            _Search(index, encoder, SearchRequest([QUESTIONS["p18"]], k=3, retrieval="hybrid")),
         ]
         results = search_batch(items)
         for item, result in zip(items, results, strict=True):
             assert not isinstance(result, Exception), result
-            want = index.search(item.queries, item.k, retrieval=item.retrieval)
+            want = index.search(item.request)
             assert ids_and_scores(result) == ids_and_scores(want)
     # the override encoded hybrid's two queries (k 2 and 3) in one forward pass; bm25 and
     # dense (with the index's own encoder) did not use it

@@ -22,6 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from openbook.index.cli import app as index_cli
+from openbook.index.request import SearchRequest
 from openbook.v1 import retriever_pb2, retriever_pb2_grpc
 from openbook_gateway.settings import GatewaySettings
 from openbook_generator.server import build as build_generator
@@ -237,7 +238,9 @@ def test_sharded_hybrid_merges_each_shards_fused_scores(system, k):
             reply = httpx.post(f"{system.sharded_url}/answer", json=body, timeout=60)
             got_ids, got_scores = _passages(reply)
             assert reply.json()["retrieval"] == "hybrid"
-            per_shard = [s.search([question], k, retrieval="hybrid") for s in shards]
+            per_shard = [
+                s.search(SearchRequest([question], k=k, retrieval="hybrid")) for s in shards
+            ]
             want = merge_results(per_shard, k)[0]
             assert got_ids == [p.id for p in want], question
             assert got_scores == pytest.approx([p.score for p in want], abs=1e-4), question

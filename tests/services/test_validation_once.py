@@ -280,8 +280,7 @@ def test_a_value_error_inside_the_retriever_is_internal_not_invalid_argument(bac
     def broken(self, *args, **kwargs):
         raise ValueError("a bug deep inside")
 
-    # dense searches by vectors, hybrid (the default of a two-view index) through search
-    monkeypatch.setattr(LoadedIndex, "search_vectors", broken)
+    # every mode searches through search (dense by the batch's query vectors)
     monkeypatch.setattr(LoadedIndex, "search", broken)
     with grpc.insecure_channel(f"127.0.0.1:{backends.retriever_port}") as channel:
         stub = retriever_pb2_grpc.RetrieverStub(channel)

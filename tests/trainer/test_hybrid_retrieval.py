@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from openbook.index import load_encoder, open_index
+from openbook.index.request import SearchRequest
 from openbook_trainer.experiments.synthetic import SyntheticTask
 from openbook_trainer.retrieval import DenseRetrieval, HybridRetrieval, make_retrieval
 
@@ -28,7 +29,7 @@ def test_hybrid_scores_carry_the_dense_gradient(task: SyntheticTask, hybrid_inde
         hits, scores = retrieval.retrieve_with_scores(QUESTIONS, grad=True)
         assert scores.shape == (2, 3) and scores.requires_grad
         # The same passages and scores as the services' hybrid search.
-        want = index.search(QUESTIONS, 3, encoder=enc, retrieval="hybrid")
+        want = index.search(SearchRequest(QUESTIONS, k=3, retrieval="hybrid"), encoder=enc)
         assert [[p.id for p in h] for h in hits] == [[p.id for p in h] for h in want]
         np.testing.assert_allclose(
             scores.detach().numpy(), [[p.score for p in h] for h in want], rtol=1e-4, atol=1e-4

@@ -7,8 +7,9 @@ distinct ``(k, return_vectors)``. Each call still gets its own result or its own
 holds its lease until its result is back, so a swap never closes an index under a queued call.
 
 Each RPC checks its proto request once, at the top, against ``openbook.validation.limits`` (the
-limits the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest` that
-everything behind it trusts, the documents RPCs into the typed requests of
+limits the gateway enforces too): ``Retrieve`` turns it into a :class:`ValidRetrieveRequest`
+(the index it names, and the :class:`~openbook.index.request.SearchRequest` it asks for, built
+here once) that everything behind it trusts, the documents RPCs into the typed requests of
 :mod:`openbook_retriever.documents`. Anything else that fails is a bug here, and answers
 INTERNAL.
 
@@ -24,6 +25,7 @@ a built index, which takes no writes until adopted).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -32,19 +34,31 @@ from pathlib import Path
 
 import numpy as np
 
-from openbook.errors import FailedPrecondition, InvalidArgument, NotFound, client_errors
+from openbook.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    client_errors,
+)
 from openbook.index import Encoder, IndexLoadError
 from openbook.index.built_documents import built_document, built_document_page
 from openbook.index.checkpoint import load_query_encoder
 from openbook.index.empty_base import template_for, template_of
 from openbook.index.encoders import DEFAULT_ENCODER, load_encoder
-from openbook.index.engine import DocumentIndex, SearchableIndex, as_document_index
+from openbook.index.engine import (
+    DocumentIndex,
+    RetrievalMode,
+    SearchableIndex,
+    as_document_index,
+)
 from openbook.index.loaded import LoadedIndex
 from openbook.index.pairing import (
     QueryEncoderOverride,
     checkpoint_override,
     configured_override,
 )
+from openbook.index.request import SearchRequest
 from openbook.index.spec import IndexSpec
 from openbook.observability import telemetry
 from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
@@ -71,7 +85,7 @@ from openbook.validation.limits import (
     check_retrieval,
     check_retrieval_views,
 )
-from openbook.validation.metadata_filter import MetadataFilter, parse_filter_json
+from openbook.validation.metadata_filter import parse_filter_json
 from openbook_retriever.compactor import BackgroundCompactor
 from openbook_retriever.documents import (
     NewIndexDefaults,
@@ -102,13 +116,8 @@ class ValidRetrieveRequest:
     """A ``RetrieveRequest`` checked against ``openbook.validation.limits``: what the servicer
     works on."""
 
-    queries: tuple[str, ...]
-    k: int
+    search: SearchRequest  # the search it asks for (retrieval None: the index's default)
     index: str | None  # None: the active index
-    return_vectors: bool
-    # one of openbook.validation.limits.RETRIEVAL_MODES; None: the index's default
-    retrieval: str | None
-    where: MetadataFilter | None = None  # the metadata filter (filter_json); None: none
 
 
 def _checked_queries(given: Sequence[str]) -> tuple[str, ...]:
@@ -124,14 +133,17 @@ def _checked_queries(given: Sequence[str]) -> tuple[str, ...]:
 def validate_retrieve(request: retriever_pb2.RetrieveRequest) -> ValidRetrieveRequest:
     """The request, checked once; raises :class:`InvalidArgument` naming the first bad field."""
     queries = _checked_queries(request.queries)
-    return ValidRetrieveRequest(
-        queries=queries,
-        k=check_range("k", request.k, 1, MAX_K),
-        index=check_index_name("index", request.index) if request.index else None,
-        return_vectors=request.return_vectors,
-        retrieval=check_retrieval("retrieval", request.retrieval) if request.retrieval else None,
+    k = check_range("k", request.k, 1, MAX_K)
+    index = check_index_name("index", request.index) if request.index else None
+    retrieval = request.retrieval
+    search = SearchRequest(
+        queries,
+        k=k,
+        retrieval=RetrievalMode(check_retrieval("retrieval", retrieval)) if retrieval else None,
         where=parse_filter_json(request.filter_json, "filter"),
+        return_vectors=request.return_vectors,
     )
+    return ValidRetrieveRequest(search, index)
 
 
 def validate_embed(
@@ -144,22 +156,22 @@ def validate_embed(
     return queries, index
 
 
-def retrieval_for(valid: ValidRetrieveRequest, index: SearchableIndex) -> str:
-    """The retrieval mode that serves ``valid`` on ``index``: the request's, else the index's
-    default; :class:`InvalidArgument` naming ``retrieval`` (or ``return_vectors``) when the index
-    cannot serve it as asked. Checked here, before the batch: the index's own ValueError for a
-    missing view would otherwise come back as INTERNAL."""
+def resolved_on(search: SearchRequest, index: SearchableIndex) -> SearchRequest:
+    """``search`` with the retrieval mode that serves it on ``index``: the request's, else the
+    index's default; :class:`InvalidArgument` naming ``retrieval`` (or ``return_vectors``) when
+    the index cannot serve it as asked. Checked here, before the batch: the index's own
+    ValueError for a missing view would otherwise come back as INTERNAL."""
     mode = check_retrieval_views(
-        "retrieval", valid.retrieval or index.default_retrieval, index.name, index.views
+        "retrieval", search.retrieval or index.default_retrieval, index.name, index.views
     )
-    if valid.return_vectors and mode == "bm25":
+    if search.return_vectors and mode == "bm25":
         why = (
             f"index {index.name!r} is bm25 and stores no vectors"
             if "dense" not in index.views
             else "retrieval 'bm25' returns no vectors (ask for 'dense' or 'hybrid')"
         )
         raise InvalidArgument(f"return_vectors: {why}")
-    return mode
+    return dataclasses.replace(search, retrieval=RetrievalMode(mode))
 
 
 class PairingError(FailedPrecondition, ValueError):
@@ -169,37 +181,40 @@ class PairingError(FailedPrecondition, ValueError):
 
 @dataclass
 class _Search:
-    """One Retrieve call waiting to be batched."""
+    """One Retrieve call waiting to be batched: ``request`` in the mode :func:`resolved_on`
+    gave it on ``index`` (calls are batched per mode only)."""
 
     index: SearchableIndex
     encoder: Encoder | None  # None: the index's own query encoder (or none: bm25)
-    queries: list[str]
-    k: int
-    vectors: bool
-    # A mode the index holds the views for (retrieval_for): calls are batched per mode only.
-    retrieval: str = "dense"
-    where: MetadataFilter | None = None  # searched together only with the same filter
+    request: SearchRequest
+
+    @property
+    def mode(self) -> RetrievalMode:
+        mode = self.request.retrieval
+        if mode is None:
+            raise InternalError("a batched search without its resolved retrieval mode")
+        return mode
 
 
 def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
     """Results (or an error) per item. Queries on one index, encoder and retrieval mode are
     searched together: dense and hybrid share one forward pass of the query encoder (the
     item's: the override where it pairs with the index, else the index's own), then each
-    distinct ``(k, return_vectors, filter)`` is one search (hybrid: ``LoadedIndex.search`` with
-    those query vectors and the texts, for its BM25 part); bm25 reads the texts only."""
+    distinct ``(k, return_vectors, filter)`` is one search (one :class:`SearchRequest` of the
+    texts and, dense and hybrid, their query vectors); bm25 reads the texts only."""
     results: list[list[list[Passage]] | Exception | None] = [None] * len(items)
-    groups: dict[tuple[int, int, str], list[int]] = {}
+    groups: dict[tuple[int, int, RetrievalMode], list[int]] = {}
     for i, item in enumerate(items):
-        groups.setdefault((id(item.index), id(item.encoder), item.retrieval), []).append(i)
+        groups.setdefault((id(item.index), id(item.encoder), item.mode), []).append(i)
     for members in groups.values():
         first = items[members[0]]
-        index, encoder, retrieval = first.index, first.encoder, first.retrieval
+        index, encoder, mode = first.index, first.encoder, first.mode
         try:
             vectors = None
-            if retrieval in ("dense", "hybrid"):
+            if mode is not RetrievalMode.BM25:
                 encoder = encoder if encoder is not None else index.query_encoder
                 index.check_encoder(encoder)
-                vectors = encoder.encode([q for i in members for q in items[i].queries])
+                vectors = encoder.encode([q for i in members for q in items[i].request.queries])
         except Exception as exc:  # noqa: BLE001 - fails this group only
             for i in members:
                 results[i] = exc
@@ -207,40 +222,35 @@ def search_batch(items: list[_Search]) -> list[list[list[Passage]] | Exception]:
         offsets, at = {}, 0
         for i in members:
             offsets[i] = at
-            at += len(items[i].queries)
+            at += items[i].request.n
         searches: dict[tuple[int, bool, str], list[int]] = {}
         for i in members:
-            where = items[i].where
-            key = (items[i].k, items[i].vectors, where.canonical() if where else "")
+            r = items[i].request
+            key = (r.k, r.return_vectors, r.where.canonical() if r.where else "")
             searches.setdefault(key, []).append(i)
         for (k, with_vectors, _), same in searches.items():
-            where = items[same[0]].where
             try:
-                texts = [q for i in same for q in items[i].queries]
-                if vectors is None:  # bm25
-                    hits = index.search(texts, k, retrieval=retrieval, where=where)
-                else:
+                rows = None
+                if vectors is not None:
                     rows = np.concatenate(
-                        [vectors[offsets[i] : offsets[i] + len(items[i].queries)] for i in same]
+                        [vectors[offsets[i] : offsets[i] + items[i].request.n] for i in same]
                     )
-                    if retrieval == "dense":
-                        hits = index.search_vectors(rows, k, with_vectors, where=where)
-                    else:
-                        hits = index.search(
-                            texts,
-                            k,
-                            return_vectors=with_vectors,
-                            retrieval=retrieval,
-                            query_vectors=rows,
-                            where=where,
-                        )
+                request = SearchRequest(
+                    [q for i in same for q in items[i].request.queries],
+                    k=k,
+                    query_vectors=rows,
+                    retrieval=mode,
+                    where=items[same[0]].request.where,
+                    return_vectors=with_vectors,
+                )
+                hits = index.search(request)
             except Exception as exc:  # noqa: BLE001 - fails these calls only
                 for i in same:
                     results[i] = exc
                 continue
             at = 0
             for i in same:
-                n = len(items[i].queries)
+                n = items[i].request.n
                 results[i] = hits[at : at + n]
                 at += n
     return [r if r is not None else RuntimeError("not searched") for r in results]
@@ -383,23 +393,16 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
     def Retrieve(self, request, context):
         valid = validate_retrieve(request)
         with self.registry.lease(valid.index) as index:
-            retrieval = retrieval_for(valid, index)
+            resolved = resolved_on(valid.search, index)
             encoder, model_version = self._pairing(index)
-            search = _Search(
-                index,
-                encoder,
-                list(valid.queries),
-                valid.k,
-                valid.return_vectors,
-                retrieval,
-                valid.where,
-            )
+            search = _Search(index, encoder, resolved)
+            retrieval, k = str(search.mode), resolved.k
             # Read before the search: every write acknowledged by then is in its results.
             documents = as_document_index(index)
             version = documents.version if documents is not None else 0
             # the GenAI retrieval span (a child of the RPC's server span, with tracing on)
             with telemetry.span(
-                f"retrieval {index.name}", retrieval_span_attributes(valid.k, index.name, retrieval)
+                f"retrieval {index.name}", retrieval_span_attributes(k, index.name, retrieval)
             ) as span:
                 results = self.batcher.submit(search, timeout_s=time_remaining(context))
                 span.set_attribute("openbook.retrieval.passages", sum(map(len, results)))
@@ -419,7 +422,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
             results=[
                 retriever_pb2.QueryResult(
                     passages=[
-                        passage_to_proto(p, valid.return_vectors, pages.get(p.id, 0))
+                        passage_to_proto(p, resolved.return_vectors, pages.get(p.id, 0))
                         for p in passages
                     ]
                 )
@@ -463,7 +466,8 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
         """Search ``index`` through the batch thread, as a request would (the warm-up: so that
         the thread that will encode has its kernels warm and its compute threads sized)."""
         encoder, _ = self._pairing(index)
-        search = _Search(index, encoder, list(queries), k, vectors, index.default_retrieval)
+        request = SearchRequest(queries, k=k, return_vectors=vectors)
+        search = _Search(index, encoder, resolved_on(request, index))
         return self.batcher.submit(search)
 
     def use_checkpoint(self, path: Path) -> None:

@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from openbook.index import Encoder, LoadedIndex
+from openbook.index.engine import RetrievalMode
 from openbook.index.fusion import top_k_columns
+from openbook.index.request import SearchRequest
 from openbook.types import Passage
 
 
@@ -43,8 +45,12 @@ class DenseRetrieval:
         """
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             q = self.encoder.encode_tensor(list(questions)).float()  # (B, d)
-        hits = self.index.search_vectors(
-            q.detach().cpu().numpy().astype(np.float32), self.k, return_vectors=True
+        hits = self.index.search(
+            SearchRequest(
+                k=self.k,
+                query_vectors=q.detach().cpu().numpy().astype(np.float32),
+                return_vectors=True,
+            )
         )
         if any(len(h) != self.k for h in hits):
             raise RuntimeError(f"index {self.index.name!r} returned fewer than k={self.k} hits")
@@ -55,7 +61,9 @@ class DenseRetrieval:
 
     def search(self, questions: Sequence[str]) -> list[list[Passage]]:
         """Top-k without gradients (dev evaluation); ``Passage.score`` is c d(z)·q(x)."""
-        return self.index.search_vectors(self.encoder.encode(list(questions)), self.k)
+        return self.index.search(
+            SearchRequest(k=self.k, query_vectors=self.encoder.encode(list(questions)))
+        )
 
 
 class HybridRetrieval:
@@ -119,7 +127,9 @@ class HybridRetrieval:
         """Fused top-k without gradients (dev evaluation); ``Passage.score`` is ``s``."""
         qs = list(questions)
         return self.index.search(
-            qs, self.k, retrieval="hybrid", query_vectors=self.encoder.encode(qs)
+            SearchRequest(
+                qs, k=self.k, query_vectors=self.encoder.encode(qs), retrieval=RetrievalMode.HYBRID
+            )
         )
 
 
@@ -137,7 +147,7 @@ def make_retrieval(
 
 
 def _vector(passage: Passage) -> np.ndarray:
-    """A hit's document vector, which ``search_vectors(return_vectors=True)`` always sets."""
+    """A hit's document vector, which a search with ``return_vectors`` always sets."""
     if passage.vector is None:
         raise RuntimeError(f"passage {passage.id!r} came back without its vector")
     return passage.vector

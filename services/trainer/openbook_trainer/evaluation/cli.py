@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import typer
 
 from openbook.index import open_index
+from openbook.index.request import SearchRequest
 from openbook_trainer.evaluation.data import DataError, read_examples
 from openbook_trainer.evaluation.runner import (
     EvalError,
@@ -173,7 +174,7 @@ def _predict_checkpoint(
         options = DecodingOptions(mode=decoding, num_beams=num_beams, max_new_tokens=max_new_tokens)
         preds = predict_local(
             examples,
-            retrieve=lambda qs: index.search(qs, k, encoder=encoder),
+            retrieve=lambda qs: index.search(SearchRequest(qs, k=k), encoder=encoder),
             generator=loaded.generator,
             options=options,
         )

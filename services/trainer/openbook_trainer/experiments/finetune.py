@@ -32,7 +32,9 @@ from typing import Literal
 
 from tqdm import tqdm
 
-from openbook.index import LoadedIndex, open_index
+from openbook.index import Encoder, LoadedIndex, open_index
+from openbook.index.engine import RetrievalMode
+from openbook.index.request import SearchRequest
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.storage.checkpoint import latest_checkpoint
 from openbook_trainer.checkpoints import load_checkpoint
@@ -213,21 +215,24 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
     ks = (1, config.k, 2 * config.k)
     questions = [q["question"] for q in split.dev]
     with open_index(Path(config.index_root) / config.bm25_index, verify=False) as bm25:
-        result.recall["bm25"] = _recall(bm25.search(questions, max(ks)), split.dev, ks)
+        result.recall["bm25"] = _recall(
+            bm25.search(SearchRequest(questions, k=max(ks))), split.dev, ks
+        )
 
     with open_index(Path(config.index_root) / config.dense_index, verify=False) as index:
-        result.recall["dense, frozen query encoder"] = _recall(
-            index.search(questions, max(ks), retrieval="dense"), split.dev, ks
-        )
+
+        def recall(mode: RetrievalMode, encoder: Encoder | None = None) -> dict[int, float]:
+            request = SearchRequest(questions, k=max(ks), retrieval=mode)
+            return _recall(index.search(request, encoder=encoder), split.dev, ks)
+
+        result.recall["dense, frozen query encoder"] = recall(RetrievalMode.DENSE)
         if "hybrid" in _modes(index):  # the index's default, which the systems below use
-            result.recall["hybrid, frozen query encoder"] = _recall(
-                index.search(questions, max(ks), retrieval="hybrid"), split.dev, ks
-            )
+            result.recall["hybrid, frozen query encoder"] = recall(RetrievalMode.HYBRID)
         base = RagGenerator.load(config.generator)
         result.scores["few-shot default"] = _evaluate(
             "few-shot default",
             base,
-            lambda qs: index.search(qs, config.k),
+            lambda qs: index.search(SearchRequest(qs, k=config.k)),
             split.dev,
             config,
             log,
@@ -240,21 +245,17 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
             loaded = load_checkpoint(ckpt)
             encoder = loaded.query_encoder or index.query_encoder
             if joint:
-                result.recall["dense, jointly trained query encoder"] = _recall(
-                    index.search(questions, max(ks), encoder=encoder, retrieval="dense"),
-                    split.dev,
-                    ks,
-                )
+                joint_recall = recall(RetrievalMode.DENSE, encoder)
+                result.recall["dense, jointly trained query encoder"] = joint_recall
                 if "hybrid" in _modes(index):
-                    result.recall["hybrid, jointly trained query encoder"] = _recall(
-                        index.search(questions, max(ks), encoder=encoder, retrieval="hybrid"),
-                        split.dev,
-                        ks,
-                    )
+                    joint_recall = recall(RetrievalMode.HYBRID, encoder)
+                    result.recall["hybrid, jointly trained query encoder"] = joint_recall
             result.scores[name] = _evaluate(
                 name,
                 loaded.generator,
-                lambda qs, encoder=encoder: index.search(qs, config.k, encoder=encoder),
+                lambda qs, encoder=encoder: index.search(
+                    SearchRequest(qs, k=config.k), encoder=encoder
+                ),
                 split.dev,
                 config,
                 log,

@@ -15,6 +15,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from openbook.index import open_index
+from openbook.index.engine import RetrievalMode
+from openbook.index.request import SearchRequest
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
 from openbook_trainer.evaluation.metrics import answer_recall_at_k
@@ -83,7 +85,9 @@ def run_open_qa(config: OpenQAConfig, out_dir: Path) -> OpenQAResult:
     for kind, name in (("dense", config.dense_index), ("bm25", config.bm25_index)):
         with open_index(Path(config.index_root) / name, verify=False) as index:
             texts = [q["question"] for q in questions]
-            retrieved[kind] = index.search(texts, depth, retrieval=kind)
+            retrieved[kind] = index.search(
+                SearchRequest(texts, k=depth, retrieval=RetrievalMode(kind))
+            )
             score_scales[kind] = index.manifest.score_scale
 
     result = OpenQAResult(

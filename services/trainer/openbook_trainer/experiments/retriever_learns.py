@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from openbook.index import load_encoder, open_index
+from openbook.index.request import SearchRequest
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.checkpoint import save_generator_dir
 from openbook.types import Passage
@@ -118,7 +119,7 @@ def retrieval_stats(task: SyntheticTask, encoder_dir: Path | str, k: int) -> dic
     gold = [r["gold_ids"][0] for r in rows]
     enc = load_encoder(str(encoder_dir), role="query", cached=False)
     with open_index(task.index) as index:
-        hits = index.search(questions, k, encoder=enc)
+        hits = index.search(SearchRequest(questions, k=k), encoder=enc)
     r1 = rk = p_gold = 0.0
     for g, h in zip(gold, hits, strict=True):
         ids = [p.id for p in h]

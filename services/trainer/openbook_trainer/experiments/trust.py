@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from openbook.index import open_index
 from openbook.index.encoders import load_adapted_encoder
+from openbook.index.engine import RetrievalMode
 from openbook.index.fusion import (
     DEFAULT_CANDIDATES,
     Candidates,
@@ -48,6 +49,7 @@ from openbook.index.fusion import (
     fit_weights,
     top_k,
 )
+from openbook.index.request import SearchRequest
 from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
 from openbook.rag.confidence import (
     DEFAULT_FEATURES,
@@ -245,7 +247,9 @@ def measure_retrieval(config: TrustConfig, index, dev: list[dict], result: Trust
     ):
         if mode not in index.views and not (mode == "hybrid" and len(index.views) == 2):
             continue
-        hits[label] = index.search(questions, depth, encoder=encoder, retrieval=mode)
+        hits[label] = index.search(
+            SearchRequest(questions, k=depth, retrieval=RetrievalMode(mode)), encoder=encoder
+        )
         result.recall[label] = recall_table(hits[label], dev, config.recall_ks)
     if any(label.startswith("hybrid") for label in hits):
         result.recall_gain = hybrid_gain(hits, dev, config.recall_ks)
@@ -299,9 +303,9 @@ def measure_fusion_kfold(config: TrustConfig, index, result: TrustResult) -> Non
     questions = [r["question"] for r in rows]
     hits = {
         "dense (tuned query encoder)": index.search(
-            questions, depth, encoder=qenc, retrieval="dense"
+            SearchRequest(questions, k=depth, retrieval=RetrievalMode.DENSE), encoder=qenc
         ),
-        "bm25": index.search(questions, depth, retrieval="bm25"),
+        "bm25": index.search(SearchRequest(questions, k=depth, retrieval=RetrievalMode.BM25)),
         "hybrid (fusion fitted on the other folds)": [
             [by_row[int(r)] for r in row if r >= 0] for row in ranked
         ],
@@ -341,10 +345,12 @@ def _answer_rows(
             for start in range(0, len(todo), config.batch_size):
                 batch = [dev[i] for i in todo[start : start + config.batch_size]]
                 passages = index.search(
-                    [q["question"] for q in batch],
-                    config.k,
+                    SearchRequest(
+                        [q["question"] for q in batch],
+                        k=config.k,
+                        retrieval=RetrievalMode(system.retrieval),
+                    ),
                     encoder=encoder,
-                    retrieval=system.retrieval,
                 )
                 results = generator.generate_batch(
                     [(q["question"], p, options) for q, p in zip(batch, passages, strict=True)]
@@ -416,7 +422,10 @@ def answer_feature_rows(
     :func:`decoder_signals` beside them."""
     encoder = _encoder(system.query_encoder_adapter)
     passages = index.search(
-        [r["question"] for r in rows], config.k, encoder=encoder, retrieval=system.retrieval
+        SearchRequest(
+            [r["question"] for r in rows], k=config.k, retrieval=RetrievalMode(system.retrieval)
+        ),
+        encoder=encoder,
     )
     out = []
     for row, hits in zip(rows, passages, strict=True):
