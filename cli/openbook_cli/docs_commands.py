@@ -26,6 +26,7 @@ from openbook_cli.docs import (
     remove_document,
 )
 from openbook_cli.docs_upload import upload
+from openbook_cli.gateway_options import GatewayOptions, echo_json, fail, reply
 
 docs_app = typer.Typer(
     help="Documents of live indexes: put, upload, rm, get, ls, create-index (the gateway's "
@@ -34,37 +35,7 @@ docs_app = typer.Typer(
     no_args_is_help=True,
 )
 
-URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="OPENBOOK_URL", help="gateway URL")
-TOKEN = typer.Option(
-    None,
-    "--admin-token",
-    envvar="OPENBOOK_ADMIN_TOKEN",
-    help="the admin token (writes)",
-    show_default=False,
-)
-KEY = typer.Option(
-    None,
-    "--key",
-    envvar="OPENBOOK_API_KEY",
-    help="a key of the gateway (openbook keys create): sent instead of the admin token",
-    show_default=False,
-)
-TIMEOUT = typer.Option(300.0, "--timeout", help="seconds per HTTP call")
-
-
-def _target(url: str, admin_token: str | None, key: str | None, timeout_s: float) -> GatewayTarget:
-    """The gateway, and the credential to send it: the key if one is given (what it may do is
-    what its scopes, indexes and tenant allow), else the admin token."""
-    return GatewayTarget(url, key or admin_token, timeout_s)
-
-
-def _done(reply: Any) -> None:
-    typer.echo(json.dumps(reply, indent=2, ensure_ascii=False))
-
-
-def _fail(command: str, exc: Exception) -> typer.Exit:
-    typer.echo(f"openbook docs {command}: {exc}", err=True)
-    return typer.Exit(1)
+_GATEWAY = GatewayOptions(300.0, "the admin token (writes)", with_key=True)
 
 
 def _metadata(option: str | None) -> Any:
@@ -79,6 +50,7 @@ def _metadata(option: str | None) -> Any:
 
 
 @docs_app.command("put")
+@_GATEWAY
 def put_command(
     index: str = typer.Argument(..., help="the index to write to"),
     file: Path | None = typer.Argument(
@@ -96,28 +68,26 @@ def put_command(
         0, min=0, help="skip this many lines of FILE (acknowledged by an earlier run)"
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    key: str | None = KEY,
-    timeout_s: float = TIMEOUT,
+    *,
+    target: GatewayTarget,
 ) -> None:
     """Insert or replace documents: a JSONL FILE in batches, or one given by --id/--text."""
-    target = _target(url, admin_token, key, timeout_s)
     try:
         if file is not None:
             if doc_id is not None or text is not None or metadata is not None:
                 raise DocsError("give either FILE or --id/--title/--text/--metadata, not both")
             options = BatchOptions(batch_size, batch_bytes, start)
-            _done(put_file(target, index, file, options, progress=not no_progress))
+            echo_json(put_file(target, index, file, options, progress=not no_progress))
             return
         if doc_id is None or text is None:
             raise DocsError("give a JSONL FILE, or --id and --text (and --title) of one document")
-        _done(put_document(target, index, doc_id, title, text, _metadata(metadata)))
+        echo_json(put_document(target, index, doc_id, title, text, _metadata(metadata)))
     except (DocsError, OSError, ValueError) as exc:
-        raise _fail("put", exc) from None
+        raise fail("docs", "put", exc) from None
 
 
 @docs_app.command("upload")
+@_GATEWAY
 def upload_command(
     index: str = typer.Argument(..., help="the index to write to"),
     paths: list[Path] = typer.Argument(
@@ -127,88 +97,69 @@ def upload_command(
         None, "--metadata", help="metadata for every file: a JSON object of scalars"
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    key: str | None = KEY,
-    timeout_s: float = TIMEOUT,
+    *,
+    target: GatewayTarget,
 ) -> None:
     """Upload files, one document each; files already in the index (same content) are
     skipped, so running it again resumes a run that stopped."""
-    target = _target(url, admin_token, key, timeout_s)
     try:
         meta = _metadata(metadata)
         report = upload(target, index, paths, metadata=meta, progress=not no_progress)
     except (DocsError, OSError) as exc:
-        raise _fail("upload", exc) from None
-    _done(report.summary(index))
+        raise fail("docs", "upload", exc) from None
+    echo_json(report.summary(index))
     if report.refused:
         typer.echo(f"openbook docs upload: {len(report.refused)} file(s) refused", err=True)
         raise typer.Exit(1)
 
 
 @docs_app.command("rm")
+@_GATEWAY
 def rm_command(
     index: str,
     doc_id: str = typer.Argument(..., metavar="ID"),
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    key: str | None = KEY,
-    timeout_s: float = TIMEOUT,
+    *,
+    target: GatewayTarget,
 ) -> None:
     """Delete a document (its passages are never served once this returns)."""
-    try:
-        _done(remove_document(_target(url, admin_token, key, timeout_s), index, doc_id))
-    except DocsError as exc:
-        raise _fail("rm", exc) from None
+    reply("docs", "rm", lambda: remove_document(target, index, doc_id))
 
 
 @docs_app.command("get")
+@_GATEWAY
 def get_command(
     index: str,
     doc_id: str = typer.Argument(..., metavar="ID"),
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    key: str | None = KEY,
-    timeout_s: float = TIMEOUT,
+    *,
+    target: GatewayTarget,
 ) -> None:
     """A document, its metadata and its passage ids."""
-    try:
-        _done(get_document(_target(url, admin_token, key, timeout_s), index, doc_id))
-    except DocsError as exc:
-        raise _fail("get", exc) from None
+    reply("docs", "get", lambda: get_document(target, index, doc_id))
 
 
 @docs_app.command("ls")
+@_GATEWAY
 def ls_command(
     index: str,
     cursor: str | None = typer.Option(None, help="the next_cursor of the previous page"),
     limit: int | None = typer.Option(None, min=1, help="ids per page (default: the gateway's)"),
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    key: str | None = KEY,
-    timeout_s: float = TIMEOUT,
+    *,
+    target: GatewayTarget,
 ) -> None:
     """A page of document ids, in id order, and the cursor of the next page."""
-    try:
-        _done(list_documents(_target(url, admin_token, key, timeout_s), index, cursor, limit))
-    except DocsError as exc:
-        raise _fail("ls", exc) from None
+    reply("docs", "ls", lambda: list_documents(target, index, cursor, limit))
 
 
 @docs_app.command("create-index")
+@_GATEWAY
 def create_index_command(
     name: str,
     index_type: str | None = typer.Option(
         None, "--type", help="flat | hnsw | hnsw-sq8 | ivfpq | bm25 (default: like's, else flat)"
     ),
     like: str | None = typer.Option(None, help="an index whose encoders and type to take"),
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    key: str | None = KEY,
-    timeout_s: float = TIMEOUT,
+    *,
+    target: GatewayTarget,
 ) -> None:
     """Create an empty index."""
-    try:
-        _done(create_index(_target(url, admin_token, key, timeout_s), name, index_type, like))
-    except DocsError as exc:
-        raise _fail("create-index", exc) from None
+    reply("docs", "create-index", lambda: create_index(target, name, index_type, like))

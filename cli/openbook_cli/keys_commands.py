@@ -15,6 +15,7 @@ from typing import Any
 import typer
 
 from openbook_cli.docs import DocsError, GatewayTarget, call
+from openbook_cli.gateway_options import GatewayOptions, fail, reply
 
 keys_app = typer.Typer(
     help="Keys with scopes (ask, write, indexes:create, admin), optionally held to indexes, a "
@@ -23,27 +24,11 @@ keys_app = typer.Typer(
     no_args_is_help=True,
 )
 
-URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="OPENBOOK_URL", help="gateway URL")
-TOKEN = typer.Option(
-    None,
-    "--admin-token",
-    envvar="OPENBOOK_ADMIN_TOKEN",
-    help="the admin token (or a key with the admin scope)",
-    show_default=False,
-)
-TIMEOUT = typer.Option(30.0, "--timeout", help="seconds per HTTP call")
-
-
-def _done(reply: Any) -> None:
-    typer.echo(json.dumps(reply, indent=2, ensure_ascii=False))
-
-
-def _fail(command: str, exc: Exception) -> typer.Exit:
-    typer.echo(f"openbook keys {command}: {exc}", err=True)
-    return typer.Exit(1)
+_GATEWAY = GatewayOptions(30.0, "the admin token (or a key with the admin scope)")
 
 
 @keys_app.command("create")
+@_GATEWAY
 def create_command(
     name: str = typer.Argument(..., help="the key's name (a-z, 0-9, '_', '-')"),
     scopes: list[str] = typer.Option(
@@ -64,9 +49,8 @@ def create_command(
     concurrent_generations: int | None = typer.Option(
         None, "--concurrent-generations", help="at most this many answers generated at once"
     ),
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    timeout_s: float = TIMEOUT,
+    *,
+    target: GatewayTarget,
 ) -> None:
     """Make a key; prints {"name", "key"}: the secret is shown this once."""
     body: dict[str, Any] = {"name": name, "scopes": scopes}
@@ -82,35 +66,23 @@ def create_command(
     }
     if rate:
         body["rate"] = rate
-    try:
-        if tenant is not None:
-            try:
-                body["filter"] = json.loads(tenant)
-            except ValueError as exc:
-                raise DocsError(f"--filter is not JSON: {exc}") from None
-        _done(call(GatewayTarget(url, admin_token, timeout_s), "POST", ("admin", "keys"), body))
-    except DocsError as exc:
-        raise _fail("create", exc) from None
+    if tenant is not None:
+        try:
+            body["filter"] = json.loads(tenant)
+        except ValueError as exc:
+            raise fail("keys", "create", DocsError(f"--filter is not JSON: {exc}")) from None
+    reply("keys", "create", lambda: call(target, "POST", ("admin", "keys"), body))
 
 
 @keys_app.command("ls")
-def ls_command(url: str = URL, admin_token: str | None = TOKEN, timeout_s: float = TIMEOUT) -> None:
+@_GATEWAY
+def ls_command(*, target: GatewayTarget) -> None:
     """Every key: name, scopes, indexes, when made and last used (never a secret)."""
-    try:
-        _done(call(GatewayTarget(url, admin_token, timeout_s), "GET", ("admin", "keys")))
-    except DocsError as exc:
-        raise _fail("ls", exc) from None
+    reply("keys", "ls", lambda: call(target, "GET", ("admin", "keys")))
 
 
 @keys_app.command("rm")
-def rm_command(
-    name: str,
-    url: str = URL,
-    admin_token: str | None = TOKEN,
-    timeout_s: float = TIMEOUT,
-) -> None:
+@_GATEWAY
+def rm_command(name: str, *, target: GatewayTarget) -> None:
     """Revoke a key: every gateway refuses it from the next request on."""
-    try:
-        _done(call(GatewayTarget(url, admin_token, timeout_s), "DELETE", ("admin", "keys", name)))
-    except DocsError as exc:
-        raise _fail("rm", exc) from None
+    reply("keys", "rm", lambda: call(target, "DELETE", ("admin", "keys", name)))
