@@ -97,7 +97,6 @@ from openbook.index.engine import (
     RetrievalMode,
     View,
     check_milvus_uri,
-    check_retrieval,
 )
 from openbook.index.faiss_index import default_params
 from openbook.index.fusion import Fusion
@@ -854,9 +853,6 @@ class MilvusIndex:
     @property
     def version(self) -> int:
         return self._version
-
-    def retrieval_mode(self, retrieval: str | None) -> RetrievalMode:
-        return check_retrieval(self.name, self.views, self.default_retrieval, retrieval)
 
     @property
     def query_encoder(self) -> Encoder:
