@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from enum import StrEnum
 from pathlib import Path
 from typing import NoReturn
 
@@ -16,36 +15,9 @@ import typer
 
 from openbook.index import IndexLoadError
 from openbook.storage.checkpoint import CheckpointError
+from openbook_trainer.choices import Adapter, Mode, Precision, Retrieval, Task
 from openbook_trainer.distributed import DistributedError
 from openbook_trainer.evaluation.data import DataError
-
-
-class Mode(StrEnum):
-    rag_sequence = "rag-sequence"
-    rag_token = "rag-token"
-
-
-class Retrieval(StrEnum):
-    dense = "dense"
-    hybrid = "hybrid"
-
-
-class Task(StrEnum):
-    qa = "qa"
-    generation = "generation"
-    classification = "classification"
-
-
-class Adapter(StrEnum):
-    none = "none"
-    lora = "lora"
-
-
-class Precision(StrEnum):
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
 
 
 def train_command(
@@ -116,7 +88,7 @@ def train_command(
     ),
 ) -> None:
     """Fine-tune RAG: marginal NLL through p(z|x) into the query encoder and/or generator."""
-    flags = {n: (v.value if isinstance(v, StrEnum) else v) for n, v in locals().items()}
+    flags = dict(locals())
     flags.pop("config")
     flags["lora_targets"] = flags["lora_targets"] or None  # none given: the config's
     # why: transformers stays out of the CLI's startup (`openbook --help` imports every command)

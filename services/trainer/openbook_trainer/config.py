@@ -9,10 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from openbook.rag.adapters import MAX_ALPHA, MAX_RANK, LoraSpec
-
-Mode = Literal["rag-sequence", "rag-token"]
-Precision = Literal["auto", "fp32", "bf16", "fp16"]
-Task = Literal["qa", "generation", "classification"]
+from openbook_trainer.choices import Adapter, Mode, Precision, Retrieval, Task
 
 
 class ConfigError(ValueError):
@@ -38,7 +35,7 @@ class TrainConfig(BaseModel):
     # --- the RAG objective (paper §2)
     mode: Mode = "rag-token"
     k: int = Field(default=5, ge=1, le=100)
-    retrieval: Literal["dense", "hybrid"] | None = Field(
+    retrieval: Retrieval | None = Field(
         default=None,
         description="dense, or hybrid (dense + BM25, the fused prior); default: the index's "
         "(hybrid where it has a bm25 view)",
@@ -54,7 +51,7 @@ class TrainConfig(BaseModel):
 
     # --- parameter-efficient generator training (openbook/rag/adapters.py): only a LoRA adapter
     # of the generator learns (and is checkpointed, a few MB); the base weights stay frozen
-    generator_adapter: Literal["none", "lora"] = Field(
+    generator_adapter: Adapter = Field(
         default="none", description="none: train every generator weight; lora: a LoRA adapter only"
     )
     lora_rank: int = Field(default=16, ge=1, le=MAX_RANK)
@@ -67,7 +64,7 @@ class TrainConfig(BaseModel):
     # The same for the query encoder: a LoRA adapter of every linear layer (rank, alpha and
     # dropout as the generator's) learns instead of the whole encoder, and checkpoints hold the
     # adapter (hundreds of KB) instead of the encoder (87 MiB for MiniLM, 418 MiB for DPR).
-    query_encoder_adapter: Literal["none", "lora"] = Field(
+    query_encoder_adapter: Adapter = Field(
         default="none",
         description="none: train every query encoder weight; lora: a LoRA adapter only",
     )
