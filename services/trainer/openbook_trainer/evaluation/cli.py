@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -16,6 +15,7 @@ import typer
 
 from openbook.index import open_index
 from openbook.index.request import SearchRequest
+from openbook_trainer.choices import CalibrationKind, Decoding, Task
 from openbook_trainer.evaluation.data import DataError, read_examples
 from openbook_trainer.evaluation.runner import (
     EvalError,
@@ -25,23 +25,6 @@ from openbook_trainer.evaluation.runner import (
     predict_local,
 )
 from openbook_trainer.evaluation.runner import score_predictions as score
-
-
-class Task(StrEnum):
-    qa = "qa"
-    generation = "generation"
-    classification = "classification"
-
-
-class CalibrationKind(StrEnum):
-    logistic = "logistic"
-    piecewise_linear = "piecewise-linear"
-
-
-class Decoding(StrEnum):
-    rag_token = "rag-token"
-    rag_sequence_fast = "rag-sequence-fast"
-    rag_sequence_thorough = "rag-sequence-thorough"
 
 
 def eval_command(
@@ -54,10 +37,10 @@ def eval_command(
     ),
     index: Path | None = typer.Option(None, "--index", help="index dir (with --checkpoint)"),
     task: Task = typer.Option(
-        Task.qa, "--task", help="qa: EM/F1; generation: BLEU/ROUGE-L; classification: accuracy"
+        "qa", "--task", help="qa: EM/F1; generation: BLEU/ROUGE-L; classification: accuracy"
     ),
     k: int = typer.Option(5, "--k", min=1, max=100, help="passages per question"),
-    decoding: Decoding = typer.Option(Decoding.rag_token, "--decoding"),
+    decoding: Decoding = typer.Option("rag-token", "--decoding"),
     num_beams: int = typer.Option(1, "--num-beams", min=1, max=16),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, max=512),
     limit: int | None = typer.Option(None, "--limit", min=1, help="first N examples only"),
@@ -75,7 +58,7 @@ def eval_command(
         "directory (openbook/rag/confidence.py)",
     ),
     calibration_kind: CalibrationKind = typer.Option(
-        CalibrationKind.logistic,
+        "logistic",
         "--calibration-kind",
         help="with --fit-calibration: logistic (over the answers' features: log-probabilities, "
         "passage prior, answer in the passages, cut by length) or piecewise-linear (a "
@@ -94,7 +77,7 @@ def eval_command(
                 examples,
                 url,
                 k=k,
-                decoding=decoding.value,
+                decoding=decoding,
                 num_beams=num_beams,
                 max_new_tokens=max_new_tokens,
                 concurrency=concurrency,
@@ -103,17 +86,17 @@ def eval_command(
         else:
             assert checkpoint is not None and index is not None
             preds, target = _predict_checkpoint(
-                examples, checkpoint, index, k, decoding.value, num_beams, max_new_tokens, device
+                examples, checkpoint, index, k, decoding, num_beams, max_new_tokens, device
             )
-        metrics = score(task.value, examples, preds, k)
+        metrics = score(task, examples, preds, k)
         if fit_calibration is not None:
             provenance = {
                 "questions": len(preds),
                 "data": str(data),
                 "target": target,
-                "task": task.value,
+                "task": task,
                 "k": k,
-                "decoding": decoding.value,
+                "decoding": decoding,
                 "model_versions": sorted({p.model_version for p in preds if p.model_version}),
                 "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             }
@@ -123,7 +106,7 @@ def eval_command(
     except (DataError, EvalError, ValueError, OSError) as e:
         _fail(str(e))
     versions = sorted({p.model_version for p in preds if p.model_version})
-    typer.echo(format_table(metrics, title=f"{data.name} ({task.value}) on {target}"))
+    typer.echo(format_table(metrics, title=f"{data.name} ({task}) on {target}"))
     if versions:
         typer.echo(f"model version: {', '.join(versions)}")
     if fit_calibration is not None:
@@ -132,9 +115,9 @@ def eval_command(
         report = {
             "data": str(data),
             "target": target,
-            "task": task.value,
+            "task": task,
             "k": k,
-            "decoding": decoding.value,
+            "decoding": decoding,
             "model_versions": versions,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "metrics": metrics,
@@ -195,7 +178,7 @@ def _fit_calibration(
     # why: scikit-learn and transformers stay out of `openbook --help` (it imports every command)
     from openbook_trainer.calibration import fit_calibration, fit_logistic_calibration
 
-    if task is Task.generation:
+    if task == "generation":
         raise ValueError(
             "--fit-calibration needs a task with right and wrong answers (qa, "
             "classification), not generation"
@@ -203,7 +186,7 @@ def _fit_calibration(
     if not directory.is_dir():
         raise ValueError(f"--fit-calibration: {directory} is not a directory")
     correct = per_example_correct(examples, preds)
-    if kind is CalibrationKind.logistic:
+    if kind == "logistic":
         rows = [p.features for p in preds]
         if any(r is None for r in rows):
             raise ValueError(
