@@ -7,6 +7,7 @@ with the gateway's refusal on stderr. The logic is :mod:`openbook_cli.docs`'s.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,28 +114,23 @@ def upload_command(
         raise typer.Exit(1)
 
 
-@docs_app.command("rm")
-@_GATEWAY
-def rm_command(
-    index: str,
-    doc_id: str = typer.Argument(..., metavar="ID"),
-    *,
-    target: GatewayTarget,
+def _one_document(
+    name: str, action: Callable[[GatewayTarget, str, str], Any], summary: str
 ) -> None:
-    """Delete a document (its passages are never served once this returns)."""
-    reply("docs", "rm", lambda: remove_document(target, index, doc_id))
+    """Add the command ``name INDEX ID``: ``action`` on one document, by its id."""
+
+    @docs_app.command(name, help=summary)
+    @_GATEWAY
+    def command(
+        index: str, doc_id: str = typer.Argument(..., metavar="ID"), *, target: GatewayTarget
+    ) -> None:
+        reply("docs", name, lambda: action(target, index, doc_id))
 
 
-@docs_app.command("get")
-@_GATEWAY
-def get_command(
-    index: str,
-    doc_id: str = typer.Argument(..., metavar="ID"),
-    *,
-    target: GatewayTarget,
-) -> None:
-    """A document, its metadata and its passage ids."""
-    reply("docs", "get", lambda: get_document(target, index, doc_id))
+_one_document(
+    "rm", remove_document, "Delete a document (its passages are never served once this returns)."
+)
+_one_document("get", get_document, "A document, its metadata and its passage ids.")
 
 
 @docs_app.command("ls")
