@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import HTTPException
 from pydantic import SecretStr
@@ -192,28 +193,45 @@ class Retrieval:
             return replies[0]
         return merge_listings(replies, [shard.name for shard in self.shards])
 
-    async def swap(self, name: str, request_id: str, timeout_s: float) -> tuple[str, str]:
-        """Swap every shard; if one refuses, put the others back so all agree."""
-        request = retriever_pb2.SwapIndexRequest(name=name)
+    async def _all_or_undone(
+        self,
+        method: str,
+        request,
+        undo: Callable[[int, Any], Any],
+        request_id: str,
+        timeout_s: float,
+    ) -> list:
+        """``method`` on every shard, all or none: if one refuses, every shard that took it is
+        sent ``undo(shard number, its reply)`` (None: nothing to undo) and the first failure is
+        raised (a non-HTTP one as 503)."""
         results = await asyncio.gather(
             *(
-                shard.call(shard.stub.SwapIndex, request, request_id, timeout_s)
+                shard.call(getattr(shard.stub, method), request, request_id, timeout_s)
                 for shard in self.shards
             ),
             return_exceptions=True,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for shard, result in zip(self.shards, results, strict=True):
-                if not isinstance(result, BaseException) and result.previous:
-                    back = retriever_pb2.SwapIndexRequest(name=result.previous)
-                    await shard.call(shard.stub.SwapIndex, back, request_id, timeout_s)
-            error = failed[0]
-            if isinstance(error, HTTPException):
-                raise error
-            raise HTTPException(503, f"retriever swap failed: {error}")
-        first = results[0]
-        assert not isinstance(first, BaseException)  # every failure raised above
+        if not failed:
+            return results
+        for number, (shard, result) in enumerate(zip(self.shards, results, strict=True)):
+            back = None if isinstance(result, BaseException) else undo(number, result)
+            if back is not None:
+                await shard.call(getattr(shard.stub, method), back, request_id, timeout_s)
+        error = failed[0]
+        if isinstance(error, HTTPException):
+            raise error
+        what = {"SwapIndex": "swap", "ReloadModel": "reload"}.get(method, method)
+        raise HTTPException(503, f"retriever {what} failed: {error}")
+
+    async def swap(self, name: str, request_id: str, timeout_s: float) -> tuple[str, str]:
+        """Swap every shard; if one refuses, put the others back so all agree."""
+
+        def undo(_: int, reply: Any) -> Any:
+            return retriever_pb2.SwapIndexRequest(name=reply.previous) if reply.previous else None
+
+        request = retriever_pb2.SwapIndexRequest(name=name)
+        first = (await self._all_or_undone("SwapIndex", request, undo, request_id, timeout_s))[0]
         return first.previous, first.active
 
     async def model_versions(self, request_id: str) -> list[str]:
@@ -227,31 +245,15 @@ class Retrieval:
         """Reload every shard; if one refuses, put the others back so all agree (as ``swap``
         does). Returns each shard's previous version and the version now served."""
         previous = await self.model_versions(request_id)
+
+        def undo(number: int, reply: Any) -> Any:
+            before = previous[number]
+            switched = reply.model_version != before
+            return common_pb2.ReloadModelRequest(path=before) if switched else None
+
         request = common_pb2.ReloadModelRequest(path=path)
-        results = await asyncio.gather(
-            *(
-                shard.call(shard.stub.ReloadModel, request, request_id, timeout_s)
-                for shard in self.shards
-            ),
-            return_exceptions=True,
-        )
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            switched = [
-                (shard, before)
-                for shard, before, result in zip(self.shards, previous, results, strict=True)
-                if not isinstance(result, BaseException) and result.model_version != before
-            ]
-            for shard, before in switched:
-                back = common_pb2.ReloadModelRequest(path=before)
-                await shard.call(shard.stub.ReloadModel, back, request_id, timeout_s)
-            error = failed[0]
-            if isinstance(error, HTTPException):
-                raise error
-            raise HTTPException(503, f"retriever reload failed: {error}")
-        first = results[0]
-        assert not isinstance(first, BaseException)  # every failure raised above
-        return previous, first.model_version
+        replies = await self._all_or_undone("ReloadModel", request, undo, request_id, timeout_s)
+        return previous, replies[0].model_version
 
     async def restore_model(self, versions: list[str], request_id: str, timeout_s: float) -> None:
         """Put every shard back on its version in ``versions`` (from ``reload_model``)."""
