@@ -36,7 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import HTTPException, Request
@@ -146,24 +146,24 @@ class _Call:
         self,
         tool: str,
         scope: str,
-        services: Services,
         index: str | None,
-        work: Coroutine[Any, Any, dict],
+        work: Callable[[Services], Coroutine[Any, Any, dict]],
         **fields: Any,
     ) -> dict:
-        """Run a write tool's ``work`` if the carrying request's key may (:meth:`require`),
-        its audit line logged whatever the outcome (``openbook_gateway.audit``)."""
+        """Run a write tool's ``work`` on the services if the carrying request's key may
+        (:meth:`require`), its audit line logged whatever the outcome
+        (``openbook_gateway.audit``)."""
+        services = await self.services()
         principal = self.caller.principal
         if index is not None:
             fields["index"] = index
         try:
             self.require(scope, services, index)
         except ToolError as exc:
-            work.close()  # never awaited: nothing is done
             audit.tool(principal, tool, "refused", str(exc), **fields)
             raise
         try:
-            result = await work
+            result = await work(services)
         except (HTTPException, RequestValidationError) as exc:
             status = exc.status_code if isinstance(exc, HTTPException) else 422
             error = _service_error(exc, self)
@@ -362,13 +362,11 @@ async def create_index(
         body = CreateIndexRequest(name=name, type=type, like=like)
     except ValidationError as exc:
         raise _argument_errors(exc) from None
-    services = await call.services()
     return await call.write(
         "create_index",
         INDEXES_CREATE,
-        services,
         None,
-        index_operations.create_index(services, call.caller, body),
+        lambda services: index_operations.create_index(services, call.caller, body),
         name=name,
     )
 
@@ -395,13 +393,11 @@ async def put_document(
         raise ToolError(f"invalid argument: {exc}") from None
     except ValidationError as exc:
         raise _argument_errors(exc) from None
-    services = await call.services()
     return await call.write(
         "put_document",
         WRITE,
-        services,
         index,
-        _put_document(services, call.caller, index, doc_id, body),
+        lambda services: _put_document(services, call.caller, index, doc_id, body),
         ids=[doc_id],
     )
 
@@ -418,13 +414,11 @@ async def delete_document(
         check_document_id("doc_id", doc_id)
     except InvalidArgument as exc:
         raise ToolError(f"invalid argument: {exc}") from None
-    services = await call.services()
     return await call.write(
         "delete_document",
         WRITE,
-        services,
         index,
-        _delete_document(services, call.caller, index, doc_id),
+        lambda services: _delete_document(services, call.caller, index, doc_id),
         ids=[doc_id],
     )
 
