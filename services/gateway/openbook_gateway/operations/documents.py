@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,15 @@ def acknowledged(services: Services, index: str, version: int) -> None:
     """Remember that ``index`` is at ``version`` once a write there is acknowledged."""
     services.cache.wrote(index, version)
     services.metrics.index_version(index, version)
+
+
+async def _acknowledged(
+    services: Services, index: str, write: Awaitable[retriever_pb2.WriteResponse]
+) -> retriever_pb2.WriteResponse:
+    """``write``'s reply, its version remembered (:func:`acknowledged`)."""
+    reply = await write
+    acknowledged(services, index, reply.version)
+    return reply
 
 
 async def write(
@@ -84,9 +93,9 @@ async def write(
         )
         for d in documents
     ]
-    reply = await services.retrieval.put_documents(index, protos, caller.request_id)
-    acknowledged(services, index, reply.version)
-    return reply
+    return await _acknowledged(
+        services, index, services.retrieval.put_documents(index, protos, caller.request_id)
+    )
 
 
 async def delete(
@@ -98,9 +107,9 @@ async def delete(
         # a document of its namespace that its filter keeps, or a 404
         await get(services, caller, index, doc_id)
     stored = tenancy.stored_id(caller.principal, doc_id)
-    reply = await services.retrieval.delete_document(index, stored, caller.request_id)
-    acknowledged(services, index, reply.version)
-    return reply
+    return await _acknowledged(
+        services, index, services.retrieval.delete_document(index, stored, caller.request_id)
+    )
 
 
 async def get(
