@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openbook.validation.limits import check_decoding
+from openbook.validation.limits import check_decoding_of
 
 
 @dataclass
@@ -47,18 +47,7 @@ class DecodingOptions:
         """Raise :class:`~openbook.errors.InvalidArgument` naming the first bad field: the
         rules of :func:`openbook.validation.limits.check_decoding`, the same the gateway and the
         generator service apply at their boundaries."""
-        check_decoding(
-            self.mode,
-            self.num_beams,
-            self.max_new_tokens,
-            self.min_new_tokens,
-            self.num_return_sequences,
-            self.length_penalty,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-        )
+        check_decoding_of(self.mode, self)
 
 
 @dataclass

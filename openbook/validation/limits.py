@@ -15,6 +15,7 @@ as a 422 naming the field) with a message that starts with the field's name.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import unicodedata
@@ -317,6 +318,16 @@ def check_decoding(
             f"length_penalty must be in [{MIN_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
             f"got {length_penalty!r}"
         )
+
+
+def check_decoding_of(mode: str, options: object) -> None:
+    """:func:`check_decoding` over the attributes of ``options`` named as its parameters (a
+    ``DecodingOptions``, a request holding the same fields)."""
+    check_decoding(mode, **{name: getattr(options, name) for name in _DECODING_FIELDS})
+
+
+# check_decoding's parameters after the mode: the fields of the options it checks
+_DECODING_FIELDS = tuple(inspect.signature(check_decoding).parameters)[1:]
 
 
 def check_sampling(temperature: object, top_p: object, top_k: object, seed: object) -> None:

@@ -36,7 +36,7 @@ from openbook.validation.limits import (
     DecodingMode,
     RetrievalMode,
     check_checkpoint_name,
-    check_decoding,
+    check_decoding_of,
     check_document_id,
     check_document_text,
     check_document_title,
@@ -196,18 +196,7 @@ class AnswerRequest(RetrievalFilter):
         # The one rule for decoding options, the generator's and the library's too; the
         # fields' bounds above state its limits in the OpenAPI schema (and refuse a field
         # alone first), this adds how they bound each other.
-        check_decoding(
-            self.decoding,
-            self.num_beams,
-            self.max_new_tokens,
-            self.min_new_tokens,
-            self.num_return_sequences,
-            self.length_penalty,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-        )
+        check_decoding_of(self.decoding, self)
         return self
 
     @property
