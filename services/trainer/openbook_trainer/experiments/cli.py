@@ -37,6 +37,18 @@ Results = Annotated[Path, typer.Option(help="where the result JSON and pictures 
 Report = Annotated[Path, typer.Option(help="the Markdown report whose section is written")]
 
 
+def _failed(experiment: str, exc: Exception) -> typer.Exit:
+    """Exit 1 with ``EXPERIMENT: why`` on stderr."""
+    typer.echo(f"{experiment}: {exc}", err=True)
+    return typer.Exit(1)
+
+
+def _save(folder: Path, name: str, text: str) -> None:
+    """Write an experiment's result file ``name`` into ``folder``, made if need be."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text)
+
+
 def _command_line(ctx: typer.Context) -> str:
     """The command as it could be typed again: non-default options, never a secret."""
     parts = ["openbook experiments", ctx.info_name or ""]
@@ -67,10 +79,10 @@ def hot_swap(
             url, admin_token, questions, k=k, decoding=decoding, limit=limit or None
         )
     except (RuntimeError, OSError) as exc:
-        typer.echo(f"hot-swap: {exc}", err=True)
-        raise typer.Exit(1) from None
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hot_swap.json").write_text(
+        raise _failed("hot-swap", exc) from None
+    _save(
+        out,
+        "hot_swap.json",
         json.dumps(
             {
                 "indexes": result.indexes,
@@ -78,7 +90,7 @@ def hot_swap(
                 "predictions": result.predictions,
             },
             indent=2,
-        )
+        ),
     )
     table = hot_swap_markdown(result)
     write_section(report, "hot-swap", "Index hot-swap (paper §4.5)", table, _command_line(ctx))
@@ -123,10 +135,10 @@ def open_qa(
     try:
         result = run_open_qa(config, out)
     except (ValueError, OSError) as exc:
-        typer.echo(f"qa: {exc}", err=True)
-        raise typer.Exit(1) from None
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "open_qa.json").write_text(
+        raise _failed("qa", exc) from None
+    _save(
+        out,
+        "open_qa.json",
         json.dumps(
             {
                 "scores": result.scores,
@@ -136,7 +148,7 @@ def open_qa(
                 },
             },
             indent=2,
-        )
+        ),
     )
     plot = out / "em_vs_k.png"
     plot_em_by_k(result, config.ks, plot)
@@ -198,10 +210,8 @@ def finetune(
     try:
         result = run_finetune(config)
     except (ValueError, OSError) as exc:
-        typer.echo(f"finetune: {exc}", err=True)
-        raise typer.Exit(1) from None
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "finetune.json").write_text((out / "result.json").read_text())
+        raise _failed("finetune", exc) from None
+    _save(results, "finetune.json", (out / "result.json").read_text())
     table = markdown(result)
     write_section(
         report,
@@ -266,8 +276,7 @@ def retrain(
             run_retrain(config)
         ckpt = export_candidate(config, export)
     except (ValueError, OSError) as exc:
-        typer.echo(f"retrain: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise _failed("retrain", exc) from None
     typer.echo(f"exported {ckpt} to {export}")
 
 
@@ -361,10 +370,8 @@ def trust(
     try:
         result, rows = run_trust(config, readers=readers)
     except (ValueError, OSError) as exc:
-        typer.echo(f"trust: {exc}", err=True)
-        raise typer.Exit(1) from None
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "trust.json").write_text((out / "result.json").read_text())
+        raise _failed("trust", exc) from None
+    _save(results, "trust.json", (out / "result.json").read_text())
     pictures = plot_confidence(result, results)
     coverage = plot_coverage(result, rows.__getitem__, results)
     if coverage is not None:
