@@ -258,14 +258,23 @@ def _seq2seq_generation(gen: GenerationConfig | None) -> dict[str, Any]:
     }
 
 
-def _load_seq2seq(root: Path, device: str, dtype: torch.dtype) -> tuple[GeneratorBackend, dict]:
+def _load_model(
+    auto: Any, what: str, root: Path, device: str, dtype: torch.dtype
+) -> tuple[Any, Any]:
+    """The model (``auto``: a transformers Auto class) and the tokenizer saved in ``root``,
+    the model on ``device``; a :class:`ModelLoadError` saying it cannot load ``what``."""
     _check_weights(root)
     tokenizer = _load_tokenizer(root)
     try:
-        model = AutoModelForSeq2SeqLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
+        model = auto.from_pretrained(str(root), dtype=dtype, local_files_only=True)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load seq2seq model from {root}: {e}") from e
+        raise ModelLoadError(f"cannot load {what} from {root}: {e}") from e
     model.to(device)
+    return model, tokenizer
+
+
+def _load_seq2seq(root: Path, device: str, dtype: torch.dtype) -> tuple[GeneratorBackend, dict]:
+    model, tokenizer = _load_model(AutoModelForSeq2SeqLM, "seq2seq model", root, device, dtype)
     # Saved from a running backend (a checkpoint of a RAG generator): rebuild it as it was.
     settings = load_seq2seq_settings(root / SEQ2SEQ_FILE) if (root / SEQ2SEQ_FILE).exists() else {}
     q_dir = settings.get("question_tokenizer")
@@ -364,14 +373,7 @@ def _load_rag(
 
 def _load_causal(root: Path, device: str, dtype: torch.dtype) -> tuple[GeneratorBackend, dict]:
     spec = PromptSpec.load(root / PROMPT_FILE)
-    _check_weights(root)
-    tokenizer = _load_tokenizer(root)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, local_files_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load causal LM from {root}: {e}") from e
-    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound
-    model.to(device)  # type: ignore[arg-type]
+    model, tokenizer = _load_model(AutoModelForCausalLM, "causal LM", root, device, dtype)
     model.eval()
     try:
         backend = CausalBackend(model, tokenizer, spec)
