@@ -24,18 +24,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from openbook.errors import InternalError
 from openbook.rag import memory
 from openbook.rag.backends import base
-from openbook.rag.backends.base import (
-    DecodeState,
-    Encoded,
-    GeneratorBackend,
-    Items,
-    copy_rows,
-    decode_text,
-    first_id,
-    log_softmax,
-    pad_slots,
-    right_pad,
-)
+from openbook.rag.backends.base import DecodeState, Encoded, GeneratorBackend, Items
 from openbook.rag.cache import join_rows, reorder_self_attention, select_rows
 from openbook.rag.memory import MemoryModel
 from openbook.rag.prompting import seq2seq_input
@@ -102,9 +91,9 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
         self.max_combined_length = max_combined_length
         self.decoder_start_token_id = int(cfg.decoder_start_token_id)
         self.target_start_id = self.decoder_start_token_id
-        self.eos_token_id = first_id(cfg.eos_token_id, tokenizer.eos_token_id)
-        self.bos_token_id = first_id(cfg.bos_token_id, tokenizer.bos_token_id)
-        pad = first_id(cfg.pad_token_id, tokenizer.pad_token_id)
+        self.eos_token_id = base.first_id(cfg.eos_token_id, tokenizer.eos_token_id)
+        self.bos_token_id = base.first_id(cfg.bos_token_id, tokenizer.bos_token_id)
+        pad = base.first_id(cfg.pad_token_id, tokenizer.pad_token_id)
         self.pad_token_id = 0 if pad is None else pad
 
     # ---------------------------------------------------------------- what it states
@@ -161,7 +150,7 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
             return question
         limit = min(int(getattr(tok, "model_max_length", 512) or 512), 512)
         ids = tok(question, truncation=True, max_length=limit)["input_ids"]
-        return decode_text(tok, ids, skip_special_tokens=True)
+        return base.decode_text(tok, ids, skip_special_tokens=True)
 
     def input_strings(self, rows: Sequence[tuple[str, Passage]]) -> list[str]:
         decoded: dict[str, str] = {}
@@ -189,7 +178,7 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
 
     def _encoder_output(self, items: Items, k: int) -> tuple[Tensor, Tensor]:
         """Encoder output (R, S, d) and attention mask (R, S) of every (request, slot) row."""
-        ids, mask = self._tokenize_inputs(pad_slots(items, k))
+        ids, mask = self._tokenize_inputs(base.pad_slots(items, k))
         hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         return hidden, mask
 
@@ -204,11 +193,11 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
             decoder_input_ids=start,
             use_cache=True,
         )
-        first = log_softmax(out.logits[:, -1])
+        first = base.log_softmax(out.logits[:, -1])
         return Seq2SeqEncoded(len(items), k, first, hidden, mask, out.past_key_values)
 
     def start(self, enc: Seq2SeqEncoded, copies: int) -> Seq2SeqDecodeState:
-        rows = copy_rows(enc, copies)
+        rows = base.copy_rows(enc, copies)
         return Seq2SeqDecodeState(enc.hidden[rows], enc.mask[rows], select_rows(enc.cache, rows))
 
     def step(self, state: Seq2SeqDecodeState, tokens: Tensor) -> Tensor:
@@ -220,7 +209,7 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
             use_cache=True,
         )
         state.cache = out.past_key_values
-        return log_softmax(out.logits[:, -1])
+        return base.log_softmax(out.logits[:, -1])
 
     def reorder(self, state: Seq2SeqDecodeState, rows: Tensor) -> None:
         # beams stay within their passage: encoder output, mask and cross-attention are unchanged
@@ -273,7 +262,7 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
                     past_key_values=select_rows(enc.cache, r),
                     use_cache=True,
                 ).logits
-                lp = log_softmax(logits)
+                lp = base.log_softmax(logits)
                 out[lo : lo + chunk, 1:] = lp.gather(2, s[:, 1:, None]).squeeze(2)
         return out
 
@@ -281,7 +270,7 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
 
     def target_logits(self, items: Items, targets: Tensor) -> Tensor:
         k = len(items[0][1])
-        ids, mask = self._tokenize_inputs(pad_slots(items, k))
+        ids, mask = self._tokenize_inputs(base.pad_slots(items, k))
         return self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -292,4 +281,4 @@ class Seq2SeqBackend(GeneratorBackend[Seq2SeqEncoded, Seq2SeqDecodeState]):
     def tokenize_targets(self, answers: Sequence[str]) -> Tensor:
         enc = self.tokenizer(text_target=list(answers), padding=False, truncation=False)
         seqs = [[self.decoder_start_token_id, *ids] for ids in enc["input_ids"]]
-        return right_pad(seqs, self.pad_token_id).to(self.device)
+        return base.right_pad(seqs, self.pad_token_id).to(self.device)
