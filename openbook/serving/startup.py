@@ -6,9 +6,14 @@ on it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from openbook.config.settings import CommonSettings
 from openbook.observability.logs import setup_logging
 from openbook.observability.telemetry import setup_tracing
+
+S = TypeVar("S", bound=CommonSettings)
 
 
 def prepare(program: str, settings: CommonSettings) -> None:
@@ -19,3 +24,11 @@ def prepare(program: str, settings: CommonSettings) -> None:
     settings.check_secrets(program)
     settings.check_redis(program)
     setup_tracing(program)
+
+
+def run(program: str, settings_class: Callable[[], S], serve: Callable[[S], None]) -> None:
+    """A service's entry point: its settings read, the process prepared (:func:`prepare`:
+    logging, secrets, Redis, tracing), then ``serve`` until it stops."""
+    settings = settings_class()
+    prepare(program, settings)
+    serve(settings)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from openbook.serving.startup import prepare
+from openbook.serving.startup import run
 from openbook_gateway.server import serve
 from openbook_gateway.settings import GatewaySettings
 
 
 def main() -> None:
-    settings = GatewaySettings()
-    prepare("openbook-gateway", settings)  # logging, secrets, Redis, tracing
-    serve(settings)
+    run("openbook-gateway", GatewaySettings, serve)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from openbook.serving.startup import prepare
+from openbook.serving.startup import run
 from openbook_generator.server import serve
 from openbook_generator.settings import GeneratorSettings
 
 
 def main() -> None:
-    settings = GeneratorSettings()
-    prepare("openbook-generator", settings)  # logging, secrets, Redis, tracing
-    serve(settings)
+    run("openbook-generator", GeneratorSettings, serve)
 
 
 if __name__ == "__main__":
