@@ -34,6 +34,8 @@ from openbook_gateway.openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
     OpenAIRequestError,
+    question_text,
+    text_of,
 )
 
 # The text of ``instructions`` (accepted, not read: openbook answers from passages).
@@ -195,7 +197,7 @@ class ResponsesRequest(BaseModel):
         if at is not None and not isinstance(self.input, str):
             for item in self.input[:at]:
                 if item.type == "message" and item.role in ("user", "assistant"):
-                    turns.append(Turn(item.role, _text_of(item.content)))
+                    turns.append(Turn(item.role, text_of(item.content)))
         return recent(turns)
 
     def question(self) -> tuple[str, str]:
@@ -211,18 +213,8 @@ class ResponsesRequest(BaseModel):
             item = self.input[i]
             if item.type != "message" or item.role != "user":
                 continue
-            content = item.content
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if part.type not in ("input_text", "text") or part.text is None:
-                        raise OpenAIRequestError(
-                            f"input[{i}].content[{j}]: only text parts are supported "
-                            f"(got {part.type!r})",
-                            f"input[{i}].content[{j}]",
-                            "unsupported_content",
-                        )
-                content = "\n".join(part.text or "" for part in content)
-            return content or "", f"input[{i}].content"
+            param = f"input[{i}].content"
+            return question_text(item.content, param, ("input_text", "text")) or "", param
         raise OpenAIRequestError(
             "input: no user message; the last user message is the question", "input"
         )
@@ -279,12 +271,6 @@ class ResponsesRequest(BaseModel):
         if message.startswith(error.param):
             message = param + message[len(error.param) :]
         return OpenAIRequestError(message, param, error.code, error.status)
-
-
-def _text_of(content: str | list[InputPart] | None) -> str:
-    if isinstance(content, list):
-        return "\n".join(part.text for part in content if part.text is not None)
-    return content or ""
 
 
 # ResponsesRequest's fields that are not a chat completion's (mapped, or checked above).

@@ -11,7 +11,8 @@ the answer pipeline runs; every limit is the one ``/answer`` enforces
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Collection, Sequence
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -250,17 +251,7 @@ class ChatCompletionRequest(SamplingParams, RetrievalFilter):
             message = self.messages[i]
             if message.role != "user":
                 continue
-            content = message.content
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        raise OpenAIRequestError(
-                            f"messages[{i}].content[{j}]: only text parts are supported "
-                            f"(got {part.type!r})",
-                            f"messages[{i}].content[{j}]",
-                            "unsupported_content",
-                        )
-                content = "\n".join(part.text or "" for part in content)
+            content = question_text(message.content, f"messages[{i}].content", ("text",))
             if not content or not content.strip():
                 raise OpenAIRequestError(
                     f"messages[{i}].content: the question (the last user message) is empty",
@@ -279,14 +270,39 @@ class ChatCompletionRequest(SamplingParams, RetrievalFilter):
         turns = []
         for message in self.messages[:before]:
             if message.role in ("user", "assistant"):
-                turns.append(Turn(message.role, _text_of(message.content)))
+                turns.append(Turn(message.role, text_of(message.content)))
         return recent(turns)
 
 
-def _text_of(content: str | list[TextPart] | None) -> str:
-    if isinstance(content, list):
-        return "\n".join(part.text for part in content if part.text is not None)
-    return content or ""
+class Part(Protocol):
+    """A part of a message's content (a chat message's or a Responses input item's)."""
+
+    type: str
+    text: str | None
+
+
+def text_of(content: str | Sequence[Part] | None) -> str:
+    """An earlier turn's text: its text parts joined, other parts skipped."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return "\n".join(part.text for part in content if part.text is not None)
+
+
+def question_text(
+    content: str | Sequence[Part] | None, param: str, text_types: Collection[str]
+) -> str | None:
+    """The question's text: its parts joined, a part not of ``text_types`` (or without text)
+    refused as ``param[j]``."""
+    if isinstance(content, str) or content is None:
+        return content
+    for j, part in enumerate(content):
+        if part.type not in text_types or part.text is None:
+            raise OpenAIRequestError(
+                f"{param}[{j}]: only text parts are supported (got {part.type!r})",
+                f"{param}[{j}]",
+                "unsupported_content",
+            )
+    return "\n".join(part.text or "" for part in content)
 
 
 def refuse_penalties(body: ChatCompletionRequest) -> None:
