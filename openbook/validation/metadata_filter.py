@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from openbook.errors import InvalidArgument
 from openbook.validation.limits import (
@@ -115,25 +115,30 @@ class Condition:
 
 
 @dataclass(frozen=True)
-class AllOf:
+class _Junction:
+    """Parts joined by ``$and`` (:class:`AllOf`) or ``$or`` (:class:`AnyOf`)."""
+
     parts: tuple[Node, ...]
+    operator: ClassVar[str]
+    joined: ClassVar[Callable[[Iterable[bool]], bool]]
 
     def matches(self, record: Mapping[str, Any]) -> bool:
-        return all(p.matches(record) for p in self.parts)
+        return type(self).joined(p.matches(record) for p in self.parts)
 
     def to_json(self) -> Any:
-        return {"$and": _sorted_json(self.parts)}
+        return {self.operator: _sorted_json(self.parts)}
 
 
 @dataclass(frozen=True)
-class AnyOf:
-    parts: tuple[Node, ...]
+class AllOf(_Junction):
+    operator = "$and"
+    joined = all
 
-    def matches(self, record: Mapping[str, Any]) -> bool:
-        return any(p.matches(record) for p in self.parts)
 
-    def to_json(self) -> Any:
-        return {"$or": _sorted_json(self.parts)}
+@dataclass(frozen=True)
+class AnyOf(_Junction):
+    operator = "$or"
+    joined = any
 
 
 Node = Condition | AllOf | AnyOf
