@@ -21,13 +21,14 @@ import torch
 from torch import Tensor
 
 from openbook.errors import InternalError
+from openbook.rag.options import SearchOrSample
 from openbook.rag.sampling import sample
 
 _NEG = -1.0e9  # transformers' "impossible" score; kept finite so it can be ranked and added to
 
 
 @dataclass
-class SearchSettings:
+class SearchSettings(SearchOrSample):
     num_beams: int = 1
     max_new_tokens: int = 32
     min_new_tokens: int = 0
@@ -51,13 +52,9 @@ class SearchSettings:
     top_p: float = 1.0
 
     @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
-
-    @property
     def rows_per_item(self) -> int:
         """Decoder rows per batch item: its samples, or its beams."""
-        return self.num_return_sequences if self.sampling else self.num_beams
+        return self.rows
 
 
 @dataclass

@@ -7,8 +7,26 @@ from dataclasses import dataclass
 from openbook.validation.limits import check_decoding_of
 
 
+class SearchOrSample:
+    """Whether a decoding samples or searches, and so how many decoder rows it keeps: its
+    samples (``num_return_sequences``) when it samples, else its beams."""
+
+    num_beams: int
+    num_return_sequences: int
+    temperature: float
+
+    @property
+    def sampling(self) -> bool:
+        """Whether answers are drawn at random (temperature > 0) rather than searched for."""
+        return self.temperature > 0
+
+    @property
+    def rows(self) -> int:
+        return self.num_return_sequences if self.sampling else self.num_beams
+
+
 @dataclass
-class DecodingOptions:
+class DecodingOptions(SearchOrSample):
     """How to decode one request.
 
     ``num_beams == 1`` means greedy decoding in every mode (as in transformers' ``generate``).
@@ -34,14 +52,9 @@ class DecodingOptions:
     seed: int | None = None
 
     @property
-    def sampling(self) -> bool:
-        """Whether answers are drawn at random (temperature > 0) rather than searched for."""
-        return self.temperature > 0
-
-    @property
     def rows_per_passage(self) -> int:
         """Decoder rows the request has per passage: its beams, or its samples."""
-        return self.num_return_sequences if self.sampling else self.num_beams
+        return self.rows
 
     def validate(self) -> None:
         """Raise :class:`~openbook.errors.InvalidArgument` naming the first bad field: the
