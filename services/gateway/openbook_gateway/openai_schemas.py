@@ -16,29 +16,14 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from openbook.validation.limits import (
-    INDEX_NAME_PATTERN,
-    MAX_BEAMS,
-    MAX_CONVERSATION_MESSAGES,
-    MAX_K,
-    MAX_LENGTH_PENALTY,
-    MAX_NEW_TOKENS,
-    MAX_RETURN_SEQUENCES,
-    MAX_SEED,
-    MAX_TEMPERATURE,
-    MAX_TOP_K,
-    MIN_LENGTH_PENALTY,
-    MIN_SEED,
-    DecodingMode,
-    RetrievalMode,
-)
+from openbook.validation import limits
 from openbook_gateway.conversation import Turn, recent
 from openbook_gateway.schemas import AnswerRequest, RetrievalFilter
 
 # Messages in one conversation: the last user message is the question, the user and assistant
 # messages before it the conversation it follows (openbook_gateway.conversation reads the
 # last few of them).
-MAX_MESSAGES = MAX_CONVERSATION_MESSAGES
+MAX_MESSAGES = limits.MAX_CONVERSATION_MESSAGES
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 MAX_STOP_CHARS = 64
 # Prefix of the model ids that name an index: "openbook/<index>". "openbook": the active index.
@@ -108,11 +93,11 @@ class SamplingParams(BaseModel):
 
     model_config = STRICT
 
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0, le=limits.MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     # not OpenAI's: an extra body field, as vLLM and llama.cpp take it
-    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    top_k: int | None = Field(None, ge=0, le=limits.MAX_TOP_K)
+    seed: int | None = Field(None, ge=limits.MIN_SEED, le=limits.MAX_SEED)
 
     @property
     def sampling(self) -> bool:
@@ -140,9 +125,9 @@ class ChatCompletionRequest(SamplingParams, RetrievalFilter):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_RETURN_SEQUENCES)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    n: int = Field(1, ge=1, le=limits.MAX_RETURN_SEQUENCES)
+    max_tokens: int | None = Field(None, ge=1, le=limits.MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=limits.MAX_NEW_TOKENS)
     stop: str | list[str] | None = None
     # temperature, top_p, top_k, seed: SamplingParams
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
@@ -163,15 +148,15 @@ class ChatCompletionRequest(SamplingParams, RetrievalFilter):
     modalities: list[str] | None = None
 
     # openbook's options (extra body fields)
-    k: int | None = Field(None, ge=1, le=MAX_K)
-    decoding: DecodingMode = "rag-token"
-    num_beams: int | None = Field(None, ge=1, le=MAX_BEAMS)
-    min_new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
+    k: int | None = Field(None, ge=1, le=limits.MAX_K)
+    decoding: limits.DecodingMode = "rag-token"
+    num_beams: int | None = Field(None, ge=1, le=limits.MAX_BEAMS)
+    min_new_tokens: int = Field(0, ge=0, le=limits.MAX_NEW_TOKENS)
     length_penalty: float = Field(
-        1.0, ge=MIN_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False
+        1.0, ge=limits.MIN_LENGTH_PENALTY, le=limits.MAX_LENGTH_PENALTY, allow_inf_nan=False
     )
-    index: str | None = Field(None, pattern=INDEX_NAME_PATTERN)
-    retrieval: RetrievalMode | None = None  # None: the index's default_retrieval
+    index: str | None = Field(None, pattern=limits.INDEX_NAME_PATTERN)
+    retrieval: limits.RetrievalMode | None = None  # None: the index's default_retrieval
     use_cache: bool = True
     # Abstain below this confidence (as /answer's min_confidence; default: the server's)
     min_confidence: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
