@@ -113,6 +113,25 @@ class SyntheticCorpus:
             b += 1
         return out
 
+    def centres_of(self, rows: np.ndarray) -> np.ndarray:
+        """The centre (cluster) each of ``rows`` was drawn around (each block's draw redone)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        _, cumulative, _ = self._model
+        out = np.empty(len(rows), dtype=np.int64)
+        blocks = rows // self.block_rows
+        for b in np.unique(blocks):
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, 1, int(b)]))
+            n = min(self.block_rows, self.count - int(b) * self.block_rows)
+            which = np.searchsorted(cumulative, rng.random(n), side="right")  # as _draw
+            at = np.nonzero(blocks == b)[0]
+            out[at] = np.minimum(which, self.n_centres - 1)[rows[at] - int(b) * self.block_rows]
+        return out
+
+    def cluster_sizes(self) -> np.ndarray:
+        """The expected number of passages around each centre (count x its weight)."""
+        _, cumulative, _ = self._model
+        return self.count * np.diff(np.concatenate([[0.0], cumulative]))
+
     def pick(self, rows: np.ndarray) -> np.ndarray:
         """The vectors of arbitrary ``rows`` (each block drawn once)."""
         rows = np.asarray(rows, dtype=np.int64)

@@ -196,3 +196,17 @@ def test_an_hnsw_coarse_quantizer_is_built_into_every_shard(tmp_path):
                 found[i].extend((p.score, scale_build.row_of(p.id)) for p in hits)
     merged = [[r for _, r in sorted(f, reverse=True)[:100]] for f in found]
     assert recall_at_k(merged, built.truth) > 0.3  # 8 of 32 lists, far above chance
+
+
+def test_each_rows_centre_is_the_one_it_was_drawn_around():
+    corpus = SyntheticCorpus(count=6000, n_centres=16)
+    rows = np.array([0, 17, 4095, 4096, 5999, 17])
+    centres, _, _ = corpus._model
+    nearest = np.argmax(corpus.pick(rows) @ centres.T, axis=1)  # clusters far apart at 768-d
+    assert np.array_equal(corpus.centres_of(rows), nearest)
+    assert corpus.cluster_sizes().sum() == pytest.approx(6000)
+    from bench.index.scale_by_cluster import by_size
+
+    bins = by_size(np.array([100.0, 6000.0, 7000.0]), np.array([1.0, 0.5, 0.7]))
+    assert [(b["from"], b["queries"]) for b in bins] == [(0, 1), (5000, 2)]
+    assert bins[1]["recall_at_100"] == pytest.approx(0.6)
