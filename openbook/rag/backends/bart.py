@@ -119,8 +119,8 @@ class BartBackend(Seq2SeqBackend):
         start = torch.full((hidden.shape[0],), self.decoder_start_token_id, device=mask.device)
         zero = torch.zeros_like(start)
         segment = bart_decoding.CrossSegment(1, cross, cross_mask)
-        h, cache = self._decoding.step(start, zero, None, None, [segment])
-        first = self._decoding.log_probs(h)
+        h, cache = self._decoding.step_many(start[:, None], zero, None, None, [segment])
+        first = self._decoding.log_probs(h[:, 0])
         return BartEncoded(len(items), k, first, mask, cross, cross_mask, cache)
 
     def concats_encoded(self) -> bool:
@@ -175,14 +175,7 @@ class BartBackend(Seq2SeqBackend):
     def step(self, state: AnyDecodeState, tokens: Tensor) -> Tensor:
         if not isinstance(state, BartDecodeState):
             return super().step(state, tokens)
-        h, state.cache = self._decoding.step(
-            tokens, state.positions, state.cache, state.self_mask, state.segments
-        )
-        state.positions = state.positions + 1
-        if state.self_mask is not None:
-            own = torch.ones_like(state.self_mask[:, :1])
-            state.self_mask = torch.cat([state.self_mask, own], dim=1)
-        return self._decoding.log_probs(h)
+        return self.step_many(state, tokens[:, None])[:, 0]  # one token: a step of one
 
     def drafts(self) -> bool:
         """BART's own decoding verifies drafts (at inference: training and autograd take

@@ -95,19 +95,6 @@ class BartDecoding:
             out.append((k, v))
         return out
 
-    def step(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        past: KV | None,
-        self_mask: Tensor | None,
-        segments: list[CrossSegment],
-    ) -> tuple[Tensor, KV]:
-        """Feed one token per decoder row: tokens (N,) at decoder positions ``positions`` (N,).
-        Returns the new hidden states (N, d) and the extended cache (:meth:`step_many`)."""
-        h, cache = self.step_many(tokens[:, None], positions, past, self_mask, segments)
-        return h[:, 0], cache
-
     def step_many(
         self,
         tokens: Tensor,
