@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,7 @@ from openbook.index.engine import (
     SearchableIndex,
     as_document_index,
 )
+from openbook.index.live import WriteResult
 from openbook.index.loaded import LoadedIndex
 from openbook.index.pairing import (
     QueryEncoderOverride,
@@ -650,12 +651,18 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
                 self.shared.client, index, version, shard=label, sealer=self.shared.sealer
             )
 
+    def _write(self, index: str, change: Callable[[DocumentIndex], WriteResult]) -> WriteResult:
+        """Make ``change`` to ``index`` under the registry's writer, then what follows every
+        write: the compactor's look at the index, and the acknowledgement."""
+        with self.registry.writer(index) as live:
+            result = change(live)
+            self.compactor.after_write(index, live)
+            self._acknowledge(index, live, result.version)
+        return result
+
     def PutDocuments(self, request, context):
         valid = validate_put_documents(request)
-        with self.registry.writer(valid.index) as live:
-            result = live.put_many(valid.documents)
-            self.compactor.after_write(valid.index, live)
-            self._acknowledge(valid.index, live, result.version)
+        result = self._write(valid.index, lambda live: live.put_many(valid.documents))
         return retriever_pb2.WriteResponse(
             index=valid.index,
             version=result.version,
@@ -664,10 +671,7 @@ class RetrieverServicer(retriever_pb2_grpc.RetrieverServicer):
 
     def DeleteDocument(self, request, context):
         ref = validate_document_ref(request)
-        with self.registry.writer(ref.index) as live:
-            result = live.delete(ref.id)
-            self.compactor.after_write(ref.index, live)
-            self._acknowledge(ref.index, live, result.version)
+        result = self._write(ref.index, lambda live: live.delete(ref.id))
         return retriever_pb2.WriteResponse(index=ref.index, version=result.version)
 
     def GetDocument(self, request, context):
