@@ -36,7 +36,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 from fastapi import HTTPException, Request
@@ -199,6 +200,19 @@ def _argument_errors(exc: ValidationError, renamed: dict[str, str] | None = None
     return ToolError("invalid argument: " + "; ".join(parts))
 
 
+@contextmanager
+def _checked_arguments(renamed: dict[str, str] | None = None) -> Iterator[None]:
+    """Run a tool's checks of its arguments: what they refuse (a limits rule, or a request
+    model) becomes a tool error naming the bad argument (``renamed``: :func:`_argument_errors`).
+    """
+    try:
+        yield
+    except InvalidArgument as exc:
+        raise ToolError(f"invalid argument: {exc}") from None
+    except ValidationError as exc:
+        raise _argument_errors(exc, renamed) from None
+
+
 def _service_error(exc: HTTPException | RequestValidationError, call: _Call) -> ToolError:
     """What the services refused, as a tool error: their text names the argument (the
     retriever's ``index: unknown index ...``); a failure names the request id."""
@@ -225,14 +239,10 @@ async def search(
     (the retrieval mode's: inner product for dense, BM25, or the fitted hybrid score); with
     ``filter``, the k best among those whose document's metadata matches."""
     call = _Call(ctx)
-    try:
+    with _checked_arguments({"question": "query"}):
         check_question("query", query)  # /answer's rule for a question, named as here
         # The same rules as /answer's k, index, retrieval and filter.
         body = AnswerRequest(question=query, k=k, index=index, retrieval=retrieval, filter=filter)
-    except InvalidArgument as exc:
-        raise ToolError(f"invalid argument: {exc}") from None
-    except ValidationError as exc:
-        raise _argument_errors(exc, {"question": "query"}) from None
     services = await call.services()
     try:
         # the index a key may name, its tenant filter AND the argument's (issue 43)
@@ -282,7 +292,7 @@ async def answer(
     1]; whether it abstained) and its citations: the passages it was computed from, each
     with its retrieval score, prior p(z|x) and posterior p(z|x,y)."""
     call = _Call(ctx)
-    try:
+    with _checked_arguments():
         body = AnswerRequest(
             question=question,
             k=k,
@@ -292,8 +302,6 @@ async def answer(
             decoding=decoding,
             min_confidence=min_confidence,
         )
-    except ValidationError as exc:
-        raise _argument_errors(exc) from None
     services = await call.services()
     try:
         async for event in answer_events(body, services, call.caller, stream=False):
@@ -358,10 +366,8 @@ async def create_index(
     """Create an empty live index that documents can be written to (a key with
     ``indexes:create``, or the admin token)."""
     call = _Call(ctx)
-    try:
+    with _checked_arguments():
         body = CreateIndexRequest(name=name, type=type, like=like)
-    except ValidationError as exc:
-        raise _argument_errors(exc) from None
     return await call.write(
         "create_index",
         INDEXES_CREATE,
@@ -385,14 +391,10 @@ async def put_document(
     """Insert or replace one document (admin token): split into passages and embedded,
     searchable and answered from once this returns."""
     call = _Call(ctx)
-    try:
+    with _checked_arguments():
         check_index_name("index", index)
         check_document_id("doc_id", doc_id)
         body = DocumentBody(title=title, text=text, metadata=metadata)
-    except InvalidArgument as exc:
-        raise ToolError(f"invalid argument: {exc}") from None
-    except ValidationError as exc:
-        raise _argument_errors(exc) from None
     return await call.write(
         "put_document",
         WRITE,
@@ -409,11 +411,9 @@ async def delete_document(
 ) -> dict[str, Any]:
     """Delete one document (admin token): its passages are never served once this returns."""
     call = _Call(ctx)
-    try:
+    with _checked_arguments():
         check_index_name("index", index)
         check_document_id("doc_id", doc_id)
-    except InvalidArgument as exc:
-        raise ToolError(f"invalid argument: {exc}") from None
     return await call.write(
         "delete_document",
         WRITE,
