@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -19,6 +19,7 @@ from openbook.index.importer import import_embeddings
 from openbook.index.join import join_slices
 from openbook.index.loaded import open_index
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
+from openbook.index.option_groups import takes_option_groups
 from openbook.index.parallel import SET_MANIFEST, build_slice, read_index_set
 from openbook.index.request import SearchRequest
 from openbook.index.shard import split_index
@@ -87,29 +88,33 @@ CoarseQuantizerOption = Annotated[
 ]
 
 
-def _ann(
-    hnsw_m: int,
-    ef_construction: int,
-    ef_search: int,
-    hnsw_transform: HnswTransform,
-    nlist: int | None,
-    pq_m: int | None,
-    nprobe: int,
-    rerank: int,
-    coarse_quantizer: CoarseQuantizer = CoarseQuantizer.flat,
-) -> AnnParams:
-    """The ANN parameters of the options above (validated by AnnParams)."""
-    return AnnParams(
-        hnsw_m=hnsw_m,
-        ef_construction=ef_construction,
-        ef_search=ef_search,
-        hnsw_transform=hnsw_transform.value,
-        nlist=nlist,
-        pq_m=pq_m,
-        nprobe=nprobe,
-        rerank=rerank,
-        coarse_quantizer=coarse_quantizer.value,
-    )
+@dataclass(frozen=True)
+class AnnOptions:
+    """The ANN parameters' options of ``build`` and ``import`` (takes_option_groups)."""
+
+    hnsw_m: HnswM = 32
+    ef_construction: EfConstruction = 128
+    ef_search: EfSearch = 128
+    hnsw_transform: HnswTransformOption = HnswTransform.none
+    nlist: Nlist = None
+    pq_m: PqM = None
+    nprobe: Nprobe = 16
+    rerank: Rerank = 0
+    coarse_quantizer: CoarseQuantizerOption = CoarseQuantizer.flat
+
+    def params(self) -> AnnParams:
+        """The ANN parameters these options give (validated by AnnParams)."""
+        return AnnParams(
+            hnsw_m=self.hnsw_m,
+            ef_construction=self.ef_construction,
+            ef_search=self.ef_search,
+            hnsw_transform=self.hnsw_transform.value,
+            nlist=self.nlist,
+            pq_m=self.pq_m,
+            nprobe=self.nprobe,
+            rerank=self.rerank,
+            coarse_quantizer=self.coarse_quantizer.value,
+        )
 
 
 # Where `build` and `import` write (issue 41): the settings the retriever reads, as options.
@@ -149,38 +154,48 @@ WorkDir = Annotated[
 ]
 
 
-def _milvus_target(
-    engine: EngineKind,
-    out: Path | None,
-    name: str,
-    milvus_uri: str | None,
-    token_file: Path | None,
-    work_dir: Path | None,
-    shards: int | None,
-) -> MilvusTarget | None:
-    """Where ``--engine milvus`` writes (None: the files engine, at ``--out``); a clean CLI
-    error for an option of the other engine or a missing one."""
-    if engine is EngineKind.FILES:
-        if out is None:
-            raise _fail("--out: name the index directory to create (or pass --engine milvus)")
-        if shards is not None or work_dir is not None:
-            raise _fail("--milvus-shards / --work-dir are --engine milvus options")
-        return None
-    if out is not None:
-        raise _fail("--out: a build with --engine milvus writes into Milvus, not a directory")
-    if not milvus_uri:
-        raise _fail("--milvus-uri (or OPENBOOK_MILVUS_URI): name the Milvus to write into")
-    check_index_name("--name", name)
-    token = read_secret(token_file, "Milvus token (--milvus-token-file)") if token_file else ""
-    # why: pymilvus (and Milvus Lite) stay out of every files-engine `openbook index` command
-    from openbook.index.milvus_build import MilvusTarget
+@dataclass(frozen=True)
+class MilvusOptions:
+    """Where ``build`` and ``import`` write: the files engine at ``--out``, or a Milvus
+    (takes_option_groups)."""
 
-    return MilvusTarget(
-        uri=check_milvus_uri(milvus_uri),
-        work_dir=work_dir or Path("var/milvus-builds") / name,
-        token=token,
-        shards=shards,
-    )
+    engine: EngineOption = EngineKind.FILES
+    milvus_uri: MilvusUri = None
+    milvus_token_file: MilvusTokenFile = None
+    milvus_shards: MilvusShards = None
+    work_dir: WorkDir = None
+
+    def target(self, out: Path | None, name: str) -> MilvusTarget | None:
+        """Where ``--engine milvus`` writes (None: the files engine, at ``--out``); a clean CLI
+        error for an option of the other engine, a missing one or a bad one."""
+        try:
+            return self._target(out, name)
+        except ValueError as e:
+            raise _fail(str(e)) from None
+
+    def _target(self, out: Path | None, name: str) -> MilvusTarget | None:
+        if self.engine is EngineKind.FILES:
+            if out is None:
+                raise _fail("--out: name the index directory to create (or pass --engine milvus)")
+            if self.milvus_shards is not None or self.work_dir is not None:
+                raise _fail("--milvus-shards / --work-dir are --engine milvus options")
+            return None
+        if out is not None:
+            raise _fail("--out: a build with --engine milvus writes into Milvus, not a directory")
+        if not self.milvus_uri:
+            raise _fail("--milvus-uri (or OPENBOOK_MILVUS_URI): name the Milvus to write into")
+        check_index_name("--name", name)
+        token_file = self.milvus_token_file
+        token = read_secret(token_file, "Milvus token (--milvus-token-file)") if token_file else ""
+        # why: pymilvus (and Milvus Lite) stay out of every files-engine `openbook index` command
+        from openbook.index.milvus_build import MilvusTarget
+
+        return MilvusTarget(
+            uri=check_milvus_uri(self.milvus_uri),
+            work_dir=self.work_dir or Path("var/milvus-builds") / name,
+            token=token,
+            shards=self.milvus_shards,
+        )
 
 
 def _built_into_milvus(verb: str, built: MilvusBuilt, uri: str) -> None:
@@ -193,12 +208,20 @@ def _built_into_milvus(verb: str, built: MilvusBuilt, uri: str) -> None:
     )
 
 
+def _built_into_files(verb: str, m: Manifest, out: Path) -> None:
+    typer.echo(
+        f"{verb} index {m.name!r} ({m.index_type}, {m.count} passages, dim {m.dim}) "
+        f"in {m.build_seconds:.1f}s -> {out}"
+    )
+
+
 def _fail(msg: str) -> typer.Exit:
     typer.secho(f"error: {msg}", err=True, fg=typer.colors.RED)
     return typer.Exit(code=2)
 
 
 @app.command()
+@takes_option_groups
 def build(
     passages: Annotated[
         list[Path], typer.Option("--passages", "-p", help="Input file (repeatable)")
@@ -224,15 +247,7 @@ def build(
     batch_size: Annotated[int, typer.Option(min=1)] = 64,
     shard_size: Annotated[int, typer.Option(min=1)] = 50_000,
     max_words: Annotated[int, typer.Option(min=1, help="Words per passage when splitting")] = 100,
-    hnsw_m: HnswM = 32,
-    ef_construction: EfConstruction = 128,
-    ef_search: EfSearch = 128,
-    hnsw_transform: HnswTransformOption = HnswTransform.none,
-    nlist: Nlist = None,
-    pq_m: PqM = None,
-    nprobe: Nprobe = 16,
-    rerank: Rerank = 0,
-    coarse_quantizer: CoarseQuantizerOption = CoarseQuantizer.flat,
+    ann: AnnOptions = AnnOptions(),
     overwrite: Annotated[bool, typer.Option(help="Replace an existing index at --out")] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
     device: Annotated[
@@ -269,11 +284,7 @@ def build(
             "instead of being encoded again (checked on a sample; repeatable)"
         ),
     ] = None,
-    engine: EngineOption = EngineKind.FILES,
-    milvus_uri: MilvusUri = None,
-    milvus_token_file: MilvusTokenFile = None,
-    milvus_shards: MilvusShards = None,
-    work_dir: WorkDir = None,
+    milvus: MilvusOptions = MilvusOptions(),
 ) -> None:
     """Build an index from passage files (resumes an interrupted build of the same inputs).
 
@@ -288,12 +299,7 @@ def build(
     """
     if (num_shards is None) != (shard_id is None):
         raise _fail("--num-shards and --shard-id go together")
-    try:
-        target = _milvus_target(
-            engine, out, name, milvus_uri, milvus_token_file, work_dir, milvus_shards
-        )
-    except ValueError as e:
-        raise _fail(str(e)) from None
+    target = milvus.target(out, name)
     if target is not None and num_shards is not None:
         raise _fail("--num-shards: slices are files builds; Milvus shards itself (--milvus-shards)")
     try:
@@ -305,17 +311,7 @@ def build(
             score_scale=score_scale,
             max_words=max_words,
             bm25=bm25,
-            ann=_ann(
-                hnsw_m,
-                ef_construction,
-                ef_search,
-                hnsw_transform,
-                nlist,
-                pq_m,
-                nprobe,
-                rerank,
-                coarse_quantizer,
-            ),
+            ann=ann.params(),
         )
         options = BuildOptions(
             batch_size=batch_size,
@@ -339,9 +335,9 @@ def build(
             raise _fail(str(e)) from None
         _built_into_milvus("built", built, target.uri)
         return
-    assert out is not None  # _milvus_target: the files engine has its --out
+    assert out is not None  # MilvusOptions.target: the files engine has its --out
     if num_shards is not None and shard_id is not None:
-        if nlist is not None or pq_m is not None:
+        if ann.nlist is not None or ann.pq_m is not None:
             raise _fail("--nlist / --pq-m are ivfpq options; slices cannot be ivfpq")
         _build_slice(passages, out, spec, options, num_shards=num_shards, shard_id=shard_id)
         return
@@ -349,10 +345,7 @@ def build(
         manifest = build_index(passages, out, spec, options)
     except (ValueError, OSError, RuntimeError) as e:
         raise _fail(str(e)) from None
-    typer.echo(
-        f"built index {manifest.name!r} ({manifest.index_type}, {manifest.count} passages, "
-        f"dim {manifest.dim}) in {manifest.build_seconds:.1f}s -> {out}"
-    )
+    _built_into_files("built", manifest, out)
 
 
 def _build_slice(
@@ -389,6 +382,7 @@ class EmbeddingsFormat(StrEnum):
 
 
 @app.command("import")
+@takes_option_groups
 def import_(
     embeddings: Annotated[
         list[Path],
@@ -417,15 +411,7 @@ def import_(
     ] = EmbeddingsFormat.auto,
     batch_size: Annotated[int, typer.Option(min=1, help="Vectors read at a time")] = 10_000,
     shard_size: Annotated[int, typer.Option(min=1)] = 50_000,
-    hnsw_m: HnswM = 32,
-    ef_construction: EfConstruction = 128,
-    ef_search: EfSearch = 128,
-    hnsw_transform: HnswTransformOption = HnswTransform.none,
-    nlist: Nlist = None,
-    pq_m: PqM = None,
-    nprobe: Nprobe = 16,
-    rerank: Rerank = 0,
-    coarse_quantizer: CoarseQuantizerOption = CoarseQuantizer.flat,
+    ann: AnnOptions = AnnOptions(),
     score_scale: Annotated[
         float, typer.Option(help="Multiply scores by this (1: DPR's raw inner products)")
     ] = 1.0,
@@ -435,11 +421,7 @@ def import_(
         bool, typer.Option(help="Also index the passages with BM25 (hybrid retrieval)")
     ] = True,
     out: Annotated[Path | None, typer.Option(help="Index directory to create")] = None,
-    engine: EngineOption = EngineKind.FILES,
-    milvus_uri: MilvusUri = None,
-    milvus_token_file: MilvusTokenFile = None,
-    milvus_shards: MilvusShards = None,
-    work_dir: WorkDir = None,
+    milvus: MilvusOptions = MilvusOptions(),
 ) -> None:
     """Build an index from DPR passages + precomputed embeddings, without encoding
     (resumes an interrupted import of the same files). With --engine milvus: no --out, the
@@ -447,12 +429,7 @@ def import_(
     as `build` is."""
     if type is IndexType.bm25:
         raise _fail("bm25 takes no embeddings; use a dense --type")
-    try:
-        target = _milvus_target(
-            engine, out, name, milvus_uri, milvus_token_file, work_dir, milvus_shards
-        )
-    except ValueError as e:
-        raise _fail(str(e)) from None
+    target = milvus.target(out, name)
     try:
         spec = IndexSpec(
             name=name,
@@ -461,17 +438,7 @@ def import_(
             query_encoder=query_encoder,
             score_scale=score_scale,
             bm25=bm25,
-            ann=_ann(
-                hnsw_m,
-                ef_construction,
-                ef_search,
-                hnsw_transform,
-                nlist,
-                pq_m,
-                nprobe,
-                rerank,
-                coarse_quantizer,
-            ),
+            ann=ann.params(),
         )
         options = BuildOptions(
             batch_size=batch_size, shard_size=shard_size, progress=progress, overwrite=overwrite
@@ -485,16 +452,13 @@ def import_(
             )
             _built_into_milvus("imported", built, target.uri)
             return
-        assert out is not None  # _milvus_target: the files engine has its --out
+        assert out is not None  # MilvusOptions.target: the files engine has its --out
         manifest = import_embeddings(
             passages, embeddings, out, spec, options, embeddings_format=format.value
         )
     except (OpenbookError, ValueError, OSError) as e:  # EmbeddingsError is a ValueError
         raise _fail(str(e)) from None
-    typer.echo(
-        f"imported index {manifest.name!r} ({manifest.index_type}, {manifest.count} passages, "
-        f"dim {manifest.dim}) in {manifest.build_seconds:.1f}s -> {out}"
-    )
+    _built_into_files("imported", manifest, out)
 
 
 @app.command("join-shards")
