@@ -40,6 +40,13 @@ def _at_least(field_name: str, value: Any, minimum: int) -> None:
         raise InvalidArgument(f"{field_name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _one_of(field_name: str, value: Any, choices: tuple[str, ...], what: str = "") -> None:
+    """``value`` must be one of ``choices``; the error says it is an unknown ``what``."""
+    if value not in choices:
+        unknown = f"unknown {what} {value!r}" if what else f"unknown {value!r}"
+        raise InvalidArgument(f"{field_name}: {unknown}; expected one of {choices}")
+
+
 @dataclass(frozen=True)
 class AnnParams:
     """The approximate-search parameters of a dense index (faiss). Each type reads its own:
@@ -62,22 +69,14 @@ class AnnParams:
         _at_least("hnsw_m", self.hnsw_m, 2)
         _at_least("ef_construction", self.ef_construction, 1)
         _at_least("ef_search", self.ef_search, 1)
-        if self.hnsw_transform not in HNSW_TRANSFORMS:
-            raise InvalidArgument(
-                f"hnsw_transform: unknown {self.hnsw_transform!r}; expected one of "
-                f"{HNSW_TRANSFORMS}"
-            )
+        _one_of("hnsw_transform", self.hnsw_transform, HNSW_TRANSFORMS)
         if self.nlist is not None:
             _at_least("nlist", self.nlist, 1)
         if self.pq_m is not None:
             _at_least("pq_m", self.pq_m, 1)
         _at_least("nprobe", self.nprobe, 1)
         _at_least("rerank", self.rerank, 0)
-        if self.coarse_quantizer not in COARSE_QUANTIZERS:
-            raise InvalidArgument(
-                f"coarse_quantizer: unknown {self.coarse_quantizer!r}; expected one of "
-                f"{COARSE_QUANTIZERS}"
-            )
+        _one_of("coarse_quantizer", self.coarse_quantizer, COARSE_QUANTIZERS)
 
     def faiss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`openbook.index.faiss_index.default_params`."""
@@ -145,10 +144,7 @@ class IndexSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise InvalidArgument("name: an index name must not be empty")
-        if self.index_type not in INDEX_TYPES:
-            raise InvalidArgument(
-                f"index_type: unknown index type {self.index_type!r}; expected one of {INDEX_TYPES}"
-            )
+        _one_of("index_type", self.index_type, INDEX_TYPES, "index type")
         if not isinstance(self.encoder, str) or not self.encoder.strip():
             raise InvalidArgument("encoder: name the document encoder")
         if self.query_encoder is not None and (
@@ -221,12 +217,5 @@ class BuildOptions:
         _at_least("shard_size", self.shard_size, 1)
         if self.device is not None and (not isinstance(self.device, str) or not self.device):
             raise InvalidArgument(f"device must be a device name or None, got {self.device!r}")
-        if self.precision not in PRECISIONS:
-            raise InvalidArgument(
-                f"precision: unknown precision {self.precision!r}; expected one of {PRECISIONS}"
-            )
-        if self.input_format not in FORMATS:
-            raise InvalidArgument(
-                f"input_format: unknown input format {self.input_format!r}; expected one of "
-                f"{FORMATS}"
-            )
+        _one_of("precision", self.precision, PRECISIONS, "precision")
+        _one_of("input_format", self.input_format, FORMATS, "input format")
