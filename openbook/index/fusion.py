@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from openbook.errors import InvalidArgument
+from openbook.jsonl import json_object
 from openbook.rag.answers import joined_tokens, normalize_answer, tokens_have_answer
 
 if TYPE_CHECKING:
@@ -298,12 +298,7 @@ def read_questions(path: Path, exclude_titles: Iterable[str] = ()) -> tuple[list
     for n, line in enumerate(raw.decode().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidArgument(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise InvalidArgument(f"{path}:{n}: expected a JSON object")
+        row = json_object(line, f"{path}:{n}")
         q, answers = row.get("question"), row.get("answers")
         if not isinstance(q, str) or not q.strip():
             raise InvalidArgument(f"{path}:{n}: question must be a non-empty string")

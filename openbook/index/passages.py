@@ -8,13 +8,13 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import json
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
 
 from openbook.errors import InvalidArgument
+from openbook.jsonl import json_object
 from openbook.types import Passage
 
 FORMATS = ("auto", "jsonl", "dpr-tsv", "articles")
@@ -112,12 +112,7 @@ def _read_jsonl(path: Path, max_words: int, *, articles: bool) -> Iterator[Passa
     for lineno, line in _lines(path):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidArgument(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-        if not isinstance(row, dict):
-            raise InvalidArgument(f"{path}:{lineno}: expected a JSON object")
+        row = json_object(line, f"{path}:{lineno}")
         required = ("title", "text") if articles else ("id", "title", "text")
         missing = [k for k in required if k not in row]
         if missing:

@@ -35,7 +35,7 @@ def test_jsonl_splits_long_text_and_keeps_title(tmp_path: Path) -> None:
     ("line", "msg"),
     [
         ('{"id": "x", "title": "t"}', "missing field(s) text"),
-        ("{not json", "invalid JSON"),
+        ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
         ('{"id": "x", "title": "t", "text": null}', "must be a string"),
     ],

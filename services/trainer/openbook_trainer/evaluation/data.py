@@ -9,9 +9,10 @@ target = question) and FEVER (input = claim, target = label word). Optional: ``i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from openbook.jsonl import json_object
 
 INPUT_KEYS = ("question", "input")
 TARGET_KEYS = ("answers", "target", "answer")
@@ -48,12 +49,7 @@ def read_examples(path: Path, limit: int | None = None) -> list[Example]:
 
 
 def _parse(line: str, where: str, default_id: str) -> Example:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object")
+    row = json_object(line, where, DataError)
     question = _first(row, INPUT_KEYS)
     if not isinstance(question, str) or not question.strip():
         raise DataError(f"{where}: needs a non-empty string under one of {INPUT_KEYS}")
