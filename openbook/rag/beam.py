@@ -124,23 +124,32 @@ class Search:
     Driving a search step by step lets the decoding engine run many searches (requests) in one
     batch, each joining and leaving between steps, with every decision identical to running it
     alone.
+
+    Every kind is built from the same arguments (:func:`new_search`); each allocates its own
+    state in :meth:`_allocate`.
     """
 
     def __init__(
         self,
-        rows: int,
+        batch: int,
         s: SearchSettings,
         device: torch.device,
-        stop: StopFn | None,
-        payload: PayloadFn | None,
+        stop: StopFn | None = None,
+        payload: PayloadFn | None = None,
     ) -> None:
-        self.rows = rows
+        self.batch = batch
+        self.rows = batch * s.rows_per_item  # its beams, or its samples; greedy: one
         self.s = s
         self.stop = stop
         self.payload = payload
         self.tokens = torch.empty(0, dtype=torch.long, device=device)
         self.source: Tensor | None = None
         self._g = 0  # tokens decided so far
+        self._allocate(device)
+
+    def _allocate(self, device: torch.device) -> None:
+        """The kind's own state for ``batch`` items (``rows`` rows) on ``device``."""
+        raise NotImplementedError
 
     def start(self, first: Tensor) -> bool:
         raise NotImplementedError
@@ -155,15 +164,8 @@ class Search:
 class GreedySearch(Search):
     """Argmax decoding of ``batch`` independent rows."""
 
-    def __init__(
-        self,
-        batch: int,
-        s: SearchSettings,
-        device: torch.device,
-        stop: StopFn | None = None,
-        payload: PayloadFn | None = None,
-    ) -> None:
-        super().__init__(batch, s, device, stop, payload)
+    def _allocate(self, device: torch.device) -> None:
+        batch, s = self.batch, self.s
         self.seq = torch.empty(batch, 0, dtype=torch.long, device=device)
         self._raw_lp: list[Tensor] = []
         self._extra: list[Tensor] = []
@@ -216,17 +218,9 @@ class BeamSearch(Search):
     """Beam search for ``batch`` items with ``s.num_beams`` beams each (transformers' decisions,
     module docstring)."""
 
-    def __init__(
-        self,
-        batch: int,
-        s: SearchSettings,
-        device: torch.device,
-        stop: StopFn | None = None,
-        payload: PayloadFn | None = None,
-    ) -> None:
+    def _allocate(self, device: torch.device) -> None:
+        batch, s = self.batch, self.s
         nb, max_new = s.num_beams, s.max_new_tokens
-        super().__init__(batch * nb, s, device, stop, payload)
-        self.batch = batch
         n_eos = 1 if s.eos_token_id is not None else 0
         self.keep = max(2, 1 + n_eos) * nb
         self._top_nb_mask = torch.zeros(self.keep, dtype=torch.bool, device=device)
@@ -372,10 +366,12 @@ class SampleSearch(Search):
         payload: PayloadFn | None,
         generator: torch.Generator,
     ) -> None:
-        n = s.num_return_sequences
-        super().__init__(batch * n, s, device, stop, payload)
-        self.batch, self.n = batch, n
         self.generator = generator
+        super().__init__(batch, s, device, stop, payload)
+
+    def _allocate(self, device: torch.device) -> None:
+        batch, s = self.batch, self.s
+        n = self.n = s.num_return_sequences
         self.seq = torch.empty(batch * n, 0, dtype=torch.long, device=device)
         self._raw_lp: list[Tensor] = []
         self._extra: list[Tensor] = []
