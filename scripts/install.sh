@@ -29,7 +29,7 @@ fi
 # The core library, the four services, the deployment commands (deploy/: openbook-secrets), the
 # `openbook` command and the test tools, editable, every package at the exact version
 # constraints.txt pins (scripts/update-constraints.sh). Each image installs only its own service
-# (services/*/Dockerfile, services/*/constraints.txt; the gateway's the deployment commands too). The test kit
+# (services/Dockerfile, services/*/constraints.txt; the gateway's the deployment commands too). The test kit
 # (tests/pyproject.toml) and the benchmarks (bench/pyproject.toml) are development-only packages,
 # installed here so that tests and benchmarks import them by name; no image installs them.
 "$VENV/bin/python" -m pip install -q -c constraints.txt \

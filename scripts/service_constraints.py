@@ -1,9 +1,9 @@
 """Write (or ``--check``) each service's constraints file: the subset of the root
 ``constraints.txt`` that the service's own dependency closure needs.
 
-Every image installs only its service (``services/<name>/Dockerfile``) with the exact versions
-of ``services/<name>/constraints.txt``; the root file pins the development environment, which
-holds all services. The closure is read from the installed metadata of ``.venv`` (each service
+Every image installs only its service (its target of ``services/Dockerfile``) with the exact
+versions of ``services/<name>/constraints.txt``; the root file pins the development environment,
+which holds all services. The closure is read from the installed metadata of ``.venv`` (each service
 is installed editable by scripts/install.sh), following extras and environment markers, so a
 service's file lists exactly the packages its image gets (torch aside: pinned where installed).
 
@@ -23,7 +23,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("gateway", "retriever", "generator", "trainer")
-PINNED_ELSEWHERE = {"torch"}  # installed first, from a CPU or CUDA index (the Dockerfiles)
+PINNED_ELSEWHERE = {"torch"}  # installed first, from a CPU or CUDA index (services/Dockerfile)
 # What an image installs beside its service: the gateway's runs the deployment commands too
 # (deploy/: openbook-secrets, for compose's `secrets` service and the k8s Job).
 ALSO_INSTALLED = {"gateway": ("openbook-deploy",)}

@@ -17,6 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
+from openbook_testkit import images
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "deploy" / "schemas" / "compose-spec.json"
 SCHEMA_SHA256 = "d549057ebc2925f39f62799eab0db7b9e2c18b35b6c00595199116da3ed10e64"
@@ -105,6 +107,24 @@ PUBLISHED = {"gateway"}
 
 def _compose(env: dict[str, str] | None = None) -> dict:
     return interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), env or {})
+
+
+def test_every_built_image_is_its_target_of_the_services_dockerfile():
+    """Each service compose builds names the target of services/Dockerfile whose image it runs
+    (openbook/<target>, the name the k8s manifests use), built from the repository root."""
+    targets = images.stages()
+    built = {n: s for n, s in _compose()["services"].items() if "build" in s}
+    assert {"secrets", "init", "retriever", "generator", "gateway", "trainer"} <= set(built)
+    for name, service in built.items():
+        build = service["build"]
+        assert (build["context"], build["dockerfile"]) == (".", "services/Dockerfile"), name
+        assert build["target"] in targets, name
+        assert service["image"].startswith(f"openbook/{build['target']}:"), name
+    # the GPU overlay's build argument reaches the stage that installs torch
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]
+    lines = images.image(built["generator"]["build"]["target"])
+    for arg in gpu["generator"]["build"]["args"]:
+        assert any(line.startswith(f"ARG {arg}=") for line in lines), arg
 
 
 def test_only_the_gateway_is_published_on_the_host():

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from openbook_testkit import images
+
 ROOT = Path(__file__).resolve().parents[2]
-# Pinned where it is installed (scripts/install.sh, the Dockerfiles), from a CPU or CUDA index.
+# Pinned where it is installed (scripts/install.sh, services/Dockerfile), from a CPU or CUDA index.
 PINNED_ELSEWHERE = {"torch"}
 
 
@@ -56,17 +58,19 @@ def test_every_declared_dependency_is_pinned():
     ("path", "constraints"),
     [
         ("scripts/install.sh", "constraints.txt"),
+        # each service's image: its target of services/Dockerfile
         *(
-            (str(p.relative_to(ROOT)), f"{p.parent.relative_to(ROOT)}/constraints.txt")
-            for p in sorted(ROOT.glob("services/*/Dockerfile"))
+            (f"services/Dockerfile:{p.parent.name}", f"services/{p.parent.name}/constraints.txt")
+            for p in sorted(ROOT.glob("services/*/constraints.txt"))
         ),
     ],
 )
 def test_every_install_uses_the_constraints(path, constraints):
-    text = (ROOT / path).read_text()
+    file, _, target = path.partition(":")
+    lines = images.image(target) if target else (ROOT / file).read_text().splitlines()
     installs = [
         line
-        for line in text.splitlines()
+        for line in lines
         if "pip install" in line and "torch==" not in line and "--upgrade pip" not in line
     ]
     assert installs, f"{path}: no pip install found"

@@ -1,7 +1,7 @@
 """The layout's promises: the core library never imports a service, no service imports another
 or the test kit, each image installs only its own service, and the gateway runs without torch,
 faiss or transformers (imported in the development environment, where they are installed, and
-installed alone, as its Dockerfile does, in a fresh virtual environment)."""
+installed alone, as its image does (services/Dockerfile), in a fresh virtual environment)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import venv
 from pathlib import Path
 
 import pytest
+
+from openbook_testkit import images
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "retriever", "generator", "trainer")
@@ -46,10 +48,20 @@ def test_a_service_imports_the_core_and_itself_only(service):
     assert not offenders
 
 
+def test_every_service_has_an_image():
+    """services/Dockerfile: a target per service, named as the service."""
+    assert set(SERVICES) <= set(images.stages())
+
+
 @pytest.mark.parametrize("service", SERVICES)
-def test_each_dockerfile_installs_only_its_service(service):
-    text = (ROOT / "services" / service / "Dockerfile").read_text()
-    copied = [line.split()[1] for line in text.splitlines() if line.startswith("COPY ")]
+def test_each_image_installs_only_its_service(service):
+    lines = images.image(service)
+    copied = [
+        line.split()[1]
+        for line in lines
+        if line.startswith("COPY ") and not line.startswith("COPY --from=")
+    ]
+    assert {"pyproject.toml", "proto", "openbook"} <= set(copied), "the core library"
     assert not [c for c in copied if c.startswith("services") and c != f"services/{service}"]
     assert "constraints.txt" not in copied, "the root constraints pin every service's packages"
     # the gateway's image runs the deployment commands too (openbook-secrets: compose, k8s)
@@ -57,7 +69,7 @@ def test_each_dockerfile_installs_only_its_service(service):
     assert [c for c in copied if c.startswith("deploy")] == (
         ["deploy/pyproject.toml", "deploy/openbook_deploy"] if deploy else []
     )
-    installs = [line for line in text.splitlines() if "pip install" in line]
+    installs = [line for line in lines if "pip install" in line]
     project = [line for line in installs if "torch==" not in line]
     assert project == [
         f"RUN pip install -c services/{service}/constraints.txt . ./services/{service}{deploy}"
@@ -102,7 +114,7 @@ def test_the_gateway_imports_no_model_library():
 
 
 def test_the_gateway_installs_and_starts_without_model_libraries(tmp_path):
-    """Its Dockerfile's install, in a fresh environment: none of them is even installed."""
+    """Its image's install, in a fresh environment: none of them is even installed."""
     env_dir = tmp_path / "gateway-venv"
     # why no pip of its own, and --no-compile: the fresh environment gets exactly the Dockerfile's
     # packages, installed by this environment's pip (``--python``); seeding a pip into it and
@@ -110,8 +122,7 @@ def test_the_gateway_installs_and_starts_without_model_libraries(tmp_path):
     # compiles what the gateway uses) and prove nothing the check below does not.
     venv.create(env_dir, with_pip=False)
     python = str(env_dir / "bin" / "python")
-    dockerfile = (ROOT / "services" / "gateway" / "Dockerfile").read_text()
-    (install,) = [line for line in dockerfile.splitlines() if "pip install" in line]
+    (install,) = [line for line in images.image("gateway") if "pip install" in line]
     args = shlex.split(install.removeprefix("RUN "))
     assert args[:2] == ["pip", "install"]
     subprocess.run(
