@@ -23,7 +23,7 @@ import numpy as np
 
 from openbook.errors import InvalidArgument
 from openbook.index.encoders import Encoder
-from openbook.index.fusion import Candidates, Fusion
+from openbook.index.fusion import Candidates
 from openbook.index.loaded import ManifestFacts
 from openbook.index.manifest import Manifest
 from openbook.index.request import SearchRequest
@@ -94,12 +94,6 @@ class EmptyBase(ManifestFacts):
 
     def __len__(self) -> int:
         return 0
-
-    @property
-    def fusion(self) -> Fusion:
-        if self.manifest.fusion is not None:
-            return Fusion.from_dict(self.manifest.fusion)
-        return Fusion.default(self.manifest.score_scale)
 
     def search(
         self,

@@ -23,21 +23,26 @@ manifest's ``index_type``, a request's ``retrieval``) and the modules that still
 strings keep working while they move to the members. :func:`check_retrieval` is the one rule
 for which mode a request gets on an index of given views.
 
-Invariants: this module imports no engine (no faiss, no pymilvus: its imports are for type
-checking only); each engine's conformance is asserted where it is registered
-(``files_engine.py``, ``milvus_engine.py``) and checked by mypy, and the enums' values are
-the strings ``openbook.validation.limits.RETRIEVAL_MODES`` and ``spec.INDEX_TYPES`` list
-(``tests/index/test_engine.py``).
+:func:`pages_of` is how every engine answers ``DocumentIndex.passage_pages`` from its
+documents' metadata.
+
+Invariants: this module imports no engine (no faiss, no pymilvus: besides ``documents``'s
+passage numbering, its imports are for type checking only); each engine's conformance is
+asserted where it is registered (``files_engine.py``, ``milvus_engine.py``) and checked by
+mypy, and the enums' values are the strings ``openbook.validation.limits.RETRIEVAL_MODES`` and
+``spec.INDEX_TYPES`` list (``tests/index/test_engine.py``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from openbook.errors import InvalidArgument
+from openbook.index.documents import passage_number, passage_page
+from openbook.types import document_id_of
 
 if TYPE_CHECKING:
     from openbook.index.document_store import StoredDocument
@@ -211,6 +216,30 @@ class DocumentIndex(SearchableIndex, Protocol):
         ...
 
 
+def pages_of(
+    passage_ids: Iterable[str],
+    max_words: int,
+    metadata_of: Callable[[list[str]], Mapping[str, Mapping[str, Any]]],
+) -> dict[str, int]:
+    """:meth:`DocumentIndex.passage_pages` as every engine answers it: the page of each of
+    ``passage_ids`` that is a passage ``<doc>#<n>`` of a live paged document (an uploaded
+    PDF), from its document's metadata (split at ``max_words``, as the document was); the
+    others absent. ``metadata_of(doc_ids)``: the metadata of those of ``doc_ids`` (sorted,
+    never none) that are live, read by the engine."""
+    numbered = {pid: (document_id_of(pid), passage_number(pid)) for pid in passage_ids}
+    docs = sorted({doc for doc, _ in numbered.values()})
+    if not docs:
+        return {}
+    metadata = metadata_of(docs)
+    pages: dict[str, int] = {}
+    for pid, (doc, n) in numbered.items():
+        meta = metadata.get(doc)
+        page = None if meta is None or n is None else passage_page(meta, n, max_words)
+        if page is not None:
+            pages[pid] = page
+    return pages
+
+
 # What a class must offer, beyond a SearchableIndex, to take documents (DocumentIndex).
 _DOCUMENT_MEMBERS = (
     "version",
@@ -245,4 +274,5 @@ __all__ = [
     "as_document_index",
     "check_milvus_uri",
     "check_retrieval",
+    "pages_of",
 ]

@@ -81,16 +81,14 @@ from openbook.index.documents import (
     built_document_id,
     check_document_ref,
     document_id_of,
-    passage_number,
-    passage_page,
     validated_batch,
 )
 from openbook.index.empty_base import TEMPLATE_FILE, EmptyBase
-from openbook.index.encoders import Encoder, load_encoder
-from openbook.index.engine import RetrievalMode
+from openbook.index.encoders import Encoder
+from openbook.index.engine import RetrievalMode, pages_of
 from openbook.index.filtering import MetadataColumns, segment_mask
 from openbook.index.fusion import Fusion
-from openbook.index.loaded import LoadedIndex, open_index
+from openbook.index.loaded import LoadedIndex, document_encoder, open_index
 from openbook.index.manifest import MANIFEST, Manifest
 from openbook.index.request import SearchRequest
 from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms, SegmentPostings
@@ -542,16 +540,7 @@ class LiveIndex:
     def passage_pages(self, passage_ids: Iterable[str]) -> dict[str, int]:
         """The page of each of ``passage_ids`` that belongs to a live paged document (an
         uploaded PDF); the others are absent. Reads only the documents' metadata."""
-        numbered = {pid: (document_id_of(pid), passage_number(pid)) for pid in passage_ids}
-        metadata = self._store.metadata(doc for doc, _ in numbered.values())
-        max_words = self._view.base.manifest.max_words
-        pages: dict[str, int] = {}
-        for pid, (doc, n) in numbered.items():
-            meta = metadata.get(doc)
-            page = None if meta is None or n is None else passage_page(meta, n, max_words)
-            if page is not None:
-                pages[pid] = page
-        return pages
+        return pages_of(passage_ids, self._view.base.manifest.max_words, self._store.metadata)
 
     def list(self, cursor: str | None = None, limit: int = 100) -> DocumentPage:
         """A page of live document ids in id order, after ``cursor`` (a previous page's
@@ -776,19 +765,10 @@ class LiveIndex:
         return PutOp(doc, vectors)
 
     def _document_encoder(self) -> Encoder:
-        """The base's document encoder, loaded once (as build_index loads it: by the
-        manifest's ``encoder``, role ``document``)."""
+        """The base's document encoder (``loaded.document_encoder``), loaded once."""
         with self._encoder_lock:
             if self._encoder is None:
-                m = self._view.base.manifest
-                assert m.encoder is not None
-                enc = load_encoder(m.encoder, role="document")
-                if enc.dim != m.dim:
-                    raise InvalidArgument(
-                        f"index {self.name!r}: document encoder {enc.name!r} dim {enc.dim} "
-                        f"!= index dim {m.dim}"
-                    )
-                self._encoder = enc
+                self._encoder = document_encoder(self.name, self._view.base.manifest)
             return self._encoder
 
     def _commit(self, ops: tuple[PutOp | DeleteOp, ...]) -> WalRecord:

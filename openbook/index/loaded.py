@@ -155,11 +155,26 @@ def check_query_encoder(name: str, manifest: Manifest, encoder: Encoder) -> None
         )
 
 
+def document_encoder(name: str, manifest: Manifest) -> Encoder:
+    """The document encoder that new passages of the dense index ``name`` are encoded with,
+    loaded as ``build_index`` loads it (the manifest's ``encoder``, role ``document``), and
+    checked against the index's dimension (InvalidArgument naming the index if not): what
+    every engine that takes documents encodes them with."""
+    assert manifest.encoder is not None
+    encoder = load_encoder(manifest.encoder, role="document")
+    if encoder.dim != manifest.dim:
+        raise InvalidArgument(
+            f"index {name!r}: document encoder {encoder.name!r} dim {encoder.dim} "
+            f"!= index dim {manifest.dim}"
+        )
+    return encoder
+
+
 class ManifestFacts:
-    """What an index of the files engine answers from its manifest alone, and its query
-    encoder, loaded once: shared by :class:`LoadedIndex` and the empty base of a live index
-    (``empty_base.EmptyBase``), which set ``name``, ``manifest``, ``_encoder`` (None) and
-    ``_encoder_lock``."""
+    """What an index answers from its manifest alone, and its query encoder, loaded once:
+    shared by :class:`LoadedIndex`, the empty base of a live index
+    (``empty_base.EmptyBase``) and a Milvus index (``milvus_engine.MilvusIndex``), which set
+    ``name``, ``manifest``, ``_encoder`` (None) and ``_encoder_lock``."""
 
     name: str
     manifest: Manifest
@@ -193,6 +208,16 @@ class ManifestFacts:
 
     def check_encoder(self, encoder: Encoder) -> None:
         check_query_encoder(self.name, self.manifest, encoder)
+
+    @property
+    def fusion(self) -> Fusion:
+        """The fusion hybrid search uses: the manifest's fitted one (a Milvus index keeps the
+        one fitted on the files engine, whose scores its are), else the default."""
+        if "dense" not in self.views or "bm25" not in self.views:
+            raise InvalidArgument(f"index {self.name!r} has views {self.views}: no hybrid fusion")
+        if self.manifest.fusion is not None:
+            return Fusion.from_dict(self.manifest.fusion)
+        return Fusion.default(self.manifest.score_scale)
 
     def retrieval_mode(self, retrieval: str | None) -> RetrievalMode:
         """``retrieval`` checked against this index (None: ``default_retrieval``), as
@@ -269,15 +294,6 @@ class LoadedIndex(ManifestFacts):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def fusion(self) -> Fusion:
-        """The fusion hybrid search uses: the manifest's fitted one, else the default."""
-        if "dense" not in self.views or "bm25" not in self.views:
-            raise InvalidArgument(f"index {self.name!r} has views {self.views}: no hybrid fusion")
-        if self.manifest.fusion is not None:
-            return Fusion.from_dict(self.manifest.fusion)
-        return Fusion.default(self.manifest.score_scale)
 
     def set_search_params(
         self,

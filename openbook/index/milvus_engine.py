@@ -84,12 +84,9 @@ from openbook.index.documents import (
     Document,
     built_document_id,
     check_document_ref,
-    document_id_of,
-    passage_number,
-    passage_page,
     validated_batch,
 )
-from openbook.index.encoders import Encoder, load_encoder
+from openbook.index.encoders import Encoder
 from openbook.index.engine import (
     DocumentIndex,
     EngineKind,
@@ -97,15 +94,11 @@ from openbook.index.engine import (
     RetrievalMode,
     View,
     check_milvus_uri,
+    pages_of,
 )
 from openbook.index.faiss_index import default_params
-from openbook.index.fusion import Fusion
 from openbook.index.live import MAX_LIST_LIMIT, DocumentNotFound, DocumentPage, WriteResult
-from openbook.index.loaded import (
-    LoadedIndex,
-    check_query_encoder,
-    index_query_encoder,
-)
+from openbook.index.loaded import LoadedIndex, ManifestFacts, document_encoder
 from openbook.index.manifest import IndexLoadError, Manifest
 from openbook.index.milvus_bm25 import (
     BM25Statistics,
@@ -809,15 +802,16 @@ def _document_rows(doc: Document, version: int) -> list[dict[str, Any]]:
     ]
 
 
-class MilvusIndex:
+class MilvusIndex(ManifestFacts):
     """One openbook index held in Milvus: a :class:`~openbook.index.engine.DocumentIndex`.
-    Thread-safe; writes through one object are serialised."""
+    Thread-safe; writes through one object are serialised. Its manifest facts (views, query
+    encoder, fusion) are answered as a files index answers them (``loaded.ManifestFacts``)."""
 
     def __init__(self, engine: MilvusEngine, name: str, manifest: Manifest, version: int) -> None:
         self.engine = engine
         self.client = engine.client
-        self._name = name
-        self._manifest = manifest
+        self.name = name
+        self.manifest = manifest
         self._version = version
         slug = collection_slug(name)
         self.passages = slug + "_p"
@@ -825,51 +819,19 @@ class MilvusIndex:
         self.terms = slug + "_t"
         self._write_lock = threading.Lock()
         self._encoder_lock = threading.Lock()
-        self._query_encoder: Encoder | None = None
+        self._encoder: Encoder | None = None  # the query encoder (ManifestFacts)
         self._doc_encoder: Encoder | None = None
-
-    # ------------------------------------------------------------------ manifest facts
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def manifest(self) -> Manifest:
-        return self._manifest
-
-    @property
-    def views(self) -> tuple[str, ...]:
-        return tuple(self._manifest.views)
-
-    @property
-    def default_retrieval(self) -> str:
-        return self._manifest.default_retrieval
-
-    @property
-    def dense(self) -> bool:
-        return self._manifest.dense
 
     @property
     def version(self) -> int:
         return self._version
-
-    @property
-    def query_encoder(self) -> Encoder:
-        with self._encoder_lock:
-            if self._query_encoder is None:
-                self._query_encoder = index_query_encoder(self.name, self._manifest)
-            return self._query_encoder
-
-    def check_encoder(self, encoder: Encoder) -> None:
-        check_query_encoder(self.name, self._manifest, encoder)
 
     def __len__(self) -> int:
         rows = self.client.query(self.passages, filter="", output_fields=["count(*)"])
         return int(rows[0]["count(*)"])
 
     def __repr__(self) -> str:
-        m = self._manifest
+        m = self.manifest
         return f"MilvusIndex({self.name!r}, {m.index_type}, dim={m.dim}, version={self.version})"
 
     def catch_up(self) -> bool:
@@ -900,14 +862,6 @@ class MilvusIndex:
         if mode is RetrievalMode.DENSE:
             return self._dense_search(q, k, return_vectors, where)
         return self._hybrid_search(list(request.queries), q, k, return_vectors, where)
-
-    @property
-    def fusion(self) -> Fusion:
-        """The fusion hybrid search uses: the manifest's (fitted on the files engine, whose
-        scores these are), else the default."""
-        if self._manifest.fusion is not None:
-            return Fusion.from_dict(self._manifest.fusion)
-        return Fusion.default(self._manifest.score_scale)
 
     def _bm25_search(
         self, queries: list[str], k: int, return_vectors: bool, where: MetadataFilter | None
@@ -989,9 +943,9 @@ class MilvusIndex:
         self, q: np.ndarray, k: int, return_vectors: bool, where: MetadataFilter | None
     ) -> list[list[Passage]]:
         """Dense top-k per query vector of ``q`` ``(n, dim)``, re-ranked as the manifest says."""
-        scale = self._manifest.score_scale
-        factor = int(self._manifest.index_params.get("rerank", 0) or 0)
-        if factor > 1 and self._manifest.index_type != IndexType.FLAT:
+        scale = self.manifest.score_scale
+        factor = int(self.manifest.index_params.get("rerank", 0) or 0)
+        if factor > 1 and self.manifest.index_type != IndexType.FLAT:
             return self._reranked(q, k, k * factor, return_vectors, where)
         return [
             [self._passage(h["entity"], float(h["distance"]) * scale, return_vectors) for h in row]
@@ -1009,7 +963,7 @@ class MilvusIndex:
         """The manifest's ``rerank``, as the files engine applies it to an approximate type:
         the approximate top ``n`` (an IVF-PQ's distances are its codes', not the vectors')
         re-scored exactly with their stored vectors, the top k of those."""
-        scale = self._manifest.score_scale
+        scale = self.manifest.score_scale
         out: list[list[Passage]] = []
         for i, hits in enumerate(self._dense_hits(q, n, True, where)):
             if not hits:
@@ -1031,7 +985,7 @@ class MilvusIndex:
     ) -> Hits:
         """Each query vector's top ``k`` hits of the dense view (inner products)."""
         params: dict[str, Any] = {"metric_type": "IP"}
-        if tuned := milvus_search_params(self._manifest, k):
+        if tuned := milvus_search_params(self.manifest, k):
             params["params"] = tuned
         fields = _PASSAGE_FIELDS + (["vector", SPARSE_FIELD] if with_fields else [])
         found = self.client.search(
@@ -1093,24 +1047,16 @@ class MilvusIndex:
             offset += len(rows)
 
     def passage_pages(self, passage_ids: Iterable[str]) -> dict[str, int]:
-        numbered = {pid: (document_id_of(pid), passage_number(pid)) for pid in passage_ids}
-        docs = sorted({doc for doc, _ in numbered.values()})
-        if not docs:
-            return {}
+        return pages_of(passage_ids, self.manifest.max_words, self._metadata)
+
+    def _metadata(self, doc_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The metadata of those of ``doc_ids`` that are live (their first chunk's)."""
         rows = self.client.query(
             self.documents,
-            filter=f"chunk == 0 and doc_id in {_string_list(docs)}",
+            filter=f"chunk == 0 and doc_id in {_string_list(doc_ids)}",
             output_fields=["doc_id", "metadata"],
         )
-        metadata = {r["doc_id"]: r["metadata"] or {} for r in rows}
-        max_words = self._manifest.max_words
-        pages: dict[str, int] = {}
-        for pid, (doc, n) in numbered.items():
-            meta = metadata.get(doc)
-            page = None if meta is None or n is None else passage_page(meta, n, max_words)
-            if page is not None:
-                pages[pid] = page
-        return pages
+        return {r["doc_id"]: r["metadata"] or {} for r in rows}
 
     def put(self, document: Document) -> WriteResult:
         return self.put_many([document], field="document")
@@ -1119,7 +1065,7 @@ class MilvusIndex:
         """Insert or replace ``documents`` as one write (one version). Validated as a live
         index validates them; the passages are encoded before anything is written."""
         docs = validated_batch(documents, field)
-        max_words = self._manifest.max_words
+        max_words = self.manifest.max_words
         for i, doc in enumerate(docs):
             _check_fits(field if field == "document" else f"{field}[{i}]", doc, max_words)
         written: dict[str, tuple[str, ...]] = {}
@@ -1226,7 +1172,7 @@ class MilvusIndex:
             [
                 {
                     "name": self.name,
-                    "manifest": self._manifest.to_json(),
+                    "manifest": self.manifest.to_json(),
                     "version": version,
                     "_v": [0.0, 0.0],
                 }
@@ -1237,15 +1183,7 @@ class MilvusIndex:
     def _document_encoder(self) -> Encoder:
         with self._encoder_lock:
             if self._doc_encoder is None:
-                m = self._manifest
-                assert m.encoder is not None
-                enc = load_encoder(m.encoder, role="document")
-                if enc.dim != m.dim:
-                    raise InvalidArgument(
-                        f"index {self.name!r}: document encoder {enc.name!r} dim {enc.dim} "
-                        f"!= index dim {m.dim}"
-                    )
-                self._doc_encoder = enc
+                self._doc_encoder = document_encoder(self.name, self.manifest)
             return self._doc_encoder
 
 
