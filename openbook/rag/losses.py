@@ -27,6 +27,28 @@ def _shift_left(target: Tensor, pad_token_id: int) -> Tensor:
     return torch.cat([target[:, 1:], target.new_full((target.shape[0], 1), pad_token_id)], dim=1)
 
 
+def _log_probs(
+    seq_logits: Tensor, doc_scores: Tensor, target: Tensor, pad_token_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What both losses start from.
+
+    (B*k, T, V) logits, (B, k) scores, (B, T) decoder input ->
+    log p(v | x, z, y_<t) as (B, k, T, V), log p(z|x) as (B, k), and the token each position
+    predicts as (B, T).
+    """
+    batch, k = doc_scores.shape
+    vocab = seq_logits.shape[-1]
+    logprobs = torch.log_softmax(seq_logits.float(), dim=-1).view(batch, k, -1, vocab)
+    doc_logprobs = torch.log_softmax(doc_scores.float(), dim=1)
+    return logprobs, doc_logprobs, _shift_left(target, pad_token_id)
+
+
+def _skips_bos(tgt: Tensor, bos_token_id: int | None, exclude_bos_score: bool) -> bool:
+    """Whether position 0 goes unscored: asked for, and ``bos_token_id`` is the first predicted
+    token of every row of the (B, T) ``tgt`` (BART's forced BOS)."""
+    return exclude_bos_score and bos_token_id is not None and bool(tgt[:, 0].eq(bos_token_id).all())
+
+
 def _finish(nll: Tensor, smooth: Tensor, epsilon: float, vocab: int, reduce_loss: bool) -> Tensor:
     if reduce_loss:
         nll, smooth = nll.sum(), smooth.sum()
@@ -65,11 +87,8 @@ def rag_sequence_nll(
         smooth = -logsumexp_z smooth_z
     Returns (B,) or a scalar when ``reduce_loss``.
     """
-    batch, k = doc_scores.shape
-    vocab = seq_logits.shape[-1]
-    tgt = _shift_left(target, pad_token_id)  # (B, T)
-    logprobs = torch.log_softmax(seq_logits.float(), dim=-1).view(batch, k, -1, vocab)
-    doc_logprobs = torch.log_softmax(doc_scores.float(), dim=1)  # (B, k)
+    logprobs, doc_logprobs, tgt = _log_probs(seq_logits, doc_scores, target, pad_token_id)
+    batch, k, _, vocab = logprobs.shape
 
     token_ll = logprobs.gather(-1, tgt[:, None, :, None].expand(batch, k, -1, 1)).squeeze(-1)
     token_smooth = logprobs.sum(-1)  # (B, k, T)
@@ -83,8 +102,8 @@ def rag_sequence_nll(
     token_ll = token_ll.masked_fill(pad, 0.0)
     token_smooth = token_smooth.masked_fill(pad, 0.0)
 
-    use_bos = bos_token_id is not None and bool(tgt[:, 0].eq(bos_token_id).all())
-    ll = token_ll[:, :, 1:].sum(2) if exclude_bos_score and use_bos else token_ll.sum(2)
+    skip_bos = _skips_bos(tgt, bos_token_id, exclude_bos_score)
+    ll = token_ll[:, :, 1:].sum(2) if skip_bos else token_ll.sum(2)
     nll = -torch.logsumexp(ll, dim=1)
     smooth = -torch.logsumexp(token_smooth.sum(2), dim=1)
     return _finish(nll, smooth, epsilon, vocab, reduce_loss)
@@ -112,11 +131,8 @@ def rag_token_nll(
         log-dist) nll = -sum_t m_t(y_t)          smooth = -sum_t sum_v m_t(v)     (unpadded t only)
     Returns (B,) or a scalar when ``reduce_loss``.
     """
-    batch, k = doc_scores.shape
-    vocab = seq_logits.shape[-1]
-    tgt = _shift_left(target, pad_token_id)
-    logprobs = torch.log_softmax(seq_logits.float(), dim=-1).view(batch, k, -1, vocab)
-    doc_logprobs = torch.log_softmax(doc_scores.float(), dim=1)
+    logprobs, doc_logprobs, tgt = _log_probs(seq_logits, doc_scores, target, pad_token_id)
+    vocab = logprobs.shape[-1]
     marginal = torch.logsumexp(logprobs + doc_logprobs[:, :, None, None], dim=1)  # (B, T, V)
 
     token_ll = marginal.gather(-1, tgt[:, :, None]).squeeze(-1)  # (B, T)
@@ -124,7 +140,6 @@ def rag_token_nll(
     pad = tgt.eq(pad_token_id)
     token_ll = token_ll.masked_fill(pad, 0.0)
     token_smooth = token_smooth.masked_fill(pad, 0.0)
-    use_bos = bos_token_id is not None and bool(tgt[:, 0].eq(bos_token_id).all())
-    if exclude_bos_score and use_bos:
+    if _skips_bos(tgt, bos_token_id, exclude_bos_score):
         token_ll = token_ll[:, 1:]
     return _finish(-token_ll.sum(1), -token_smooth.sum(1), epsilon, vocab, reduce_loss)
