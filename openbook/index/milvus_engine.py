@@ -443,14 +443,23 @@ class MilvusEngine:
             return MilvusIndex(self, name, held, 0)
         return self.open(name)
 
-    def _create_passages(self, collection: str, manifest: Manifest, shards: int | None) -> None:
+    @staticmethod
+    def _pieces_schema(key: str, position: str) -> Any:
+        """The schema of a collection of pieces of documents (the passages', the documents'
+        chunks): the piece's primary ``key``, its document, its ``position`` in it, its
+        title, text and metadata; one size for each in both, so what fits one fits the
+        other. The caller adds its own fields after these."""
         s = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
-        s.add_field("pid", DataType.VARCHAR, is_primary=True, max_length=2048)
+        s.add_field(key, DataType.VARCHAR, is_primary=True, max_length=2048)
         s.add_field("doc_id", DataType.VARCHAR, max_length=1024)
-        s.add_field("seq", DataType.INT64)
+        s.add_field(position, DataType.INT64)
         s.add_field("title", DataType.VARCHAR, max_length=4096)
         s.add_field("text", DataType.VARCHAR, max_length=_VARCHAR_MAX)
         s.add_field("metadata", DataType.JSON)
+        return s
+
+    def _create_passages(self, collection: str, manifest: Manifest, shards: int | None) -> None:
+        s = self._pieces_schema("pid", "seq")
         s.add_field(
             "terms", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=_TERMS,
             max_length=64,
@@ -474,13 +483,7 @@ class MilvusEngine:
         self._create(collection, s, "_v", "FLAT", {})
 
     def _create_documents(self, collection: str) -> None:
-        s = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
-        s.add_field("key", DataType.VARCHAR, is_primary=True, max_length=2048)
-        s.add_field("doc_id", DataType.VARCHAR, max_length=1024)
-        s.add_field("chunk", DataType.INT64)
-        s.add_field("title", DataType.VARCHAR, max_length=4096)
-        s.add_field("text", DataType.VARCHAR, max_length=_VARCHAR_MAX)
-        s.add_field("metadata", DataType.JSON)
+        s = self._pieces_schema("key", "chunk")
         s.add_field("version", DataType.INT64)
         s.add_field("_v", DataType.FLOAT_VECTOR, dim=2)
         self._create(collection, s, "_v", "FLAT", {})

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from openbook.errors import InvalidArgument
 from openbook.types import Passage
@@ -104,15 +105,20 @@ class PassageStore:
                 out.append(int(hit[0]))
         return out
 
-    def iter_batches(self, start: int, stop: int, batch: int = 10_000):
-        """Yield lists of (title, text) for rows in [start, stop), in row order."""
+    def _row_batches(self, columns: str, start: int, stop: int, batch: int) -> Iterator[list[Any]]:
+        """``columns`` of the rows in [start, stop), ``batch`` rows at a time, in row order.
+        The lock is held for each read only, never while the caller works on a batch."""
+        query = f"SELECT {columns} FROM passages WHERE row >= ? AND row < ? ORDER BY row"
         for s in range(start, stop, batch):
             with self._lock:
-                cur = self._conn.execute(
-                    "SELECT title, text FROM passages WHERE row >= ? AND row < ? ORDER BY row",
-                    (s, min(s + batch, stop)),
-                )
-                yield cur.fetchall()
+                rows = self._conn.execute(query, (s, min(s + batch, stop))).fetchall()
+            yield rows
+
+    def iter_batches(
+        self, start: int, stop: int, batch: int = 10_000
+    ) -> Iterator[list[tuple[str, str]]]:
+        """Yield lists of (title, text) for rows in [start, stop), in row order."""
+        yield from self._row_batches("title, text", start, stop, batch)
 
     def ids(self, start: int, stop: int) -> list[str]:
         """Passage ids of rows [start, stop), in row order."""
@@ -122,26 +128,13 @@ class PassageStore:
             )
             return [r[0] for r in cur.fetchall()]
 
-    def iter_ids_titles(self, batch: int = 100_000):
+    def iter_ids_titles(self, batch: int = 100_000) -> Iterator[list[tuple[int, str, str]]]:
         """Yield lists of (row, id, title) of every row, in row order (no text read)."""
-        for s in range(0, len(self), batch):
-            with self._lock:
-                cur = self._conn.execute(
-                    "SELECT row, id, title FROM passages WHERE row >= ? AND row < ? ORDER BY row",
-                    (s, s + batch),
-                )
-                rows = cur.fetchall()
-            yield rows
+        yield from self._row_batches("row, id, title", 0, len(self), batch)
 
-    def iter_passages(self, start: int, stop: int, batch: int = 10_000):
+    def iter_passages(self, start: int, stop: int, batch: int = 10_000) -> Iterator[list[Passage]]:
         """Yield lists of ``Passage`` (id, title, text) for rows in [start, stop), in row order."""
-        for s in range(start, stop, batch):
-            with self._lock:
-                cur = self._conn.execute(
-                    "SELECT id, title, text FROM passages WHERE row >= ? AND row < ? ORDER BY row",
-                    (s, min(s + batch, stop)),
-                )
-                rows = cur.fetchall()
+        for rows in self._row_batches("id, title, text", start, stop, batch):
             yield [Passage(*r) for r in rows]
 
     def with_id_prefix(self, prefix: str, exact: str) -> list[Passage]:
