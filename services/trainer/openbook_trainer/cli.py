@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 
@@ -18,6 +18,15 @@ from openbook.storage.checkpoint import CheckpointError
 from openbook_trainer.choices import Adapter, Mode, Precision, Retrieval, Task
 from openbook_trainer.distributed import DistributedError
 from openbook_trainer.evaluation.data import DataError
+
+
+def _adapter_option(part: str) -> Any:
+    """``--PART-adapter``, the same choice for either trainable part of RAG."""
+    return typer.Option(
+        None,
+        f"--{part.replace(' ', '-')}-adapter",
+        help=f"lora: train a LoRA adapter of the {part} only (checkpoints hold the adapter)",
+    )
 
 
 def train_command(
@@ -70,16 +79,8 @@ def train_command(
         None, "--resume/--no-resume", help="continue from OUT/latest (default: resume)"
     ),
     progress: bool | None = typer.Option(None, "--progress/--no-progress"),
-    generator_adapter: Adapter | None = typer.Option(
-        None,
-        "--generator-adapter",
-        help="lora: train a LoRA adapter of the generator only (checkpoints hold the adapter)",
-    ),
-    query_encoder_adapter: Adapter | None = typer.Option(
-        None,
-        "--query-encoder-adapter",
-        help="lora: train a LoRA adapter of the query encoder only (checkpoints hold the adapter)",
-    ),
+    generator_adapter: Adapter | None = _adapter_option("generator"),
+    query_encoder_adapter: Adapter | None = _adapter_option("query encoder"),
     lora_rank: int | None = typer.Option(None, "--lora-rank", help="adapter rank r (16)"),
     lora_alpha: float | None = typer.Option(None, "--lora-alpha", help="scale alpha (32)"),
     lora_dropout: float | None = typer.Option(None, "--lora-dropout", help="(0.05)"),
