@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -12,8 +15,8 @@ import typer
 from openbook_trainer.demo.data import default_data_dir
 from openbook_trainer.experiments.hot_swap import markdown as hot_swap_markdown
 from openbook_trainer.experiments.hot_swap import run_hot_swap
+from openbook_trainer.experiments.inputs import ExperimentInputs, with_input_options
 from openbook_trainer.experiments.report import write_section
-from openbook_trainer.settings import TrainerSettings
 
 app = typer.Typer(
     help="Reproduce the RAG paper's experiments on the demo data.",
@@ -24,29 +27,52 @@ app = typer.Typer(
 
 SECRET_PARAMS = {"admin_token"}
 
-# Options several experiments share: one spelling, one help text.
-IndexRoot = Annotated[
-    Path | None, typer.Option(help="demo indexes (default: the settings' OPENBOOK_INDEX_ROOT)")
-]
+# Options several experiments share: one spelling, one help text (the inputs' are in inputs.py).
 HybridIndex = Annotated[str, typer.Option(help="an index with a dense and a BM25 view")]
-BaseGenerator = Annotated[Path, typer.Option(help="the base generator's directory")]
-Questions = Annotated[
-    Path | None, typer.Option(help="SQuAD questions JSONL (default: the demo data's)")
-]
 Results = Annotated[Path, typer.Option(help="where the result JSON and pictures are written")]
 Report = Annotated[Path, typer.Option(help="the Markdown report whose section is written")]
 
 
-def _failed(experiment: str, exc: Exception) -> typer.Exit:
-    """Exit 1 with ``EXPERIMENT: why`` on stderr."""
-    typer.echo(f"{experiment}: {exc}", err=True)
-    return typer.Exit(1)
+# The sections of docs/results.md the trust experiment writes, and their titles.
+TRUST_SECTIONS = {
+    "trust": "Answers you can trust: hybrid retrieval, held-out EM and confidence",
+    "retrain": "Retraining the default's adapter: every training question, hybrid in the loop",
+    "default": "The shipped default on every development question",
+    "int8-head": "The LM head in int8: the shipped default's answers against its own",
+}
+# Every section of the report an experiment writes, and its title.
+SECTION_TITLES = {
+    "hot-swap": "Index hot-swap (paper §4.5)",
+    "open-qa": "Open-domain QA on SQuAD (paper Table 1, Figure 3)",
+    "finetune": "Fine-tuning the default on unseen articles (paper §2.4)",
+    **TRUST_SECTIONS,
+}
+
+
+@contextmanager
+def _exits_on(experiment: str, *errors: type[Exception]) -> Iterator[None]:
+    """Exit 1 with ``EXPERIMENT: why`` on stderr when the experiment raises one of ``errors``
+    (its inputs or its files are wrong): a message, not a traceback."""
+    try:
+        yield
+    except errors as exc:
+        typer.echo(f"{experiment}: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _save(folder: Path, name: str, text: str) -> None:
     """Write an experiment's result file ``name`` into ``folder``, made if need be."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text(text)
+
+
+def _publish(
+    ctx: typer.Context, report: Path, section: str, table: str, shown: str | None = None
+) -> None:
+    """Write ``table`` as ``section`` of the Markdown ``report``, with the command that made it,
+    and print it (or ``shown``, where the terminal gets less than the report)."""
+    write_section(report, section, SECTION_TITLES[section], table, _command_line(ctx))
+    typer.echo(table if shown is None else shown)
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -74,35 +100,21 @@ def hot_swap(
 ) -> None:
     """Ask the leader questions on wiki-2016 and wiki-2018, swapping the live index."""
     questions = questions or default_data_dir() / "leaders" / "questions.jsonl"
-    try:
+    with _exits_on("hot-swap", RuntimeError, OSError):
         result = run_hot_swap(
             url, admin_token, questions, k=k, decoding=decoding, limit=limit or None
         )
-    except (RuntimeError, OSError) as exc:
-        raise _failed("hot-swap", exc) from None
-    _save(
-        out,
-        "hot_swap.json",
-        json.dumps(
-            {
-                "indexes": result.indexes,
-                "accuracy": {f"{i}/{a}": v for (i, a), v in result.accuracy.items()},
-                "predictions": result.predictions,
-            },
-            indent=2,
-        ),
-    )
-    table = hot_swap_markdown(result)
-    write_section(report, "hot-swap", "Index hot-swap (paper §4.5)", table, _command_line(ctx))
-    typer.echo(table)
+    accuracy = {f"{i}/{a}": v for (i, a), v in result.accuracy.items()}
+    summary = {"indexes": result.indexes, "accuracy": accuracy, "predictions": result.predictions}
+    _save(out, "hot_swap.json", json.dumps(summary, indent=2))
+    _publish(ctx, report, "hot-swap", hot_swap_markdown(result))
 
 
 @app.command("qa")
+@with_input_options
 def open_qa(
     ctx: typer.Context,
-    index_root: IndexRoot = None,
-    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
-    questions: Questions = None,
+    inputs: ExperimentInputs,
     n: int = typer.Option(100, min=1, help="questions in the fixed subset"),
     seed: int = typer.Option(0),
     prior_scale: float = typer.Option(
@@ -122,53 +134,23 @@ def open_qa(
         run_open_qa,
     )
 
-    index_root = index_root or TrainerSettings().index_root
-
-    config = OpenQAConfig(
-        index_root=index_root,
-        generator=generator,
-        n=n,
-        seed=seed,
-        prior_scale=prior_scale,
-        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
-    )
-    try:
+    config = OpenQAConfig(**asdict(inputs), n=n, seed=seed, prior_scale=prior_scale)
+    with _exits_on("qa", ValueError, OSError):
         result = run_open_qa(config, out)
-    except (ValueError, OSError) as exc:
-        raise _failed("qa", exc) from None
-    _save(
-        out,
-        "open_qa.json",
-        json.dumps(
-            {
-                "scores": result.scores,
-                "retrieval": result.retrieval,
-                "config": {
-                    k: str(v) if isinstance(v, Path) else v for k, v in result.config.items()
-                },
-            },
-            indent=2,
-        ),
-    )
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in result.config.items()}
+    summary = {"scores": result.scores, "retrieval": result.retrieval, "config": settings}
+    _save(out, "open_qa.json", json.dumps(summary, indent=2))
     plot = out / "em_vs_k.png"
     plot_em_by_k(result, config.ks, plot)
     table = markdown(result) + f"\n\n![EM against k]({plot.relative_to(report.parent)})"
-    write_section(
-        report,
-        "open-qa",
-        "Open-domain QA on SQuAD (paper Table 1, Figure 3)",
-        table,
-        _command_line(ctx),
-    )
-    typer.echo(markdown(result))
+    _publish(ctx, report, "open-qa", table, shown=markdown(result))
 
 
 @app.command("finetune")
+@with_input_options
 def finetune(
     ctx: typer.Context,
-    index_root: IndexRoot = None,
-    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
-    questions: Questions = None,
+    inputs: ExperimentInputs,
     out: Path = typer.Option(Path("var/experiments/finetune"), help="checkpoints, predictions"),
     dev_articles: int = typer.Option(10, min=1, help="articles held out for development"),
     dev_examples: int = typer.Option(100, min=1, help="development questions scored"),
@@ -191,9 +173,7 @@ def finetune(
     from openbook_trainer.experiments.finetune import FinetuneConfig, markdown, run_finetune
 
     config = FinetuneConfig(
-        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
-        index_root=index_root or TrainerSettings().index_root,
-        generator=generator,
+        **asdict(inputs),
         out=out,
         dev_articles=dev_articles,
         dev_examples=dev_examples,
@@ -207,31 +187,20 @@ def finetune(
         lora_rank=lora_rank,
         seed=seed,
     )
-    try:
+    with _exits_on("finetune", ValueError, OSError):
         result = run_finetune(config)
-    except (ValueError, OSError) as exc:
-        raise _failed("finetune", exc) from None
     _save(results, "finetune.json", (out / "result.json").read_text())
-    table = markdown(result)
-    write_section(
-        report,
-        "finetune",
-        "Fine-tuning the default on unseen articles (paper §2.4)",
-        table,
-        _command_line(ctx),
-    )
-    typer.echo(table)
+    _publish(ctx, report, "finetune", markdown(result))
 
 
 @app.command("retrain")
+@with_input_options
 def retrain(
-    index_root: IndexRoot = None,
+    inputs: ExperimentInputs,
     index: HybridIndex = "wiki-2018",
-    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
     query_encoder_adapter: Path = typer.Option(
         None, help="the frozen query encoder adapter (default: the demo data's)"
     ),
-    questions: Questions = None,
     out: Path = typer.Option(Path("var/experiments/retrain"), help="checkpoints, train.jsonl"),
     export: Path = typer.Option(
         Path("var/experiments/retrain/adapters"),
@@ -256,9 +225,7 @@ def retrain(
 
     adapters = default_data_dir() / "adapters"
     config = RetrainConfig(
-        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
-        index_root=index_root or TrainerSettings().index_root,
-        generator=generator,
+        **asdict(inputs),
         query_encoder_adapter=query_encoder_adapter or adapters / "minilm-squad-query",
         out=out,
         index=index,
@@ -271,34 +238,22 @@ def retrain(
         save_every=save_every,
         seed=seed,
     )
-    try:
+    with _exits_on("retrain", ValueError, OSError):
         if train_now:
             run_retrain(config)
         ckpt = export_candidate(config, export)
-    except (ValueError, OSError) as exc:
-        raise _failed("retrain", exc) from None
     typer.echo(f"exported {ckpt} to {export}")
 
 
-# The sections of docs/results.md the trust experiment writes, and their titles.
-TRUST_SECTIONS = {
-    "trust": "Answers you can trust: hybrid retrieval, held-out EM and confidence",
-    "retrain": "Retraining the default's adapter: every training question, hybrid in the loop",
-    "default": "The shipped default on every development question",
-    "int8-head": "The LM head in int8: the shipped default's answers against its own",
-}
-
-
 @app.command("trust")
+@with_input_options
 def trust(
     ctx: typer.Context,
-    index_root: IndexRoot = None,
+    inputs: ExperimentInputs,
     index: HybridIndex = "wiki-2018",
-    generator: BaseGenerator = Path("var/models/gemma-3-270m"),
     adapters: Path = typer.Option(
         None, help="the shipped adapters' folder (default: the demo data's adapters)"
     ),
-    questions: Questions = None,
     out: Path = typer.Option(Path("var/experiments/trust"), help="predictions, result.json"),
     dev_examples: int = typer.Option(0, min=0, help="development questions (0: all)"),
     folds: int = typer.Option(10, min=0, help="k-fold over articles for the fusion (0: skip)"),
@@ -356,9 +311,7 @@ def trust(
                 f"systems are 1..{len(systems)}", param_hint="--only"
             ) from None
     config = TrustConfig(
-        questions=questions or default_data_dir() / "squad" / "questions.jsonl",
-        index_root=index_root or TrainerSettings().index_root,
-        generator=generator,
+        **asdict(inputs),
         out=out,
         systems=systems,
         index=index,
@@ -367,15 +320,12 @@ def trust(
         batch_size=batch_size,
         seed=seed,
     )
-    try:
+    with _exits_on("trust", ValueError, OSError):
         result, rows = run_trust(config, readers=readers)
-    except (ValueError, OSError) as exc:
-        raise _failed("trust", exc) from None
     _save(results, "trust.json", (out / "result.json").read_text())
     pictures = plot_confidence(result, results)
     coverage = plot_coverage(result, rows.__getitem__, results)
     if coverage is not None:
         pictures["coverage"] = coverage
     table = markdown(result, {t: str(p.relative_to(report.parent)) for t, p in pictures.items()})
-    write_section(report, section, TRUST_SECTIONS[section], table, _command_line(ctx))
-    typer.echo(table)
+    _publish(ctx, report, section, table)

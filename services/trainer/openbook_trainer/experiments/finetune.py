@@ -40,15 +40,13 @@ from openbook.storage.checkpoint import latest_checkpoint
 from openbook_trainer.checkpoints import load_checkpoint
 from openbook_trainer.config import TrainConfig
 from openbook_trainer.evaluation.metrics import answer_recall_at_k
+from openbook_trainer.experiments.inputs import ExperimentInputs
 from openbook_trainer.experiments.records import ResultLog, em_f1, qa_row
 from openbook_trainer.loop import _pick_amp_dtype, train
 
 
 @dataclass
-class FinetuneConfig:
-    questions: Path
-    index_root: Path
-    generator: Path
+class FinetuneConfig(ExperimentInputs):
     out: Path
     dense_index: str = "wiki-2018"
     bm25_index: str = "wiki-2018-bm25"

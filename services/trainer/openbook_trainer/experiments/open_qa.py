@@ -20,6 +20,7 @@ from openbook.index.request import SearchRequest
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
 from openbook_trainer.evaluation.metrics import answer_recall_at_k
+from openbook_trainer.experiments.inputs import ExperimentInputs
 from openbook_trainer.experiments.records import ResultLog, em_f1, qa_row
 
 # A single empty passage: the generator's own prompt with nothing retrieved (closed book).
@@ -35,10 +36,7 @@ class System:
 
 
 @dataclass
-class OpenQAConfig:
-    index_root: Path
-    generator: Path
-    questions: Path
+class OpenQAConfig(ExperimentInputs):
     dense_index: str = "wiki-2018"
     bm25_index: str = "wiki-2018-bm25"
     n: int = 100

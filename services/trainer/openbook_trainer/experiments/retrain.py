@@ -27,6 +27,7 @@ from pathlib import Path
 from openbook.storage.checkpoint import generator_adapter_dir, latest_checkpoint, read_manifest
 from openbook_trainer.config import TrainConfig
 from openbook_trainer.experiments.finetune import split_by_article, write_questions
+from openbook_trainer.experiments.inputs import ExperimentInputs
 from openbook_trainer.loop import TrainResult, train, training_threads
 
 GENERATOR_ADAPTER = "gemma-3-270m-squad"  # the names data/adapters uses
@@ -34,10 +35,7 @@ QUERY_ENCODER_ADAPTER = "minilm-squad-query"
 
 
 @dataclass
-class RetrainConfig:
-    questions: Path
-    index_root: Path
-    generator: Path
+class RetrainConfig(ExperimentInputs):
     query_encoder_adapter: Path  # frozen: the one the index's fusion was fitted with
     out: Path
     index: str = "wiki-2018"

@@ -75,6 +75,7 @@ from openbook_trainer.evaluation.statistics import (
     threshold_for_coverage,
 )
 from openbook_trainer.experiments.finetune import split_by_article
+from openbook_trainer.experiments.inputs import ExperimentInputs
 from openbook_trainer.experiments.records import ResultLog, qa_row
 
 COVERAGES = (1.0, 0.8, 0.6, 0.5)
@@ -137,10 +138,7 @@ def default_systems(
 
 
 @dataclass
-class TrustConfig:
-    questions: Path
-    index_root: Path
-    generator: Path
+class TrustConfig(ExperimentInputs):
     out: Path
     systems: list[ReaderSystem]
     index: str = "wiki-2018"  # an index with both views
