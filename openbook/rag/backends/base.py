@@ -36,7 +36,7 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, Self, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -50,6 +50,9 @@ from openbook.rag.errors import ModelLoadError
 from openbook.rag.memory import SCORE_LOGIT_ELEMENTS as SCORE_LOGIT_ELEMENTS
 from openbook.rag.memory import MemoryModel
 from openbook.types import Passage
+
+if TYPE_CHECKING:
+    from openbook.rag.backends.int8_head import Int8Product
 
 Items = Sequence[tuple[str, Sequence[Passage]]]  # (question, passages) per request
 
@@ -123,9 +126,10 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         verify drafted tokens (:mod:`openbook.rag.drafting`) in one forward pass."""
         return False
 
-    def quantize_head(self) -> None:
+    def quantize_head(self, product: Int8Product | None = None) -> None:
         """Serve the LM head with int8 weights, one scale per output row
-        (:class:`~openbook.rag.backends.int8_head.Int8Head`); a
+        (:class:`~openbook.rag.backends.int8_head.Int8Head`, multiplying with ``product``,
+        by default the faster kernel for the model's precision on this machine); a
         :class:`~openbook.rag.errors.ModelLoadError` (a ``ValueError``) saying why where this
         family, its head or its device cannot. The input embedding keeps its precision."""
         raise ModelLoadError(f"the {self.kind} backend keeps its LM head in the model's precision")
