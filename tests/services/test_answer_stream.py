@@ -142,7 +142,7 @@ def test_a_failure_after_the_stream_began_ends_it_with_an_error_event(stack, red
 
     backends, _ = stack
 
-    async def failing_stream(body, passages, request_id, fair_share=""):
+    async def failing_stream(request, request_id):
         token = generator_pb2.TokenEvent(token_id=1, token="A", text="A")
         yield generator_pb2.GenerateEvent(token=token)
         raise HTTPException(503, "generator unavailable: it went away")

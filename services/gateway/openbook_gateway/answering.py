@@ -40,6 +40,7 @@ from openbook_gateway.conversation import Turn, contextual_question
 from openbook_gateway.mapping import (
     answer_response,
     cached_answer,
+    generate_request,
     stored_answer,
     with_threshold,
 )
@@ -197,16 +198,14 @@ async def answer_events(
             as_asked = (
                 body if body.question == asked else body.model_copy(update={"question": asked})
             )
+            # the key's name, its fair share of the generator (issue 43)
+            request = generate_request(as_asked, passages, principal.fair_share_class)
             if not stream:
-                # the key's name, its fair share of the generator (issue 43)
-                share = principal.fair_share_class
                 generated = await unless_disconnected(
-                    caller, services.generator.generate(as_asked, passages, request_id, share)
+                    caller, services.generator.generate(request, request_id)
                 )
             else:
-                async for event in services.generator.generate_stream(
-                    as_asked, passages, request_id, principal.fair_share_class
-                ):
+                async for event in services.generator.generate_stream(request, request_id):
                     if event.WhichOneof("event") == "done":
                         generated = event.done
                         break

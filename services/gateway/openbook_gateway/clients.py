@@ -32,8 +32,6 @@ from openbook.v1 import (
     generator_pb2_grpc,
     retriever_pb2_grpc,
 )
-from openbook_gateway.mapping import generate_request
-from openbook_gateway.schemas import AnswerRequest
 
 T = TypeVar("T")
 
@@ -150,16 +148,22 @@ class ServiceClient:
         statuses: dict[grpc.StatusCode, int] = _HTTP_STATUS,
     ) -> T:
         timeout_s = timeout_s or self.timeout_s
-        # with tracing on, every call carries the current span (W3C traceparent)
-        metadata = (deadline_metadata(timeout_s), *trace_metadata())
-        if request_id:
-            metadata += ((REQUEST_ID_HEADER, request_id),)
+        metadata = self._metadata(timeout_s, request_id)
         if id(method) in self._admin_calls:
             metadata += self._admin_metadata
         try:
             return await method(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             raise http_error(self.name, error, statuses) from None
+
+    @staticmethod
+    def _metadata(timeout_s: float, request_id: str) -> tuple[tuple[str, str], ...]:
+        """Every call's metadata: its deadline, the current span (W3C traceparent, with
+        tracing on) and the request's id (if any)."""
+        metadata = (deadline_metadata(timeout_s), *trace_metadata())
+        if request_id:
+            metadata += ((REQUEST_ID_HEADER, request_id),)
+        return metadata
 
     async def healthy(self) -> bool:
         try:
@@ -186,32 +190,18 @@ class GeneratorClient(ServiceClient):
     service = GENERATOR_SERVICE
 
     async def generate(
-        self,
-        body: AnswerRequest,
-        passages: list[common_pb2.Passage],
-        request_id: str,
-        fair_share: str = "",
+        self, request: generator_pb2.GenerateRequest, request_id: str
     ) -> generator_pb2.GenerateResponse:
-        """The answer; ``fair_share`` is who asks (GenerateRequest.caller: a key's name, ""
-        anonymous)."""
-        request = generate_request(body, passages, fair_share)
+        """The answer to ``request`` (:func:`~openbook_gateway.mapping.generate_request`)."""
         return await self.call(self.stub.Generate, request, request_id)
 
     async def generate_stream(
-        self,
-        body: AnswerRequest,
-        passages: list[common_pb2.Passage],
-        request_id: str,
-        fair_share: str = "",
+        self, request: generator_pb2.GenerateRequest, request_id: str
     ) -> AsyncIterator[generator_pb2.GenerateEvent]:
-        """GenerateStream's events (``fair_share`` as :meth:`generate`); leaving the iteration
+        """GenerateStream's events for ``request`` (as :meth:`generate`); leaving the iteration
         early cancels the call (the generator then drops the request from its batch)."""
-        metadata = (deadline_metadata(self.timeout_s), *trace_metadata())
-        if request_id:
-            metadata += ((REQUEST_ID_HEADER, request_id),)
-        call = self.stub.GenerateStream(
-            generate_request(body, passages, fair_share), timeout=self.timeout_s, metadata=metadata
-        )
+        metadata = self._metadata(self.timeout_s, request_id)
+        call = self.stub.GenerateStream(request, timeout=self.timeout_s, metadata=metadata)
         try:
             async for event in call:
                 yield event
