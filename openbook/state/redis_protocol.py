@@ -102,17 +102,23 @@ def open_model_version(
 ) -> ModelVersion | None:
     """``service``'s model version stored as ``raw``; None if absent, not genuine or not a
     record (an insider's plain ``HSET`` reads as no version: the cache is not looked up)."""
-    record = sealer.open_json(model_version_seal_key(service), raw)
+    record = _sequenced(sealer.open_json(model_version_seal_key(service), raw), "version")
     if record is None:
         return None
-    if not (
+    return ModelVersion(version=record["version"], seq=record["seq"])
+
+
+def _sequenced(record: object, name: str) -> dict[str, Any] | None:
+    """``record`` if it is a sequenced record named by ``name`` (a dict with a non-empty
+    string ``name`` and an int ``seq``: a model version, a desired model), else None."""
+    if (
         isinstance(record, dict)
-        and isinstance(record.get("version"), str)
-        and record["version"]
+        and isinstance(record.get(name), str)
+        and record[name]
         and type(record.get("seq")) is int
     ):
-        return None
-    return ModelVersion(version=record["version"], seq=record["seq"])
+        return record
+    return None
 
 
 # --- model reloads that reach every replica -------------------------------------------------
@@ -187,18 +193,10 @@ def seal_pinned_model(sealer: Sealer, request: str, resolved: str) -> str:
 def open_desired_model(sealer: Sealer, fields: Mapping[str, str]) -> DesiredModel | None:
     """The desired model in the hash's ``fields``; None if absent, not genuine or not one
     (an insider's plain ``HSET``: no reload to follow)."""
-    record = sealer.open_json(
-        _desired_seal_key(DESIRED_RECORD_FIELD), fields.get(DESIRED_RECORD_FIELD)
-    )
-    if record is None:
-        return None
-    if not (
-        isinstance(record, dict)
-        and isinstance(record.get("id"), str)
-        and record["id"]
-        and isinstance(record.get("checkpoint"), str)
-        and isinstance(record.get("at"), int | float)
-        and type(record.get("seq")) is int
+    raw = fields.get(DESIRED_RECORD_FIELD)
+    record = _sequenced(sealer.open_json(_desired_seal_key(DESIRED_RECORD_FIELD), raw), "id")
+    if record is None or not (
+        isinstance(record.get("checkpoint"), str) and isinstance(record.get("at"), int | float)
     ):
         return None
     return DesiredModel(
