@@ -89,7 +89,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -185,12 +185,7 @@ class Calibration:
         return float(np.interp(raw, self.x, self.y))
 
     def to_json(self) -> dict:
-        return {
-            "kind": CALIBRATION_KIND,
-            "x": list(self.x),
-            "y": list(self.y),
-            "fitted_on": self.fitted_on,
-        }
+        return _as_json(CALIBRATION_KIND, self)
 
     @classmethod
     def from_json(cls, data: object) -> Calibration:
@@ -260,13 +255,7 @@ class LogisticCalibration:
         return _sigmoid(z)
 
     def to_json(self) -> dict:
-        return {
-            "kind": LOGISTIC_KIND,
-            "features": list(self.features),
-            "weights": list(self.weights),
-            "bias": self.bias,
-            "fitted_on": self.fitted_on,
-        }
+        return _as_json(LOGISTIC_KIND, self)
 
     @classmethod
     def from_json(cls, data: object) -> LogisticCalibration:
@@ -320,6 +309,16 @@ def _object_of_kind(data: object, kind: str) -> dict[str, Any]:
         raise InvalidArgument("expected a JSON object")
     if data.get("kind") != kind:
         raise InvalidArgument(f"kind must be {kind!r}, got {data.get('kind')!r}")
+    return data
+
+
+def _as_json(kind: str, calibration: AnyCalibration) -> dict[str, Any]:
+    """``calibration`` as a JSON object: its ``kind``, then its fields in order (tuples as
+    lists)."""
+    data: dict[str, Any] = {"kind": kind}
+    for f in fields(calibration):
+        value = getattr(calibration, f.name)
+        data[f.name] = list(value) if isinstance(value, tuple | list) else value
     return data
 
 
