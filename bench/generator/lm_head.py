@@ -9,7 +9,10 @@ instead would give, through the two paths torch offers on CPU:
 - ``int8pack``: weight-only int8, one scale per output row (``torch._weight_int8pack_mm``);
   the activations stay in the model's precision.
 - ``dynamic``: torch's dynamically quantised linear (``torch.ao`` qint8, fbgemm), which also
-  quantises the activations per row at each call.
+  quantises the activations at each call (one scale for the whole batch).
+- ``engine``: the engine's own :class:`~openbook.rag.backends.int8_head.Int8Head` for the
+  dtype, what ``OPENBOOK_GENERATOR_LM_HEAD=int8`` serves: weight-only in bf16, fbgemm's dynamic
+  product with every row quantized on its own (batch-independent) in float32 on x86.
 
 Reported per row count (the rows of a step: k passages x requests running): the median ms of
 each path, its ratio to the model's precision, and how often the argmax (the greedy token)
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from openbook.rag.backends.int8_head import Int8Head
 
 
 def _median_ms(fn: Callable[[], object], rounds: int) -> float:
@@ -80,6 +85,7 @@ def main() -> None:
         torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8
     )
     row_scales = scales.to(dtype)
+    engine_head = Int8Head(model_weight)
 
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -91,6 +97,7 @@ def main() -> None:
                 "model": lambda x=x: torch.nn.functional.linear(x, model_weight),
                 "int8pack": lambda x=x: torch._weight_int8pack_mm(x, packed, row_scales),
                 "dynamic": lambda hidden=hidden: dynamic(hidden),
+                "engine": lambda x=x: engine_head(x),
             }
             ms: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(3):  # alternate the paths: drift on a busy machine hits all alike
@@ -112,13 +119,14 @@ def main() -> None:
             f"rows {rows:3d}: model ({args.dtype}) {base:7.1f} ms | "
             + " | ".join(
                 f"{n} {row['ms'][n]:7.1f} ms ({row['speedup'][n]:.2f}x, argmax {agree[n]:.2f})"
-                for n in ("int8pack", "dynamic")
+                for n in ("int8pack", "dynamic", "engine")
             )
         )
     report = {
         "vocab": args.vocab,
         "width": args.width,
         "dtype": args.dtype,
+        "engine_product": engine_head.product.value,
         "threads": args.threads,
         "torch": torch.__version__,
         "processor": platform.processor() or platform.machine(),
