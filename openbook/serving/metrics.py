@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -19,76 +23,75 @@ class ServiceMetrics:
 
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()
-        self.rpcs = Counter(
-            "openbook_rpc_total",
-            "RPCs by method and status code",
-            ["service", "method", "code"],
-            registry=self.registry,
+        self.rpcs = self._metric(
+            Counter, "openbook_rpc_total", "RPCs by method and status code", ["method", "code"]
         )
-        self.rpc_seconds = Histogram(
-            "openbook_rpc_seconds",
-            "RPC latency",
-            ["service", "method"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.rpc_seconds = self._metric(
+            Histogram, "openbook_rpc_seconds", "RPC latency", ["method"], buckets=LATENCY_BUCKETS
         )
-        self.batch_size = Histogram(
+        self.batch_size = self._metric(
+            Histogram,
             "openbook_batch_size",
             "Requests per batched forward pass",
-            ["service"],
             buckets=(1, 2, 4, 8, 16, 32, 64),
-            registry=self.registry,
         )
-        self.queue_depth = Gauge(
-            "openbook_queue_depth",
-            "Requests waiting to be batched",
-            ["service"],
-            registry=self.registry,
+        self.queue_depth = self._metric(
+            Gauge, "openbook_queue_depth", "Requests waiting to be batched"
         )
-        self.dropped = Counter(
+        self.dropped = self._metric(
+            Counter,
             "openbook_dropped_total",
             "Requests dropped because every caller gave up (deadline passed, cancelled), by "
             "where: 'queued' before a batch took them, 'running' between decoding steps",
-            ["service", "where"],
-            registry=self.registry,
+            ["where"],
         )
-        self.serving = Gauge(
+        self.serving = self._metric(
+            Gauge,
             "openbook_serving_info",
             "1 for the index or model version being served",
-            ["service", "kind", "name"],
-            registry=self.registry,
+            ["kind", "name"],
         )
-        self.passage_cache = Gauge(
+        self.passage_cache = self._metric(
+            Gauge,
             "openbook_passage_cache_lookups",
             "Passage prompts looked up in the generator's passage cache since the model loaded, "
             "by result ('hit': keys/values reused, 'miss': prefilled)",
-            ["service", "result"],
-            registry=self.registry,
+            ["result"],
         )
-        self.slowdown = Gauge(
+        self.slowdown = self._metric(
+            Gauge,
             "openbook_generator_slowdown",
             "How much slower the generator's work is now than when its speed was calibrated at "
             "load (openbook_generator/speed.py), by kind ('prefill', 'step'): what admission "
             "plans with",
-            ["service", "kind"],
-            registry=self.registry,
+            ["kind"],
         )
-        self.compute_threads = Gauge(
+        self.compute_threads = self._metric(
+            Gauge,
             "openbook_compute_threads",
             "torch/OpenMP threads the service computes with now: sized to the CPU it gets "
             "(affinity, cgroup quota, what neighbours take) unless set "
             "(openbook/runtime/compute_threads.py)",
-            ["service"],
-            registry=self.registry,
         )
-        self.index_version = Gauge(
+        self.index_version = self._metric(
+            Gauge,
             "openbook_index_version",
             "The version of each live index as last served or written here (it grows by one "
             "with every acknowledged document write; 0 for a built index)",
-            ["service", "index"],
-            registry=self.registry,
+            ["index"],
         )
         self.service = service
+
+    def _metric(
+        self,
+        kind: type[_M],
+        name: str,
+        documentation: str,
+        labels: Sequence[str] = (),
+        **options: Any,
+    ) -> _M:
+        """A ``kind`` metric in this registry, labelled by the service, then by ``labels``."""
+        return kind(name, documentation, ["service", *labels], registry=self.registry, **options)
 
     def set_index_version(self, index: str, version: int) -> None:
         self.index_version.labels(self.service, index).set(version)
