@@ -45,6 +45,7 @@ from openbook.index import faiss_index
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
 from openbook.index.shard import shard_spans
+from openbook.index.spec import AnnParams
 from openbook.index.store import PassageWriter
 from openbook.storage.artifacts import publish, replace_file
 from openbook.types import Passage
@@ -118,14 +119,16 @@ class ScaleConfig:
             "ivfpq",
             self.passages,
             self.dim,
-            nlist=min(self.nlist, self.passages),
-            pq_m=self.pq_m,
-            nprobe=self.nprobe,
-            rerank=self.rerank,
-            coarse_quantizer=self.coarse_quantizer,
-            hnsw_m=self.hnsw_m,
-            ef_construction=self.ef_construction,
-            ef_search=self.ef_search,
+            AnnParams(
+                nlist=min(self.nlist, self.passages),
+                pq_m=self.pq_m,
+                nprobe=self.nprobe,
+                rerank=self.rerank,
+                coarse_quantizer=self.coarse_quantizer,
+                hnsw_m=self.hnsw_m,
+                ef_construction=self.ef_construction,
+                ef_search=self.ef_search,
+            ),
         )
 
     def built(self) -> dict[str, Any]:

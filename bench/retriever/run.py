@@ -37,6 +37,7 @@ import faiss
 import numpy as np
 
 from openbook.index import faiss_index
+from openbook.index.spec import AnnParams
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "flat": ("flat", {}),
@@ -107,7 +108,7 @@ def bench_one(
 ) -> tuple[dict[str, Any], np.ndarray]:
     index_type, variant = VARIANTS[name]
     n, dim = x.shape
-    params = faiss_index.default_params(index_type, n, dim, **{**variant, **extra})
+    params = faiss_index.default_params(index_type, n, dim, AnnParams(**{**variant, **extra}))
     t0 = time.perf_counter()
     index, params = faiss_index.build_faiss(x, index_type, params)
     build_s = time.perf_counter() - t0

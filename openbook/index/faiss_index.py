@@ -35,12 +35,15 @@ import math
 import mmap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import faiss
 import numpy as np
 
 from openbook.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from openbook.index.spec import AnnParams
 
 DENSE_TYPES = ("flat", "hnsw", "hnsw-sq8", "ivfpq")
 INDEX_FILE = "index.faiss"
@@ -50,38 +53,29 @@ _ADD_BATCH = 20_000
 
 
 def default_params(
-    index_type: str,
-    count: int,
-    dim: int,
-    *,
-    hnsw_m: int = 32,
-    ef_construction: int = 128,
-    ef_search: int = 128,
-    hnsw_transform: str = "none",
-    nlist: int | None = None,
-    pq_m: int | None = None,
-    nprobe: int = 16,
-    rerank: int = 0,
-    coarse_quantizer: str = "flat",
+    index_type: str, count: int, dim: int, ann: AnnParams | None = None
 ) -> dict[str, Any]:
+    """The manifest's ``index_params`` of a ``count``-vector ``index_type`` index of ``dim``
+    dimensions built with ``ann`` (None: the defaults); ``ivfpq``'s ``nlist`` and ``pq_m``,
+    when unset, are chosen from ``count`` and ``dim``."""
+    if ann is None:
+        # why: spec imports this module's names, so this one cannot be imported at its top
+        from openbook.index.spec import AnnParams
+
+        ann = AnnParams()
     if index_type == "flat":
         return {"metric": "inner_product"}
-    if rerank < 0:
-        raise InvalidArgument(f"rerank must be >= 0, got {rerank}")
     if index_type in ("hnsw", "hnsw-sq8"):
-        if hnsw_transform not in HNSW_TRANSFORMS:
-            raise InvalidArgument(
-                f"unknown hnsw_transform {hnsw_transform!r}; expected one of {HNSW_TRANSFORMS}"
-            )
         return {
             "metric": "inner_product",
-            "transform": hnsw_transform,
-            "hnsw_m": hnsw_m,
-            "ef_construction": ef_construction,
-            "ef_search": ef_search,
-            "rerank": rerank,
+            "transform": ann.hnsw_transform,
+            "hnsw_m": ann.hnsw_m,
+            "ef_construction": ann.ef_construction,
+            "ef_search": ann.ef_search,
+            "rerank": ann.rerank,
         }
     if index_type == "ivfpq":
+        nlist, pq_m = ann.nlist, ann.pq_m
         if nlist is None:
             # ~4 sqrt(N) lists is faiss' usual advice; keep >= 39 training points per list.
             nlist = max(1, min(int(4 * math.sqrt(max(count, 1))), count // 39))
@@ -91,22 +85,19 @@ def default_params(
             raise InvalidArgument(f"pq_m={pq_m} must divide the vector dim {dim}")
         # PQ needs >= 2**nbits training points per sub-quantizer; shrink codebooks on tiny corpora.
         nbits = max(1, min(8, int(math.log2(max(count, 2)))))
-        if coarse_quantizer not in COARSE_QUANTIZERS:
-            raise InvalidArgument(
-                f"coarse_quantizer: unknown {coarse_quantizer!r}; expected one of "
-                f"{COARSE_QUANTIZERS}"
-            )
         params = {
             "metric": "inner_product",
             "nlist": nlist,
             "pq_m": pq_m,
             "nbits": nbits,
-            "nprobe": min(nprobe, nlist),
-            "rerank": rerank,
-            "coarse_quantizer": coarse_quantizer,
+            "nprobe": min(ann.nprobe, nlist),
+            "rerank": ann.rerank,
+            "coarse_quantizer": ann.coarse_quantizer,
         }
-        if coarse_quantizer == "hnsw":
-            params.update(hnsw_m=hnsw_m, ef_construction=ef_construction, ef_search=ef_search)
+        if ann.coarse_quantizer == "hnsw":
+            params.update(
+                hnsw_m=ann.hnsw_m, ef_construction=ann.ef_construction, ef_search=ann.ef_search
+            )
         return params
     raise InvalidArgument(f"unknown dense index type {index_type!r}; expected one of {DENSE_TYPES}")
 

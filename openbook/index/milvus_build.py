@@ -194,9 +194,7 @@ def write_into_milvus(
             dim=vectors.dim,
             count=count,
             index_type=spec.index_type,
-            index_params=default_params(
-                spec.index_type, count, vectors.dim, **spec.ann.faiss_kwargs()
-            ),
+            index_params=default_params(spec.index_type, count, vectors.dim, spec.ann),
             normalize=vectors.normalize,
             score_scale=float(spec.score_scale),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -289,7 +289,7 @@ def build_slice(
         doc_enc, q_name, resolved = document_encoder(spec, options)
         source = encoder_source(doc_enc, q_name, options.batch_size, resolved)
         weights = source.digest()
-        params = faiss_index.default_params(index_type, 0, doc_enc.dim, **spec.ann.faiss_kwargs())
+        params = faiss_index.default_params(index_type, 0, doc_enc.dim, spec.ann)
     score_scale = spec.score_scale
     if score_scale is None:
         score_scale = default_score_scale(doc_enc)

@@ -78,20 +78,6 @@ class AnnParams:
         _at_least("rerank", self.rerank, 0)
         _one_of("coarse_quantizer", self.coarse_quantizer, COARSE_QUANTIZERS)
 
-    def faiss_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`openbook.index.faiss_index.default_params`."""
-        return {
-            "hnsw_m": self.hnsw_m,
-            "ef_construction": self.ef_construction,
-            "ef_search": self.ef_search,
-            "hnsw_transform": self.hnsw_transform,
-            "nlist": self.nlist,
-            "pq_m": self.pq_m,
-            "nprobe": self.nprobe,
-            "rerank": self.rerank,
-            "coarse_quantizer": self.coarse_quantizer,
-        }
-
     @classmethod
     def from_index_params(cls, index_type: str, params: dict[str, Any]) -> AnnParams:
         """The parameters a manifest's ``index_params`` were built with. ``ivfpq`` keeps the

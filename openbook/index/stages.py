@@ -349,7 +349,7 @@ def check_shard_vectors(i: int, vecs: np.ndarray, span: tuple[int, int], dim: in
 
 def stage_faiss(work: Path, spec: IndexSpec, count: int, dim: int, progress: bool) -> dict:
     """Index ``vectors.npy`` with faiss as ``spec`` says; returns the manifest's params."""
-    params = faiss_index.default_params(spec.index_type, count, dim, **spec.ann.faiss_kwargs())
+    params = faiss_index.default_params(spec.index_type, count, dim, spec.ann)
     vectors = np.load(work / VECTORS_FILE, mmap_mode="r")
     desc = f"indexing ({spec.index_type})"
     with tqdm(total=count, unit="vec", desc=desc, disable=not progress) as bar:

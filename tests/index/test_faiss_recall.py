@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from openbook.index import faiss_index
+from openbook.index.spec import AnnParams
 from openbook_testkit.index import random_vectors
 
 N, DIM, NQ, K = 3000, 32, 50, 10
@@ -41,7 +42,7 @@ def data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def test_recall_vs_flat(data, index_type: str, extra: dict, min_recall: float) -> None:
     x, q, truth = data
     kw = {"hnsw_m": 16, "ef_search": 64, **extra}
-    params = faiss_index.default_params(index_type, N, DIM, **kw)
+    params = faiss_index.default_params(index_type, N, DIM, AnnParams(**kw))
     index, params = faiss_index.build_faiss(x, index_type, params)
     scores, rows = faiss_index.search(index, index_type, params, q, K)
     assert _recall(rows, truth) >= min_recall
@@ -63,7 +64,7 @@ def test_mips_augmentation_preserves_order() -> None:
 
 def test_exact_rerank_lifts_compressed_recall(data) -> None:
     x, q, truth = data
-    params = faiss_index.default_params("ivfpq", N, DIM, pq_m=8, nprobe=64)
+    params = faiss_index.default_params("ivfpq", N, DIM, AnnParams(pq_m=8, nprobe=64))
     index, params = faiss_index.build_faiss(x, "ivfpq", params)
     _, plain = faiss_index.search(index, "ivfpq", params, q, K)
     _, cand = faiss_index.search(index, "ivfpq", params, q, K * 8)
@@ -78,8 +79,8 @@ def test_ivfpq_with_an_hnsw_coarse_quantizer_searches_like_the_flat_one(data, tm
     with its efSearch (at least nprobe), it finds what the exact assignment finds."""
     x, q, truth = data
     kw = {"nlist": 32, "pq_m": 8, "nprobe": 8, "hnsw_m": 8, "ef_search": 4}
-    flat_params = faiss_index.default_params("ivfpq", N, DIM, **kw)
-    params = faiss_index.default_params("ivfpq", N, DIM, coarse_quantizer="hnsw", **kw)
+    flat_params = faiss_index.default_params("ivfpq", N, DIM, AnnParams(**kw))
+    params = faiss_index.default_params("ivfpq", N, DIM, AnnParams(coarse_quantizer="hnsw", **kw))
     assert flat_params["coarse_quantizer"] == "flat" and "hnsw_m" not in flat_params
     assert (params["coarse_quantizer"], params["hnsw_m"], params["ef_search"]) == ("hnsw", 8, 4)
     index, params = faiss_index.build_faiss(x, "ivfpq", params)
@@ -110,7 +111,7 @@ def test_ivfpq_with_an_hnsw_coarse_quantizer_searches_like_the_flat_one(data, tm
 
 def test_an_unknown_coarse_quantizer_is_refused() -> None:
     with pytest.raises(ValueError, match="^coarse_quantizer"):
-        faiss_index.default_params("ivfpq", N, DIM, coarse_quantizer="ivf")
+        faiss_index.default_params("ivfpq", N, DIM, AnnParams(coarse_quantizer="ivf"))
 
 
 def test_rerank_from_a_file_map_prefetches_and_scores_the_same(data, tmp_path) -> None:

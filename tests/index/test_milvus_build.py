@@ -31,7 +31,7 @@ from openbook.index.milvus_engine import (
     milvus_search_params,
 )
 from openbook.index.request import SearchRequest
-from openbook.index.spec import BuildOptions, IndexSpec
+from openbook.index.spec import AnnParams, BuildOptions, IndexSpec
 from openbook_testkit.index import build_words_index, word_rows, write_dpr_tsv, write_jsonl
 
 pytest.importorskip("milvus_lite")
@@ -162,7 +162,7 @@ def test_import_writes_precomputed_vectors_into_milvus(
         assert _all_pids(index) == sorted(ids)
         # Declared as the spec says: nlist, m and nbits of the files build's IVF-PQ defaults
         # (Milvus Lite's describe_index names the type only; a cluster's, its parameters too).
-        want = default_params("ivfpq", 150, 32, nprobe=4)
+        want = default_params("ivfpq", 150, 32, AnnParams(nprobe=4))
         described = index.client.describe_index(index.passages, "vector")
         assert described["index_type"] == "IVF_PQ"
         declared = {"nlist": want["nlist"], "m": want["pq_m"], "nbits": want["nbits"]}

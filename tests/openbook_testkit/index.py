@@ -376,10 +376,12 @@ def write_vector_index(
 ) -> Path:
     """An index directory over given ``vectors`` (no encoder: search it with
     ``SearchRequest(query_vectors=...)``); passages are ``random_rows(len(vectors))``.
-    ``params`` go to ``faiss_index.default_params`` (hnsw_m, ef_search, nlist, pq_m, ...)."""
+    ``params`` are the index's :class:`~openbook.index.spec.AnnParams` (hnsw_m, ef_search,
+    nlist, pq_m, ...)."""
     from openbook.index import faiss_index
     from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
     from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
+    from openbook.index.spec import AnnParams
     from openbook.index.store import PassageWriter
     from openbook.types import Passage
 
@@ -391,7 +393,7 @@ def write_vector_index(
     writer.add(Passage(r["id"], r["title"], r["text"]) for r in random_rows(n, words=5))
     writer.close()
     np.save(out_dir / VECTORS_FILE, vectors)
-    p = faiss_index.default_params(index_type, n, dim, **params)
+    p = faiss_index.default_params(index_type, n, dim, AnnParams(**params))
     index, p = faiss_index.build_faiss(vectors, index_type, p)
     faiss_index.write(index, out_dir / faiss_index.INDEX_FILE)
     Manifest(
