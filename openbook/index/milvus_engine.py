@@ -112,17 +112,8 @@ from openbook.index.milvus_bm25 import (
 )
 from openbook.index.request import SearchRequest
 from openbook.types import Passage
+from openbook.validation import metadata_filter as mf
 from openbook.validation.limits import MAX_METADATA_KEYS, check_range
-from openbook.validation.metadata_filter import (
-    AllOf,
-    AnyOf,
-    Condition,
-    MetadataFilter,
-    Node,
-    ValueKey,
-    record_of,
-    value_key,
-)
 
 KIND = EngineKind.MILVUS
 META_COLLECTION = "openbook_indexes"
@@ -177,7 +168,7 @@ def _string_list(values: Iterable[str]) -> str:
     return "[" + ", ".join(milvus_string(v) for v in values) + "]"
 
 
-def filter_term(key: str, value: ValueKey) -> str:
+def filter_term(key: str, value: mf.ValueKey) -> str:
     """The term a passage whose record holds ``key`` = ``value`` (typed: ``value_key``)
     carries, and a condition on it looks for: a hex digest, so no user text reaches an
     expression."""
@@ -189,23 +180,23 @@ def filter_term(key: str, value: ValueKey) -> str:
 def record_terms(record: Mapping[str, Any]) -> list[str]:
     """The terms of a filter record (``record_of``): one per key, of its typed value."""
     return sorted(
-        filter_term(key, value_key(value))
+        filter_term(key, mf.value_key(value))
         for key, value in record.items()
         if not isinstance(value, list | dict)  # metadata is flat: nothing matches these
     )
 
 
-def filter_expression(where: MetadataFilter | None) -> str:
+def filter_expression(where: mf.MetadataFilter | None) -> str:
     """``where`` as a Milvus boolean expression over ``terms`` ("" for no filter)."""
     return "" if where is None else _node_expression(where.root)
 
 
-def _node_expression(node: Node) -> str:
-    if isinstance(node, Condition):
+def _node_expression(node: mf.Node) -> str:
+    if isinstance(node, mf.Condition):
         terms = sorted(filter_term(node.key, v) for v in node.values)
         return f"array_contains_any(terms, {_string_list(terms)})"
-    joiner = " and " if isinstance(node, AllOf) else " or "
-    assert isinstance(node, AllOf | AnyOf)
+    joiner = " and " if isinstance(node, mf.AllOf) else " or "
+    assert isinstance(node, mf.AllOf | mf.AnyOf)
     return "(" + joiner.join(_node_expression(p) for p in node.parts) + ")"
 
 
@@ -867,7 +858,7 @@ class MilvusIndex(ManifestFacts):
         return self._hybrid_search(list(request.queries), q, k, return_vectors, where)
 
     def _bm25_search(
-        self, queries: list[str], k: int, return_vectors: bool, where: MetadataFilter | None
+        self, queries: list[str], k: int, return_vectors: bool, where: mf.MetadataFilter | None
     ) -> list[list[Passage]]:
         """BM25 top-k: raw BM25 scores (the bm25 view of a dense index, as the files
         engine serves it); a passage sharing no term with the query is no hit."""
@@ -878,7 +869,7 @@ class MilvusIndex(ManifestFacts):
         ]
 
     def _sparse_hits(
-        self, queries: list[str], n: int, with_fields: bool, where: MetadataFilter | None
+        self, queries: list[str], n: int, with_fields: bool, where: mf.MetadataFilter | None
     ) -> Hits:
         """Each query's top ``n`` hits of the sparse view (score > 0)."""
         vectors = query_vectors(queries)
@@ -906,7 +897,7 @@ class MilvusIndex(ManifestFacts):
         q: np.ndarray,
         k: int,
         return_vectors: bool,
-        where: MetadataFilter | None,
+        where: mf.MetadataFilter | None,
     ) -> list[list[Passage]]:
         """The files engine's hybrid search (``LoadedIndex._candidates`` and
         ``fusion.top_k``): the union of the dense and the BM25 top N (dense's first), each
@@ -943,7 +934,7 @@ class MilvusIndex(ManifestFacts):
         return Passage(entity["pid"], entity["title"], entity["text"], score=score, vector=vector)
 
     def _dense_search(
-        self, q: np.ndarray, k: int, return_vectors: bool, where: MetadataFilter | None
+        self, q: np.ndarray, k: int, return_vectors: bool, where: mf.MetadataFilter | None
     ) -> list[list[Passage]]:
         """Dense top-k per query vector of ``q`` ``(n, dim)``, re-ranked as the manifest says."""
         scale = self.manifest.score_scale
@@ -961,7 +952,7 @@ class MilvusIndex(ManifestFacts):
         k: int,
         n: int,
         return_vectors: bool,
-        where: MetadataFilter | None,
+        where: mf.MetadataFilter | None,
     ) -> list[list[Passage]]:
         """The manifest's ``rerank``, as the files engine applies it to an approximate type:
         the approximate top ``n`` (an IVF-PQ's distances are its codes', not the vectors')
@@ -984,7 +975,7 @@ class MilvusIndex(ManifestFacts):
         return out
 
     def _dense_hits(
-        self, q: np.ndarray, k: int, with_fields: bool, where: MetadataFilter | None
+        self, q: np.ndarray, k: int, with_fields: bool, where: mf.MetadataFilter | None
     ) -> Hits:
         """Each query vector's top ``k`` hits of the dense view (inner products)."""
         params: dict[str, Any] = {"metric_type": "IP"}
@@ -1137,7 +1128,7 @@ class MilvusIndex(ManifestFacts):
             "title": passage.title,
             "text": passage.text,
             "metadata": dict(metadata),
-            "terms": record_terms(record_of(doc_id, passage.title, metadata)),
+            "terms": record_terms(mf.record_of(doc_id, passage.title, metadata)),
             "vector": np.asarray(vector, np.float32).tolist(),
             SPARSE_FIELD: sparse,
         }
