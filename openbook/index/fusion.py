@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from openbook.errors import InvalidArgument
-from openbook.jsonl import json_object
 from openbook.rag.answers import joined_tokens, normalize_answer, tokens_have_answer
+from openbook.validation.jsonl import json_object
 
 if TYPE_CHECKING:
     from openbook.index.encoders import Encoder

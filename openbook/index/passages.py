@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import cast
 
 from openbook.errors import InvalidArgument
-from openbook.jsonl import json_object
 from openbook.types import Passage
+from openbook.validation.jsonl import json_object
 
 FORMATS = ("auto", "jsonl", "dpr-tsv", "articles")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from openbook.jsonl import json_object
+from openbook.validation.jsonl import json_object
 
 INPUT_KEYS = ("question", "input")
 TARGET_KEYS = ("answers", "target", "answer")
