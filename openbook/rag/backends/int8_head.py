@@ -75,7 +75,8 @@ class Int8Product(StrEnum):
 class Int8Head(nn.Module):
     """``Linear(d, V, bias=False)`` with int8 weights and one scale per output row.
 
-    Buffers: ``weight_int8`` (V, d) int8, ``scales`` (V,) in the precision of the hidden states
+    Buffers: ``weight_int8`` (V, d) int8 (weight-only; the dynamic product keeps the codes in
+    fbgemm's packed form instead), ``scales`` (V,) in the precision of the hidden states
     it is given (the model's). ``forward``: hidden (..., d) -> logits (..., V), the hidden
     states' dtype. ``product`` (default: :meth:`Int8Product.for_dtype` of the weight's dtype)
     says which kernel multiplies; the dynamic one also keeps fbgemm's packed copy of the codes.
@@ -111,12 +112,15 @@ class Int8Head(nn.Module):
                 packed[start : start + len(rows)] = codes.to(torch.int8)
                 scales[start : start + len(rows)] = scale
         self.in_features, self.out_features = int(width), int(vocab)
-        self.register_buffer("weight_int8", packed)
         self.register_buffer("scales", scales.to(weight.dtype))
         self.product = product or Int8Product.for_dtype(weight.dtype)
         self._fbgemm_weight: object | None = None
-        if self.product is Int8Product.DYNAMIC:
+        if self.product is Int8Product.WEIGHT_ONLY:
+            self.register_buffer("weight_int8", packed)
+        else:
+            # the codes live once, in fbgemm's packed form (a second copy would be V x d bytes)
             self._fbgemm_weight = _fbgemm_packed(packed, scales)
+            del packed
             # [1, -1, 0, ...]: fixes every call's activation range at [-1, 1] (module docstring)
             anchor = torch.zeros(1, width, dtype=torch.float32)
             anchor[0, 0], anchor[0, 1] = 1.0, -1.0
@@ -145,6 +149,9 @@ class Int8Head(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The weights this head multiplies by, (V, d) float32 (for tests and error bounds)."""
+        if self._fbgemm_weight is not None:
+            codes, _ = torch.ops.quantized.linear_unpack(self._fbgemm_weight)
+            return codes.dequantize()
         return self.weight_int8.float() * self.scales.float()[:, None]
 
     def extra_repr(self) -> str:
