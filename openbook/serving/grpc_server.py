@@ -19,6 +19,7 @@ from pydantic import SecretStr
 from openbook.config.settings import GrpcServiceSettings
 from openbook.errors import Unauthenticated, Unavailable, status_for
 from openbook.observability.logs import request_id_var
+from openbook.runtime.heap import freeze_loaded_heap
 from openbook.security.auth import bearer_token, token_matches
 from openbook.serving.batcher import NO_DEADLINE_S
 from openbook.serving.handlers import wrap_handler
@@ -352,8 +353,9 @@ class GrpcService:
     def run_until_signal(
         self, load: Callable[[], None] | None = None, stop: threading.Event | None = None
     ) -> None:
-        """Start (health: NOT_SERVING), run ``load`` (in a thread of its own), then serve until
-        SIGTERM/SIGINT (or ``stop`` is set), then drain in-flight requests.
+        """Start (health: NOT_SERVING), run ``load`` (in a thread of its own) and freeze what it
+        loaded (:mod:`openbook.runtime.heap`), then serve until SIGTERM/SIGINT (or ``stop`` is
+        set), then drain in-flight requests.
 
         A signal while ``load`` runs ends the process at once: there is nothing to drain,
         and a large index can take minutes to load. Off the main thread (tests) no signal
@@ -375,6 +377,10 @@ class GrpcService:
             if load is not None:
                 # never torch work on the main thread (openbook/serving/threads.py)
                 in_passing_thread(load)
+                if threading.current_thread() is threading.main_thread():
+                    # a service's own process (not a test's): no request pays for walking
+                    # what loading made
+                    freeze_loaded_heap()
             loaded.set()
             if not stop.is_set():
                 self.set_serving(True)
