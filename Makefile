@@ -18,7 +18,8 @@ up: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(VENV)/bin/python -m pytest -m alone
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

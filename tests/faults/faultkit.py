@@ -157,11 +157,21 @@ class Load:
 
 
 class Throttled:
-    """A process let run ``run_s`` of every ``period_s`` and stopped for the rest (SIGSTOP /
-    SIGCONT), as a CPU quota throttles it (cgroup ``cpu.max``: quota per period)."""
+    """A process held to ``run_s`` of CPU time in every ``period_s`` the way a CPU quota holds it
+    (a cgroup's ``cpu.max``: quota per period, what a Kubernetes CPU limit sets): its threads run
+    freely until together they have used the quota of the current period, then the process is
+    stopped (SIGSTOP) until the period ends (SIGCONT).
 
-    def __init__(self, pid: int, run_s: float, period_s: float) -> None:
-        self.pid, self.run_s, self.period_s = pid, run_s, period_s
+    As under a real quota, an idle process is never stopped: what throttles is work. (Stopping
+    it for a fixed share of every period whatever it does, as this helper once did, also stalls
+    its gRPC transport while it waits for requests; a reply the server finished in 0.8 s then
+    reached its caller after 4 s, which no admission inside the process can see or plan for.)
+    CPU time is each thread's ``/proc/PID/task/TID/schedstat`` (nanoseconds), read every
+    ``poll_s``: a period may overrun its quota by about that much, as the kernel's own
+    accounting overruns it by a slice."""
+
+    def __init__(self, pid: int, run_s: float, period_s: float, poll_s: float = 0.002) -> None:
+        self.pid, self.run_s, self.period_s, self.poll_s = pid, run_s, period_s, poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._cycle, daemon=True)
 
@@ -173,13 +183,34 @@ class Throttled:
         self._stop.set()
         self._thread.join()
 
+    def cpu_s(self) -> float:
+        """CPU seconds the process's live threads have used (a thread that exits takes its
+        own with it: each period counts from its own start, never below it)."""
+        total = 0
+        with contextlib.suppress(FileNotFoundError):
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
+                path = f"/proc/{self.pid}/task/{tid}/schedstat"
+                with (
+                    contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError),
+                    open(path) as f,
+                ):
+                    total += int(f.read().split()[0])
+        return total / 1e9
+
     def _cycle(self) -> None:
         try:
             while not self._stop.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                self._stop.wait(self.period_s - self.run_s)
-                os.kill(self.pid, signal.SIGCONT)
-                self._stop.wait(self.run_s)
+                period_end = time.monotonic() + self.period_s
+                used = self.cpu_s()
+                while time.monotonic() < period_end and not self._stop.is_set():
+                    now = self.cpu_s()
+                    used = min(used, now)  # a thread exited with its time
+                    if now - used >= self.run_s:  # the quota is spent: stopped till the end
+                        os.kill(self.pid, signal.SIGSTOP)
+                        self._stop.wait(max(0.0, period_end - time.monotonic()))
+                        os.kill(self.pid, signal.SIGCONT)
+                        break
+                    self._stop.wait(self.poll_s)
         except ProcessLookupError:
             return
         finally:

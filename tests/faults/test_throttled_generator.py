@@ -1,20 +1,30 @@
 """Honest under pressure through the stack users run: a generator that gets a fraction of a CPU.
 
 The generator process is throttled the way a CPU quota (a Kubernetes limit, a cgroup's
-``cpu.max``) throttles it: stopped for most of every period and let run for the rest
-(SIGSTOP/SIGCONT, ``faultkit.Throttled``). It measures how fast it works now and admits only
+``cpu.max``) throttles it: once its threads have used a tenth of a CPU's time in a period, it is
+stopped for the rest of that period (SIGSTOP/SIGCONT, ``faultkit.Throttled``). It measures how fast it works now and admits only
 what it can finish before the deadline; so under 1, 4, 16 and 32 clients every request is
 answered or refused at once with a Retry-After (429), never left to time out (504), never a 5xx.
+
+"Now" is what the engine has measured: it learns a slowdown from the work it sees at the new
+speed (:mod:`openbook_generator.speed`). A request admitted before any such work was seen was
+planned at the old speed and may run late (no admission can know that a CPU will be taken away
+mid-request; on a slow machine a tenth of a CPU cannot finish it in time). So one request is
+asked first under the throttle, and its reply is not judged; every request after it is. The
+test runs by itself (``alone``, after the parallel run of ``make test``): a second worker's
+stack on the same two cores would take most of the tenth of a CPU it measures.
+
 The busy-machine benchmark of the default stack is ``bench/load/run.py --real --hog 1``
 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import httpx
 import pytest
-from faultkit import FACT_QUESTIONS, Load, Throttled, describe_all, service_pid, statuses
+from faultkit import FACT_QUESTIONS, Load, Throttled, describe_all, post, service_pid, statuses
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 GENERATE_TIMEOUT_S = 4.0
 LEVELS = (1, 4, 16, 32)
@@ -43,6 +53,9 @@ def test_a_throttled_generator_answers_or_refuses_at_once_never_times_out(stack)
     pid = service_pid(stack, "generator")
     outcome: dict[int, dict[int, int]] = {}
     with Throttled(pid, run_s=0.01, period_s=0.1):  # a tenth of a CPU
+        with httpx.Client(timeout=30) as http:  # the engine sees work at its new speed
+            first = post(http, f"{stack.url}/answer", _body(0, 0))
+        assert first.status in (200, 413, 429, 504), first.describe()
         for clients in LEVELS:
             with Load(stack.url, clients, _body, timeout_s=30, retry_after=True) as load:
                 load.wait(SECONDS_PER_LEVEL)
