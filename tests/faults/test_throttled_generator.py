@@ -2,9 +2,10 @@
 
 The generator process is throttled the way a CPU quota (a Kubernetes limit, a cgroup's
 ``cpu.max``) throttles it: once its threads have used a tenth of a CPU's time in a period, it is
-stopped for the rest of that period (SIGSTOP/SIGCONT, ``faultkit.Throttled``). It measures how fast it works now and admits only
-what it can finish before the deadline; so under 1, 4, 16 and 32 clients every request is
-answered or refused at once with a Retry-After (429), never left to time out (504), never a 5xx.
+stopped for the rest of that period (SIGSTOP/SIGCONT, ``faultkit.Throttled``). It measures how
+fast it works now and admits only what it can finish before the deadline; so under 1, 4, 16 and
+32 clients every request is answered or refused at once with a Retry-After (429), never left to
+time out (504), never a 5xx.
 
 "Now" is what the engine has measured: it learns a slowdown from the work it sees at the new
 speed (:mod:`openbook_generator.speed`). A request admitted before any such work was seen was
