@@ -36,6 +36,10 @@ AUTHORIZATION_HEADER = "authorization"
 # duration that the server starts counting when it reads the call: a process starved of CPU (a
 # quota, a busy node) reads calls late and would plan with time its caller no longer has.
 DEADLINE_HEADER = "x-openbook-deadline"
+# The whole time the caller gave the call, in seconds: what a request may take from its start.
+# A service that reads the call late (the time went on the way: a starved process, a queue
+# before it) tells "too large for its time" from "too late now" by it.
+BUDGET_HEADER = "x-openbook-budget-s"
 
 # Trailing metadata of a RESOURCE_EXHAUSTED answer: whole seconds until the request could be
 # taken (openbook.errors.Overloaded.retry_after_s), which the gateway sends as Retry-After.
@@ -403,9 +407,28 @@ def check_health(addr: str, timeout_s: float = 2.0, service: str = "") -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def deadline_metadata(timeout_s: float) -> tuple[str, str]:
-    """The metadata entry that tells a service when its caller stops waiting."""
-    return (DEADLINE_HEADER, f"{time.time() + timeout_s:.3f}")
+def deadline_metadata(timeout_s: float) -> tuple[tuple[str, str], ...]:
+    """The metadata entries that tell a service when its caller stops waiting, and how long it
+    gave the call in all."""
+    return (
+        (DEADLINE_HEADER, f"{time.time() + timeout_s:.3f}"),
+        (BUDGET_HEADER, f"{timeout_s:.3f}"),
+    )
+
+
+def time_budget(context: grpc.ServicerContext) -> float | None:
+    """The whole time the caller gave this call (:data:`BUDGET_HEADER`); None where it did not
+    say (a client of our own gRPC API without it) or said something that is not a positive
+    number."""
+    for key, value in context.invocation_metadata() or ():
+        if key != BUDGET_HEADER:
+            continue
+        try:
+            budget = float(value)
+        except ValueError:
+            return None
+        return budget if math.isfinite(budget) and budget > 0 else None
+    return None
 
 
 def time_remaining(context: grpc.ServicerContext) -> float | None:

@@ -12,9 +12,11 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from openbook.serving.grpc_server import BUDGET_HEADER, DEADLINE_HEADER
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_generator.server import build as build_generator
 from openbook_generator.settings import GeneratorSettings
+from openbook_generator.speed import EngineSpeed
 from openbook_testkit.rag import make_tiny_bart
 
 DEFAULTS = GeneratorSettings()
@@ -258,3 +260,29 @@ def test_dropped_requests_are_counted_by_where_they_were_dropped(service, steps)
     _cancel_a_queued_and_a_running_call(service, steps)
     assert dropped("queued") == queued + 1
     assert dropped("running") == running + 1
+
+
+def test_a_request_that_lost_its_time_on_the_way_is_retried_not_too_large(service):
+    """Too large is judged against the whole time its caller gave it (the budget header the
+    gateway sends), not against what was left when a late-read call reached the generator:
+    that is a 429 to retry, not a 413 telling the user to ask for less."""
+    _, servicer, stub = service
+    policy = servicer.scheduler.policy
+    measured = policy.speed
+    slow = EngineSpeed()  # 10 ms a prompt token, 100 ms a step: a request of seconds
+    slow.calibrate([(100, 1.0), (1000, 10.0)], [(1, 0.1), (101, 10.1)])
+    policy.speed = slow
+    try:
+        late = (DEADLINE_HEADER, f"{time.time() + 2.0:.3f}")  # 2 s of its 60 s were left
+        whole = (BUDGET_HEADER, "60")
+        request = _request(k=3, max_new_tokens=20)
+        with pytest.raises(grpc.RpcError) as retried:
+            stub.Generate(request, timeout=30, metadata=(late, whole))
+        assert retried.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "were left when it reached the generator" in retried.value.details()
+        # a caller that does not say its budget has only the time left: too large for it
+        with pytest.raises(grpc.RpcError) as too_large:
+            stub.Generate(request, timeout=30, metadata=(late,))
+        assert too_large.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    finally:
+        policy.speed = measured

@@ -296,6 +296,24 @@ def test_a_request_too_large_even_alone_is_too_large():
         p.admission(shape(passages=100, prompt=200), OPTIONS, 5.0, NOW, [], [])
 
 
+def test_a_request_that_fits_its_deadline_but_arrived_late_is_overloaded_not_too_large():
+    p = measured()
+    s = shape(passages=5, prompt=400)  # 2 s of prefill alone, and the steps
+    alone = p.work_s(s, OPTIONS, s.rows, 0, worst=True)
+    # its caller gave it 4 s; 1.5 s were left when it reached the generator
+    assert alone < 4.0 * DEADLINE_SHARE and alone > 1.5 * DEADLINE_SHARE
+    with pytest.raises(Overloaded, match="were left when it reached the generator") as refused:
+        p.admission(s, OPTIONS, 1.5, NOW, [], [], budget_s=4.0)
+    assert not isinstance(refused.value, TooLarge)
+    assert refused.value.retry_after_s == 1.0
+    # a caller that did not say its budget: the time left is all it has
+    with pytest.raises(TooLarge, match="allows 2s"):
+        p.admission(s, OPTIONS, 1.5, NOW, [], [])
+    # too large for the whole budget is too large, whenever it arrives
+    with pytest.raises(TooLarge, match="allows 2s"):
+        p.admission(s, OPTIONS, 1.0, NOW, [], [], budget_s=2.0)
+
+
 def test_a_request_behind_too_much_earlier_work_is_overloaded_with_a_retry_after():
     p = measured()
     # 5 s of prefill left, due before the newcomer's deadline

@@ -160,7 +160,7 @@ class ServiceClient:
     def _metadata(timeout_s: float, request_id: str) -> tuple[tuple[str, str], ...]:
         """Every call's metadata: its deadline, the current span (W3C traceparent, with
         tracing on) and the request's id (if any)."""
-        metadata = (deadline_metadata(timeout_s), *trace_metadata())
+        metadata = (*deadline_metadata(timeout_s), *trace_metadata())
         if request_id:
             metadata += ((REQUEST_ID_HEADER, request_id),)
         return metadata

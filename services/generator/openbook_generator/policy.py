@@ -263,27 +263,39 @@ class SchedulingPolicy:
         running: Sequence[Request],
         waiting: Sequence[Request],
         caller: str = "",
+        budget_s: float | None = None,
     ) -> float:
         """Refuse a request of ``caller`` of ``shape`` whose deadline is ``time_left_s`` after
         ``now`` if it cannot finish in time beside ``running`` and ``waiting``:
-        :class:`TooLarge` if not even alone, :class:`Overloaded` (with ``retry_after_s``) if
-        not behind the work already here (the running requests', and that of the waiting ones
-        that start before it: :meth:`start_order`). Returns the seconds it is expected to take
-        before :class:`Lateness` scales them (what its lateness is measured against; 0: not
-        estimated)."""
+        :class:`TooLarge` if not even alone in the whole time its caller gave it
+        (``budget_s``, where the caller said; else the time left), :class:`Overloaded` (with
+        ``retry_after_s``) if not in the time left now — alone, when the time went before the
+        request got here, or behind the work already here (the running requests', and that of
+        the waiting ones that start before it: :meth:`start_order`). Returns the seconds it is
+        expected to take before :class:`Lateness` scales them (what its lateness is measured
+        against; 0: not estimated)."""
         if time_left_s is None or not self.speed.known:
             return 0.0  # no deadline, or nothing measured yet: nothing to refuse on
         allowed = time_left_s * DEADLINE_SHARE
+        whole_s = max(time_left_s, budget_s or 0.0)
         lateness = self.lateness.factor
         joins_shared = self.joins_shared(shape)
         alone = lateness * self.work_s(shape, options, shape.rows, 0, worst=True)
-        if alone > allowed:
+        if alone > whole_s * DEADLINE_SHARE:
             raise TooLarge(
                 f"this request would take about {alone:.0f}s of generation at the speed "
                 f"measured now ({self.speed.describe()}; {shape.passages} passages x "
                 f"{shape.beams} beams, {shape.input_tokens} prompt tokens, up to "
-                f"{shape.new_tokens} new tokens) and its deadline allows {time_left_s:.0f}s: "
+                f"{shape.new_tokens} new tokens) and its deadline allows {whole_s:.0f}s: "
                 "use fewer passages (k), beams or new tokens"
+            )
+        if alone > allowed:  # it fits its deadline, but the time went before it got here
+            raise Overloaded(
+                f"this request needs about {alone:.1f}s of generation at the speed measured "
+                f"now ({self.speed.describe()}) and only {time_left_s:.1f}s of the "
+                f"{whole_s:.0f}s its deadline allows were left when it reached the generator: "
+                "retry",
+                retry_after_s=1.0,
             )
         # the shared batch as it would be with this request in it
         shared = self.shared_batch_rows(running, waiting, shape if joins_shared else None)

@@ -120,6 +120,9 @@ class GenerateItem:
     times: StageTimes | None = None
     # who asks (GenerateRequest.caller): the policy shares the engine out fairly across callers
     caller: str = ""
+    # the whole time its caller gave it (the budget header; None: not said): too large for that
+    # is TooLarge, too late for what was left when it arrived only Overloaded
+    budget_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -237,10 +240,12 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         options: DecodingOptions,
         time_left_s: float | None,
         caller: str = "",
+        budget_s: float | None = None,
     ) -> float:
-        """Refuse a request of ``shape`` whose deadline is ``time_left_s`` from now if it cannot
-        finish in time (:meth:`SchedulingPolicy.admission`): :class:`TooLarge` if not even
-        alone, :class:`Overloaded` (with ``retry_after_s``) if not behind the work already here.
+        """Refuse a request of ``shape`` whose deadline is ``time_left_s`` from now (of the
+        ``budget_s`` its caller gave it) if it cannot finish in time
+        (:meth:`SchedulingPolicy.admission`): :class:`TooLarge` if not even alone in its whole
+        budget, :class:`Overloaded` (with ``retry_after_s``) if not in the time left.
         Returns the seconds it is expected to take before :class:`Lateness` scales them (what
         the lateness of this request is measured against; 0: not estimated)."""
         if time_left_s is None:
@@ -254,6 +259,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 self._started(),
                 self._waiting_requests(),
                 caller,
+                budget_s,
             )
 
     def retry_after_s(self) -> float:
@@ -269,7 +275,9 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         could not finish in time)."""
         try:
             with self._cond:
-                planned = self.admission(payload.shape, payload.options, timeout_s, payload.caller)
+                planned = self.admission(
+                    payload.shape, payload.options, timeout_s, payload.caller, payload.budget_s
+                )
                 admitted = replace(payload, admitted_at=time.monotonic(), planned_s=planned)
                 if payload.times is not None:
                     payload.times.admitted_ns = time.time_ns()

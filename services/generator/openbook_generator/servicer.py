@@ -24,7 +24,7 @@ from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
 from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
 from openbook.serving.allocator import MemoryReleaser
-from openbook.serving.grpc_server import time_remaining
+from openbook.serving.grpc_server import time_budget, time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
 from openbook.state.shared_state import ModelFollower
@@ -360,11 +360,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         deadline, bounded by ``max_request_s``); the scheduler admits it by speed. With
         tracing on, the item carries the :class:`StageTimes` the scheduler fills in."""
         valid = validate_generate(request)
-        time_left = time_remaining(context)
+        time_left, budget = time_remaining(context), time_budget(context)
         if self.max_request_s is not None:
             time_left = min(time_left or self.max_request_s, self.max_request_s)
+            budget = None if budget is None else min(budget, self.max_request_s)
         item = replace(
-            self.item(valid.question, valid.passages, valid.options), caller=valid.caller
+            self.item(valid.question, valid.passages, valid.options),
+            caller=valid.caller,
+            budget_s=budget,
         )
         if telemetry.enabled():
             item = replace(item, times=StageTimes())
