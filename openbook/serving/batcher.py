@@ -47,8 +47,9 @@ class Waiting(Generic[T, R]):
     future: Future = field(default_factory=Future)
 
     def gave_up(self) -> bool:
-        """The caller stopped waiting: cancelled, or its deadline passed."""
-        return self.future.cancelled() or (
+        """The caller stopped waiting (cancelled, or its deadline passed), or was already
+        answered (refused while its work ran): the work is for no one."""
+        return self.future.done() or (
             self.deadline is not None and time.monotonic() >= self.deadline
         )
 

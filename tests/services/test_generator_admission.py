@@ -195,8 +195,13 @@ def test_batches_are_packed_under_the_memory_budget(service, steps):
         servicer.scheduler._on_step = on_step
 
 
-def test_work_past_its_deadline_stops_between_decoding_steps(service, steps):
+def test_work_past_its_deadline_stops_between_decoding_steps(service, steps, monkeypatch):
+    """The last line of defence: a running request whose deadline passes leaves its batch at
+    the next step. (A slowdown the speed model sees gives it up earlier, with a 429:
+    test_generator_fairness.py; here that judgement is set aside, as when the time went
+    somewhere the engine does not measure.)"""
     _, servicer, stub = service
+    monkeypatch.setattr(servicer.scheduler.policy, "overdue", lambda now, running: [])
     # admitted at the generator's measured speed, then slowed down (a neighbour took the CPU):
     # it cannot finish in time any more
     call = stub.Generate.future(_request(max_new_tokens=200, min_new_tokens=200), timeout=10)

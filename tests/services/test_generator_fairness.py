@@ -208,3 +208,35 @@ def test_waiting_requests_the_engine_can_no_longer_serve_in_time_are_refused_not
         assert "slowed down" in details and "retry in" in details
         assert int(trailers[RETRY_AFTER_TRAILER]) >= 1
     assert elapsed < deadline_s, "refused before their deadline, not at it"
+
+
+def test_a_running_request_the_engine_can_no_longer_finish_in_time_is_given_up_at_once(
+    service, slow
+):
+    """Admitted and started at the speed measured then; the engine becomes 20 times slower
+    while it decodes: once the speed measured says even its own steps alone cannot end before
+    its deadline, it is refused (RESOURCE_EXHAUSTED with a retry-after, the gateway's 429)
+    while its caller can still be told, not left to run into the deadline (a 504), and its rows
+    leave the batch."""
+    servicer, stub = service
+    throttle = slow(step_s=0.005, step_row_s=0.005)
+    deadline_s = 4.0
+    started = time.monotonic()
+    call = stub.Generate.future(_request(2, 100), timeout=deadline_s)  # ~1.5 s at this speed
+    while not servicer.scheduler.running():
+        assert not call.done(), call.exception()
+        time.sleep(0.005)
+    throttle.step_s = 0.1  # its 100 steps now take ~11 s
+    code, details, trailers = _outcome(call)
+    elapsed = time.monotonic() - started
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    assert "slowed down while this request ran" in details and "retry in" in details
+    assert int(trailers[RETRY_AFTER_TRAILER]) >= 1
+    assert elapsed < deadline_s, "refused before its deadline, not at it"
+    # its rows leave the batch before the next step
+    gone_by = time.monotonic() + 2.0
+    while servicer.scheduler.running() and time.monotonic() < gone_by:
+        time.sleep(0.01)
+    assert not servicer.scheduler.running()
+    steps = sum(1 for kind, _ in throttle.events() if kind == "step")
+    assert steps < 100

@@ -345,6 +345,42 @@ def test_a_waiting_request_that_can_no_longer_make_its_deadline_is_refused():
     assert retry == pytest.approx(p.lateness.factor * p.remaining_s(running, 1), rel=0.01)
 
 
+def test_a_running_request_that_cannot_finish_even_alone_is_given_up_before_its_deadline():
+    p = measured()
+    # ~5 s of work left, alone; admitted 1 s ago with 5 s to its deadline: it cannot make it
+    doomed = started(shape(passages=10, prompt=500), seq=1, solo=True, deadline=NOW + 4.0)
+    doomed.admitted_at = NOW - 1.0
+    fine = started(shape(), seq=2, deadline=NOW + 100.0)
+    patient = started(shape(), seq=3)  # no deadline: never given up
+    refused = p.overdue(NOW, [doomed, fine, patient])
+    assert [r.request for r in refused] == [doomed]
+    error = refused[0].error
+    assert isinstance(error, Overloaded) and "retry" in str(error)
+    # told to come back when the next of the others ends
+    shared = p.shared_batch_rows([fine, patient], [])
+    assert error.retry_after_s == pytest.approx(p.remaining_s(fine, shared))
+
+
+def test_a_running_request_is_judged_by_its_own_rows_alone_within_the_reply_margin():
+    """A lower bound of when it ends: its own rows' steps only, unscaled by the lateness (which
+    may be large after a slowdown); the reply needs a tenth of its whole time to reach the
+    caller."""
+    p = measured()
+    request = started(shape(), seq=1, deadline=NOW + 10.0)  # its own work: well under 1 s
+    p.lateness.ratios.extend([50.0] * 10)  # plans are scaled 50x; the lower bound is not
+    crowd = [started(shape(passages=16), seq=i) for i in range(2, 9)]
+    assert p.overdue(NOW, [request, *crowd]) == []
+    alone = p.remaining_s(request, request.shape.rows)
+    # ending after deadline - 10% of its time: given up; a little before: kept
+    assert p.overdue(NOW + 9.0 - alone + 0.01, [request]) != []
+    assert p.overdue(NOW + 9.0 - alone - 0.01, [request]) == []
+
+
+def test_nothing_running_is_given_up_before_the_speed_is_measured():
+    request = started(shape(passages=10, prompt=500), seq=1, deadline=NOW + 0.01)
+    assert policy().overdue(NOW, [request]) == []
+
+
 def test_the_retry_after_is_the_shortest_remaining_work():
     p = measured()
     short = started(shape(passages=1), seq=1)

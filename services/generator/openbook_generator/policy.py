@@ -54,7 +54,10 @@ long that work takes to drain. One that could not finish in time even alone (at 
 of its ``max_new_tokens``) is refused with :class:`~openbook.errors.TooLarge` (the gateway's
 413), saying what to lower. Every plan is scaled by :class:`Lateness` (the late tail of taken /
 planned); a waiting request that can no longer make its deadline (the engine slowed down after
-it was admitted) is refused instead of started (:meth:`SchedulingPolicy.hopeless`).
+it was admitted) is refused instead of started (:meth:`SchedulingPolicy.hopeless`), and a
+running one that can no longer make it even with its batch to itself is given up with the same
+429 while its caller can still be told (:meth:`SchedulingPolicy.overdue`): its result would be a
+504 anyway, and the rest of its work is taken from the requests that can still finish.
 
 Invariants:
 
@@ -80,7 +83,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
@@ -368,6 +371,42 @@ class SchedulingPolicy:
             )
             refused.append(Refusal(request, error))
         return refused
+
+    def overdue(self, now: float, running: Sequence[Request]) -> list[Refusal]:
+        """The running requests that can no longer finish before their deadline: even if the
+        engine ran nothing but its own rows from ``now`` on at the speed measured now, unscaled
+        by :class:`Lateness` (a lower bound of when it ends: the other rows of its batch, other
+        batches and prefill chunks only add to it), it would end later than
+        :data:`SHED_MARGIN_SHARE` of its whole
+        time before its deadline: the margin in which a reply still reaches its caller in time
+        (the same margin as :meth:`hopeless`). Its result would come too late to be an answer
+        (a 504); giving it up tells its caller at once (a 429, retry after the other running
+        work) and gives the rest of its work to requests that can still finish."""
+        if not running or not self.speed.known:
+            return []
+        late = []
+        for request in running:
+            if request.deadline is None or request.progress is None:
+                continue
+            alone = self.remaining_s(replace(request, solo=True), request.shape.rows)
+            margin = SHED_MARGIN_SHARE * (request.deadline - request.admitted_at)
+            if now + alone > request.deadline - margin:
+                late.append(request)
+        if not late:
+            return []
+        shared_rows = self.shared_batch_rows([r for r in running if r not in late], [])
+        refusals = []
+        for request in late:
+            others = [r for r in running if r not in late]
+            retry = min((self.remaining_s(r, shared_rows) for r in others), default=1.0)
+            error = Overloaded(
+                f"the generator slowed down while this request ran ({self.speed.describe()}): "
+                f"it could not finish before its deadline and was stopped; retry in "
+                f"{math.ceil(retry)}s",
+                retry_after_s=retry,
+            )
+            refusals.append(Refusal(request, error))
+        return refusals
 
     # ------------------------------------------------------------------ fair share
 

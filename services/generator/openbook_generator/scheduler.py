@@ -20,7 +20,8 @@ The generator's engine is three parts, as vLLM v1's (``EngineCore.step()`` runs 
 A request is admitted as it enters the line, under the line's lock (the policy's
 :meth:`~openbook_generator.policy.SchedulingPolicy.admission`: a crowd arriving together is
 checked one by one), and a waiting request that can no longer make its deadline is refused
-between two pieces of work instead of being started. Waiting requests start in the policy's
+between two pieces of work instead of being started; a running one that can no longer make it
+even alone is refused then too, and leaves its batch. Waiting requests start in the policy's
 fair order across callers (:meth:`~openbook_generator.policy.SchedulingPolicy.start_order`),
 and a full line makes room for a caller holding fewer of its places
 (:meth:`~openbook_generator.policy.SchedulingPolicy.displaced`).
@@ -30,7 +31,8 @@ Invariants:
   unless another caller holds at least two more places than its own (its newest is refused
   then, with the same error);
 * a request whose caller gave up (deadline passed, cancelled) leaves the line at once and is
-  never run; once running, it leaves its batch before the next piece of work;
+  never run; once running, it leaves its batch before the next piece of work, as does a running
+  request already refused (:meth:`Scheduler._shed_overdue`);
 * no wait is unbounded: every caller waits at most its own timeout;
 * a model reload never disturbs running requests: they finish on the engine of the model they
   started on, while new requests start on the new model;
@@ -455,6 +457,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 woke = time.perf_counter()
             self._drop_given_up()
             self._shed_hopeless()
+            self._shed_overdue()
             taken: list[_Admitted] = []
             joining: dict[int, int] = {}  # id(batch) -> rows taken into it now
             shapes = [a.request.shape for a in self._running.values()]
@@ -506,6 +509,17 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             self._waiting.remove(waiting)
             resolve(waiting.future, refusal.error)
             self._dropped()
+
+    def _shed_overdue(self) -> None:
+        """Refuse (:class:`Overloaded`, the gateway's 429) every running request that can no
+        longer finish before its deadline (:meth:`SchedulingPolicy.overdue`): its caller is
+        answered now, and its engine drops it before the next piece of work (its future is
+        done: :meth:`Waiting.gave_up`). Under ``_cond``."""
+        by_request = {id(a.request): a for a in self._running.values()}
+        for refusal in self.policy.overdue(time.monotonic(), self._started()):
+            admitted = by_request[id(refusal.request)]
+            if not admitted.waiting.future.done():
+                resolve(admitted.waiting.future, refusal.error)
 
     def _admit(self, admitted: _Admitted) -> None:
         """Add a taken request to its batch's engine (nothing encoded yet)."""
