@@ -12,7 +12,18 @@ from pathlib import Path
 import bm25s
 import numpy as np
 
+from openbook.index.arrays import opening
 from openbook.index.filtering import top_masked
+
+
+def load_bm25(path: Path) -> bm25s.BM25:
+    """The bm25s index stored at ``path``, its arrays memory-mapped (opened under
+    :func:`openbook.index.arrays.opening`: bm25s reads them with ``np.load``)."""
+    # bm25s logs at INFO/WARNING when loading without a corpus; that is intended here.
+    logging.getLogger("bm25s").setLevel(logging.ERROR)
+    with opening():
+        return bm25s.BM25.load(str(path), mmap=True, show_progress=False)
+
 
 BM25_DIR = "bm25"
 _STOPWORDS = "en"
@@ -39,8 +50,7 @@ def slice_bm25(src: Path, out_dir: Path, start: int, stop: int) -> None:
     scores are the parent's, computed with the whole corpus's statistics (not the shard's:
     sharded BM25 merges exactly). Memory: the parent's matrix plus a mask over its entries.
     """
-    logging.getLogger("bm25s").setLevel(logging.ERROR)
-    retriever = bm25s.BM25.load(str(src), mmap=True, show_progress=False)
+    retriever = load_bm25(src)
     scores = retriever.scores
     data, indices, indptr = scores["data"], scores["indices"], scores["indptr"]
     keep = (indices >= start) & (indices < stop)
@@ -56,9 +66,7 @@ def slice_bm25(src: Path, out_dir: Path, start: int, stop: int) -> None:
 
 class BM25Searcher:
     def __init__(self, path: Path) -> None:
-        # bm25s logs at INFO/WARNING when loading without a corpus; that is intended here.
-        logging.getLogger("bm25s").setLevel(logging.ERROR)
-        self._retriever = bm25s.BM25.load(str(path), mmap=True, show_progress=False)
+        self._retriever = load_bm25(path)
         self.count = int(self._retriever.scores["num_docs"])
 
     def search(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from openbook.index.arrays import open_array
 from openbook.index.bm25 import BM25_DIR
 from openbook.index.layout import VECTORS_FILE
 from openbook.index.manifest import Manifest
@@ -141,7 +142,7 @@ def _stored_vectors(inputs: BaseInputs, dim: int) -> ShardProducer:
         base = None
         if kept:
             assert inputs.base_dir is not None  # rows come from a base directory
-            base = np.load(inputs.base_dir / VECTORS_FILE, mmap_mode="r")
+            base = open_array(inputs.base_dir / VECTORS_FILE)
         for i in work.todo:
             a, b = work.spans[i]
             out = np.empty((b - a, dim), dtype=np.float32)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from openbook.errors import InternalError, InvalidArgument
+from openbook.index.arrays import open_array
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
 from openbook.index.parallel import (
@@ -407,7 +408,7 @@ def _slice_vectors(paths: list[Path], offsets: list[int]) -> ShardProducer:
     """A ``ShardProducer`` reading global rows from the slices' ``vectors.npy`` files."""
 
     def produce(work: ShardWork) -> Iterator[tuple[int, np.ndarray]]:
-        mats = [np.load(p / VECTORS_FILE, mmap_mode="r") for p in paths]
+        mats = [open_array(p / VECTORS_FILE) for p in paths]
         ends = [o + len(m) for o, m in zip(offsets, mats, strict=True)]
         for i in work.todo:
             a, b = work.spans[i]

@@ -15,6 +15,7 @@ import numpy as np
 
 from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
+from openbook.index.arrays import open_array
 from openbook.index.bm25 import BM25_DIR, BM25Searcher
 from openbook.index.documents import built_document_id
 from openbook.index.encoders import Encoder, load_encoder
@@ -274,7 +275,7 @@ class LoadedIndex(ManifestFacts):
         if index.ntotal != m.count:
             raise IndexLoadError(f"{label}: count {m.count} != index count {index.ntotal}")
         faiss_index.configure(index, m.index_type, m.index_params)
-        self._vectors = np.load(self.path / VECTORS_FILE, mmap_mode="r")
+        self._vectors = open_array(self.path / VECTORS_FILE)
         advise_random_reads(self._vectors)
         if self._vectors.shape != (m.count, m.dim):
             raise IndexLoadError(

@@ -35,18 +35,16 @@ Milvus refuses an empty sparse vector, and no query ever asks for it.
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import bm25s
 import numpy as np
 import scipy.sparse as sp
 
-from openbook.index.bm25 import _tokenize
+from openbook.index.bm25 import _tokenize, load_bm25
 from openbook.index.segment_bm25 import BaseBM25Statistics, PassageTerms
 
 NO_TERM = 0  # the dimension of a passage with no term (module docstring)
@@ -141,8 +139,7 @@ class StoredBM25:
     (:meth:`vectors`), each dimension's document frequency and the statistics."""
 
     def __init__(self, bm25_dir: Path, sample: Sequence[tuple[int, str, str]]) -> None:
-        logging.getLogger("bm25s").setLevel(logging.ERROR)
-        retriever = bm25s.BM25.load(str(bm25_dir), mmap=True, show_progress=False)
+        retriever = load_bm25(bm25_dir)
         scores = retriever.scores
         indptr = np.asarray(scores["indptr"], dtype=np.int64)
         n_terms = len(indptr) - 1

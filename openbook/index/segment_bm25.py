@@ -29,7 +29,7 @@ from pathlib import Path
 import bm25s
 import numpy as np
 
-from openbook.index.bm25 import _tokenize
+from openbook.index.bm25 import _tokenize, load_bm25
 from openbook.index.manifest import IndexLoadError
 
 _AVGDL_SAMPLES = 16
@@ -73,8 +73,7 @@ class BaseBM25Statistics:
     @classmethod
     def load(cls, bm25_dir: Path, sample: Sequence[tuple[int, str, str]]) -> BaseBM25Statistics:
         """``sample``: a few base passages ``(row, title, text)`` to solve avgdl from."""
-        logging.getLogger("bm25s").setLevel(logging.ERROR)
-        retriever = bm25s.BM25.load(str(bm25_dir), mmap=True, show_progress=False)
+        retriever = load_bm25(bm25_dir)
         method = getattr(retriever, "method", "lucene")
         if method != "lucene":
             # openbook builds lucene only: another method is an index it cannot serve live
@@ -187,7 +186,7 @@ def fold_bm25(
 
     logging.getLogger("bm25s").setLevel(logging.ERROR)
     if base_dir is not None:
-        retriever = bm25s.BM25.load(str(base_dir), mmap=True, show_progress=False)
+        retriever = load_bm25(base_dir)
         scores = retriever.scores
         data = np.asarray(scores["data"])
         indices = np.asarray(scores["indices"])

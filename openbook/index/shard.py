@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from openbook.errors import InvalidArgument
 from openbook.index import faiss_index
+from openbook.index.arrays import open_array
 from openbook.index.bm25 import BM25_DIR, slice_bm25
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.loaded import open_index
@@ -141,7 +142,7 @@ def _write_shard(
     params = dict(m.index_params)
     with tqdm(total=count, unit="psg", desc=desc, disable=not progress) as bar:
         if m.dense:
-            parent_vecs = np.load(src / VECTORS_FILE, mmap_mode="r")
+            parent_vecs = open_array(src / VECTORS_FILE)
             vecs = np.lib.format.open_memmap(
                 out / VECTORS_FILE, mode="w+", dtype=np.float32, shape=(count, m.dim)
             )

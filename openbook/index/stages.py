@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from openbook.errors import InternalError, InvalidArgument
 from openbook.index import faiss_index
+from openbook.index.arrays import open_array
 from openbook.index.bm25 import BM25_DIR, build_bm25
 from openbook.index.layout import BUILD_STATE_DIR, PASSAGES_FILE, VECTORS_FILE, build_lock_path
 from openbook.index.manifest import MANIFEST, Manifest, checksum_fields
@@ -273,7 +274,7 @@ def _shard_ok(path: Path, rows: int, dim: int) -> bool:
     if not path.is_file() or not digest.is_file():
         return False
     try:
-        arr = np.load(path, mmap_mode="r")
+        arr = open_array(path)
     except (ValueError, OSError):
         return False
     return (
@@ -326,7 +327,7 @@ def stage_vectors(
     tmp = work / "vectors.tmp.npy"
     mat = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(count, dim))
     for (a, b), p in zip(spans, paths, strict=True):
-        mat[a:b] = np.load(p, mmap_mode="r")
+        mat[a:b] = open_array(p)
     mat.flush()
     del mat
     tmp.replace(out)
@@ -350,7 +351,7 @@ def check_shard_vectors(i: int, vecs: np.ndarray, span: tuple[int, int], dim: in
 def stage_faiss(work: Path, spec: IndexSpec, count: int, dim: int, progress: bool) -> dict:
     """Index ``vectors.npy`` with faiss as ``spec`` says; returns the manifest's params."""
     params = faiss_index.default_params(spec.index_type, count, dim, spec.ann)
-    vectors = np.load(work / VECTORS_FILE, mmap_mode="r")
+    vectors = open_array(work / VECTORS_FILE)
     desc = f"indexing ({spec.index_type})"
     with tqdm(total=count, unit="vec", desc=desc, disable=not progress) as bar:
         index, params = faiss_index.build_faiss(vectors, spec.index_type, params, bar.update)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from openbook.errors import InvalidArgument
+from openbook.index.arrays import open_array
 from openbook.index.encoders import Encoder, encoder_id, load_encoder, resolve_precision
 from openbook.index.layout import PASSAGES_FILE, VECTORS_FILE
 from openbook.index.manifest import MANIFEST, IndexLoadError, Manifest
@@ -184,7 +185,7 @@ class VectorDonors:
             bool(enc.normalize),
         ) or not (path / VECTORS_FILE).is_file():
             return
-        vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
+        vectors = open_array(path / VECTORS_FILE)
         store = PassageStore(path / PASSAGES_FILE)
         try:
             keys = [tuple(r) for batch in store.iter_batches(0, len(store)) for r in batch]
