@@ -210,3 +210,21 @@ def test_each_rows_centre_is_the_one_it_was_drawn_around():
     bins = by_size(np.array([100.0, 6000.0, 7000.0]), np.array([1.0, 0.5, 0.7]))
     assert [(b["from"], b["queries"]) for b in bins] == [(0, 1), (5000, 2)]
     assert bins[1]["recall_at_100"] == pytest.approx(0.6)
+
+
+def test_the_coarse_assignment_measure_compares_the_graph_with_the_exact_quantizer(tmp_path):
+    from bench.index import coarse_assignment
+
+    out = tmp_path / "assign.json"
+    argv = "--passages 20000 --nlist 32 --train-size 2000 --vectors 500 --queries 20"
+    assert (
+        coarse_assignment.main([*argv.split(), "--ef", "4,64", "--nprobe", "4", "--json", str(out)])
+        == 0
+    )
+    result = json.loads(out.read_text())
+    low, high = result["hnsw"]
+    assert [low["ef_search"], high["ef_search"]] == [4, 64]
+    for row in (low, high):
+        assert 0.0 <= row["assigned_as_exact"] <= 1.0 and 0.0 <= row["probe_found_of_exact"] <= 1.0
+    # with more candidates than the 32 centroids the graph finds exactly what a flat one does
+    assert high["assigned_as_exact"] == 1.0 and high["probe_found_of_exact"] == 1.0
