@@ -405,7 +405,7 @@ class LoadedIndex(ManifestFacts):
         valid = rows >= 0
         # Exact features for every candidate, whichever view found it (the faiss score of an
         # approximate type, and no score at all from the view that missed it, would not do).
-        vecs = np.asarray(self._vectors[np.where(valid, rows, 0).ravel()], dtype=np.float32)
+        vecs = faiss_index.gather_rows(self._vectors, np.where(valid, rows, 0).ravel())
         # In float64, rounded once to float32: a float32 dot product's last bit depends on
         # the SIMD path numpy takes (array alignment), and the same query must score the same
         # on every call (a gateway compares and caches them).
@@ -509,7 +509,7 @@ class LoadedIndex(ManifestFacts):
         rows = np.asarray(ids, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.manifest.count):
             raise IndexError(f"row ids out of range [0, {self.manifest.count})")
-        return np.array(self._vectors[rows], dtype=np.float32)
+        return faiss_index.gather_rows(self._vectors, rows)
 
     def get_passages(self, row_ids: Sequence[int]) -> list[Passage]:
         return self._store.get(row_ids)
