@@ -45,6 +45,7 @@ import faiss
 import numpy as np
 
 from openbook.errors import InternalError, InvalidArgument
+from openbook.index import arrays
 
 if TYPE_CHECKING:
     from openbook.index.spec import AnnParams
@@ -324,40 +325,39 @@ def rerank_exact(
 def gather_rows(vectors: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``vectors[rows]`` as float32 ``(len(rows), dim)``.
 
-    For a memory-mapped ``vectors.npy`` (what :class:`~openbook.index.loaded.LoadedIndex`
-    serves) the rows are read from the file with ``pread``, not through the map. Re-ranking
-    reads k x rerank scattered rows per query: through the map, each row is a page fault that
-    waits for the disk before the next is asked, and every page read stays mapped in the
-    process (with the kernel's fault-around, 16 cached pages per fault), so a shard's RSS grows
-    towards the size of its vectors while its own memory does not (a 21M shard: 15 GB of mapped
-    file pages beside 1.4 GB of its own). Here every row's read is announced first
-    (``posix_fadvise`` WILLNEED: the device gets them all at once), then each is copied in: the
-    page cache stays the kernel's (shared, reclaimable), the process maps none of it. Any other
-    array is indexed in memory."""
+    For a ``vectors.npy`` opened by :func:`openbook.index.arrays.open_array` (what
+    :class:`~openbook.index.loaded.LoadedIndex` serves) the rows are read from the file with
+    ``pread``, not through the map. Re-ranking reads k x rerank scattered rows per query:
+    through the map, each row is a page fault that waits for the disk before the next is
+    asked, and every page read stays mapped in the process (with the kernel's fault-around,
+    16 cached pages per fault), so a shard's RSS grows towards the size of its vectors while
+    its own memory does not (a 21M shard: 15 GB of mapped file pages beside 1.4 GB of its
+    own). Here every row's read is announced first (``posix_fadvise`` WILLNEED: the device gets
+    them all at once), then each is copied in from the file the map was opened on (its name
+    may be gone: a swap or an adoption moved the directory): the page cache stays the
+    kernel's (shared, reclaimable), the process maps none of it. Any other array is indexed
+    in memory."""
     rows = np.asarray(rows, dtype=np.int64)
+    where = arrays.file_of(vectors)
+    row_bytes = int(vectors.strides[0]) if vectors.ndim == 2 else 0
     if (
-        not isinstance(vectors, np.memmap)
-        or vectors.filename is None
-        or not vectors.flags.c_contiguous
+        where is None
+        or vectors.ndim != 2
+        or vectors.strides[1] != vectors.itemsize
+        or row_bytes != vectors.shape[1] * vectors.itemsize
         or not hasattr(os, "preadv")
     ):
         return np.asarray(vectors[rows], dtype=np.float32)
-    filename = vectors.filename
-    out = np.empty((len(rows), *vectors.shape[1:]), dtype=vectors.dtype)
-    row_bytes = int(vectors.strides[0])
-    first = int(vectors.offset)
-    fd = os.open(filename, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            for r in rows.tolist():
-                os.posix_fadvise(fd, first + r * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
-        view = out.reshape(-1).view(np.uint8).data
-        for i, r in enumerate(rows.tolist()):
-            got = os.preadv(fd, [view[i * row_bytes : (i + 1) * row_bytes]], first + r * row_bytes)
-            if got != row_bytes:
-                raise InternalError(f"{filename}: row {r} read {got} of {row_bytes} bytes")
-    finally:
-        os.close(fd)
+    fd, first = where
+    out = np.empty((len(rows), vectors.shape[1]), dtype=vectors.dtype)
+    if hasattr(os, "posix_fadvise"):
+        for r in rows.tolist():
+            os.posix_fadvise(fd, first + r * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
+    view = out.reshape(-1).view(np.uint8).data
+    for i, r in enumerate(rows.tolist()):
+        got = os.preadv(fd, [view[i * row_bytes : (i + 1) * row_bytes]], first + r * row_bytes)
+        if got != row_bytes:
+            raise InternalError(f"vectors row {r}: read {got} of {row_bytes} bytes")
     return out.astype(np.float32, copy=False)
 
 

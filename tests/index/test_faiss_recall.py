@@ -8,7 +8,8 @@ import faiss
 import numpy as np
 import pytest
 
-from openbook.index import faiss_index
+from openbook.index import arrays, faiss_index
+from openbook.index.arrays import open_array
 from openbook.index.spec import AnnParams
 from openbook_testkit.index import random_vectors
 
@@ -122,7 +123,7 @@ def test_rerank_from_a_file_map_reads_the_rows_and_scores_the_same(data, tmp_pat
     exactly as in memory."""
     x, q, _ = data
     np.save(tmp_path / "vectors.npy", x.astype(np.float16))
-    mapped = np.load(tmp_path / "vectors.npy", mmap_mode="r")
+    mapped = open_array(tmp_path / "vectors.npy")
     cand = np.random.default_rng(4).integers(-1, N, (len(q), 40))
     cand[:, -1] = N - 1  # the file's last row
     got = faiss_index.rerank_exact(q, cand, mapped, K)
@@ -140,7 +141,7 @@ def test_rows_gathered_from_a_file_are_not_mapped_into_the_process(tmp_path) -> 
     its vectors.npy that re-ranking touched (the 21M run: 15 GB of mapped file pages)."""
     rows, dim = 65_536, 256  # 64 MiB of float32
     np.save(tmp_path / "vectors.npy", np.ones((rows, dim), dtype=np.float32))
-    mapped = np.load(tmp_path / "vectors.npy", mmap_mode="r")
+    mapped = open_array(tmp_path / "vectors.npy")
 
     def rss_file_kib() -> int:
         status = Path("/proc/self/status").read_text()
@@ -152,3 +153,26 @@ def test_rows_gathered_from_a_file_are_not_mapped_into_the_process(tmp_path) -> 
     every_row = np.arange(0, rows, dtype=np.int64)
     assert float(faiss_index.gather_rows(mapped, every_row).sum()) == rows * dim
     assert rss_file_kib() - before < 8 * 1024  # not the file's 64 MiB
+
+
+def test_rows_are_read_from_the_file_the_map_was_opened_on(tmp_path) -> None:
+    """A swap, an adoption or a compaction renames or removes an index directory while a
+    search still holds the old view: its rows come from the file it opened, and a view (a
+    slice) of the map reads its own rows."""
+    x = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+    (tmp_path / "a").mkdir()
+    np.save(tmp_path / "a" / "vectors.npy", x)
+    mapped = open_array(tmp_path / "a" / "vectors.npy")
+    assert arrays.file_of(mapped) is not None
+    (tmp_path / "a").rename(tmp_path / "b")
+    (tmp_path / "b" / "vectors.npy").unlink()
+    np.testing.assert_array_equal(
+        faiss_index.gather_rows(mapped, np.array([39, 0, 5])), x[[39, 0, 5]]
+    )
+    part = mapped[10:20]
+    np.testing.assert_array_equal(faiss_index.gather_rows(part, np.array([0, 9])), x[[10, 19]])
+    # an array mapped some other way is read through its map
+    np.save(tmp_path / "c.npy", x)
+    other = np.load(tmp_path / "c.npy", mmap_mode="r")
+    assert arrays.file_of(other) is None
+    np.testing.assert_array_equal(faiss_index.gather_rows(other, np.array([3])), x[[3]])
