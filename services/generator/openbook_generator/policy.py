@@ -358,8 +358,7 @@ class SchedulingPolicy:
             if request.deadline is None:
                 ahead += mine
                 continue
-            margin = SHED_MARGIN_SHARE * (request.deadline - request.admitted_at)
-            if now + ahead + mine <= request.deadline - margin:
+            if now + ahead + mine <= _reply_by(request):
                 ahead += mine
                 continue
             error = Overloaded(
@@ -377,11 +376,11 @@ class SchedulingPolicy:
         engine ran nothing but its own rows from ``now`` on at the speed measured now, unscaled
         by :class:`Lateness` (a lower bound of when it ends: the other rows of its batch, other
         batches and prefill chunks only add to it), it would end later than
-        :data:`SHED_MARGIN_SHARE` of its whole
-        time before its deadline: the margin in which a reply still reaches its caller in time
-        (the same margin as :meth:`hopeless`). Its result would come too late to be an answer
-        (a 504); giving it up tells its caller at once (a 429, retry after the other running
-        work) and gives the rest of its work to requests that can still finish."""
+        :data:`SHED_MARGIN_SHARE` of its whole time before its deadline: the margin in which a
+        reply still reaches its caller in time (the same margin as :meth:`hopeless`). Its result
+        would come too late to be an answer (a 504); giving it up tells its caller at once (a
+        429, retry after the other running work: :meth:`retry_after_s`) and gives the rest of
+        its work to requests that can still finish."""
         if not running or not self.speed.known:
             return []
         late = []
@@ -389,24 +388,17 @@ class SchedulingPolicy:
             if request.deadline is None or request.progress is None:
                 continue
             alone = self.remaining_s(replace(request, solo=True), request.shape.rows)
-            margin = SHED_MARGIN_SHARE * (request.deadline - request.admitted_at)
-            if now + alone > request.deadline - margin:
+            if now + alone > _reply_by(request):
                 late.append(request)
         if not late:
             return []
-        shared_rows = self.shared_batch_rows([r for r in running if r not in late], [])
-        refusals = []
-        for request in late:
-            others = [r for r in running if r not in late]
-            retry = min((self.remaining_s(r, shared_rows) for r in others), default=1.0)
-            error = Overloaded(
-                f"the generator slowed down while this request ran ({self.speed.describe()}): "
-                f"it could not finish before its deadline and was stopped; retry in "
-                f"{math.ceil(retry)}s",
-                retry_after_s=retry,
-            )
-            refusals.append(Refusal(request, error))
-        return refusals
+        retry = self.retry_after_s([r for r in running if r not in late], [])
+        message = (
+            f"the generator slowed down while this request ran ({self.speed.describe()}): "
+            f"it could not finish before its deadline and was stopped; retry in "
+            f"{math.ceil(retry)}s"
+        )
+        return [Refusal(r, Overloaded(message, retry_after_s=retry)) for r in late]
 
     # ------------------------------------------------------------------ fair share
 
@@ -628,6 +620,13 @@ class SchedulingPolicy:
         if options.mode == "rag-sequence-thorough":  # every hypothesis under every passage
             scoring = speed.prefill_s(rows * shape.passages * self.expected_steps(options, worst))
         return prefill + decode + scoring
+
+
+def _reply_by(request: Request) -> float:
+    """When a request's result must be ready for its reply to reach the caller in time: its
+    deadline less :data:`SHED_MARGIN_SHARE` of its whole time (admission to deadline)."""
+    assert request.deadline is not None
+    return request.deadline - SHED_MARGIN_SHARE * (request.deadline - request.admitted_at)
 
 
 def _deadline(request: Request) -> float:

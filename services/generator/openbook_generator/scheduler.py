@@ -517,9 +517,7 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
         done: :meth:`Waiting.gave_up`). Under ``_cond``."""
         by_request = {id(a.request): a for a in self._running.values()}
         for refusal in self.policy.overdue(time.monotonic(), self._started()):
-            admitted = by_request[id(refusal.request)]
-            if not admitted.waiting.future.done():
-                resolve(admitted.waiting.future, refusal.error)
+            resolve(by_request[id(refusal.request)].waiting.future, refusal.error)
 
     def _admit(self, admitted: _Admitted) -> None:
         """Add a taken request to its batch's engine (nothing encoded yet)."""
