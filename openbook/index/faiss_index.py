@@ -335,30 +335,30 @@ def gather_rows(vectors: np.ndarray, rows: np.ndarray) -> np.ndarray:
     own). Here every row's read is announced first (``posix_fadvise`` WILLNEED: the device gets
     them all at once), then each is copied in from the file the map was opened on (its name
     may be gone: a swap or an adoption moved the directory): the page cache stays the
-    kernel's (shared, reclaimable), the process maps none of it. Any other array is indexed
-    in memory."""
+    kernel's (shared, reclaimable), the process maps none of it; a row asked for twice is read
+    once. Any other array is indexed in memory."""
     rows = np.asarray(rows, dtype=np.int64)
     where = arrays.file_of(vectors)
-    row_bytes = int(vectors.strides[0]) if vectors.ndim == 2 else 0
     if (
         where is None
         or vectors.ndim != 2
-        or vectors.strides[1] != vectors.itemsize
-        or row_bytes != vectors.shape[1] * vectors.itemsize
+        or vectors.strides != (vectors.shape[1] * vectors.itemsize, vectors.itemsize)
         or not hasattr(os, "preadv")
     ):
         return np.asarray(vectors[rows], dtype=np.float32)
     fd, first = where
-    out = np.empty((len(rows), vectors.shape[1]), dtype=vectors.dtype)
+    row_bytes = int(vectors.strides[0])
+    unique, inverse = np.unique(rows, return_inverse=True)
+    out = np.empty((len(unique), vectors.shape[1]), dtype=vectors.dtype)
     if hasattr(os, "posix_fadvise"):
-        for r in rows.tolist():
+        for r in unique.tolist():
             os.posix_fadvise(fd, first + r * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
     view = out.reshape(-1).view(np.uint8).data
-    for i, r in enumerate(rows.tolist()):
+    for i, r in enumerate(unique.tolist()):
         got = os.preadv(fd, [view[i * row_bytes : (i + 1) * row_bytes]], first + r * row_bytes)
         if got != row_bytes:
             raise InternalError(f"vectors row {r}: read {got} of {row_bytes} bytes")
-    return out.astype(np.float32, copy=False)
+    return out[inverse.reshape(-1)].astype(np.float32, copy=False)
 
 
 def write(index: faiss.Index, path: Path) -> None:
