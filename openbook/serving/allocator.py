@@ -22,8 +22,11 @@ Two settings give it back, and one keeps the common answer fast:
   freed, which also lowered a k=100 request's peak by 1.4 GB (freed arena pages were not reused
   across arenas and sizes);
 * :func:`release` (``malloc_trim(0)``): returns the free pages of every arena, what the smaller
-  blocks left; :class:`MemoryReleaser` calls it when the generator goes idle, after enough work
-  ended, and before the threshold drops for a large request, outside any decoding step.
+  blocks left; :class:`MemoryReleaser` calls it once the generator has stayed idle for
+  :data:`IDLE_RELEASE_AFTER_S`, after enough work ended, and before the threshold drops for a
+  large request, outside any decoding step. The idle release waits on a thread of its own: done
+  as the last request ended, it stood in the way of the next (a caller asking again at once
+  waited for the trim, 50-200 ms, and then faulted the pages it had given back in again).
 
 Only glibc has these; with another C library (musl, macOS) all do nothing. glibc's own
 environment settings (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) win over
@@ -59,6 +62,11 @@ SMALL_WORK_THRESHOLD = 32 * 2**20
 # requests leave in the arenas is bounded by their own estimates and given back when the
 # generator goes idle or the threshold drops.
 LARGE_REQUEST_BYTES = 768 * 2**20
+# How long the generator stays idle before what its work left in the arenas is given back. A
+# caller asking again within it (the next question of a conversation, a client's queue) finds the
+# pages resident and no trim in its way; a generator left idle is back at its idle size this long
+# after its last request.
+IDLE_RELEASE_AFTER_S = 1.0
 # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 # The environment variables that set the same (glibc reads them at start; they win).
@@ -124,17 +132,19 @@ class MemoryReleaser:
 
     Told of every request that starts (:meth:`started`) and ends (:meth:`finished`) with its
     estimated working memory and, at the end, whether the generator is idle now: it releases
-    when the generator goes idle after any work, and, under a load that never leaves it idle,
-    once the requests ended since the last release add up to ``every_bytes`` (their memory was
-    freed piecemeal, between other requests' steps). A release walks the arenas' free blocks
-    (~50-200 ms after large requests, measured), so it is not done after every small request of
-    a busy generator.
+    once the generator has stayed idle for ``idle_after_s`` after any work (on a thread of its
+    own, :meth:`close` stops it; at once, on the caller's thread, when ``idle_after_s`` is 0),
+    and, under a load that never leaves it idle, once the requests ended since the last release
+    add up to ``every_bytes`` (their memory was freed piecemeal, between other requests' steps).
+    A release walks the arenas' free blocks (~50-200 ms after large requests, measured), so it is
+    not done after every small request of a busy generator.
 
-    Invariant: the threshold is :data:`LARGE_WORK_THRESHOLD` exactly while at least one started
+    Invariants: the threshold is :data:`LARGE_WORK_THRESHOLD` exactly while at least one started
     request estimated at ``large_bytes`` or more has not finished, else
     :data:`SMALL_WORK_THRESHOLD`; before it drops, the arenas are released (what small work
     left resident is not kept beside a large request's peak). With ``set_threshold`` None (not
-    glibc, or the environment set it) the threshold is left alone.
+    glibc, or the environment set it) the threshold is left alone. A pending idle release is
+    dropped by any request that starts before it is due (the next idle period schedules its own).
     """
 
     def __init__(
@@ -144,26 +154,38 @@ class MemoryReleaser:
         *,
         large_bytes: int = LARGE_REQUEST_BYTES,
         set_threshold: Callable[[int], object] | None = None,
+        idle_after_s: float = 0.0,
     ) -> None:
         self.every_bytes = every_bytes
         self.large_bytes = large_bytes
+        self.idle_after_s = idle_after_s
         self._release = release_fn
         self._set_threshold = set_threshold
         self._ended = 0  # estimated bytes of requests ended since the last release
         self._large_running = 0  # started, unfinished requests of at least large_bytes
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._idle_since: float | None = None  # idle with work to give back, since (monotonic)
+        self._waiter: threading.Thread | None = None
+        self._closed = False
         self.releases = 0
 
     @classmethod
     def for_this_process(cls, every_bytes: int) -> MemoryReleaser:
-        """Moving the threshold where :func:`owns_mmap_threshold`, else only releasing."""
-        return cls(every_bytes, set_threshold=set_mmap_threshold if owns_mmap_threshold() else None)
+        """Moving the threshold where :func:`owns_mmap_threshold`, else only releasing; the
+        idle release after :data:`IDLE_RELEASE_AFTER_S`."""
+        return cls(
+            every_bytes,
+            set_threshold=set_mmap_threshold if owns_mmap_threshold() else None,
+            idle_after_s=IDLE_RELEASE_AFTER_S,
+        )
 
     def started(self, estimate_bytes: int) -> None:
         """A request of ``estimate_bytes`` is about to run (before any of its tensors exist)."""
-        if estimate_bytes < self.large_bytes:
-            return
         with self._lock:
+            self._idle_since = None  # not idle: a pending idle release waits for the next time
+            if estimate_bytes < self.large_bytes:
+                return
             self._large_running += 1
             first = self._large_running == 1
         if first and self._set_threshold is not None:
@@ -179,13 +201,53 @@ class MemoryReleaser:
                 self._large_running -= 1
                 last_large = self._large_running == 0
             self._ended += max(0, estimate_bytes)
-            due = bool(self._ended and (idle or self._ended >= self.every_bytes))
+            due = self._ended >= self.every_bytes or bool(
+                idle and self._ended and self.idle_after_s <= 0
+            )
             if due:
                 self._ended = 0
+            elif idle and self._ended:
+                self._idle_since = time.monotonic()
+                self._start_waiter()
+                self._wake.notify()
         if due:
             self._timed_release()
         if last_large and self._set_threshold is not None:
             self._set_threshold(SMALL_WORK_THRESHOLD)
+
+    def close(self) -> None:
+        """Stop the idle-release thread (a pending release is dropped)."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+            waiter = self._waiter
+        if waiter is not None:
+            waiter.join()
+
+    def _start_waiter(self) -> None:
+        """Called with the lock held."""
+        if self._waiter is None and not self._closed:
+            self._waiter = threading.Thread(
+                target=self._release_when_idle, name="memory-release", daemon=True
+            )
+            self._waiter.start()
+
+    def _release_when_idle(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed:
+                    if self._idle_since is not None:
+                        left = self._idle_since + self.idle_after_s - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._wake.wait(left)
+                    else:
+                        self._wake.wait()
+                if self._closed:
+                    return
+                self._idle_since = None
+                self._ended = 0
+            self._timed_release()
 
     def _timed_release(self) -> None:
         with self._lock:

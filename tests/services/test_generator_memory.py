@@ -118,6 +118,29 @@ def test_the_threshold_follows_the_size_of_the_work_running():
     unmanaged.finished(5, idle=True)  # the environment's threshold: never moved
 
 
+def test_the_idle_release_waits_and_a_request_that_starts_meanwhile_drops_it():
+    """Given back once the generator has stayed idle for ``idle_after_s``, on a thread of its
+    own: a caller asking again at once finds no trim in its way and its pages still resident."""
+    released = threading.Event()
+    releaser = MemoryReleaser(every_bytes=10_000, release_fn=released.set, idle_after_s=0.3)
+    try:
+        releaser.finished(30, idle=True)
+        releaser.started(30)  # the next request, before the release was due
+        assert not released.wait(1.0)  # dropped: the generator did not stay idle
+        assert releaser.releases == 0
+        releaser.finished(30, idle=True)
+        assert released.wait(30)  # this time it stays idle
+        assert releaser.releases == 1
+        released.clear()
+        releaser.finished(0, idle=True)  # nothing ended since: nothing to give back
+        assert not released.wait(1.0)
+        releaser.finished(20_000, idle=False)  # enough work under load: at once, on this thread
+        assert released.is_set() and releaser.releases == 2
+    finally:
+        releaser.close()
+    assert releaser._waiter is not None and not releaser._waiter.is_alive()
+
+
 @glibc
 def test_the_service_moves_the_threshold_only_when_it_owns_it(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
@@ -171,7 +194,7 @@ def test_the_service_releases_memory_once_decoding_goes_idle(tmp_path, redis_ser
             time.sleep(0.01)  # told from the decoding thread, just after each reply
         assert len(told) == len(threads)
         assert sorted(started) == sorted(estimate for estimate, _ in told)  # each started once
-        assert released.is_set()
         assert all(estimate > 0 for estimate, _ in told)
         assert told[-1][1]  # the last one left the generator idle
+        assert released.wait(30)  # once it has stayed idle for IDLE_RELEASE_AFTER_S
         assert releaser.releases >= 1

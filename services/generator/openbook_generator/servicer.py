@@ -434,3 +434,4 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def close(self) -> None:
         self.stop_following.set()  # the follower of shared reloads, if one was started
         self.scheduler.close()
+        self.releaser.close()
