@@ -10,9 +10,12 @@ instead would give, through the two paths torch offers on CPU:
   the activations stay in the model's precision.
 - ``dynamic``: torch's dynamically quantised linear (``torch.ao`` qint8, fbgemm), which also
   quantises the activations at each call (one scale for the whole batch).
-- ``engine``: the engine's own :class:`~openbook.rag.backends.int8_head.Int8Head` for the
-  dtype, what ``OPENBOOK_GENERATOR_LM_HEAD=int8`` serves: weight-only in bf16, fbgemm's dynamic
-  product with every row quantized on its own (batch-independent) in float32 on x86.
+- ``engine``: the product of the engine's own :class:`~openbook.rag.backends.int8_head.Int8Head`
+  for the dtype, what ``OPENBOOK_GENERATOR_LM_HEAD=int8`` multiplies with: weight-only in bf16,
+  fbgemm's dynamic product with every row quantized on its own (batch-independent) in float32
+  on x86. Without its rescoring of each row's near-best tokens (``margin=None``): how many
+  tokens that rescores depends on a real model's hidden states, not random ones; its cost is
+  in the end-to-end figures of ``bench/generator/engine.py``.
 
 Reported per row count (the rows of a step: k passages x requests running): the median ms of
 each path, its ratio to the model's precision, and how often the argmax (the greedy token)
@@ -85,7 +88,7 @@ def main() -> None:
         torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8
     )
     row_scales = scales.to(dtype)
-    engine_head = Int8Head(model_weight)
+    engine_head = Int8Head(model_weight, margin=None)  # the product alone (docstring)
 
     results = []
     for rows in (int(r) for r in args.rows.split(",")):

@@ -1,8 +1,10 @@
 """The LM head in int8 (openbook/rag/backends/int8_head.py): the weight-only product is that of
 its dequantized weights, within the stated bound of the original ones; the dynamic one (float32
 on x86) within its stated bound too, and a row's logits do not depend on the rows batched with
-it; a causal model decodes with it everywhere (prefix, steps, drafted steps, scores) exactly as
-with a full-precision head of those dequantized weights; what cannot run it is refused."""
+it; the tokens near a row's best are scored again exactly, so greedy choices are the
+full-precision head's; a causal model decodes with the int8 product everywhere (prefix, steps,
+drafted steps, scores) exactly as with a full-precision head of those dequantized weights, and
+with the rescoring gives the full-precision model's answers; what cannot run it is refused."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def test_the_product_is_the_dequantized_weights_within_the_bound_of_the_original
     weight[7] = 0  # an all-zero row: codes 0, logits 0
     head = Int8Head(weight, Int8Product.WEIGHT_ONLY)
     hidden = torch.randn(3, 4, 64)
-    logits = head(hidden)
+    logits = head.approximate(hidden)
     assert logits.shape == (3, 4, 5_000) and logits.dtype == torch.float32
     assert head.weight_int8.dtype == torch.int8 and head.scales.shape == (5_000,)
     torch.testing.assert_close(logits, hidden @ head.dequantized().T, rtol=1e-5, atol=1e-5)
@@ -31,6 +33,9 @@ def test_the_product_is_the_dequantized_weights_within_the_bound_of_the_original
     # |W - scale * Q| <= scale / 2 per entry, so a logit is off by at most scale/2 * sum |h|
     bound = 0.5 * head.scales[None, None, :] * hidden.abs().sum(-1, keepdim=True)
     assert torch.all((logits - hidden @ weight.T).abs() <= bound + 1e-6)
+    # and the row's bound the rescoring uses holds for every logit of the row
+    token_bound = head.error_bound(hidden.reshape(-1, 64)).reshape(3, 4, 5_000)
+    assert torch.all((logits - hidden @ weight.T).abs() <= token_bound + 1e-5)
 
 
 x86 = pytest.mark.skipif(
@@ -47,7 +52,7 @@ def test_the_dynamic_product_is_within_its_bound_and_independent_of_the_batch():
     assert head.product is Int8Product.DYNAMIC  # float32 on x86: fbgemm's
     hidden = torch.randn(3, 4, 64) * 3
     hidden[1, 2] = 0  # an all-zero row: logits 0
-    logits = head(hidden)
+    logits = head.approximate(hidden)
     assert logits.shape == (3, 4, 5_000) and logits.dtype == torch.float32
     assert torch.all(logits[..., 7] == 0) and torch.all(logits[1, 2] == 0)
     # weights: scale/2 * sum |h| (as weight-only); activations: one step of 2/127 of the row's
@@ -58,11 +63,73 @@ def test_the_dynamic_product_is_within_its_bound_and_independent_of_the_batch():
         magnitude * 2 / 127 * dequantized.abs().sum(-1)
     )
     assert torch.all((logits - hidden @ weight.T).abs() <= bound + 1e-5)
+    token_bound = head.error_bound(hidden.reshape(-1, 64)).reshape(3, 4, 5_000)
+    assert torch.all((logits - hidden @ weight.T).abs() <= token_bound + 1e-5)
     # the same row alone, or batched with others of any size, gets the same logits, bit for bit
     flat = hidden.reshape(-1, 64)
     for row in range(len(flat)):
-        assert torch.equal(head(flat[row : row + 1])[0], logits.reshape(-1, 5_000)[row])
-    assert torch.equal(head(flat * torch.tensor(100.0))[0], head(flat[:1] * 100.0)[0])
+        assert torch.equal(head.approximate(flat[row : row + 1])[0], logits.reshape(-1, 5_000)[row])
+    assert torch.equal(
+        head.approximate(flat * torch.tensor(100.0))[0], head.approximate(flat[:1] * 100.0)[0]
+    )
+
+
+def _peaked(vocab: int, width: int, rows: int, dtype: torch.dtype):
+    """A head and hidden states whose logits have a few tokens near each row's best and a long
+    tail far below (as a trained LM's do), and near-ties the int8 product alone gets wrong."""
+    torch.manual_seed(3)
+    weight = torch.randn(vocab, width) * 0.05
+    hidden = torch.randn(rows, width)
+    direction = hidden / hidden.norm(dim=1, keepdim=True)
+    for r in range(rows):  # per row, 3 tokens within a fraction of a nat, well above the rest
+        for j in range(3):
+            weight[r * 3 + j] = 1.2 * direction[r] + 0.003 * torch.randn(width)
+    return weight.to(dtype), (hidden * 8).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "product"),
+    [
+        (torch.float32, Int8Product.WEIGHT_ONLY),
+        (torch.bfloat16, Int8Product.WEIGHT_ONLY),
+    ],
+)
+def test_the_tokens_near_a_rows_best_are_scored_exactly(dtype, product):
+    weight, hidden = _peaked(20_000, 64, 16, dtype)
+    head = Int8Head(weight, product)
+    exact = (hidden @ weight.T).float()
+    got = head(hidden).float()
+    approx = head.approximate(hidden).float()
+    assert head.rescored_tokens and not head.full_steps  # rescored, not the fallback
+    rounding = 0 if dtype == torch.float32 else 2**-7 * exact.abs()  # bf16: both products'
+    bound = head.error_bound(hidden)
+    assert torch.all((approx - exact).abs() <= bound + rounding + 1e-4)
+    # every token within the margin of the row's exact best gets its exact logit
+    near = exact >= exact.amax(1, keepdim=True) - head.margin
+    tolerance = 0 if dtype == torch.float32 else 0.1  # bf16: one product's rounding
+    assert torch.allclose(got[near], exact[near], atol=tolerance + 1e-4)
+    assert torch.equal(got.argmax(1), exact.argmax(1))
+    assert not torch.equal(approx.argmax(1), exact.argmax(1))  # the near-tie int8 got wrong
+    # what is not rescored is the int8 product's, within its bound
+    assert torch.all((got - exact).abs() <= bound + rounding + 1e-4)
+    # a row alone gets the same exact logits where they matter
+    alone = head(hidden[1:2]).float()[0]
+    assert torch.allclose(alone[near[1]], got[1][near[1]], atol=tolerance + 1e-4)
+
+
+def test_a_flat_row_is_scored_wholly_in_full_precision():
+    torch.manual_seed(0)
+    weight = torch.randn(2_000, 32) * 1e-3  # every logit within the margin of the best
+    head = Int8Head(weight, Int8Product.WEIGHT_ONLY)
+    hidden = torch.randn(2, 32)
+    torch.testing.assert_close(head(hidden), hidden @ weight.T, rtol=1e-5, atol=1e-6)
+    assert head.full_steps == 2
+
+
+def test_without_a_margin_the_head_is_the_int8_product_alone():
+    weight, hidden = _peaked(5_000, 32, 2, torch.float32)
+    head = Int8Head(weight, Int8Product.WEIGHT_ONLY, margin=None)
+    assert torch.equal(head(hidden), head.approximate(hidden))
 
 
 def test_the_product_follows_the_models_precision():
@@ -80,7 +147,7 @@ def test_bf16_hidden_states_get_bf16_logits():
     weight = (torch.randn(1_000, 32) * 0.05).to(torch.bfloat16)
     head = Int8Head(weight)
     hidden = torch.randn(2, 32, dtype=torch.bfloat16)
-    logits = head(hidden)
+    logits = head.approximate(hidden)
     assert logits.dtype == torch.bfloat16
     want = hidden.float() @ head.dequantized().T
     torch.testing.assert_close(logits.float(), want, rtol=2e-2, atol=2e-2)
@@ -99,7 +166,7 @@ def _dequantized_reference(path) -> RagGenerator:
     """The model with a full-precision head holding the int8 head's dequantized weights."""
     gen = RagGenerator.load(path, device="cpu")
     model = gen.backend.model
-    head = Int8Head(model.get_output_embeddings().weight, Int8Product.WEIGHT_ONLY)
+    head = Int8Head(model.get_output_embeddings().weight, Int8Product.WEIGHT_ONLY, margin=None)
     vocab, width = head.weight_int8.shape
     linear = torch.nn.Linear(width, vocab, bias=False)
     linear.weight = torch.nn.Parameter(head.dequantized(), requires_grad=False)
@@ -115,8 +182,8 @@ def test_a_causal_model_decodes_with_the_int8_head_everywhere(dirs, kind):
     quantized = RagGenerator.load(path, device="cpu")
     embedding = quantized.backend.model.get_input_embeddings().weight.detach().clone()
     vocab = quantized.backend.vocab_size
-    quantized.backend.quantize_head(Int8Product.WEIGHT_ONLY)
-    quantized.backend.quantize_head(Int8Product.WEIGHT_ONLY)  # twice is once
+    quantized.backend.quantize_head(Int8Product.WEIGHT_ONLY, margin=None)
+    quantized.backend.quantize_head(Int8Product.WEIGHT_ONLY, margin=None)  # twice is once
     assert isinstance(quantized.backend.model.get_output_embeddings(), Int8Head)
     assert quantized.backend.vocab_size == vocab
     assert quantized.backend._own_head  # the head the engine applies is the model's own
@@ -142,6 +209,36 @@ def test_a_causal_model_decodes_with_the_int8_head_everywhere(dirs, kind):
     quantized.set_draft_tokens(0)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_with_the_rescoring_a_causal_model_gives_the_full_precision_models_answers(dirs, kind):
+    """The default head (near-best tokens scored exactly): every greedy search's tokens are the
+    full-precision model's, drafted or not, its log-probabilities within rounding."""
+    path = dirs.causal(kind)
+    quantized = RagGenerator.load(path, device="cpu")
+    quantized.backend.quantize_head(Int8Product.WEIGHT_ONLY)
+    head = quantized.backend.model.get_output_embeddings()
+    assert isinstance(head, Int8Head) and head.margin is not None
+    full = RagGenerator.load(path, device="cpu")
+    passages = make_passages(3, seed=1)
+    for mode in MODES:
+        for draft in (0, 4):
+            if draft and mode == "rag-sequence-thorough":
+                continue
+            quantized.set_draft_tokens(draft)
+            options = DecodingOptions(mode=mode, max_new_tokens=8)
+            for question in QUESTIONS:
+                got = quantized.generate(question, passages, options)
+                want = full.generate(question, passages, options)
+                assert [h.token_ids for h in got.hypotheses] == [
+                    h.token_ids for h in want.hypotheses
+                ], (mode, draft, question)
+                # the normalizer keeps the int8 product's tail: a random model's flat rows put
+                # much of their mass there (a trained one's hold it in a few exact tokens)
+                for a, b in zip(got.hypotheses, want.hypotheses, strict=True):
+                    assert a.log_prob == pytest.approx(b.log_prob, abs=1e-2)
+    assert head.rescored_tokens + head.full_steps > 0
+
+
 def test_bart_keeps_its_head_and_says_so(dirs):
     gen = RagGenerator.load(dirs.bart(0), device="cpu")
     with pytest.raises(ValueError, match="keeps its LM head"):
@@ -156,6 +253,7 @@ def test_a_float32_model_decodes_with_the_dynamic_head_by_default(dirs, kind):
     gen.backend.quantize_head()
     head = gen.backend.model.get_output_embeddings()
     assert isinstance(head, Int8Head) and head.product is Int8Product.DYNAMIC
+    assert head.margin is None  # its bound is too loose to certify a rescoring (int8_head.py)
     passages = make_passages(3, seed=1)
     for mode in MODES:
         options = DecodingOptions(mode=mode, max_new_tokens=8)

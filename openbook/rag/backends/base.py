@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from openbook.rag.backends.int8_head import RESCORE_MARGIN
 from openbook.rag.errors import ModelLoadError
 
 # SCORE_LOGIT_ELEMENTS: the bound on logit elements one teacher-forcing pass materialises
@@ -126,10 +127,13 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         verify drafted tokens (:mod:`openbook.rag.drafting`) in one forward pass."""
         return False
 
-    def quantize_head(self, product: Int8Product | None = None) -> None:
+    def quantize_head(
+        self, product: Int8Product | None = None, margin: float | None = RESCORE_MARGIN
+    ) -> None:
         """Serve the LM head with int8 weights, one scale per output row
         (:class:`~openbook.rag.backends.int8_head.Int8Head`, multiplying with ``product``,
-        by default the faster kernel for the model's precision on this machine); a
+        by default the faster kernel for the model's precision on this machine; the tokens
+        within ``margin`` of a row's best scored again in full precision, None: not); a
         :class:`~openbook.rag.errors.ModelLoadError` (a ``ValueError``) saying why where this
         family, its head or its device cannot. The input embedding keeps its precision."""
         raise ModelLoadError(f"the {self.kind} backend keeps its LM head in the model's precision")

@@ -35,7 +35,7 @@ from openbook.rag.backends.base import (
     pad_slots,
     right_pad,
 )
-from openbook.rag.backends.int8_head import Int8Head, Int8Product
+from openbook.rag.backends.int8_head import RESCORE_MARGIN, Int8Head, Int8Product
 from openbook.rag.cache import (
     append_slots,
     broadcast_rows,
@@ -156,14 +156,16 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
             self.prefix_cache = self._prefix_forward(check_head=True)
         self.passage_cache.clear()  # keys/values of the old weights
 
-    def quantize_head(self, product: Int8Product | None = None) -> None:
+    def quantize_head(
+        self, product: Int8Product | None = None, margin: float | None = RESCORE_MARGIN
+    ) -> None:
         head = self.model.get_output_embeddings()
         if isinstance(head, Int8Head):
             return
         if not isinstance(head, nn.Linear) or head.bias is not None:
             raise ModelLoadError(f"an int8 LM head replaces a Linear without bias, not {head!r}")
         try:
-            int8 = Int8Head(head.weight, product)
+            int8 = Int8Head(head.weight, product, margin)
         except InvalidArgument as e:  # a head torch's int8 kernel cannot run: this model's
             raise ModelLoadError(str(e)) from None
         # A tied model's embedding keeps its own matrix; the head reads the int8 copy only.

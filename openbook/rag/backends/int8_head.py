@@ -11,11 +11,12 @@ dispatches to on CPU), not a kernel of ours.
     scale[v] = max_j |W[v, j]| / 127,
     logits (..., V) = hidden (..., d) @ (scale[:, None] * Q).T
 
-The error of a logit is at most ``0.5 * scale[v] * sum_j |hidden_j|``; greedy tokens change only
-where the top two logits are that close, which is why the head is opt-in and its answer
-agreement is measured (docs/results.md). Whether it is faster depends on the rows per step and
-the processor (docs/benchmarks.md, "The LM head in int8"): the kernel reads half the bytes but
-dequantizes per row, so it pays with few rows (one request's k passages) and loses with many.
+The error of a logit is at most ``0.5 * scale[v] * sum_j |hidden_j|``; greedy tokens would change
+where the top two logits are that close (11 of 300 development answers did, docs/results.md),
+so the tokens that can be chosen are scored again exactly (below). Whether it is faster
+depends on the rows per step and the processor (docs/benchmarks.md, "The LM head in int8"):
+the kernel reads half the bytes but dequantizes per row, so it pays with few rows (one
+request's k passages) and loses with many.
 
 Two products, one per kind of hidden state (:class:`Int8Product`), both torch's own kernels:
 
@@ -37,12 +38,45 @@ Two products, one per kind of hidden state (:class:`Int8Product`), both torch's 
 
   so the error of a logit grows by at most ``m_r * 2/127 * sum_j |scale[v] * Q[v, j]|``.
 
+**The tokens that can be chosen are scored exactly** (the weight-only product). The int8 product
+only screens. By Cauchy-Schwarz a token's int8 logit is within ``eps_r(v) = |h_r|_2 * |e_v|_2`` of
+its exact one, e_v = W_v - scale_v * Q_v the row's rounding error (its norm kept per token);
+the row's int8 best a_r is worth at least
+``L~_r(a_r) - eps_r(a_r)``. Every token whose int8 logit plus its own bound reaches that, less
+``margin`` and bf16's rounding, is scored again with the model's own full-precision weights (the
+tied embedding's matrix, not a copy), and its exact logit replaces the int8 one::
+
+    C_r = {v : L~_r(v) + eps_r(v) >= L~_r(a_r) - eps_r(a_r) - margin - rounding}
+    logits[r, C_r] = h_r @ W[C_r].T          (W: the full-precision head)
+
+A token outside C_r has p_r(v) < exp(-margin) * p_r(a_r), a_r the row's int8 best (in C_r, so
+exact). A token in no row's C_r therefore has a RAG-Token marginal sum_r w_r p_r(v) below
+exp(-margin) * k times the best candidate's: with ``margin >= ln k`` greedy RAG-Token's choice
+over k passage rows is among tokens scored exactly where they matter, and with any margin
+RAG-Sequence's per-row greedy choice is. What stays approximate (each term within its eps_r) is the
+normalizer's share of the tokens outside C_r and a candidate's terms in rows where it is far
+from the best: they move log-probabilities and passage posteriors by a rounding-sized amount
+where a few tokens hold a row's mass. The default margin, ln 64 (:data:`RESCORE_MARGIN`), makes
+greedy RAG-Token's choice exact for up to 64 passages. A row whose own candidates would be more
+than :data:`RESCORE_MAX_SHARE` of the vocabulary (a flat distribution) is scored wholly with the
+full-precision weights. Which of a row's logits are exact depends on that row alone, so a
+request's logits do not depend on its batch. So answers are the full-precision head's up to the
+rounding that decides near-ties anyway, while a step reads int8 weights for all but the few
+hundred to few thousand rows of the head that it scores again.
+
+The dynamic product is not rescored: its hidden states' 7-bit rounding adds
+``m_r * 2/127 * |W~_v|_1`` to the bound, tens of nats on Gemma 3's final hidden states (a few
+entries near 60), so every row would fall back to the full-precision product (measured: 63 of 65
+rows in 13 steps); it stays the approximate product above.
+
 The input embedding is not touched: a tied model's embedding keeps its own full-precision
-matrix, and only the head's product reads the int8 copy.
+matrix, which the rescoring reads (an untied head's full-precision matrix is kept for it too),
+and the screening product reads the int8 copy.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from enum import StrEnum
 
@@ -55,6 +89,14 @@ from openbook.errors import InvalidArgument
 # segfaults in bf16 on torch 2.13): such heads are refused, never run.
 WIDTH_MULTIPLE = 16
 _QUANTIZE_ROWS = 16_384  # rows converted at a time: a float32 copy of the whole head is not made
+# Tokens within this many nats (plus the error bound) of a row's best are scored exactly: greedy
+# RAG-Token's choice is then exact for requests of up to e^margin = 64 passages (module docstring).
+RESCORE_MARGIN = math.log(64)
+# A row with more than this share of the vocabulary to rescore is scored in full precision.
+RESCORE_MAX_SHARE = 1 / 16
+# bf16 rounds each output, sum and cut the rescoring compares to 2^-9 of its size; four of them:
+# the rounding part of the reach, relative to the logits compared.
+_ROUNDING = 2.0**-7
 
 
 class Int8Product(StrEnum):
@@ -80,13 +122,21 @@ class Int8Head(nn.Module):
     it is given (the model's). ``forward``: hidden (..., d) -> logits (..., V), the hidden
     states' dtype. ``product`` (default: :meth:`Int8Product.for_dtype` of the weight's dtype)
     says which kernel multiplies; the dynamic one also keeps fbgemm's packed copy of the codes.
+    ``weight`` itself is kept (not copied) to score again, exactly, the tokens within
+    ``margin`` of each row's best (module docstring); ``margin`` None: the int8 product alone.
     """
 
     weight_int8: Tensor
     scales: Tensor
+    error_norms: Tensor
     _anchor: Tensor
 
-    def __init__(self, weight: Tensor, product: Int8Product | None = None) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        product: Int8Product | None = None,
+        margin: float | None = RESCORE_MARGIN,
+    ) -> None:
         super().__init__()
         if weight.dim() != 2:
             raise InvalidArgument(
@@ -102,6 +152,10 @@ class Int8Head(nn.Module):
             raise InvalidArgument(f"the int8 LM head runs on CPU; this model is on {weight.device}")
         packed = torch.empty((vocab, width), dtype=torch.int8)
         scales = torch.empty(vocab, dtype=torch.float32)
+        # per row v: |W_v - scale_v * Q_v|_2 with the scale as the product reads it (rounded to
+        # the model's precision): the weights' error, in the rescoring's bound
+        error_norms = torch.empty(vocab, dtype=torch.float32)
+        l1_max = 0.0  # max_v |W~_v|_1: the dynamic product's activation rounding, in its bound
         with torch.no_grad():
             for start in range(0, vocab, _QUANTIZE_ROWS):
                 rows = weight[start : start + _QUANTIZE_ROWS].float()
@@ -111,9 +165,22 @@ class Int8Head(nn.Module):
                 codes = torch.round(rows / scale[:, None]).clamp_(-127, 127)
                 packed[start : start + len(rows)] = codes.to(torch.int8)
                 scales[start : start + len(rows)] = scale
+                used = scale.to(weight.dtype).float()[:, None] * codes
+                error_norms[start : start + len(rows)] = (rows - used).norm(dim=1)
+                l1_max = max(l1_max, float(used.abs().sum(dim=1).max()))
         self.in_features, self.out_features = int(width), int(vocab)
-        self.register_buffer("scales", scales.to(weight.dtype))
         self.product = product or Int8Product.for_dtype(weight.dtype)
+        if self.product is Int8Product.DYNAMIC:
+            # its hidden states rounded to 7 bits make the bound tens of nats on a real model's
+            # rows (a few entries ~60): every row would fall back to full precision
+            margin = None
+        self.margin = margin
+        self._reference = weight.detach() if margin is not None else None
+        self.register_buffer("error_norms", error_norms.to(weight.dtype), persistent=False)
+        self._l1_max = l1_max
+        self.rescored_tokens = 0  # tokens scored again, over all steps (for benchmarks)
+        self.full_steps = 0  # rows scored wholly in full precision (too many candidates)
+        self.register_buffer("scales", scales.to(weight.dtype))
         self._fbgemm_weight: object | None = None
         if self.product is Int8Product.WEIGHT_ONLY:
             self.register_buffer("weight_int8", packed)
@@ -127,15 +194,70 @@ class Int8Head(nn.Module):
             self.register_buffer("_anchor", anchor, persistent=False)
 
     def forward(self, hidden: Tensor) -> Tensor:
+        """hidden (..., d) -> logits (..., V): the int8 product, its near-best tokens exact."""
         flat = hidden.reshape(-1, self.in_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        if self._fbgemm_weight is not None:
-            logits = self._dynamic_product(flat)
-        else:
-            scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
-            logits = torch._weight_int8pack_mm(flat, self.weight_int8, scales)
+        logits = self._product(flat)
+        if self._reference is not None and len(flat):
+            logits = self._rescored(flat, logits)
         return logits.reshape(*hidden.shape[:-1], self.out_features)
+
+    def approximate(self, hidden: Tensor) -> Tensor:
+        """hidden (..., d) -> logits (..., V) of the int8 product alone (no rescoring)."""
+        flat = hidden.reshape(-1, self.in_features).contiguous()
+        return self._product(flat).reshape(*hidden.shape[:-1], self.out_features)
+
+    def _product(self, flat: Tensor) -> Tensor:
+        if self._fbgemm_weight is not None:
+            return self._dynamic_product(flat)
+        scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
+        return torch._weight_int8pack_mm(flat, self.weight_int8, scales)
+
+    def error_bound(self, flat: Tensor) -> Tensor:
+        """(N, d) -> (N, V) float32: how far each int8 logit can be from the one of the
+        full-precision weights, before rounding of the outputs: ``|h_r|_2 * |e_v|_2`` for the
+        weights' error e_v (Cauchy-Schwarz; per token, so a row of small codes is trusted
+        more), plus, for the dynamic product, the hidden states' rounding (module docstring)."""
+        rows = flat.float()
+        bound = rows.norm(dim=1, keepdim=True) * self.error_norms.float()[None]
+        if self._fbgemm_weight is not None:
+            bound += rows.abs().amax(dim=1, keepdim=True) * (2 / 127) * self._l1_max
+        return bound
+
+    def _rescored(self, flat: Tensor, logits: Tensor) -> Tensor:
+        """(N, d), (N, V) int8 logits -> the same with every token that can be chosen scored by
+        the full-precision weights (module docstring). Row by row: which of a row's logits are
+        exact depends on that row alone, never on the rows batched with it."""
+        assert self._reference is not None and self.margin is not None
+        norms = flat.float().norm(dim=1, keepdim=True)  # (N, 1)
+        best = logits.argmax(dim=1, keepdim=True)  # (N, 1): the row's int8 best, a_r
+        top = logits.gather(1, best).float()
+        slack = norms * self.error_norms.float()[best]  # its exact logit is >= top - slack
+        # bf16 rounds both products' outputs, the sum below and the cut, each by at most 2^-9
+        # of the logits compared (no larger than |top| + the reach)
+        reach = self.margin + slack
+        reach = reach + _ROUNDING * (top.abs() + reach)
+        cut = (top - reach).to(logits.dtype)
+        # v may be chosen where its largest possible exact logit reaches the cut:
+        # L~_r(v) + |h_r|_2 |e_v|_2 >= L~_r(a_r) - |h_r|_2 |e_a|_2 - margin - rounding
+        dtype = logits.dtype
+        upper = torch.addcmul(logits, norms.to(dtype), self.error_norms.to(dtype)[None])
+        candidates = upper >= cut  # (N, V)
+        del upper
+        flat_rows = candidates.sum(dim=1) > RESCORE_MAX_SHARE * self.out_features
+        if bool(flat_rows.any()):  # too many near the best: the whole row in full precision
+            self.full_steps += int(flat_rows.sum())
+            full = flat_rows.nonzero().squeeze(1)
+            logits[full] = (flat[full] @ self._reference.T).to(logits.dtype)
+            candidates[full] = False
+        tokens = candidates.any(dim=0).nonzero().squeeze(1)
+        if len(tokens):
+            self.rescored_tokens += len(tokens)
+            exact = (flat @ self._reference[tokens].T).to(logits.dtype)
+            own = candidates[:, tokens]
+            logits[:, tokens] = torch.where(own, exact, logits[:, tokens])
+        return logits
 
     def _dynamic_product(self, flat: Tensor) -> Tensor:
         """(N, d) -> (N, V) through fbgemm, each row quantized on its own (module docstring)."""

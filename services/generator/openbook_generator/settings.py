@@ -56,9 +56,10 @@ class GeneratorSettings(GrpcServiceSettings):
     draft_tokens: int = Field(0, ge=0, le=64)
     # The LM head's weights: "model" (the model's precision) or "int8" (one scale per output
     # row; torch's weight-only int8 product; causal models on CPU, width a multiple of 16):
-    # half the bytes a decoding step reads for Gemma 3's 262,144-token head. Off by default:
-    # faster only with few rows per step, and greedy answers may differ where the top two
-    # logits are near (openbook/rag/backends/int8_head.py, docs/benchmarks.md, docs/results.md).
+    # half the bytes a decoding step reads for Gemma 3's 262,144-token head; in bf16 each
+    # row's near-best tokens are scored again in full precision, so greedy answers are the
+    # model head's. Off by default: faster only with few rows per step, if at all
+    # (openbook/rag/backends/int8_head.py, docs/benchmarks.md, docs/results.md).
     lm_head: Literal["model", "int8"] = "model"
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
     max_request_s: float = Field(300.0, gt=0)

@@ -329,7 +329,9 @@ def _answer_rows(
     options = DecodingOptions(mode="rag-token", max_new_tokens=config.max_new_tokens)
     version = f"{Path(config.generator).name}+{adapter_version(system.generator_adapter)}"
     if system.lm_head != "model":
-        version += f"+{system.lm_head}-head"
+        # "rescored": the int8 head scores its near-best tokens again exactly (int8_head.py);
+        # answers logged by the int8 product alone are not this head's
+        version += f"+{system.lm_head}-rescored-head"
     keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
     todo = [i for i, key in enumerate(keys) if log.get(key) is None]
     if todo:
