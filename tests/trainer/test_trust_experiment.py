@@ -102,7 +102,9 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
         for a, b in zip(rows["few-shot, dense, int8 head"], rows["few-shot, dense"], strict=True)
     )
     assert int8["em_vs_other"]["identical"] == same / result.questions
-    assert any("+int8-head|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
+    assert any(
+        "+int8-rescored-head|" in key for key in ResultLog(config.out / "predictions.jsonl").done
+    )
     for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
