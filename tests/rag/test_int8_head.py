@@ -190,6 +190,15 @@ def test_a_causal_model_decodes_with_the_int8_head_everywhere(dirs, kind):
     # the input embedding (tied to the head before) keeps its full-precision rows
     assert torch.equal(quantized.backend.model.get_input_embeddings().weight, embedding)
     reference = _dequantized_reference(path)
+    for got, want in _greedy_answers(quantized, reference):
+        for a, b in zip(got.hypotheses, want.hypotheses, strict=True):
+            assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)
+        assert got.doc_prior == pytest.approx(want.doc_prior, abs=1e-6)
+
+
+def _greedy_answers(quantized: RagGenerator, reference: RagGenerator):
+    """Both generators' answers in every mode, drafted and not, for each of QUESTIONS; the
+    token ids are asserted equal here, each pair yielded for the caller's own checks."""
     passages = make_passages(3, seed=1)
     for mode in MODES:
         for draft in (0, 4):
@@ -203,9 +212,7 @@ def test_a_causal_model_decodes_with_the_int8_head_everywhere(dirs, kind):
                 assert [h.token_ids for h in got.hypotheses] == [
                     h.token_ids for h in want.hypotheses
                 ], (mode, draft, question)
-                for a, b in zip(got.hypotheses, want.hypotheses, strict=True):
-                    assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)
-                assert got.doc_prior == pytest.approx(want.doc_prior, abs=1e-6)
+                yield got, want
     quantized.set_draft_tokens(0)
 
 
@@ -219,23 +226,11 @@ def test_with_the_rescoring_a_causal_model_gives_the_full_precision_models_answe
     head = quantized.backend.model.get_output_embeddings()
     assert isinstance(head, Int8Head) and head.margin is not None
     full = RagGenerator.load(path, device="cpu")
-    passages = make_passages(3, seed=1)
-    for mode in MODES:
-        for draft in (0, 4):
-            if draft and mode == "rag-sequence-thorough":
-                continue
-            quantized.set_draft_tokens(draft)
-            options = DecodingOptions(mode=mode, max_new_tokens=8)
-            for question in QUESTIONS:
-                got = quantized.generate(question, passages, options)
-                want = full.generate(question, passages, options)
-                assert [h.token_ids for h in got.hypotheses] == [
-                    h.token_ids for h in want.hypotheses
-                ], (mode, draft, question)
-                # the normalizer keeps the int8 product's tail: a random model's flat rows put
-                # much of their mass there (a trained one's hold it in a few exact tokens)
-                for a, b in zip(got.hypotheses, want.hypotheses, strict=True):
-                    assert a.log_prob == pytest.approx(b.log_prob, abs=1e-2)
+    for got, want in _greedy_answers(quantized, full):
+        # the normalizer keeps the int8 product's tail: a random model's flat rows put much of
+        # their mass there (a trained one's hold it in a few exact tokens)
+        for a, b in zip(got.hypotheses, want.hypotheses, strict=True):
+            assert a.log_prob == pytest.approx(b.log_prob, abs=1e-2)
     assert head.rescored_tokens + head.full_steps > 0
 
 

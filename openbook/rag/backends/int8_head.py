@@ -195,9 +195,7 @@ class Int8Head(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden (..., d) -> logits (..., V): the int8 product, its near-best tokens exact."""
-        flat = hidden.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
+        flat = hidden.reshape(-1, self.in_features).contiguous()  # a view when it already is
         logits = self._product(flat)
         if self._reference is not None and len(flat):
             logits = self._rescored(flat, logits)
