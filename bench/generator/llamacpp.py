@@ -19,6 +19,13 @@ every side alike; one untimed warm-up request first), by:
   is prefilled once, when the generator loads. Split: ``backend.encode`` (tokenising and prefilling
   the k passage prompts after the cached prefix; the tokenising share is shown apart) = prefill,
   the rest = decode.
+* **ours, int8 head** (``--sides ours-int8``): the same, with the LM head in int8
+  (``backend.quantize_head()``, as ``OPENBOOK_GENERATOR_LM_HEAD=int8`` does in the service: the
+  weight-only int8 product screens, each row's near-best tokens are scored again exactly), a
+  second copy of the model.
+* **ours, drafting** (``--sides ours-draft``): the same as ours with passage-drafted decoding
+  (``--draft-tokens`` per step, ``openbook/rag/drafting.py``); its "tokens/step" column says how
+  many answer tokens each decoding step produced.
 * **llama.cpp batch**: the same RAG-Token work on the q4_K_M GGUF (llama-cpp-python's low-level
   API, one context with ``n_seq_max = k`` and a unified KV cache): the prefix is prefilled once on
   sequence 0 and shared with sequences 1..k-1 (``llama_memory_seq_cp``: the k sequences point at
@@ -78,7 +85,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "var" / "models" / "gemma-3-270m"
 GGUF_CACHE = ROOT / "var" / "cache" / "llamacpp"
-SIDES = {"ours": "ours", "batch": "llama.cpp batch", "seq": "llama.cpp seq"}
+SIDES = {
+    "ours": "ours",
+    "ours-int8": "ours, int8 head",
+    "ours-draft": "ours, drafting",
+    "batch": "llama.cpp batch",
+    "seq": "llama.cpp seq",
+}
+DEFAULT_SIDES = ["ours", "batch", "seq"]
+OURS = ("ours", "ours, int8 head", "ours, drafting")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,9 +123,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--sides",
         nargs="+",
-        default=list(SIDES),
+        default=DEFAULT_SIDES,
         choices=list(SIDES),
-        help="what to run (default: all; batch/seq: the two llama.cpp ways)",
+        help="what to run (default: ours batch seq; batch/seq: the two llama.cpp ways; "
+        "ours-int8, ours-draft: ours with the int8 head, with drafting)",
+    )
+    ap.add_argument(
+        "--draft-tokens", type=int, default=8, help="tokens drafted per step by ours-draft"
+    )
+    ap.add_argument(
+        "--passage-cache-mb",
+        type=int,
+        default=0,
+        help="ours: passage keys/values kept across requests (default 0: every side prefills "
+        "every passage, as llama.cpp does; the service keeps 256 MiB)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write every number here")
     args = ap.parse_args(argv)
@@ -358,14 +384,11 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import torch
 
-    from openbook.rag import DecodingOptions, RagGenerator
+    from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
     from openbook.rag.marginalize import doc_log_prior
 
     torch.set_num_threads(args.threads)
     load_before, busy_before = load_average(), busy_processes()
-    gen = RagGenerator.load(args.model_dir, device="cpu", dtype=args.dtype)
-    backend = gen.backend
-    gen._stop_fn = lambda: None  # fixed decode count: no stop strings (EOS: min_new_tokens)
     opts = DecodingOptions(
         mode="rag-token",
         num_beams=1,
@@ -374,23 +397,41 @@ def main(argv: list[str] | None = None) -> dict:
     )
     # prefill/decode split of ours: time backend.encode (and the tokenising inside it)
     clock = {"encode": 0.0, "tokenize": 0.0}
-    encode, prompt_ids = backend.encode, backend.prompt_ids
 
-    def timed_encode(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return encode(*a, **kw)
-        finally:
-            clock["encode"] += time.perf_counter() - t
+    def ours_generator(int8_head: bool) -> RagGenerator:
+        loaded = RagGenerator.load(args.model_dir, device="cpu", dtype=args.dtype)
+        loaded._stop_fn = lambda: None  # fixed decode count: no stop strings (EOS: min_new_tokens)
+        # Without it the warm-up, and each side after the first on a request, would reuse the
+        # passages' keys/values where llama.cpp prefills them again.
+        loaded.backend.set_passage_cache(args.passage_cache_mb << 20)
+        if int8_head:
+            loaded.backend.quantize_head()
+        backend = loaded.backend
+        encode, prompt_ids = backend.encode, backend.prompt_ids
 
-    def timed_prompt_ids(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return prompt_ids(*a, **kw)
-        finally:
-            clock["tokenize"] += time.perf_counter() - t
+        def timed_encode(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return encode(*a, **kw)
+            finally:
+                clock["encode"] += time.perf_counter() - t
 
-    backend.encode, backend.prompt_ids = timed_encode, timed_prompt_ids
+        def timed_prompt_ids(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return prompt_ids(*a, **kw)
+            finally:
+                clock["tokenize"] += time.perf_counter() - t
+
+        backend.encode, backend.prompt_ids = timed_encode, timed_prompt_ids
+        return loaded
+
+    gen = ours_generator(int8_head=False)
+    ours_gens = {side: gen for side in ("ours", "ours, drafting")}
+    if "ours, int8 head" in args.sides:
+        ours_gens["ours, int8 head"] = ours_generator(int8_head=True)
+    backend = gen.backend
+    prompt_ids = backend.prompt_ids
 
     requests = make_requests(
         args.data_dir, args.requests, args.k, args.words, args.seed, args.min_words
@@ -428,19 +469,35 @@ def main(argv: list[str] | None = None) -> dict:
     answers: dict[str, list] = {s: [] for s in args.sides}
     first_rows: list[list[int]] = []
 
+    def ours_answer(side: str, question: str, passages: list) -> tuple:
+        """One of our answers (the best hypothesis) and the decoding steps after the prefill:
+        the engine driven as ``RagGenerator.generate`` drives it, so its counters are read."""
+        ours = ours_gens[side]
+        ours.set_draft_tokens(args.draft_tokens if side == "ours, drafting" else 0)
+        engine = ours.engine()
+        engine.add(question, passages, opts)
+        steps = 0
+        while True:
+            steps += 1
+            done = engine.step()
+            if done:
+                ((_, result),) = done
+                assert isinstance(result, GenerationResult)
+                return result.hypotheses[0], steps
+
     def run(side: str, i: int) -> tuple[dict, list]:
         q, ps = requests[i]
         t0, c0 = time.perf_counter(), time.process_time()
-        if side == "ours":
+        if side in OURS:
             clock["encode"] = clock["tokenize"] = 0.0
-            hyp = gen.generate(q, ps, opts).hypotheses[0]
+            hyp, steps = ours_answer(side, q, ps)
             wall = time.perf_counter() - t0
             if len(hyp.token_ids) != args.new_tokens:
-                raise RuntimeError(f"ours decoded {len(hyp.token_ids)} tokens")
+                raise RuntimeError(f"{side} decoded {len(hyp.token_ids)} tokens")
             out = hyp.token_ids
             prefill = clock["encode"] - clock["tokenize"]
             decode = wall - clock["encode"]
-            extra = {"tokenize_s": clock["tokenize"]}
+            extra = {"tokenize_s": clock["tokenize"], "decode_steps": steps}
         elif side == "llama.cpp batch":
             out, prefill, decode, rows = run_llama_batch(
                 llms[side], prompts[i], priors[i], args.new_tokens
@@ -499,6 +556,9 @@ def main(argv: list[str] | None = None) -> dict:
         }
         if "tokenize_s" in recs[0]:
             s["tokenize_ms"] = 1e3 * statistics.median(r["tokenize_s"] for r in recs)
+            s["tokens_per_step"] = (len(recs) * args.new_tokens) / sum(
+                r["decode_steps"] for r in recs
+            )
         return s
 
     summ = {side: summary(recs) for side, recs in results.items()}
@@ -519,6 +579,12 @@ def main(argv: list[str] | None = None) -> dict:
             return text[:cut].strip()
 
         same["answer_texts"] = sum(answer(a) == answer(b) for a, b in pairs)
+    # Our variants against ours: the int8 head's rescoring and drafting keep greedy's choices
+    same_as_ours = {
+        side: sum(a == b for a, b in zip(answers["ours"], answers[side], strict=True))
+        for side in answers
+        if side in OURS and side != "ours" and "ours" in answers
+    }
     first_check = None
     if first_rows and "llama.cpp seq" in answers:
         seq_first = [[a[0] for a in per_req] for per_req in answers["llama.cpp seq"]]
@@ -548,26 +614,32 @@ def main(argv: list[str] | None = None) -> dict:
         f"{', '.join(busy_before) or 'none'}; after: {', '.join(busy_after) or 'none'}",
         "",
         "| side | weights | median ms/req | p90 ms/req | prefill ms | prefill tok/s "
-        "| decode ms | decode tok/s | ours / this (median wall) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| decode ms | decode tok/s | tokens/step | ours / this (median wall) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ours = summ.get("ours")
     for side, s in summ.items():
-        weights = f"{gen.dtype} (from q4_K_M)" if side == "ours" else "q4_K_M"
+        weights = "q4_K_M"
+        if side in OURS:
+            weights = f"{gen.dtype} (from q4_K_M)"
+            weights += ", int8 head" if side == "ours, int8 head" else ""
         ratio = f"{ours['median_ms'] / s['median_ms']:.2f}x" if ours else "-"
+        per_step = f"{s['tokens_per_step']:.2f}" if "tokens_per_step" in s else "1"
         lines.append(
             f"| {side} | {weights} | {s['median_ms']:.0f} | {s['p90_ms']:.0f} "
             f"| {s['prefill_ms']:.0f} | {s['prefill_tok_s']:.0f} | {s['decode_ms']:.0f} "
-            f"| {s['decode_tok_s']:.0f} | {ratio} |"
+            f"| {s['decode_tok_s']:.0f} | {per_step} | {ratio} |"
         )
     lines.append("")
+    for side, same_n in same_as_ours.items():
+        lines.append(f"same ids, {side} vs ours: {same_n}/{len(answers[side])} answers")
     if ours:
         lines.append(
             f"ours: tokenising (inside prefill's wall time, not in its ms/tok/s above) "
             f"{ours['tokenize_ms']:.1f} ms/req median"
         )
         for side, s in summ.items():
-            if side != "ours":
+            if side != "ours" and side not in OURS:
                 lines.append(
                     f"ours / {side}: prefill {ours['prefill_ms'] / s['prefill_ms']:.2f}x, "
                     f"decode {ours['decode_ms'] / s['decode_ms']:.2f}x (medians)"
@@ -607,13 +679,12 @@ def main(argv: list[str] | None = None) -> dict:
         "busy_after": busy_after,
         "summary": summ,
         "same_ids": same,
+        "same_ids_as_ours": same_as_ours,
         "first_token_batch_vs_seq": first_check,
         "runs": results,
         "answers": {
             side: [
-                gen.backend.decode(a)
-                if side != "llama.cpp seq"
-                else [gen.backend.decode(x) for x in a]
+                backend.decode(a) if side != "llama.cpp seq" else [backend.decode(x) for x in a]
                 for a in ans
             ]
             for side, ans in answers.items()
