@@ -23,10 +23,16 @@ Two settings give it back, and one keeps the common answer fast:
   across arenas and sizes);
 * :func:`release` (``malloc_trim(0)``): returns the free pages of every arena, what the smaller
   blocks left; :class:`MemoryReleaser` calls it once the generator has stayed idle for
-  :data:`IDLE_RELEASE_AFTER_S`, after enough work ended, and before the threshold drops for a
-  large request, outside any decoding step. The idle release waits on a thread of its own: done
-  as the last request ended, it stood in the way of the next (a caller asking again at once
-  waited for the trim, 50-200 ms, and then faulted the pages it had given back in again).
+  :data:`IDLE_RELEASE_AFTER_S`, before the threshold drops for a large request, and under a load
+  that never leaves it idle only once the process holds more than its work accounts for
+  (:data:`RESIDENT_SLACK_BYTES` over its idle size and the running requests' estimates), outside
+  any decoding step. The idle release waits on a thread of its own: done as the last request
+  ended, it stood in the way of the next (a caller asking again at once waited for the trim,
+  50-200 ms, and then faulted the pages it had given back in again). Under load it used to run
+  after every 512 MiB of work ended, whatever was resident: about every second default answer,
+  each time handing back pages the next steps faulted in again (28,000 minor faults per answer
+  at one client, 132,000 at eight; docs/benchmarks.md, "Trimming under load only past the
+  slack").
 
 Only glibc has these; with another C library (musl, macOS) all do nothing. glibc's own
 environment settings (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) win over
@@ -67,6 +73,12 @@ LARGE_REQUEST_BYTES = 768 * 2**20
 # pages resident and no trim in its way; a generator left idle is back at its idle size this long
 # after its last request.
 IDLE_RELEASE_AFTER_S = 1.0
+# Under a load that never leaves the generator idle: how much more than its idle size and the
+# estimates of the requests running the process may hold before freed pages are given back, and
+# how much work must end between two such releases (a bound on their frequency where what is
+# resident does not shrink with a release: kernel caches, buffers). Freed tensors' pages within
+# it are reused by the next steps without a page fault.
+RESIDENT_SLACK_BYTES = 512 * 2**20
 # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 # The environment variables that set the same (glibc reads them at start; they win).
@@ -119,6 +131,20 @@ def owns_mmap_threshold() -> bool:
     return _glibc() is not None and not any(name in os.environ for name in _ENV_MMAP_THRESHOLD)
 
 
+def _mib(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**20:,.0f}"
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size (Linux ``/proc/self/statm``); None where unknown."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            pages = int(statm.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def release() -> bool:
     """Return the C allocator's free pages to the system (glibc ``malloc_trim(0)``, every
     arena); False where there is no such call or nothing was returned."""
@@ -127,41 +153,53 @@ def release() -> bool:
 
 
 class MemoryReleaser:
-    """Gives freed memory back (:func:`release`) once enough work has ended, and moves the mmap
-    threshold with the size of the work running (module docstring).
+    """Gives freed memory back (:func:`release`) when the work no longer needs it, and moves
+    the mmap threshold with the size of the work running (module docstring).
 
     Told of every request that starts (:meth:`started`) and ends (:meth:`finished`) with its
     estimated working memory and, at the end, whether the generator is idle now: it releases
     once the generator has stayed idle for ``idle_after_s`` after any work (on a thread of its
     own, :meth:`close` stops it; at once, on the caller's thread, when ``idle_after_s`` is 0),
-    and, under a load that never leaves it idle, once the requests ended since the last release
-    add up to ``every_bytes`` (their memory was freed piecemeal, between other requests' steps).
-    A release walks the arenas' free blocks (~50-200 ms after large requests, measured), so it is
-    not done after every small request of a busy generator.
+    and, under a load that never leaves it idle, when a request ends with the process holding
+    more than its *floor* (its resident size when it was made, or after the last release less
+    the estimates of the requests then running) plus the estimates of the requests still
+    running plus ``slack_bytes``, at most once per ``slack_bytes`` of work ended. A release
+    walks the arenas' free blocks (~50-200 ms after large requests, measured) and hands back
+    pages the next steps fault in again, so a busy generator whose freed pages are being reused
+    keeps them. Where the resident size is unknown (``resident`` returns None) it releases under
+    load once per ``slack_bytes`` of work ended.
 
-    Invariants: the threshold is :data:`LARGE_WORK_THRESHOLD` exactly while at least one started
-    request estimated at ``large_bytes`` or more has not finished, else
-    :data:`SMALL_WORK_THRESHOLD`; before it drops, the arenas are released (what small work
-    left resident is not kept beside a large request's peak). With ``set_threshold`` None (not
-    glibc, or the environment set it) the threshold is left alone. A pending idle release is
-    dropped by any request that starts before it is due (the next idle period schedules its own).
+    Invariants: at every request's end, unless a release follows, resident memory is at most
+    floor + the running requests' estimates + ``slack_bytes`` (or fewer than ``slack_bytes`` of
+    work ended since the last release), so freed pages kept beside the work are bounded by the
+    slack and by what the running work's estimates leave unused. The threshold is
+    :data:`LARGE_WORK_THRESHOLD` exactly while at least one started request estimated at
+    ``large_bytes`` or more has not finished, else :data:`SMALL_WORK_THRESHOLD`; before it drops,
+    the arenas are released (what small work left resident is not kept beside a large request's
+    peak). With ``set_threshold`` None (not glibc, or the environment set it) the threshold is
+    left alone. A pending idle release is dropped by any request that starts before it is due
+    (the next idle period schedules its own).
     """
 
     def __init__(
         self,
-        every_bytes: int,
+        slack_bytes: int,
         release_fn: Callable[[], object] = release,
         *,
+        resident: Callable[[], int | None] = resident_bytes,
         large_bytes: int = LARGE_REQUEST_BYTES,
         set_threshold: Callable[[int], object] | None = None,
         idle_after_s: float = 0.0,
     ) -> None:
-        self.every_bytes = every_bytes
+        self.slack_bytes = slack_bytes
         self.large_bytes = large_bytes
         self.idle_after_s = idle_after_s
         self._release = release_fn
+        self._resident = resident
         self._set_threshold = set_threshold
+        self._floor = resident()  # resident bytes with no work running, when last measured
         self._ended = 0  # estimated bytes of requests ended since the last release
+        self._running = 0  # estimated bytes of started, unfinished requests
         self._large_running = 0  # started, unfinished requests of at least large_bytes
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -171,11 +209,11 @@ class MemoryReleaser:
         self.releases = 0
 
     @classmethod
-    def for_this_process(cls, every_bytes: int) -> MemoryReleaser:
+    def for_this_process(cls, slack_bytes: int) -> MemoryReleaser:
         """Moving the threshold where :func:`owns_mmap_threshold`, else only releasing; the
         idle release after :data:`IDLE_RELEASE_AFTER_S`."""
         return cls(
-            every_bytes,
+            slack_bytes,
             set_threshold=set_mmap_threshold if owns_mmap_threshold() else None,
             idle_after_s=IDLE_RELEASE_AFTER_S,
         )
@@ -184,12 +222,14 @@ class MemoryReleaser:
         """A request of ``estimate_bytes`` is about to run (before any of its tensors exist)."""
         with self._lock:
             self._idle_since = None  # not idle: a pending idle release waits for the next time
+            self._running += max(0, estimate_bytes)
             if estimate_bytes < self.large_bytes:
                 return
             self._large_running += 1
             first = self._large_running == 1
         if first and self._set_threshold is not None:
             self._timed_release()
+            self._measure_floor()
             self._set_threshold(LARGE_WORK_THRESHOLD)
 
     def finished(self, estimate_bytes: int, idle: bool) -> None:
@@ -200,10 +240,10 @@ class MemoryReleaser:
             if estimate_bytes >= self.large_bytes and self._large_running:
                 self._large_running -= 1
                 last_large = self._large_running == 0
+            self._running = max(0, self._running - max(0, estimate_bytes))
             self._ended += max(0, estimate_bytes)
-            due = self._ended >= self.every_bytes or bool(
-                idle and self._ended and self.idle_after_s <= 0
-            )
+            at_once = bool(idle and self._ended and self.idle_after_s <= 0)
+            due = at_once or (self._ended >= self.slack_bytes and self._holds_too_much())
             if due:
                 self._ended = 0
             elif idle and self._ended:
@@ -211,9 +251,42 @@ class MemoryReleaser:
                 self._start_waiter()
                 self._wake.notify()
         if due:
+            before = self._resident()
             self._timed_release()
+            self._measure_floor()
+            log.log(
+                logging.DEBUG if at_once else logging.INFO,
+                "memory released as work ended: %s -> %s MiB resident, floor now %s MiB",
+                _mib(before),
+                _mib(self._resident()),
+                _mib(self._floor),
+            )
         if last_large and self._set_threshold is not None:
             self._set_threshold(SMALL_WORK_THRESHOLD)
+
+    def _holds_too_much(self) -> bool:
+        """Called with the lock held: whether the process holds more than its floor, the work
+        running and the slack (class docstring); True where either size is unknown."""
+        resident = self._resident()
+        if resident is None or self._floor is None:
+            return True
+        return resident > self._floor + self._running + self.slack_bytes
+
+    def _measure_floor(self) -> None:
+        """After a release: idle, what the process holds is its floor now (weights, the passage
+        cache's entries, kernel caches and buffers that stay); under load, what it holds beyond
+        the running requests' estimates, if more (an estimate bounds what its request holds,
+        so this never exceeds the true floor). Without it, memory that no release gives back
+        (grown kernel caches, say) would keep the process over its allowance, and every slack
+        of work ended would pay a release for nothing."""
+        resident = self._resident()
+        with self._lock:
+            if resident is None:
+                return
+            if self._running == 0 or self._floor is None:
+                self._floor = resident - self._running
+            else:
+                self._floor = max(self._floor, resident - self._running)
 
     def close(self) -> None:
         """Stop the idle-release thread (a pending release is dropped)."""
@@ -248,6 +321,7 @@ class MemoryReleaser:
                 self._idle_since = None
                 self._ended = 0
             self._timed_release()
+            self._measure_floor()
 
     def _timed_release(self) -> None:
         with self._lock:

@@ -78,9 +78,11 @@ def test_configure_fixes_the_mmap_threshold_unless_the_environment_sets_it(monke
     assert not allocator.configure()
 
 
-def test_the_releaser_releases_when_idle_or_after_enough_work():
+def test_the_releaser_releases_when_idle_or_after_enough_work_where_rss_is_unknown():
     calls: list[int] = []
-    releaser = MemoryReleaser(every_bytes=100, release_fn=lambda: calls.append(1))
+    releaser = MemoryReleaser(
+        slack_bytes=100, release_fn=lambda: calls.append(1), resident=lambda: None
+    )
     releaser.finished(30, idle=False)
     releaser.finished(30, idle=False)
     assert calls == []  # busy, 60 < 100 bytes of work ended
@@ -92,12 +94,55 @@ def test_the_releaser_releases_when_idle_or_after_enough_work():
     assert len(calls) == 2  # nothing ended since: nothing to give back
 
 
+def test_under_load_only_what_the_work_does_not_account_for_is_given_back():
+    """A busy generator keeps the freed pages its next steps reuse: it releases when a request
+    ends with more resident than the floor, the running requests' estimates and the slack, at
+    most once per slack of work ended; each release measures the floor again."""
+    calls: list[int] = []
+    rss = {"now": 1_000}
+    releaser = MemoryReleaser(
+        slack_bytes=100, release_fn=lambda: calls.append(1), resident=lambda: rss["now"]
+    )  # floor: 1,000
+
+    def small_request() -> None:
+        releaser.started(40)
+        releaser.finished(40, idle=False)
+
+    for _ in range(3):
+        releaser.started(300)
+    rss["now"] = 1_650  # the three requests' tensors
+    for _ in range(6):  # each ending request's pages are reused by the next one
+        releaser.finished(300, idle=False)
+        releaser.started(300)
+    assert calls == []  # 1,650 <= 1,000 + 600 running + 100, however much work ended
+    rss["now"] = 2_100  # grown past it; a release does not shrink it (kernel caches, say)
+    releaser.finished(300, idle=False)
+    assert calls == [1]  # floor now 2,100 - 600 running = 1,500
+    for _ in range(3):
+        small_request()
+    assert calls == [1]  # 2,100 <= 1,500 + 600 + 100: not released at every end for nothing
+    releaser.finished(300, idle=False)
+    assert calls == [1, 1]  # 2,100 > 1,500 + 300 + 100; floor 1,800
+    rss["now"] = 3_000  # grown again
+    small_request()
+    small_request()
+    assert calls == [1, 1]  # over, but 80 < 100 bytes of work ended since the last release
+    small_request()
+    assert calls == [1, 1, 1]
+    releaser.finished(300, idle=True)  # the last one: idle, released at once (idle_after_s=0)
+    assert calls == [1, 1, 1, 1]  # and the floor is what stays: 3,000
+    rss["now"] = 3_090
+    releaser.started(300)
+    releaser.finished(300, idle=False)
+    assert calls == [1, 1, 1, 1]  # 3,090 <= 3,000 + 0 running + 100
+
+
 def test_the_threshold_follows_the_size_of_the_work_running():
     """Small requests keep the high threshold (their steps reuse arena pages); the first large
     one releases the arenas, then drops it; it rises again when the last large one ends."""
     events: list[object] = []
     releaser = MemoryReleaser(
-        every_bytes=10_000,
+        slack_bytes=10_000,
         release_fn=lambda: events.append("release"),
         large_bytes=100,
         set_threshold=events.append,
@@ -113,7 +158,7 @@ def test_the_threshold_follows_the_size_of_the_work_running():
     assert events[-1] == allocator.SMALL_WORK_THRESHOLD
     releaser.finished(50, idle=True)
     assert events[-1] == "release"  # idle: given back; the threshold stays high
-    unmanaged = MemoryReleaser(every_bytes=10, release_fn=lambda: None, large_bytes=1)
+    unmanaged = MemoryReleaser(slack_bytes=10, release_fn=lambda: None, large_bytes=1)
     unmanaged.started(5)
     unmanaged.finished(5, idle=True)  # the environment's threshold: never moved
 
@@ -122,7 +167,9 @@ def test_the_idle_release_waits_and_a_request_that_starts_meanwhile_drops_it():
     """Given back once the generator has stayed idle for ``idle_after_s``, on a thread of its
     own: a caller asking again at once finds no trim in its way and its pages still resident."""
     released = threading.Event()
-    releaser = MemoryReleaser(every_bytes=10_000, release_fn=released.set, idle_after_s=0.3)
+    releaser = MemoryReleaser(
+        slack_bytes=10_000, release_fn=released.set, resident=lambda: None, idle_after_s=0.3
+    )
     try:
         releaser.finished(30, idle=True)
         releaser.started(30)  # the next request, before the release was due
@@ -134,7 +181,8 @@ def test_the_idle_release_waits_and_a_request_that_starts_meanwhile_drops_it():
         released.clear()
         releaser.finished(0, idle=True)  # nothing ended since: nothing to give back
         assert not released.wait(1.0)
-        releaser.finished(20_000, idle=False)  # enough work under load: at once, on this thread
+        # enough work under load (and the resident size unknown): at once, on this thread
+        releaser.finished(20_000, idle=False)
         assert released.is_set() and releaser.releases == 2
     finally:
         releaser.close()

@@ -23,7 +23,7 @@ from openbook.rag.checkpoint import load_generator
 from openbook.rag.memory import RequestShape, mib
 from openbook.rag.streaming import TokenEvent
 from openbook.runtime.compute_threads import ComputeThreads, ComputeThreadsOptions
-from openbook.serving.allocator import MemoryReleaser
+from openbook.serving.allocator import RESIDENT_SLACK_BYTES, MemoryReleaser
 from openbook.serving.grpc_server import time_budget, time_remaining
 from openbook.serving.metrics import ServiceMetrics
 from openbook.serving.threads import in_passing_thread
@@ -46,9 +46,6 @@ log = logging.getLogger(__name__)
 client_errors(CheckpointError, ModelLoadError)
 
 DEFAULTS = DecodingOptions()
-# Under a load that never leaves the generator idle, memory is given back once the requests
-# ended since the last time were estimated at this much (openbook/serving/allocator.py).
-RELEASE_AFTER_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -241,9 +238,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self._reload_lock = threading.Lock()
         self.stop_following = threading.Event()
         self.follower: ModelFollower | None = None  # once following reloads
-        # gives the C allocator's freed pages back when decoding goes idle / after large work,
-        # and moves its mmap threshold with the size of the requests running
-        self.releaser = MemoryReleaser.for_this_process(RELEASE_AFTER_BYTES)
+        # gives the C allocator's freed pages back when decoding goes idle, before large work
+        # and when it holds more than its work accounts for, and moves its mmap threshold with
+        # the size of the requests running
+        self.releaser = MemoryReleaser.for_this_process(RESIDENT_SLACK_BYTES)
         self.compute: ComputeThreads | None = None
         if compute_threads is not None:
             self.compute = ComputeThreads(
