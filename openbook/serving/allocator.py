@@ -30,7 +30,7 @@ Two settings give it back, and one keeps the common answer fast:
   ended, it stood in the way of the next (a caller asking again at once waited for the trim,
   50-200 ms, and then faulted the pages it had given back in again). Under load it used to run
   after every 512 MiB of work ended, whatever was resident: about every second default answer,
-  each time handing back pages the next steps faulted in again (28,000 minor faults per answer
+  each time handing back pages the next steps faulted in again (25,000 minor faults per answer
   at one client, 132,000 at eight; docs/benchmarks.md, "Trimming under load only past the
   slack").
 
