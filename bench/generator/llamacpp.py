@@ -398,6 +398,18 @@ def main(argv: list[str] | None = None) -> dict:
     # prefill/decode split of ours: time backend.encode (and the tokenising inside it)
     clock = {"encode": 0.0, "tokenize": 0.0}
 
+    def timed(fn, key: str):
+        """``fn``, adding the seconds each call takes to ``clock[key]``."""
+
+        def timed_fn(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clock[key] += time.perf_counter() - t
+
+        return timed_fn
+
     def ours_generator(int8_head: bool) -> RagGenerator:
         loaded = RagGenerator.load(args.model_dir, device="cpu", dtype=args.dtype)
         loaded._stop_fn = lambda: None  # fixed decode count: no stop strings (EOS: min_new_tokens)
@@ -407,23 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
         if int8_head:
             loaded.backend.quantize_head()
         backend = loaded.backend
-        encode, prompt_ids = backend.encode, backend.prompt_ids
-
-        def timed_encode(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return encode(*a, **kw)
-            finally:
-                clock["encode"] += time.perf_counter() - t
-
-        def timed_prompt_ids(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return prompt_ids(*a, **kw)
-            finally:
-                clock["tokenize"] += time.perf_counter() - t
-
-        backend.encode, backend.prompt_ids = timed_encode, timed_prompt_ids
+        backend.encode = timed(backend.encode, "encode")
+        backend.prompt_ids = timed(backend.prompt_ids, "tokenize")
         return loaded
 
     gen = ours_generator(int8_head=False)
