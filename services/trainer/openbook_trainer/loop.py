@@ -22,6 +22,7 @@ depend on the number of processes, up to float rounding.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -105,9 +106,18 @@ def train(
         trainer = Trainer(cfg, world)
         trainer.compute = compute
         try:
-            return trainer.run(on_step)
+            result = trainer.run(on_step)
+            # Every rank is done before any tears its process group down: a rank that leaves
+            # while another still evaluates or saves closes gloo's connections under it.
+            world.barrier()
+            return result
         finally:
             trainer.index.close()
+            # DDP's reducer and ZeRO's optimizer hold the process group; dropped here so that
+            # world.close() destroys it now, not at interpreter exit, where a gloo thread still
+            # joinable aborts the process ("terminate called without an active exception").
+            del trainer
+            gc.collect()
     finally:
         if compute is not None:
             torch.set_num_threads(previous)
