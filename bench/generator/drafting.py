@@ -35,7 +35,11 @@ from openbook.rag import DecodingOptions, RagGenerator
 from openbook.types import Passage
 
 
-def _decode(gen: RagGenerator, question: str, passages: list[Passage], opts, draft: int):
+def decode_once(gen: RagGenerator, question: str, passages: list[Passage], opts, draft: int):
+    """One request through ``gen``'s engine as ``RagGenerator.generate`` drives it (add, then
+    step until done), so that the engine's counters can be read: the result and its timings,
+    decoding steps after the prefill and drafted/accepted tokens. ``draft``: tokens drafted
+    per step (0 = off)."""
     gen.set_draft_tokens(draft)
     with torch.inference_mode():
         engine = gen.engine()
@@ -100,8 +104,8 @@ def exactness(gen: RagGenerator, args: argparse.Namespace) -> None:
             r = reqs[i]
             passages = [Passage(**p) for p in r["passages"]]
             opts = DecodingOptions(mode=mode, max_new_tokens=args.max_new_tokens)
-            off, _ = _decode(gen, r["question"], passages, opts, 0)
-            on, stats = _decode(gen, r["question"], passages, opts, args.draft_tokens)
+            off, _ = decode_once(gen, r["question"], passages, opts, 0)
+            on, stats = decode_once(gen, r["question"], passages, opts, args.draft_tokens)
             a, b = off.hypotheses[0], on.hypotheses[0]
             pa, pb = _posteriors(off), _posteriors(on)
             row = dict(
@@ -169,15 +173,15 @@ def main() -> None:
     data = json.loads(Path(args.requests_file).read_text())["requests"][: args.requests]
     opts = DecodingOptions(max_new_tokens=args.max_new_tokens)
     reqs = [(r["question"], [Passage(**p) for p in r["passages"]]) for r in data]
-    _decode(gen, *reqs[0], opts, 0)  # warm-up
-    _decode(gen, *reqs[0], opts, args.draft_tokens)
+    decode_once(gen, *reqs[0], opts, 0)  # warm-up
+    decode_once(gen, *reqs[0], opts, args.draft_tokens)
     runs: dict[int, list[dict]] = {0: [], args.draft_tokens: []}
     same = 0
     for i, (q, ps) in enumerate(reqs):
         order = [0, args.draft_tokens] if i % 2 == 0 else [args.draft_tokens, 0]
         texts = {}
         for draft in order:
-            result, stats = _decode(gen, q, ps, opts, draft)
+            result, stats = decode_once(gen, q, ps, opts, draft)
             runs[draft].append(stats)
             texts[draft] = result.hypotheses[0].token_ids
         same += texts[0] == texts[args.draft_tokens]

@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import torch
 
+    from bench.generator.drafting import decode_once
     from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
     from openbook.rag.marginalize import doc_log_prior
 
@@ -467,20 +468,11 @@ def main(argv: list[str] | None = None) -> dict:
     first_rows: list[list[int]] = []
 
     def ours_answer(side: str, question: str, passages: list) -> tuple:
-        """One of our answers (the best hypothesis) and the decoding steps after the prefill:
-        the engine driven as ``RagGenerator.generate`` drives it, so its counters are read."""
-        ours = ours_gens[side]
-        ours.set_draft_tokens(args.draft_tokens if side == "ours, drafting" else 0)
-        engine = ours.engine()
-        engine.add(question, passages, opts)
-        steps = 0
-        while True:
-            steps += 1
-            done = engine.step()
-            if done:
-                ((_, result),) = done
-                assert isinstance(result, GenerationResult)
-                return result.hypotheses[0], steps
+        """One of our answers (the best hypothesis) and the decoding steps after the prefill."""
+        draft = args.draft_tokens if side == "ours, drafting" else 0
+        result, stats = decode_once(ours_gens[side], question, passages, opts, draft)
+        assert isinstance(result, GenerationResult)
+        return result.hypotheses[0], stats["steps"]
 
     def run(side: str, i: int) -> tuple[dict, list]:
         q, ps = requests[i]
