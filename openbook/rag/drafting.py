@@ -5,11 +5,12 @@ n-gram in a passage are a good guess of the tokens the model will choose next (p
 decoding, as transformers' ``prompt_lookup_num_tokens``). The engine (:mod:`openbook.rag.engine`)
 feeds the token the search decided plus such a draft to every passage row of the request in one
 forward pass (``GeneratorBackend.step_many``), hands the search the per-passage log-probs of each
-position in turn (:meth:`openbook.rag.rag_token.RagTokenRows.advance_drafted`: the same
-``advance`` an undrafted step calls, so the marginal, the processors, the stop checks and the
-provenance are those of an undrafted decode), keeps the longest prefix of the draft the greedy
-choice agrees with plus the one token it chose instead, and drops the rejected tokens from the
-cache (``GeneratorBackend.drop_fed``). The answer is the undrafted one (to float tolerance: a
+position in turn (:func:`takes_next`: the same ``advance`` an undrafted step calls, so the
+marginal, the processors, the stop checks and the provenance are those of an undrafted decode),
+keeps the longest prefix of the draft the greedy choice agrees with plus the one token it chose
+instead, and drops the rejected tokens from the cache (``GeneratorBackend.drop_fed``). The LM
+head runs only for the positions read (``FedLogProbs``): a rejected draft costs the forward
+pass over its tokens, not their logits. The answer is the undrafted one (to float tolerance: a
 forward over several positions rounds differently from several forwards of one).
 
 Which draft: every passage may propose (the continuation of the first occurrence, in its token
@@ -32,7 +33,7 @@ batch, with drafting on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -95,22 +96,11 @@ def room(search: GreedySearch, settings: SearchSettings, limit: int) -> int:
     return max(0, min(limit, settings.max_new_tokens - int(search.seq.shape[1]) - 1))
 
 
-def advance_drafted(
-    rows: DraftedRows,
-    lp: Tensor,
-    draft: Sequence[int],
-    on_decided: Callable[[], None] | None = None,
-) -> int:
-    """lp: (rows, 1 + len(draft), V) log-probs after the decided token and after each drafted
-    one. Advances ``rows`` position by position (its undrafted ``advance``) while the token it
-    decides is the drafted one (``on_decided`` after each); returns the positions it consumed:
-    the fed tokens to keep in the cache (the decided one and the accepted drafts)."""
-    used = 0
-    for i in range(len(draft) + 1):
-        rows.advance(lp[:, i])
-        used += 1
-        if on_decided is not None:
-            on_decided()
-        if not rows.live or i == len(draft) or rows.decided()[0] != draft[i]:
-            break
-    return used
+def takes_next(rows: DraftedRows, lp: Tensor, draft: Sequence[int], position: int) -> bool:
+    """Advance ``rows`` by the log-probs (rows, V) of fed position ``position`` (0: after the
+    decided token, i: after ``draft[i - 1]``) with their undrafted ``advance``; whether they read
+    the next position too: they are live, the draft goes on, and the token they just decided
+    is the drafted one. Otherwise the draft is rejected from there on, and the positions read
+    (``position + 1``) are the fed tokens the cache keeps."""
+    rows.advance(lp)
+    return rows.live and position < len(draft) and rows.decided()[0] == draft[position]

@@ -59,7 +59,7 @@ from openbook.rag.confidence import (
     confidences,
     normalized_texts,
 )
-from openbook.rag.drafting import PassageDrafter
+from openbook.rag.drafting import PassageDrafter, takes_next
 from openbook.rag.errors import Abandoned
 from openbook.rag.marginalize import doc_log_prior
 from openbook.rag.options import DecodingOptions, GenerationResult, Hypothesis
@@ -94,13 +94,6 @@ class Rows(Protocol):
     def draft(self, limit: int) -> list[int]:
         """Tokens to feed after the decided one, at most ``limit`` (:mod:`openbook.rag.drafting`);
         empty for a search that does not draft (beam search, sampling) or found no match."""
-        ...
-
-    def advance_drafted(
-        self, lp: Tensor, draft: Sequence[int], on_decided: Callable[[], None] | None = None
-    ) -> int:
-        """Take the log-probs (rows, 1 + len(draft), V) of a drafted step; the fed positions
-        consumed (:func:`openbook.rag.drafting.advance_drafted`)."""
         ...
 
 
@@ -462,8 +455,10 @@ class DecodingEngine:
 
     def _advance_drafted(self, drafts: list[list[int]]) -> None:
         """One forward pass over the decided token and the draft of every drafting request
-        (other rows: their token, then padding), each search advanced position by position
-        (:meth:`RagTokenRows.advance_drafted`), then the rejected tokens leave the cache."""
+        (other rows: their token, then padding); then position by position, every search still
+        reading advanced by that position's log-probs (:func:`~openbook.rag.drafting.takes_next`),
+        the LM head run once per position over the rows of those searches only; then the
+        rejected tokens leave the cache."""
         fed = 1 + max(len(d) for d in drafts)
         tokens: list[Tensor] = []
         reorders: list[Tensor | None] = []
@@ -477,25 +472,39 @@ class DecodingEngine:
             reorders.append(rows)
         self._reorder(reorders)
         assert self._state is not None
-        lp = self.backend.step_many(self._state, torch.cat(tokens))  # (N, fed, V)
-        kept: list[Tensor] = []
+        fed_tokens = torch.cat(tokens)
+        lp = self.backend.step_many(self._state, fed_tokens)  # (N, fed, V), as read
+        spans: list[Tensor] = []
         at = 0
-        for (request, group), draft in zip(self._groups, drafts, strict=True):
-            mine = lp[at : at + group.rows]
+        for _, group in self._groups:
+            spans.append(torch.arange(at, at + group.rows, device=fed_tokens.device))
             at += group.rows
-            stream = request.stream
-            emit = None if stream is None else (lambda r=request, g=group: r.emit([g]))
+        read = [0] * len(self._groups)  # positions each search read: the fed tokens it keeps
+        reading = list(range(len(self._groups)))
+        for position in range(fed):
+            if not reading:
+                break
+            every = len(reading) == len(self._groups)
+            here = lp.at(position, None if every else torch.cat([spans[j] for j in reading]))
+            still: list[int] = []
+            offset = 0
+            for j in reading:
+                request, group = self._groups[j]
+                mine = here[offset : offset + group.rows]
+                offset += group.rows
+                read[j] += 1
+                if takes_next(group, mine, drafts[j], position):
+                    still.append(j)
+                if request.stream is not None:
+                    request.emit([group])
+            reading = still
+        for draft, used in zip(drafts, read, strict=True):
             if draft:
-                used = group.advance_drafted(mine, draft, emit)
                 self.drafted_steps += 1
                 self.drafted_tokens += len(draft)
                 self.accepted_tokens += used - 1
-            else:
-                group.advance(mine[:, 0])
-                used = 1
-                if emit is not None:
-                    emit()
-            kept.append(torch.full((group.rows,), used, dtype=torch.long))
+        groups = [group for _, group in self._groups]
+        kept = [torch.full((g.rows,), used) for g, used in zip(groups, read, strict=True)]
         self.backend.drop_fed(self._state, fed, torch.cat(kept))
 
     def _leave(self) -> None:

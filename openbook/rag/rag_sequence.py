@@ -15,7 +15,7 @@ as above (:func:`choose_samples`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from openbook.rag.backends import Encoded, GeneratorBackend
 from openbook.rag.beam import Finished, GreedySearch, SearchSettings, StopFn, new_search
-from openbook.rag.drafting import PassageDrafter, advance_drafted, room
+from openbook.rag.drafting import PassageDrafter, room
 from openbook.rag.marginalize import sequence_doc_logliks, sequence_log_marginal
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
@@ -78,12 +78,6 @@ class PassageRows:
             return []
         history = search.seq[0].tolist()
         return self.drafter.propose(history, room(search, self.settings, limit), (0.0,))
-
-    def advance_drafted(
-        self, lp: Tensor, draft: Sequence[int], on_decided: Callable[[], None] | None = None
-    ) -> int:
-        """lp: (1, 1 + len(draft), V): :func:`openbook.rag.drafting.advance_drafted`."""
-        return advance_drafted(self, lp, draft, on_decided)
 
     def hypotheses(self) -> list[Finished]:
         return self.search.result()[0]

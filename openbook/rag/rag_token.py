@@ -6,20 +6,18 @@ top-p (:mod:`openbook.rag.sampling`); each of the request's samples is one "beam
 ``z * n + j``, decoded independently.
 
 Greedy decoding may be drafted (:mod:`openbook.rag.drafting`): :meth:`RagTokenRows.draft`
-proposes tokens, :meth:`RagTokenRows.advance_drafted` takes the log-probs of the fed draft's
-positions one at a time through :meth:`RagTokenRows.advance`, the undrafted step's own code.
+proposes tokens, and the engine hands it the log-probs of the fed draft's positions one at a
+time through :meth:`RagTokenRows.advance`, the undrafted step's own code.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from openbook.rag.backends import Encoded, GeneratorBackend
 from openbook.rag.beam import Finished, GreedySearch, SearchSettings, StopFn, new_search
-from openbook.rag.drafting import PassageDrafter, advance_drafted, room
+from openbook.rag.drafting import PassageDrafter, room
 from openbook.rag.marginalize import token_marginal, token_posteriors
 from openbook.rag.options import Hypothesis
 from openbook.rag.scoring import score_candidates
@@ -91,13 +89,6 @@ class RagTokenRows:
         posterior = self._log_posterior.tolist()
         history = search.seq[0].tolist()
         return self.drafter.propose(history, room(search, self.settings, limit), posterior)
-
-    def advance_drafted(
-        self, lp: Tensor, draft: Sequence[int], on_decided: Callable[[], None] | None = None
-    ) -> int:
-        """lp: (k, 1 + len(draft), V) per-passage log-probs after the decided token and after
-        each drafted one: :func:`openbook.rag.drafting.advance_drafted`."""
-        return advance_drafted(self, lp, draft, on_decided)
 
     def _follow_posterior(self) -> None:
         if self.drafter is None:

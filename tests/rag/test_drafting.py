@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from openbook.rag import DecodingOptions
+from openbook.rag.backends.base import FedLogProbs
 from openbook.rag.cache import GrowingLayer, drop_trailing, growing
 from openbook.rag.drafting import PassageDrafter
 from openbook.rag.rag_sequence import PassageRows
@@ -246,6 +247,38 @@ def test_a_rejected_draft_leaves_neither_output_nor_cache(dirs, load, kind, monk
                 torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     (got,), _ = _decode(gen, request, DRAFT)
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_lm_head_runs_only_for_the_positions_read(dirs, load, kind, monkeypatch):
+    """A drafted step feeds the decided token and up to DRAFT drafted ones to every row, but
+    the LM head runs over a position only once the search accepted every drafted token before
+    it: over a whole decode, once per row and decided token, as without drafting."""
+    gen = load(_model(dirs, kind))
+    if kind != "bart":
+        assert gen.backend._own_head  # else the model's forward computes every position's logits
+    options = DecodingOptions(max_new_tokens=18, min_new_tokens=18)
+    passages = make_passages(3, seed=2)
+    request = [(0, QUESTION, passages, options)]
+    (want,), _ = _decode(gen, request, 0)
+    answer = want.hypotheses[0].token_ids
+    _copying(gen, monkeypatch, [_corrupted(answer, random.Random(3))])
+    head_rows: list[int] = []
+    own_init = FedLogProbs.__init__
+
+    def counting_init(self, hidden, head):
+        def counted(h):
+            head_rows.append(h.shape[0])
+            return head(h)
+
+        own_init(self, hidden, counted)
+
+    monkeypatch.setattr(FedLogProbs, "__init__", counting_init)
+    (got,), engine = _decode(gen, request, DRAFT)
+    _assert_same(got, want)
+    assert engine.drafted_tokens > engine.accepted_tokens > 0  # drafts accepted and rejected
+    # the first token comes from the prefill; every later one from one position's head
+    assert sum(head_rows) == len(passages) * (len(answer) - 1)
 
 
 def _real_slots(state):

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions
-from openbook.rag.rag_sequence import PassageRows
-from openbook.rag.rag_token import RagTokenRows
+from openbook.rag.engine import DecodingEngine
 from openbook_testkit.rag import QUESTION, make_passages, strip_trailing
 
 SEEDS = (0, 1, 2)
@@ -121,14 +120,14 @@ def test_drafted_greedy_ids_match_transformers(
         gen.backend, "draft_sources", lambda q, ps: [i + want[0] for i in own(gen.backend, q, ps)]
     )
     accepted = []
-    for rows in (RagTokenRows, PassageRows):
+    advance_drafted = DecodingEngine._advance_drafted
 
-        def counting(self, lp, draft, on_decided=None, advance=rows.advance_drafted):
-            used = advance(self, lp, draft, on_decided)
-            accepted.append(used - 1)
-            return used
+    def counting(self: DecodingEngine, drafts: list[list[int]]) -> None:
+        before = self.accepted_tokens
+        advance_drafted(self, drafts)
+        accepted.append(self.accepted_tokens - before)
 
-        monkeypatch.setattr(rows, "advance_drafted", counting)
+    monkeypatch.setattr(DecodingEngine, "_advance_drafted", counting)
     gen.set_draft_tokens(8)
     try:
         ours = [h.token_ids for h in gen.generate(QUESTION, passages, opts).hypotheses]

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from openbook.rag import DecodingOptions, RagGenerator
-from openbook.rag.rag_sequence import PassageRows
-from openbook.rag.rag_token import RagTokenRows
+from openbook.rag.engine import DecodingEngine
 from openbook.v1 import common_pb2, generator_pb2
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 from openbook_testkit.stack import generator_service
@@ -27,19 +26,19 @@ def service(model, tmp_path_factory, redis_server):
         yield settings, servicer, stub
 
 
-def _counting(rows: type, monkeypatch) -> dict[str, int]:
-    """Tokens drafted and accepted by the searches of class ``rows`` from now on (counted
-    there: the service's engine outlives a test)."""
+def _counting(monkeypatch) -> dict[str, int]:
+    """Tokens drafted and accepted by the engines' drafted steps from now on (counted there:
+    the service's engine outlives a test)."""
     counts = {"drafted": 0, "accepted": 0}
-    advance_drafted = rows.advance_drafted
+    advance_drafted = DecodingEngine._advance_drafted
 
-    def counting(self, lp, draft, on_decided=None):
-        used = advance_drafted(self, lp, draft, on_decided)
-        counts["drafted"] += len(draft)
-        counts["accepted"] += used - 1
-        return used
+    def counting(self: DecodingEngine, drafts: list[list[int]]) -> None:
+        drafted, accepted = self.drafted_tokens, self.accepted_tokens
+        advance_drafted(self, drafts)
+        counts["drafted"] += self.drafted_tokens - drafted
+        counts["accepted"] += self.accepted_tokens - accepted
 
-    monkeypatch.setattr(rows, "advance_drafted", counting)
+    monkeypatch.setattr(DecodingEngine, "_advance_drafted", counting)
     return counts
 
 
@@ -68,7 +67,7 @@ def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
     settings, servicer, stub = service
     assert settings.draft_tokens == 8 and servicer.generator.draft_tokens == 8
     plain = RagGenerator.load(model, device="cpu")
-    counts = _counting(RagTokenRows, monkeypatch)
+    counts = _counting(monkeypatch)
     for seed in range(4):
         passages = make_passages(3, seed=seed)
         options = dict(max_new_tokens=12)
@@ -110,7 +109,7 @@ def test_drafted_rag_sequence_replies_and_streams_are_the_undrafted_ones(
     ones."""
     _, servicer, stub = service
     plain = RagGenerator.load(model, device="cpu")
-    counts = _counting(PassageRows, monkeypatch)
+    counts = _counting(monkeypatch)
     for seed in range(4):
         passages = make_passages(3, seed=seed)
         options = dict(max_new_tokens=10, mode=mode)

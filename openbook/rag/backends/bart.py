@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from openbook.errors import InternalError
 from openbook.rag.backends import bart_decoding
-from openbook.rag.backends.base import DecodeState, Encoded, Items, copy_rows
+from openbook.rag.backends.base import DecodeState, Encoded, FedLogProbs, Items, copy_rows
 from openbook.rag.backends.seq2seq import Seq2SeqBackend, Seq2SeqDecodeState, Seq2SeqEncoded
 
 if TYPE_CHECKING:  # importing it loads transformers' BART modeling code (bart_decoding.supports)
@@ -175,14 +175,14 @@ class BartBackend(Seq2SeqBackend):
     def step(self, state: AnyDecodeState, tokens: Tensor) -> Tensor:
         if not isinstance(state, BartDecodeState):
             return super().step(state, tokens)
-        return self.step_many(state, tokens[:, None])[:, 0]  # one token: a step of one
+        return self.step_many(state, tokens[:, None]).at(0)  # one token: a step of one
 
     def drafts(self) -> bool:
         """BART's own decoding verifies drafts (at inference: training and autograd take
         transformers' forward, which does not)."""
         return not self.model.training
 
-    def step_many(self, state: AnyDecodeState, tokens: Tensor) -> Tensor:
+    def step_many(self, state: AnyDecodeState, tokens: Tensor) -> FedLogProbs:
         if not isinstance(state, BartDecodeState):
             raise NotImplementedError("drafts are verified by BART's own decoding only")
         fed = tokens.shape[1]
@@ -193,7 +193,7 @@ class BartBackend(Seq2SeqBackend):
         if state.self_mask is not None:
             own = torch.ones_like(state.self_mask[:, :1]).expand(-1, fed)
             state.self_mask = torch.cat([state.self_mask, own], dim=1)
-        return self._decoding.log_probs(h)
+        return FedLogProbs(h, self._decoding.log_probs)
 
     def drop_fed(self, state: AnyDecodeState, fed: int, kept: Tensor) -> None:
         """The slots every row rejected leave the cache; the slots only some rows rejected stay

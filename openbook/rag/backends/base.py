@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Self, TypeVar, cast
 
@@ -73,6 +73,37 @@ class Encoded:
 @dataclass
 class DecodeState:
     """Base of the families' live decoding rows (request, slot, copy); :meth:`step` grows them."""
+
+
+class FedLogProbs:
+    """The next-token log-probs after the tokens one :meth:`GeneratorBackend.step_many` fed:
+    (N, L, V) float32, entry [r, i] after tokens[r, : i + 1], computed when asked.
+
+    A drafted step feeds the decided token and up to eight drafted ones, but the search reads
+    position i only once it accepted every drafted token before i: most steps read one or two
+    positions. The forward pass runs over all of them (it must, to fill the cache); the LM head
+    (on Gemma a 262,144 x 640 product per row and position, the step's largest) runs only for
+    the positions read. Positions are read in order, each once, for any subset of rows.
+    """
+
+    def __init__(self, hidden: Tensor, head: Callable[[Tensor], Tensor]) -> None:
+        """hidden: (N, L, d) final hidden states; head: (n, d) -> (n, V) float32 log-probs."""
+        self._hidden = hidden
+        self._head = head
+
+    @classmethod
+    def computed(cls, log_probs: Tensor) -> FedLogProbs:
+        """Log-probs (N, L, V) a family's forward already produced (no head left to defer)."""
+        return cls(log_probs, lambda lp: lp)
+
+    @property
+    def positions(self) -> int:
+        return int(self._hidden.shape[1])
+
+    def at(self, position: int, rows: Tensor | None = None) -> Tensor:
+        """(n, V) float32: ``position``'s log-probs of ``rows`` (n,) (None: every row)."""
+        hidden = self._hidden[:, position]
+        return self._head(hidden if rows is None else hidden[rows])
 
 
 # The family's own states: what its encode returns is what its start / score take, what its start
@@ -138,10 +169,11 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         family, its head or its device cannot. The input embedding keeps its precision."""
         raise ModelLoadError(f"the {self.kind} backend keeps its LM head in the model's precision")
 
-    def step_many(self, state: StateT, tokens: Tensor) -> Tensor:
-        """Feed ``tokens`` (N, L), L consecutive tokens per row, in one forward pass ->
-        next-token log-probs (N, L, V) float32, entry [r, i] after tokens[r, : i + 1] (each
-        exactly what :meth:`step` would give fed them one at a time, to float tolerance)."""
+    def step_many(self, state: StateT, tokens: Tensor) -> FedLogProbs:
+        """Feed ``tokens`` (N, L), L consecutive tokens per row, in one forward pass -> their
+        next-token log-probs (N, L, V), computed as read (:class:`FedLogProbs`): entry [r, i]
+        after tokens[r, : i + 1], exactly what :meth:`step` would give fed them one at a time,
+        to float tolerance."""
         raise NotImplementedError(f"{type(self).__name__} does not verify drafts")
 
     def drop_fed(self, state: StateT, fed: int, kept: Tensor) -> None:

@@ -26,6 +26,7 @@ from openbook.rag.backends import base
 from openbook.rag.backends.base import (
     DecodeState,
     Encoded,
+    FedLogProbs,
     GeneratorBackend,
     Items,
     copy_rows,
@@ -390,7 +391,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         # (Gemma's 262k x 640), whatever the rows.
         first = torch.cat(lasts)
         if self._own_head:
-            first = log_softmax(self._head_logits(first))
+            first = self._head_log_probs(first)
         if dest is not None:
             first = torch.empty_like(first).index_copy_(0, dest, first)
         return CausalEncoded(len(items), k, first, joined.cache, joined.kv_pos)
@@ -465,27 +466,35 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         return CausalDecodeState(select_rows(enc.cache, rows), enc.kv_pos[rows])
 
     def step(self, state: CausalDecodeState, tokens: Tensor) -> Tensor:
-        return self.step_many(state, tokens[:, None])[:, 0]
+        return self.step_many(state, tokens[:, None]).at(0)
 
     def drafts(self) -> bool:
         return True
 
-    def step_many(self, state: CausalDecodeState, tokens: Tensor) -> Tensor:
+    def step_many(self, state: CausalDecodeState, tokens: Tensor) -> FedLogProbs:
         # right after the row's last real token: the max, not the last slot, which is a hole
         # (kv_pos -1) in a row that kept fewer drafted tokens than another (drop_fed)
         last = state.kv_pos.amax(dim=1, keepdim=True)
         q_pos = last + 1 + torch.arange(tokens.shape[1], device=tokens.device)  # (N, L)
         state.kv_pos = torch.cat([state.kv_pos, q_pos], dim=1)
         growing(state.cache)  # append in place, not one copy of the cache per step
-        out = self.model(
+        inputs = dict(
             input_ids=tokens,
             attention_mask=self._mask(state.kv_pos, q_pos),
             position_ids=q_pos,
             past_key_values=state.cache,
             use_cache=True,
         )
+        if self._own_head:  # the head only over the positions the search reads
+            out = self.model.base_model(**inputs)
+            state.cache = out.past_key_values
+            return FedLogProbs(out.last_hidden_state, self._head_log_probs)
+        out = self.model(**inputs)
         state.cache = out.past_key_values
-        return log_softmax(out.logits)
+        return FedLogProbs.computed(log_softmax(out.logits))
+
+    def _head_log_probs(self, hidden: Tensor) -> Tensor:
+        return log_softmax(self._head_logits(hidden))
 
     def drop_fed(self, state: CausalDecodeState, fed: int, kept: Tensor) -> None:
         """The slots every row rejected leave the cache (its buffer rewound, no copy); the
