@@ -1,13 +1,16 @@
 """Passage-drafted decoding (openbook/rag/drafting.py) on against off, in one process and run.
 
-    .venv/bin/python bench/generator/drafting.py --requests 12 --draft-tokens 8
+    .venv/bin/python bench/generator/drafting.py --requests 40 --draft-tokens 2,4,8 \
+        --adapter var/models/gemma-3-270m-squad-lora --json var/bench/drafting-speed.json
 
-The requests of ``bench/generator/engine.py`` (``<var>/bench/generator-engine-requests.json``: SQuAD
-questions with their top-5 passages, retrieved once), greedy RAG-Token, decoded one at a time by
-the engine the generator service uses, alternately with drafting off and on (odd requests: on
-first), so drift hits both alike. Reported: decode ms/token (the engine's steps after the
-prefill, over the answer tokens), tokens per decoding step, drafted tokens accepted, end-to-end
-ms/request, and how many answers are identical (they must all be).
+SQuAD questions with their top-k passages from ``--index`` (``bench/generator/engine.py``'s
+seeded draw, retrieved once and cached under ``<var>/bench``), greedy RAG-Token, decoded one at
+a time by the engine the generator service uses, with drafting off and at each
+``--draft-tokens`` size, request by request in rotating order so that drift hits every size
+alike. Reported per size: decode ms/token (the engine's steps after the prefill, over the
+answer tokens), tokens per decoding step, drafted tokens accepted, ms/request (p50), the paired
+ratios of decode and request time against drafting off with their 95% intervals (t on the log
+ratios), and how many answers have the undrafted ids (they must all).
 
 Exactness (issue 45's proof; timing-free, so a busy machine does not matter):
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -78,17 +82,7 @@ def exactness(gen: RagGenerator, args: argparse.Namespace) -> None:
     """Drafting on against off on ``args.exactness`` requests, resumable (module docstring)."""
     from tqdm import tqdm
 
-    from bench.generator.engine import load_requests
-
-    req_args = argparse.Namespace(
-        var=Path(args.var),
-        index=args.index,
-        k=args.k,
-        questions=args.exactness,
-        seed=0,
-        data=Path(args.data),
-    )
-    reqs = load_requests(req_args)
+    reqs = _requests(args, args.exactness)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
@@ -105,7 +99,7 @@ def exactness(gen: RagGenerator, args: argparse.Namespace) -> None:
             passages = [Passage(**p) for p in r["passages"]]
             opts = DecodingOptions(mode=mode, max_new_tokens=args.max_new_tokens)
             off, _ = decode_once(gen, r["question"], passages, opts, 0)
-            on, stats = decode_once(gen, r["question"], passages, opts, args.draft_tokens)
+            on, stats = decode_once(gen, r["question"], passages, opts, args.draft_tokens[0])
             a, b = off.hypotheses[0], on.hypotheses[0]
             pa, pb = _posteriors(off), _posteriors(on)
             row = dict(
@@ -149,9 +143,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="var/models/gemma-3-270m")
     ap.add_argument("--adapter", default="", help="a LoRA adapter to merge (as the service does)")
-    ap.add_argument("--requests-file", default="var/bench/generator-engine-requests.json")
     ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument(
+        "--draft-tokens",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[8],
+        help="drafted tokens per step; several, comma-separated, for the speed run",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="as OPENBOOK_GENERATOR_DTYPE")
@@ -162,6 +160,7 @@ def main() -> None:
     ap.add_argument("--var", default="var")
     ap.add_argument("--data", default="data")
     ap.add_argument("--out", default="var/bench/drafting-exactness.jsonl")
+    ap.add_argument("--json", default="", help="speed: write the table and every request here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = RagGenerator.load(args.model, dtype=args.dtype)
@@ -170,25 +169,65 @@ def main() -> None:
     if args.exactness:
         exactness(gen, args)
         return
-    data = json.loads(Path(args.requests_file).read_text())["requests"][: args.requests]
+    speed(gen, args)
+
+
+def _requests(args: argparse.Namespace, n: int) -> list[dict]:
+    """``n`` SQuAD questions with their top-k passages: ``bench/generator/engine.py``'s seeded
+    draw (cached under ``<var>/bench``, so both scripts decode the same requests)."""
+    from bench.generator.engine import load_requests
+
+    req_args = argparse.Namespace(
+        var=Path(args.var), index=args.index, k=args.k, questions=n, seed=0, data=Path(args.data)
+    )
+    return load_requests(req_args)
+
+
+def paired_ratio(on: list[float], off: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of on/off over paired requests and its 95% t-interval (on log ratios)."""
+    logs = [math.log(a / b) for a, b in zip(on, off, strict=True)]
+    mean = statistics.fmean(logs)
+    half = 0.0
+    if len(logs) > 1:
+        from scipy.stats import t
+
+        half = float(t.ppf(0.975, len(logs) - 1)) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def speed(gen: RagGenerator, args: argparse.Namespace) -> None:
+    """Drafting off against each ``--draft-tokens`` size, request by request in rotating order
+    (drift hits every size alike); paired ratios against off with their 95% intervals."""
+    from tqdm import tqdm
+
+    sizes = [0] + [d for d in args.draft_tokens if d > 0]
+    data = _requests(args, args.requests)
     opts = DecodingOptions(max_new_tokens=args.max_new_tokens)
     reqs = [(r["question"], [Passage(**p) for p in r["passages"]]) for r in data]
-    decode_once(gen, *reqs[0], opts, 0)  # warm-up
-    decode_once(gen, *reqs[0], opts, args.draft_tokens)
-    runs: dict[int, list[dict]] = {0: [], args.draft_tokens: []}
-    same = 0
-    for i, (q, ps) in enumerate(reqs):
-        order = [0, args.draft_tokens] if i % 2 == 0 else [args.draft_tokens, 0]
-        texts = {}
+    # Off: the first size to decode a request would prefill it and the others reuse that.
+    gen.backend.set_passage_cache(0)
+    for draft in sizes:  # warm-up
+        decode_once(gen, *reqs[0], opts, draft)
+    runs: dict[int, list[dict]] = {d: [] for d in sizes}
+    same = dict.fromkeys(sizes, 0)
+    for i, (q, ps) in enumerate(tqdm(reqs, desc="requests")):
+        order = sizes[i % len(sizes) :] + sizes[: i % len(sizes)]
+        ids = {}
         for draft in order:
             result, stats = decode_once(gen, q, ps, opts, draft)
             runs[draft].append(stats)
-            texts[draft] = result.hypotheses[0].token_ids
-        same += texts[0] == texts[args.draft_tokens]
-    print(f"processor: {platform.processor() or platform.machine()}, torch threads {args.threads}")
-    print(f"model {args.model} ({gen.dtype}), {len(reqs)} requests, k=5, greedy RAG-Token")
-    print("| drafting | decode ms/token | tokens/step | accepted/drafted | ms/request (p50) |")
-    print("|---|---|---|---|---|")
+            ids[draft] = result.hypotheses[0].token_ids
+        for draft in sizes:
+            same[draft] += ids[draft] == ids[0]
+    lines = [
+        f"processor: {platform.processor() or platform.machine()}, torch threads {args.threads}",
+        f"model {args.model} ({gen.dtype}), {len(reqs)} requests, k={args.k}, greedy RAG-Token, "
+        f"up to {args.max_new_tokens} new tokens",
+        "| drafting | decode ms/token | tokens/step | accepted/drafted | ms/request (p50) "
+        "| decode time vs off (95% CI) | request time vs off (95% CI) | identical ids |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    off = runs[0]
     for draft, stats in runs.items():
         tokens = sum(s["tokens"] for s in stats)
         steps = sum(s["steps"] for s in stats)
@@ -197,8 +236,21 @@ def main() -> None:
         ms_tok = 1000 * sum(s["decode_s"] for s in stats) / tokens
         p50 = 1000 * statistics.median(s["total_s"] for s in stats)
         ratio = f"{accepted}/{drafted}" if drafted else "-"
-        print(f"| {draft or 'off'} | {ms_tok:.1f} | {tokens / steps:.2f} | {ratio} | {p50:.0f} |")
-    print(f"identical answers: {same}/{len(reqs)}")
+        vs = ["-", "-"]
+        if draft:
+            for j, key in enumerate(("decode_s", "total_s")):
+                r, lo, hi = paired_ratio([s[key] for s in stats], [s[key] for s in off])
+                vs[j] = f"{r:.3f}x ({lo:.3f}-{hi:.3f})"
+        lines.append(
+            f"| {draft or 'off'} | {ms_tok:.1f} | {tokens / steps:.2f} | {ratio} | {p50:.0f} "
+            f"| {vs[0]} | {vs[1]} | {same[draft]}/{len(reqs)} |"
+        )
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "table": lines, "runs": runs}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":
