@@ -90,11 +90,16 @@ class RagGenerator:
     def set_draft_tokens(self, tokens: int) -> None:
         """Draft up to ``tokens`` tokens per step of greedy RAG-Token or RAG-Sequence decoding,
         verified in one forward pass (:mod:`openbook.rag.drafting`; answers unchanged); 0
-        turns drafting off. The memory model then counts the drafted positions' logits."""
+        turns drafting off. The memory model then counts the drafted positions' logits (two
+        positions at most where the backend defers its LM head)."""
         if tokens < 0:
             raise InvalidArgument(f"draft tokens must be >= 0, got {tokens}")
         self.draft_tokens = tokens if self.backend.drafts() else 0
-        self.memory = replace(memory_model(self.backend), draft_tokens=self.draft_tokens)
+        self.memory = replace(
+            memory_model(self.backend),
+            draft_tokens=self.draft_tokens,
+            head_deferred=self.backend.defers_head(),
+        )
 
     @classmethod
     def load(

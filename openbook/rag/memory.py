@@ -101,9 +101,17 @@ class MemoryModel:
     score_bytes_cap: int = 0
     # reduced precision: bytes of one logit in the model's dtype (0: float32, in LOGIT_COPIES)
     model_logit_bytes: int = 0
-    # tokens drafted per step (openbook/rag/drafting.py): a drafted step has the logits of
-    # 1 + draft_tokens positions per decoding row
+    # tokens drafted per step (openbook/rag/drafting.py): a drafted step feeds 1 + draft_tokens
+    # positions per decoding row and holds the logits of all of them, or, where the family
+    # runs the LM head only over the positions read (head_deferred), of two at most: the one
+    # read and the one before it, which the search keeps until the next
     draft_tokens: int = 0
+    head_deferred: bool = False
+
+    @property
+    def drafted_logit_positions(self) -> int:
+        """Positions per decoding row whose logits one step holds at once."""
+        return min(2, 1 + self.draft_tokens) if self.head_deferred else 1 + self.draft_tokens
 
     def batch_bytes(self, shapes: Sequence[RequestShape]) -> int:
         """Estimated peak bytes of decoding ``shapes`` as one batch (prompts padded to the
@@ -135,7 +143,7 @@ class MemoryModel:
         decoded = (
             CACHE_COPIES * rows_dec * (context + new + GROWTH_SLOTS) * self.kv_bytes_per_token
             + cross_rows * prompt * self.cross_bytes_per_token
-            + rows_dec * (1 + self.draft_tokens) * self.vocab * logit_bytes
+            + rows_dec * self.drafted_logit_positions * self.vocab * logit_bytes
         )
         # Teacher-forced scoring: a chunk's logits and log-softmax, and its forked cache. At most
         # every decoded hypothesis is scored under every passage of its request.

@@ -153,3 +153,25 @@ def test_reduced_precision_counts_the_models_own_logits_beside_the_float32_ones(
     per_element = memory.MODEL_LOGIT_COPIES * 2
     scored = min(memory.SCORE_LOGIT_ELEMENTS, shape.rows * shape.passages * 8 * half.vocab)
     assert extra == per_element * (shape.rows * half.vocab + scored)
+
+
+def test_a_drafted_step_counts_the_logits_of_the_positions_it_holds(dirs, load):
+    """Drafting feeds 1 + draft positions per row. Where the backend runs its LM head only over
+    the positions read (FedLogProbs), a step holds two positions' logits per row at most;
+    where the model's forward gives every position's logits, all of them."""
+    gen = load(dirs.causal("gemma3"))
+    shape = RequestShape(passages=5, beams=1, prompt_tokens=60, new_tokens=16)
+    assert gen.backend.defers_head()
+    undrafted = gen.memory.batch_bytes([shape])
+    gen.set_draft_tokens(8)
+    try:
+        deferred = gen.memory.batch_bytes([shape])
+        dense = dataclasses.replace(gen.memory, head_deferred=False).batch_bytes([shape])
+    finally:
+        gen.set_draft_tokens(0)
+    assert gen.memory.batch_bytes([shape]) == undrafted
+    m = gen.memory
+    logit_bytes = 4 * memory.LOGIT_COPIES + m.model_logit_bytes * memory.MODEL_LOGIT_COPIES
+    row_logits = shape.rows * m.vocab * logit_bytes
+    assert deferred - undrafted == row_logits  # one position more: the one the search keeps
+    assert dense - undrafted == 8 * row_logits  # every drafted position

@@ -182,6 +182,9 @@ class BartBackend(Seq2SeqBackend):
         transformers' forward, which does not)."""
         return not self.model.training
 
+    def defers_head(self) -> bool:
+        return True
+
     def step_many(self, state: AnyDecodeState, tokens: Tensor) -> FedLogProbs:
         if not isinstance(state, BartDecodeState):
             raise NotImplementedError("drafts are verified by BART's own decoding only")

@@ -169,6 +169,12 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         family, its head or its device cannot. The input embedding keeps its precision."""
         raise ModelLoadError(f"the {self.kind} backend keeps its LM head in the model's precision")
 
+    def defers_head(self) -> bool:
+        """Whether :meth:`step_many` runs the LM head only over the positions read (its
+        :class:`FedLogProbs` holds hidden states), so that a drafted step holds the logits of
+        two positions per row at most, not of every fed one."""
+        return False
+
     def step_many(self, state: StateT, tokens: Tensor) -> FedLogProbs:
         """Feed ``tokens`` (N, L), L consecutive tokens per row, in one forward pass -> their
         next-token log-probs (N, L, V), computed as read (:class:`FedLogProbs`): entry [r, i]

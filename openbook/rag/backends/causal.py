@@ -471,6 +471,9 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
     def drafts(self) -> bool:
         return True
 
+    def defers_head(self) -> bool:
+        return self._own_head
+
     def step_many(self, state: CausalDecodeState, tokens: Tensor) -> FedLogProbs:
         # right after the row's last real token: the max, not the last slot, which is a hole
         # (kv_pos -1) in a row that kept fewer drafted tokens than another (drop_fed)

@@ -417,9 +417,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def _configured(self, generator: RagGenerator) -> RagGenerator:
         if self.passage_cache_bytes is not None:
             generator.backend.set_passage_cache(self.passage_cache_bytes)
-        generator.set_draft_tokens(self.draft_tokens)
         if self.int8_head:
             generator.backend.quantize_head()
+        # after the head is settled: the memory model asks whether the backend defers it
+        generator.set_draft_tokens(self.draft_tokens)
         return generator
 
     def _announce(self) -> None:
