@@ -147,6 +147,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "OPENBOOK_GENERATOR_PASSAGE_CACHE_MB=0",
     )
     p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for both servers (repeatable), e.g. OPENBOOK_GENERATOR_DTYPE=float32; "
+        "--current-env overrides it for the current one",
+    )
+    p.add_argument(
         "--only",
         choices=("both", "baseline", "current"),
         default="both",
@@ -256,6 +264,7 @@ class Server:
         )
         if redis_url:
             env["OPENBOOK_REDIS_URL"] = redis_url
+        env.update(item.split("=", 1) for item in args.env)
         if self.name == "current":
             env.update(item.split("=", 1) for item in args.current_env)
         self.log_file = self.log_path.open("w")
