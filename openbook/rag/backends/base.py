@@ -88,7 +88,8 @@ class FedLogProbs:
 
     def __init__(self, hidden: Tensor, head: Callable[[Tensor], Tensor]) -> None:
         """hidden: (N, L, d) final hidden states; head: (n, d) -> (n, V) float32 log-probs."""
-        self._hidden = hidden
+        # (N, L, d) hidden states, or (N, L, V) log-probs already computed (the head: identity)
+        self._rows = hidden
         self._head = head
 
     @classmethod
@@ -96,14 +97,10 @@ class FedLogProbs:
         """Log-probs (N, L, V) a family's forward already produced (no head left to defer)."""
         return cls(log_probs, lambda lp: lp)
 
-    @property
-    def positions(self) -> int:
-        return int(self._hidden.shape[1])
-
     def at(self, position: int, rows: Tensor | None = None) -> Tensor:
         """(n, V) float32: ``position``'s log-probs of ``rows`` (n,) (None: every row)."""
-        hidden = self._hidden[:, position]
-        return self._head(hidden if rows is None else hidden[rows])
+        at = self._rows[:, position]
+        return self._head(at if rows is None else at[rows])
 
 
 # The family's own states: what its encode returns is what its start / score take, what its start
