@@ -9,8 +9,9 @@ a time by the engine the generator service uses, with drafting off and at each
 ``--draft-tokens`` size, request by request in rotating order so that drift hits every size
 alike. Reported per size: decode ms/token (the engine's steps after the prefill, over the
 answer tokens), tokens per decoding step, drafted tokens accepted, ms/request (p50), the paired
-ratios of decode and request time against drafting off with their 95% intervals (t on the log
-ratios), and how many answers have the undrafted ids (they must all).
+ratios of decode and request time against drafting off with their 95% intervals (the
+evaluation's paired bootstrap on the log times), and how many answers have the undrafted ids
+(they must all).
 
 Exactness (issue 45's proof; timing-free, so a busy machine does not matter):
 
@@ -184,15 +185,12 @@ def _requests(args: argparse.Namespace, n: int) -> list[dict]:
 
 
 def paired_ratio(on: list[float], off: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of on/off over paired requests and its 95% t-interval (on log ratios)."""
-    logs = [math.log(a / b) for a, b in zip(on, off, strict=True)]
-    mean = statistics.fmean(logs)
-    half = 0.0
-    if len(logs) > 1:
-        from scipy.stats import t
+    """Geometric mean of on/off over paired requests and its 95% interval: the evaluation's
+    paired bootstrap (``paired_difference_ci``) on the log times."""
+    from openbook_trainer.evaluation.statistics import paired_difference_ci
 
-        half = float(t.ppf(0.975, len(logs) - 1)) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+    ci = paired_difference_ci([math.log(x) for x in on], [math.log(x) for x in off])
+    return math.exp(ci.mean), math.exp(ci.low), math.exp(ci.high)
 
 
 def speed(gen: RagGenerator, args: argparse.Namespace) -> None:
