@@ -488,7 +488,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
             past_key_values=state.cache,
             use_cache=True,
         )
-        if self._own_head:  # the head only over the positions the search reads
+        if self.defers_head():  # the head only over the positions the search reads
             out = self.model.base_model(**inputs)
             state.cache = out.past_key_values
             return FedLogProbs(out.last_hidden_state, self._head_log_probs)
