@@ -33,6 +33,7 @@ import numpy as np
 
 from bench.load.run import REAL_GENERATOR, REAL_INDEX, demo_questions
 from openbook_testkit.stack import LocalStack
+from openbook_trainer.evaluation.statistics import bootstrap_ci
 
 MODES = ("hybrid", "dense")  # the first is the default (no "retrieval" in the request)
 
@@ -50,17 +51,6 @@ def ask(url: str, question: str, mode: str) -> tuple[float, int]:
     if answer.get("retrieval", mode) != mode:
         raise RuntimeError(f"asked for {mode}, served {answer.get('retrieval')}")
     return seconds, int(answer["hypotheses"][0].get("num_tokens") or 0)
-
-
-def ratio_interval(ratios: np.ndarray, seed: int = 0, draws: int = 2000) -> dict[str, float]:
-    """Mean of per-question ratios and its 95% bootstrap interval over questions."""
-    rng = np.random.default_rng(seed)
-    means = rng.choice(ratios, size=(draws, ratios.size), replace=True).mean(axis=1)
-    return {
-        "mean": float(ratios.mean()),
-        "low": float(np.quantile(means, 0.025)),
-        "high": float(np.quantile(means, 0.975)),
-    }
 
 
 def summary(seconds: list[float], tokens: list[int]) -> dict[str, float]:
@@ -115,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "questions": len(questions),
         "modes": {m: summary(seconds[m], tokens[m]) for m in MODES},
         "ratio_of_medians": float(np.median(seconds["hybrid"]) / np.median(seconds["dense"])),
-        "per_question_ratio": ratio_interval(ratios, args.seed),
+        "per_question_ratio": bootstrap_ci(ratios).as_dict(),
         "per_token_ratio_of_medians": float(np.median(per_token[0]) / np.median(per_token[1])),
     }
     print(f"machine: {result['machine']}; default stack ({result['stack']})")
