@@ -23,6 +23,10 @@ every side alike; one untimed warm-up request first), by:
   (``backend.quantize_head()``, as ``OPENBOOK_GENERATOR_LM_HEAD=int8`` does in the service: the
   weight-only int8 product screens, each row's near-best tokens are scored again exactly), a
   second copy of the model.
+* **ours, plain weights** (``--sides ours-plain``): ours without the linear weights packed for
+  oneDNN at load (``RagGenerator.pack_weights``, which the service does by default,
+  ``openbook/rag/packed_weights.py``; the answers are bitwise the same), a second copy of the
+  model.
 * **ours, drafting** (``--sides ours-draft``): the same as ours with passage-drafted decoding
   (``--draft-tokens`` per step, ``openbook/rag/drafting.py``); its "tokens/step" column says how
   many answer tokens each decoding step produced.
@@ -89,11 +93,12 @@ SIDES = {
     "ours": "ours",
     "ours-int8": "ours, int8 head",
     "ours-draft": "ours, drafting",
+    "ours-plain": "ours, plain weights",
     "batch": "llama.cpp batch",
     "seq": "llama.cpp seq",
 }
 DEFAULT_SIDES = ["ours", "batch", "seq"]
-OURS = ("ours", "ours, int8 head", "ours, drafting")
+OURS = ("ours", "ours, int8 head", "ours, drafting", "ours, plain weights")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,7 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_SIDES,
         choices=list(SIDES),
         help="what to run (default: ours batch seq; batch/seq: the two llama.cpp ways; "
-        "ours-int8, ours-draft: ours with the int8 head, with drafting)",
+        "ours-int8, ours-draft, ours-plain: ours with the int8 head, with drafting, without "
+        "packed weights)",
     )
     ap.add_argument(
         "--draft-tokens", type=int, default=8, help="tokens drafted per step by ours-draft"
@@ -411,14 +417,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         return timed_fn
 
-    def ours_generator(int8_head: bool) -> RagGenerator:
+    def ours_generator(int8_head: bool, packed: bool = True) -> RagGenerator:
         loaded = RagGenerator.load(args.model_dir, device="cpu", dtype=args.dtype)
         loaded._stop_fn = lambda: None  # fixed decode count: no stop strings (EOS: min_new_tokens)
         # Without it the warm-up, and each side after the first on a request, would reuse the
         # passages' keys/values where llama.cpp prefills them again.
         loaded.backend.set_passage_cache(args.passage_cache_mb << 20)
-        if int8_head:
+        if int8_head:  # as the service sets a model up (openbook_generator/model_setup.py)
             loaded.backend.quantize_head()
+        if packed:
+            loaded.pack_weights()
         backend = loaded.backend
         backend.encode = timed(backend.encode, "encode")
         backend.prompt_ids = timed(backend.prompt_ids, "tokenize")
@@ -428,6 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
     ours_gens = {side: gen for side in ("ours", "ours, drafting")}
     if "ours, int8 head" in args.sides:
         ours_gens["ours, int8 head"] = ours_generator(int8_head=True)
+    if "ours, plain weights" in args.sides:
+        ours_gens["ours, plain weights"] = ours_generator(int8_head=False, packed=False)
     backend = gen.backend
     prompt_ids = backend.prompt_ids
 
@@ -612,6 +622,7 @@ def main(argv: list[str] | None = None) -> dict:
         if side in OURS:
             weights = f"{gen.dtype} (from q4_K_M)"
             weights += ", int8 head" if side == "ours, int8 head" else ""
+            weights += ", not packed" if side == "ours, plain weights" else ", packed"
         ratio = f"{ours['median_ms'] / s['median_ms']:.2f}x" if ours else "-"
         per_step = f"{s['tokens_per_step']:.2f}" if "tokens_per_step" in s else "1"
         lines.append(

@@ -121,6 +121,12 @@ class RagGenerator:
             calibration=calibration,
         )
 
+    def pack_weights(self) -> bool:
+        """Serve with the linear weights reordered once for this machine's kernels where the
+        answers stay bitwise the same (:mod:`openbook.rag.packed_weights`: bf16 on CPU, causal
+        models); whether they were. Inference only (a merged adapter is packed again)."""
+        return self.backend.pack_weights()
+
     @property
     def model(self) -> torch.nn.Module:
         return self.backend.model
@@ -140,7 +146,10 @@ class RagGenerator:
         the base model's (it was fitted on the adapted model's answers)."""
         check_base(adapter_dir, base_dir)
         calibration = load_calibration(adapter_dir)
+        packed = self.backend.unpack_weights()  # PEFT merges into nn.Linear modules
         self.backend.model = merged(self.backend.model, adapter_dir)
+        if packed:
+            self.backend.pack_weights()
         self.refresh()
         if calibration is not None:
             self.calibration = calibration

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.backends.int8_head import Int8Head
 from openbook.v1 import common_pb2, generator_pb2
+from openbook_generator.model_setup import ModelSetup
 from openbook_generator.servicer import GeneratorServicer
 from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_bart, make_tiny_causal_lm
@@ -57,7 +58,7 @@ def test_a_reloaded_checkpoint_decodes_with_the_int8_head_too(model, tmp_path):
         RagGenerator.load(model, device="cpu"),
         checkpoint_root=tmp_path / "checkpoints",
         base_model=model,
-        int8_head=True,
+        model_setup=ModelSetup(int8_head=True),
     )
     try:
         assert servicer.load_checkpoint("step-000001") == "step-000001"
@@ -76,4 +77,4 @@ def test_an_unknown_head_precision_is_refused_naming_the_setting(monkeypatch):
 def test_a_model_that_cannot_have_it_is_refused_at_start(tmp_path):
     bart = make_tiny_bart(tmp_path / "bart")
     with pytest.raises(ValueError, match="keeps its LM head"):
-        GeneratorServicer(RagGenerator.load(bart), int8_head=True)
+        GeneratorServicer(RagGenerator.load(bart), model_setup=ModelSetup(int8_head=True))

@@ -166,6 +166,17 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         family, its head or its device cannot. The input embedding keeps its precision."""
         raise ModelLoadError(f"the {self.kind} backend keeps its LM head in the model's precision")
 
+    def pack_weights(self) -> bool:
+        """Reorder the model's linear weights once for this machine's kernels where the products
+        stay bitwise the same (:mod:`openbook.rag.packed_weights`: bf16 on CPU); whether any
+        were. For inference only: :meth:`unpack_weights` before training, merging or saving."""
+        return False
+
+    def unpack_weights(self) -> bool:
+        """Undo :meth:`pack_weights`: the model's own linear modules, with the same weights, are
+        back; whether any were packed."""
+        return False
+
     def defers_head(self) -> bool:
         """Whether :meth:`step_many` runs the LM head only over the positions read (its
         :class:`FedLogProbs` holds hidden states), so that a drafted step holds the logits of

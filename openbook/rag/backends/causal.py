@@ -50,6 +50,7 @@ from openbook.rag.cache import (
 )
 from openbook.rag.errors import ModelLoadError
 from openbook.rag.memory import MemoryModel
+from openbook.rag.packed_weights import PackedLinear, pack_linears, unpack_linears
 from openbook.rag.passage_cache import HeadKV, PassageCache
 from openbook.rag.prompting import PromptSpec
 from openbook.types import Passage
@@ -163,6 +164,8 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         head = self.model.get_output_embeddings()
         if isinstance(head, Int8Head):
             return
+        if isinstance(head, PackedLinear):  # the int8 copy is made from the plain weights
+            head = head.unpacked()
         if not isinstance(head, nn.Linear) or head.bias is not None:
             raise ModelLoadError(f"an int8 LM head replaces a Linear without bias, not {head!r}")
         try:
@@ -173,6 +176,12 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         self.model.config.tie_word_embeddings = False
         self.model.set_output_embeddings(int8)
         self.refresh()  # _own_head is checked again against the new head
+
+    def pack_weights(self) -> bool:
+        return pack_linears(self.model) > 0
+
+    def unpack_weights(self) -> bool:
+        return unpack_linears(self.model) > 0
 
     def _prefix_forward(self, check_head: bool = False) -> Cache:
         ids = torch.tensor([self.prefix_ids], device=self.device)

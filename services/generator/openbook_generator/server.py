@@ -30,6 +30,7 @@ from openbook.state.shared_state import (
 )
 from openbook.storage.checkpoint import latest_checkpoint, locate_in_root
 from openbook.v1 import generator_pb2_grpc
+from openbook_generator.model_setup import ModelSetup
 from openbook_generator.scheduler import SchedulingOptions
 from openbook_generator.servicer import GeneratorServicer
 from openbook_generator.settings import GeneratorSettings
@@ -107,9 +108,12 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
             chunk_tokens=settings.prefill_chunk_tokens,
         ),
         memory_budget_bytes=settings.memory_mb * 2**20,
-        passage_cache_bytes=settings.passage_cache_mb * 2**20,
-        draft_tokens=settings.draft_tokens,
-        int8_head=settings.lm_head == "int8",
+        model_setup=ModelSetup(
+            passage_cache_bytes=settings.passage_cache_mb * 2**20,
+            draft_tokens=settings.draft_tokens,
+            int8_head=settings.lm_head == "int8",
+            packed_weights=settings.packed_weights,
+        ),
         max_request_s=settings.max_request_s,
         compute_threads=ComputeThreadsOptions(setting=settings.compute_threads),
     )

@@ -38,6 +38,7 @@ from openbook.validation.limits import (
     check_question,
     refuse_controls,
 )
+from openbook_generator.model_setup import ModelSetup
 from openbook_generator.scheduler import GenerateItem, Scheduler, SchedulingOptions, StageTimes
 
 log = logging.getLogger(__name__)
@@ -205,9 +206,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         *,
         scheduling: SchedulingOptions | None = None,
         memory_budget_bytes: int | None = None,
-        passage_cache_bytes: int | None = None,
-        draft_tokens: int = 0,
-        int8_head: bool = False,
+        model_setup: ModelSetup | None = None,
         max_request_s: float | None = None,
         metrics: ServiceMetrics | None = None,
         checkpoint_root: Path | None = None,
@@ -219,16 +218,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         hold (:mod:`openbook.rag.memory`); None: unbounded. ``max_request_s``: the longest any
         request is worked on or waited for, whatever deadline its caller sets. ``base_model``:
         the configured model, onto which a checkpoint that holds only an adapter is loaded.
-        ``draft_tokens``: tokens greedy searches (RAG-Token, RAG-Sequence) draft per step
-        (:mod:`openbook.rag.drafting`), on every model this servicer loads; 0: off.
-        ``int8_head``: every model it loads decodes with its LM head in int8
-        (:mod:`openbook.rag.backends.int8_head`); a model that cannot is refused (ValueError).
+        ``model_setup``: how every model it serves is set up, at start and after each reload
+        (passage cache, drafting, int8 head, packed weights; :class:`ModelSetup`'s defaults
+        when None); a model that cannot be set up so is refused (ValueError).
         ``compute_threads``: how the decoding thread sizes its torch threads
         (:mod:`openbook.runtime.compute_threads`); None: torch's default, untouched."""
-        self.passage_cache_bytes = passage_cache_bytes
-        self.draft_tokens = draft_tokens
-        self.int8_head = int8_head
-        self.generator = self._configured(generator)
+        self.model_setup = model_setup or ModelSetup()
+        self.generator = self.model_setup.apply(generator)
         self.on_model = on_model
         self.metrics = metrics
         self.checkpoint_root = checkpoint_root
@@ -398,7 +394,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                         path, device=current.device, dtype=current.dtype, base=self.base_model
                     )
                 )
-                self.generator = self._configured(loaded)
+                self.generator = self.model_setup.apply(loaded)
             except OSError as exc:  # inside the root, but unreadable (permissions, ...)
                 detail = exc.strerror or exc
                 raise InvalidArgument(f"checkpoint {requested!r}: {detail}") from None
@@ -413,15 +409,6 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         if cache is None:
             return 0
         return cache.hits if result == "hit" else cache.misses
-
-    def _configured(self, generator: RagGenerator) -> RagGenerator:
-        if self.passage_cache_bytes is not None:
-            generator.backend.set_passage_cache(self.passage_cache_bytes)
-        if self.int8_head:
-            generator.backend.quantize_head()
-        # after the head is settled: the memory model asks whether the backend defers it
-        generator.set_draft_tokens(self.draft_tokens)
-        return generator
 
     def _announce(self) -> None:
         version = self.generator.model_version

@@ -1,0 +1,86 @@
+"""OPENBOOK_GENERATOR_PACKED_WEIGHTS through the generator service: a bf16 model is served with
+its linear weights packed for oneDNN by default (openbook/rag/packed_weights.py) and its
+replies are bitwise the library's plain-weight answers; a reloaded checkpoint is packed too;
+the setting turns it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints_kit import tiny_adapter_checkpoint
+from torch import nn
+
+from openbook.rag import DecodingOptions, RagGenerator
+from openbook.rag.packed_weights import PackedLinear, packs
+from openbook.v1 import common_pb2, generator_pb2
+from openbook_generator.servicer import GeneratorServicer
+from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
+from openbook_testkit.stack import generator_service
+
+pytestmark = pytest.mark.skipif(
+    not packs(nn.Linear(2, 2, dtype=torch.bfloat16)),
+    reason="oneDNN runs no bf16 products on this CPU",
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("packed") / "gemma3")
+
+
+def _request(passages, **options) -> generator_pb2.GenerateRequest:
+    return generator_pb2.GenerateRequest(
+        question=QUESTION,
+        passages=[
+            common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in passages
+        ],
+        options=generator_pb2.DecodingOptions(**options),
+    )
+
+
+def _packed(servicer: GeneratorServicer) -> bool:
+    return isinstance(servicer.generator.backend.model.get_output_embeddings(), PackedLinear)
+
+
+def test_replies_are_bitwise_the_plain_libraries_answers(model, tmp_path, redis_server):
+    library = RagGenerator.load(model, device="cpu", dtype="bfloat16")
+    with generator_service(model, tmp_path, redis_server.url, dtype="bfloat16") as (
+        settings,
+        servicer,
+        stub,
+    ):
+        assert settings.packed_weights and _packed(servicer)
+        for seed in range(3):
+            passages = make_passages(3, seed=seed)
+            want = library.generate(QUESTION, passages, DecodingOptions(max_new_tokens=8))
+            reply = stub.Generate(_request(passages, max_new_tokens=8), timeout=60)
+            got = reply.hypotheses[0]
+            assert [t.token for t in got.tokens] == want.hypotheses[0].tokens
+            assert got.log_prob == want.hypotheses[0].log_prob
+
+
+def test_the_setting_turns_it_off(model, tmp_path, redis_server):
+    with generator_service(
+        model, tmp_path, redis_server.url, dtype="bfloat16", packed_weights=False
+    ) as (_, servicer, _stub):
+        assert not _packed(servicer)
+
+
+def test_a_float32_model_is_served_as_it_loads(model, tmp_path, redis_server):
+    with generator_service(model, tmp_path, redis_server.url, dtype="float32") as (
+        _,
+        servicer,
+        _stub,
+    ):
+        assert not _packed(servicer)
+
+
+def test_a_reloaded_checkpoint_is_packed_too(model, tmp_path, redis_server):
+    tiny_adapter_checkpoint(tmp_path / "checkpoints", 1, model)
+    with generator_service(model, tmp_path, redis_server.url, dtype="bfloat16") as (
+        _,
+        servicer,
+        _stub,
+    ):
+        assert servicer.load_checkpoint("step-000001") == "step-000001"
+        assert _packed(servicer)
