@@ -16,6 +16,11 @@ instead would give, through the two paths torch offers on CPU:
   on x86. Without its rescoring of each row's near-best tokens (``margin=None``): how many
   tokens that rescores depends on a real model's hidden states, not random ones; its cost is
   in the end-to-end figures of ``bench/generator/engine.py``.
+- ``packed``: the model's own weights reordered once into oneDNN's blocked layout
+  (:class:`~openbook.rag.packed_weights.PackedLinear`, what the service serves bf16 causal models
+  with by default): the model's product without its per-call reorder, bitwise the same in bf16
+  (in float32 torch's plain product is MKL's, so there it is another rounding, and the service
+  does not pack).
 
 Reported per row count (the rows of a step: k passages x requests running): the median ms of
 each path, its ratio to the model's precision, and how often the argmax (the greedy token)
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 
 from openbook.rag.backends.int8_head import Int8Head
+from openbook.rag.packed_weights import PackedLinear
 
 
 def _median_ms(fn: Callable[[], object], rounds: int) -> float:
@@ -89,6 +95,9 @@ def main() -> None:
     )
     row_scales = scales.to(dtype)
     engine_head = Int8Head(model_weight, margin=None)  # the product alone (docstring)
+    plain = torch.nn.Linear(args.width, args.vocab, bias=False, dtype=dtype)
+    plain.weight.data = model_weight
+    packed_head = PackedLinear(plain)
 
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -101,6 +110,7 @@ def main() -> None:
                 "int8pack": lambda x=x: torch._weight_int8pack_mm(x, packed, row_scales),
                 "dynamic": lambda hidden=hidden: dynamic(hidden),
                 "engine": lambda x=x: engine_head(x),
+                "packed": lambda x=x: packed_head(x),
             }
             ms: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(3):  # alternate the paths: drift on a busy machine hits all alike
@@ -122,7 +132,7 @@ def main() -> None:
             f"rows {rows:3d}: model ({args.dtype}) {base:7.1f} ms | "
             + " | ".join(
                 f"{n} {row['ms'][n]:7.1f} ms ({row['speedup'][n]:.2f}x, argmax {agree[n]:.2f})"
-                for n in ("int8pack", "dynamic", "engine")
+                for n in ("int8pack", "dynamic", "engine", "packed")
             )
         )
     report = {

@@ -2,13 +2,13 @@
 
 Why: torch multiplies bf16 activations by a bf16 ``nn.Linear`` on CPU through oneDNN, which
 first reorders the weight into its own blocked layout, on every call. A decoding step has few
-rows (one request's k passages), so that reorder is most of the product: it reads and writes the
-whole weight, then the product reads it again. Reordered once and kept (what torch's own
+rows (one request's k passages), so that reorder is a large share of the product: it reads and
+writes the whole weight, then the product reads it again. Reordered once and kept (what torch's own
 compiler does for frozen weights, ``torch.ops.mkldnn._reorder_linear_weight`` and
 ``_linear_pointwise``), the product reads the weight once. Measured on an AMD EPYC with
 AVX512-BF16, 2 threads (docs/benchmarks.md, "Weights packed for oneDNN"): Gemma 3 270M's
-262,144 x 640 LM head at 5 rows 16.7 -> 6.2 ms, a 2,048 x 640 layer 0.10 -> 0.03 ms, 1.1-1.2x at
-prefill's hundreds of rows.
+262,144 x 640 LM head at 5 rows 12.2 -> 8.1 ms, a 2,048 x 640 layer 1.6x at 5 rows and 1.2x at
+a prefill's 700; a default answer's decoding 1.35x faster, the answer 1.20x.
 
 The products are the same kernel without the per-call reorder: **bitwise the same results**
 (tested), so greedy answers, log-probabilities and passage posteriors do not change. Only bf16 is

@@ -62,7 +62,7 @@ class GeneratorSettings(GrpcServiceSettings):
     # (openbook/rag/backends/int8_head.py, docs/benchmarks.md, docs/results.md).
     lm_head: Literal["model", "int8"] = "model"
     # The linear weights reordered once, at load, for oneDNN's kernels (bf16 on CPU, causal
-    # models; openbook/rag/packed_weights.py): the same answers bitwise, a decoding step ~1.5x
+    # models; openbook/rag/packed_weights.py): the same answers bitwise, decoding ~1.35x
     # faster; a tied LM head then holds its matrix twice (Gemma 3 270M: 335 MB more resident).
     # Elsewhere (float32, CUDA, BART) nothing changes.
     packed_weights: bool = True
