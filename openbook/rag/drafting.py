@@ -34,12 +34,13 @@ batch, with drafting on.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from openbook.rag.beam import GreedySearch, SearchSettings
+    from openbook.rag.engine import Rows
 
 # The longest generated n-gram looked up (transformers' prompt_lookup max_matching_ngram_size
 # default is 2; 3 first keeps a short common token from pulling a draft from the wrong place).
@@ -80,23 +81,13 @@ class PassageDrafter:
         return []
 
 
-class DraftedRows(Protocol):
-    """The rows of one greedy search that takes a drafted step position by position."""
-
-    live: bool
-
-    def advance(self, lp: Tensor) -> bool: ...
-
-    def decided(self) -> tuple[int, Tensor | None]: ...
-
-
 def room(search: GreedySearch, settings: SearchSettings, limit: int) -> int:
     """How many tokens may be drafted after the one about to be fed: at most ``limit``, and
     never past the answer's ``max_new_tokens``."""
     return max(0, min(limit, settings.max_new_tokens - int(search.seq.shape[1]) - 1))
 
 
-def takes_next(rows: DraftedRows, lp: Tensor, draft: Sequence[int], position: int) -> bool:
+def takes_next(rows: Rows, lp: Tensor, draft: Sequence[int], position: int) -> bool:
     """Advance ``rows`` by the log-probs (rows, V) of fed position ``position`` (0: after the
     decided token, i: after ``draft[i - 1]``) with their undrafted ``advance``; whether they read
     the next position too: they are live, the draft goes on, and the token they just decided
