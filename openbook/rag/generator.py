@@ -27,6 +27,7 @@ from openbook.rag.memory import (
     request_shape,
 )
 from openbook.rag.options import DecodingOptions, GenerationResult
+from openbook.rag.packed_weights import Packing
 from openbook.rag.streaming import OnToken
 from openbook.types import Passage
 from openbook.validation.limits import check_finite
@@ -121,11 +122,12 @@ class RagGenerator:
             calibration=calibration,
         )
 
-    def pack_weights(self) -> bool:
-        """Serve with the linear weights reordered once for this machine's kernels where the
-        answers stay bitwise the same (:mod:`openbook.rag.packed_weights`: bf16 on CPU, causal
-        models); whether they were. Inference only (a merged adapter is packed again)."""
-        return self.backend.pack_weights()
+    def pack_weights(self, packing: Packing = Packing.AUTO) -> bool:
+        """Serve with the linear weights reordered once for this machine's kernels
+        (:mod:`openbook.rag.packed_weights`, causal models on CPU; by default where the answers
+        stay bitwise the same: bf16); whether they were. Inference only (a merged adapter is
+        packed again)."""
+        return self.backend.pack_weights(packing)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -148,8 +150,8 @@ class RagGenerator:
         calibration = load_calibration(adapter_dir)
         packed = self.backend.unpack_weights()  # PEFT merges into nn.Linear modules
         self.backend.model = merged(self.backend.model, adapter_dir)
-        if packed:
-            self.backend.pack_weights()
+        if packed:  # as before the merge: it was packed, so its precision is one that packs
+            self.backend.pack_weights(Packing.ALL)
         self.refresh()
         if calibration is not None:
             self.calibration = calibration

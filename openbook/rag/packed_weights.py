@@ -10,10 +10,12 @@ AVX512-BF16, 2 threads (docs/benchmarks.md, "Weights packed for oneDNN"): Gemma 
 262,144 x 640 LM head at 5 rows 12.2 -> 8.1 ms, a 2,048 x 640 layer 1.6x at 5 rows and 1.2x at
 a prefill's 700; a default answer's decoding 1.35x faster, the answer 1.20x.
 
-The products are the same kernel without the per-call reorder: **bitwise the same results**
-(tested), so greedy answers, log-probabilities and passage posteriors do not change. Only bf16 is
-packed: in float32 torch multiplies with another library (MKL), so packing would change the
-rounding.
+In bf16 the products are the same kernel without the per-call reorder: **bitwise the same
+results** (tested), so greedy answers, log-probabilities and passage posteriors do not change;
+:attr:`Packing.AUTO` (the default) packs there only. In float32 torch multiplies with another
+library (MKL, slow at a few rows), so packing changes the rounding: :attr:`Packing.ALL` packs
+float32 too, measured 2.1x faster per answer with the same answers on 150 of 150 requests and
+log p(y|x) within 4e-5 (docs/results.md, "Weights packed for oneDNN").
 
 A packed module holds the reordered weight only. A weight another module shares (a tied LM head
 reads the input embedding's matrix) is kept by that module: the head then holds both layouts
@@ -25,6 +27,8 @@ module they were shared with.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 from torch import Tensor, nn
 
@@ -33,19 +37,28 @@ from torch import Tensor, nn
 ROWS_HINT = 5
 
 
-def packs(model: nn.Module) -> bool:
-    """Whether :func:`pack_linears` would pack ``model``: bf16 weights on a CPU where oneDNN
-    runs bf16 products."""
+class Packing(StrEnum):
+    """Which models :func:`pack_linears` packs (``OPENBOOK_GENERATOR_PACKED_WEIGHTS``)."""
+
+    AUTO = "auto"  # where the products stay bitwise the same: bf16 on CPU
+    ALL = "all"  # float32 on CPU too: oneDNN's rounding in place of MKL's (module docstring)
+    OFF = "off"
+
+
+def packs(model: nn.Module, packing: Packing = Packing.AUTO) -> bool:
+    """Whether :func:`pack_linears` packs ``model`` under ``packing``: weights on a CPU where
+    oneDNN runs, in bf16 (where oneDNN computes bf16), or in float32 under :attr:`Packing.ALL`."""
     try:
         weight = next(model.parameters())
     except StopIteration:
         return False
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    if packing is Packing.OFF or weight.device.type != "cpu":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32 and packing is Packing.ALL
 
 
 class PackedLinear(nn.Module):
@@ -93,10 +106,10 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, packing: Packing = Packing.AUTO) -> int:
     """Replace every ``nn.Linear`` without a bias of ``model`` (where :func:`packs`) by a
     :class:`PackedLinear`; the number replaced (0 where it does not pack, or nothing is left to)."""
-    if not packs(model):
+    if not packs(model, packing):
         return 0
     owners: dict[int, int] = {}  # id(parameter) -> modules holding it directly
     for module in model.modules():

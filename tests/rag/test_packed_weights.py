@@ -12,7 +12,13 @@ from torch import nn
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.backends.int8_head import Int8Head
-from openbook.rag.packed_weights import PackedLinear, pack_linears, packs, unpack_linears
+from openbook.rag.packed_weights import (
+    PackedLinear,
+    Packing,
+    pack_linears,
+    packs,
+    unpack_linears,
+)
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_adapter
 
 bf16_packs = pytest.mark.skipif(
@@ -62,11 +68,35 @@ def test_a_linear_with_a_bias_is_left_alone():
         PackedLinear(model[0])
 
 
-def test_float32_weights_are_not_packed():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+def test_float32_weights_are_packed_only_when_asked():
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
     assert not packs(model)
     assert pack_linears(model) == 0
     assert all(type(m) is nn.Linear for m in model)
+    assert pack_linears(model, Packing.OFF) == 0
+    if not torch.backends.mkldnn.is_available():
+        return
+    plain = [m.weight.detach().clone() for m in model]
+    x = torch.randn(5, 4)
+    want = model(x)
+    assert pack_linears(model, Packing.ALL) == 2
+    # oneDNN's float32 product, not MKL's: the same to float32 rounding, not bitwise
+    torch.testing.assert_close(model(x), want)
+    assert unpack_linears(model) == 2
+    assert all(torch.equal(m.weight, w) for m, w in zip(model, plain, strict=True))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_a_float32_model_packed_on_request_decodes_the_same_to_rounding(dirs, kind):
+    path = dirs.causal(kind)
+    plain = RagGenerator.load(path, device="cpu", dtype="float32")
+    packed = RagGenerator.load(path, device="cpu", dtype="float32")
+    assert not packed.pack_weights()  # not by default: the rounding changes
+    assert packed.pack_weights(Packing.ALL)
+    for got, want in zip(_answers(packed), _answers(plain), strict=True):
+        for a, b in zip(got.hypotheses, want.hypotheses, strict=True):
+            assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)
 
 
 def _bf16(path) -> RagGenerator:

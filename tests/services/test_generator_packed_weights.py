@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints_kit import tiny_adapter_checkpoint
+from pydantic import ValidationError
 from torch import nn
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.packed_weights import PackedLinear, packs
 from openbook.v1 import common_pb2, generator_pb2
 from openbook_generator.servicer import GeneratorServicer
+from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 from openbook_testkit.stack import generator_service
 
@@ -61,18 +63,30 @@ def test_replies_are_bitwise_the_plain_libraries_answers(model, tmp_path, redis_
 
 def test_the_setting_turns_it_off(model, tmp_path, redis_server):
     with generator_service(
-        model, tmp_path, redis_server.url, dtype="bfloat16", packed_weights=False
+        model, tmp_path, redis_server.url, dtype="bfloat16", packed_weights="off"
     ) as (_, servicer, _stub):
         assert not _packed(servicer)
 
 
-def test_a_float32_model_is_served_as_it_loads(model, tmp_path, redis_server):
+def test_a_float32_model_is_packed_only_when_asked(model, tmp_path, redis_server):
     with generator_service(model, tmp_path, redis_server.url, dtype="float32") as (
         _,
         servicer,
         _stub,
     ):
         assert not _packed(servicer)
+    with generator_service(
+        model, tmp_path, redis_server.url, dtype="float32", packed_weights="all"
+    ) as (_, servicer, stub):
+        assert _packed(servicer)
+        reply = stub.Generate(_request(make_passages(3, seed=0), max_new_tokens=8), timeout=60)
+        assert reply.hypotheses[0].tokens
+
+
+def test_an_unknown_packing_is_refused_naming_the_setting(monkeypatch):
+    monkeypatch.setenv("OPENBOOK_GENERATOR_PACKED_WEIGHTS", "yes")
+    with pytest.raises(ValidationError, match="packed_weights"):
+        GeneratorSettings()
 
 
 def test_a_reloaded_checkpoint_is_packed_too(model, tmp_path, redis_server):

@@ -50,6 +50,7 @@ from openbook.rag.errors import ModelLoadError
 # at call time, so one setting bounds them all.
 from openbook.rag.memory import SCORE_LOGIT_ELEMENTS as SCORE_LOGIT_ELEMENTS
 from openbook.rag.memory import MemoryModel
+from openbook.rag.packed_weights import Packing
 from openbook.types import Passage
 
 if TYPE_CHECKING:
@@ -166,9 +167,9 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         family, its head or its device cannot. The input embedding keeps its precision."""
         raise ModelLoadError(f"the {self.kind} backend keeps its LM head in the model's precision")
 
-    def pack_weights(self) -> bool:
-        """Reorder the model's linear weights once for this machine's kernels where the products
-        stay bitwise the same (:mod:`openbook.rag.packed_weights`: bf16 on CPU); whether any
+    def pack_weights(self, packing: Packing = Packing.AUTO) -> bool:
+        """Reorder the model's linear weights once for this machine's kernels
+        (:mod:`openbook.rag.packed_weights`; ``packing`` says for which precisions); whether any
         were. For inference only: :meth:`unpack_weights` before training, merging or saving."""
         return False
 

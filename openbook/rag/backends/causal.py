@@ -50,7 +50,7 @@ from openbook.rag.cache import (
 )
 from openbook.rag.errors import ModelLoadError
 from openbook.rag.memory import MemoryModel
-from openbook.rag.packed_weights import PackedLinear, pack_linears, unpack_linears
+from openbook.rag.packed_weights import PackedLinear, Packing, pack_linears, unpack_linears
 from openbook.rag.passage_cache import HeadKV, PassageCache
 from openbook.rag.prompting import PromptSpec
 from openbook.types import Passage
@@ -177,8 +177,8 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         self.model.set_output_embeddings(int8)
         self.refresh()  # _own_head is checked again against the new head
 
-    def pack_weights(self) -> bool:
-        return pack_linears(self.model) > 0
+    def pack_weights(self, packing: Packing = Packing.AUTO) -> bool:
+        return pack_linears(self.model, packing) > 0
 
     def unpack_weights(self) -> bool:
         return unpack_linears(self.model) > 0

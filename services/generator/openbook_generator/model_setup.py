@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openbook.rag import RagGenerator
+from openbook.rag.packed_weights import Packing
 
 
 @dataclass(frozen=True)
@@ -16,15 +17,15 @@ class ModelSetup:
     draft_tokens: tokens greedy searches draft per step (:mod:`openbook.rag.drafting`); 0: off.
     int8_head: the LM head in int8 (:mod:`openbook.rag.backends.int8_head`); a model that
         cannot have it is refused (``ModelLoadError``, a ``ValueError``).
-    packed_weights: linear weights reordered once for this machine's kernels where the answers
-        stay bitwise the same (:mod:`openbook.rag.packed_weights`: bf16 on CPU, causal models);
-        elsewhere nothing changes.
+    packed_weights: which precisions get their linear weights reordered once for this
+        machine's kernels (:mod:`openbook.rag.packed_weights`, causal models on CPU; by default
+        where the answers stay bitwise the same: bf16).
     """
 
     passage_cache_bytes: int | None = None
     draft_tokens: int = 0
     int8_head: bool = False
-    packed_weights: bool = True
+    packed_weights: Packing = Packing.AUTO
 
     def apply(self, generator: RagGenerator) -> RagGenerator:
         """``generator``, set up (in place) as this says."""
@@ -32,8 +33,7 @@ class ModelSetup:
             generator.backend.set_passage_cache(self.passage_cache_bytes)
         if self.int8_head:  # from the plain head: before the weights are packed
             generator.backend.quantize_head()
-        if self.packed_weights:
-            generator.pack_weights()
+        generator.pack_weights(self.packed_weights)
         # after the head is settled: the memory model asks whether the backend defers it
         generator.set_draft_tokens(self.draft_tokens)
         return generator

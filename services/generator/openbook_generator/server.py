@@ -12,6 +12,7 @@ import threading
 from openbook.rag import RagGenerator
 from openbook.rag.adapters import AdapterMismatch
 from openbook.rag.checkpoint import load_generator
+from openbook.rag.packed_weights import Packing
 from openbook.runtime.compute_threads import ComputeThreadsOptions
 from openbook.security.sealing import load_sealer
 from openbook.serving import allocator
@@ -112,7 +113,7 @@ def load(settings: GeneratorSettings, metrics: ServiceMetrics | None) -> Generat
             passage_cache_bytes=settings.passage_cache_mb * 2**20,
             draft_tokens=settings.draft_tokens,
             int8_head=settings.lm_head == "int8",
-            packed_weights=settings.packed_weights,
+            packed_weights=Packing(settings.packed_weights),
         ),
         max_request_s=settings.max_request_s,
         compute_threads=ComputeThreadsOptions(setting=settings.compute_threads),

@@ -61,11 +61,12 @@ class GeneratorSettings(GrpcServiceSettings):
     # model head's. Off by default: faster only with few rows per step, if at all
     # (openbook/rag/backends/int8_head.py, docs/benchmarks.md, docs/results.md).
     lm_head: Literal["model", "int8"] = "model"
-    # The linear weights reordered once, at load, for oneDNN's kernels (bf16 on CPU, causal
-    # models; openbook/rag/packed_weights.py): the same answers bitwise, decoding ~1.35x
-    # faster; a tied LM head then holds its matrix twice (Gemma 3 270M: 335 MB more resident).
-    # Elsewhere (float32, CUDA, BART) nothing changes.
-    packed_weights: bool = True
+    # The linear weights reordered once, at load, for oneDNN's kernels (causal models on CPU;
+    # openbook/rag/packed_weights.py): "auto" where the answers stay bitwise the same (bf16:
+    # decoding ~1.35x faster), "all" float32 too (oneDNN's rounding in place of MKL's: ~2x
+    # faster, the same answers on 150 of 150 measured), "off". A tied LM head then holds its
+    # matrix twice (Gemma 3 270M: 335 MB more resident in bf16).
+    packed_weights: Literal["auto", "all", "off"] = "auto"
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
     max_request_s: float = Field(300.0, gt=0)
 
