@@ -7,7 +7,8 @@ The default generator loaded twice in one process, plain and packed (``RagGenera
 pack_weights``, what the service does by default), decodes SQuAD questions with their top-k
 passages (``bench/generator/engine.py``'s seeded draw), greedy RAG-Token, one request at a
 time, the two alternating request by request so that drift hits both alike. Reported: how many
-answers are bitwise the same (token ids, log p(y|x), every per-token passage posterior), the
+answers are bitwise the same (token ids, log p(y|x), every per-token passage posterior) and how
+many have the same token ids, the
 largest difference of log p(y|x), ms/request and decode ms/step of each, and the paired ratios
 (plain / packed) with their 95% intervals (the evaluation's paired bootstrap on the log times).
 
@@ -76,7 +77,7 @@ def main() -> None:
     for gen in sides.values():  # warm-up
         decode_once(gen, *reqs[0], opts, 0)
     runs: dict[str, list[dict]] = {name: [] for name in sides}
-    same, most = 0, 0.0
+    same, same_ids, most = 0, 0, 0.0
     for i, (q, ps) in enumerate(tqdm(reqs, desc="requests")):
         best = {}
         for name in list(sides) if i % 2 == 0 else list(sides)[::-1]:
@@ -84,13 +85,14 @@ def main() -> None:
             runs[name].append(stats)
             best[name] = result.hypotheses[0]
         same += _same(best["plain"], best["packed"])
+        same_ids += best["plain"].token_ids == best["packed"].token_ids
         most = max(most, abs(best["plain"].log_prob - best["packed"].log_prob))
     lines = [
         f"processor: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{args.threads} threads",
         f"model {args.model} ({sides['plain'].dtype}{', packing ' + args.packing}), "
         f"{len(reqs)} requests, k={args.k}, greedy RAG-Token, up to {args.max_new_tokens} tokens",
-        f"bitwise the same answers: {same}/{len(reqs)}; "
+        f"bitwise the same answers: {same}/{len(reqs)}; the same token ids: {same_ids}; "
         f"largest |log p(y|x) difference|: {most:.3g}",
         "| weights | ms/request (p50) | decode ms/step | prefill ms (p50) |",
         "|---|---:|---:|---:|",
@@ -108,7 +110,8 @@ def main() -> None:
         lines.append(f"plain / packed, {key}: {r:.3f}x [{lo:.3f}, {hi:.3f}] (paired, 95%)")
     print("\n".join(lines))
     if args.json:
-        out = {"lines": lines, "same": same, "n": len(reqs), "max_logp_diff": most}
+        out = {"lines": lines, "same": same, "same_ids": same_ids, "n": len(reqs)}
+        out["max_logp_diff"] = most
         out.update(runs=runs, ratios=ratios)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

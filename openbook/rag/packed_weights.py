@@ -14,8 +14,8 @@ In bf16 the products are the same kernel without the per-call reorder: **bitwise
 results** (tested), so greedy answers, log-probabilities and passage posteriors do not change;
 :attr:`Packing.AUTO` (the default) packs there only. In float32 torch multiplies with another
 library (MKL, slow at a few rows), so packing changes the rounding: :attr:`Packing.ALL` packs
-float32 too, measured 2.1x faster per answer with the same answers on 150 of 150 requests and
-log p(y|x) within 4e-5 (docs/results.md, "Weights packed for oneDNN").
+float32 too, measured 2.2x faster per answer with the same token ids on 150 of 150 requests and
+log p(y|x) within 2.2e-5 (docs/results.md, "Weights packed for oneDNN").
 
 A packed module holds the reordered weight only. A weight another module shares (a tied LM head
 reads the input embedding's matrix) is kept by that module: the head then holds both layouts

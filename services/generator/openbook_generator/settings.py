@@ -63,8 +63,8 @@ class GeneratorSettings(GrpcServiceSettings):
     lm_head: Literal["model", "int8"] = "model"
     # The linear weights reordered once, at load, for oneDNN's kernels (causal models on CPU;
     # openbook/rag/packed_weights.py): "auto" where the answers stay bitwise the same (bf16:
-    # decoding ~1.35x faster), "all" float32 too (oneDNN's rounding in place of MKL's: ~2x
-    # faster, the same answers on 150 of 150 measured), "off". A tied LM head then holds its
+    # decoding ~1.35x faster), "all" float32 too (oneDNN's rounding in place of MKL's: ~2.2x
+    # faster, the same token ids on 150 of 150 measured), "off". A tied LM head then holds its
     # matrix twice (Gemma 3 270M: 335 MB more resident in bf16).
     packed_weights: Literal["auto", "all", "off"] = "auto"
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
