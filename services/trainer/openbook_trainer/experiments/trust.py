@@ -340,6 +340,8 @@ def _answer_rows(
             generator.apply_adapter(Path(system.generator_adapter), Path(config.generator))
         if system.lm_head == "int8":
             generator.backend.quantize_head()  # after the merge, as the service does
+        # then the weights packed as the service packs them (bf16: bitwise the same answers)
+        generator.pack_weights()
         encoder = _encoder(system.query_encoder_adapter)
         with tqdm(total=len(keys), initial=len(keys) - len(todo), desc=system.name) as bar:
             for start in range(0, len(todo), config.batch_size):
