@@ -5,10 +5,10 @@ drafts accepted and rejected on the way; other decodings are unchanged."""
 from __future__ import annotations
 
 import pytest
+from generator_kit import generate_request
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.engine import DecodingEngine
-from openbook.v1 import common_pb2, generator_pb2
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 from openbook_testkit.stack import generator_service
 
@@ -53,16 +53,6 @@ def _passages_followed_by(backend, monkeypatch, continuations: list[list[int]]) 
     monkeypatch.setattr(backend, "draft_sources", sources)
 
 
-def _request(passages, **options) -> generator_pb2.GenerateRequest:
-    return generator_pb2.GenerateRequest(
-        question=QUESTION,
-        passages=[
-            common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in passages
-        ],
-        options=generator_pb2.DecodingOptions(**options),
-    )
-
-
 def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
     settings, servicer, stub = service
     assert settings.draft_tokens == 8 and servicer.generator.draft_tokens == 8
@@ -77,7 +67,7 @@ def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
         # the passages hold the answer (as the model's token ids), or a wrong one
         copied = answer if seed % 2 == 0 else wrong
         _passages_followed_by(servicer.generator.backend, monkeypatch, [copied] * len(passages))
-        reply = stub.Generate(_request(passages, **options), timeout=60)
+        reply = stub.Generate(generate_request(passages, **options), timeout=60)
         got = reply.hypotheses[0]
         assert got.text == want.text
         assert got.num_tokens == len(answer)
@@ -85,7 +75,7 @@ def test_drafted_replies_are_the_undrafted_answers(service, model, monkeypatch):
         assert got.log_prob == pytest.approx(want.log_prob, rel=1e-5, abs=1e-4)
         for token, posterior in zip(got.tokens, want.token_doc_posteriors, strict=True):
             assert list(token.doc_posterior) == pytest.approx(posterior, abs=1e-4)
-        events = list(stub.GenerateStream(_request(passages, **options), timeout=60))
+        events = list(stub.GenerateStream(generate_request(passages, **options), timeout=60))
         streamed = [e.token.token_id for e in events if e.WhichOneof("event") == "token"]
         assert streamed == answer
     assert 0 < counts["accepted"] < counts["drafted"]
@@ -96,7 +86,7 @@ def test_beam_search_is_unchanged_with_drafting_on(service, model):
     plain = RagGenerator.load(model, device="cpu")
     passages = make_passages(2, seed=9)
     want = plain.generate(QUESTION, passages, DecodingOptions(num_beams=2, max_new_tokens=6))
-    reply = stub.Generate(_request(passages, num_beams=2, max_new_tokens=6), timeout=60)
+    reply = stub.Generate(generate_request(passages, num_beams=2, max_new_tokens=6), timeout=60)
     assert [h.text for h in reply.hypotheses] == [h.text for h in want.hypotheses]
 
 
@@ -123,12 +113,12 @@ def test_drafted_rag_sequence_replies_and_streams_are_the_undrafted_ones(
         )
         _passages_followed_by(servicer.generator.backend, monkeypatch, copied)
         want = plain.generate(QUESTION, passages, DecodingOptions(**options))
-        reply = stub.Generate(_request(passages, **options), timeout=60)
+        reply = stub.Generate(generate_request(passages, **options), timeout=60)
         assert [h.text for h in reply.hypotheses] == [h.text for h in want.hypotheses]
         for got, hyp in zip(reply.hypotheses, want.hypotheses, strict=True):
             assert got.log_prob == pytest.approx(hyp.log_prob, rel=1e-5, abs=1e-4)
             assert list(got.doc_posterior) == pytest.approx(hyp.doc_posterior, abs=1e-4)
-        events = list(stub.GenerateStream(_request(passages, **options), timeout=60))
+        events = list(stub.GenerateStream(generate_request(passages, **options), timeout=60))
         tokens = [e.token for e in events if e.WhichOneof("event") == "token"]
         for z in range(len(passages)):
             assert [t.token_id for t in tokens if t.passage == z] == alone[z]

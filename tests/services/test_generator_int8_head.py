@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 from checkpoints_kit import tiny_adapter_checkpoint
+from generator_kit import generate_request
 from pydantic import ValidationError
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.backends.int8_head import Int8Head
-from openbook.v1 import common_pb2, generator_pb2
 from openbook_generator.model_setup import ModelSetup
 from openbook_generator.servicer import GeneratorServicer
 from openbook_generator.settings import GeneratorSettings
@@ -21,16 +21,6 @@ from openbook_testkit.stack import generator_service
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny_causal_lm(tmp_path_factory.mktemp("int8") / "gemma3")
-
-
-def _request(passages, **options) -> generator_pb2.GenerateRequest:
-    return generator_pb2.GenerateRequest(
-        question=QUESTION,
-        passages=[
-            common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in passages
-        ],
-        options=generator_pb2.DecodingOptions(**options),
-    )
 
 
 def test_replies_are_the_librarys_answers_with_the_int8_head(model, tmp_path, redis_server):
@@ -46,7 +36,7 @@ def test_replies_are_the_librarys_answers_with_the_int8_head(model, tmp_path, re
         for seed in range(3):
             passages = make_passages(3, seed=seed)
             want = library.generate(QUESTION, passages, DecodingOptions(max_new_tokens=8))
-            reply = stub.Generate(_request(passages, max_new_tokens=8), timeout=60)
+            reply = stub.Generate(generate_request(passages, max_new_tokens=8), timeout=60)
             got = reply.hypotheses[0]
             assert [t.token for t in got.tokens] == want.hypotheses[0].tokens
             assert got.log_prob == pytest.approx(want.hypotheses[0].log_prob, abs=1e-4)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints_kit import tiny_adapter_checkpoint
+from generator_kit import generate_request
 from pydantic import ValidationError
 from torch import nn
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.packed_weights import PackedLinear, packs
-from openbook.v1 import common_pb2, generator_pb2
 from openbook_generator.servicer import GeneratorServicer
 from openbook_generator.settings import GeneratorSettings
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
@@ -28,16 +28,6 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny_causal_lm(tmp_path_factory.mktemp("packed") / "gemma3")
-
-
-def _request(passages, **options) -> generator_pb2.GenerateRequest:
-    return generator_pb2.GenerateRequest(
-        question=QUESTION,
-        passages=[
-            common_pb2.Passage(id=p.id, title=p.title, text=p.text, score=p.score) for p in passages
-        ],
-        options=generator_pb2.DecodingOptions(**options),
-    )
 
 
 def _packed(servicer: GeneratorServicer) -> bool:
@@ -55,7 +45,7 @@ def test_replies_are_bitwise_the_plain_libraries_answers(model, tmp_path, redis_
         for seed in range(3):
             passages = make_passages(3, seed=seed)
             want = library.generate(QUESTION, passages, DecodingOptions(max_new_tokens=8))
-            reply = stub.Generate(_request(passages, max_new_tokens=8), timeout=60)
+            reply = stub.Generate(generate_request(passages, max_new_tokens=8), timeout=60)
             got = reply.hypotheses[0]
             assert [t.token for t in got.tokens] == want.hypotheses[0].tokens
             assert got.log_prob == want.hypotheses[0].log_prob
@@ -79,7 +69,8 @@ def test_a_float32_model_is_packed_only_when_asked(model, tmp_path, redis_server
         model, tmp_path, redis_server.url, dtype="float32", packed_weights="all"
     ) as (_, servicer, stub):
         assert _packed(servicer)
-        reply = stub.Generate(_request(make_passages(3, seed=0), max_new_tokens=8), timeout=60)
+        request = generate_request(make_passages(3, seed=0), max_new_tokens=8)
+        reply = stub.Generate(request, timeout=60)
         assert reply.hypotheses[0].tokens
 
 
