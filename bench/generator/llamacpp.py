@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.generator.drafting import decode_once
     from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
     from openbook.rag.marginalize import doc_log_prior
+    from openbook.rag.packed_weights import Packing
+    from openbook_generator.model_setup import ModelSetup
 
     torch.set_num_threads(args.threads)
     load_before, busy_before = load_average(), busy_processes()
@@ -420,13 +422,14 @@ def main(argv: list[str] | None = None) -> dict:
     def ours_generator(int8_head: bool, packed: bool = True) -> RagGenerator:
         loaded = RagGenerator.load(args.model_dir, device="cpu", dtype=args.dtype)
         loaded._stop_fn = lambda: None  # fixed decode count: no stop strings (EOS: min_new_tokens)
-        # Without it the warm-up, and each side after the first on a request, would reuse the
-        # passages' keys/values where llama.cpp prefills them again.
-        loaded.backend.set_passage_cache(args.passage_cache_mb << 20)
-        if int8_head:  # as the service sets a model up (openbook_generator/model_setup.py)
-            loaded.backend.quantize_head()
-        if packed:
-            loaded.pack_weights()
+        # Set up as the service sets a model up, with its passage cache at --passage-cache-mb
+        # (default 0: otherwise the warm-up, and each side after the first on a request, would
+        # reuse the passages' keys/values where llama.cpp prefills them again).
+        ModelSetup(
+            passage_cache_bytes=args.passage_cache_mb << 20,
+            int8_head=int8_head,
+            packed_weights=Packing.AUTO if packed else Packing.OFF,
+        ).apply(loaded)
         backend = loaded.backend
         backend.encode = timed(backend.encode, "encode")
         backend.prompt_ids = timed(backend.prompt_ids, "tokenize")

@@ -30,19 +30,22 @@ from tqdm import tqdm
 
 from bench.generator.drafting import _requests, decode_once, paired_ratio
 from openbook.rag import DecodingOptions, RagGenerator
-from openbook.rag.packed_weights import Packing
+from openbook.rag.packed_weights import PackedLinear, Packing
 from openbook.types import Passage
+from openbook_generator.model_setup import ModelSetup
 
 
 def _load(args: argparse.Namespace, packed: bool) -> RagGenerator:
     gen = RagGenerator.load(args.model, dtype=args.dtype)
-    if args.adapter:  # merged first, then packed: as the service sets a model up
+    if args.adapter:  # merged first, then set up: as the service loads a model
         gen.apply_adapter(Path(args.adapter), Path(args.model))
-    if packed and not gen.pack_weights(Packing(args.packing)):
+    packing = Packing(args.packing) if packed else Packing.OFF
+    # no passage cache: each side prefills every request (no reuse across sides)
+    ModelSetup(passage_cache_bytes=0, packed_weights=packing).apply(gen)
+    if packed and not any(isinstance(m, PackedLinear) for m in gen.model.modules()):
         raise SystemExit(
             f"{args.model} in {gen.dtype} is not packed under --packing {args.packing}"
         )
-    gen.backend.set_passage_cache(0)  # each side prefills every request (no reuse across sides)
     return gen
 
 
