@@ -13,6 +13,7 @@ import pytest
 
 from openbook.index import build_index
 from openbook.index.spec import BuildOptions, IndexSpec
+from openbook.rag.packed_weights import Packing
 from openbook_testkit.index import FACTS, QUESTIONS, write_facts
 from openbook_testkit.rag import make_tiny_causal_lm
 from openbook_trainer.experiments import trust
@@ -65,6 +66,14 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
                 compare_with="few-shot, dense",
                 lm_head="int8",
             ),
+            trust.ReaderSystem(
+                "few-shot, dense, packed",
+                None,
+                None,
+                "dense",
+                compare_with="few-shot, dense",
+                packing=Packing.ALL,
+            ),
         ],
         index="facts",
         dev_articles=2,
@@ -90,7 +99,7 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     # k-fold: every question of every article measured once, each fold fitted without it
     assert sum(f["questions"] for f in result.fusion_folds) == len(QUESTIONS)
     assert len(result.fusion_folds) == 2
-    dense, hybrid, int8 = (result.readers[s.name] for s in config.systems)
+    dense, hybrid, int8, packed = (result.readers[s.name] for s in config.systems)
     assert "em_vs_baseline" not in dense and "em_vs_baseline" in hybrid
     # compared question by question with the system it names, too
     assert "em_vs_other" not in dense and hybrid["em_vs_other"]["versus"] == "few-shot, dense"
@@ -105,6 +114,9 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     assert any(
         "+int8-rescored-head|" in key for key in ResultLog(config.out / "predictions.jsonl").done
     )
+    # float32 packed: oneDNN's rounding, logged apart; on a tiny model the same answers
+    assert packed["em_vs_other"]["identical"] == 1.0
+    assert any("+packed-all|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
     for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
@@ -248,6 +260,24 @@ def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
     fitted = fit_logistic_calibration([features[i] for i in rest], [rows[i]["em"] for i in rest])
     for i in held:
         assert conf[i] == pytest.approx(calibrate_row(fitted, features[i]), abs=1e-9)
+
+
+def test_packed_float32_weights_are_judged_against_the_shipped_default(tmp_path: Path) -> None:
+    plain = trust.default_systems(tmp_path)
+    systems = trust.default_systems(tmp_path, int8_head=True, packed_all=True)
+    assert systems[: len(plain)] == plain
+    added = systems[-1]
+    assert (added.packing, added.lm_head, added.compare_with) == (
+        Packing.ALL,
+        "model",
+        trust.SHIPPED,
+    )
+    shipped = next(s for s in plain if s.name == trust.SHIPPED)
+    assert (added.generator_adapter, added.query_encoder_adapter, added.retrieval) == (
+        shipped.generator_adapter,
+        shipped.query_encoder_adapter,
+        shipped.retrieval,
+    )
 
 
 def test_the_int8_head_is_judged_against_the_shipped_default(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ TRUST_SECTIONS = {
     "retrain": "Retraining the default's adapter: every training question, hybrid in the loop",
     "default": "The shipped default on every development question",
     "int8-head": "The LM head in int8: the shipped default's answers against its own",
+    "packed-all": "Weights packed in float32: the shipped default's answers against its own",
 }
 # Every section of the report an experiment writes, and its title.
 SECTION_TITLES = {
@@ -267,6 +268,11 @@ def trust(
     int8_head: bool = typer.Option(
         False, help="also the shipped default with its LM head in int8 (OPENBOOK_GENERATOR_LM_HEAD)"
     ),
+    packed_all: bool = typer.Option(
+        False,
+        help="also the shipped default with its float32 weights packed too "
+        "(OPENBOOK_GENERATOR_PACKED_WEIGHTS=all)",
+    ),
     batch_size: int = typer.Option(8, min=1),
     seed: int = typer.Option(0),
     results: Results = Path("docs/results"),
@@ -302,7 +308,9 @@ def trust(
                 "a folder in data/adapters' layout is expected",
                 param_hint="--candidate",
             )
-    systems = default_systems(adapters or default_data_dir() / "adapters", candidate, int8_head)
+    systems = default_systems(
+        adapters or default_data_dir() / "adapters", candidate, int8_head, packed_all
+    )
     if only:
         try:
             systems = [systems[int(i) - 1] for i in only.split(",")]

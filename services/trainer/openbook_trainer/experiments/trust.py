@@ -58,6 +58,7 @@ from openbook.rag.confidence import (
     normalized_texts,
     raw_confidence,
 )
+from openbook.rag.packed_weights import Packing
 from openbook.storage.artifacts import sha256_file
 from openbook.types import Passage
 from openbook_trainer.calibration import fit_logistic, fit_logistic_calibration
@@ -93,18 +94,25 @@ class ReaderSystem:
     compare_with: str | None = None
     # "int8": the generator's LM head in int8, as OPENBOOK_GENERATOR_LM_HEAD=int8 serves it
     lm_head: str = "model"
+    # the generator's weights packed as OPENBOOK_GENERATOR_PACKED_WEIGHTS serves them
+    packing: Packing = Packing.AUTO
 
 
 SHIPPED = "both adapters, hybrid (tuned dense + BM25)"
 
 
 def default_systems(
-    adapters: Path, candidate: Path | None = None, int8_head: bool = False
+    adapters: Path,
+    candidate: Path | None = None,
+    int8_head: bool = False,
+    packed_all: bool = False,
 ) -> list[ReaderSystem]:
     """The shipped default and the systems it is judged against; with ``candidate`` (a folder
     in ``adapters``' layout, e.g. ``openbook experiments retrain``'s export) also that
-    candidate, and with ``int8_head`` the shipped default with its LM head in int8, each
-    compared with the shipped default question by question."""
+    candidate, with ``int8_head`` the shipped default with its LM head in int8, and with
+    ``packed_all`` the shipped default with every linear weight packed (float32 too:
+    ``OPENBOOK_GENERATOR_PACKED_WEIGHTS=all``), each compared with the shipped default question
+    by question."""
     gen = str(adapters / "gemma-3-270m-squad")
     qenc = str(adapters / "minilm-squad-query")
     systems = [
@@ -132,6 +140,17 @@ def default_systems(
                 "hybrid",
                 compare_with=SHIPPED,
                 lm_head="int8",
+            )
+        )
+    if packed_all:
+        systems.append(
+            ReaderSystem(
+                f"{SHIPPED}, weights packed (all)",
+                gen,
+                qenc,
+                "hybrid",
+                compare_with=SHIPPED,
+                packing=Packing.ALL,
             )
         )
     return systems
@@ -332,6 +351,9 @@ def _answer_rows(
         # "rescored": the int8 head scores its near-best tokens again exactly (int8_head.py);
         # answers logged by the int8 product alone are not this head's
         version += f"+{system.lm_head}-rescored-head"
+    if system.packing is not Packing.AUTO:
+        # packing float32 changes the rounding: its answers are logged apart
+        version += f"+packed-{system.packing}"
     keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
     todo = [i for i, key in enumerate(keys) if log.get(key) is None]
     if todo:
@@ -341,7 +363,7 @@ def _answer_rows(
         if system.lm_head == "int8":
             generator.backend.quantize_head()  # after the merge, as the service does
         # then the weights packed as the service packs them (bf16: bitwise the same answers)
-        generator.pack_weights()
+        generator.pack_weights(system.packing)
         encoder = _encoder(system.query_encoder_adapter)
         with tqdm(total=len(keys), initial=len(keys) - len(todo), desc=system.name) as bar:
             for start in range(0, len(todo), config.batch_size):
