@@ -135,6 +135,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "packed weights)",
     )
     ap.add_argument(
+        "--packing",
+        default="auto",
+        choices=["auto", "bf16"],
+        help="ours: which weights are packed for oneDNN at load, as "
+        "OPENBOOK_GENERATOR_PACKED_WEIGHTS says (default auto, the service's: bf16 and float32)",
+    )
+    ap.add_argument(
         "--draft-tokens", type=int, default=8, help="tokens drafted per step by ours-draft"
     )
     ap.add_argument(
@@ -393,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.generator.drafting import decode_once
     from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
     from openbook.rag.marginalize import doc_log_prior
-    from openbook.rag.packed_weights import Packing
+    from openbook.rag.packed_weights import PackedLinear, Packing
     from openbook_generator.model_setup import ModelSetup
 
     torch.set_num_threads(args.threads)
@@ -428,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
         ModelSetup(
             passage_cache_bytes=args.passage_cache_mb << 20,
             int8_head=int8_head,
-            packed_weights=Packing.AUTO if packed else Packing.OFF,
+            packed_weights=Packing(args.packing) if packed else Packing.OFF,
         ).apply(loaded)
         backend = loaded.backend
         backend.encode = timed(backend.encode, "encode")
@@ -600,7 +607,9 @@ def main(argv: list[str] | None = None) -> dict:
     plen = [len(p) for ps in prompts for p in ps]
     lines = [
         "command: python " + " ".join(sys.argv),
-        f"cpu={platform.processor() or platform.machine()} cores={os.cpu_count()} "
+        f"cpu={platform.processor() or platform.machine()} "
+        f"isa={torch.backends.cpu.get_cpu_capability()} "
+        f"onednn-bf16={torch.ops.mkldnn._is_mkldnn_bf16_supported()} cores={os.cpu_count()} "
         f"threads={args.threads} torch={torch.__version__} "
         f"llama-cpp-python={llama_cpp.__version__} numpy={np.__version__}",
         f"model: ours {args.model_dir} ({gen.dtype}, dequantized from the q4_K_M GGUF); "
@@ -625,7 +634,8 @@ def main(argv: list[str] | None = None) -> dict:
         if side in OURS:
             weights = f"{gen.dtype} (from q4_K_M)"
             weights += ", int8 head" if side == "ours, int8 head" else ""
-            weights += ", not packed" if side == "ours, plain weights" else ", packed"
+            packed = any(isinstance(m, PackedLinear) for m in ours_gens[side].model.modules())
+            weights += ", packed" if packed else ", not packed"
         ratio = f"{ours['median_ms'] / s['median_ms']:.2f}x" if ours else "-"
         per_step = f"{s['tokens_per_step']:.2f}" if "tokens_per_step" in s else "1"
         lines.append(

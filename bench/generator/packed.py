@@ -12,9 +12,9 @@ many have the same token ids, the
 largest difference of log p(y|x), ms/request and decode ms/step of each, and the paired ratios
 (plain / packed) with their 95% intervals (the evaluation's paired bootstrap on the log times).
 
-``--dtype float32 --packing all`` packs a float32 model too, as the service does with
-``OPENBOOK_GENERATOR_PACKED_WEIGHTS=all`` (not by default: torch's plain float32 product is
-MKL's, the packed one oneDNN's, another rounding): how much faster, how many answers change.
+``--dtype float32`` packs a float32 model, as the service does by default (``auto``; the
+model's dtype on a CPU without bf16 arithmetic): torch's plain float32 product is MKL's, the
+packed one oneDNN's, another rounding: how much faster, how many answers change.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="as OPENBOOK_GENERATOR_DTYPE")
-    ap.add_argument("--packing", default="auto", choices=["auto", "all"], help="as the setting")
+    ap.add_argument("--packing", default="auto", choices=["auto", "bf16"], help="as the setting")
     ap.add_argument("--index", default="wiki-2018")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--var", default="var")
@@ -91,7 +91,8 @@ def main() -> None:
         same_ids += best["plain"].token_ids == best["packed"].token_ids
         most = max(most, abs(best["plain"].log_prob - best["packed"].log_prob))
     lines = [
-        f"processor: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"processor: {platform.processor() or platform.machine()} "
+        f"({torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
         f"{args.threads} threads",
         f"model {args.model} ({sides['plain'].dtype}{', packing ' + args.packing}), "
         f"{len(reqs)} requests, k={args.k}, greedy RAG-Token, up to {args.max_new_tokens} tokens",

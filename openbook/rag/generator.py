@@ -124,9 +124,9 @@ class RagGenerator:
 
     def pack_weights(self, packing: Packing = Packing.AUTO) -> bool:
         """Serve with the linear weights reordered once for this machine's kernels
-        (:mod:`openbook.rag.packed_weights`, causal models on CPU; by default where the answers
-        stay bitwise the same: bf16); whether they were. Inference only (a merged adapter is
-        packed again)."""
+        (:mod:`openbook.rag.packed_weights`, causal models on CPU: by default bf16, the answers
+        bitwise the same, and float32, to rounding); whether they were. Inference only (a
+        merged adapter is packed again)."""
         return self.backend.pack_weights(packing)
 
     @property
@@ -151,7 +151,7 @@ class RagGenerator:
         packed = self.backend.unpack_weights()  # PEFT merges into nn.Linear modules
         self.backend.model = merged(self.backend.model, adapter_dir)
         if packed:  # as before the merge: it was packed, so its precision is one that packs
-            self.backend.pack_weights(Packing.ALL)
+            self.backend.pack_weights(Packing.AUTO)
         self.refresh()
         if calibration is not None:
             self.calibration = calibration

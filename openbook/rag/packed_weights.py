@@ -1,4 +1,4 @@
-"""Linear weights in oneDNN's blocked layout, reordered once at load: bf16 decoding on CPU.
+"""Linear weights in oneDNN's blocked layout, reordered once at load: decoding on CPU.
 
 Why: torch multiplies bf16 activations by a bf16 ``nn.Linear`` on CPU through oneDNN, which
 first reorders the weight into its own blocked layout, on every call. A decoding step has few
@@ -11,18 +11,20 @@ AVX512-BF16, 2 threads (docs/benchmarks.md, "Weights packed for oneDNN"): Gemma 
 a prefill's 700; a default answer's decoding 1.35x faster, the answer 1.20x.
 
 In bf16 the products are the same kernel without the per-call reorder: **bitwise the same
-results** (tested), so greedy answers, log-probabilities and passage posteriors do not change;
-:attr:`Packing.AUTO` (the default) packs there only. In float32 torch multiplies with another
-library (MKL, slow at a few rows), so packing changes the rounding: :attr:`Packing.ALL` packs
-float32 too, measured 2.2x faster per answer with the same token ids on 150 of 150 requests and
-log p(y|x) within 2.2e-5 (docs/results.md, "Weights packed for oneDNN").
+results** (tested), so greedy answers, log-probabilities and passage posteriors do not change.
+In float32 torch multiplies with another library (MKL, slow at a few rows), so packing changes
+the rounding: oneDNN's product in place of MKL's. It is packed by default too
+(:attr:`Packing.AUTO`), measured worth it where float32 is what is served, a CPU without bf16
+arithmetic (an AMD EPYC with AVX2 only, 2 threads: 1.8x per answer, the same token ids as
+unpacked; docs/results.md, "Weights packed in float32"); :attr:`Packing.BF16` keeps MKL's
+float32 products.
 
 A packed module holds the reordered weight only. A weight another module shares (a tied LM head
 reads the input embedding's matrix) is kept by that module: the head then holds both layouts
-(for Gemma 3 270M, 335 MB more resident, counted in the RSS measured at load). A packed model is
-for inference only (no gradients through ``_linear_pointwise``); :func:`unpack_linears` gives
-the ``nn.Linear`` modules back (a LoRA merge, saving) with the very same weights, re-tied to the
-module they were shared with.
+(for Gemma 3 270M, 335 MB more resident in bf16, 671 MB in float32, counted in the RSS
+measured at load). A packed model is for inference only (no gradients through
+``_linear_pointwise``); :func:`unpack_linears` gives the ``nn.Linear`` modules back (a LoRA
+merge, saving) with the very same weights, re-tied to the module they were shared with.
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ ROWS_HINT = 5
 class Packing(StrEnum):
     """Which models :func:`pack_linears` packs (``OPENBOOK_GENERATOR_PACKED_WEIGHTS``)."""
 
-    AUTO = "auto"  # where the products stay bitwise the same: bf16 on CPU
-    ALL = "all"  # float32 on CPU too: oneDNN's rounding in place of MKL's (module docstring)
+    AUTO = "auto"  # bf16 and float32 on CPU (float32: oneDNN's rounding in place of MKL's)
+    BF16 = "bf16"  # bf16 only: bitwise the products of the model's own modules
     OFF = "off"
 
 
 def packs(model: nn.Module, packing: Packing = Packing.AUTO) -> bool:
     """Whether :func:`pack_linears` packs ``model`` under ``packing``: weights on a CPU where
-    oneDNN runs, in bf16 (where oneDNN computes bf16), or in float32 under :attr:`Packing.ALL`."""
+    oneDNN runs, in bf16 (where oneDNN computes bf16), or in float32 under :attr:`Packing.AUTO`."""
     try:
         weight = next(model.parameters())
     except StopIteration:
@@ -61,7 +63,7 @@ def packs(model: nn.Module, packing: Packing = Packing.AUTO) -> bool:
         return False
     if weight.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return weight.dtype == torch.float32 and packing is Packing.ALL
+    return weight.dtype == torch.float32 and packing is Packing.AUTO
 
 
 class PackedLinear(nn.Module):

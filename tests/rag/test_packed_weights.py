@@ -2,7 +2,7 @@
 bitwise the nn.Linear's; a bf16 causal model decodes exactly the same answers packed (every
 search, drafted or not: ids, log-probabilities, passage posteriors); unpacking gives the same
 weights back, the tied head re-tied to its embedding; an adapter merges into a packed model;
-what does not pack (float32, BART) is left alone."""
+a float32 model packs too, to rounding, unless only bf16 is asked for; BART is left alone."""
 
 from __future__ import annotations
 
@@ -68,18 +68,20 @@ def test_a_linear_with_a_bias_is_left_alone():
         PackedLinear(model[0])
 
 
-def test_float32_weights_are_packed_only_when_asked():
+def test_float32_weights_are_packed_unless_only_bf16_is_asked_for():
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False))
-    assert not packs(model)
-    assert pack_linears(model) == 0
-    assert all(type(m) is nn.Linear for m in model)
+    assert not packs(model, Packing.BF16)
+    assert pack_linears(model, Packing.BF16) == 0
     assert pack_linears(model, Packing.OFF) == 0
+    assert all(type(m) is nn.Linear for m in model)
     if not torch.backends.mkldnn.is_available():
+        assert not packs(model)
         return
     plain = [m.weight.detach().clone() for m in model]
     x = torch.randn(5, 4)
     want = model(x)
-    assert pack_linears(model, Packing.ALL) == 2
+    assert packs(model)
+    assert pack_linears(model) == 2
     # oneDNN's float32 product, not MKL's: the same to float32 rounding, not bitwise
     torch.testing.assert_close(model(x), want)
     assert unpack_linears(model) == 2
@@ -88,12 +90,12 @@ def test_float32_weights_are_packed_only_when_asked():
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_a_float32_model_packed_on_request_decodes_the_same_to_rounding(dirs, kind):
+def test_a_packed_float32_model_decodes_the_same_to_rounding(dirs, kind):
     path = dirs.causal(kind)
     plain = RagGenerator.load(path, device="cpu", dtype="float32")
     packed = RagGenerator.load(path, device="cpu", dtype="float32")
-    assert not packed.pack_weights()  # not by default: the rounding changes
-    assert packed.pack_weights(Packing.ALL)
+    assert not packed.pack_weights(Packing.BF16)  # MKL's float32 products kept
+    assert packed.pack_weights()
     for got, want in zip(_answers(packed), _answers(plain), strict=True):
         for a, b in zip(got.hypotheses, want.hypotheses, strict=True):
             assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)

@@ -67,12 +67,12 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
                 lm_head="int8",
             ),
             trust.ReaderSystem(
-                "few-shot, dense, packed",
+                "few-shot, dense, float32 not packed",
                 None,
                 None,
                 "dense",
                 compare_with="few-shot, dense",
-                packing=Packing.ALL,
+                packing=Packing.BF16,
             ),
         ],
         index="facts",
@@ -99,7 +99,7 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     # k-fold: every question of every article measured once, each fold fitted without it
     assert sum(f["questions"] for f in result.fusion_folds) == len(QUESTIONS)
     assert len(result.fusion_folds) == 2
-    dense, hybrid, int8, packed = (result.readers[s.name] for s in config.systems)
+    dense, hybrid, int8, unpacked = (result.readers[s.name] for s in config.systems)
     assert "em_vs_baseline" not in dense and "em_vs_baseline" in hybrid
     # compared question by question with the system it names, too
     assert "em_vs_other" not in dense and hybrid["em_vs_other"]["versus"] == "few-shot, dense"
@@ -114,9 +114,9 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     assert any(
         "+int8-rescored-head|" in key for key in ResultLog(config.out / "predictions.jsonl").done
     )
-    # float32 packed: oneDNN's rounding, logged apart; on a tiny model the same answers
-    assert packed["em_vs_other"]["identical"] == 1.0
-    assert any("+packed-all|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
+    # float32 not packed: MKL's rounding, logged apart; on a tiny model the same answers
+    assert unpacked["em_vs_other"]["identical"] == 1.0
+    assert any("+packed-bf16|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
     for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
@@ -262,13 +262,13 @@ def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
         assert conf[i] == pytest.approx(calibrate_row(fitted, features[i]), abs=1e-9)
 
 
-def test_packed_float32_weights_are_judged_against_the_shipped_default(tmp_path: Path) -> None:
+def test_unpacked_float32_weights_are_judged_against_the_shipped_default(tmp_path: Path) -> None:
     plain = trust.default_systems(tmp_path)
-    systems = trust.default_systems(tmp_path, int8_head=True, packed_all=True)
+    systems = trust.default_systems(tmp_path, int8_head=True, float32_unpacked=True)
     assert systems[: len(plain)] == plain
     added = systems[-1]
     assert (added.packing, added.lm_head, added.compare_with) == (
-        Packing.ALL,
+        Packing.BF16,
         "model",
         trust.SHIPPED,
     )

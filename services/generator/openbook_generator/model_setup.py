@@ -19,7 +19,7 @@ class ModelSetup:
         cannot have it is refused (``ModelLoadError``, a ``ValueError``).
     packed_weights: which precisions get their linear weights reordered once for this
         machine's kernels (:mod:`openbook.rag.packed_weights`, causal models on CPU; by default
-        where the answers stay bitwise the same: bf16).
+        bf16 and float32).
     """
 
     passage_cache_bytes: int | None = None

@@ -62,11 +62,12 @@ class GeneratorSettings(GrpcServiceSettings):
     # (openbook/rag/backends/int8_head.py, docs/benchmarks.md, docs/results.md).
     lm_head: Literal["model", "int8"] = "model"
     # The linear weights reordered once, at load, for oneDNN's kernels (causal models on CPU;
-    # openbook/rag/packed_weights.py): "auto" where the answers stay bitwise the same (bf16:
-    # decoding ~1.35x faster), "all" float32 too (oneDNN's rounding in place of MKL's: ~2.2x
-    # faster, the same token ids on 150 of 150 measured), "off". A tied LM head then holds its
-    # matrix twice (Gemma 3 270M: 335 MB more resident in bf16).
-    packed_weights: Literal["auto", "all", "off"] = "auto"
+    # openbook/rag/packed_weights.py): "auto" bf16 (the answers bitwise the same: decoding
+    # ~1.35x faster) and float32 (oneDNN's rounding in place of MKL's: ~1.8-2.2x faster per
+    # answer, the same token ids as unpacked on every request measured), "bf16" bf16 only,
+    # "off". A tied LM head then holds its matrix twice (Gemma 3 270M: 335 MB more resident in
+    # bf16, 671 MB in float32).
+    packed_weights: Literal["auto", "bf16", "off"] = "auto"
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
     max_request_s: float = Field(300.0, gt=0)
 

@@ -39,7 +39,7 @@ TRUST_SECTIONS = {
     "retrain": "Retraining the default's adapter: every training question, hybrid in the loop",
     "default": "The shipped default on every development question",
     "int8-head": "The LM head in int8: the shipped default's answers against its own",
-    "packed-all": "Weights packed in float32: the shipped default's answers against its own",
+    "packed-float32": "Weights packed in float32: the shipped default's answers against its own",
 }
 # Every section of the report an experiment writes, and its title.
 SECTION_TITLES = {
@@ -268,10 +268,10 @@ def trust(
     int8_head: bool = typer.Option(
         False, help="also the shipped default with its LM head in int8 (OPENBOOK_GENERATOR_LM_HEAD)"
     ),
-    packed_all: bool = typer.Option(
+    float32_unpacked: bool = typer.Option(
         False,
-        help="also the shipped default with its float32 weights packed too "
-        "(OPENBOOK_GENERATOR_PACKED_WEIGHTS=all)",
+        help="also the shipped default with its float32 weights not packed "
+        "(OPENBOOK_GENERATOR_PACKED_WEIGHTS=bf16)",
     ),
     batch_size: int = typer.Option(8, min=1),
     seed: int = typer.Option(0),
@@ -309,7 +309,7 @@ def trust(
                 param_hint="--candidate",
             )
     systems = default_systems(
-        adapters or default_data_dir() / "adapters", candidate, int8_head, packed_all
+        adapters or default_data_dir() / "adapters", candidate, int8_head, float32_unpacked
     )
     if only:
         try:

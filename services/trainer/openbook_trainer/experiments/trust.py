@@ -105,14 +105,15 @@ def default_systems(
     adapters: Path,
     candidate: Path | None = None,
     int8_head: bool = False,
-    packed_all: bool = False,
+    float32_unpacked: bool = False,
 ) -> list[ReaderSystem]:
     """The shipped default and the systems it is judged against; with ``candidate`` (a folder
     in ``adapters``' layout, e.g. ``openbook experiments retrain``'s export) also that
     candidate, with ``int8_head`` the shipped default with its LM head in int8, and with
-    ``packed_all`` the shipped default with every linear weight packed (float32 too:
-    ``OPENBOOK_GENERATOR_PACKED_WEIGHTS=all``), each compared with the shipped default question
-    by question."""
+    ``float32_unpacked`` the shipped default without its float32 weights packed
+    (``OPENBOOK_GENERATOR_PACKED_WEIGHTS=bf16``: MKL's float32 products, as before packing; the
+    same system where bf16 is served), each compared with the shipped default question by
+    question."""
     gen = str(adapters / "gemma-3-270m-squad")
     qenc = str(adapters / "minilm-squad-query")
     systems = [
@@ -142,15 +143,15 @@ def default_systems(
                 lm_head="int8",
             )
         )
-    if packed_all:
+    if float32_unpacked:
         systems.append(
             ReaderSystem(
-                f"{SHIPPED}, weights packed (all)",
+                f"{SHIPPED}, float32 weights not packed",
                 gen,
                 qenc,
                 "hybrid",
                 compare_with=SHIPPED,
-                packing=Packing.ALL,
+                packing=Packing.BF16,
             )
         )
     return systems
@@ -352,7 +353,7 @@ def _answer_rows(
         # answers logged by the int8 product alone are not this head's
         version += f"+{system.lm_head}-rescored-head"
     if system.packing is not Packing.AUTO:
-        # packing float32 changes the rounding: its answers are logged apart
+        # float32's rounding depends on the packing: its answers are logged apart
         version += f"+packed-{system.packing}"
     keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
     todo = [i for i, key in enumerate(keys) if log.get(key) is None]
