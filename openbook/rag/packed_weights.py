@@ -15,9 +15,9 @@ results** (tested), so greedy answers, log-probabilities and passage posteriors 
 In float32 torch multiplies with another library (MKL, slow at a few rows), so packing changes
 the rounding: oneDNN's product in place of MKL's. It is packed by default too
 (:attr:`Packing.AUTO`), measured worth it where float32 is what is served, a CPU without bf16
-arithmetic (an AMD EPYC with AVX2 only, 2 threads: 1.8x per answer, the same token ids as
-unpacked; docs/results.md, "Weights packed in float32"); :attr:`Packing.BF16` keeps MKL's
-float32 products.
+arithmetic (an AMD EPYC with AVX2 only, 2 threads: 1.375x per answer, decoding 2.07x, the
+same token ids as unpacked; docs/results.md, "Weights packed in float32"); :attr:`Packing.BF16`
+keeps MKL's float32 products.
 
 A packed module holds the reordered weight only. A weight another module shares (a tied LM head
 reads the input embedding's matrix) is kept by that module: the head then holds both layouts
