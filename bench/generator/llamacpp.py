@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.generator.drafting import decode_once
     from openbook.rag import DecodingOptions, GenerationResult, RagGenerator
     from openbook.rag.marginalize import doc_log_prior
-    from openbook.rag.packed_weights import PackedLinear, Packing
+    from openbook.rag.packed_weights import Packing
     from openbook_generator.model_setup import ModelSetup
 
     torch.set_num_threads(args.threads)
@@ -634,8 +634,7 @@ def main(argv: list[str] | None = None) -> dict:
         if side in OURS:
             weights = f"{gen.dtype} (from q4_K_M)"
             weights += ", int8 head" if side == "ours, int8 head" else ""
-            packed = any(isinstance(m, PackedLinear) for m in ours_gens[side].model.modules())
-            weights += ", packed" if packed else ", not packed"
+            weights += ", packed" if ours_gens[side].weights_packed else ", not packed"
         ratio = f"{ours['median_ms'] / s['median_ms']:.2f}x" if ours else "-"
         per_step = f"{s['tokens_per_step']:.2f}" if "tokens_per_step" in s else "1"
         lines.append(

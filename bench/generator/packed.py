@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from bench.generator.drafting import _requests, decode_once, paired_ratio
 from openbook.rag import DecodingOptions, RagGenerator
-from openbook.rag.packed_weights import PackedLinear, Packing
+from openbook.rag.packed_weights import Packing
 from openbook.types import Passage
 from openbook_generator.model_setup import ModelSetup
 
@@ -42,7 +42,7 @@ def _load(args: argparse.Namespace, packed: bool) -> RagGenerator:
     packing = Packing(args.packing) if packed else Packing.OFF
     # no passage cache: each side prefills every request (no reuse across sides)
     ModelSetup(passage_cache_bytes=0, packed_weights=packing).apply(gen)
-    if packed and not any(isinstance(m, PackedLinear) for m in gen.model.modules()):
+    if packed and not gen.weights_packed:
         raise SystemExit(
             f"{args.model} in {gen.dtype} is not packed under --packing {args.packing}"
         )

@@ -27,7 +27,7 @@ from openbook.rag.memory import (
     request_shape,
 )
 from openbook.rag.options import DecodingOptions, GenerationResult
-from openbook.rag.packed_weights import Packing
+from openbook.rag.packed_weights import Packing, is_packed
 from openbook.rag.streaming import OnToken
 from openbook.types import Passage
 from openbook.validation.limits import check_finite
@@ -128,6 +128,11 @@ class RagGenerator:
         bitwise the same, and float32, to rounding); whether they were. Inference only (a
         merged adapter is packed again)."""
         return self.backend.pack_weights(packing)
+
+    @property
+    def weights_packed(self) -> bool:
+        """Whether the model serves with packed linear weights (:meth:`pack_weights`)."""
+        return is_packed(self.backend.model)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -136,6 +136,11 @@ def pack_linears(model: nn.Module, packing: Packing = Packing.AUTO) -> int:
     return replaced
 
 
+def is_packed(model: nn.Module) -> bool:
+    """Whether any of ``model``'s linear layers is a :class:`PackedLinear`."""
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
 def unpack_linears(model: nn.Module) -> int:
     """Give ``model`` back the ``nn.Linear`` modules :func:`pack_linears` replaced; the number
     given back."""

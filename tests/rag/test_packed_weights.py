@@ -168,6 +168,7 @@ def test_an_adapter_merges_into_a_packed_model(dirs, tmp_path):
     plain.apply_adapter(adapter, base)
     packed.apply_adapter(adapter, base)
     assert isinstance(packed.backend.model.get_output_embeddings(), PackedLinear)
+    assert packed.weights_packed and not plain.weights_packed
     options = DecodingOptions(max_new_tokens=8)
     passages = make_passages(3, seed=2)
     for question in QUESTIONS:
@@ -190,4 +191,4 @@ def test_the_int8_head_is_made_from_a_packed_models_plain_head(dirs):
 def test_bart_is_not_packed(dirs):
     gen = RagGenerator.load(dirs.bart(0), device="cpu", dtype="bfloat16")
     assert not gen.pack_weights()
-    assert not any(isinstance(m, PackedLinear) for m in gen.backend.model.modules())
+    assert not gen.weights_packed

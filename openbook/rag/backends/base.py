@@ -98,6 +98,12 @@ class FedLogProbs:
         """Log-probs (N, L, V) a family's forward already produced (no head left to defer)."""
         return cls(log_probs, lambda lp: lp)
 
+    @classmethod
+    def cat(cls, parts: Sequence[FedLogProbs]) -> FedLogProbs:
+        """The rows of ``parts`` (one backend's, so one head) in one, in order: the head then
+        runs once over all of them."""
+        return cls(torch.cat([p._rows for p in parts]), parts[0]._head)
+
     def at(self, position: int, rows: Tensor | None = None) -> Tensor:
         """(n, V) float32: ``position``'s log-probs of ``rows`` (n,) (None: every row)."""
         at = self._rows[:, position]

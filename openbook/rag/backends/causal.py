@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -370,7 +371,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         tails = [ids[h:] for ids, h in zip(prompts, heads, strict=True)]
         groups = _length_groups([len(t) for t in tails])
         parts: list[CausalDecodeState] = []
-        lasts: list[Tensor] = []  # last hidden states, or first log-probs without _own_head
+        lasts: list[FedLogProbs] = []  # after each group's last prompt position
         for group in groups:
             past = self._past([head_kv.get(tuple(prompts[r][: heads[r]])) for r in group])
             ids, kv_pos, pos = self._tail_tensors([tails[r] for r in group], past.kv_pos)
@@ -381,16 +382,9 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
                 past_key_values=past.cache,
                 use_cache=True,
             )
-            if self._own_head:
-                out = self.model.base_model(**inputs)
-                lasts.append(out.last_hidden_state[:, -1])
-            else:
-                # Only the last prompt position predicts an answer token: the LM head over every
-                # position (262k vocabulary x hundreds of positions x k rows) is what used to
-                # exhaust memory.
-                out = self.model(**inputs, logits_to_keep=1)
-                lasts.append(log_softmax(out.logits[:, -1]))
-            parts.append(CausalDecodeState(out.past_key_values, kv_pos))
+            cache, last = self._forward(inputs, last_only=True)
+            lasts.append(last)
+            parts.append(CausalDecodeState(cache, kv_pos))
         # Back to row order in the same copy that joins the groups: group-order row j is row
         # order[j].
         order = [r for group in groups for r in group]
@@ -398,9 +392,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         joined = self.join(parts, dest)
         # One pass of the LM head for every group: on a CPU it is bound by reading its weights
         # (Gemma's 262k x 640), whatever the rows.
-        first = torch.cat(lasts)
-        if self._own_head:
-            first = self._head_log_probs(first)
+        first = FedLogProbs.cat(lasts).at(0)
         if dest is not None:
             first = torch.empty_like(first).index_copy_(0, dest, first)
         return CausalEncoded(len(items), k, first, joined.cache, joined.kv_pos)
@@ -497,13 +489,24 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
             past_key_values=state.cache,
             use_cache=True,
         )
-        if self.defers_head():  # the head only over the positions the search reads
+        state.cache, fed = self._forward(inputs)
+        return fed
+
+    def _forward(
+        self, inputs: dict[str, Any], last_only: bool = False
+    ) -> tuple[Cache, FedLogProbs]:
+        """The model over ``inputs`` -> its cache and the log-probs after every fed position
+        (after the last only, with ``last_only``). Where :meth:`defers_head`, the LM head runs
+        later and only over the positions read; otherwise the model's own logits are kept."""
+        if self.defers_head():
             out = self.model.base_model(**inputs)
-            state.cache = out.past_key_values
-            return FedLogProbs(out.last_hidden_state, self._head_log_probs)
-        out = self.model(**inputs)
-        state.cache = out.past_key_values
-        return FedLogProbs.computed(log_softmax(out.logits))
+            hidden = out.last_hidden_state
+            hidden = hidden[:, -1:] if last_only else hidden
+            return out.past_key_values, FedLogProbs(hidden, self._head_log_probs)
+        # logits_to_keep=1 after a prompt: the LM head over every position (262k vocabulary x
+        # hundreds of positions x k rows) is what used to exhaust memory; 0 keeps them all.
+        out = self.model(**inputs, logits_to_keep=1 if last_only else 0)
+        return out.past_key_values, FedLogProbs.computed(log_softmax(out.logits))
 
     def _head_log_probs(self, hidden: Tensor) -> Tensor:
         return log_softmax(self._head_logits(hidden))
