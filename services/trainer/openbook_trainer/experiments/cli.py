@@ -40,6 +40,7 @@ TRUST_SECTIONS = {
     "default": "The shipped default on every development question",
     "int8-head": "The LM head in int8: the shipped default's answers against its own",
     "packed-float32": "Weights packed in float32: the shipped default's answers against its own",
+    "packed-amx": "Weights packed on AMX: the shipped default's answers against its own",
 }
 # Every section of the report an experiment writes, and its title.
 SECTION_TITLES = {
@@ -268,10 +269,10 @@ def trust(
     int8_head: bool = typer.Option(
         False, help="also the shipped default with its LM head in int8 (OPENBOOK_GENERATOR_LM_HEAD)"
     ),
-    float32_unpacked: bool = typer.Option(
+    unpacked: bool = typer.Option(
         False,
-        help="also the shipped default with its float32 weights not packed "
-        "(OPENBOOK_GENERATOR_PACKED_WEIGHTS=bf16)",
+        help="also the shipped default with its weights not packed "
+        "(OPENBOOK_GENERATOR_PACKED_WEIGHTS=off)",
     ),
     batch_size: int = typer.Option(8, min=1),
     seed: int = typer.Option(0),
@@ -309,7 +310,7 @@ def trust(
                 param_hint="--candidate",
             )
     systems = default_systems(
-        adapters or default_data_dir() / "adapters", candidate, int8_head, float32_unpacked
+        adapters or default_data_dir() / "adapters", candidate, int8_head, unpacked
     )
     if only:
         try:

@@ -105,14 +105,15 @@ def default_systems(
     adapters: Path,
     candidate: Path | None = None,
     int8_head: bool = False,
-    float32_unpacked: bool = False,
+    unpacked: bool = False,
 ) -> list[ReaderSystem]:
     """The shipped default and the systems it is judged against; with ``candidate`` (a folder
     in ``adapters``' layout, e.g. ``openbook experiments retrain``'s export) also that
     candidate, with ``int8_head`` the shipped default with its LM head in int8, and with
-    ``float32_unpacked`` the shipped default without its float32 weights packed
-    (``OPENBOOK_GENERATOR_PACKED_WEIGHTS=bf16``: MKL's float32 products, as before packing; the
-    same system where bf16 is served), each compared with the shipped default question by
+    ``unpacked`` the shipped default with its weights not packed
+    (``OPENBOOK_GENERATOR_PACKED_WEIGHTS=off``: the model's own modules, in bf16 or float32,
+    whichever ``auto`` serves on this CPU; their products round differently on some processors:
+    float32 through MKL, bf16 on AMX), each compared with the shipped default question by
     question."""
     gen = str(adapters / "gemma-3-270m-squad")
     qenc = str(adapters / "minilm-squad-query")
@@ -143,15 +144,15 @@ def default_systems(
                 lm_head="int8",
             )
         )
-    if float32_unpacked:
+    if unpacked:
         systems.append(
             ReaderSystem(
-                f"{SHIPPED}, float32 weights not packed",
+                f"{SHIPPED}, weights not packed",
                 gen,
                 qenc,
                 "hybrid",
                 compare_with=SHIPPED,
-                packing=Packing.BF16,
+                packing=Packing.OFF,
             )
         )
     return systems
@@ -353,7 +354,7 @@ def _answer_rows(
         # answers logged by the int8 product alone are not this head's
         version += f"+{system.lm_head}-rescored-head"
     if system.packing is not Packing.AUTO:
-        # float32's rounding depends on the packing: its answers are logged apart
+        # the rounding depends on the packing (float32; bf16 on AMX): its answers logged apart
         version += f"+packed-{system.packing}"
     keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
     todo = [i for i, key in enumerate(keys) if log.get(key) is None]
@@ -363,7 +364,7 @@ def _answer_rows(
             generator.apply_adapter(Path(system.generator_adapter), Path(config.generator))
         if system.lm_head == "int8":
             generator.backend.quantize_head()  # after the merge, as the service does
-        # then the weights packed as the service packs them (bf16: bitwise the same answers)
+        # then the weights packed as the service packs them
         generator.pack_weights(system.packing)
         encoder = _encoder(system.query_encoder_adapter)
         with tqdm(total=len(keys), initial=len(keys) - len(todo), desc=system.name) as bar:
