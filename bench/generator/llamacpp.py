@@ -477,6 +477,13 @@ def main(argv: list[str] | None = None) -> dict:
     quiet = llama_cpp.llama_log_callback(lambda *a: None)  # referenced until the end
     llama_cpp.llama_log_set(quiet, None)
     llama_cpp.llama_backend_init()
+    if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode():
+        print(
+            "warning: llama.cpp was built with its AMX backend, whose repacked q4_K_M weights "
+            "segfaulted in the first llama_decode on an AMX Xeon (ggml-org/llama.cpp#20824); "
+            "if it crashes, rebuild it without (this script's docstring)",
+            file=sys.stderr,
+        )
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = 0
     model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), mparams)

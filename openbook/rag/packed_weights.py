@@ -10,8 +10,13 @@ AVX512-BF16, 2 threads (docs/benchmarks.md, "Weights packed for oneDNN"): Gemma 
 262,144 x 640 LM head at 5 rows 12.2 -> 8.1 ms, a 2,048 x 640 layer 1.6x at 5 rows and 1.2x at
 a prefill's 700; a default answer's decoding 1.35x faster, the answer 1.20x.
 
-In bf16 the products are the same kernel without the per-call reorder: **bitwise the same
-results** (tested), so greedy answers, log-probabilities and passage posteriors do not change.
+In bf16 on a CPU without AMX the products are the same kernel without the per-call reorder:
+**bitwise the same results** (tested; 200 of 200 real requests on an AMD EPYC with AVX512-BF16),
+so greedy answers, log-probabilities and passage posteriors do not change. With AMX, oneDNN
+runs another kernel for the unpacked weight than for the packed one (another order of
+accumulation): on an Intel Xeon with AMX-BF16, 100 of 200 real requests bitwise the same, 198
+the same token ids, decoding 1.28x faster (docs/benchmarks.md, "On a processor with AMX";
+the development questions in docs/results.md, "Weights packed on AMX").
 In float32 torch multiplies with another library (MKL, slow at a few rows), so packing changes
 the rounding: oneDNN's product in place of MKL's. It is packed by default too
 (:attr:`Packing.AUTO`), measured worth it where float32 is what is served, a CPU without bf16
@@ -46,7 +51,7 @@ class Packing(StrEnum):
     """Which models :func:`pack_linears` packs (``OPENBOOK_GENERATOR_PACKED_WEIGHTS``)."""
 
     AUTO = "auto"  # bf16 and float32 on CPU (float32: oneDNN's rounding in place of MKL's)
-    BF16 = "bf16"  # bf16 only: bitwise the products of the model's own modules
+    BF16 = "bf16"  # bf16 only: float32 keeps MKL's products
     OFF = "off"
 
 
@@ -70,7 +75,8 @@ class PackedLinear(nn.Module):
     """A bias-free ``nn.Linear``'s product, its weight (out, in) reordered once for oneDNN.
 
     forward: x (..., in) -> (..., out): in bf16 bitwise what the ``nn.Linear`` it replaced
-    gives; in float32 oneDNN's product, where the ``nn.Linear``'s is MKL's (another rounding).
+    gives where oneDNN runs the same kernel for both (not on AMX: module docstring); in float32
+    oneDNN's product, where the ``nn.Linear``'s is MKL's (another rounding).
     """
 
     in_features: int

@@ -62,11 +62,11 @@ class GeneratorSettings(GrpcServiceSettings):
     # (openbook/rag/backends/int8_head.py, docs/benchmarks.md, docs/results.md).
     lm_head: Literal["model", "int8"] = "model"
     # The linear weights reordered once, at load, for oneDNN's kernels (causal models on CPU;
-    # openbook/rag/packed_weights.py): "auto" bf16 (the answers bitwise the same: decoding
-    # ~1.35x faster) and float32 (oneDNN's rounding in place of MKL's: ~1.8-2.2x faster per
-    # answer, the same token ids as unpacked on every request measured), "bf16" bf16 only,
-    # "off". A tied LM head then holds its matrix twice (Gemma 3 270M: 335 MB more resident in
-    # bf16, 671 MB in float32).
+    # openbook/rag/packed_weights.py): "auto" bf16 (the answers bitwise the same without AMX,
+    # 198 of 200 the same token ids with AMX: decoding ~1.3x faster) and float32 (oneDNN's
+    # rounding in place of MKL's: 1.4x per answer on a CPU with AVX2 only, the same token ids
+    # as unpacked on every request measured), "bf16" bf16 only, "off". A tied LM head then
+    # holds its matrix twice (Gemma 3 270M: 335 MB more resident in bf16, 671 MB in float32).
     packed_weights: Literal["auto", "bf16", "off"] = "auto"
     # The longest a request is worked on or waits, whatever deadline its caller set (or none).
     max_request_s: float = Field(300.0, gt=0)
