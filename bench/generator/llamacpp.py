@@ -477,7 +477,8 @@ def main(argv: list[str] | None = None) -> dict:
     quiet = llama_cpp.llama_log_callback(lambda *a: None)  # referenced until the end
     llama_cpp.llama_log_set(quiet, None)
     llama_cpp.llama_backend_init()
-    if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode():
+    build = llama_cpp.llama_print_system_info().decode().strip()  # its kernels, for the report
+    if "AMX_INT8 = 1" in build:
         print(
             "warning: llama.cpp was built with its AMX backend, whose repacked q4_K_M weights "
             "segfaulted in the first llama_decode on an AMX Xeon (ggml-org/llama.cpp#20824); "
@@ -632,7 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"new_tokens={args.new_tokens} (fixed) prefix={len(prefix)} tokens (cached once) "
         f"passage prompts={min(plen)}..{max(plen)} tokens (mean {statistics.fmean(plen):.0f})",
         f"llama.cpp: n_ctx={n_ctx} n_batch=n_ubatch={n_batch}, unified KV, logits of last "
-        "tokens only; its build: " + llama_cpp.llama_print_system_info().decode().strip(),
+        f"tokens only; its build: {build}",
         f"noise: other processes used {others_s:.1f} CPU-s during the {t_run:.0f} s run "
         f"({100 * others_s / (t_run * (os.cpu_count() or 1)):.1f}% of the machine); "
         f"load average before {load_before}, after {load_after}; busy processes before: "
