@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Protocol, TypeGuard
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
 from openbook.errors import InternalError
@@ -37,11 +36,12 @@ def _layer_has_data(layer: object) -> TypeGuard[_FilledLayer]:
     return bool(getattr(layer, "is_initialized", False)) and keys is not None and keys.numel() > 0
 
 
-def select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
-    """A new cache whose row ``r`` is row ``rows[r]`` of ``cache`` (which is left untouched)."""
+def select_rows(cache: Cache, rows: torch.Tensor, start: int = 0) -> Cache:
+    """A new cache whose row ``r`` is row ``rows[r]`` of ``cache`` (which is left untouched),
+    from slot ``start`` on (the slots before dropped: padding no row kept attends to)."""
     if isinstance(cache, EncoderDecoderCache):
         both = EncoderDecoderCache(
-            select_rows(cache.self_attention_cache, rows),
+            select_rows(cache.self_attention_cache, rows, start),
             select_rows(cache.cross_attention_cache, rows),
         )
         both.is_updated = dict(cache.is_updated)
@@ -51,11 +51,40 @@ def select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
     for layer in cache.layers:
         new = copy.copy(layer)  # shares ``layer``'s tensors until they are replaced below
         if _layer_has_data(new):
-            idx = rows.to(new.keys.device)
-            new.keys = new.keys.index_select(0, idx)
-            new.values = new.values.index_select(0, idx)
+            _select_into(new, new.keys, new.values, rows.to(new.keys.device), start)
         out.layers.append(new)
     return out
+
+
+def _select_into(
+    layer: _FilledLayer, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, start: int
+) -> None:
+    """``layer`` holds rows ``rows`` of ``keys``/``values`` from slot ``start`` on, copied once
+    into new tensors (with room to grow where the layer grows in place, :func:`_adopt`)."""
+    width = keys.shape[-2] - start
+    new_keys, new_values = _allocate(layer, keys, len(rows), width)
+    torch.index_select(keys[:, :, start:], 0, rows, out=new_keys[:, :, :width])
+    torch.index_select(values[:, :, start:], 0, rows, out=new_values[:, :, :width])
+    _adopt(layer, new_keys, new_values, width)
+
+
+def _allocate(
+    layer: object, like: torch.Tensor, rows: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized keys and values (rows, heads, capacity, d) like ``like``, for ``width``
+    slots: with :data:`GROWTH_SLOTS` to spare where ``layer`` grows in place, so that the next
+    decoding step appends into them instead of copying them again."""
+    spare = GROWTH_SLOTS if isinstance(layer, GrowingLayer) else 0
+    shape = (rows, like.shape[1], width + spare, like.shape[3])
+    return like.new_empty(shape), like.new_empty(shape)
+
+
+def _adopt(layer: _FilledLayer, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+    """``layer`` holds the first ``width`` slots of the buffers ``keys``/``values`` (made by
+    :func:`_allocate`); a :class:`GrowingLayer` appends after them in place."""
+    layer.keys, layer.values = keys[:, :, :width], values[:, :, :width]
+    if isinstance(layer, GrowingLayer):
+        layer._slots = _Slots.over(keys, values, width)
 
 
 def broadcast_rows(cache: Cache, rows: int) -> Cache:
@@ -93,9 +122,7 @@ def reorder_self_attention(cache: Cache, rows: torch.Tensor) -> None:
     target = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
     for layer in target.layers:
         if _layer_has_data(layer):
-            idx = rows.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(0, idx)
-            layer.values = layer.values.index_select(0, idx)
+            _select_into(layer, layer.keys, layer.values, rows.to(layer.keys.device), 0)
 
 
 def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cache:
@@ -125,34 +152,34 @@ def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cach
             if len(parts) != len(caches):
                 raise InternalError(f"join_rows: layer {i} holds keys/values in only some caches")
             width = max(p.keys.shape[-2] for p in parts)
-            if dest is None:
-                new.keys = torch.cat([_pad_left(p.keys, width) for p in parts])
-                new.values = torch.cat([_pad_left(p.values, width) for p in parts])
-            else:
-                new.keys = _scatter_rows([p.keys for p in parts], width, dest)
-                new.values = _scatter_rows([p.values for p in parts], width, dest)
+            rows = sum(p.keys.shape[0] for p in parts)
+            order = (
+                torch.arange(rows, device=parts[0].keys.device)
+                if dest is None
+                else dest.to(parts[0].keys.device)
+            )
+            keys, values = _allocate(new, parts[0].keys, rows, width)
+            _scatter_rows([p.keys for p in parts], keys, width, order)
+            _scatter_rows([p.values for p in parts], values, width, order)
+            _adopt(new, keys, values, width)
         out.layers.append(new)
     return out
 
 
-def _scatter_rows(parts: Sequence[torch.Tensor], width: int, dest: torch.Tensor) -> torch.Tensor:
-    """(rows_i, heads, length_i, d) tensors -> (sum rows_i, heads, width, d): row j of the
-    concatenation at ``dest[j]``, right-aligned, zeros before."""
-    rows = sum(p.shape[0] for p in parts)
-    head = parts[0]
-    out = head.new_zeros((rows, head.shape[1], width, head.shape[3]))
-    dest = dest.to(head.device)
+def _scatter_rows(
+    parts: Sequence[torch.Tensor], out: torch.Tensor, width: int, dest: torch.Tensor
+) -> None:
+    """(rows_i, heads, length_i, d) tensors into the first ``width`` slots of ``out`` (sum
+    rows_i, heads, capacity, d): row j of their concatenation at ``dest[j]``, right-aligned,
+    zeros before."""
     at = 0
     for p in parts:
         n, length = p.shape[0], p.shape[-2]
-        out[:, :, width - length :].index_copy_(0, dest[at : at + n], p)
+        rows = dest[at : at + n]
+        out[:, :, width - length : width].index_copy_(0, rows, p)
+        if length < width:
+            out[:, :, : width - length].index_fill_(0, rows, 0)
         at += n
-    return out
-
-
-def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
-    """(rows, heads, length, d) -> (rows, heads, width, d), zeros first."""
-    return F.pad(t, (0, 0, width - t.shape[-2], 0))
 
 
 def append_slots(cache: Cache, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
@@ -186,25 +213,18 @@ def drop_trailing(cache: Cache, count: int) -> None:
             layer.values = layer.values[:, :, :-count]
 
 
-def drop_leading(cache: Cache, count: int) -> None:
-    """In place: remove the first ``count`` slots (padding no row attends to) of every layer."""
-    if count <= 0:
-        return
-    for layer in cache.layers:
-        if _layer_has_data(layer):
-            layer.keys = layer.keys[:, :, count:]
-            layer.values = layer.values[:, :, count:]
-
-
 class GrowingLayer(DynamicLayer):
     """A :class:`DynamicLayer` that appends into spare capacity instead of concatenating.
 
     transformers' dynamic layer copies its whole keys/values at every update (``torch.cat``), so a
     decoding step copies the cache once more than it reads it. This layer keeps keys/values as
     views of the first ``filled`` slots of a larger buffer (:class:`_Slots`) and writes new slots
-    after them; a full buffer, or keys that are not exactly that view (set by :func:`select_rows`,
-    :func:`join_rows`, :func:`drop_leading`, a beam reorder, or an expanded prefix), are copied
-    into a new buffer with :data:`GROWTH_SLOTS` to spare.
+    after them; a full buffer, or keys that are not exactly that view (an expanded prefix, a
+    drafted step's trimmed view), are copied into a new buffer with :data:`GROWTH_SLOTS` to
+    spare. Rows joining or leaving (:func:`join_rows`, :func:`select_rows`, a beam reorder) are
+    copied once, into such a buffer: at eight clients, copying the joined cache again at the
+    next step was a tenth of the service's time (docs/benchmarks.md, "Rows joining and
+    leaving").
 
     Copies of a layer (``copy.copy``: :func:`share_rows`, forks) share its buffer. Appending in
     place is allowed only to a layer whose view ends at the buffer's ``filled`` mark, and moves
@@ -280,6 +300,13 @@ class _Slots:
         self.filled = held
         # whether a copy of a layer holding these buffers was made (GrowingLayer.__copy__)
         self.shared = False
+
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, filled: int) -> _Slots:
+        """Slots over buffers already holding ``filled`` slots of data (no copy)."""
+        slots = cls.__new__(cls)
+        slots.keys, slots.values, slots.filled, slots.shared = keys, values, filled, False
+        return slots
 
     def appendable(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> bool:
         """Whether ``keys``/``values`` are exactly the filled slots and ``new`` more fit."""

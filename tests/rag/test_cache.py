@@ -99,3 +99,58 @@ def test_join_with_a_destination_equals_join_then_select():
     ours = join_rows(caches, dest)
     for a, b in zip(ours.layers, expected.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _grown(rows: int, length: int, seed: int) -> DynamicCache:
+    """A cache as a running batch holds it: grown, after one decoding step."""
+    cache = _cache(rows, length, seed)
+    growing(cache)
+    for i in range(2):
+        cache.update(*_kv(rows, 1, seed + 50 + i), i)
+    return cache
+
+
+def test_rows_joining_or_leaving_are_copied_once_and_then_grow_in_place():
+    """join_rows, select_rows and a beam reorder write a grown batch into a buffer with room:
+    the next step appends into it (no second copy), and what it holds is what concatenation,
+    left padding with zeros and row selection give."""
+    running, joining = _grown(2, 5, seed=1), _cache(3, 3, seed=2)
+    before = _tensors(running) + _tensors(joining)
+    dest = torch.tensor([4, 0, 2, 1, 3])
+    back = torch.empty_like(dest)
+    back[dest] = torch.arange(5)  # output row j holds input row back[j]
+    for joined, order in (
+        (join_rows([running, joining]), torch.arange(5)),
+        (join_rows([running, joining], dest), back),
+    ):
+        for i, layer in enumerate(joined.layers):
+            padded = torch.cat([torch.zeros(3, 2, 3, 4), joining.layers[i].keys], dim=2)
+            want = torch.cat([running.layers[i].keys, padded])[order]
+            assert type(layer) is GrowingLayer and torch.equal(layer.keys, want)
+            buffer = layer.keys.data_ptr()
+            k, v = _kv(5, 1, 70 + i)
+            out_k, _ = joined.update(k, v, i)
+            assert out_k.data_ptr() == buffer  # appended in place: no copy of the join
+            assert torch.equal(out_k, torch.cat([want, k], dim=2))
+    # the sources are untouched
+    for layer, (k, v) in zip(running.layers + joining.layers, before, strict=True):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+
+    # rows leaving, their leading padding dropped in the same copy
+    kept = select_rows(running, torch.tensor([1]), start=2)
+    for i, layer in enumerate(kept.layers):
+        assert torch.equal(layer.keys, running.layers[i].keys[1:2, :, 2:])
+        assert torch.equal(layer.values, running.layers[i].values[1:2, :, 2:])
+        buffer = layer.keys.data_ptr()
+        out_k, _ = kept.update(*_kv(1, 1, 80 + i), i)
+        assert out_k.data_ptr() == buffer
+
+    # a beam reorder
+    reordered = _grown(3, 4, seed=5)
+    want = [layer.keys[[2, 2, 0]] for layer in reordered.layers]
+    rows_module.reorder_self_attention(reordered, torch.tensor([2, 2, 0]))
+    for i, layer in enumerate(reordered.layers):
+        assert torch.equal(layer.keys, want[i])
+        buffer = layer.keys.data_ptr()
+        out_k, _ = reordered.update(*_kv(3, 1, 90 + i), i)
+        assert out_k.data_ptr() == buffer

@@ -41,7 +41,6 @@ from openbook.rag.backends.int8_head import RESCORE_MARGIN, Int8Head, Int8Produc
 from openbook.rag.cache import (
     append_slots,
     broadcast_rows,
-    drop_leading,
     drop_trailing,
     growing,
     join_rows,
@@ -551,12 +550,10 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         return CausalDecodeState(join_rows([s.cache for s in states], dest), kv_pos)
 
     def keep(self, state: CausalDecodeState, rows: Tensor) -> CausalDecodeState:
-        cache = select_rows(state.cache, rows)
         kv_pos = state.kv_pos[rows]
-        # slots that only the rows which left used: padding for every row left
+        # slots that only the rows which left used: padding for every row left, not copied
         lead = int((kv_pos >= 0).any(dim=0).long().argmax())
-        drop_leading(cache, lead)
-        return CausalDecodeState(cache, kv_pos[:, lead:])
+        return CausalDecodeState(select_rows(state.cache, rows, lead), kv_pos[:, lead:])
 
     def score(
         self,
