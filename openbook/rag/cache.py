@@ -63,9 +63,26 @@ def _select_into(
     into new tensors (with room to grow where the layer grows in place, :func:`_adopt`)."""
     width = keys.shape[-2] - start
     new_keys, new_values = _allocate(layer, keys, len(rows), width)
-    torch.index_select(keys[:, :, start:], 0, rows, out=new_keys[:, :, :width])
-    torch.index_select(values[:, :, start:], 0, rows, out=new_values[:, :, :width])
+    span = _as_span(rows)
+    for source, target in ((keys, new_keys), (values, new_values)):
+        if span is not None:  # a plain copy: about twice as fast as index_select's
+            target[:, :, :width].copy_(source[span, :, start:])
+        else:
+            torch.index_select(source[:, :, start:], 0, rows, out=target[:, :, :width])
     _adopt(layer, new_keys, new_values, width)
+
+
+def _as_span(rows: torch.Tensor) -> slice | None:
+    """``rows`` as a slice where they are consecutive and increasing (rows leaving from either
+    end of a batch), else None."""
+    if len(rows) == 0:
+        return None
+    first = int(rows[0])
+    if int(rows[-1]) - first + 1 != len(rows):
+        return None
+    if len(rows) > 1 and not bool((rows[1:] - rows[:-1] == 1).all()):
+        return None
+    return slice(first, first + len(rows))
 
 
 def _allocate(
@@ -153,11 +170,7 @@ def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cach
                 raise InternalError(f"join_rows: layer {i} holds keys/values in only some caches")
             width = max(p.keys.shape[-2] for p in parts)
             rows = sum(p.keys.shape[0] for p in parts)
-            order = (
-                torch.arange(rows, device=parts[0].keys.device)
-                if dest is None
-                else dest.to(parts[0].keys.device)
-            )
+            order = None if dest is None else dest.to(parts[0].keys.device)
             keys, values = _allocate(new, parts[0].keys, rows, width)
             _scatter_rows([p.keys for p in parts], keys, width, order)
             _scatter_rows([p.values for p in parts], values, width, order)
@@ -167,18 +180,22 @@ def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cach
 
 
 def _scatter_rows(
-    parts: Sequence[torch.Tensor], out: torch.Tensor, width: int, dest: torch.Tensor
+    parts: Sequence[torch.Tensor], out: torch.Tensor, width: int, dest: torch.Tensor | None
 ) -> None:
     """(rows_i, heads, length_i, d) tensors into the first ``width`` slots of ``out`` (sum
-    rows_i, heads, capacity, d): row j of their concatenation at ``dest[j]``, right-aligned,
-    zeros before."""
+    rows_i, heads, capacity, d): row j of their concatenation at ``dest[j]`` (at j without
+    ``dest``, as plain copies), right-aligned, zeros before."""
     at = 0
     for p in parts:
         n, length = p.shape[0], p.shape[-2]
-        rows = dest[at : at + n]
-        out[:, :, width - length : width].index_copy_(0, rows, p)
-        if length < width:
-            out[:, :, : width - length].index_fill_(0, rows, 0)
+        if dest is None:
+            out[at : at + n, :, width - length : width].copy_(p)
+            out[at : at + n, :, : width - length].zero_()
+        else:
+            rows = dest[at : at + n]
+            out[:, :, width - length : width].index_copy_(0, rows, p)
+            if length < width:
+                out[:, :, : width - length].index_fill_(0, rows, 0)
         at += n
 
 

@@ -154,3 +154,15 @@ def test_rows_joining_or_leaving_are_copied_once_and_then_grow_in_place():
         buffer = layer.keys.data_ptr()
         out_k, _ = reordered.update(*_kv(3, 1, 90 + i), i)
         assert out_k.data_ptr() == buffer
+
+
+def test_rows_in_any_order_or_span_are_the_rows_selected():
+    """Consecutive rows (copied as one span) and rows in any other order (index_select) give
+    the same as indexing, from any start slot."""
+    cache = _grown(6, 5, seed=3)
+    for rows in ([1, 2, 3], [0], [5], [4, 1], [0, 2, 3], [3, 3]):
+        for start in (0, 2):
+            picked = select_rows(cache, torch.tensor(rows), start)
+            for layer, source in zip(picked.layers, cache.layers, strict=True):
+                assert torch.equal(layer.keys, source.keys[rows][:, :, start:])
+                assert torch.equal(layer.values, source.values[rows][:, :, start:])
