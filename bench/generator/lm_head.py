@@ -16,6 +16,12 @@ instead would give, through the two paths torch offers on CPU:
   on x86. Without its rescoring of each row's near-best tokens (``margin=None``): how many
   tokens that rescores depends on a real model's hidden states, not random ones; its cost is
   in the end-to-end figures of ``bench/generator/engine.py``.
+- ``onednn``: oneDNN's int8 x int8 product (``torch.ops.onednn.qlinear_pointwise``, the kernel
+  of torch's x86 quantization; AMX-INT8 or VNNI where the processor has them), the hidden
+  states quantized row by row to 8 bits of their largest magnitude (u8, zero point 128) on
+  every call and the product's output multiplied back by it: the product alone, what an int8
+  head on oneDNN could gain at most before any rescoring (docs/benchmarks.md, "oneDNN's int8
+  product").
 - ``packed``: the model's own weights reordered once into oneDNN's blocked layout
   (:class:`~openbook.rag.packed_weights.PackedLinear`, what the service serves bf16 causal models
   with by default): the model's product without its per-call reorder, bitwise the same in bf16
@@ -59,6 +65,26 @@ def _median_ms(fn: Callable[[], object], rounds: int) -> float:
     return statistics.median(times) * 1000
 
 
+def _onednn_product(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    """hidden (N, d) -> (N, V) in ``dtype`` through oneDNN's int8 x int8 product with ``codes``
+    (V, d) int8 and ``scales`` (V,) float32, each row of hidden quantized on its own."""
+    weight = torch.ops.onednn.qlinear_prepack(codes, None)
+    zero_points = torch.zeros(len(scales), dtype=torch.long)
+    out = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+    def product(hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.float()
+        magnitude = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        unsigned = (torch.round(rows * (127 / magnitude)) + 128).to(torch.uint8)
+        logits = torch.ops.onednn.qlinear_pointwise(
+            unsigned, 1 / 127, 128, weight, scales, zero_points,
+            None, 1.0, 0, out, "none", [], "",
+        )  # fmt: skip
+        return logits.mul_(magnitude.to(out)).to(dtype)
+
+    return product
+
+
 def _cpu_flags() -> list[str]:
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
     try:
@@ -98,6 +124,7 @@ def main() -> None:
     plain = torch.nn.Linear(args.width, args.vocab, bias=False, dtype=dtype)
     plain.weight.data = model_weight
     packed_head = PackedLinear(plain)
+    onednn = _onednn_product(packed, scales, dtype)
 
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -110,6 +137,7 @@ def main() -> None:
                 "int8pack": lambda x=x: torch._weight_int8pack_mm(x, packed, row_scales),
                 "dynamic": lambda hidden=hidden: dynamic(hidden),
                 "engine": lambda x=x: engine_head(x),
+                "onednn": lambda x=x: onednn(x),
                 "packed": lambda x=x: packed_head(x),
             }
             ms: dict[str, list[float]] = {name: [] for name in paths}
@@ -132,7 +160,7 @@ def main() -> None:
             f"rows {rows:3d}: model ({args.dtype}) {base:7.1f} ms | "
             + " | ".join(
                 f"{n} {row['ms'][n]:7.1f} ms ({row['speedup'][n]:.2f}x, argmax {agree[n]:.2f})"
-                for n in ("int8pack", "dynamic", "engine", "packed")
+                for n in ("int8pack", "dynamic", "engine", "onednn", "packed")
             )
         )
     report = {
