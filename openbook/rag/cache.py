@@ -239,9 +239,9 @@ class GrowingLayer(DynamicLayer):
     after them; a full buffer, or keys that are not exactly that view (an expanded prefix, a
     drafted step's trimmed view), are copied into a new buffer with :data:`GROWTH_SLOTS` to
     spare. Rows joining or leaving (:func:`join_rows`, :func:`select_rows`, a beam reorder) are
-    copied once, into such a buffer: at eight clients, copying the joined cache again at the
-    next step was a tenth of the service's time (docs/benchmarks.md, "Rows joining and
-    leaving").
+    copied once, into such a buffer, so that the next step appends in place: at eight clients
+    such copies, each made twice, were a fifth of the engine's time (docs/benchmarks.md, "Rows
+    joining and leaving the batch").
 
     Copies of a layer (``copy.copy``: :func:`share_rows`, forks) share its buffer. Appending in
     place is allowed only to a layer whose view ends at the buffer's ``filled`` mark, and moves
