@@ -11,6 +11,7 @@ import torch
 
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag import cache as rows_module
+from openbook.rag.backends.base import log_softmax
 from openbook.rag.losses import rag_sequence_nll, rag_token_nll
 from openbook.types import Passage
 from openbook_testkit.rag import QUESTION, make_passages
@@ -331,3 +332,18 @@ def test_training_logits_cover_the_answer_positions_only(dirs, load):
     assert torch.is_grad_enabled()
     assert seen == [(1, 1, hidden), (4, targets.shape[1], hidden)]
     assert prompt_width > 1 and logits.shape[:2] == (4, targets.shape[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_log_softmax_in_place_is_torchs_own_bit_for_bit(dtype):
+    """The backends' log_softmax normalizes reduced-precision logits in place in their float32
+    copy (openbook/rag/backends/base.py): the same values as torch.log_softmax, for any shape,
+    and the logits themselves untouched."""
+    torch.manual_seed(0)
+    for shape in ((1, 262_144), (5, 1, 1_000), (40, 3_001), (3, 0), (0, 7)):
+        logits = (torch.randn(shape) * 8).to(dtype)
+        before = logits.clone()
+        got = log_softmax(logits)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, torch.log_softmax(logits.float(), dim=-1))
+        assert torch.equal(logits, before)

@@ -318,8 +318,18 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
 
 
 def log_softmax(logits: Tensor) -> Tensor:
-    """float32 log-probabilities over the last axis (logits may be bf16/fp16)."""
-    return torch.log_softmax(logits.float(), dim=-1)
+    """float32 log-probabilities over the last axis (logits may be bf16/fp16).
+
+    On the CPU, reduced-precision logits are widened once and normalized in place in that
+    copy: a step's (rows, V) float32 tensors are tens of MB (42 MB at 40 rows of Gemma 3's
+    vocabulary), past the allocator's threshold, so each is a fresh mapping whose pages fault
+    in; one instead of two took a 40-row step's log-softmax from 41 to 24 ms on the AMX Xeon
+    (docs/benchmarks.md, "Rows joining and leaving the batch"). torch's CPU kernel writes each
+    row after reading it, so in place it gives the same values bit for bit (tested)."""
+    if logits.dtype == torch.float32 or logits.device.type != "cpu":
+        return torch.log_softmax(logits.float(), dim=-1)
+    widened = logits.float()
+    return torch._log_softmax(widened, -1, False, out=widened)
 
 
 def decode_text(
