@@ -347,3 +347,7 @@ def test_log_softmax_in_place_is_torchs_own_bit_for_bit(dtype):
         assert got.dtype == torch.float32
         assert torch.equal(got, torch.log_softmax(logits.float(), dim=-1))
         assert torch.equal(logits, before)
+    # under autograd it stays differentiable (no in-place out= there)
+    logits = torch.randn(2, 50, requires_grad=True)
+    log_softmax(logits.to(dtype))[:, 0].sum().backward()
+    assert logits.grad is not None

@@ -326,8 +326,8 @@ def log_softmax(logits: Tensor) -> Tensor:
     in; one instead of two took a 40-row step's log-softmax from 41 to 24 ms on the AMX Xeon
     (docs/benchmarks.md, "Rows joining and leaving the batch"). torch's CPU kernel writes each
     row after reading it, so in place it gives the same values bit for bit (tested)."""
-    if logits.dtype == torch.float32 or logits.device.type != "cpu":
-        return torch.log_softmax(logits.float(), dim=-1)
+    if logits.dtype == torch.float32 or logits.device.type != "cpu" or logits.requires_grad:
+        return torch.log_softmax(logits.float(), dim=-1)  # (an out= op records no gradient)
     widened = logits.float()
     return torch._log_softmax(widened, -1, False, out=widened)
 
