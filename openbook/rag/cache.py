@@ -48,22 +48,22 @@ def select_rows(cache: Cache, rows: torch.Tensor, start: int = 0) -> Cache:
         return both
     out = copy.copy(cache)
     out.layers = []
+    span = _as_span(rows)  # the same rows for every layer
     for layer in cache.layers:
         new = copy.copy(layer)  # shares ``layer``'s tensors until they are replaced below
         if _layer_has_data(new):
-            _select_into(new, new.keys, new.values, rows.to(new.keys.device), start)
+            _select_into(new, rows.to(new.keys.device), span, start)
         out.layers.append(new)
     return out
 
 
-def _select_into(
-    layer: _FilledLayer, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, start: int
-) -> None:
-    """``layer`` holds rows ``rows`` of ``keys``/``values`` from slot ``start`` on, copied once
-    into new tensors (with room to grow where the layer grows in place, :func:`_adopt`)."""
+def _select_into(layer: _FilledLayer, rows: torch.Tensor, span: slice | None, start: int) -> None:
+    """``layer`` holds rows ``rows`` (``span``: the same as a slice, :func:`_as_span`) of its
+    keys/values from slot ``start`` on, copied once into new tensors (with room to grow where
+    the layer grows in place, :func:`_adopt`)."""
+    keys, values = layer.keys, layer.values
     width = keys.shape[-2] - start
     new_keys, new_values = _allocate(layer, keys, len(rows), width)
-    span = _as_span(rows)
     for source, target in ((keys, new_keys), (values, new_values)):
         if span is not None:  # a plain copy: about twice as fast as index_select's
             target[:, :, :width].copy_(source[span, :, start:])
@@ -137,9 +137,10 @@ def reorder_self_attention(cache: Cache, rows: torch.Tensor) -> None:
     identical, so the encoder-decoder cross-attention cache is deliberately left alone.
     """
     target = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    span = _as_span(rows)
     for layer in target.layers:
         if _layer_has_data(layer):
-            _select_into(layer, layer.keys, layer.values, rows.to(layer.keys.device), 0)
+            _select_into(layer, rows.to(layer.keys.device), span, 0)
 
 
 def join_rows(caches: Sequence[Cache], dest: torch.Tensor | None = None) -> Cache:
