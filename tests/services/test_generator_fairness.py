@@ -126,15 +126,20 @@ def test_work_that_cannot_meet_its_deadline_is_refused_at_once_and_the_rest_fini
 
 def test_refusals_tell_how_long_the_work_ahead_takes(service, slow):
     servicer, stub = service
-    slow(step_s=0.01, step_row_s=0.02)
-    # ~3.6 s of work (40 steps of 4 rows), due within 6 s (planned within 5.1 s)
-    first = stub.Generate.future(_request(4, 40), timeout=6)
+    # Long sleeps per step, so that the model's own compute (which a busy machine stretches:
+    # CI runs two test workers on two cores) is a small part of each step: with 90 ms steps
+    # ~45 ms more per step made the first request overdue and given up before it ended.
+    slow(step_s=0.05, step_row_s=0.05)
+    # ~3 s of work (12 steps of 4 rows at 0.25 s), due within 6 s (planned within 4.8 s,
+    # given up only past 5.4 s)
+    first = stub.Generate.future(_request(4, 12), timeout=6)
     while not servicer.scheduler.running():
         assert not first.done(), first.exception()
         time.sleep(0.01)
-    # the same again: together they would take ~7 s, so the second has to wait ~2 s to fit
+    # the same again: beside the first (8 rows, 0.45 s a step) or after it, it cannot end
+    # within its 4.8 s, so it is refused with the time the work ahead takes
     with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(_request(4, 40), timeout=6)
+        stub.Generate(_request(4, 12), timeout=6)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     retry_after = int(dict(err.value.trailing_metadata())[RETRY_AFTER_TRAILER])
     assert f"retry in {retry_after}s" in err.value.details()
