@@ -20,9 +20,12 @@ beyond the weights, by design of the code paths it describes:
 * **copies**: what the code holds twice for a moment. Joining caches (prefill groups into one
   encoded state, a new request into the running batch) and dropping rows (finished searches)
   build the new cache while the old one is alive, so the encoded and the decoded caches are
-  each counted twice (:data:`CACHE_COPIES`); and in bf16/fp16 the model's own logits and the
-  final soft-capping's temporary exist beside the float32 copies, per decoding row and per
-  scored element (:data:`MODEL_LOGIT_COPIES`).
+  each counted twice (:data:`CACHE_COPIES`), the decoded one with room: a running batch's
+  buffers keep room for rows to join in place, up to
+  :data:`~openbook.rag.cache.SPARE_SHARE` of what its rows take, and a copy made beside them
+  up to :data:`~openbook.rag.cache.ROOM_SHARE`; and in bf16/fp16
+  the model's own logits and the final soft-capping's temporary exist beside the float32
+  copies, per decoding row and per scored element (:data:`MODEL_LOGIT_COPIES`).
 
 Everything is summed (see :meth:`MemoryModel.batch_bytes` for why not the larger of prefill and
 decode).
@@ -36,6 +39,7 @@ Numbers for the default model are in docs/benchmarks.md; ``bench/load --real`` m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +47,7 @@ from typing import TYPE_CHECKING
 from transformers import PreTrainedModel
 
 from openbook.rag import attention
-from openbook.rag.cache import GROWTH_SLOTS
+from openbook.rag.cache import GROWTH_SLOTS, ROOM_SHARE, SPARE_SHARE
 from openbook.rag.options import DecodingOptions
 from openbook.types import Passage
 
@@ -141,7 +145,12 @@ class MemoryModel:
         )
         cross_rows = rows_enc if self.shared_cross else rows_dec
         decoded = (
-            CACHE_COPIES * rows_dec * (context + new + GROWTH_SLOTS) * self.kv_bytes_per_token
+            math.ceil(
+                (CACHE_COPIES + SPARE_SHARE + ROOM_SHARE)
+                * rows_dec
+                * (context + new + GROWTH_SLOTS)
+                * self.kv_bytes_per_token
+            )
             + cross_rows * prompt * self.cross_bytes_per_token
             + rows_dec * self.drafted_logit_positions * self.vocab * logit_bytes
         )

@@ -166,3 +166,93 @@ def test_rows_in_any_order_or_span_are_the_rows_selected():
             for layer, source in zip(picked.layers, cache.layers, strict=True):
                 assert torch.equal(layer.keys, source.keys[rows][:, :, start:])
                 assert torch.equal(layer.values, source.values[rows][:, :, start:])
+
+
+def test_rows_leave_in_place_and_joining_rows_fill_their_room():
+    """keep_in_place moves the rows after a leaving one up inside the buffers and
+    join_in_place writes joining rows into the room left, left-padding the shorter side with
+    zeros: the same keys/values as select_rows and join_rows, in the same buffer, and the next
+    step appends in place."""
+    for kept, start, joining_rows, joining_length in (
+        ([0, 1, 2, 5], 0, 2, 3),  # rows leaving from the middle: a run moves up by 2
+        ([1, 2, 3, 4, 5], 1, 1, 4),  # from the front, a leading slot dropped; a shorter joiner
+        ([0, 1, 2, 3], 0, 2, 6),  # from the end (nothing moves); as long as the batch
+        ([0, 2, 3, 4, 5], 2, 1, 6),  # one row moves; the joiner longer than what is kept
+    ):
+        running = _grown(6, 5, seed=11)  # 6 rows of 6 slots
+        # from a twin: copying a layer marks its buffer as read by another holder
+        want = select_rows(_grown(6, 5, seed=11), torch.tensor(kept), start)
+        buffers = [layer._slots.keys.data_ptr() for layer in running.layers]
+        assert rows_module.keep_in_place(running, torch.tensor(kept), start)
+        for layer, wanted, buffer in zip(running.layers, want.layers, buffers, strict=True):
+            assert torch.equal(layer.keys, wanted.keys)
+            assert torch.equal(layer.values, wanted.values)
+            assert layer._slots.keys.data_ptr() == buffer  # moved inside its own buffer
+        joining = _cache(joining_rows, joining_length, seed=12)
+        want = join_rows([want, joining])
+        assert rows_module.join_in_place(running, joining)
+        for i, (layer, wanted, buffer) in enumerate(
+            zip(running.layers, want.layers, buffers, strict=True)
+        ):
+            assert torch.equal(layer.keys, wanted.keys)  # left padding with zeros included
+            assert torch.equal(layer.values, wanted.values)
+            assert layer._slots.keys.data_ptr() == buffer
+            k, v = _kv(len(kept) + joining_rows, 1, 60 + i)
+            out_k, out_v = running.update(k, v, i)
+            assert out_k.data_ptr() == layer._slots.keys.data_ptr() + (
+                layer._slots.start * out_k.stride(2) * out_k.element_size()
+            )  # appended in place
+            assert torch.equal(out_k, torch.cat([wanted.keys, k], dim=2))
+            assert torch.equal(out_v, torch.cat([wanted.values, v], dim=2))
+
+
+def test_rows_are_copied_where_there_is_no_room_in_place():
+    """Each refusal leaves the cache as it was: rows joining beyond the room, longer than the
+    slots before the kept ones allow, a buffer another holder reads, a buffer that would keep
+    more room than SPARE_SHARE of what is kept, rows not increasing, plain layers."""
+    running = _grown(4, 5, seed=21)
+    assert not rows_module.join_in_place(running, _cache(1, 3, seed=22))  # no room yet
+    assert not rows_module.keep_in_place(running, torch.tensor([0]))  # 4 rows kept for 1
+    assert not rows_module.keep_in_place(running, torch.tensor([2, 1, 3]))
+    before = _tensors(running)
+    assert rows_module.keep_in_place(running, torch.tensor([0, 1, 3]))
+    assert not rows_module.join_in_place(running, _cache(2, 3, seed=23))  # room for 1 row
+    assert not rows_module.join_in_place(running, _cache(1, 7, seed=24))  # 6 slots held
+    kept = [(k[[0, 1, 3]], v[[0, 1, 3]]) for k, v in before]
+    for (k, v), (want_k, want_v) in zip(_tensors(running), kept, strict=True):
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    shared = _grown(4, 5, seed=25)
+    copy.copy(shared.layers[0])  # another holder of layer 0's buffer
+    assert not rows_module.keep_in_place(shared, torch.tensor([0, 1, 2]))
+    assert not rows_module.keep_in_place(_cache(4, 5, seed=26), torch.tensor([0, 1, 2]))
+    assert not rows_module.join_in_place(_cache(4, 5, seed=27), _cache(1, 3, seed=28))
+
+
+def test_a_running_batch_copied_keeps_room_for_rows_to_join():
+    """A running batch (growing layers) joined or selected by copying, or outgrowing its slots,
+    gets buffers with ROOM_ROWS more rows and ROOM_SLOTS more slots before its own: the next
+    request joins in place, even with a longer prompt, within SPARE_SHARE of what it holds;
+    caches that do not grow (a prefill's) are copied exactly."""
+    running, joining = _grown(10, 5, seed=31), _cache(2, 4, seed=32)
+    joined = join_rows([running, joining])
+    slots = joined.layers[0]._slots
+    assert slots.keys.shape[0] == 12 + int(12 * rows_module.ROOM_ROWS)
+    assert slots.start == int(6 * rows_module.ROOM_SLOTS)
+    total = slots.keys.shape[0] * slots.keys.shape[2]
+    assert total <= (1 + rows_module.ROOM_SHARE) * 12 * (slots.keys.shape[2] - slots.start)
+    longer = _cache(2, 6 + slots.start, seed=33)
+    want = join_rows([join_rows([running, joining]), longer])
+    assert rows_module.join_in_place(joined, longer)
+    for layer, wanted in zip(joined.layers, want.layers, strict=True):
+        assert torch.equal(layer.keys, wanted.keys) and torch.equal(layer.values, wanted.values)
+    # outgrowing its slots: the new buffers keep room too
+    for step in range(rows_module.GROWTH_SLOTS + 1):
+        for i in range(2):
+            joined.update(*_kv(14, 1, 100 + 2 * step + i), i)
+    grown = joined.layers[0]._slots
+    assert grown.keys.data_ptr() != slots.keys.data_ptr() and grown.room
+    assert grown.keys.shape[0] == 14 + int(14 * rows_module.ROOM_ROWS)
+    kept = select_rows(joined, torch.tensor([0, 3, 5]))
+    assert kept.layers[0]._slots.room
+    plain = join_rows([_cache(2, 3, seed=34), _cache(2, 3, seed=35)]).layers[0]
+    assert plain.keys.is_contiguous() and plain.keys.shape == (4, 2, 3, 4)

@@ -227,3 +227,43 @@ def test_a_prefilling_request_whose_caller_gave_up_is_dropped(dirs, load):
         out = engine.step()
     assert [tag for tag, _ in out] == ["x"] and isinstance(out[0][1], Abandoned)
     assert len(engine) == 0 and not engine.prefilling
+
+
+@pytest.mark.parametrize("kind", ("llama", "gemma3"))
+def test_rows_leaving_make_room_that_joining_rows_fill_in_place(dirs, load, kind, monkeypatch):
+    """Steady traffic of greedy requests: a request's rows leave in place (the rows after them
+    move up) and the next request's rows are written into the room they left, not the batch
+    copied (openbook/rag/cache.py keep_in_place / join_in_place); every request decodes as it
+    would alone."""
+    from openbook.rag.backends import causal
+
+    taken = {"join_in_place": 0, "keep_in_place": 0}
+    for name in taken:
+
+        def counted(*args, _real=getattr(causal, name), _name=name, **kwargs):
+            done = _real(*args, **kwargs)
+            taken[_name] += done
+            return done
+
+        monkeypatch.setattr(causal, name, counted)
+    gen = _generator(dirs, load, kind)
+    # (arrival step, k, new tokens): short answers leave while long ones decode; the next
+    # arrivals join into their room
+    arrivals = [(0, 2, 3), (0, 4, 12), (0, 3, 12), (4, 2, 3), (8, 2, 3), (9, 1, 2), (12, 3, 4)]
+    requests = [
+        (QUESTION, make_passages(k, seed), DecodingOptions(max_new_tokens=n, min_new_tokens=n))
+        for seed, (_, k, n) in enumerate(arrivals)
+    ]
+    results = {}
+    with torch.inference_mode():
+        engine = gen.engine()
+        step = 0
+        while len(results) < len(requests):
+            for i, (arrives, *_) in enumerate(arrivals):
+                if arrives == step:
+                    engine.add(*requests[i], tag=i)
+            results.update(engine.step())
+            step += 1
+    assert taken["keep_in_place"] >= 2 and taken["join_in_place"] >= 2, taken
+    for i, (q, ps, o) in enumerate(requests):
+        _assert_same(results[i], gen.generate(q, ps, o))

@@ -491,7 +491,7 @@ def _wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.
         time.sleep(0.005)
 
 
-def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, backends):
+def test_one_keys_flood_does_not_take_the_generator_from_another(url, admin, backends, tenants):
     # Key A floods the generator with answers (POST /answer); key B asks once (/v1 chat
     # completions) while A's wait in the generator's line. B's answer is admitted at the next
     # free place (fair share across keys, openbook_generator.policy), not behind A's flood:

@@ -230,12 +230,16 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
     @abstractmethod
     def join(self, states: Sequence[StateT]) -> StateT:
         """One state whose rows are the rows of ``states``, in order (caches left-padded to the
-        longest; padding is masked). Every row decodes exactly as it would in its own state."""
+        longest; padding is masked). Every row decodes exactly as it would in its own state.
+        ``states[0]`` is consumed (the result may be it, grown in place): the caller holds the
+        result only."""
 
     @abstractmethod
     def keep(self, state: StateT, rows: Tensor) -> StateT:
         """The state of rows ``rows`` (ascending) only: the rows of finished searches leave.
-        Whole passage groups (all copies of an encoded row) leave together."""
+        Whole passage groups (all copies of an encoded row) leave together. ``state`` is
+        consumed (the result may be it, its rows moved in place): the caller holds the result
+        only."""
 
     @abstractmethod
     def score(

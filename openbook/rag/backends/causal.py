@@ -43,7 +43,9 @@ from openbook.rag.cache import (
     broadcast_rows,
     drop_trailing,
     growing,
+    join_in_place,
     join_rows,
+    keep_in_place,
     reorder_self_attention,
     select_rows,
     share_rows,
@@ -547,12 +549,18 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         )
         if dest is not None:
             kv_pos = torch.empty_like(kv_pos).index_copy_(0, dest, kv_pos)
+        # a request joining the running batch: written into the room rows that left it kept,
+        # where there is room; else every row is copied into a new batch
+        if len(states) == 2 and dest is None and join_in_place(states[0].cache, states[1].cache):
+            return CausalDecodeState(states[0].cache, kv_pos)
         return CausalDecodeState(join_rows([s.cache for s in states], dest), kv_pos)
 
     def keep(self, state: CausalDecodeState, rows: Tensor) -> CausalDecodeState:
         kv_pos = state.kv_pos[rows]
         # slots that only the rows which left used: padding for every row left, not copied
         lead = int((kv_pos >= 0).any(dim=0).long().argmax())
+        if keep_in_place(state.cache, rows, lead):  # the rows after a leaving one move up
+            return CausalDecodeState(state.cache, kv_pos[:, lead:])
         return CausalDecodeState(select_rows(state.cache, rows, lead), kv_pos[:, lead:])
 
     def score(
