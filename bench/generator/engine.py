@@ -37,7 +37,9 @@ measurement at a level, one unmeasured warm-up burst of c requests.
 
 Output: machine info and one markdown table row per level (baseline and current p50, p99,
 answers/s; p50 ratio = baseline / current, throughput ratio = current / baseline; "same answers":
-requests both trees answered, and how many of those got the same text), ``--json``.
+requests both trees answered, and how many of those got the same text); per level, the
+throughput ratio of each round and their geometric mean with its 95% interval (Student's t over
+the rounds: each round measures both trees back to back, a paired sample), ``--json``.
 Server logs: ``<var>/bench/generator-engine/``. ``--current-tree`` measures another checkout as
 "current"; ``--only`` one tree alone.
 """
@@ -47,10 +49,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -451,6 +455,9 @@ class Sample:
     cpu_s: float = 0.0
     system_s: float = 0.0
     minor_faults: int = 0
+    # (answers, wall seconds) of each round's window: the rounds alternate the trees, so the
+    # ratio of a round's two throughputs is one paired sample of the speed-up
+    rounds: list[tuple[int, float]] = field(default_factory=list)
 
 
 def process_counters(pid: int) -> tuple[float, float, int]:
@@ -530,7 +537,9 @@ def run_window(
         t.start()
     for t in threads:
         t.join()
-    sample.busy_s += time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    sample.busy_s += elapsed
+    sample.rounds.append((sum(1 for _, _, error, _ in results if error is None), elapsed))
     user1, system1, faults1 = process_counters(client.pid)
     sample.cpu_s += (user1 - user0) + (system1 - system0)
     sample.system_s += system1 - system0
@@ -584,6 +593,7 @@ def summarize(sample: Sample) -> dict:
         "p99_ms": ms(percentile(sample.latencies, 99)),
         "mean_ms": ms(sum(sample.latencies) / len(sample.latencies)) if sample.latencies else None,
         "answers_per_s": round(sample.answers / sample.busy_s, 3) if sample.busy_s else None,
+        "answers_per_s_by_round": [round(a / s, 3) if s else None for a, s in sample.rounds],
         "wall_s": round(sample.busy_s, 2),
         "server_cpu_s_per_answer": per_answer(sample.cpu_s, sample.answers, 3),
         "server_system_s_per_answer": per_answer(sample.system_s, sample.answers, 3),
@@ -635,6 +645,10 @@ def measure(args: argparse.Namespace, clients: dict[str, Client]) -> dict:
                     )
     levels = {c: {n: summarize(samples[c][n]) for n in names} for c in args.levels}
     if len(names) == 2:
+        for c in args.levels:
+            levels[c]["throughput_ratio_by_round"] = round_ratios(
+                samples[c]["current"].rounds, samples[c]["baseline"].rounds
+            )
         # Greedy decoding of the same requests: the answers should agree (batching may change
         # float rounding, so a few may not).
         for c in args.levels:
@@ -643,6 +657,32 @@ def measure(args: argparse.Namespace, clients: dict[str, Client]) -> dict:
             same = sum(a[i] == b[i] for i in common)
             levels[c]["same_answers"] = {"same": same, "compared": len(common)}
     return levels
+
+
+def round_ratios(current: list[tuple[int, float]], baseline: list[tuple[int, float]]) -> dict:
+    """The throughput ratio (current / baseline) of each round, and their geometric mean with
+    its 95% interval: Student's t over the rounds' log ratios (the rounds are the paired
+    samples: each measures both trees back to back, in alternating order). No interval from
+    fewer than two rounds."""
+    ratios = [
+        (a / s) / (b / t)
+        for (a, s), (b, t) in zip(current, baseline, strict=True)
+        if a and b and s and t
+    ]
+    out: dict = {"ratios": [round(r, 3) for r in ratios]}
+    if len(ratios) < 2:
+        return out
+    from scipy import stats
+
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.mean(logs)
+    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    out.update(
+        mean=round(math.exp(mean), 3),
+        low=round(math.exp(mean - half), 3),
+        high=round(math.exp(mean + half), 3),
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -747,6 +787,17 @@ def report(result: dict) -> str:
             f"| {b.get('answers', '-')}/{k.get('answers', '-')} "
             f"| {b.get('errors', '-')}/{k.get('errors', '-')} | {same_cell} |"
         )
+    for c, row in result["levels"].items():
+        by_round = row.get("throughput_ratio_by_round")
+        if by_round and by_round.get("ratios"):
+            each = ", ".join(f"{r:.2f}x" for r in by_round["ratios"])
+            line = f"\n{c} client(s), throughput ratio (cur/base) by round: {each}"
+            if "mean" in by_round:
+                line += (
+                    f"; geometric mean {by_round['mean']:.2f}x "
+                    f"[{by_round['low']:.2f}, {by_round['high']:.2f}] (95%, t over the rounds)"
+                )
+            lines.append(line)
     lines += [
         "",
         "The server's own work per answer (/proc: CPU seconds, of them system, minor page "
