@@ -270,17 +270,16 @@ def keep_in_place(cache: Cache, rows: torch.Tensor, start: int = 0) -> bool:
         held = _held_slots(layer)
         if held is None or held[1].shared:
             return False
-        slots = held[1]
+        layer, slots = held
         capacity_rows, capacity_slots = slots.keys.shape[0], slots.keys.shape[2]
         first = slots.start + start
         if capacity_rows * capacity_slots > (1 + SPARE_SHARE) * len(kept) * (
             capacity_slots - first
         ):
             return False
-        layers.append(held)
+        layers.append((layer, slots, first))
     moves = _row_moves(kept)
-    for layer, slots in layers:
-        first = slots.start + start
+    for layer, slots, first in layers:
         span = slice(first, slots.filled)
         for buffer in (slots.keys, slots.values):
             for target, source in moves:
@@ -448,7 +447,7 @@ class _Slots:
         """Uninitialized buffers like ``like`` (·, heads, ·, d) whose view is ``rows`` rows of
         ``width`` slots (to be filled), with ``spare`` slots after it and, with ``room``,
         :data:`ROOM_ROWS` more rows and :data:`ROOM_SLOTS` more slots before it: at most
-        :data:`SPARE_SHARE` more than its rows need."""
+        :data:`ROOM_SHARE` more than its rows need."""
         extra_rows = int(rows * ROOM_ROWS) if room else 0
         before = int(width * ROOM_SLOTS) if room else 0
         shape = (rows + extra_rows, like.shape[1], before + width + spare, like.shape[3])

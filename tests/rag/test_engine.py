@@ -51,22 +51,16 @@ def _assert_same(got, alone):
                 assert x == pytest.approx(y, abs=1e-4)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("growth_slots", (1, rows_module.GROWTH_SLOTS))
-def test_requests_joining_mid_decode_decode_as_if_alone(
-    dirs, load, kind, growth_slots, monkeypatch
-):
-    """Also with a cache that outgrows its spare slots every other step (growth_slots=1)."""
-    monkeypatch.setattr(rows_module, "GROWTH_SLOTS", growth_slots)
-    gen = _generator(dirs, load, kind)
-    requests = [(q, make_passages(k, seed), o) for seed, (_, q, k, o) in enumerate(ARRIVALS)]
-    results = {}
+def _decode_schedule(gen, arrivals: list[int], requests: list) -> tuple[dict, list[int]]:
+    """``requests`` (question, passages, options) through one engine, request i added before
+    step ``arrivals[i]``: their outcomes by index, and the batch's rows after every step."""
+    results: dict = {}
     rows_per_step = []
     with torch.inference_mode():
         engine = gen.engine()
         step = 0
         while len(results) < len(requests):
-            for i, (arrives, *_) in enumerate(ARRIVALS):
+            for i, arrives in enumerate(arrivals):
                 if arrives == step:
                     q, ps, o = requests[i]
                     assert engine.accepts(len(ps) * o.num_beams)
@@ -76,6 +70,19 @@ def test_requests_joining_mid_decode_decode_as_if_alone(
                 results[tag] = outcome
             rows_per_step.append(engine.rows)
             step += 1
+    return results, rows_per_step
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("growth_slots", (1, rows_module.GROWTH_SLOTS))
+def test_requests_joining_mid_decode_decode_as_if_alone(
+    dirs, load, kind, growth_slots, monkeypatch
+):
+    """Also with a cache that outgrows its spare slots every other step (growth_slots=1)."""
+    monkeypatch.setattr(rows_module, "GROWTH_SLOTS", growth_slots)
+    gen = _generator(dirs, load, kind)
+    requests = [(q, make_passages(k, seed), o) for seed, (_, q, k, o) in enumerate(ARRIVALS)]
+    results, rows_per_step = _decode_schedule(gen, [a for a, *_ in ARRIVALS], requests)
     # requests really overlapped: later ones joined while earlier ones were decoding
     assert max(rows_per_step) > max(len(ps) * o.num_beams for _, ps, o in requests)
     for i, (q, ps, o) in enumerate(requests):
@@ -254,16 +261,7 @@ def test_rows_leaving_make_room_that_joining_rows_fill_in_place(dirs, load, kind
         (QUESTION, make_passages(k, seed), DecodingOptions(max_new_tokens=n, min_new_tokens=n))
         for seed, (_, k, n) in enumerate(arrivals)
     ]
-    results = {}
-    with torch.inference_mode():
-        engine = gen.engine()
-        step = 0
-        while len(results) < len(requests):
-            for i, (arrives, *_) in enumerate(arrivals):
-                if arrives == step:
-                    engine.add(*requests[i], tag=i)
-            results.update(engine.step())
-            step += 1
+    results, _ = _decode_schedule(gen, [a for a, *_ in arrivals], requests)
     assert taken["keep_in_place"] >= 2 and taken["join_in_place"] >= 2, taken
     for i, (q, ps, o) in enumerate(requests):
         _assert_same(results[i], gen.generate(q, ps, o))
