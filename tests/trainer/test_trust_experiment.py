@@ -111,12 +111,16 @@ def test_trust_measures_and_resumes(tmp_path: Path, monkeypatch) -> None:
         for a, b in zip(rows["few-shot, dense, int8 head"], rows["few-shot, dense"], strict=True)
     )
     assert int8["em_vs_other"]["identical"] == same / result.questions
+    # (and every answer of this forced precision logged apart from what auto would serve)
     assert any(
-        "+int8-rescored-head|" in key for key in ResultLog(config.out / "predictions.jsonl").done
+        "+int8-rescored-head+float32|" in key
+        for key in ResultLog(config.out / "predictions.jsonl").done
     )
     # not packed: the model's own products, logged apart; on a tiny model the same answers
     assert unpacked["em_vs_other"]["identical"] == 1.0
-    assert any("+packed-off|" in key for key in ResultLog(config.out / "predictions.jsonl").done)
+    assert any(
+        "+packed-off+float32|" in key for key in ResultLog(config.out / "predictions.jsonl").done
+    )
     for m in (dense, hybrid, dense["calibrated"], hybrid["calibrated"]):
         assert 0 <= m["ece"] <= 1
         assert set(m["em_at_coverage"]) == {"1.0", "0.8", "0.6", "0.5"}
@@ -198,6 +202,17 @@ def test_a_candidate_without_adapters_is_refused_before_any_work(tmp_path: Path)
     words = "".join(c for c in res.output if c.isalnum() or c in "-:")
     assert "--candidate" in words and "noadapterminilm-squad-query" in words
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_an_unknown_precision_is_refused_before_any_work(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from openbook_trainer.experiments.cli import app
+
+    res = CliRunner().invoke(app, ["trust", "--dtype", "fp8", "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "--dtype" in res.output and "float32" in res.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_decoder_signals_of_a_logged_answer() -> None:

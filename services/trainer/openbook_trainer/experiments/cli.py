@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from openbook.config.settings import PRECISIONS
 from openbook_trainer.demo.data import default_data_dir
 from openbook_trainer.experiments.hot_swap import markdown as hot_swap_markdown
 from openbook_trainer.experiments.hot_swap import run_hot_swap
@@ -41,6 +42,8 @@ TRUST_SECTIONS = {
     "int8-head": "The LM head in int8: the shipped default's answers against its own",
     "packed-float32": "Weights packed in float32: the shipped default's answers against its own",
     "packed-amx": "Weights packed on AMX: the shipped default's answers against its own",
+    "int8-head-float32": "The LM head in int8 in float32: the shipped default's answers against "
+    "its own",
 }
 # Every section of the report an experiment writes, and its title.
 SECTION_TITLES = {
@@ -49,6 +52,13 @@ SECTION_TITLES = {
     "finetune": "Fine-tuning the default on unseen articles (paper §2.4)",
     **TRUST_SECTIONS,
 }
+
+
+def _precision(dtype: str) -> str:
+    """``--dtype`` as the generator's settings spell it, or a usage error naming the option."""
+    if dtype not in PRECISIONS:
+        raise typer.BadParameter(f"one of {', '.join(PRECISIONS)}", param_hint="--dtype")
+    return PRECISIONS[dtype]
 
 
 @contextmanager
@@ -276,6 +286,11 @@ def trust(
     ),
     batch_size: int = typer.Option(8, min=1),
     seed: int = typer.Option(0),
+    dtype: str = typer.Option(
+        "auto",
+        help="the generator's precision, as OPENBOOK_GENERATOR_DTYPE: auto (what this CPU "
+        "serves), float32, bfloat16, float16",
+    ),
     results: Results = Path("docs/results"),
     report: Report = Path("docs/results.md"),
     section: str = typer.Option(
@@ -328,6 +343,7 @@ def trust(
         folds=folds,
         batch_size=batch_size,
         seed=seed,
+        dtype=_precision(dtype),
     )
     with _exits_on("trust", ValueError, OSError):
         result, rows = run_trust(config, readers=readers)

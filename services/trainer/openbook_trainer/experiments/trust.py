@@ -356,6 +356,9 @@ def _answer_rows(
     if system.packing is not Packing.AUTO:
         # the rounding depends on the packing (float32; bf16 on AMX): its answers logged apart
         version += f"+packed-{system.packing}"
+    if config.dtype != "auto":
+        # a forced precision rounds otherwise than what auto serves here: logged apart
+        version += f"+{config.dtype}"
     keys = [f"{system.name}|{version}|{q['id']}" for q in dev]
     todo = [i for i, key in enumerate(keys) if log.get(key) is None]
     if todo:
