@@ -4,6 +4,8 @@ the batch the step their search ends."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -265,3 +267,82 @@ def test_rows_leaving_make_room_that_joining_rows_fill_in_place(dirs, load, kind
     assert taken["keep_in_place"] >= 2 and taken["join_in_place"] >= 2, taken
     for i, (q, ps, o) in enumerate(requests):
         _assert_same(results[i], gen.generate(q, ps, o))
+
+
+# Questions of several lengths: a joining prompt longer than the batch's takes slots before it.
+_QUESTIONS = (
+    QUESTION,
+    "Why?",
+    "Who wrote Hamlet?",
+    "In what year did the long and winding river first flood the old town by the sea?",
+)
+_OPTIONS = (
+    TOKEN_GREEDY,
+    LONG_GREEDY,
+    DecodingOptions(max_new_tokens=2),
+    TOKEN_BEAM,
+    FAST,
+    SEQ_GREEDY,
+    DecodingOptions(mode="rag-sequence-fast", max_new_tokens=7, min_new_tokens=7),
+)
+
+
+@pytest.mark.parametrize("kind", ("llama", "gemma3"))
+@pytest.mark.parametrize("seed", range(6))
+def test_random_schedules_decode_as_if_alone(dirs, load, kind, seed, monkeypatch):
+    """Seeded random traffic, as the service drives the engine: requests of any mode, k,
+    length and question arrive at random steps, some prefilled in chunks between steps, some
+    waiting until the batch has room (``accepts``), some given up by their caller mid-decode;
+    drafting on for some seeds; half the seeds
+    with room enough that most joins and leaves happen in place (cache.py). Every request
+    decodes as it would alone (seeds 0-299 of both families passed when this was written)."""
+    rnd = random.Random(seed)
+    if seed % 2:
+        monkeypatch.setattr(rows_module, "ROOM_ROWS", 1.0)
+        monkeypatch.setattr(rows_module, "ROOM_SLOTS", 0.5)
+        monkeypatch.setattr(rows_module, "SPARE_SHARE", 3.0)
+    gen = _generator(dirs, load, kind)
+    n = rnd.randint(5, 10)
+    arrivals = sorted(rnd.randint(0, 12) for _ in range(n))
+    requests = [
+        (rnd.choice(_QUESTIONS), make_passages(rnd.randint(1, 5), rnd.randint(0, 99)), o)
+        for o in (rnd.choice(_OPTIONS) for _ in range(n))
+    ]
+    chunks = [rnd.choice((None, None, 1, 2)) for _ in range(n)]
+    # a caller that gives up at a random step (None: never): its rows leave mid-batch
+    gives_up = [rnd.choice((None,) * 5 + (rnd.randint(0, 16),)) for _ in range(n)]
+    gen.set_draft_tokens(rnd.choice((0, 0, 2, 4)))
+    try:
+        results: dict = {}
+        waiting: list[int] = []
+        with torch.inference_mode():
+            engine = gen.engine(max_rows=rnd.choice((12, 40)))
+            step = 0
+            clock = {"step": step}  # what a caller's gave_up reads
+            while len(results) < n:
+                waiting += [i for i, arrives in enumerate(arrivals) if arrives == step]
+                while waiting:
+                    _, ps, o = requests[waiting[0]]
+                    if not engine.accepts(len(ps) * o.rows_per_passage):
+                        break
+                    i = waiting.pop(0)
+                    q, ps, o = requests[i]
+                    gave_up = None
+                    if gives_up[i] is not None:
+                        gave_up = lambda at=gives_up[i]: clock["step"] >= at  # noqa: E731
+                    engine.add(q, ps, o, tag=i, chunk_passages=chunks[i], gave_up=gave_up)
+                for request in engine.prefilling[:1]:  # one chunk between two steps
+                    engine.prefill(request)
+                for tag, outcome in engine.step():
+                    assert tag not in results
+                    results[tag] = outcome
+                step += 1
+                clock["step"] = step
+                assert step < 500, "the schedule did not drain"
+        for i, (q, ps, o) in enumerate(requests):
+            if isinstance(results[i], Abandoned):
+                assert gives_up[i] is not None
+                continue
+            _assert_same(results[i], gen.generate(q, ps, o))
+    finally:
+        gen.set_draft_tokens(0)
