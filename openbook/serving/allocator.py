@@ -18,9 +18,10 @@ Two settings give it back, and one keeps the common answer fast:
   reuse freed arena pages instead of faulting fresh pages in on every step — the fixed 256 KiB
   of before cost a fifth of a single answer's latency and half the 8-client throughput
   (docs/benchmarks.md, "The allocator's toll"). Once a large request runs it is
-  :data:`LARGE_WORK_THRESHOLD` (256 KiB): a large request's tensors are unmapped as they are
-  freed, which also lowered a k=100 request's peak by 1.4 GB (freed arena pages were not reused
-  across arenas and sizes);
+  :data:`LARGE_WORK_THRESHOLD` (2 MiB): a large request's large tensors (its caches, prefill
+  activations, logits) are unmapped as they are freed, which also lowered a k=100 request's
+  peak by 1.4 GB (freed arena pages were not reused across arenas and sizes), while a decoding
+  step's per-layer tensors stay in the arenas;
 * :func:`release` (``malloc_trim(0)``): returns the free pages of every arena, what the smaller
   blocks left; :class:`MemoryReleaser` calls it once the generator has stayed idle for
   :data:`IDLE_RELEASE_AFTER_S`, before the threshold drops for a large request, and under a load
@@ -53,13 +54,17 @@ from functools import cache
 log = logging.getLogger(__name__)
 
 # While a large request runs, blocks from this size up get a mapping of their own: large enough
-# that the many small blocks of Python and the tokenizers stay in the arenas, small enough that
-# every tensor of a batch (one layer's keys/values of one row of Gemma 3 270M: 18 KiB per token)
-# that outlives a step is unmapped when freed. 1 MiB kept 0.5 GB more resident after a crowd of
-# k=20 requests than this, at the same peaks. The cost: freed tensors' pages are faulted in
-# again when the next ones are allocated (4x the minor page faults of glibc's default on a k=30
-# request), a toll on every decoding step that only large work is made to pay.
-LARGE_WORK_THRESHOLD = 256 * 2**10
+# that a decoding step's per-layer tensors (a layer's activations at 80 rows: 80 x 2,048 x 2
+# bytes, 320 KiB) stay in the arenas, small enough that the tensors of a batch that outlive a
+# step (one layer's keys/values of one row of Gemma 3 270M: 18 KiB per token, so 2 MiB past
+# ~115 tokens) and a prefill's activations are unmapped when freed. At 256 KiB (until
+# 2026-12-01) those per-layer tensors were mapped and faulted in again on every layer of every
+# step: eight clients asking k=10 (estimated ~855 MiB each, so large) spent a third of the
+# generator's CPU in the kernel (1.2 s per answer, 640,000 minor faults); at 2 MiB 0.27 s and
+# 125,000, and 1.60x the answers per second (docs/benchmarks.md, "Large work's threshold at
+# 2 MiB"). (1 MiB had kept 0.5 GB more resident than 256 KiB after a crowd of k=20 requests, at
+# the same peaks: what the idle release gives back.)
+LARGE_WORK_THRESHOLD = 2 * 2**20
 # While only small requests run: glibc's own ceiling for its raised threshold (64-bit), so the
 # step's tensors (a k=5 step's float32 logits: 5 MiB) come from arena pages already resident.
 SMALL_WORK_THRESHOLD = 32 * 2**20
