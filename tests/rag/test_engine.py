@@ -293,9 +293,9 @@ def test_random_schedules_decode_as_if_alone(dirs, load, kind, seed, monkeypatch
     """Seeded random traffic, as the service drives the engine: requests of any mode, k,
     length and question arrive at random steps, some prefilled in chunks between steps, some
     waiting until the batch has room (``accepts``), some given up by their caller mid-decode;
-    drafting on for some seeds; half the seeds
-    with room enough that most joins and leaves happen in place (cache.py). Every request
-    decodes as it would alone (seeds 0-299 of both families passed when this was written)."""
+    drafting on for some seeds; half the seeds with room enough that most joins and leaves
+    happen in place (cache.py). Every request decodes as it would alone (seeds 0-299 of both
+    families passed when this was written)."""
     rnd = random.Random(seed)
     if seed % 2:
         monkeypatch.setattr(rows_module, "ROOM_ROWS", 1.0)
@@ -322,11 +322,11 @@ def test_random_schedules_decode_as_if_alone(dirs, load, kind, seed, monkeypatch
             while len(results) < n:
                 waiting += [i for i, arrives in enumerate(arrivals) if arrives == step]
                 while waiting:
-                    _, ps, o = requests[waiting[0]]
+                    i = waiting[0]
+                    q, ps, o = requests[i]
                     if not engine.accepts(len(ps) * o.rows_per_passage):
                         break
-                    i = waiting.pop(0)
-                    q, ps, o = requests[i]
+                    waiting.pop(0)
                     gave_up = None
                     if gives_up[i] is not None:
                         gave_up = lambda at=gives_up[i]: clock["step"] >= at  # noqa: E731
