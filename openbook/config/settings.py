@@ -52,15 +52,6 @@ PRECISIONS = {
 }
 
 
-def precision(value: str) -> str:
-    """``value`` (any spelling of :data:`PRECISIONS`, any case; empty: auto) as the torch dtype
-    name it stands for; ValueError naming the choices where it is none."""
-    name = value.strip().lower() or "auto"
-    if name not in PRECISIONS:
-        raise ValueError(f"{value!r} is not a precision: use auto, float32, bfloat16 or float16")
-    return PRECISIONS[name]
-
-
 class CommonSettings(BaseSettings):
     # populate_by_name: code and tests construct settings by field name, the environment by
     # variable name.
