@@ -19,6 +19,7 @@ from pydantic import BeforeValidator, Field, PrivateAttr, SecretStr, model_valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from openbook.config import redis_endpoint
+from openbook.errors import InvalidArgument
 from openbook.security.sealing import load_sealer
 from openbook.security.secrets import read_secret
 
@@ -50,6 +51,17 @@ PRECISIONS = {
     **dict.fromkeys(("bfloat16", "bf16"), "bfloat16"),
     **dict.fromkeys(("float16", "fp16", "half"), "float16"),
 }
+
+
+def precision(value: str) -> str:
+    """``value`` (any spelling of :data:`PRECISIONS`, any case; empty: auto) as the torch dtype
+    name it stands for; InvalidArgument (a ValueError) naming the choices where it is none."""
+    name = value.strip().lower() or "auto"
+    if name not in PRECISIONS:
+        raise InvalidArgument(
+            f"{value!r} is not a precision: use auto, float32, bfloat16 or float16"
+        )
+    return PRECISIONS[name]
 
 
 class CommonSettings(BaseSettings):

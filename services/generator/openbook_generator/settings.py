@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from openbook.config.settings import PRECISIONS, GrpcServiceSettings, OptionalPath
+from openbook.config.settings import GrpcServiceSettings, OptionalPath, precision
 
 
 class GeneratorSettings(GrpcServiceSettings):
@@ -76,10 +76,7 @@ class GeneratorSettings(GrpcServiceSettings):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        name = value.strip().lower() or "auto"
-        if name not in PRECISIONS:
-            raise ValueError(
-                f"OPENBOOK_GENERATOR_DTYPE={value!r} is not a precision: use auto, float32, "
-                "bfloat16 or float16"
-            )
-        return PRECISIONS[name]
+        try:
+            return precision(value)
+        except ValueError as e:
+            raise ValueError(f"OPENBOOK_GENERATOR_DTYPE={e}") from None

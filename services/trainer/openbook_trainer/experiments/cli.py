@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from openbook.config.settings import PRECISIONS
+from openbook.config.settings import precision
 from openbook_trainer.demo.data import default_data_dir
 from openbook_trainer.experiments.hot_swap import markdown as hot_swap_markdown
 from openbook_trainer.experiments.hot_swap import run_hot_swap
@@ -56,9 +56,10 @@ SECTION_TITLES = {
 
 def _precision(dtype: str) -> str:
     """``--dtype`` as the generator's settings spell it, or a usage error naming the option."""
-    if dtype not in PRECISIONS:
-        raise typer.BadParameter(f"one of {', '.join(PRECISIONS)}", param_hint="--dtype")
-    return PRECISIONS[dtype]
+    try:
+        return precision(dtype)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--dtype") from None
 
 
 @contextmanager
