@@ -21,13 +21,14 @@ Shapes (``--shapes``), models random and built locally (nothing is downloaded), 
   answers 3 words, so the generator reads ~115 tokens per (question, passage) row and is
   teacher-forced on ~5.
 
-Step time is read from the run itself without touching the trainer: the trainer appends one
-row to ``OUT/train_log.jsonl`` after every optimizer step, and this script timestamps each row
-as it appears (polled every 10 ms). ``s/step`` is the median of the intervals between rows
-(steps 2..S; the JSON also has the mean, (t[S] - t[1]) / (S - 1)): it leaves out start-up, the
-first step (lazy allocations: Adam moments, DDP buckets) and the checkpoint written at the end,
-from a single run per variant. ``to step 1`` is launch to the first row (imports, model and
-index loading, rendezvous, the first step).
+Step time is read from the run itself: the trainer appends one row to
+``OUT/train_log.jsonl`` after every optimizer step, with the wall-clock time it wrote it
+(``time``; the log is polled every 10 ms, but rows of steps shorter than a poll arrive
+together, so the time they were seen is not their step's). ``s/step`` is the median of the
+intervals between rows (steps 2..S; the JSON also has the mean, (t[S] - t[1]) / (S - 1)): it
+leaves out start-up, the first step (lazy allocations: Adam moments, DDP buckets) and the
+checkpoint written at the end, from a single run per variant. ``to step 1`` is launch to the
+first row (imports, model and index loading, rendezvous, the first step).
 
 The machine may be shared: ``other CPU %`` is the CPU time processes outside the run took
 while steps 2..S ran, as a share of all CPUs (hypervisor steal included). Step times with it
@@ -389,6 +390,7 @@ def run_once(task: Task, run: Run, run_dir: Path, args: argparse.Namespace, desc
         tqdm(total=run.steps, desc=desc, unit="step", mininterval=1.0) as bar,
     ):
         started = time.perf_counter()
+        launched = time.time()  # the rows' own "time" is wall-clock
         # own session: the whole tree (torchrun and its workers) can be stopped as one group
         proc = subprocess.Popen(
             command(config, out, run.nproc),
@@ -413,7 +415,10 @@ def run_once(task: Task, run: Run, run_dir: Path, args: argparse.Namespace, desc
                 for line in lines:
                     row = json.loads(line)
                     if "loss" in row:  # step rows; metrics rows have no loss
-                        rows.append((now, row))
+                        # when the trainer wrote it (rows written between two polls would
+                        # otherwise share one time); a log without times: when it was seen
+                        written = row["time"] - launched if "time" in row else now
+                        rows.append((written, row))
                         cpu_marks.append((_machine_busy_s(), _tree(root)[1]))
                         bar.update(1)
             if done:
@@ -554,7 +559,7 @@ def fill_ratios(runs: list[Run]) -> None:
         return None
 
     for r in runs:
-        if r.step_s is None:
+        if not r.step_s:  # unmeasured (or steps logged within one clock tick)
             continue
         one = find(r.precision, 1, r.batch_size, False)
         fp32 = find("fp32", r.nproc, r.batch_size, r.shard_optimizer)
@@ -698,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": steps,
                 "grad_accum": 1,
                 "shard_optimizer": args.shard_optimizer,
-                "timing": "train_log.jsonl rows timestamped as they appear (10 ms polls); "
+                "timing": "train_log.jsonl rows timed by their own wall-clock 'time'; "
                 "step_s: the median of the intervals between rows 1..S (steps 2..S), "
                 "step_s_mean: (t[S] - t[1]) / (S - 1)",
                 "threads": "usable CPUs / processes per process (OMP_NUM_THREADS)",

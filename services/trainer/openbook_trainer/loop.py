@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -585,11 +586,14 @@ class Trainer:
         log.info("resumed from %s at step %d", ckpt, self.step)
 
     def _log(self, row: dict[str, Any]) -> None:
+        """Append ``row`` to the train log with the wall-clock time it was written (``time``,
+        seconds since the epoch): step times read from the log (bench/train/step.py) do not
+        depend on when a reader happens to see the row."""
         if not self.world.is_main:
             return
         self.cfg.out.mkdir(parents=True, exist_ok=True)
         with open(self.cfg.out / TRAIN_LOG, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps({**row, "time": time.time()}) + "\n")
 
 
 # ---------------------------------------------------------------------- helpers
