@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +122,9 @@ class Passages:
         ]
 
 
-def _send(stub, passages: Passages, kind: Kind) -> str:
-    """One request of ``kind``; returns its outcome ("ok" or the gRPC status name)."""
+def _send(stub, passages: Passages, kind: Kind) -> tuple[str, str]:
+    """One request of ``kind``; returns its outcome ("ok" or the gRPC status name) and, for a
+    refusal, the service's reason."""
     import grpc
 
     from openbook.v1 import generator_pb2
@@ -140,12 +142,12 @@ def _send(stub, passages: Passages, kind: Kind) -> str:
                 pass
         else:
             stub.Generate(request, timeout=600)
-        return "ok"
+        return "ok", ""
     except grpc.RpcError as exc:
-        return exc.code().name
+        return exc.code().name, exc.details() or ""
 
 
-def _client(stub, passages: Passages, kind: Kind, outcomes: list[str]) -> None:
+def _client(stub, passages: Passages, kind: Kind, outcomes: list[tuple[str, str]]) -> None:
     outcomes.append(_send(stub, passages, kind))
 
 
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace) -> dict:
             before = _status(service.pid, "VmRSS")
             Path(f"/proc/{service.pid}/clear_refs").write_text("5")
             started = time.perf_counter()
-            outcomes: list[str] = []
+            outcomes: list[tuple[str, str]] = []
             threads = [
                 threading.Thread(target=_client, args=(stub, passages, kind, outcomes))
                 for kind in kinds
@@ -218,8 +220,10 @@ def run(args: argparse.Namespace) -> dict:
                 "peak_mib": round(peak / 2**20),
                 "after_mib": round(after / 2**20),
                 "peak_over_loaded_mib": round((peak - loaded) / 2**20),
-                "outcomes": {o: outcomes.count(o) for o in sorted(set(outcomes))},
+                "outcomes": dict(sorted(Counter(code for code, _ in outcomes).items())),
                 "seconds": round(seconds, 1),
+                # why each refused request was refused (the first of each kind of refusal)
+                "refusals": {code: why for code, why in reversed(outcomes) if code != "ok"},
             }
             results["mixes"].append(row)
             print(json.dumps(row), flush=True)

@@ -179,6 +179,19 @@ class Running:
             )
         return GenerationResult(hypotheses=hyps, doc_prior=self.log_prior.exp().tolist())
 
+    def scored_tokens(self) -> int:
+        """The tokens RAG-Sequence thorough scores for this request's :meth:`result`: its
+        passages' distinct hypotheses, padded to the longest, under every passage
+        (:func:`rag_sequence.scoring_tokens`)."""
+        found = {
+            tuple(h.tokens)
+            for g in self.groups
+            if isinstance(g, rag_sequence.PassageRows)
+            for h in g.hypotheses()
+        }
+        width = max((len(h) for h in found), default=0)
+        return rag_sequence.scoring_tokens(len(found), len(self.passages), width)
+
 
 Outcome = tuple[Any, GenerationResult | Abandoned]  # (the tag given to add, its outcome)
 
@@ -227,9 +240,13 @@ class DecodingEngine:
         self._requests: list[Running] = []
         self._done: list[Outcome] = []
         # seconds of the latest step's forward pass and searches, and of finalising the requests
-        # that finished at it (the generator's scheduler measures its speed from these)
+        # that finished at it (the generator's scheduler measures its speed from these); of
+        # the latter, the seconds and tokens of RAG-Sequence thorough's scoring
+        # (rag_sequence.scoring_tokens), which the scheduler measures as work of its own
         self.last_step_s = 0.0
         self.last_finish_s = 0.0
+        self.last_scoring_s = 0.0
+        self.last_scored_tokens = 0
 
     # ------------------------------------------------------------------ admission
 
@@ -402,7 +419,8 @@ class DecodingEngine:
         """One decoding step of every live row; returns the requests that finished (or were
         abandoned) since the last call."""
         self._drop_abandoned()
-        self.last_step_s = self.last_finish_s = 0.0
+        self.last_step_s = self.last_finish_s = self.last_scoring_s = 0.0
+        self.last_scored_tokens = 0
         if self._groups:
             started = _now()
             self._advance()
@@ -546,6 +564,9 @@ class DecodingEngine:
     def _finish(self, request: Running) -> None:
         started = _now()
         result = request.result(self.backend)
+        if request.options.mode == "rag-sequence-thorough":
+            self.last_scoring_s += _now() - started
+            self.last_scored_tokens += request.scored_tokens()
         calibration = self.calibration
         # the passages' normalised texts, once per request and only for a calibration that
         # reads features (normalising k passages is not free on the decoding thread)

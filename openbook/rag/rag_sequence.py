@@ -150,6 +150,16 @@ class _Marginals:
         )
 
 
+def scoring_tokens(hypotheses: int, passages: int, tokens: int) -> int:
+    """Tokens thorough decoding scores when a request finishes: each of its ``hypotheses``
+    distinct hypotheses, padded to ``tokens`` (the longest), under every one of its
+    ``passages`` passages (a pair already scored by the passage's own search is not scored
+    again, so this is an upper bound). The generator's admission plans scoring with it (one
+    hypothesis per decoder row, ``max_new_tokens`` long, at worst) and measures scoring's
+    speed by it (the engine's count of what was found)."""
+    return hypotheses * passages * tokens
+
+
 def _marginals(
     backend: GeneratorBackend,
     enc: Encoded,

@@ -62,8 +62,8 @@ class ServiceMetrics:
             Gauge,
             "openbook_generator_slowdown",
             "How much slower the generator's work is now than when its speed was calibrated at "
-            "load (openbook_generator/speed.py), by kind ('prefill', 'step'): what admission "
-            "plans with",
+            "load (openbook_generator/speed.py), by kind ('prefill', 'step', 'scoring': "
+            "RAG-Sequence thorough's): what admission plans with",
             ["kind"],
         )
         self.compute_threads = self._metric(
@@ -124,8 +124,8 @@ class ServiceMetrics:
             )
 
     def track_slowdown(self, slowdown: Callable[[str], float]) -> None:
-        """Report ``slowdown("prefill")`` and ``slowdown("step")`` at every scrape."""
-        for kind in ("prefill", "step"):
+        """Report ``slowdown(kind)`` of every kind of work at every scrape."""
+        for kind in ("prefill", "step", "scoring"):
             self.slowdown.labels(self.service, kind).set_function(functools.partial(slowdown, kind))
 
     def set_compute_threads(self, n: int) -> None:

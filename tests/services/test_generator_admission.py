@@ -12,6 +12,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from openbook.rag.rag_sequence import scoring_tokens
 from openbook.serving.grpc_server import BUDGET_HEADER, DEADLINE_HEADER
 from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
 from openbook_generator.server import build as build_generator
@@ -291,3 +292,50 @@ def test_a_request_that_lost_its_time_on_the_way_is_retried_not_too_large(servic
         assert too_large.value.code() == grpc.StatusCode.OUT_OF_RANGE
     finally:
         policy.speed = measured
+
+
+def test_thorough_scoring_is_measured_apart_from_the_decoding_step(service, monkeypatch):
+    """RAG-Sequence thorough scores its hypotheses under every passage inside the step at which
+    it finishes. Timed as part of that step, a slow scoring made the step look hundreds of
+    times slower than its shape, and admission refused most requests for a while after. Here
+    scoring is made to take a second: that second is observed as scoring (of at most the tokens
+    admission planned), no step observation holds it, and admission prices the next thorough
+    request's scoring by it."""
+    _, servicer, stub = service
+    scheduler = servicer.scheduler
+    backend = servicer.generator.backend
+    original_score = backend.score
+
+    def slow_score(*args, **kwargs):
+        time.sleep(1.0)
+        return original_score(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "score", slow_score)
+    steps_seen: list[tuple[float, float]] = []
+    scoring_seen: list[tuple[float, float]] = []
+    speed = scheduler.speed
+    observe_step, observe_scoring = speed.observe_step, speed.observe_scoring
+
+    def on_step(rows: float, seconds: float) -> None:
+        steps_seen.append((rows, seconds))
+        observe_step(rows, seconds)
+
+    def on_scoring(tokens: float, seconds: float) -> None:
+        scoring_seen.append((tokens, seconds))
+        observe_scoring(tokens, seconds)
+
+    monkeypatch.setattr(speed, "observe_step", on_step)
+    monkeypatch.setattr(speed, "observe_scoring", on_scoring)
+    k, beams, new = 3, 2, 4
+    request = _request(
+        k, mode="rag-sequence-thorough", num_beams=beams, max_new_tokens=new, min_new_tokens=new
+    )
+    reply = stub.Generate(request, timeout=120)
+    assert reply.hypotheses
+    assert len(scoring_seen) == 1
+    tokens, seconds = scoring_seen[0]
+    # every distinct hypothesis under every passage: at most what admission plans with
+    assert 0 < tokens <= scoring_tokens(k * beams, k, new) and tokens % k == 0
+    assert seconds >= 1.0
+    assert steps_seen and all(s < 1.0 for _, s in steps_seen)
+    assert scheduler.slowdown("scoring") > 1.0  # the sleep made scoring slower than priced

@@ -155,3 +155,14 @@ def test_busy_engines_do_not_relax():
         now[0] += 2 * step
         speed.observe_step(10, 2 * step)
     assert speed.step_s(10) == pytest.approx(2 * step, rel=0.05)
+
+
+def test_scoring_has_its_own_slowdown_priced_from_the_prefill():
+    speed = _calibrated()  # prefill: 1 ms per token
+    assert speed.scoring_s(1000) == pytest.approx(1.0, rel=0.01)
+    speed.observe_scoring(1000, 3.0)  # scoring 3x slower per token than prefilling
+    assert speed.scoring_s(1000) == pytest.approx(3.0, rel=0.1)
+    # neither the prefill nor the step is moved by it
+    assert speed.prefill_s(1000) == pytest.approx(1.0, rel=0.01)
+    assert speed.step_s(100) == pytest.approx(0.12, rel=0.01)
+    assert EngineSpeed().scoring_s(1000) == 0.0  # nothing measured: nothing predicted

@@ -90,6 +90,7 @@ from typing import Generic, Protocol, TypeVar
 from openbook.errors import Overloaded, TooLarge
 from openbook.rag.memory import RequestShape
 from openbook.rag.options import DecodingOptions
+from openbook.rag.rag_sequence import scoring_tokens
 from openbook_generator.speed import EngineSpeed
 
 # Admission plans with this fraction of a deadline: the estimate is an estimate, and the
@@ -618,7 +619,8 @@ class SchedulingPolicy:
         decode = steps * speed.step_s(batch_rows) * rows / batch_rows
         scoring = 0.0
         if options.mode == "rag-sequence-thorough":  # every hypothesis under every passage
-            scoring = speed.prefill_s(rows * shape.passages * self.expected_steps(options, worst))
+            steps_scored = self.expected_steps(options, worst)
+            scoring = speed.scoring_s(scoring_tokens(rows, shape.passages, steps_scored))
         return prefill + decode + scoring
 
 

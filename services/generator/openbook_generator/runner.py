@@ -68,12 +68,16 @@ class Batch:
 class RunOutput:
     """What one piece of work did. ``size`` is what the speed model is told: rows stepped or
     prompt tokens prefilled; ``measured`` is false when it did no work to time (it failed, or a
-    step decoded nothing). ``outcomes``: (tag, result or :class:`~openbook.rag.errors.Abandoned`)
-    of the requests it finished; ``failed``: the tags of the requests ``error`` failed."""
+    step decoded nothing). ``scored_tokens``/``scoring_s``: RAG-Sequence thorough's scoring
+    done by a step for the requests it finished (openbook_generator.speed: timed apart from
+    the step). ``outcomes``: (tag, result or :class:`~openbook.rag.errors.Abandoned`) of the
+    requests it finished; ``failed``: the tags of the requests ``error`` failed."""
 
     kind: WorkKind
     size: float = 0.0
     measured: bool = False
+    scored_tokens: float = 0.0
+    scoring_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     failed: list[Any] = field(default_factory=list)
     error: Exception | None = None
@@ -153,7 +157,14 @@ class ModelRunner:
             self.batches.remove(batch)
             return RunOutput(WorkKind.STEP, failed=engine.abort(), error=exc)
         # nothing decoded (answers returned, abandoned requests dropped): nothing to time
-        return RunOutput(WorkKind.STEP, rows, engine.last_step_s > 0, outcomes)
+        return RunOutput(
+            WorkKind.STEP,
+            rows,
+            engine.last_step_s > 0,
+            engine.last_scored_tokens,
+            engine.last_scoring_s,
+            outcomes,
+        )
 
     def _prefill(self, batch: Batch, running: Running, input_tokens: int) -> RunOutput:
         before = running.prefilled

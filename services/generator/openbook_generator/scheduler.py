@@ -218,11 +218,16 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
             return len(self._running)
 
     def slowdown(self, kind: str) -> float:
-        """The measured slowdown of ``kind`` (:class:`WorkKind`) of work (speed.py)."""
+        """The measured slowdown of ``kind`` of work (a :class:`WorkKind`, or "scoring":
+        speed.py)."""
         with self._cond:
             speed = self.speed
-            slowdown = speed.prefill_slowdown if kind == WorkKind.PREFILL else speed.step_slowdown
-            return slowdown.factor
+            slowdowns = {
+                WorkKind.PREFILL: speed.prefill_slowdown,
+                WorkKind.STEP: speed.step_slowdown,
+                "scoring": speed.scoring_slowdown,
+            }
+            return slowdowns[kind].factor
 
     # ------------------------------------------------------------------ the policy's view
 
@@ -433,7 +438,10 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
                 now = time.perf_counter()
                 with self._cond:
                     if output.kind is WorkKind.STEP:
-                        self.speed.observe_step(output.size, now - turn)
+                        # thorough scoring is work of its own kind (speed.py), not the step's
+                        if output.scored_tokens > 0:
+                            self.speed.observe_scoring(output.scored_tokens, output.scoring_s)
+                        self.speed.observe_step(output.size, now - turn - output.scoring_s)
                     else:
                         self.speed.observe_prefill(output.size, now - turn)
                 turn = now

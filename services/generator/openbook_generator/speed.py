@@ -1,14 +1,21 @@
 """How fast the generator works now, measured as it works: the basis of honest admission.
 
-The engine's work comes in two kinds, each timed as it runs (:mod:`openbook_generator.scheduler`):
+The engine's work comes in three kinds, each timed as it runs (:mod:`openbook_generator.scheduler`):
 
 * **prefill**: encoding prompt tokens (a chunk of a request's passages);
-* **decoding steps**: one forward pass over every row of a batch.
+* **decoding steps**: one forward pass over every row of a batch;
+* **scoring**: RAG-Sequence thorough's scoring of every finished hypothesis under every
+  passage (:func:`openbook.rag.rag_sequence.scoring_tokens`), done by the step at which the
+  request finishes. It is timed apart from that step: counted as part of it, the seconds of
+  scoring thousands of tokens made one step look hundreds of times slower than its shape, and
+  admission then refused most requests until the slowdown faded (docs/benchmarks.md).
 
 The model of each is a *shape* times a *slowdown*::
 
     seconds = shape(size) x slowdown
     prefill shape: fixed + per_token x tokens    decoding shape: fixed + per_row x rows
+    scoring shape: the prefill's, tokens scored (its own slowdown: scoring reads the
+                   hypotheses' tokens against every passage's cache, not a prompt)
 
 The shapes are measured once, when the model is loaded (:meth:`Scheduler.calibrate`: a few
 prefills and steps of different sizes, fitted by least squares); they say how work grows with
@@ -128,6 +135,7 @@ class EngineSpeed:
     step: Line | None = None
     prefill_slowdown: Slowdown = field(default_factory=Slowdown)
     step_slowdown: Slowdown = field(default_factory=Slowdown)
+    scoring_slowdown: Slowdown = field(default_factory=Slowdown)
 
     @property
     def known(self) -> bool:
@@ -141,6 +149,7 @@ class EngineSpeed:
         self.prefill = fit_line(prefills)
         self.step = fit_line(steps)
         self.prefill_slowdown, self.step_slowdown = Slowdown(), Slowdown()
+        self.scoring_slowdown = Slowdown()
 
     def prefill_s(self, tokens: float) -> float:
         """Seconds to prefill ``tokens`` prompt tokens now (0 until measured)."""
@@ -154,6 +163,13 @@ class EngineSpeed:
             return 0.0
         return self.step.at(max(1.0, rows)) * self.step_slowdown.factor
 
+    def scoring_s(self, tokens: float) -> float:
+        """Seconds to score ``tokens`` hypothesis tokens now (RAG-Sequence thorough; 0 until
+        the prefill is measured): the prefill's shape, scoring's own slowdown."""
+        if tokens <= 0 or self.prefill is None:
+            return 0.0
+        return self.prefill.at(tokens) * self.scoring_slowdown.factor
+
     def observe_prefill(self, tokens: float, seconds: float) -> None:
         if self.prefill is None:
             self.prefill = Line(0.0, seconds / max(1.0, tokens))
@@ -163,6 +179,11 @@ class EngineSpeed:
         if self.step is None:
             self.step = Line(0.0, seconds / max(1.0, rows))
         self.step_slowdown.observe(self.step.at(max(1.0, rows)), seconds)
+
+    def observe_scoring(self, tokens: float, seconds: float) -> None:
+        if self.prefill is None:
+            return  # nothing to compare with yet: the prefill is measured first
+        self.scoring_slowdown.observe(self.prefill.at(tokens), seconds)
 
     def describe(self) -> str:
         """The speed in words, for refusals and logs."""
