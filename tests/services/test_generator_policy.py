@@ -425,6 +425,25 @@ def test_a_finished_request_teaches_the_answer_length_and_the_lateness():
     assert p.lateness.factor == pytest.approx(2.0)
 
 
+def test_a_late_spell_does_not_refuse_tight_requests_for_good():
+    """After requests ran 4x later than planned, one planned to fill half its time is refused
+    (4 x 0.5 > DEADLINE_SHARE): with no such request admitted, none would finish to teach the
+    lateness otherwise. Once no tight request has finished for a while
+    (LATENESS_RELAX_S e-folds), it is admitted again."""
+    p = measured()
+    for i in range(10):
+        late = started(shape(), seq=i, deadline=NOW + 4.0)
+        late.planned_s = 1.0
+        p.finished(late, NOW + 4.0)  # 4 s taken of a 1 s plan
+    assert p.lateness.at(NOW + 4.0) == pytest.approx(4.0)
+    time_s = 2 * p.work_s(shape(), OPTIONS, 5, 0, worst=True)  # it alone fills half of it
+    with pytest.raises(TooLarge):
+        p.admission(shape(), OPTIONS, time_s, NOW + 5.0, [], [])
+    later = NOW + 4.0 + 5 * policy_module.LATENESS_RELAX_S
+    assert p.lateness.at(later) == pytest.approx(1.0, abs=0.05)
+    assert p.admission(shape(), OPTIONS, time_s, later, [], []) > 0
+
+
 def test_a_request_never_started_teaches_nothing():
     p = measured()
     p.finished(waiting(shape(), NOW + 3.0), NOW + 2.0)

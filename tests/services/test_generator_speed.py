@@ -96,10 +96,10 @@ def test_lateness_scales_plans_up_when_requests_take_longer_than_planned_never_d
 
     lateness = Lateness()
     for _ in range(30):
-        lateness.observe(planned_s=1.0, taken_s=1.5, time_left_s=3.0)
+        lateness.observe(planned_s=1.0, taken_s=1.5, time_left_s=3.0, now=0.0)
     assert lateness.factor == pytest.approx(1.5)
     for _ in range(60):  # faster than planned: no promise more
-        lateness.observe(planned_s=1.0, taken_s=0.5, time_left_s=3.0)
+        lateness.observe(planned_s=1.0, taken_s=0.5, time_left_s=3.0, now=0.0)
     assert lateness.factor == 1.0
 
 
@@ -110,7 +110,9 @@ def test_lateness_plans_with_the_late_tail_not_the_average():
 
     lateness = Lateness()
     for i in range(30):
-        lateness.observe(planned_s=1.0, taken_s=2.0 if i % 5 == 0 else 0.8, time_left_s=3.0)
+        lateness.observe(
+            planned_s=1.0, taken_s=2.0 if i % 5 == 0 else 0.8, time_left_s=3.0, now=0.0
+        )
     assert lateness.factor == pytest.approx(2.0)
 
 
@@ -121,7 +123,7 @@ def test_lateness_ignores_plans_far_inside_their_deadline():
 
     lateness = Lateness()
     for _ in range(30):
-        lateness.observe(planned_s=0.01, taken_s=0.1, time_left_s=4.0)
+        lateness.observe(planned_s=0.01, taken_s=0.1, time_left_s=4.0, now=0.0)
     assert lateness.factor == 1.0
 
 

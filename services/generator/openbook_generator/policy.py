@@ -109,6 +109,9 @@ SHED_MARGIN_SHARE = 0.1
 LATENESS_QUANTILE = 0.9
 LATENESS_SAMPLES = 32
 LATENESS_TIGHT_SHARE = 0.25
+# Seconds (e-fold) over which the lateness relaxes back to 1 while no tight request finishes:
+# a few of the longest plans that count (a quarter of the generator's 300 s deadline cap).
+LATENESS_RELAX_S = 60.0
 # Callers whose last start the round robin remembers (API keys; more only from a client of the
 # generator's gRPC naming many): past it, the least recent is forgotten.
 MAX_CALLERS_REMEMBERED = 4096
@@ -208,24 +211,43 @@ class Lateness:
     one. Only tight plans count: a plan far inside its deadline cannot miss it, and its ratio is
     mostly quantization (one scheduler period added to a plan of a few milliseconds). Never below
     1: requests finishing early must not make admission promise more. With fewer than ten
-    samples the quantile is their maximum."""
+    samples the quantile is their maximum.
+
+    While no tight request finishes, what it says relaxes back to 1 (:meth:`at`, e-fold
+    :data:`LATENESS_RELAX_S` from the last one). Without that, a late spell (a starved CPU, a
+    crowd) could leave it high for good: a lateness L refuses every request planned to fill
+    more than 0.8 / L of its time, so at L >= 3.2 no tight request is admitted, none finishes
+    to teach otherwise, and the generator refuses those requests on an idle machine. Relaxing
+    costs at most one tight request admitted on an older lateness: its finish measures again."""
 
     def __init__(self) -> None:
         self.ratios: deque[float] = deque(maxlen=LATENESS_SAMPLES)
+        self.last: float | None = None  # ``now`` of the latest tight request's finish
 
     @property
     def factor(self) -> float:
+        """The quantile of the kept ratios, unrelaxed (what :meth:`at` relaxes)."""
         if not self.ratios:
             return 1.0
         ordered = sorted(self.ratios)
         at = min(len(ordered) - 1, math.ceil(LATENESS_QUANTILE * len(ordered)) - 1)
         return max(1.0, ordered[at])
 
-    def observe(self, planned_s: float, taken_s: float, time_left_s: float) -> None:
+    def at(self, now: float) -> float:
+        """The factor plans are scaled by at ``now``: :attr:`factor`, relaxed towards 1 by the
+        time since the latest tight request finished."""
+        factor = self.factor
+        if self.last is None or factor == 1.0:
+            return factor
+        keep = math.exp(-max(0.0, now - self.last) / LATENESS_RELAX_S)
+        return 1.0 + (factor - 1.0) * keep
+
+    def observe(self, planned_s: float, taken_s: float, time_left_s: float, now: float) -> None:
         """A request planned to take ``planned_s`` (before scaling) of the ``time_left_s`` it
-        had took ``taken_s``."""
+        had took ``taken_s``, finishing at ``now``."""
         if planned_s > 0 and planned_s >= LATENESS_TIGHT_SHARE * time_left_s:
             self.ratios.append(taken_s / planned_s)
+            self.last = now
 
 
 Priority = tuple[int, float, float, int]  # (urgency, deadline, attained service, arrival)
@@ -282,7 +304,7 @@ class SchedulingPolicy:
             return 0.0  # no deadline, or nothing measured yet: nothing to refuse on
         allowed = time_left_s * DEADLINE_SHARE
         whole_s = max(time_left_s, budget_s or 0.0)
-        lateness = self.lateness.factor
+        lateness = self.lateness.at(now)
         joins_shared = self.joins_shared(shape)
         alone = lateness * self.work_s(shape, options, shape.rows, 0, worst=True)
         if alone > whole_s * DEADLINE_SHARE:
@@ -350,7 +372,7 @@ class SchedulingPolicy:
         refused request is no longer ahead of the next."""
         if not waiting or not self.speed.known:
             return []
-        lateness = self.lateness.factor
+        lateness = self.lateness.at(now)
         shared = self.shared_batch_rows(running, waiting)
         ahead = lateness * sum(self.remaining_s(r, shared) for r in running)
         refused = []
@@ -519,7 +541,7 @@ class SchedulingPolicy:
         urgency = 2
         if deadline is not None and self.speed.known:
             left = (deadline - now) * DEADLINE_SHARE
-            remaining = self.lateness.factor * self.remaining_s(request, shared)
+            remaining = self.lateness.at(now) * self.remaining_s(request, shared)
             if remaining >= left:
                 urgency = 0
             elif 2 * remaining >= left:
@@ -541,6 +563,7 @@ class SchedulingPolicy:
                 request.planned_s,
                 now - request.admitted_at,
                 request.deadline - request.admitted_at,
+                now,
             )
 
     # ------------------------------------------------------------------ estimates
