@@ -159,11 +159,11 @@ class ModelRunner:
         # nothing decoded (answers returned, abandoned requests dropped): nothing to time
         return RunOutput(
             WorkKind.STEP,
-            rows,
-            engine.last_step_s > 0,
-            engine.last_scored_tokens,
-            engine.last_scoring_s,
-            outcomes,
+            size=rows,
+            measured=engine.last_step_s > 0,
+            scored_tokens=engine.last_scored_tokens,
+            scoring_s=engine.last_scoring_s,
+            outcomes=outcomes,
         )
 
     def _prefill(self, batch: Batch, running: Running, input_tokens: int) -> RunOutput:
