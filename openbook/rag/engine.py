@@ -247,6 +247,8 @@ class DecodingEngine:
         self.last_finish_s = 0.0
         self.last_scoring_s = 0.0
         self.last_scored_tokens = 0
+        # prompt tokens of the latest prefill chunk whose keys/values were reused, not computed
+        self.last_reused_tokens = 0
 
     # ------------------------------------------------------------------ admission
 
@@ -339,7 +341,9 @@ class DecodingEngine:
         started = _now()
         at = request.prefilled
         chunk = list(request.passages[at : at + request.chunk_passages])
-        request.parts.append(self.backend.encode([(request.question, chunk)], len(chunk)))
+        part = self.backend.encode([(request.question, chunk)], len(chunk))
+        request.parts.append(part)
+        self.last_reused_tokens = part.reused_tokens
         if request.prefilled == len(request.passages):
             parts, request.parts = request.parts, []
             request.enc = parts[0] if len(parts) == 1 else self.backend.concat_encoded(parts)

@@ -45,8 +45,12 @@ def test_a_passage_seen_before_prefills_only_the_question(fresh):
     heads = [b.head_length(p, ids) for p, ids in zip(passages, prompts, strict=True)]
     assert all(0 < h < len(ids) for h, ids in zip(heads, prompts, strict=True))
 
-    cold = _prefilled_tokens(gen, lambda: b.encode([(QUESTION, passages)], 3))
+    cold_enc = {}
+    cold = _prefilled_tokens(
+        gen, lambda: cold_enc.setdefault("e", b.encode([(QUESTION, passages)], 3))
+    )
     assert len(b.passage_cache) == 3 and b.passage_cache.misses == 3
+    assert cold_enc["e"].reused_tokens == 0  # every head prefilled
     other = "Which passage mentions a tower?"
     warm_enc = {}
     warm = _prefilled_tokens(
@@ -57,6 +61,8 @@ def test_a_passage_seen_before_prefills_only_the_question(fresh):
     tails = sum(len(b.prompt_ids(other, p)) - h for p, h in zip(passages, heads, strict=True))
     assert warm == tails
     assert cold >= sum(len(ids) for ids in prompts)
+    # what the generator's speed model is told was not computed: the heads reused
+    assert warm_enc["e"].reused_tokens == sum(heads)
 
     b.set_passage_cache(0)
     plain = b.encode([(other, passages)], 3)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Self, TypeVar, cast
 
 import torch
@@ -64,11 +64,15 @@ class Encoded:
     """What every family's encoded state holds: ``n`` requests x ``k`` passage slots.
 
     first_logprobs: (R, V) float32, log p(y_1 | x, z), rows ordered request-major.
+    reused_tokens: prompt tokens whose keys/values came from a cache (a causal LM's passage
+        cache) instead of being prefilled: what the prefill did not compute, which the
+        generator's speed model must not count as work done.
     """
 
     n: int
     k: int
     first_logprobs: Tensor
+    reused_tokens: int = field(default=0, kw_only=True)
 
 
 @dataclass

@@ -366,7 +366,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         heads = [0] * len(rows)
         if self.passage_cache.enabled:
             heads = [self.head_length(p, ids) for (_, p), ids in zip(rows, prompts, strict=True)]
-        head_kv = self._head_keys_values(
+        head_kv, prefilled_heads = self._head_keys_values(
             [tuple(ids[:h]) for ids, h in zip(prompts, heads, strict=True)]
         )
         tails = [ids[h:] for ids, h in zip(prompts, heads, strict=True)]
@@ -396,7 +396,10 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         first = FedLogProbs.cat(lasts).at(0)
         if dest is not None:
             first = torch.empty_like(first).index_copy_(0, dest, first)
-        return CausalEncoded(len(items), k, first, joined.cache, joined.kv_pos)
+        reused = sum(heads) - prefilled_heads
+        return CausalEncoded(
+            len(items), k, first, joined.cache, joined.kv_pos, reused_tokens=reused
+        )
 
     def concats_encoded(self) -> bool:
         return True
@@ -411,11 +414,16 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
             return encoded[0]
         joined = self.join([CausalDecodeState(p.cache, p.kv_pos) for p in encoded])
         first = torch.cat([p.first_logprobs for p in encoded])
-        return CausalEncoded(1, sum(p.k for p in encoded), first, joined.cache, joined.kv_pos)
+        reused = sum(p.reused_tokens for p in encoded)
+        k = sum(p.k for p in encoded)
+        return CausalEncoded(1, k, first, joined.cache, joined.kv_pos, reused_tokens=reused)
 
-    def _head_keys_values(self, heads: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], HeadKV]:
+    def _head_keys_values(
+        self, heads: Sequence[tuple[int, ...]]
+    ) -> tuple[dict[tuple[int, ...], HeadKV], int]:
         """Keys/values of every distinct non-empty passage head: from the passage cache, or
-        prefilled (grouped by length) after the prefix and kept there."""
+        prefilled (grouped by length) after the prefix and kept there; and how many head
+        tokens were prefilled (each distinct head once)."""
         found: dict[tuple[int, ...], HeadKV] = {}
         missing: list[tuple[int, ...]] = []
         for head in dict.fromkeys(h for h in heads if h):
@@ -444,7 +452,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
                 ]
                 self.passage_cache.put(head, kv)
                 found[head] = kv
-        return found
+        return found, sum(len(h) for h in missing)
 
     def _past(self, heads: Sequence[HeadKV | None]) -> CausalDecodeState:
         """The cached slots rows start from: the prefix, then their passage head when given."""

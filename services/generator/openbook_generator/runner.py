@@ -175,8 +175,12 @@ class ModelRunner:
             batch.engine.abort_request(running)
             return RunOutput(WorkKind.PREFILL, failed=[running.tag], error=exc)
         passages = max(1, len(running.passages))
+        # the chunk's share of the prompt tokens, less those whose keys/values the passage
+        # cache gave: counted as work done, reused heads made the prefill look several times
+        # faster than it is for new passages, and admission then planned those too short
         tokens = input_tokens * (running.prefilled - before) / passages
-        return RunOutput(WorkKind.PREFILL, tokens, True)
+        computed = max(0.0, tokens - batch.engine.last_reused_tokens)
+        return RunOutput(WorkKind.PREFILL, size=computed, measured=True)
 
     def forget_idle(self) -> None:
         """Batches with nothing left go, except the current model's shared one."""
