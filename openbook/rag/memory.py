@@ -82,6 +82,9 @@ class RequestShape:
     new_tokens: int  # max_new_tokens
     # every passage input together (what the model reads; reported as a request's usage)
     input_tokens: int = 0
+    # of those, the tokens a passage cache held when the request was measured: its prefill
+    # will not compute them if they are still there (the generator's admission plans with it)
+    cached_tokens: int = 0
 
     @property
     def rows(self) -> int:
@@ -235,6 +238,7 @@ def request_shape(
         prompt_tokens=max(lengths, default=1),
         new_tokens=options.max_new_tokens,
         input_tokens=sum(lengths),
+        cached_tokens=backend.cached_input_tokens(question, passages),
     )
 
 

@@ -29,14 +29,21 @@ class PassageCache:
     """LRU of passage-head keys/values under ``max_bytes`` (0: disabled)."""
 
     def __init__(self, max_bytes: int) -> None:
-        if max_bytes < 0:
-            raise InvalidArgument(f"passage cache size must be >= 0 bytes, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
         self._entries: OrderedDict[tuple[int, ...], tuple[HeadKV, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self.reset(max_bytes)
+
+    def reset(self, max_bytes: int) -> None:
+        """Empty, with a budget of ``max_bytes`` and its counts at 0: as a new cache, but the
+        same object, so that every holder of it (a backend's measuring twin) sees the change."""
+        if max_bytes < 0:
+            raise InvalidArgument(f"passage cache size must be >= 0 bytes, got {max_bytes}")
+        with self._lock:
+            self.max_bytes = max_bytes
+            self.bytes = 0
+            self.hits = 0
+            self.misses = 0
+            self._entries.clear()
 
     @property
     def enabled(self) -> bool:
@@ -54,6 +61,12 @@ class PassageCache:
             self._entries.move_to_end(key)
             self.hits += 1
             return entry[0]
+
+    def holds(self, key: tuple[int, ...]) -> bool:
+        """Whether ``key``'s keys/values are kept now (a look, not a use: no count, no
+        recency)."""
+        with self._lock:
+            return key in self._entries
 
     def put(self, key: tuple[int, ...], kv: HeadKV) -> None:
         """Keep ``kv`` (tensors the cache owns: not views of larger ones), evicting the least

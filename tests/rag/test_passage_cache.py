@@ -149,3 +149,21 @@ def test_the_head_stops_before_the_space_the_question_takes():
     default Gemma prompt reused nothing."""
     template = "Title: {title}\nPassage: {text}\nQuestion: {question}\nAnswer:"
     assert _passage_head(template) == "Title: {title}\nPassage: {text}\nQuestion:"
+
+
+@torch.inference_mode()
+def test_the_measuring_twin_sees_what_the_cache_holds(fresh):
+    """Admission measures requests on the backend's measuring twin: it must see the live
+    cache, also after the cache's budget was set (in place, not replaced), and looking must
+    not count as a use."""
+    b = fresh.backend
+    twin = b.measuring_twin()
+    b.set_passage_cache(32 * 2**20)
+    assert twin.passage_cache is b.passage_cache and b.passage_cache.max_bytes == 32 * 2**20
+    passages = make_passages(2, 9)
+    assert twin.cached_input_tokens(QUESTION, passages) == 0
+    b.encode([(QUESTION, passages)], 2)
+    heads = [b.head_length(p, b.prompt_ids(QUESTION, p)) for p in passages]
+    counts = (b.passage_cache.hits, b.passage_cache.misses)
+    assert twin.cached_input_tokens("Another question?", passages) == sum(heads)
+    assert (b.passage_cache.hits, b.passage_cache.misses) == counts

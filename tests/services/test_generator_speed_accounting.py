@@ -1,12 +1,14 @@
-"""What the generator's speed model is told, through the service (openbook_generator/speed.py):
-work is counted as the work it was. Prefilled tokens whose keys/values the passage cache gave
-are not counted as prefilled (they made the prefill look several times faster than it is for
-new passages, and admission then planned those too short)."""
+"""What the generator's speed model is told, and what admission plans, through the service
+(openbook_generator/speed.py, policy.py): work is counted as the work it is. Prompt tokens whose
+keys/values the passage cache gives are neither counted as prefilled (they made the prefill
+look several times faster than it is for new passages, and admission then planned those too
+short) nor planned as work."""
 
 from __future__ import annotations
 
 import pytest
 
+from openbook.rag import DecodingOptions
 from openbook.v1 import common_pb2, generator_pb2
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
 from openbook_testkit.stack import generator_service
@@ -49,10 +51,18 @@ def test_prefill_observations_count_only_the_tokens_computed(service, monkeypatc
     heads = sum(backend.head_length(p, ids) for p, ids in zip(passages, prompts, strict=True))
     assert heads > 0
 
+    options = DecodingOptions(max_new_tokens=3)
+    before = servicer.item(QUESTION, passages, options).shape
+    assert before.cached_tokens == 0 and before.input_tokens == sum(len(i) for i in prompts)
     stub.Generate(_request(QUESTION, seed=11), timeout=60)  # new passages: every token computed
     cold = sum(observed)
     observed.clear()
+    after = servicer.item(QUESTION, passages, options).shape
+    assert after.cached_tokens == heads  # admission plans only the question's tails
     stub.Generate(_request(QUESTION, seed=11), timeout=60)  # the same: their heads reused
     warm = sum(observed)
-    assert cold == pytest.approx(sum(len(ids) for ids in prompts), rel=0.01)
+    assert cold == pytest.approx(before.input_tokens, rel=0.01)
     assert warm == pytest.approx(cold - heads, rel=0.01)
+    # and the plan of a request whose passages are cached is the smaller by their prefill
+    policy = servicer.scheduler.policy
+    assert policy.work_s(after, options, after.rows, 0) < policy.work_s(before, options, 4, 0)

@@ -293,6 +293,11 @@ class GeneratorBackend(ABC, Generic[EncodedT, StateT]):
         """Tokens of each passage's input as this family builds it (what a request's
         :class:`~openbook.rag.memory.RequestShape` is measured from); tokenises, nothing more."""
 
+    def cached_input_tokens(self, question: str, passages: Sequence[Passage]) -> int:
+        """Of those tokens, how many a prefill would take from a cache kept across requests
+        instead of computing (none, for a family that keeps nothing across requests)."""
+        return 0
+
     def measuring_twin(self) -> Self:
         """A copy sharing the model but owning copies of the tokenizers, to measure requests
         (:meth:`input_lengths`) in another thread while a batch tokenises in its own (a fast

@@ -149,7 +149,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         self.refresh()
 
     def set_passage_cache(self, max_bytes: int) -> None:
-        self.passage_cache = PassageCache(max_bytes)
+        self.passage_cache.reset(max_bytes)  # in place: the measuring twin holds it too
 
     def clear_passage_cache(self) -> None:
         self.passage_cache.clear()
@@ -256,6 +256,19 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
 
     def input_lengths(self, question: str, passages: Sequence[Passage]) -> list[int]:
         return [len(self.prompt_ids(question, p)) for p in passages]
+
+    def cached_input_tokens(self, question: str, passages: Sequence[Passage]) -> int:
+        """The prompt tokens of these passages whose keys/values the passage cache holds now
+        (their heads): what a prefill would not compute if they are still there."""
+        if not self.passage_cache.enabled:
+            return 0
+        cached = 0
+        for passage in passages:
+            ids = self.prompt_ids(question, passage)
+            head = self.head_length(passage, ids)
+            if head and self.passage_cache.holds(tuple(ids[:head])):
+                cached += head
+        return cached
 
     def prompt_ids(self, question: str, passage: Passage) -> list[int]:
         """Token ids of the passage part of the prompt, as they appear after the prefix."""

@@ -634,9 +634,14 @@ class SchedulingPolicy:
         batch (what is left of them), RAG-Sequence thorough's scoring."""
         speed = self.speed
         rows = shape.rows
-        tokens_left = shape.input_tokens * (1.0 - prefilled_share)
+        # chunks by the prompt tokens (passages are chunked by them), each priced by the
+        # tokens it computes: those a passage cache holds are not (what the speed model is
+        # told of a prefill too: runner.py)
+        left = 1.0 - prefilled_share
+        tokens_left = shape.input_tokens * left
+        computed_left = max(0, shape.input_tokens - shape.cached_tokens) * left
         chunks = max(1, math.ceil(tokens_left / max(1, self.options.chunk_tokens)))
-        prefill = chunks * speed.prefill_s(tokens_left / chunks) if tokens_left > 0 else 0.0
+        prefill = chunks * speed.prefill_s(computed_left / chunks) if tokens_left > 0 else 0.0
         batch_rows = max(rows, batch_rows)
         steps = max(1, self.expected_steps(options, worst) - steps_done)
         decode = steps * speed.step_s(batch_rows) * rows / batch_rows
