@@ -169,8 +169,8 @@ def run(args: argparse.Namespace) -> dict:
     port = _free_port()
     env = {
         **os.environ,
-        "OPENBOOK_GENERATOR_MODEL": str(args.model),
-        "OPENBOOK_GENERATOR_ADAPTER": str(args.adapter or ""),
+        "OPENBOOK_GENERATOR_MODEL": str(args.model.resolve()),
+        "OPENBOOK_GENERATOR_ADAPTER": str(args.adapter.resolve()) if args.adapter else "",
         "OPENBOOK_GENERATOR_DTYPE": args.dtype,
         "OPENBOOK_GENERATOR_PORT": str(port),
         "OPENBOOK_GENERATOR_METRICS_PORT": str(_free_port()),
@@ -181,9 +181,17 @@ def run(args: argparse.Namespace) -> dict:
     for pair in args.env:
         name, _, value = pair.partition("=")
         env[name] = value
+    # ``python -m`` puts its working directory first on the import path: a tree given by
+    # PYTHONPATH is only imported (rather than this checkout's ``openbook``) when the service
+    # runs in it
+    cwd = env["PYTHONPATH"].split(os.pathsep)[0] if env.get("PYTHONPATH") else None
     log = open(work / "generator.log", "w")  # noqa: SIM115 - closed below
     service = subprocess.Popen(
-        [sys.executable, "-m", "openbook_generator"], env=env, stdout=log, stderr=log
+        [sys.executable, "-m", "openbook_generator"],
+        env=env,
+        stdout=log,
+        stderr=log,
+        cwd=cwd,
     )
     results: dict = {"memory_mb": memory_mb, "passage_cache_mb": passage_cache_mb, "mixes": []}
     try:
