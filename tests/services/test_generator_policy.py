@@ -11,6 +11,7 @@ import pytest
 from openbook.errors import Overloaded, TooLarge
 from openbook.rag.memory import RequestShape
 from openbook.rag.options import DecodingOptions
+from openbook.rag.rag_sequence import scoring_tokens
 from openbook_generator import policy as policy_module
 from openbook_generator.policy import (
     DEADLINE_SHARE,
@@ -442,6 +443,19 @@ def test_a_late_spell_does_not_refuse_tight_requests_for_good():
     later = NOW + 4.0 + 5 * policy_module.LATENESS_RELAX_S
     assert p.lateness.at(later) == pytest.approx(1.0, abs=0.05)
     assert p.admission(shape(), OPTIONS, time_s, later, [], []) > 0
+
+
+def test_thorough_scoring_is_planned_at_the_longest_hypothesis():
+    """RAG-Sequence thorough scores every hypothesis, padded to the longest, under every
+    passage, in one piece at its end: planned at max_new_tokens however short answers have
+    been, as the engine measures it (rag_sequence.scoring_tokens of what was found)."""
+    p = measured()
+    p.steps_share = 0.1  # answers have been short
+    thorough = DecodingOptions(mode="rag-sequence-thorough", num_beams=2, max_new_tokens=20)
+    greedy = DecodingOptions(mode="rag-sequence-fast", num_beams=2, max_new_tokens=20)
+    s = shape(passages=5, beams=2)
+    scoring = p.work_s(s, thorough, s.rows, 0) - p.work_s(s, greedy, s.rows, 0)
+    assert scoring == pytest.approx(p.speed.scoring_s(scoring_tokens(s.rows, 5, 20)))
 
 
 def test_a_request_never_started_teaches_nothing():

@@ -647,8 +647,11 @@ class SchedulingPolicy:
         decode = steps * speed.step_s(batch_rows) * rows / batch_rows
         scoring = 0.0
         if options.mode == "rag-sequence-thorough":  # every hypothesis under every passage
-            steps_scored = self.expected_steps(options, worst)
-            scoring = speed.scoring_s(scoring_tokens(rows, shape.passages, steps_scored))
+            # padded to the longest hypothesis, which one long beam makes max_new_tokens: at
+            # the expected answer length the scoring, one piece at the request's end that
+            # nothing can interrupt, was planned short and ran a crowd past its deadline
+            longest = options.max_new_tokens
+            scoring = speed.scoring_s(scoring_tokens(rows, shape.passages, longest))
         return prefill + decode + scoring
 
 
