@@ -21,25 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
 import sqlite3
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from bench.generator.serving import generator_process
+
 QUESTION = "who wrote it?"
 K = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _slowdowns(metrics_port: int) -> dict[str, float]:
@@ -53,67 +44,16 @@ def _slowdowns(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def _wait_serving(stub, service: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
-    from openbook.v1 import generator_pb2
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if service.poll() is not None:
-            raise RuntimeError(log.read_text()[-3000:])
-        try:
-            stub.Info(generator_pb2.InfoRequest(), timeout=2)
-            return
-        except Exception:  # noqa: BLE001 - not serving yet
-            time.sleep(1)
-    raise RuntimeError("the generator did not start")
-
-
 def run(args: argparse.Namespace) -> dict:
-    import grpc
-
-    from openbook.v1 import common_pb2, generator_pb2, generator_pb2_grpc
+    from openbook.v1 import common_pb2, generator_pb2
 
     with sqlite3.connect(args.index / "passages.sqlite") as con:
         rows = con.execute(
             "select id, title, text from passages limit ?", (K * args.requests,)
         ).fetchall()
-    work = Path(tempfile.mkdtemp(prefix="openbook-slowdown-"))
-    redis_port, port, metrics_port = _free_port(), _free_port(), _free_port()
-    redis = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(redis_port)]
-        + ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(work)],
-        stdout=subprocess.DEVNULL,
-    )
-    env = {
-        **os.environ,
-        "OPENBOOK_GENERATOR_MODEL": str(args.model.resolve()),
-        "OPENBOOK_GENERATOR_ADAPTER": str(args.adapter.resolve()) if args.adapter else "",
-        "OPENBOOK_GENERATOR_PORT": str(port),
-        "OPENBOOK_GENERATOR_METRICS_PORT": str(metrics_port),
-        "OPENBOOK_GENERATOR_CHECKPOINT_DIR": str(work / "checkpoints"),
-        "OPENBOOK_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-    }
-    for pair in args.env:
-        name, _, value = pair.partition("=")
-        env[name] = value
-    # ``python -m`` puts its working directory first on the import path: a tree given by
-    # PYTHONPATH is only imported (rather than this checkout's ``openbook``) when the service
-    # runs in it
-    cwd = env["PYTHONPATH"].split(os.pathsep)[0] if env.get("PYTHONPATH") else None
-    log_path = work / "generator.log"
-    log = open(log_path, "w")  # noqa: SIM115 - closed below
-    service = subprocess.Popen(
-        [sys.executable, "-m", "openbook_generator"],
-        env=env,
-        stdout=log,
-        stderr=log,
-        cwd=cwd,
-    )
     results: dict = {"passages": args.passages, "requests": []}
-    try:
-        stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        _wait_serving(stub, service, log_path)
-        results["start"] = _slowdowns(metrics_port)
+    with generator_process(args.model, args.adapter, {}, args.env, "openbook-slowdown-") as service:
+        results["start"] = _slowdowns(service.metrics_port)
         print("start", json.dumps(results["start"]), flush=True)
         for i in range(args.requests):
             at = 0 if args.passages == "same" else i * K
@@ -122,18 +62,13 @@ def run(args: argparse.Namespace) -> dict:
                 for pid, title, text in rows[at : at + K]
             ]
             started = time.perf_counter()
-            stub.Generate(
+            service.stub.Generate(
                 generator_pb2.GenerateRequest(question=QUESTION, passages=passages), timeout=120
             )
-            row = {"seconds": round(time.perf_counter() - started, 3), **_slowdowns(metrics_port)}
+            seconds = round(time.perf_counter() - started, 3)
+            row = {"seconds": seconds, **_slowdowns(service.metrics_port)}
             results["requests"].append(row)
             print(i, json.dumps(row), flush=True)
-    finally:
-        service.terminate()
-        service.wait(30)
-        redis.terminate()
-        redis.wait(10)
-        log.close()
     return results
 
 

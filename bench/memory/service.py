@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
 import sqlite3
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.generator.serving import generator_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,12 +92,6 @@ def _status(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Passages:
     """Rows of the index's passage store, handed out without repeats."""
 
@@ -152,52 +143,20 @@ def _client(stub, passages: Passages, kind: Kind, outcomes: list[tuple[str, str]
 
 
 def run(args: argparse.Namespace) -> dict:
-    import grpc
-
-    from openbook.v1 import generator_pb2_grpc
     from openbook_generator.settings import GeneratorSettings
 
     settings = GeneratorSettings()
     memory_mb = args.memory_mb or settings.memory_mb
     passage_cache_mb = settings.passage_cache_mb
-    work = Path(tempfile.mkdtemp(prefix="openbook-memory-"))
-    redis = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(rport := _free_port())]
-        + ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(work)],
-        stdout=subprocess.DEVNULL,
-    )
-    port = _free_port()
-    env = {
-        **os.environ,
-        "OPENBOOK_GENERATOR_MODEL": str(args.model.resolve()),
-        "OPENBOOK_GENERATOR_ADAPTER": str(args.adapter.resolve()) if args.adapter else "",
-        "OPENBOOK_GENERATOR_DTYPE": args.dtype,
-        "OPENBOOK_GENERATOR_PORT": str(port),
-        "OPENBOOK_GENERATOR_METRICS_PORT": str(_free_port()),
-        "OPENBOOK_GENERATOR_MEMORY_MB": str(memory_mb),
-        "OPENBOOK_GENERATOR_CHECKPOINT_DIR": str(work / "checkpoints"),
-        "OPENBOOK_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
-    }
-    for pair in args.env:
-        name, _, value = pair.partition("=")
-        env[name] = value
-    # ``python -m`` puts its working directory first on the import path: a tree given by
-    # PYTHONPATH is only imported (rather than this checkout's ``openbook``) when the service
-    # runs in it
-    cwd = env["PYTHONPATH"].split(os.pathsep)[0] if env.get("PYTHONPATH") else None
-    log = open(work / "generator.log", "w")  # noqa: SIM115 - closed below
-    service = subprocess.Popen(
-        [sys.executable, "-m", "openbook_generator"],
-        env=env,
-        stdout=log,
-        stderr=log,
-        cwd=cwd,
-    )
     results: dict = {"memory_mb": memory_mb, "passage_cache_mb": passage_cache_mb, "mixes": []}
-    try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub = generator_pb2_grpc.GeneratorStub(channel)
-        _wait_serving(stub, service, work)
+    service_settings = {
+        "OPENBOOK_GENERATOR_DTYPE": args.dtype,
+        "OPENBOOK_GENERATOR_MEMORY_MB": str(memory_mb),
+    }
+    with generator_process(
+        args.model, args.adapter, service_settings, args.env, "openbook-memory-"
+    ) as service:
+        stub = service.stub
         passages = Passages(args.index)
         time.sleep(IDLE_S)
         loaded = _status(service.pid, "VmRSS")
@@ -235,30 +194,9 @@ def run(args: argparse.Namespace) -> dict:
             }
             results["mixes"].append(row)
             print(json.dumps(row), flush=True)
-    finally:
-        service.terminate()
-        service.wait(30)
-        redis.terminate()
-        redis.wait(10)
-        log.close()
     worst = max(r["peak_over_loaded_mib"] for r in results["mixes"])
     results["overhead_mib"] = round(worst - memory_mb - passage_cache_mb)
     return results
-
-
-def _wait_serving(stub, service: subprocess.Popen, work: Path, timeout_s: float = 600) -> None:
-    from openbook.v1 import generator_pb2
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if service.poll() is not None:
-            raise RuntimeError((work / "generator.log").read_text()[-3000:])
-        try:
-            stub.Info(generator_pb2.InfoRequest(), timeout=2)
-            return
-        except Exception:  # noqa: BLE001 - not serving yet
-            time.sleep(1)
-    raise RuntimeError("the generator did not start")
 
 
 def main(argv: list[str] | None = None) -> int:
