@@ -48,7 +48,12 @@ from openbook.index.parallel import (
 )
 from openbook.index.shard import shard_spans
 from openbook.index.spec import INDEX_TYPES, AnnParams, BuildOptions, IndexSpec
-from openbook.index.stages import BuildSource, build_lock, stage_and_publish
+from openbook.index.stages import (
+    BuildSource,
+    build_lock,
+    locked_file_in_place,
+    stage_and_publish,
+)
 from openbook.index.store import PassageStore
 from openbook.index.vectors import ShardProducer, ShardWork, VectorSource
 from openbook.storage.artifacts import lock_is_free, publish, staging_dir
@@ -254,7 +259,7 @@ def _join_lock(out_root: Path) -> Iterator[None]:
         lock = open(lock_path, "a+")  # noqa: SIM115 - closed below
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if lock_path.exists() and os.stat(lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
+            if locked_file_in_place(lock_path, lock):
                 break
         except BaseException:
             lock.close()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -95,6 +95,16 @@ def check_inputs(inputs: list[Path], out_dir: Path, overwrite: bool) -> None:
         raise InvalidArgument(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
 
 
+def locked_file_in_place(lock_path: Path, lock: IO[str]) -> bool:
+    """Whether the file ``lock`` (open, locked) is still the one at ``lock_path``: its holder
+    removes it when done, also between any two looks at it (one stat, not an exists() and a
+    stat: the file going in between raised FileNotFoundError)."""
+    try:
+        return os.stat(lock_path).st_ino == os.fstat(lock.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
 @contextmanager
 def build_lock(out_dir: Path) -> Iterator[None]:
     """One build per index directory at a time (e.g. two init containers on one volume):
@@ -106,10 +116,7 @@ def build_lock(out_dir: Path) -> Iterator[None]:
     with open(lock_path, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if (
-                not lock_path.exists()
-                or os.stat(lock_path).st_ino != os.fstat(lock.fileno()).st_ino
-            ):
+            if not locked_file_in_place(lock_path, lock):
                 raise BlockingIOError  # its holder just finished and removed it: retry later
         except BlockingIOError:
             lock.seek(0)
