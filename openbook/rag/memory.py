@@ -114,6 +114,9 @@ class MemoryModel:
     # read and the one before it, which the search keeps until the next
     draft_tokens: int = 0
     head_deferred: bool = False
+    # bytes per logit an int8 LM head holds while it computes them, beside its output (its
+    # product's float32 pieces, the rescoring's bounds and mask: Int8Head.transient_bytes_per_logit)
+    head_logit_bytes: int = 0
 
     @property
     def drafted_logit_positions(self) -> int:
@@ -140,7 +143,11 @@ class MemoryModel:
             + pairs * self.mask_bytes_per_pair
             + scores
         )
-        logit_bytes = _F32 * LOGIT_COPIES + self.model_logit_bytes * MODEL_LOGIT_COPIES
+        logit_bytes = (
+            _F32 * LOGIT_COPIES
+            + self.model_logit_bytes * MODEL_LOGIT_COPIES
+            + self.head_logit_bytes
+        )
         encoded = rows_enc * (
             CACHE_COPIES * context * self.kv_bytes_per_token
             + prompt * self.cross_bytes_per_token
@@ -163,7 +170,8 @@ class MemoryModel:
         chunk_elements = min(SCORE_LOGIT_ELEMENTS, scored_rows * new * self.vocab)
         chunk_rows = max(1, chunk_elements // max(1, new * self.vocab))
         scoring = (
-            chunk_elements * (2 * _F32 + self.model_logit_bytes * MODEL_LOGIT_COPIES)
+            chunk_elements
+            * (2 * _F32 + self.model_logit_bytes * MODEL_LOGIT_COPIES + self.head_logit_bytes)
             + chunk_rows * (context + new) * self.kv_bytes_per_token
         )
         # Summed, not the larger of prefill and decode: the prefill's activations are freed

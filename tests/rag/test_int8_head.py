@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from openbook.rag import DecodingOptions, RagGenerator
-from openbook.rag.backends.int8_head import Int8Head, Int8Product
+from openbook.rag.backends.int8_head import (
+    Int8Head,
+    Int8Product,
+    _reaching,
+    _row_best,
+    has_amx,
+)
+from openbook.rag.memory import RequestShape
 from openbook_testkit.rag import QUESTION, make_passages
 
 QUESTIONS = (QUESTION, "Who wrote Hamlet?", "Where is the tower?")
@@ -74,6 +81,54 @@ def test_the_dynamic_product_is_within_its_bound_and_independent_of_the_batch():
     )
 
 
+onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's product")
+
+
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_onednn_product_is_within_its_bound_and_independent_of_the_batch(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(5_000, 64) * 0.05
+    weight[7] = 0
+    head = Int8Head(weight.to(dtype), Int8Product.ONEDNN)
+    hidden = torch.randn(3, 4, 64) * 3
+    hidden[0, 1, 5] = 60.0  # a few entries far larger than the rest, as Gemma 3's final states
+    hidden[1, 2] = 0  # an all-zero row: logits 0
+    hidden = hidden.to(dtype)
+    logits = head.approximate(hidden)
+    assert logits.shape == (3, 4, 5_000) and logits.dtype == dtype
+    assert torch.all(logits[..., 7] == 0) and torch.all(logits[1, 2] == 0)
+    # the hidden states' two 7-bit pieces are within 1/(63*252) of their largest magnitude, so
+    # the product is the dequantized weights' within that (and the output's rounding)
+    flat = hidden.reshape(-1, 64).float()
+    dequantized = hidden.float() @ head.dequantized().T
+    magnitude = flat.abs().amax(1).reshape(3, 4, 1)
+    l1 = head.dequantized().abs().sum(1)
+    pieces = magnitude / (63 * 252) * l1
+    # bf16 (unit roundoff 2^-8): the high piece's output at its own size (at most the logit's
+    # plus the low piece's m |W~_v|_1 / 126), the sum and the scaling
+    rounding = (
+        0 if dtype == torch.float32 else 2**-8 * (3 * dequantized.abs() + magnitude * l1 / 126)
+    )
+    assert torch.all((logits.float() - dequantized).abs() <= pieces + rounding + 1e-5)
+    # and within the bound the rescoring uses of the original weights' logits
+    exact = hidden.float() @ weight.to(dtype).float().T
+    token_bound = head.error_bound(flat).reshape(3, 4, 5_000)
+    assert torch.all((logits.float() - exact).abs() <= token_bound + rounding + 1e-5)
+    # the hidden states' share of it is small beside the weights' own
+    weights_only = flat.norm(dim=1, keepdim=True) * head.error_norms.float()[None]
+    assert float((token_bound.reshape(12, -1) - weights_only).max()) < 0.05 * float(
+        weights_only.max()
+    )
+    # the same row alone, or batched with others of any size, gets the same logits, bit for bit
+    rows = hidden.reshape(-1, 64)
+    for row in range(len(rows)):
+        alone = head.approximate(rows[row : row + 1])[0]
+        assert torch.equal(alone, logits.reshape(-1, 5_000)[row])
+    many = torch.cat([rows, torch.randn(40, 64, dtype=dtype)])
+    assert torch.equal(head.approximate(many)[:12], logits.reshape(-1, 5_000))
+
+
 def _peaked(vocab: int, width: int, rows: int, dtype: torch.dtype):
     """A head and hidden states whose logits have a few tokens near each row's best and a long
     tail far below (as a trained LM's do), and near-ties the int8 product alone gets wrong."""
@@ -92,10 +147,13 @@ def _peaked(vocab: int, width: int, rows: int, dtype: torch.dtype):
     [
         (torch.float32, Int8Product.WEIGHT_ONLY),
         (torch.bfloat16, Int8Product.WEIGHT_ONLY),
+        pytest.param(torch.float32, Int8Product.ONEDNN, marks=onednn),
+        pytest.param(torch.bfloat16, Int8Product.ONEDNN, marks=onednn),
     ],
 )
-def test_the_tokens_near_a_rows_best_are_scored_exactly(dtype, product):
-    weight, hidden = _peaked(20_000, 64, 16, dtype)
+@pytest.mark.parametrize("vocab", [20_000, 16 * 1024])  # row by row, and screened by blocks
+def test_the_tokens_near_a_rows_best_are_scored_exactly(dtype, product, vocab):
+    weight, hidden = _peaked(vocab, 64, 16, dtype)
     head = Int8Head(weight, product)
     exact = (hidden @ weight.T).float()
     got = head(hidden).float()
@@ -117,6 +175,21 @@ def test_the_tokens_near_a_rows_best_are_scored_exactly(dtype, product):
     assert torch.allclose(alone[near[1]], got[1][near[1]], atol=tolerance + 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocked_screen_finds_what_a_full_comparison_finds(dtype):
+    torch.manual_seed(0)
+    values = torch.randn(6, 8 * 1024).to(dtype)
+    values[2, 5000] = values[2, 7000] = 9.0  # a tie for the best: either index holds it
+    values[3] = 0.5  # a flat row: every entry reaches its cut
+    cut = torch.tensor([[2.5], [3.0], [8.0], [0.5], [100.0], [-100.0]])
+    rows, columns = _reaching(values, cut)
+    want_rows, want_columns = (values >= cut).nonzero(as_tuple=True)
+    assert torch.equal(rows, want_rows) and torch.equal(columns, want_columns)
+    top, best = _row_best(values)
+    assert torch.equal(top[:, 0], values.float().amax(1))
+    assert torch.equal(values.gather(1, best).float(), top)
+
+
 def test_a_flat_row_is_scored_wholly_in_full_precision():
     torch.manual_seed(0)
     weight = torch.randn(2_000, 32) * 1e-3  # every logit within the margin of the best
@@ -133,8 +206,10 @@ def test_without_a_margin_the_head_is_the_int8_product_alone():
 
 
 def test_the_product_follows_the_models_precision():
-    assert Int8Product.for_dtype(torch.bfloat16) is Int8Product.WEIGHT_ONLY
-    assert Int8Product.for_dtype(torch.float16) is Int8Product.WEIGHT_ONLY
+    # oneDNN's int8 x int8 where the CPU has AMX (measured faster there), else weight-only
+    half = Int8Product.ONEDNN if has_amx() else Int8Product.WEIGHT_ONLY
+    assert Int8Product.for_dtype(torch.bfloat16) is half
+    assert Int8Product.for_dtype(torch.float16) is half
     want = (
         Int8Product.DYNAMIC
         if torch.backends.quantized.engine in ("x86", "fbgemm")
@@ -217,12 +292,17 @@ def _greedy_answers(quantized: RagGenerator, reference: RagGenerator):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_with_the_rescoring_a_causal_model_gives_the_full_precision_models_answers(dirs, kind):
+@pytest.mark.parametrize(
+    "product", [Int8Product.WEIGHT_ONLY, pytest.param(Int8Product.ONEDNN, marks=onednn)]
+)
+def test_with_the_rescoring_a_causal_model_gives_the_full_precision_models_answers(
+    dirs, kind, product
+):
     """The default head (near-best tokens scored exactly): every greedy search's tokens are the
     full-precision model's, drafted or not, its log-probabilities within rounding."""
     path = dirs.causal(kind)
     quantized = RagGenerator.load(path, device="cpu")
-    quantized.backend.quantize_head(Int8Product.WEIGHT_ONLY)
+    quantized.backend.quantize_head(product)
     head = quantized.backend.model.get_output_embeddings()
     assert isinstance(head, Int8Head) and head.margin is not None
     full = RagGenerator.load(path, device="cpu")
@@ -257,3 +337,21 @@ def test_a_float32_model_decodes_with_the_dynamic_head_by_default(dirs, kind):
         assert got.hypotheses and all(len(h.token_ids) for h in got.hypotheses)
         assert got.doc_prior == pytest.approx(want.doc_prior, abs=1e-6)  # the head is not in it
         assert all(h.log_prob <= 0 for h in got.hypotheses)
+
+
+@pytest.mark.parametrize(
+    "product", [Int8Product.WEIGHT_ONLY, pytest.param(Int8Product.ONEDNN, marks=onednn)]
+)
+def test_the_memory_model_counts_what_the_int8_head_holds_while_it_computes(dirs, product):
+    gen = RagGenerator.load(dirs.causal("gemma3"), device="cpu")
+    plain = gen.memory
+    gen.backend.quantize_head(product)
+    gen.set_draft_tokens(0)  # as the service's set-up does after the head: the model again
+    head = gen.backend.model.get_output_embeddings()
+    assert isinstance(head, Int8Head)
+    assert gen.memory.head_logit_bytes == head.transient_bytes_per_logit > 0
+    # the screen's mask and pairs, and oneDNN's float32 pieces beside them
+    assert head.transient_bytes_per_logit == (14 if product is Int8Product.ONEDNN else 6)
+    shape = [RequestShape(passages=5, beams=1, prompt_tokens=100, new_tokens=16)]
+    extra = gen.memory.batch_bytes(shape) - plain.batch_bytes(shape)
+    assert extra >= 5 * gen.backend.vocab_size * head.transient_bytes_per_logit

@@ -238,6 +238,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
         head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
         inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
         layer_types = 2 if self.sliding_window else 1
+        head = self.model.get_output_embeddings()
         return MemoryModel(
             vocab=self.vocab_size,
             prefix_tokens=self.prefix_len,
@@ -250,6 +251,7 @@ class CausalBackend(GeneratorBackend[CausalEncoded, CausalDecodeState]):
             mask_bytes_per_pair=layer_types * elt,  # one mask per attention layer type
             score_bytes_cap=memory.score_bytes_cap(self.model),
             model_logit_bytes=memory.model_logit_bytes(elt),
+            head_logit_bytes=head.transient_bytes_per_logit if isinstance(head, Int8Head) else 0,
         )
 
     # ---------------------------------------------------------------- input

@@ -18,7 +18,7 @@ depends on the rows per step and the processor (docs/benchmarks.md, "The LM head
 the kernel reads half the bytes but dequantizes per row, so it pays with few rows (one
 request's k passages) and loses with many.
 
-Two products, one per kind of hidden state (:class:`Int8Product`), both torch's own kernels:
+Three products (:class:`Int8Product`), all torch's own kernels:
 
 * **weight-only** (bf16/fp16 hidden states): ``torch._weight_int8pack_mm``, above. Exact up to
   the weights' rounding.
@@ -38,10 +38,30 @@ Two products, one per kind of hidden state (:class:`Int8Product`), both torch's 
 
   so the error of a logit grows by at most ``m_r * 2/127 * sum_j |scale[v] * Q[v, j]|``.
 
-**The tokens that can be chosen are scored exactly** (the weight-only product). The int8 product
-only screens. By Cauchy-Schwarz a token's int8 logit is within ``eps_r(v) = |h_r|_2 * |e_v|_2`` of
-its exact one, e_v = W_v - scale_v * Q_v the row's rounding error (its norm kept per token);
-the row's int8 best a_r is worth at least
+* **oneDNN's int8 x int8** (``torch.ops.onednn.qlinear_pointwise``, the product torch's
+  compiler lowers quantized linears to on x86; on a CPU with AMX it runs on AMX's int8 tiles):
+  the one :meth:`Int8Product.for_dtype` picks for bf16/fp16 hidden states on a CPU with AMX,
+  where the weight-only kernel has no AMX path: rescored, 2.5x the weight-only product and
+  1.14-1.21x the packed bf16 head at one request's 5 rows, 4x slower than bf16 at 40
+  (docs/benchmarks.md, "The int8 head on AMX"). Its inputs are int8 too, so each hidden
+  state is written as two 7-bit pieces, both multiplied in the same call (2N rows read the
+  weights once)::
+
+      m_r = max_j |h_rj|,  u_r = 63 h_r / m_r in [-63, 63],
+      hi_r = round(u_r),  lo_r = round(126 (u_r - hi_r))   (both in [-63, 63]),
+      h~_r = m_r / 63 * (hi_r + lo_r / 126),  |h_rj - h~_rj| <= m_r / (63 * 252),
+      logits_r = m_r / 63 * (hi_r @ Q.T + lo_r @ Q.T / 126) * scale
+
+  The products of integer codes are exact (int32 sums; 7-bit pieces also keep a CPU without
+  VNNI, which sums pairs of u8 x s8 products in 16 bits, from saturating), so a row's logits do
+  not depend on the rows batched with it, and the hidden states' rounding adds
+  ``|h_r - h~_r|_2 * max_v |scale_v Q_v|_2`` to the bound, a few percent of the weights' own.
+
+**The tokens that can be chosen are scored exactly** (the weight-only and oneDNN products).
+The int8 product only screens. By Cauchy-Schwarz a token's int8 logit is within
+``eps_r(v) = |h_r|_2 * |e_v|_2`` of its exact one, e_v = W_v - scale_v * Q_v the row's rounding
+error (its norm kept per token; oneDNN's product adds its hidden state's rounding,
+``delta_r = |h_r - h~_r|_2 * max_v |scale_v Q_v|_2``); the row's int8 best a_r is worth at least
 ``L~_r(a_r) - eps_r(a_r)``. Every token whose int8 logit plus its own bound reaches that, less
 ``margin`` and bf16's rounding, is scored again with the model's own full-precision weights (the
 tied embedding's matrix, not a copy), and its exact logit replaces the int8 one::
@@ -87,6 +107,7 @@ import torch
 from torch import Tensor, nn
 
 from openbook.errors import InvalidArgument
+from openbook.rag.packed_weights import ROWS_HINT
 
 # torch's CPU kernel reads past the end of a row whose width is not a multiple of 16 (seen as
 # segfaults in bf16 on torch 2.13): such heads are refused, never run.
@@ -97,9 +118,11 @@ _QUANTIZE_ROWS = 16_384  # rows converted at a time: a float32 copy of the whole
 RESCORE_MARGIN = math.log(64)
 # A row with more than this share of the vocabulary to rescore is scored in full precision.
 RESCORE_MAX_SHARE = 1 / 16
-# bf16 rounds each output, sum and cut the rescoring compares to 2^-9 of its size; four of them:
-# the rounding part of the reach, relative to the logits compared.
-_ROUNDING = 2.0**-7
+# bf16 rounds each output, sum and cut the rescoring compares by up to 2^-8 of its size (its unit
+# roundoff: 8 bits of precision), four of them (the int8 product's output, the exact product's,
+# the upper bound's sum and the cut): the rounding part of the reach, relative to the logits
+# compared. (oneDNN's product compares in float32: fewer.)
+_ROUNDING = 4 * 2.0**-8
 
 
 class Int8Product(StrEnum):
@@ -107,24 +130,33 @@ class Int8Product(StrEnum):
 
     WEIGHT_ONLY = "weight-only"
     DYNAMIC = "dynamic"
+    ONEDNN = "onednn"
 
     @classmethod
     def for_dtype(cls, dtype: torch.dtype) -> Int8Product:
         """The faster product for hidden states of ``dtype`` on this machine: fbgemm's dynamic
-        one for float32 where torch's quantized engine is fbgemm's (x86), else weight-only."""
+        one for float32 where torch's quantized engine is fbgemm's (x86); oneDNN's int8 x int8
+        for bf16/fp16 on a CPU with AMX (measured there; elsewhere not yet); else weight-only."""
         if dtype == torch.float32 and torch.backends.quantized.engine in ("x86", "fbgemm"):
             return cls.DYNAMIC
+        if dtype != torch.float32 and has_amx():
+            return cls.ONEDNN
         return cls.WEIGHT_ONLY
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (and torch's oneDNN can use them)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported())
 
 
 class Int8Head(nn.Module):
     """``Linear(d, V, bias=False)`` with int8 weights and one scale per output row.
 
-    Buffers: ``weight_int8`` (V, d) int8 (weight-only; the dynamic product keeps the codes in
-    fbgemm's packed form instead), ``scales`` (V,) in the precision of the hidden states
-    it is given (the model's). ``forward``: hidden (..., d) -> logits (..., V), the hidden
-    states' dtype. ``product`` (default: :meth:`Int8Product.for_dtype` of the weight's dtype)
-    says which kernel multiplies; the dynamic one also keeps fbgemm's packed copy of the codes.
+    Buffers: ``weight_int8`` (V, d) int8 (weight-only; the dynamic and oneDNN products keep
+    the codes in their library's packed form instead), ``scales`` (V,) in the precision of the
+    hidden states it is given (the model's; float32 for oneDNN's product, which takes them so).
+    ``forward``: hidden (..., d) -> logits (..., V), the hidden states' dtype. ``product``
+    (default: :meth:`Int8Product.for_dtype` of the weight's dtype) says which kernel multiplies.
     ``weight`` itself is kept (not copied) to score again, exactly, the tokens within
     ``margin`` of each row's best (module docstring); ``margin`` None: the int8 product alone.
     """
@@ -133,6 +165,7 @@ class Int8Head(nn.Module):
     scales: Tensor
     error_norms: Tensor
     _anchor: Tensor
+    _zero_points: Tensor
 
     def __init__(
         self,
@@ -153,12 +186,18 @@ class Int8Head(nn.Module):
             )
         if weight.device.type != "cpu":
             raise InvalidArgument(f"the int8 LM head runs on CPU; this model is on {weight.device}")
+        self.product = product or Int8Product.for_dtype(weight.dtype)
+        if self.product is Int8Product.ONEDNN and not torch.backends.mkldnn.is_available():
+            raise InvalidArgument("oneDNN's int8 LM head needs torch built with oneDNN")
+        # the scales as the product reads them: oneDNN's in float32, the others' in the model's
+        scale_dtype = torch.float32 if self.product is Int8Product.ONEDNN else weight.dtype
         packed = torch.empty((vocab, width), dtype=torch.int8)
         scales = torch.empty(vocab, dtype=torch.float32)
-        # per row v: |W_v - scale_v * Q_v|_2 with the scale as the product reads it (rounded to
-        # the model's precision): the weights' error, in the rescoring's bound
+        # per row v: |W_v - scale_v * Q_v|_2 with the scale as the product reads it: the
+        # weights' error, in the rescoring's bound
         error_norms = torch.empty(vocab, dtype=torch.float32)
         l1_max = 0.0  # max_v |W~_v|_1: the dynamic product's activation rounding, in its bound
+        l2_max = 0.0  # max_v |W~_v|_2: oneDNN's, in its bound
         with torch.no_grad():
             for start in range(0, vocab, _QUANTIZE_ROWS):
                 rows = weight[start : start + _QUANTIZE_ROWS].float()
@@ -168,25 +207,35 @@ class Int8Head(nn.Module):
                 codes = torch.round(rows / scale[:, None]).clamp_(-127, 127)
                 packed[start : start + len(rows)] = codes.to(torch.int8)
                 scales[start : start + len(rows)] = scale
-                used = scale.to(weight.dtype).float()[:, None] * codes
+                used = scale.to(scale_dtype).float()[:, None] * codes
                 error_norms[start : start + len(rows)] = (rows - used).norm(dim=1)
                 l1_max = max(l1_max, float(used.abs().sum(dim=1).max()))
+                l2_max = max(l2_max, float(used.norm(dim=1).max()))
         self.in_features, self.out_features = int(width), int(vocab)
-        self.product = product or Int8Product.for_dtype(weight.dtype)
         if self.product is Int8Product.DYNAMIC:
             # its hidden states rounded to 7 bits make the bound tens of nats on a real model's
             # rows (a few entries ~60): every row would fall back to full precision
             margin = None
         self.margin = margin
         self._reference = weight.detach() if margin is not None else None
-        self.register_buffer("error_norms", error_norms.to(weight.dtype), persistent=False)
+        # float32 whatever the model's precision: rounded down, a bound would not be one
+        self.register_buffer("error_norms", error_norms, persistent=False)
         self._l1_max = l1_max
+        self._l2_max = l2_max
         self.rescored_tokens = 0  # tokens scored again, over all steps (for benchmarks)
         self.full_steps = 0  # rows scored wholly in full precision (too many candidates)
-        self.register_buffer("scales", scales.to(weight.dtype))
+        self.register_buffer("scales", scales.to(scale_dtype))
         self._fbgemm_weight: object | None = None
+        self._onednn_weight: Tensor | None = None
         if self.product is Int8Product.WEIGHT_ONLY:
             self.register_buffer("weight_int8", packed)
+        elif self.product is Int8Product.ONEDNN:
+            # the codes live once, in oneDNN's blocked layout (reordered for a step's rows)
+            self._onednn_weight = torch.ops.onednn.qlinear_prepack(packed, [2 * ROWS_HINT, width])
+            del packed
+            self.register_buffer(
+                "_zero_points", torch.zeros(vocab, dtype=torch.long), persistent=False
+            )
         else:
             # the codes live once, in fbgemm's packed form (a second copy would be V x d bytes)
             self._fbgemm_weight = _fbgemm_packed(packed, scales)
@@ -199,65 +248,83 @@ class Int8Head(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden (..., d) -> logits (..., V): the int8 product, its near-best tokens exact."""
         flat = hidden.reshape(-1, self.in_features).contiguous()  # a view when it already is
-        logits = self._product(flat)
+        logits, delta = self._product(flat)
         if self._reference is not None and len(flat):
-            logits = self._rescored(flat, logits)
-        return logits.reshape(*hidden.shape[:-1], self.out_features)
+            logits = self._rescored(flat, logits, delta)
+        return logits.to(hidden.dtype).reshape(*hidden.shape[:-1], self.out_features)
 
     def approximate(self, hidden: Tensor) -> Tensor:
         """hidden (..., d) -> logits (..., V) of the int8 product alone (no rescoring)."""
         flat = hidden.reshape(-1, self.in_features).contiguous()
-        return self._product(flat).reshape(*hidden.shape[:-1], self.out_features)
+        logits, _ = self._product(flat)
+        return logits.to(hidden.dtype).reshape(*hidden.shape[:-1], self.out_features)
 
-    def _product(self, flat: Tensor) -> Tensor:
+    def _product(self, flat: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(N, d) -> the int8 logits (N, V) and, where the product rounds the hidden states
+        too, by how much each row's logits can move for it (N, 1) float32 (else None)."""
         if self._fbgemm_weight is not None:
-            return self._dynamic_product(flat)
+            return self._dynamic_product(flat), None
+        if self._onednn_weight is not None:
+            return self._onednn_product(flat)
         scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
-        return torch._weight_int8pack_mm(flat, self.weight_int8, scales)
+        return torch._weight_int8pack_mm(flat, self.weight_int8, scales), None
 
     def error_bound(self, flat: Tensor) -> Tensor:
         """(N, d) -> (N, V) float32: how far each int8 logit can be from the one of the
         full-precision weights, before rounding of the outputs: ``|h_r|_2 * |e_v|_2`` for the
         weights' error e_v (Cauchy-Schwarz; per token, so a row of small codes is trusted
-        more), plus, for the dynamic product, the hidden states' rounding (module docstring)."""
+        more), plus the hidden states' rounding for the dynamic and oneDNN products (module
+        docstring)."""
         rows = flat.float()
         bound = rows.norm(dim=1, keepdim=True) * self.error_norms.float()[None]
         if self._fbgemm_weight is not None:
             bound += rows.abs().amax(dim=1, keepdim=True) * (2 / 127) * self._l1_max
+        if self._onednn_weight is not None:
+            _, _, residual = _pieces(rows)
+            bound += residual * self._l2_max
         return bound
 
-    def _rescored(self, flat: Tensor, logits: Tensor) -> Tensor:
-        """(N, d), (N, V) int8 logits -> the same with every token that can be chosen scored by
-        the full-precision weights (module docstring). Row by row: which of a row's logits are
-        exact depends on that row alone, never on the rows batched with it."""
+    def _rescored(self, flat: Tensor, logits: Tensor, delta: Tensor | None) -> Tensor:
+        """(N, d), (N, V) int8 logits, (N, 1) the hidden states' share of their bound (None:
+        none) -> the same logits with every token that can be chosen scored by the
+        full-precision weights (module docstring). Row by row: which of a row's logits are
+        exact depends on that row alone, never on the rows batched with it.
+
+        Besides the product, three vectorized passes over the (N, V) logits: each row's best,
+        the upper bounds, and their maxima by blocks of _BLOCK tokens; only the blocks whose
+        maximum reaches the cut are compared token by token (torch's argmax, nonzero and
+        counts over 262,144 entries a row cost several times a maximum on CPU)."""
         assert self._reference is not None and self.margin is not None
+        n, vocab = logits.shape
         norms = flat.float().norm(dim=1, keepdim=True)  # (N, 1)
-        best = logits.argmax(dim=1, keepdim=True)  # (N, 1): the row's int8 best, a_r
-        top = logits.gather(1, best).float()
-        slack = norms * self.error_norms.float()[best]  # its exact logit is >= top - slack
-        # bf16 rounds both products' outputs, the sum below and the cut, each by at most 2^-9
+        top, best = _row_best(logits)  # (N, 1) float32, (N, 1): the row's int8 best, a_r
+        slack = norms * self.error_norms[best]  # its exact logit is >= top - slack
+        if delta is not None:  # the hidden state's rounding moves every logit of the row:
+            slack = slack + 2 * delta  # the best's, and each candidate's (the cut below)
+        # bf16 rounds both products' outputs, the sum below and the cut, each by at most 2^-8
         # of the logits compared (no larger than |top| + the reach)
         reach = self.margin + slack
         reach = reach + _ROUNDING * (top.abs() + reach)
-        cut = (top - reach).to(logits.dtype)
+        cut = top - reach  # (N, 1)
         # v may be chosen where its largest possible exact logit reaches the cut:
-        # L~_r(v) + |h_r|_2 |e_v|_2 >= L~_r(a_r) - |h_r|_2 |e_a|_2 - margin - rounding
-        dtype = logits.dtype
-        upper = torch.addcmul(logits, norms.to(dtype), self.error_norms.to(dtype)[None])
-        candidates = upper >= cut  # (N, V)
+        # L~_r(v) + |h_r|_2 |e_v|_2 (+ delta_r) >= L~_r(a_r) - |h_r|_2 |e_a|_2 (- delta_r)
+        #                                            - margin - rounding
+        upper = torch.addcmul(logits, norms, self.error_norms[None])  # (N, V) float32
+        rows, tokens = _reaching(upper, cut)  # (P,), (P,): the chosen pairs
         del upper
-        flat_rows = candidates.sum(dim=1) > RESCORE_MAX_SHARE * self.out_features
+        counts = torch.bincount(rows, minlength=n)
+        flat_rows = counts > RESCORE_MAX_SHARE * vocab
         if bool(flat_rows.any()):  # too many near the best: the whole row in full precision
             self.full_steps += int(flat_rows.sum())
             full = flat_rows.nonzero().squeeze(1)
             logits[full] = (flat[full] @ self._reference.T).to(logits.dtype)
-            candidates[full] = False
-        tokens = candidates.any(dim=0).nonzero().squeeze(1)
-        if len(tokens):
-            self.rescored_tokens += len(tokens)
-            exact = (flat @ self._reference[tokens].T).to(logits.dtype)
-            own = candidates[:, tokens]
-            logits[:, tokens] = torch.where(own, exact, logits[:, tokens])
+            kept = ~flat_rows[rows]
+            rows, tokens = rows[kept], tokens[kept]
+        if len(rows):
+            unique, position = tokens.unique(return_inverse=True)
+            self.rescored_tokens += len(unique)
+            exact = flat @ self._reference[unique].T  # (N, T): the model's own product
+            logits[rows, tokens] = exact[rows, position].to(logits.dtype)
         return logits
 
     def _dynamic_product(self, flat: Tensor) -> Tensor:
@@ -270,11 +337,39 @@ class Int8Head(nn.Module):
         logits = torch.ops.quantized.linear_dynamic(unit, self._fbgemm_weight, True)[:-1]
         return (logits * magnitude).to(dtype)
 
+    def _onednn_product(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """(N, d) -> (N, V) float32 through oneDNN, each hidden state in two 7-bit pieces
+        multiplied in one call, and each row's hidden-state share of its bound, delta_r (N, 1)
+        (module docstring). Float32 out: in bf16 oneDNN rounds a row's outputs differently
+        with the number of rows (seen on AMX), and a row's logits must not depend on its batch."""
+        n = len(flat)
+        codes, magnitude, residual = _pieces(flat.float())
+        products = torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, _PIECE_ZERO, self._onednn_weight, self.scales, self._zero_points,
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        # (2N, V): hi_r @ Q.T * scale, then lo_r @ Q.T * scale
+        logits = products[:n].add_(products[n:], alpha=1 / _PIECE_LOW)
+        return logits.mul_(magnitude / _PIECE), residual * self._l2_max
+
+    @property
+    def transient_bytes_per_logit(self) -> int:
+        """Bytes per logit of a step this head holds beside the logits it returns, at its
+        peak (the memory model counts them): oneDNN's two float32 pieces, fbgemm's float32
+        output and its scaled copy, and the rescoring's float32 upper bounds, candidate mask
+        and chosen pairs (two int64 indices each, for at most RESCORE_MAX_SHARE of a row)."""
+        # torch's weight-only kernel returns the model's precision: the logits themselves
+        float32_out = self._onednn_weight is not None or self._fbgemm_weight is not None
+        product = 2 * 4 if float32_out else 0
+        return product + (4 + 1 + 1 if self._reference is not None else 0)
+
     def dequantized(self) -> Tensor:
         """The weights this head multiplies by, (V, d) float32 (for tests and error bounds)."""
         if self._fbgemm_weight is not None:
             codes, _ = torch.ops.quantized.linear_unpack(self._fbgemm_weight)
             return codes.dequantize()
+        if self._onednn_weight is not None:  # stored (d, V), in oneDNN's layout
+            return self._onednn_weight.to_dense().T.float() * self.scales.float()[:, None]
         return self.weight_int8.float() * self.scales.float()[:, None]
 
     def extra_repr(self) -> str:
@@ -282,6 +377,60 @@ class Int8Head(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int8 {self.product.value}"
         )
+
+
+def _row_best(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, V) -> each row's largest value (N, 1) float32 and an index holding it (N, 1): the
+    maxima of blocks of _BLOCK entries, then the argmax inside the best block."""
+    n, vocab = logits.shape
+    if vocab % _BLOCK:
+        best = logits.argmax(dim=1, keepdim=True)
+        return logits.gather(1, best).float(), best
+    blocks = logits.view(n, vocab // _BLOCK, _BLOCK)
+    block = blocks.amax(dim=2).argmax(dim=1)  # (N,): a block holding the row's maximum
+    inside = blocks[torch.arange(n), block].argmax(dim=1)  # (N,)
+    best = (block * _BLOCK + inside)[:, None]
+    return logits.gather(1, best).float(), best
+
+
+def _reaching(values: Tensor, cut: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, V), (N, 1) -> the (row, column) pairs where ``values >= cut``, row-major: the
+    blocks of _BLOCK columns whose maximum reaches the row's cut, then the entries inside
+    them (all of a row's entries are looked at where V is not a multiple of _BLOCK)."""
+    n, vocab = values.shape
+    if vocab % _BLOCK:
+        rows, columns = (values >= cut).nonzero(as_tuple=True)
+        return rows, columns
+    blocks = values.view(n, vocab // _BLOCK, _BLOCK)
+    block_rows, block_ids = (blocks.amax(dim=2) >= cut).nonzero(as_tuple=True)  # (K,)
+    inside = blocks[block_rows, block_ids] >= cut[block_rows]  # (K, _BLOCK)
+    which, offset = inside.nonzero(as_tuple=True)
+    return block_rows[which], block_ids[which] * _BLOCK + offset
+
+
+# Entries per block of a row of logits (a power of two divides Gemma's 262,144 and most
+# vocabularies padded for their kernels): a block's maximum screens it whole.
+_BLOCK = 1024
+
+# oneDNN's hidden-state pieces (module docstring): a row scaled to [-_PIECE, _PIECE], its high
+# piece rounded, the remainder times _PIECE_LOW rounded; both stored as u8 around _PIECE_ZERO.
+_PIECE = 63
+_PIECE_LOW = 126
+_PIECE_ZERO = 64
+
+
+def _pieces(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """rows (N, d) float32 -> codes (2N, d) uint8 (the high pieces, then the low ones, offset
+    by _PIECE_ZERO), each row's magnitude m_r (N, 1) and |h_r - h~_r|_2 (N, 1)."""
+    magnitude = rows.abs().amax(dim=1, keepdim=True)
+    magnitude = torch.where(magnitude > 0, magnitude, torch.ones_like(magnitude))
+    unit = rows * (_PIECE / magnitude)
+    high = torch.round(unit)
+    low = torch.round((unit - high) * _PIECE_LOW)
+    approx = (high + low / _PIECE_LOW) * (magnitude / _PIECE)
+    residual = (rows - approx).norm(dim=1, keepdim=True)
+    codes = torch.cat([high, low]).add_(_PIECE_ZERO).to(torch.uint8)
+    return codes, magnitude, residual
 
 
 def _fbgemm_packed(codes: Tensor, scales: Tensor) -> object:
