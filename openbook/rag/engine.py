@@ -121,6 +121,8 @@ class Running:
     stream: RequestStream | None = None
     # seconds of engine time this request was charged (its prefill + its share of every step)
     cost_s: float = 0.0
+    # prompt tokens its prefill took from a cache instead of computing (Encoded.reused_tokens)
+    reused_tokens: int = 0
     # decoding steps its rows took part in
     steps: int = 0
     done: bool = field(default=False)
@@ -177,7 +179,11 @@ class Running:
                 self.settings,
                 thorough=self.options.mode == "rag-sequence-thorough",
             )
-        return GenerationResult(hypotheses=hyps, doc_prior=self.log_prior.exp().tolist())
+        return GenerationResult(
+            hypotheses=hyps,
+            doc_prior=self.log_prior.exp().tolist(),
+            cached_input_tokens=self.reused_tokens,
+        )
 
     def scored_tokens(self) -> int:
         """The tokens RAG-Sequence thorough scores for this request's :meth:`result`: its
@@ -344,6 +350,7 @@ class DecodingEngine:
         part = self.backend.encode([(request.question, chunk)], len(chunk))
         request.parts.append(part)
         self.last_reused_tokens = part.reused_tokens
+        request.reused_tokens += part.reused_tokens
         if request.prefilled == len(request.passages):
             parts, request.parts = request.parts, []
             request.enc = parts[0] if len(parts) == 1 else self.backend.concat_encoded(parts)

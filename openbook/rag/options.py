@@ -94,3 +94,6 @@ class Hypothesis:
 class GenerationResult:
     hypotheses: list[Hypothesis]  # best first
     doc_prior: list[float]  # p(z|x) = softmax of the passage scores
+    # of the prompt tokens the model read, those whose keys/values came from a cache (a causal
+    # LM's passage cache) instead of being computed: usage's cached prompt tokens
+    cached_input_tokens: int = 0

@@ -47,6 +47,11 @@ def test_rag_token_stream_ends_with_the_unary_reply(service):
     request = _request(max_new_tokens=10)
     tokens, done = _split(list(stub.GenerateStream(request, timeout=60)))
     unary = stub.Generate(request, timeout=60)
+    # the same passages read just before: their prompts' keys/values came from the passage
+    # cache (the question's tail did not), so the unary reply reports them as cached
+    assert 0 < unary.cached_prompt_tokens < unary.prompt_tokens
+    assert done.cached_prompt_tokens <= unary.cached_prompt_tokens
+    unary.cached_prompt_tokens = done.cached_prompt_tokens
     assert done == unary
     best = done.hypotheses[0]
     assert [t.token for t in tokens] == [t.token for t in best.tokens]

@@ -67,6 +67,22 @@ def test_a_completion_is_the_answer_with_citations_and_usage(client, url):
     assert reply.model_extra["openbook"]["index"] == "facts-a"
 
 
+def test_usage_counts_the_prompt_tokens_the_generators_passage_cache_held(client):
+    """The generator keeps passage prompts' keys/values (its passage cache, on by default):
+    asked again over the same passages, their tokens are reported as cached, the question's
+    own are not."""
+
+    def ask():
+        return client.chat.completions.create(
+            model="openbook", messages=ASK, max_tokens=4, extra_body={"k": 3, "use_cache": False}
+        )
+
+    ask()
+    again = ask()
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+
+
 def test_a_streamed_completion_adds_up_to_the_whole_one(client):
     request = dict(
         model="openbook/facts-b",
@@ -86,7 +102,12 @@ def test_a_streamed_completion_adds_up_to_the_whole_one(client):
     assert "".join(text or "" for text in contents) == whole.choices[0].message.content
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.total_tokens == whole.usage.total_tokens
+    # asked a second time: the generator's passage cache may hold what the first one read
+    assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
     cited = [c for c in chunks if c.model_extra.get("citations")]
     assert len(cited) == 1
     assert_same_up_to_float_noise(cited[0].model_extra["citations"], whole.model_extra["citations"])

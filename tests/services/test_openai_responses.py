@@ -106,6 +106,9 @@ def test_a_response_says_what_the_chat_completion_says(client):
     assert_same_up_to_float_noise(reply.model_extra["citations"], chat.model_extra["citations"])
     _check_annotations(part.text, part.annotations, reply.model_extra["citations"])
     assert reply.usage.input_tokens == chat.usage.prompt_tokens > 0
+    # the passages were read just before (the chat completion): their prompts were cached
+    cached = reply.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < reply.usage.input_tokens
     assert reply.usage.output_tokens == chat.usage.completion_tokens
     assert reply.usage.total_tokens == chat.usage.total_tokens
     assert reply.model_extra["openbook"]["index"] == "facts-a"

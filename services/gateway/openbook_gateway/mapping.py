@@ -78,6 +78,7 @@ def answer_response(
         request_id=request_id,
         timings_ms=timings,
         prompt_tokens=generated.prompt_tokens,
+        cached_prompt_tokens=generated.cached_prompt_tokens,
         question_used=body.question,
         min_confidence=None,  # a request's threshold, applied later (with_threshold)
     ).model_dump()

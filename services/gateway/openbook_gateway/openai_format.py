@@ -227,6 +227,8 @@ class Completion:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            # the passage prompts' tokens the generator's passage cache held
+            "prompt_tokens_details": {"cached_tokens": answer.get("cached_prompt_tokens") or 0},
         }
 
     @staticmethod

@@ -168,7 +168,7 @@ class ResponseReply:
             chat_usage = self.completion._usage(answer)
             usage = {
                 "input_tokens": chat_usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": chat_usage["prompt_tokens_details"],
                 "output_tokens": chat_usage["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": chat_usage["total_tokens"],

@@ -283,6 +283,11 @@ class AnswerResponse(BaseModel):
     prompt_tokens: int | None = Field(
         None, description="tokens the generator read: the k passage inputs together"
     )
+    cached_prompt_tokens: int | None = Field(
+        None,
+        description="of prompt_tokens, those whose keys/values the generator's passage cache "
+        "held, so that they were not computed again",
+    )
     question_used: str | None = Field(
         None,
         description="the question passages were retrieved and the answer generated for: the "

@@ -127,6 +127,7 @@ def result_to_proto(
         doc_prior=result.doc_prior,
         model_version=model_version,
         prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=result.cached_input_tokens,
     )
 
 
