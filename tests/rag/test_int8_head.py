@@ -176,15 +176,20 @@ def test_the_tokens_near_a_rows_best_are_scored_exactly(dtype, product, vocab):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_blocked_screen_finds_what_a_full_comparison_finds(dtype):
+@pytest.mark.parametrize("vocab", [8 * 1024, 8 * 1024 + 3])  # by blocks, and entry by entry
+def test_the_blocked_screen_finds_what_a_full_comparison_finds(dtype, vocab):
     torch.manual_seed(0)
-    values = torch.randn(6, 8 * 1024).to(dtype)
+    values = torch.randn(6, vocab).to(dtype)
     values[2, 5000] = values[2, 7000] = 9.0  # a tie for the best: either index holds it
     values[3] = 0.5  # a flat row: every entry reaches its cut
     cut = torch.tensor([[2.5], [3.0], [8.0], [0.5], [100.0], [-100.0]])
-    rows, columns = _reaching(values, cut)
-    want_rows, want_columns = (values >= cut).nonzero(as_tuple=True)
-    assert torch.equal(rows, want_rows) and torch.equal(columns, want_columns)
+    reached = values >= cut
+    for limit in (values.shape[1], 1_000):  # no row past it; the flat row 3 past it
+        rows, columns, over = _reaching(values, cut, limit)
+        assert torch.equal(over, reached.sum(1) > limit)
+        want_rows, want_columns = (reached & ~over[:, None]).nonzero(as_tuple=True)
+        assert torch.equal(rows, want_rows) and torch.equal(columns, want_columns)
+    assert over.tolist() == [False, False, False, True, False, True]  # rows 3 and 5 reach all
     top, best = _row_best(values)
     assert torch.equal(top[:, 0], values.float().amax(1))
     assert torch.equal(values.gather(1, best).float(), top)

@@ -310,16 +310,13 @@ class Int8Head(nn.Module):
         # L~_r(v) + |h_r|_2 |e_v|_2 (+ delta_r) >= L~_r(a_r) - |h_r|_2 |e_a|_2 (- delta_r)
         #                                            - margin - rounding
         upper = torch.addcmul(logits, norms, self.error_norms[None])  # (N, V) float32
-        rows, tokens = _reaching(upper, cut)  # (P,), (P,): the chosen pairs
+        # (P,), (P,): the chosen pairs, of the rows with at most RESCORE_MAX_SHARE chosen
+        rows, tokens, flat_rows = _reaching(upper, cut, RESCORE_MAX_SHARE * vocab)
         del upper
-        counts = torch.bincount(rows, minlength=n)
-        flat_rows = counts > RESCORE_MAX_SHARE * vocab
         if bool(flat_rows.any()):  # too many near the best: the whole row in full precision
             self.full_steps += int(flat_rows.sum())
             full = flat_rows.nonzero().squeeze(1)
             logits[full] = (flat[full] @ self._reference.T).to(logits.dtype)
-            kept = ~flat_rows[rows]
-            rows, tokens = rows[kept], tokens[kept]
         if len(rows):
             unique, position = tokens.unique(return_inverse=True)
             self.rescored_tokens += len(unique)
@@ -393,19 +390,27 @@ def _row_best(logits: Tensor) -> tuple[Tensor, Tensor]:
     return logits.gather(1, best).float(), best
 
 
-def _reaching(values: Tensor, cut: Tensor) -> tuple[Tensor, Tensor]:
-    """(N, V), (N, 1) -> the (row, column) pairs where ``values >= cut``, row-major: the
-    blocks of _BLOCK columns whose maximum reaches the row's cut, then the entries inside
-    them (all of a row's entries are looked at where V is not a multiple of _BLOCK)."""
+def _reaching(values: Tensor, cut: Tensor, limit: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(N, V), (N, 1) -> the (row, column) pairs where ``values >= cut``, row-major, of the
+    rows with at most ``limit`` of them, and which rows had more (N,) bool (their pairs are
+    left out: at most ``limit`` pairs a row are ever listed). By blocks of _BLOCK columns: a
+    block is looked at entry by entry only where its maximum reaches the row's cut (every
+    entry where V is not a multiple of _BLOCK)."""
     n, vocab = values.shape
     if vocab % _BLOCK:
-        rows, columns = (values >= cut).nonzero(as_tuple=True)
-        return rows, columns
+        reached = values >= cut  # (N, V)
+        over = reached.count_nonzero(dim=1) > limit
+        reached[over] = False
+        rows, columns = reached.nonzero(as_tuple=True)
+        return rows, columns, over
     blocks = values.view(n, vocab // _BLOCK, _BLOCK)
     block_rows, block_ids = (blocks.amax(dim=2) >= cut).nonzero(as_tuple=True)  # (K,)
     inside = blocks[block_rows, block_ids] >= cut[block_rows]  # (K, _BLOCK)
+    counts = torch.zeros(n, dtype=torch.long).index_add_(0, block_rows, inside.count_nonzero(dim=1))
+    over = counts > limit
+    inside[over[block_rows]] = False
     which, offset = inside.nonzero(as_tuple=True)
-    return block_rows[which], block_ids[which] * _BLOCK + offset
+    return block_rows[which], block_ids[which] * _BLOCK + offset, over
 
 
 # Entries per block of a row of logits (a power of two divides Gemma's 262,144 and most
