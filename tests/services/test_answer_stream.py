@@ -14,7 +14,8 @@ from openbook_testkit.rag import make_tiny_causal_lm
 from openbook_testkit.sse import read_events
 from openbook_testkit.stack import running_backends, serving_gateway
 
-PER_REQUEST = ("request_id", "timings_ms", "cached")
+# what the generator's passage cache held depends on the requests before
+PER_REQUEST = ("request_id", "timings_ms", "cached", "cached_prompt_tokens")
 
 
 @pytest.fixture(scope="module")

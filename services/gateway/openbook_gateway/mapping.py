@@ -85,8 +85,15 @@ def answer_response(
 
 
 # What a stored answer leaves out: they belong to the request that computed it (the
-# threshold too: a stored answer is the model's, never abstained; see with_threshold).
-PER_REQUEST_FIELDS = ("request_id", "timings_ms", "min_confidence", "abstained")
+# threshold too: a stored answer is the model's, never abstained; see with_threshold; and what
+# the generator's passage cache held then: served from the store, the generator reads nothing).
+PER_REQUEST_FIELDS = (
+    "request_id",
+    "timings_ms",
+    "min_confidence",
+    "abstained",
+    "cached_prompt_tokens",
+)
 
 
 def stored_answer(answer: dict) -> dict:
@@ -102,6 +109,7 @@ def cached_answer(stored: dict, request_id: str, timings: dict[str, float]) -> d
         "abstained": False,
         "min_confidence": None,
         "cached": True,
+        "cached_prompt_tokens": None,
         "request_id": request_id,
         "timings_ms": timings,
     }
