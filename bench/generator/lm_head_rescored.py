@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -32,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from bench.generator.engine import machine_info
 from bench.generator.llamacpp import make_requests
-from bench.generator.lm_head import _cpu_flags
 from openbook.rag import DecodingOptions, RagGenerator
 from openbook.rag.backends.int8_head import Int8Head, Int8Product
 from openbook.rag.packed_weights import PackedLinear
@@ -124,10 +123,7 @@ def main() -> None:
             )
     report = {
         "command": "python " + " ".join(sys.argv),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_flags": _cpu_flags(),
-        "threads": args.threads,
-        "torch": torch.__version__,
+        "machine": machine_info(),  # processor, its bf16/AMX flags, torch and its threads
         "results": results,
     }
     if args.json is not None:

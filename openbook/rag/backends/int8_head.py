@@ -295,7 +295,7 @@ class Int8Head(nn.Module):
         maximum reaches the cut are compared token by token (torch's argmax, nonzero and
         counts over 262,144 entries a row cost several times a maximum on CPU)."""
         assert self._reference is not None and self.margin is not None
-        n, vocab = logits.shape
+        vocab = logits.shape[1]
         norms = flat.float().norm(dim=1, keepdim=True)  # (N, 1)
         top, best = _row_best(logits)  # (N, 1) float32, (N, 1): the row's int8 best, a_r
         slack = norms * self.error_norms[best]  # its exact logit is >= top - slack
