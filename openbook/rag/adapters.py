@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -104,7 +107,8 @@ def attach_lora(model: Any, spec: LoraSpec) -> Any:
     that saves the adapter."""
     from peft import get_peft_model
 
-    return get_peft_model(model, spec.peft_config(model))
+    with _peft_quietly():
+        return get_peft_model(model, spec.peft_config(model))
 
 
 def save_adapter(peft_model: Any, out: Path, base_id: str, base_name: str) -> None:
@@ -145,7 +149,8 @@ def load_trainable(model: Any, adapter_dir: Path) -> Any:
     training). Returns the ``PeftModel``."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    with _peft_quietly():
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
 
 
 def merged(model: Any, adapter_dir: Path) -> Any:
@@ -153,4 +158,17 @@ def merged(model: Any, adapter_dir: Path) -> Any:
     architecture, as fast as the base."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    with _peft_quietly():
+        return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+
+
+@contextmanager
+def _peft_quietly() -> Iterator[None]:
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` whenever it wraps a
+    model, and transformers warns about it on every service's start: a FutureWarning about
+    peft's code, which nothing here can act on, in the first lines a user reads."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield

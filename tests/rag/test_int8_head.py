@@ -17,7 +17,7 @@ from openbook.rag.backends.int8_head import (
     Int8Product,
     _reaching,
     _row_best,
-    has_amx,
+    has_int8_dot_products,
 )
 from openbook.rag.memory import RequestShape
 from openbook_testkit.rag import QUESTION, make_passages
@@ -211,8 +211,9 @@ def test_without_a_margin_the_head_is_the_int8_product_alone():
 
 
 def test_the_product_follows_the_models_precision():
-    # oneDNN's int8 x int8 where the CPU has AMX (measured faster there), else weight-only
-    half = Int8Product.ONEDNN if has_amx() else Int8Product.WEIGHT_ONLY
+    # oneDNN's int8 x int8 where the CPU has AMX or AVX512-VNNI (measured faster on both), else
+    # weight-only
+    half = Int8Product.ONEDNN if has_int8_dot_products() else Int8Product.WEIGHT_ONLY
     assert Int8Product.for_dtype(torch.bfloat16) is half
     assert Int8Product.for_dtype(torch.float16) is half
     want = (

@@ -7,6 +7,7 @@ compute."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from openbook.rag import DecodingOptions, RagGenerator
-from openbook.rag.adapters import AdapterMismatch, LoraSpec, attach_lora
+from openbook.rag.adapters import AdapterMismatch, LoraSpec, attach_lora, merged
 from openbook.rag.checkpoint import load_generator
 from openbook.storage.checkpoint import CheckpointError, verify_checkpoint
 from openbook_testkit.rag import QUESTION, make_passages, make_tiny_causal_lm
@@ -179,3 +180,17 @@ def test_attach_keeps_the_model_object_and_freezes_the_base(tmp_path):
     generator.refresh()
     assert _answers(generator) == before  # B = 0 at the start: the same model
     assert peft_model.base_model.model is model
+
+
+def test_wrapping_and_merging_an_adapter_say_nothing_about_peft_internals(tmp_path):
+    # peft reads transformers' deprecated is_gradient_checkpointing: a FutureWarning every
+    # service start printed, about code no user can change
+    lm = make_tiny_causal_lm(tmp_path / "lm")
+    generator = RagGenerator.load(lm, dtype="float32")
+    fresh = RagGenerator.load(lm, dtype="float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft_model = attach_lora(generator.model, LoraSpec(rank=2))
+        peft_model.save_pretrained(tmp_path / "adapter", safe_serialization=True)
+        merged(fresh.model, tmp_path / "adapter")
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

@@ -40,10 +40,12 @@ Three products (:class:`Int8Product`), all torch's own kernels:
 
 * **oneDNN's int8 x int8** (``torch.ops.onednn.qlinear_pointwise``, the product torch's
   compiler lowers quantized linears to on x86; on a CPU with AMX it runs on AMX's int8 tiles):
-  the one :meth:`Int8Product.for_dtype` picks for bf16/fp16 hidden states on a CPU with AMX,
-  where the weight-only kernel has no AMX path: rescored, 2.5x the weight-only product and
-  1.14-1.21x the packed bf16 head at one request's 5 rows, 4x slower than bf16 at 40
-  (docs/benchmarks.md, "The int8 head on AMX"). Its inputs are int8 too, so each hidden
+  the one :meth:`Int8Product.for_dtype` picks for bf16/fp16 hidden states on a CPU with AMX or
+  AVX512-VNNI (int8 dot products in one instruction), where the weight-only kernel is the
+  slowest: rescored, at one request's 5 rows, 2.5x the weight-only product and 1.14-1.21x the
+  packed bf16 head on AMX, 4x slower than bf16 at 40 (docs/benchmarks.md, "The int8 head on
+  AMX"); 3.1x the weight-only product but 0.75x the packed bf16 head on an AMD EPYC with
+  AVX512-VNNI and no AMX ("The int8 head without AMX"). Its inputs are int8 too, so each hidden
   state is written as two 7-bit pieces, both multiplied in the same call (2N rows read the
   weights once)::
 
@@ -136,17 +138,21 @@ class Int8Product(StrEnum):
     def for_dtype(cls, dtype: torch.dtype) -> Int8Product:
         """The faster product for hidden states of ``dtype`` on this machine: fbgemm's dynamic
         one for float32 where torch's quantized engine is fbgemm's (x86); oneDNN's int8 x int8
-        for bf16/fp16 on a CPU with AMX (measured there; elsewhere not yet); else weight-only."""
+        for bf16/fp16 on a CPU with AMX or AVX512-VNNI (measured on both; on a CPU with
+        neither, not yet); else weight-only."""
         if dtype == torch.float32 and torch.backends.quantized.engine in ("x86", "fbgemm"):
             return cls.DYNAMIC
-        if dtype != torch.float32 and has_amx():
+        if dtype != torch.float32 and has_int8_dot_products():
             return cls.ONEDNN
         return cls.WEIGHT_ONLY
 
 
-def has_amx() -> bool:
-    """Whether this CPU has AMX tiles (and torch's oneDNN can use them)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported())
+def has_int8_dot_products() -> bool:
+    """Whether oneDNN multiplies int8 by int8 here with an instruction of its own for it: AMX's
+    tiles or AVX512-VNNI (torch checks the AVX512 form only)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_vnni_supported())
 
 
 class Int8Head(nn.Module):
