@@ -14,7 +14,8 @@ The generator's engine is three parts, as vLLM v1's (``EngineCore.step()`` runs 
   batches, asks the policy for the next piece of work (:meth:`~Scheduler._schedule`), has the
   runner execute it and answers the callers from its output
   (:meth:`~Scheduler._update_from_output`). It owns the speed model the policy plans with: it
-  times every turn (:mod:`openbook_generator.speed`) and calibrates it at load
+  times every turn (:mod:`openbook_generator.speed`) and sets its shapes at load from what
+  :mod:`openbook_generator.calibration` measures on the decoding thread
   (:meth:`~Scheduler.calibrate`).
 
 A request is admitted as it enters the line, under the line's lock (the policy's
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -63,6 +63,7 @@ from openbook.rag.streaming import OnToken, TokenEvent
 from openbook.runtime.compute_threads import ComputeThreads
 from openbook.serving.batcher import Waiting, WaitingLine, bounded_timeout, resolve
 from openbook.types import Passage
+from openbook_generator import calibration
 from openbook_generator.policy import (
     BatchWork,
     Lateness,
@@ -350,12 +351,10 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
     # ------------------------------------------------------------------ calibration
 
     def calibrate(self, generator: RagGenerator) -> None:
-        """Measure ``generator``'s speed (:meth:`EngineSpeed.calibrate`): after a warm-up
-        request, prefills of 1, 4 and 8 passages and decoding steps of 1, 8 and 32 rows, each
-        twice, on an engine of its own (the median of each size: a busy machine's outliers must
-        not set the shape). It runs on the decoding thread, between two pieces of work, so
-        that it measures the thread (and its compute threads) that will do the work; this
-        waits for it."""
+        """Measure ``generator``'s speed (:func:`openbook_generator.calibration.measure`) and
+        set the policy's shapes from it (:meth:`EngineSpeed.calibrate`). It runs on the
+        decoding thread, between two pieces of work, so that it measures the thread (and its
+        compute threads) that will do the work; this waits for it."""
         done: Future[None] = Future()
 
         def job() -> None:
@@ -374,29 +373,9 @@ class Scheduler(WaitingLine[GenerateItem, Generated]):
 
     def _calibrate(self, generator: RagGenerator) -> None:
         self.runner.resize_within(generator)
-        prefills: dict[float, list[float]] = {}
-        steps: dict[float, list[float]] = {}
-        question = "What is measured when the generator starts?"
-        sizes = [(2, 1, False)] + [(1, 1, True), (4, 2, True), (8, 4, True)] * 2
-        with torch.inference_mode():
-            for k, beams, measured in sizes:
-                passages = _calibration_passages(k)
-                options = DecodingOptions(num_beams=beams, max_new_tokens=5, min_new_tokens=5)
-                shape = generator.request_shape(question, passages, options)
-                engine = generator.engine()
-                started = time.perf_counter()
-                engine.add(question, passages, options)
-                prefill_s = time.perf_counter() - started
-                while len(engine):
-                    rows = engine.rows
-                    engine.step()
-                    if measured and engine.last_step_s > 0:
-                        steps.setdefault(rows, []).append(engine.last_step_s)
-                if measured:
-                    prefills.setdefault(shape.input_tokens, []).append(prefill_s)
-        generator.backend.clear_passage_cache()  # the calibration's passages are nobody's
+        measured = calibration.measure(generator)
         with self._cond:
-            self.policy.speed.calibrate(_medians(prefills), _medians(steps))
+            self.policy.speed.calibrate(measured.prefills, measured.steps)
             self.policy.lateness = Lateness()
         log.info("generator speed at start: %s", self.speed.describe())
 
@@ -630,29 +609,3 @@ def _request(waiting: Waiting, seq: int = 0, solo: bool = False) -> Request:
         solo=solo,
         caller=item.caller,
     )
-
-
-def _medians(samples: dict[float, list[float]]) -> list[tuple[float, float]]:
-    return [(size, statistics.median(times)) for size, times in samples.items()]
-
-
-# Words of the calibration passages (any text of ordinary words would do).
-_CALIBRATION_TEXT = (
-    "the council met in the old hall to measure the river and the bridge that the city "
-    "had built after the long winter when the harbour froze and the ships waited for "
-    "spring while merchants counted grain and the library kept records of every"
-)
-
-
-def _calibration_passages(k: int) -> list[Passage]:
-    """``k`` passages of 100 words (the paper's passage length), each different."""
-    words = _CALIBRATION_TEXT.split()
-    return [
-        Passage(
-            id=f"calibration-{i}",
-            title=f"Record {i}",
-            text=" ".join(words[(i + j) % len(words)] for j in range(100)),
-            score=0.0,
-        )
-        for i in range(k)
-    ]
